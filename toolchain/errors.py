@@ -1,0 +1,27 @@
+"""The toolchain's error hierarchy.
+
+The CLI prints a DstcError as one line and exits with its ``exit_code``; any other exception is a bug and
+keeps its traceback.
+"""
+
+
+class DstcError(Exception):
+    """Base of every error the toolchain reports to its user."""
+
+    exit_code = 1
+
+
+class InputError(DstcError):
+    """Bad input from the user: a model that is not one, an unknown name, an unwritable path, a bad recipe."""
+
+    exit_code = 2
+
+
+class UnsupportedModelError(InputError):
+    """The checkpoint is a model, but of an architecture or variant the toolchain does not export."""
+
+
+class ParityError(DstcError):
+    """The exported model disagrees with the PyTorch reference beyond tolerance."""
+
+    exit_code = 3
