@@ -1,0 +1,25 @@
+"""model_type -> graph builder. One module per architecture holds everything specific to it."""
+
+from __future__ import annotations
+
+from toolchain.errors import UnsupportedModelError
+from toolchain.export.decoder import Architecture
+from toolchain.export.deepseek_v2 import DeepseekV2Architecture
+from toolchain.export.deepseek_v3 import DeepseekV3Architecture
+from toolchain.export.llama import LlamaArchitecture
+from toolchain.export.qwen2 import Qwen2Architecture
+
+ARCHITECTURES: dict[str, Architecture] = {
+    t: arch
+    for arch in (LlamaArchitecture(), Qwen2Architecture(), DeepseekV2Architecture(), DeepseekV3Architecture())
+    for t in arch.model_types
+}
+
+
+def architecture_for(model_type: str) -> Architecture:
+    try:
+        return ARCHITECTURES[model_type]
+    except KeyError:
+        raise UnsupportedModelError(
+            f"model_type {model_type!r} is not supported (supported: {', '.join(sorted(ARCHITECTURES))})"
+        ) from None

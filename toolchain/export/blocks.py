@@ -1,0 +1,172 @@
+"""Building blocks shared by the per-architecture graph builders.
+
+Each block mirrors the arithmetic of the transformers module it replaces (same operation order, fp32), so
+that the exported graph matches PyTorch to rounding. Weights are read from the loaded transformers modules.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx_ir as ir
+import torch
+
+from toolchain.export.graph import GraphBuilder
+
+# Additive mask value for disallowed positions: transformers' eager attention uses the dtype minimum; a fully
+# masked row (a left-padding query position) then softmaxes to uniform weights instead of NaN.
+MASK_MIN = float(np.finfo(np.float32).min)
+
+
+def to_numpy(t: torch.Tensor) -> np.ndarray:
+    return t.detach().to(torch.float32).cpu().numpy()
+
+
+def linear(g: GraphBuilder, x: ir.Value, module: torch.nn.Linear, name: str, rows: np.ndarray | None = None):
+    """x @ W.T (+ b). ``rows`` optionally reorders the output features (used to de-interleave RoPE dims)."""
+    weight = to_numpy(module.weight)
+    bias = None if module.bias is None else to_numpy(module.bias)
+    if rows is not None:
+        weight = weight[rows]
+        bias = None if bias is None else bias[rows]
+    return matmul_weight(g, x, weight, name, bias)
+
+
+def matmul_weight(g: GraphBuilder, x: ir.Value, weight: np.ndarray, name: str, bias: np.ndarray | None = None):
+    """x @ weight.T for a [out, in] weight, stored transposed as MatMul's constant right operand."""
+    with g.scope(name):
+        y = g.op("MatMul", x, g.weight("weight", weight.T))
+        if bias is not None:
+            y = g.op("Add", y, g.weight("bias", bias))
+    return y
+
+
+def rms_norm(g: GraphBuilder, x: ir.Value, module: torch.nn.Module, name: str) -> ir.Value:
+    """weight * x / sqrt(mean(x^2) + eps), the order transformers' RMSNorm computes in."""
+    with g.scope(name):
+        var = g.op("ReduceMean", g.op("Pow", x, g.const(2.0, np.float32)), g.const([-1]), keepdims=1)
+        denom = g.op("Sqrt", g.op("Add", var, g.const(module.variance_epsilon, np.float32)))
+        return g.op("Mul", g.weight("weight", to_numpy(module.weight)), g.op("Div", x, denom))
+
+
+def rope_tables(g: GraphBuilder, position_ids: ir.Value, rotary: torch.nn.Module):
+    """cos and sin, [batch, 1, seq, rope_dim], from a transformers rotary module's inv_freq and scaling.
+
+    Taking inv_freq and attention_scaling from the loaded module covers every static RoPE variant
+    (default, llama3, yarn) without re-deriving their formulas.
+    """
+    inv_freq = to_numpy(rotary.inv_freq)
+    scaling = float(rotary.attention_scaling)
+    with g.scope("rope"):
+        pos = g.op("Unsqueeze", g.op("Cast", position_ids, to=ir.DataType.FLOAT), g.const([-1]))
+        freqs = g.op("Mul", pos, g.weight("inv_freq", inv_freq))
+        emb = g.op("Concat", freqs, freqs, axis=-1)
+        cos, sin = g.op("Cos", emb), g.op("Sin", emb)
+        if scaling != 1.0:
+            cos = g.op("Mul", cos, g.const(scaling, np.float32))
+            sin = g.op("Mul", sin, g.const(scaling, np.float32))
+        return g.op("Unsqueeze", cos, g.const([1])), g.op("Unsqueeze", sin, g.const([1]))
+
+
+def apply_rope(g: GraphBuilder, x: ir.Value, cos: ir.Value, sin: ir.Value) -> ir.Value:
+    """x * cos + rotate_half(x) * sin, for x of shape [batch, heads, seq, rope_dim]."""
+    x1, x2 = g.op("Split", x, axis=-1, num_outputs=2, outputs=2)
+    rotated = g.op("Concat", g.op("Neg", x2), x1, axis=-1)
+    return g.op("Add", g.op("Mul", x, cos), g.op("Mul", rotated, sin))
+
+
+def deinterleave_rows(dim: int) -> np.ndarray:
+    """Permutation taking RoPE dims stored as interleaved pairs (x0, x1), (x2, x3) ... to halves [x0 x2 ... | x1 x3 ...].
+
+    Applied to the projection weights' output rows at export time, it turns DeepSeek's interleaved/complex RoPE
+    into the rotate-half form with the same values, with no reshuffling op left in the graph.
+    """
+    return np.concatenate([np.arange(0, dim, 2), np.arange(1, dim, 2)])
+
+
+def attention_mask(g: GraphBuilder, input_ids: ir.Value, mask_2d: ir.Value) -> ir.Value:
+    """Additive mask [batch, 1, seq, total]: causal over absolute positions, and padding from attention_mask.
+
+    Query i of this step sits at absolute index past + i with past = total - seq, as in transformers' cache
+    positions; key j is allowed when j <= past + i and attention_mask[b, j] == 1.
+    """
+    with g.scope("mask"):
+        total = g.op("Gather", g.op("Shape", mask_2d), g.const(1), axis=0)
+        seq = g.op("Gather", g.op("Shape", input_ids), g.const(1), axis=0)
+        past = g.op("Sub", total, seq)
+        key_idx = g.op("Range", g.const(0), total, g.const(1))
+        query_idx = g.op("Unsqueeze", g.op("Range", past, total, g.const(1)), g.const([1]))
+        causal = g.op("LessOrEqual", key_idx, query_idx)
+        padding = g.op("Unsqueeze", g.op("Cast", mask_2d, to=ir.DataType.BOOL), g.const([1, 2]))
+        allowed = g.op("And", causal, padding)
+        return g.op("Where", allowed, g.const(0.0, np.float32), g.const(MASK_MIN, np.float32))
+
+
+def heads(g: GraphBuilder, x: ir.Value, num_heads: int, head_dim: int) -> ir.Value:
+    """[batch, seq, heads*dim] -> [batch, heads, seq, dim]."""
+    return g.op("Transpose", g.op("Reshape", x, g.const([0, 0, num_heads, head_dim])), perm=[0, 2, 1, 3])
+
+
+def sdpa(g: GraphBuilder, q, k, v, mask, scale: float, num_heads: int, n_rep: int = 1, dims=(0, 0)) -> ir.Value:
+    """softmax(q k^T * scale + mask) v, merged back to [batch, seq, heads*v_dim].
+
+    With n_rep > 1 (GQA) each of the num_heads/n_rep k/v heads is repeated n_rep times; dims = (k_dim, v_dim).
+    """
+    with g.scope("sdpa"):
+        if n_rep > 1:
+            k, v = (_repeat_kv(g, t, n_rep, num_heads, d) for t, d in zip((k, v), dims))
+        scores = g.op("Mul", g.op("MatMul", q, g.op("Transpose", k, perm=[0, 1, 3, 2])), g.const(scale, np.float32))
+        probs = g.op("Softmax", g.op("Add", scores, mask), axis=-1)
+        out = g.op("Transpose", g.op("MatMul", probs, v), perm=[0, 2, 1, 3])
+        return g.op("Reshape", out, g.const([0, 0, -1]))
+
+
+def _repeat_kv(g: GraphBuilder, x: ir.Value, n_rep: int, num_heads: int, dim: int) -> ir.Value:
+    """[b, kv, t, d] -> [b, kv*n_rep, t, d] with each kv head repeated n_rep times in place (transformers' repeat_kv)."""
+    expanded = g.op("Expand", g.op("Unsqueeze", x, g.const([2])), g.const([1, 1, n_rep, 1, 1]))
+    return g.op("Reshape", expanded, g.const([0, num_heads, -1, dim]))
+
+
+def gated_mlp(g: GraphBuilder, x: ir.Value, gate: np.ndarray, up: np.ndarray, down: np.ndarray,
+              biases: tuple | None = None) -> ir.Value:
+    """down(silu(gate(x)) * up(x)) for [out, in] weight matrices."""
+    gb, ub, db = biases or (None, None, None)
+    g_out = matmul_weight(g, x, gate, "gate_proj", gb)
+    act = g.op("Mul", g_out, g.op("Sigmoid", g_out))
+    return matmul_weight(g, g.op("Mul", act, matmul_weight(g, x, up, "up_proj", ub)), down, "down_proj", db)
+
+
+def mlp_module(g: GraphBuilder, x: ir.Value, module: torch.nn.Module, name: str) -> ir.Value:
+    """A transformers gate/up/down MLP module (silu, which the architecture check guarantees)."""
+    parts = [module.gate_proj, module.up_proj, module.down_proj]
+    biases = tuple(None if p.bias is None else to_numpy(p.bias) for p in parts)
+    with g.scope(name):
+        return gated_mlp(g, x, *(to_numpy(p.weight) for p in parts), biases=biases)
+
+
+def moe_dispatch(g: GraphBuilder, x2d: ir.Value, topk_idx: ir.Value, topk_w: ir.Value,
+                 gate_up: torch.Tensor, down: torch.Tensor) -> ir.Value:
+    """Routed experts, sparse and routed at run time: each expert runs only on the tokens sent to it.
+
+    For expert e: tokens = NonZero(any(topk_idx == e)); y = expert_e(x[tokens]) * weight; ScatterND-add into the
+    output. The loop over experts is unrolled at export (a fixed count) while the token sets stay dynamic, so the
+    work is the routed experts' own; no weights are copied per token (unlike transformers' batched_mm) and no
+    routing decision is frozen at export (unlike tracing its eager loop). Experts accumulate in index order, as
+    transformers' index_add_ does. Each expert keeps plain 2-D MatMul weights, the form weight compression handles.
+
+    gate_up: [experts, 2*inter, hidden] (gate rows first), down: [experts, hidden, inter].
+    """
+    num_experts, two_inter, _ = gate_up.shape
+    inter = two_inter // 2
+    with g.scope("experts"):
+        out = g.op("ConstantOfShape", g.op("Shape", x2d), value=ir.tensor(np.zeros(1, np.float32)))
+        for e in range(num_experts):
+            with g.scope(str(e)):
+                chosen = g.op("Cast", g.op("Equal", topk_idx, g.const(e)), to=ir.DataType.FLOAT)
+                tokens = g.op("Squeeze", g.op("NonZero", g.op("ReduceSum", chosen, g.const([1]), keepdims=0)),
+                              g.const([0]))
+                weight = g.op("ReduceSum", g.op("Mul", chosen, topk_w), g.const([1]), keepdims=0)
+                w_e = to_numpy(gate_up[e])
+                y = gated_mlp(g, g.op("Gather", x2d, tokens, axis=0), w_e[:inter], w_e[inter:], to_numpy(down[e]))
+                y = g.op("Mul", y, g.op("Unsqueeze", g.op("Gather", weight, tokens, axis=0), g.const([1])))
+                out = g.op("ScatterND", out, g.op("Unsqueeze", tokens, g.const([1])), y, reduction="add")
+        return out

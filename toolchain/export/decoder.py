@@ -1,0 +1,95 @@
+"""The decoder-only skeleton every architecture shares: embeddings, N pre-norm layers with a KV cache, lm_head.
+
+Graph interface (optimum's names): inputs input_ids, attention_mask, position_ids, past_key_values.N.key/.value;
+outputs logits, present.N.key/.value. Batch and sequence axes are dynamic, so one graph serves prefill (empty
+past) and decode. An architecture module supplies the attention and MLP of a layer; everything else is here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import onnx_ir as ir
+import torch
+
+from toolchain.export import blocks
+from toolchain.export.graph import GraphBuilder, rename_output, tensor_input
+
+FLOAT, INT64 = ir.DataType.FLOAT, ir.DataType.INT64
+
+
+@dataclass
+class LayerInputs:
+    """What a layer's attention needs besides its hidden state."""
+
+    cos: ir.Value
+    sin: ir.Value
+    mask: ir.Value
+    past_key: ir.Value
+    past_value: ir.Value
+
+
+class Architecture(Protocol):
+    """One module per model family implements this (registered in toolchain/export/architectures.py)."""
+
+    model_types: tuple[str, ...]
+
+    def check(self, config) -> None:
+        """Raise UnsupportedModelError for a config variant the builder does not reproduce exactly."""
+
+    def cache_dims(self, config) -> tuple[int, int, int]:
+        """(cached heads, key dim, value dim) of one layer's KV cache."""
+
+    def attention(self, g: GraphBuilder, attn: torch.nn.Module, h: ir.Value, inputs: LayerInputs):
+        """Return (output, present key, present value)."""
+
+    def mlp(self, g: GraphBuilder, mlp: torch.nn.Module, h: ir.Value) -> ir.Value: ...
+
+
+def build_decoder(model: torch.nn.Module, arch: Architecture) -> ir.Model:
+    config = model.config
+    arch.check(config)
+    cached_heads, key_dim, value_dim = arch.cache_dims(config)
+    g = GraphBuilder()
+    input_ids = tensor_input("input_ids", INT64, ["batch_size", "sequence_length"])
+    mask_2d = tensor_input("attention_mask", INT64, ["batch_size", "total_sequence_length"])
+    position_ids = tensor_input("position_ids", INT64, ["batch_size", "sequence_length"])
+    inputs, outputs = [input_ids, mask_2d, position_ids], []
+    present_dims = {"key": key_dim, "value": value_dim}
+
+    decoder = model.model
+    h = g.op("Gather", g.weight("embed_tokens.weight", blocks.to_numpy(decoder.embed_tokens.weight)), input_ids,
+             axis=0)
+    cos, sin = blocks.rope_tables(g, position_ids, decoder.rotary_emb)
+    mask = blocks.attention_mask(g, input_ids, mask_2d)
+    presents = []
+    for i, layer in enumerate(decoder.layers):
+        past = {kind: tensor_input(f"past_key_values.{i}.{kind}", FLOAT,
+                                   ["batch_size", cached_heads, "past_sequence_length", dim])
+                for kind, dim in present_dims.items()}
+        inputs += [past["key"], past["value"]]
+        with g.scope(f"layers.{i}"):
+            normed = blocks.rms_norm(g, h, layer.input_layernorm, "input_layernorm")
+            with g.scope("self_attn"):
+                attn, key, value = arch.attention(
+                    g, layer.self_attn, normed, LayerInputs(cos, sin, mask, past["key"], past["value"]))
+            h = g.op("Add", h, attn)
+            normed = blocks.rms_norm(g, h, layer.post_attention_layernorm, "post_attention_layernorm")
+            with g.scope("mlp"):
+                h = g.op("Add", h, arch.mlp(g, layer.mlp, normed))
+        presents += [(i, "key", key), (i, "value", value)]
+
+    h = blocks.rms_norm(g, h, decoder.norm, "norm")
+    logits = blocks.matmul_weight(g, h, blocks.to_numpy(model.lm_head.weight), "lm_head")
+    outputs.append(rename_output(logits, "logits", FLOAT, ["batch_size", "sequence_length", config.vocab_size]))
+    for i, kind, value in presents:
+        outputs.append(rename_output(value, f"present.{i}.{kind}", FLOAT,
+                                     ["batch_size", cached_heads, "total_sequence_length", present_dims[kind]]))
+    ir_model = g.model(inputs, outputs, doc=f"{config.model_type} exported by dstc")
+    ir_model.metadata_props.update({
+        "dstc.model_type": config.model_type,
+        "dstc.num_layers": str(len(decoder.layers)),
+        "dstc.kv_cache": "per-head",
+    })
+    return ir_model

@@ -1,0 +1,30 @@
+"""DeepSeek-V2 / V2-Lite: MLA (q_lora optional, complex-form RoPE), softmax scores, greedy or group-limited top-k."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from toolchain.errors import UnsupportedModelError
+from toolchain.export.deepseek import DeepseekArchitecture, grouped, limit_to_top_groups
+from toolchain.export.graph import GraphBuilder
+
+
+class DeepseekV2Architecture(DeepseekArchitecture):
+    model_types = ("deepseek_v2",)
+
+    def check(self, config) -> None:
+        super().check(config)
+        if config.topk_method not in ("greedy", "group_limited_greedy"):
+            raise UnsupportedModelError(f"deepseek_v2: topk_method {config.topk_method!r} is not supported")
+
+    def rope_interleaved(self, config) -> bool:
+        return True  # transformers' V2 rotates adjacent pairs as complex numbers
+
+    def route(self, g: GraphBuilder, moe, logits):
+        scores = g.op("Softmax", logits, axis=-1)
+        if moe.topk_method == "group_limited_greedy":
+            group_scores = g.op("ReduceMax", grouped(g, scores, moe.num_group), g.const([-1]), keepdims=0)
+            scores = limit_to_top_groups(g, scores, group_scores, moe.topk_group, moe.num_group,
+                                         moe.config.n_routed_experts)
+        topk_w, topk_idx = g.op("TopK", scores, g.const([moe.top_k]), axis=-1, outputs=2)
+        return topk_idx, g.op("Mul", topk_w, g.const(moe.routed_scaling_factor, np.float32))

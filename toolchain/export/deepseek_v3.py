@@ -1,0 +1,30 @@
+"""DeepSeek-V3 / R1: MLA with q_lora, sigmoid scores with a bias-corrected, group-limited top-k choice."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from toolchain.export import blocks
+from toolchain.export.deepseek import DeepseekArchitecture, grouped, limit_to_top_groups
+from toolchain.export.graph import GraphBuilder
+
+
+class DeepseekV3Architecture(DeepseekArchitecture):
+    model_types = ("deepseek_v3",)
+
+    def rope_interleaved(self, config) -> bool:
+        return bool(config.rope_interleave)
+
+    def route(self, g: GraphBuilder, moe, logits):
+        scores = g.op("Sigmoid", logits)
+        biased = g.op("Add", scores, g.weight("e_score_correction_bias",
+                                              blocks.to_numpy(moe.gate.e_score_correction_bias)))
+        top2, _ = g.op("TopK", grouped(g, biased, moe.n_group), g.const([2]), axis=-1, outputs=2)
+        group_scores = g.op("ReduceSum", top2, g.const([-1]), keepdims=0)
+        choice = limit_to_top_groups(g, biased, group_scores, moe.topk_group, moe.n_group, moe.n_routed_experts)
+        _, topk_idx = g.op("TopK", choice, g.const([moe.top_k]), axis=-1, outputs=2)
+        topk_w = g.op("GatherElements", scores, topk_idx, axis=1)
+        if moe.norm_topk_prob:
+            total = g.op("Add", g.op("ReduceSum", topk_w, g.const([-1]), keepdims=1), g.const(1e-20, np.float32))
+            topk_w = g.op("Div", topk_w, total)
+        return topk_idx, g.op("Mul", topk_w, g.const(moe.routed_scaling_factor, np.float32))

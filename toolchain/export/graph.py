@@ -1,0 +1,83 @@
+"""A thin naming layer over onnx_ir's Tape for building decoder graphs from weights.
+
+It only adds what the Tape lacks for a graph of this size: scoped, deterministic node/value/initializer names
+(so two exports of one checkpoint are byte-identical and a pass or a profile can say "layers.3.attn"), and
+de-duplicated small constants.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Iterator, Sequence
+
+import numpy as np
+import onnx_ir as ir
+
+OPSET = 18
+
+
+class GraphBuilder:
+    def __init__(self) -> None:
+        self.tape = ir.tape.Tape()
+        self._scope: list[str] = []
+        self._consts: dict[tuple, ir.Value] = {}
+        self._count = 0
+
+    @contextmanager
+    def scope(self, name: str) -> Iterator[None]:
+        self._scope.append(name)
+        try:
+            yield
+        finally:
+            self._scope.pop()
+
+    def _path(self, name: str) -> str:
+        return "/".join([*self._scope, name])
+
+    def op(self, op_type: str, *inputs: ir.Value | None, outputs: int = 1, domain: str = "", **attrs):
+        """Add a node; returns its output value, or a tuple of them when ``outputs`` > 1."""
+        self._count += 1
+        name = self._path(f"{op_type}_{self._count}")
+        attributes = {k: v for k, v in attrs.items() if v is not None}
+        values = self.tape.op_multi_out(
+            op_type, list(inputs), attributes or None, num_outputs=outputs, domain=domain, name=name
+        )
+        for i, value in enumerate(values):
+            value.name = f"{name}/out{i}" if outputs > 1 else f"{name}/out"
+        return values[0] if outputs == 1 else tuple(values)
+
+    def weight(self, name: str, array: np.ndarray) -> ir.Value:
+        full = self._path(name)
+        return self.tape.initializer(ir.tensor(np.ascontiguousarray(array), name=full), name=full)
+
+    def const(self, value, dtype=np.int64) -> ir.Value:
+        """A small constant, shared by every node that asks for the same value."""
+        array = np.asarray(value, dtype=dtype)
+        key = (array.dtype.str, array.shape, array.tobytes())
+        if key not in self._consts:
+            name = f"const/{array.dtype.name}_{len(self._consts)}"
+            self._consts[key] = self.tape.initializer(ir.tensor(array, name=name), name=name)
+        return self._consts[key]
+
+    def model(self, inputs: Sequence[ir.Value], outputs: Sequence[ir.Value], doc: str) -> ir.Model:
+        graph = ir.Graph(
+            inputs=inputs,
+            outputs=outputs,
+            nodes=self.tape.nodes,
+            initializers=self.tape.initializers,
+            opset_imports={"": OPSET},
+            name="main_graph",
+        )
+        return ir.Model(graph, ir_version=9, producer_name="dstc", doc_string=doc)
+
+
+def tensor_input(name: str, dtype: ir.DataType, dims: Sequence[int | str]) -> ir.Value:
+    return ir.val(name, dtype=dtype, shape=ir.Shape(list(dims)))
+
+
+def rename_output(value: ir.Value, name: str, dtype: ir.DataType, dims: Sequence[int | str]) -> ir.Value:
+    """Give a node's output the public name, type and symbolic shape of a graph output."""
+    value.name = name
+    value.dtype = dtype
+    value.shape = ir.Shape(list(dims))
+    return value
