@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -67,7 +68,44 @@ def models_shape_faithful(reference: str, out_dir: Path, layers: int, experts: i
     click.echo(str(path))
 
 
+@cli.command("export")
+@click.argument("model")
+@click.option("-o", "--out", "out_dir", type=click.Path(path_type=Path), required=True,
+              help="Output directory (created; replaced atomically if it holds an earlier dstc output).")
+@click.option("--trust-remote-code", is_flag=True, help="Allow transformers to run Python code shipped with the checkpoint.")
+@click.option("--parity", "parity", default="onnxruntime,openvino", show_default=True,
+              help="Backends to check against PyTorch fp32 (comma-separated; 'none' to skip).")
+@click.option("--new-tokens", type=click.IntRange(1), default=16, show_default=True,
+              help="Greedy decode steps in the parity check.")
+@click.option("--json", "as_json", is_flag=True, help="Print export.json to stdout instead of the summary.")
+def export_cmd(model: str, out_dir: Path, trust_remote_code: bool, parity: str, new_tokens: int, as_json: bool) -> None:
+    """Export MODEL to OUT/model.onnx with a KV cache, and check it against PyTorch (written to OUT/export.json).
+
+    Exit codes: 0 parity passed; 2 bad input (nothing written); 3 parity failed (output kept for inspection).
+    """
+    from toolchain.stages.export import export
+
+    backends = tuple(b for b in parity.split(",") if b and b != "none")
+    unknown = set(backends) - {"onnxruntime", "openvino"}
+    if unknown:
+        raise click.BadParameter(f"unknown backend(s): {', '.join(sorted(unknown))}", param_hint="--parity")
+    report = export(model, out_dir, trust_remote_code=trust_remote_code, parity=backends, new_tokens=new_tokens,
+                    log=lambda msg: click.echo(f"[export] {msg}", err=True))
+    if as_json:
+        click.echo(json.dumps(report, indent=2))
+        return
+    src, graph = report["source"], report["graph"]
+    click.echo(f"{src['spec']} ({src['model_type']}, {src['parameters']:,} parameters) -> "
+               f"{out_dir / 'model.onnx'}  [{graph['nodes']} nodes, {graph['size_bytes'] / 1e6:.1f} MB]")
+    for backend, r in report["parity"].items():
+        cases = ", ".join(f"{c['name']} {c['relative_diff']:.1e}" for c in r["cases"])
+        click.echo(f"parity {backend:<11} {'PASS' if r['passed'] else 'FAIL'}  max |diff| {r['max_abs_diff']:.2e} "
+                   f"= {r['max_relative_diff']:.2e} of logits range (limit {r['tolerance_relative_to_logits_range']:.0e}); "
+                   f"greedy tokens {'identical' if r['tokens_identical'] else 'DIFFER'}  [{cases}]")
+
+
 def main() -> None:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never download: checkpoints come from disk or the HF cache
     try:
         cli(standalone_mode=False)
     except click.exceptions.Abort:
