@@ -89,7 +89,7 @@ def load(source: Source, trust_remote_code: bool = False):
 
     from toolchain.export.architectures import architecture_for
 
-    architecture_for(source.config["model_type"])
+    arch = architecture_for(source.config["model_type"])
     check_weights(source)
     try:
         model, info = AutoModelForCausalLM.from_pretrained(
@@ -104,4 +104,5 @@ def load(source: Source, trust_remote_code: bool = False):
     if not type(model).__module__.startswith("transformers.models."):
         raise UnsupportedModelError(f"{source.spec}: the graph builder needs transformers' own implementation "
                                     f"of {source.config['model_type']}, not remote code")
+    arch.fix_reference(model)
     return model.eval()

@@ -38,6 +38,9 @@ class Architecture(Protocol):
     def check(self, config) -> None:
         """Raise UnsupportedModelError for a config variant the builder does not reproduce exactly."""
 
+    def fix_reference(self, model) -> None:
+        """Repair the loaded transformers model where its own forward is broken, so it can serve as reference."""
+
     def cache_dims(self, config) -> tuple[int, int, int]:
         """(cached heads, key dim, value dim) of one layer's KV cache."""
 

@@ -30,6 +30,9 @@ class DeepseekArchitecture:
         if rope_type not in ("default", "yarn", "linear"):
             raise UnsupportedModelError(f"{config.model_type}: rope_type {rope_type!r} is not supported")
 
+    def fix_reference(self, model) -> None:
+        pass
+
     def cache_dims(self, config) -> tuple[int, int, int]:
         return config.num_attention_heads, config.qk_nope_head_dim + config.qk_rope_head_dim, config.v_head_dim
 

@@ -17,6 +17,12 @@ class DeepseekV2Architecture(DeepseekArchitecture):
         if config.topk_method not in ("greedy", "group_limited_greedy"):
             raise UnsupportedModelError(f"deepseek_v2: topk_method {config.topk_method!r} is not supported")
 
+    def fix_reference(self, model) -> None:
+        # transformers 5.5's group_limited_greedy routing reads self.num_experts, which DeepseekV2Moe never sets
+        for layer in model.model.layers:
+            if hasattr(layer.mlp, "experts") and not hasattr(layer.mlp, "num_experts"):
+                layer.mlp.num_experts = model.config.n_routed_experts
+
     def rope_interleaved(self, config) -> bool:
         return True  # transformers' V2 rotates adjacent pairs as complex numbers
 

@@ -19,6 +19,9 @@ class LlamaArchitecture:
             # dynamic RoPE recomputes inv_freq from the sequence length at run time
             raise UnsupportedModelError(f"{config.model_type}: rope_type {rope_type!r} is not supported")
 
+    def fix_reference(self, model) -> None:
+        pass
+
     def cache_dims(self, config) -> tuple[int, int, int]:
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         return config.num_key_value_heads, head_dim, head_dim

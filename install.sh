@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# Create (or reuse) the virtualenv .venv in the repository root and install dstc into it, editable.
+# Arguments name extras to add, e.g. `./install.sh test`. PYTHON picks the interpreter (default python3.11).
+set -euo pipefail
+cd "$(dirname "$0")"
+python=${PYTHON:-python3.11}
+[ -x .venv/bin/python ] || "$python" -m venv .venv
+pip() { .venv/bin/python -m pip --disable-pip-version-check "$@"; }
+# torch first and exactly: 2.13.0 is the CPU build this project is tested with; a looser requirement lets pip
+# resolve a CUDA build of several GB.
+pip install -q torch==2.13.0
+# PyPI's torchvision does not import beside this torch build, and transformers then fails to import the
+# DeepSeek models. dstc does not use it: remove it if an earlier install brought it into this venv.
+if pip show -q torchvision >/dev/null 2>&1; then pip uninstall -q -y torchvision; fi
+extras=$(IFS=,; echo "$*")
+pip install -q -e ".${extras:+[$extras]}"
+echo "dstc installed in $(pwd)/.venv (.venv/bin/dstc)"

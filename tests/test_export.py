@@ -1,0 +1,132 @@
+"""Export: graph interface, exact parity through the KV cache on ORT and OpenVINO, run-time routing, determinism."""
+
+from __future__ import annotations
+
+import json
+from contextlib import contextmanager
+
+import numpy as np
+import onnx
+import pytest
+
+from toolchain.export.architectures import architecture_for
+from toolchain.export.decoder import build_decoder
+from toolchain.export.parity import Case, compare
+from toolchain.models.registry import EMBEDDED
+from toolchain.source import load, resolve
+from toolchain.stages.export import export, parity_cases, save_graph
+
+from conftest import tiny_configs
+
+
+def check_report(report: dict, backends=("onnxruntime", "openvino")) -> None:
+    for backend in backends:
+        result = report["parity"][backend]
+        assert result["passed"], (backend, result["max_relative_diff"])
+        assert result["tokens_identical"]
+        assert result["max_relative_diff"] <= result["tolerance_relative_to_logits_range"]
+        names = {c["name"] for c in result["cases"]}
+        assert names == {"short", "long", "batch2-left-padded"}
+        assert all(c["steps"] >= 16 for c in result["cases"])
+
+
+@pytest.mark.parametrize("name", sorted(tiny_configs()))
+def test_random_architecture_matches_pytorch_on_both_backends(tiny_checkpoints, tmp_path, name):
+    report = export(str(tiny_checkpoints[name]), tmp_path / "out")
+    check_report(report)
+    on_disk = json.loads((tmp_path / "out" / "export.json").read_text())
+    assert on_disk["parity"]["onnxruntime"]["max_abs_diff"] == report["parity"]["onnxruntime"]["max_abs_diff"]
+
+
+@pytest.mark.parametrize("name", sorted(EMBEDDED))
+def test_embedded_model_matches_pytorch_on_both_backends(tmp_path, name):
+    report = export(name, tmp_path / "out")
+    check_report(report)
+    assert report["source"]["kind"] == "embedded"
+
+
+def test_graph_interface_uses_optimum_names_and_dynamic_axes(tiny_checkpoints, tmp_path):
+    export(str(tiny_checkpoints["deepseek_v3"]), tmp_path / "out", parity=())
+    graph = onnx.load(tmp_path / "out" / "model.onnx").graph
+    inputs = {i.name: [d.dim_param or d.dim_value for d in i.type.tensor_type.shape.dim] for i in graph.input}
+    outputs = {o.name: [d.dim_param or d.dim_value for d in o.type.tensor_type.shape.dim] for o in graph.output}
+    assert inputs["input_ids"] == ["batch_size", "sequence_length"]
+    assert inputs["attention_mask"] == ["batch_size", "total_sequence_length"]
+    assert inputs["position_ids"] == ["batch_size", "sequence_length"]
+    assert inputs["past_key_values.2.key"] == ["batch_size", 4, "past_sequence_length", 24]
+    assert inputs["past_key_values.2.value"] == ["batch_size", 4, "past_sequence_length", 12]
+    assert outputs["logits"] == ["batch_size", "sequence_length", 97]
+    assert outputs["present.0.key"] == ["batch_size", 4, "total_sequence_length", 24]
+    assert len(inputs) == 3 + 2 * 3 and len(outputs) == 1 + 2 * 3
+
+
+def test_export_is_byte_identical_when_repeated(tiny_checkpoints, tmp_path):
+    for out in ("a", "b"):
+        export(str(tiny_checkpoints["deepseek_v2"]), tmp_path / out, parity=())
+    assert (tmp_path / "a" / "model.onnx").read_bytes() == (tmp_path / "b" / "model.onnx").read_bytes()
+
+
+def test_moe_experts_run_sparse_per_expert(tiny_checkpoints):
+    """Each routed expert is three MatMuls fed by a Gather of the tokens NonZero picked for it."""
+    model = load(resolve(str(tiny_checkpoints["deepseek_v3"])))
+    graph = build_decoder(model, architecture_for("deepseek_v3")).graph
+    moe_layers = model.config.num_hidden_layers - model.config.first_k_dense_replace
+    experts = model.config.n_routed_experts
+    assert sum(n.op_type == "NonZero" for n in graph) == moe_layers * experts
+    assert sum(n.op_type == "ScatterND" for n in graph) == moe_layers * experts
+    expert_matmuls = [n for n in graph if n.op_type == "MatMul" and "/experts/" in n.name]
+    assert len(expert_matmuls) == moe_layers * experts * 3
+    # no weight is gathered per token: every expert MatMul reads a plain 2-D initializer
+    assert all(n.inputs[1].is_initializer() and len(n.inputs[1].shape) == 2 for n in expert_matmuls)
+
+
+@contextmanager
+def recorded_routing(model):
+    """Record, per MoE layer, the set of experts the PyTorch model routes tokens to."""
+    used: dict[int, set[int]] = {}
+    originals = {}
+    for i, layer in enumerate(model.model.layers):
+        moe = layer.mlp
+        if not hasattr(moe, "experts"):
+            continue
+        originals[i] = moe.route_tokens_to_experts
+
+        def record(logits, _i=i, _orig=originals[i]):
+            idx, weights = _orig(logits)
+            used.setdefault(_i, set()).update(idx.flatten().tolist())
+            return idx, weights
+
+        moe.route_tokens_to_experts = record
+    try:
+        yield used
+    finally:
+        for i, orig in originals.items():
+            model.model.layers[i].mlp.route_tokens_to_experts = orig
+
+
+@pytest.mark.parametrize("name", ["deepseek_v3", "deepseek_v2_group_limited"])
+def test_routing_is_decided_at_run_time(tiny_checkpoints, tmp_path, name):
+    """Inputs that route to experts the export-time parity prompts never reached still match PyTorch."""
+    source = resolve(str(tiny_checkpoints[name]))
+    model = load(source)
+    arch = architecture_for(model.config.model_type)
+    save_graph(build_decoder(model, arch), tmp_path / "model.onnx")
+    heads, key_dim, value_dim = arch.cache_dims(model.config)
+    past = {f"past_key_values.{i}.{kind}": (heads, key_dim if kind == "key" else value_dim)
+            for i in range(model.config.num_hidden_layers) for kind in ("key", "value")}
+    # The graph is built from weights, with no example inputs; a short prompt stands for the inputs an
+    # exporter would have traced with, and reaches only a few experts.
+    example = Case("example", [parity_cases(source.path, model.config.vocab_size)[0].prompts[0][:3]])
+    with recorded_routing(model) as seen_at_export:
+        first = compare(model, tmp_path / "model.onnx", "onnxruntime", [example], past, new_tokens=2, pad_id=0)
+    assert first["passed"]
+    assert all(len(seen) < model.config.n_routed_experts for seen in seen_at_export.values())
+
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(0, model.config.vocab_size, 24).tolist() for _ in range(4)]
+    with recorded_routing(model) as seen_now:
+        result = compare(model, tmp_path / "model.onnx", "onnxruntime", [Case("unseen", prompts)], past,
+                         new_tokens=4, pad_id=0)
+    for layer, experts in seen_now.items():
+        assert experts - seen_at_export[layer], f"layer {layer}: no expert outside the export-time set"
+    assert result["passed"] and result["max_relative_diff"] < 1e-5
