@@ -69,10 +69,16 @@ def export(spec: str, out_dir: Path, *, trust_remote_code: bool = False, parity:
         log("building the ONNX graph")
         graph = build_decoder(model, arch)
         files = save_graph(graph, tmp / "model.onnx")
+        graph_info = {"files": files, "opset": graph.opset_imports[""], "nodes": len(graph.graph),
+                      "inputs": [v.name for v in graph.graph.inputs],
+                      "outputs": [v.name for v in graph.graph.outputs],
+                      "kv_cache": graph.metadata_props["dstc.kv_cache"],
+                      "size_bytes": sum((tmp / f).stat().st_size for f in files)}
+        del graph  # its weight copies; the backends load the saved file
         timings["build_s"] = time.perf_counter() - t0
         cached_heads, key_dim, value_dim = arch.cache_dims(model.config)
-        past_specs = {v.name: (cached_heads, key_dim if v.name.endswith(".key") else value_dim)
-                      for v in graph.graph.inputs if v.name.startswith("past_key_values.")}
+        past_specs = {name: (cached_heads, key_dim if name.endswith(".key") else value_dim)
+                      for name in graph_info["inputs"] if name.startswith("past_key_values.")}
         cases = parity_cases(source.path, model.config.vocab_size)
         pad_id = model.config.pad_token_id or 0
         results = {}
@@ -86,11 +92,7 @@ def export(spec: str, out_dir: Path, *, trust_remote_code: bool = False, parity:
             "source": {"spec": source.spec, "kind": source.kind, "path": str(source.path),
                        "model_type": model.config.model_type,
                        "parameters": sum(p.numel() for p in model.parameters())},
-            "graph": {"files": files, "opset": graph.opset_imports[""], "nodes": len(graph.graph),
-                      "inputs": [v.name for v in graph.graph.inputs],
-                      "outputs": [v.name for v in graph.graph.outputs],
-                      "kv_cache": graph.metadata_props["dstc.kv_cache"],
-                      "size_bytes": sum((tmp / f).stat().st_size for f in files)},
+            "graph": graph_info,
             "parity": results,
             "timings": {k: round(v, 3) for k, v in timings.items()},
         }
