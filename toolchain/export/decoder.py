@@ -8,7 +8,7 @@ past) and decode. An architecture module supplies the attention and MLP of a lay
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Callable, Protocol
 
 import onnx_ir as ir
 import torch
@@ -50,7 +50,9 @@ class Architecture(Protocol):
     def mlp(self, g: GraphBuilder, mlp: torch.nn.Module, h: ir.Value) -> ir.Value: ...
 
 
-def build_decoder(model: torch.nn.Module, arch: Architecture) -> ir.Model:
+def build_decoder(model: torch.nn.Module, arch: Architecture,
+                  on_layer: Callable[[int, int], None] | None = None) -> ir.Model:
+    """The whole graph; on_layer(i, n) is called as each of the n layers is built (progress on large models)."""
     config = model.config
     arch.check(config)
     cached_heads, key_dim, value_dim = arch.cache_dims(config)
@@ -82,6 +84,8 @@ def build_decoder(model: torch.nn.Module, arch: Architecture) -> ir.Model:
             with g.scope("mlp"):
                 h = g.op("Add", h, arch.mlp(g, layer.mlp, normed))
         presents += [(i, "key", key), (i, "value", value)]
+        if on_layer:
+            on_layer(i + 1, len(decoder.layers))
 
     h = blocks.rms_norm(g, h, decoder.norm, "norm")
     logits = blocks.matmul_weight(g, h, blocks.to_numpy(model.lm_head.weight), "lm_head")

@@ -67,7 +67,7 @@ def export(spec: str, out_dir: Path, *, trust_remote_code: bool = False, parity:
     with atomic_output_dir(out_dir) as tmp:
         t0 = time.perf_counter()
         log("building the ONNX graph")
-        graph = build_decoder(model, arch)
+        graph = build_decoder(model, arch, on_layer=lambda i, n: log(f"built layer {i}/{n}") if n > 8 else None)
         files = save_graph(graph, tmp / "model.onnx")
         graph_info = {"files": files, "opset": graph.opset_imports[""], "nodes": len(graph.graph),
                       "inputs": [v.name for v in graph.graph.inputs],
