@@ -1,0 +1,1 @@
+"""Generic (runtime-independent) passes; every public module here registers one pass."""

@@ -1,0 +1,97 @@
+"""Small graph helpers shared by the passes (queries and edits on onnx_ir graphs, nothing more)."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx_ir as ir
+
+
+def count_nodes(model: ir.Model) -> int:
+    """Nodes in the main graph, its subgraphs and the model's functions."""
+    total = sum(1 for _ in ir.traversal.RecursiveGraphIterator(model.graph))
+    for function in model.functions.values():
+        total += sum(1 for _ in ir.traversal.RecursiveGraphIterator(function))
+    return total
+
+
+def constant_array(value: ir.Value | None) -> np.ndarray | None:
+    """The value's data if it is a true constant (an initializer that is not a graph input, or a Constant node)."""
+    if value is None or value.is_graph_input():
+        return None
+    try:
+        tensor = ir.convenience.get_const_tensor(value)
+        return None if tensor is None else tensor.numpy()
+    except (FileNotFoundError, ValueError):  # external data not available, malformed Constant node
+        return None
+
+
+def known_rank(value: ir.Value | None) -> int | None:
+    if value is None:
+        return None
+    if value.shape is not None:
+        return value.shape.rank()
+    array = constant_array(value)
+    return None if array is None else array.ndim
+
+
+def initializers_in_use(graph: ir.Graph) -> set[str]:
+    return {name for name, value in graph.initializers.items() if value.uses()}
+
+
+def drop_orphaned_initializers(graph: ir.Graph, used_before: set[str]) -> int:
+    """Remove initializers that were in use before a rewrite and are not any more; return how many."""
+    dropped = 0
+    for name in used_before:
+        value = graph.initializers.get(name)
+        if value is None or value.uses() or value.is_graph_output() or value.is_graph_input():
+            continue
+        del graph.initializers[name]
+        dropped += 1
+    return dropped
+
+
+class Names:
+    """Hands out names no initializer, graph input or node output of ``graph`` uses (snapshot at creation)."""
+
+    def __init__(self, graph: ir.Graph) -> None:
+        self._graph = graph
+        self._taken = set(graph.initializers)
+        self._taken.update(v.name for v in graph.inputs)
+        self._taken.update(out.name for node in graph for out in node.outputs)
+
+    def fresh(self, base: str) -> str:
+        name, n = base, 0
+        while name in self._taken:
+            n += 1
+            name = f"{base}_{n}"
+        self._taken.add(name)
+        return name
+
+    def add_initializer(self, array: np.ndarray, base_name: str) -> ir.Value:
+        tensor = ir.tensor(np.ascontiguousarray(array), name=self.fresh(base_name))
+        value = ir.Value(
+            name=tensor.name, type=ir.TensorType(tensor.dtype), shape=ir.Shape(array.shape), const_value=tensor
+        )
+        self._graph.register_initializer(value)
+        return value
+
+
+def bypass(graph: ir.Graph, old: ir.Value, new: ir.Value) -> None:
+    """Make every user of ``old`` (a node output about to be removed) read ``new`` instead.
+
+    A graph output keeps its name: ``new`` takes it over when it is a plain node output, otherwise an
+    Identity node carries ``new`` to the output.
+    """
+    if not old.is_graph_output():
+        old.replace_all_uses_with(new)
+        return
+    name = old.name
+    renamable = new.producer() is not None and not (new.is_graph_output() or new.is_graph_input())
+    if not renamable:
+        identity = ir.node("Identity", [new])
+        graph.insert_before(old.producer(), identity)
+        new = identity.outputs[0]
+        new.type, new.shape = old.type, old.shape
+    old.replace_all_uses_with(new, replace_graph_outputs=True)
+    old.name = None
+    new.name = name
