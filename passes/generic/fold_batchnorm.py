@@ -1,0 +1,175 @@
+"""fold-batchnorm: fold inference-mode BatchNormalization into the Conv/ConvTranspose/Gemm/MatMul before it.
+
+BN(y) = s * (y - mean) + beta with s = gamma / sqrt(var + eps), applied per channel along axis 1 of ``y``. It
+folds into a linear op exactly when axis 1 of the op's output is the axis its constant weight produces:
+
+* Conv / ConvTranspose: output [N, C, ...], channels from the weight's output-channel axis -> always.
+* Gemm: output [M, N], axis 1 = columns of B (rows when transB=1) -> always.
+* MatMul(x, W) with W constant [K, C]: the weight produces the *last* output axis, so only a rank-2 output
+  [N, C] qualifies; for a rank-3 output [N, C, L] BN normalises C, which comes from ``x``, not from W.
+* MatMul(W, x) with W constant [C, K] and x [N, K, L]: the weight produces axis -2, so only a rank-3 output
+  [N, C, L] qualifies (a 1x1 Conv1d written as MatMul).
+
+An optional constant bias Add between MatMul and BN folds too. Weights, biases and BN parameters must be
+constant, and the intermediate value must have no other consumer (the matcher's removability check).
+Conv/ConvTranspose/Gemm reuse onnxscript's rules, adding the checks they lack (inference mode, dtypes);
+onnxscript has no MatMul rule, hence ours.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx_ir as ir
+from onnxscript.rewriter import MatchResult, RewriteRuleClassBase
+from onnxscript.rewriter.rules.common._fuse_batchnorm import (
+    FuseBatchNormIntoConv,
+    FuseBatchNormIntoConvTranspose,
+    FuseBatchNormIntoGemm,
+)
+
+from passes.graph import Names, constant_array, known_rank
+from passes.registry import register
+from passes.rewrite import RewriteRulesPass
+
+
+def _check_inference_batchnorm(bn: ir.Node, weight_dtype: ir.DataType | None) -> MatchResult:
+    result = MatchResult()
+    if bn.attributes.get_int("training_mode", 0):
+        return result.fail("BatchNormalization is in training mode (normalises with batch statistics)")
+    if len(bn.outputs) > 1:
+        return result.fail("BatchNormalization has training outputs (running mean/var)")
+    if bn.attributes.get_int("spatial", 1) != 1:
+        return result.fail("BatchNormalization is per-activation (spatial=0)")
+    for param in bn.inputs[1:]:
+        if param is None or param.dtype != weight_dtype:
+            return result.fail(f"BatchNormalization parameters are not all of the weight's dtype {weight_dtype}")
+    return result
+
+
+class _InferenceOnly:
+    """Adds to onnxscript's BN fusion checks the ones it lacks: inference mode, matching dtypes."""
+
+    def check(self, context, x, inbound_out: ir.Value, batchnorm_out: ir.Value) -> MatchResult:
+        result = super().check(context, x, inbound_out, batchnorm_out)
+        if not result:
+            return result
+        return _check_inference_batchnorm(batchnorm_out.producer(), inbound_out.producer().inputs[1].dtype)
+
+
+class ConvBatchNorm(_InferenceOnly, FuseBatchNormIntoConv):
+    pass
+
+
+class ConvTransposeBatchNorm(_InferenceOnly, FuseBatchNormIntoConvTranspose):
+    pass
+
+
+class GemmBatchNorm(_InferenceOnly, FuseBatchNormIntoGemm):
+    pass
+
+
+class _MatMulBatchNorm(RewriteRuleClassBase):
+    """Shared check/rewrite for BN(MatMul) and BN(Add(MatMul, bias)): plans the folded tensors in ``check``."""
+
+    def _plan(self, context, matmul: ir.Node, bias: ir.Value | None, bn: ir.Node) -> MatchResult:
+        result = MatchResult()
+        a, b = matmul.inputs
+        rank = known_rank(matmul.outputs[0])
+        rank_a, rank_b = known_rank(a), known_rank(b)
+        if rank is None and rank_a is not None and rank_b is not None and min(rank_a, rank_b) >= 2:
+            rank = max(rank_a, rank_b)  # batch dimensions broadcast
+        if rank is None or rank < 2:
+            return result.fail("rank of the MatMul output is unknown or < 2 (run infer-shapes first)")
+        w_right, w_left = constant_array(b), constant_array(a)
+        if w_right is not None and w_right.ndim == 2 and rank == 2:
+            weight_value, weight, channel_axis = b, w_right, 1
+        elif w_left is not None and w_left.ndim == 2 and rank == 3:
+            weight_value, weight, channel_axis = a, w_left, 0
+        elif w_right is not None and w_right.ndim == 2:
+            return result.fail(
+                f"BatchNormalization normalises axis 1 of the rank-{rank} MatMul output but the weight "
+                f"produces its last axis; folding is exact only for rank 2"
+            )
+        elif w_left is not None and w_left.ndim == 2:
+            return result.fail(
+                f"BatchNormalization normalises axis 1 of the rank-{rank} MatMul output but the left weight "
+                f"produces axis {rank - 2}; folding is exact only for rank 3"
+            )
+        else:
+            return result.fail("MatMul has no constant 2-D weight")
+        if len(weight_value.uses()) > 1:
+            return result.fail(f"weight {weight_value.name!r} is shared with other nodes")
+        check = _check_inference_batchnorm(bn, weight_value.dtype)
+        if not check:
+            return check
+        params = [constant_array(v) for v in bn.inputs[1:5]]
+        channels = weight.shape[channel_axis]
+        if any(p is None or p.shape != (channels,) for p in params):
+            return result.fail(f"BatchNormalization parameters are not constant vectors of {channels} channels")
+        bias_array = np.zeros((), weight.dtype)
+        if bias is not None:
+            bias_array = constant_array(bias)
+            if bias_array is None or bias_array.ndim > rank or bias.dtype != weight_value.dtype:
+                return result.fail("the Add between MatMul and BatchNormalization has no constant bias")
+        graph = context.graph_or_function
+        if not isinstance(graph, ir.Graph):
+            return result.fail("folding inside a function is not supported (no initializers there)")
+
+        gamma, beta, mean, var = params
+        scale = gamma / np.sqrt(var + np.asarray(bn.attributes.get_float("epsilon", 1e-5), var.dtype))
+        channel_shape = (1, channels) + (1,) * (rank - 2)  # BN's axis 1 in the output
+        fused_bias = (bias_array.reshape((1,) * (rank - bias_array.ndim) + bias_array.shape)
+                      - mean.reshape(channel_shape)) * scale.reshape(channel_shape) + beta.reshape(channel_shape)
+        while fused_bias.ndim > 1 and fused_bias.shape[0] == 1:
+            fused_bias = fused_bias[0]
+        weight_scale = scale[None, :] if channel_axis == 1 else scale[:, None]
+        names = Names(graph)
+        self._fused = (
+            channel_axis,
+            ir.tensor((weight * weight_scale).astype(weight.dtype), name=names.fresh(f"{weight_value.name}_bn")),
+            ir.tensor(fused_bias.astype(weight.dtype), name=names.fresh(f"{weight_value.name}_bn_bias")),
+        )
+        return result
+
+    def rewrite(self, op, a, b, **_):
+        channel_axis, weight, bias = self._fused
+        weight_value = op.initializer(weight)
+        product = op.MatMul(a, weight_value) if channel_axis == 1 else op.MatMul(weight_value, b)
+        return op.Add(product, op.initializer(bias))
+
+
+class MatMulBatchNorm(_MatMulBatchNorm):
+    def pattern(self, op, a, b):
+        return op.BatchNormalization(
+            op.MatMul(a, b, _outputs=["matmul_out"]), _allow_other_inputs=True, _outputs=["bn_out"]
+        )
+
+    def check(self, context, a, b, matmul_out: ir.Value, bn_out: ir.Value) -> MatchResult:
+        return self._plan(context, matmul_out.producer(), None, bn_out.producer())
+
+
+class MatMulAddBatchNorm(_MatMulBatchNorm):
+    def pattern(self, op, a, b, bias):
+        return op.BatchNormalization(
+            op.Add(op.MatMul(a, b, _outputs=["matmul_out"]), bias), _allow_other_inputs=True, _outputs=["bn_out"]
+        )
+
+    def check(self, context, a, b, bias, matmul_out: ir.Value, bn_out: ir.Value) -> MatchResult:
+        return self._plan(context, matmul_out.producer(), bias, bn_out.producer())
+
+
+@register("fold-batchnorm", description="Fold inference BatchNormalization into a preceding Conv/Gemm/MatMul.")
+class FoldBatchNorm(RewriteRulesPass):
+    """Counts: ``conv``, ``conv_transpose``, ``gemm``, ``matmul``, ``matmul_add`` (BNs folded)."""
+
+    def __init__(self) -> None:
+        super().__init__(
+            [
+                ConvBatchNorm("conv"),
+                ConvTransposeBatchNorm("conv_transpose"),
+                GemmBatchNorm("gemm"),
+                MatMulAddBatchNorm("matmul_add"),
+                MatMulBatchNorm("matmul"),
+            ],
+            commute=True,
+        )
