@@ -33,3 +33,11 @@ def test_nothing_to_fold():
     stats = check_pass(model, "fold-constants")
     assert (stats.modified, stats.counts) == (False, {})
     assert op_counts(model) == {"Add": 1}
+
+
+def test_inputs_are_forwarded_past_identity():
+    nodes = [node("Identity", ["x"], ["i"]), node("Relu", ["i"], ["y"])]
+    model = make_model(nodes, {"x": [3, 4]}, ["y"])
+    assert check_pass(model, "fold-constants").counts == {"inputs_rewired": 1}
+    (relu,) = [n for n in model.graph if n.op_type == "Relu"]
+    assert relu.inputs[0] is model.graph.inputs[0]

@@ -113,7 +113,8 @@ class EliminateTransposes(CountingPass):
             return "identity_removed"
 
         inner = x.producer()
-        if _is_op(inner, "Transpose") and inner.graph is graph and (inner_perm := _perm(inner)) is not None:
+        inner_perm = _perm(inner) if _is_op(inner, "Transpose") and inner.graph is graph else None
+        if inner_perm is not None and len(inner_perm) == len(perm):
             composed = _compose(inner_perm, perm)
             if _is_identity(composed):
                 self._replace(graph, t, inner.inputs[0])

@@ -16,7 +16,8 @@ from passes.registry import register
 @register("fold-constants", description="Evaluate nodes whose inputs are all constant (onnxscript's folder).")
 class FoldConstants(ir.passes.InPlacePass):
     """Counts ``nodes_replaced``: nodes the folder replaced by a constant or a simpler node (e.g. a Reshape to
-    the input's own static shape by Identity). Constant nodes it leaves unused are for ``remove-unused``."""
+    the input's own static shape by Identity), and ``inputs_rewired``. Constant nodes it leaves unused are for
+    ``remove-unused``."""
 
     def __init__(
         self,
@@ -28,11 +29,19 @@ class FoldConstants(ir.passes.InPlacePass):
         self.output_size_limit = output_size_limit
 
     def call(self, model: ir.Model) -> CountedResult:
+        inputs_before = {node: tuple(node.inputs) for node in ir.traversal.RecursiveGraphIterator(model.graph)}
         folder = _CountingFolder(
             shape_inference=True, input_size_limit=self.input_size_limit, output_size_limit=self.output_size_limit
         )
         result = folder(model)
-        return CountedResult(model, result.modified, {"nodes_replaced": folder.replaced})
+        rewired = sum(  # inputs forwarded past nodes that stay (e.g. Relu(Identity(x)) -> Relu(x)), not replaced ones
+            new is not old and old is not None and old.producer() is not None and old.producer().graph is not None
+            for node in ir.traversal.RecursiveGraphIterator(model.graph)
+            if node in inputs_before
+            for new, old in zip(node.inputs, inputs_before[node])
+        )
+        counts = {"nodes_replaced": folder.replaced, "inputs_rewired": rewired}
+        return CountedResult(model, result.modified, counts)
 
 
 class _CountingFolder(FoldConstantsPass):
