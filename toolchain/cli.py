@@ -104,6 +104,27 @@ def export_cmd(model: str, out_dir: Path, trust_remote_code: bool, parity: str, 
                    f"greedy tokens {'identical' if r['tokens_identical'] else 'DIFFER'}  [{cases}]")
 
 
+@cli.group("passes")
+def passes_group() -> None:
+    """Graph-rewrite passes (see `dstc optimize`)."""
+
+
+@passes_group.command("list")
+@click.option("--target", type=click.Choice(["onnxruntime", "openvino"]), default=None,
+              help="Only the passes usable for this target.")
+@click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON.")
+def passes_list(target: str | None, as_json: bool) -> None:
+    """List the registered passes: name, targets, one-line description."""
+    from passes.registry import list_passes
+
+    rows = list_passes(target)
+    if as_json:
+        click.echo(json.dumps(rows, indent=2))
+        return
+    for row in rows:
+        click.echo(f"{row['name']:<28} {','.join(row['targets']):<22} {row['description']}")
+
+
 def main() -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never download: checkpoints come from disk or the HF cache
     try:
