@@ -1,0 +1,337 @@
+"""Compile stage: stateful OpenVINO IR and the ONNX Runtime artifact, checked against PyTorch greedy decoding and
+loaded through the runtimes' own loaders (openvino_genai.LLMPipeline, optimum-intel's OVModelForCausalLM,
+onnxruntime-genai)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, DeepseekV3Config, PreTrainedTokenizerFast, Qwen2Config
+
+from toolchain.compile import onnxruntime_artifact, openvino_ir
+from toolchain.errors import InputError
+from toolchain.export.parity import greedy, left_pad, torch_step
+from toolchain.models.registry import EMBEDDED, embedded_path
+from toolchain.stages.compile import compile_artifact
+from toolchain.stages.export import export
+
+from conftest import COMMON, MLA, make_checkpoint
+
+F32 = openvino_ir.F32
+NEW_TOKENS = 8
+BOS, EOS, PAD = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜▁pad▁｜>"
+USER, ASSISTANT = "<｜User｜>", "<｜Assistant｜>"
+CHAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}{% if m['role'] == 'user' %}{{ '<｜User｜>' + m['content'] }}"
+                 "{% elif m['role'] == 'assistant' %}{{ '<｜Assistant｜>' + m['content'] + '<｜end▁of▁sentence｜>' }}"
+                 "{% endif %}{% endfor %}{% if add_generation_prompt %}{{ '<｜Assistant｜>' }}{% endif %}")
+TEXTS = ["the old man walked to the market with a basket of apples", "where is the red book?",
+         "12+345=357", "607+58=665", "the children followed him along the river to see the boats"] * 4
+MESSAGES = [{"role": "user", "content": "12+345="}]
+
+
+def small_tokenizer() -> PreTrainedTokenizerFast:
+    """A byte-level BPE tokenizer with DeepSeek's special tokens and a DeepSeek-shaped chat template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=[BOS, EOS, PAD, USER, ASSISTANT],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(TEXTS, trainer=trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=BOS, eos_token=EOS, pad_token=PAD,
+                                   extra_special_tokens=[USER, ASSISTANT], chat_template=CHAT_TEMPLATE)
+
+
+def tokenized_checkpoint(model_type: str, path: Path) -> Path:
+    tok = small_tokenizer()
+    ids = dict(vocab_size=len(tok), bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+               pad_token_id=tok.pad_token_id)
+    config = {"qwen2": lambda: Qwen2Config(**{**COMMON, **ids}, num_key_value_heads=2),
+              "deepseek_v3": lambda: DeepseekV3Config(**{**COMMON, **ids}, **MLA, q_lora_rank=24, n_routed_experts=16,
+                                                      n_group=4, topk_group=2, routed_scaling_factor=2.5)}[model_type]()
+    make_checkpoint(config, path)
+    tok.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def exports(tiny_checkpoints, tmp_path_factory):
+    """model_type -> export directory of the tiny random checkpoint (graph only, no parity run)."""
+    root = tmp_path_factory.mktemp("exports")
+    for name in ("llama", "qwen2", "deepseek_v2", "deepseek_v3"):
+        export(str(tiny_checkpoints[name]), root / name, parity=())
+    return {name: root / name for name in ("llama", "qwen2", "deepseek_v2", "deepseek_v3")}
+
+
+@pytest.fixture(scope="module")
+def tokenized_exports(tmp_path_factory):
+    """model_type -> export directory of a tiny random checkpoint that has a tokenizer with a chat template."""
+    root = tmp_path_factory.mktemp("tokenized")
+    out = {}
+    for model_type in ("qwen2", "deepseek_v3"):
+        export(str(tokenized_checkpoint(model_type, root / "ckpt" / model_type)), root / model_type, parity=())
+        out[model_type] = root / model_type
+    return out
+
+
+def check_verification(manifest: dict) -> None:
+    verification = manifest["verification"]
+    assert verification["passed"], verification
+    assert {c["name"] for c in verification["cases"]} == {"short", "long", "batch2-left-padded"}
+    for case in verification["cases"]:
+        assert case["tokens"] == case["expected"], case
+        assert len(case["tokens"][0]) == NEW_TOKENS
+
+
+def source_of(export_dir: Path) -> Path:
+    return Path(json.loads((export_dir / "export.json").read_text())["source"]["path"])
+
+
+def reference_chat_tokens(source: Path, new_tokens: int = NEW_TOKENS) -> tuple[list[int], list[int]]:
+    """(prompt ids, greedy ids) of PyTorch fp32 on the chat-templated MESSAGES."""
+    tok = AutoTokenizer.from_pretrained(source)
+    model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).eval()
+    prompt = tok.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
+    ids, mask = left_pad([prompt], model.config.pad_token_id or 0)
+    tokens, _ = greedy(torch_step(model), ids, mask, new_tokens)
+    return prompt, tokens[0].tolist()
+
+
+# --- OpenVINO -------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", ["llama", "deepseek_v3"])
+def test_openvino_ir_is_stateful_and_decodes_like_pytorch(exports, tmp_path, name):
+    import openvino as ov
+
+    manifest = compile_artifact(exports[name], tmp_path / "ov", "openvino")
+    check_verification(manifest)
+    out = tmp_path / "ov"
+    for f in ("openvino_model.xml", "openvino_model.bin", "config.json", "generation_config.json", "manifest.json"):
+        assert (out / f).is_file(), f
+    assert not (out / "openvino_tokenizer.xml").exists()  # the random checkpoint has no tokenizer
+    assert sorted(p.name for p in out.iterdir()) == manifest["files"]
+
+    model = ov.Core().read_model(out / "openvino_model.xml")
+    inputs = {i.get_any_name(): i for i in model.inputs}
+    assert list(inputs) == ["input_ids", "attention_mask", "position_ids", "beam_idx"]
+    assert inputs["beam_idx"].get_element_type() == ov.Type.i32
+    assert inputs["beam_idx"].get_partial_shape().rank.get_length() == 1
+    assert [o.get_any_name() for o in model.outputs] == ["logits"]
+    ops = [op.get_type_name() for op in model.get_ops()]
+    layers = json.loads((out / "config.json").read_text())["num_hidden_layers"]
+    assert ops.count("ReadValue") == ops.count("Assign") == 2 * layers == len(model.get_sinks())
+    # every cache variable is read through Gather(., beam_idx) before use
+    beam_consumers = {t.get_node().get_type_name() for t in model.input("beam_idx").get_target_inputs()}
+    assert beam_consumers == {"Gather"} and len(model.input("beam_idx").get_target_inputs()) == 2 * layers
+
+
+def test_openvino_beam_idx_reorders_the_cache(exports, tmp_path):
+    compile_artifact(exports["deepseek_v3"], tmp_path / "ov", "openvino", verify=False)
+    compiled = openvino_ir.compile_ir(tmp_path / "ov" / "openvino_model.xml")
+    ids = np.array([[5, 17, 33, 2], [40, 41, 9, 60]], np.int64)
+    mask, pos = np.ones_like(ids), np.tile(np.arange(4), (2, 1))
+    nxt = np.array([[7], [7]], np.int64)
+    request = compiled.create_infer_request()
+
+    def run(ids, mask, pos, beam):
+        return np.array(request.infer({"input_ids": ids, "attention_mask": mask, "position_ids": pos,
+                                       "beam_idx": np.array(beam, np.int32)})[compiled.output("logits")])
+
+    run(ids, mask, pos, [0, 1])
+    swapped = run(nxt, np.ones((2, 5), np.int64), np.full((2, 1), 4), [1, 0])
+    request.reset_state()
+    run(ids[::-1].copy(), mask, pos, [0, 1])
+    direct = run(nxt, np.ones((2, 5), np.int64), np.full((2, 1), 4), [0, 1])
+    np.testing.assert_allclose(swapped, direct, rtol=0, atol=1e-5)
+    assert not np.allclose(swapped[0], swapped[1])
+
+
+@pytest.mark.parametrize("name", ["qwen2", "deepseek_v3"])
+def test_openvino_artifact_generates_through_llm_pipeline_and_optimum_intel(tokenized_exports, tmp_path, name):
+    import openvino_genai
+    from optimum.intel import OVModelForCausalLM
+
+    out = tmp_path / "ov"
+    manifest = compile_artifact(tokenized_exports[name], out, "openvino", verify=False)
+    assert manifest["tokenizer"]
+    for f in ("openvino_tokenizer.xml", "openvino_detokenizer.xml", "tokenizer.json", "tokenizer_config.json"):
+        assert (out / f).is_file(), f
+    source = source_of(tokenized_exports[name])
+    prompt, expected = reference_chat_tokens(source)
+    text = AutoTokenizer.from_pretrained(source).decode(expected)
+
+    pipe = openvino_genai.LLMPipeline(str(out), "CPU", **F32)
+    config = pipe.get_generation_config()
+    config.max_new_tokens = config.min_new_tokens = NEW_TOKENS
+    config.do_sample = False
+    tokenizer = pipe.get_tokenizer()
+    assert tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True) == \
+        AutoTokenizer.from_pretrained(source).apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=False)
+    # a string prompt goes through the chat template and the tokenizer/detokenizer IR
+    assert pipe.generate(MESSAGES[0]["content"], config) == text
+    encoded = tokenizer.encode(tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True),
+                               add_special_tokens=False)
+    assert encoded.input_ids.data.tolist() == [prompt]
+    assert list(pipe.generate(encoded, config).tokens[0]) == expected
+
+    model = OVModelForCausalLM.from_pretrained(out, ov_config=F32)
+    assert model.stateful
+    ids = torch.tensor([prompt])
+    generated = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS,
+                               min_new_tokens=NEW_TOKENS, do_sample=False)
+    assert generated[0, len(prompt):].tolist() == expected
+
+
+# --- ONNX Runtime ---------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", ["qwen2", "deepseek_v2"])
+def test_onnxruntime_artifact_keeps_optimum_names_and_decodes_like_pytorch(exports, tmp_path, name):
+    out = tmp_path / "ort"
+    manifest = compile_artifact(exports[name], out, "onnxruntime")
+    check_verification(manifest)  # our ORT greedy loop over optimum's input/output names
+    assert manifest["onnxruntime"]["optimization_level"] == "basic"
+    for f in ("model.onnx", "model.onnx.data", "config.json", "generation_config.json", "manifest.json"):
+        assert (out / f).is_file(), f
+    assert sorted(p.name for p in out.iterdir()) == manifest["files"]
+
+    graph = onnx.load(out / "model.onnx", load_external_data=False).graph
+    external = [t.name for t in graph.initializer if t.data_location == onnx.TensorProto.EXTERNAL]
+    assert external and all(t.data_location == onnx.TensorProto.EXTERNAL for t in graph.initializer
+                            if len(t.raw_data) > onnxruntime_artifact.INLINE_MAX_BYTES)
+    assert {n.domain for n in graph.node} <= {"", "ai.onnx"}  # standard ops only: portable
+    layers = json.loads((out / "config.json").read_text())["num_hidden_layers"]
+    kv = [f"past_key_values.{i}.{kind}" for i in range(layers) for kind in ("key", "value")]
+    assert [i.name for i in graph.input] == ["input_ids", "attention_mask", "position_ids", *kv]
+    assert [o.name for o in graph.output] == ["logits", *[n.replace("past_key_values.", "present.") for n in kv]]
+
+    if name == "deepseek_v2":
+        assert not (out / "genai_config.json").exists()
+        assert "head dim" in manifest["onnxruntime"]["genai_unsupported_reason"]
+    else:
+        genai = json.loads((out / "genai_config.json").read_text())
+        assert genai["model"]["type"] == "qwen2"
+        assert genai["model"]["decoder"]["head_size"] == 16 and genai["model"]["decoder"]["num_key_value_heads"] == 2
+
+
+def test_onnxruntime_artifact_generates_through_onnxruntime_genai(tokenized_exports, tmp_path):
+    import onnxruntime_genai as og
+
+    out = tmp_path / "ort"
+    compile_artifact(tokenized_exports["qwen2"], out, "onnxruntime", verify=False)
+    prompt, expected = reference_chat_tokens(source_of(tokenized_exports["qwen2"]))
+
+    model = og.Model(str(out))
+    tokenizer = og.Tokenizer(model)
+    ids = tokenizer.encode(tokenizer.apply_chat_template(json.dumps(MESSAGES), add_generation_prompt=True))
+    assert ids.tolist() == prompt
+    params = og.GeneratorParams(model)
+    params.set_search_options(do_sample=False, max_length=len(prompt) + NEW_TOKENS,
+                              min_length=len(prompt) + NEW_TOKENS)
+    generator = og.Generator(model, params)
+    generator.append_tokens(ids)
+    tokens = []
+    while not generator.is_done():
+        generator.generate_next_token()
+        tokens.append(int(generator.get_next_tokens()[0]))
+    assert tokens == expected
+    # the tokenizer files are read by onnxruntime-extensions: same ids and text as Hugging Face's (a random model's
+    # tokens can split UTF-8 sequences, which the two decoders render differently, so decode a real text)
+    reference = AutoTokenizer.from_pretrained(source_of(tokenized_exports["qwen2"]))
+    text = TEXTS[0]
+    ids = reference(text, add_special_tokens=False)["input_ids"]
+    assert tokenizer.encode(text).tolist() == ids
+    assert tokenizer.decode(np.array(ids, np.int32)) == text
+
+
+# --- input errors and output handling -------------------------------------------------------------------------
+
+def test_bad_input_is_an_input_error_and_writes_nothing(exports, tmp_path):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(InputError, match="no model.onnx"):
+        compile_artifact(empty, tmp_path / "out", "openvino")
+    with pytest.raises(InputError, match="not a directory"):
+        compile_artifact(tmp_path / "missing", tmp_path / "out", "onnxruntime")
+    with pytest.raises(InputError, match="unknown backend"):
+        compile_artifact(exports["llama"], tmp_path / "out", "tensorrt")
+    no_report = tmp_path / "no-report"
+    no_report.mkdir()
+    (no_report / "model.onnx").write_bytes((exports["llama"] / "model.onnx").read_bytes())
+    with pytest.raises(InputError, match="no export.json"):
+        compile_artifact(no_report, tmp_path / "out", "onnxruntime")
+    moved = tmp_path / "moved"
+    moved.mkdir()
+    (moved / "model.onnx").write_bytes((exports["llama"] / "model.onnx").read_bytes())
+    report = json.loads((exports["llama"] / "export.json").read_text())
+    report["source"]["path"] = str(tmp_path / "gone")
+    (moved / "export.json").write_text(json.dumps(report))
+    with pytest.raises(InputError, match="source checkpoint"):
+        compile_artifact(moved, tmp_path / "out", "openvino")
+    assert not (tmp_path / "out").exists()
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".out")] == []
+
+
+def test_rebuild_replaces_a_previous_artifact(exports, tmp_path):
+    out = tmp_path / "ort"
+    compile_artifact(exports["llama"], out, "onnxruntime", verify=False)
+    (out / "stale.txt").write_text("from an earlier build")
+    compile_artifact(exports["llama"], out, "onnxruntime", verify=False)
+    assert not (out / "stale.txt").exists() and (out / "manifest.json").is_file()
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    (foreign / "notes.txt").write_text("not dstc's")
+    with pytest.raises(InputError, match="not a dstc output"):
+        compile_artifact(exports["llama"], foreign, "onnxruntime", verify=False)
+
+
+# --- the embedded models (trained, with tokenizers), every loader -------------------------------------------
+
+EMBEDDED_PRESENT = [n for n in sorted(EMBEDDED) if (embedded_path(n) / "config.json").is_file()]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", EMBEDDED_PRESENT or [pytest.param("none", marks=pytest.mark.skip("no embedded models"))])
+def test_embedded_model_loads_in_every_runtime(tmp_path, name):
+    import onnxruntime_genai as og
+    import openvino_genai
+    from optimum.intel import OVModelForCausalLM
+
+    export(name, tmp_path / "export", parity=())
+    source = embedded_path(name)
+    prompt, expected = reference_chat_tokens(source, 16)
+
+    ov_dir, ort_dir = tmp_path / "ov", tmp_path / "ort"
+    assert compile_artifact(tmp_path / "export", ov_dir, "openvino", new_tokens=16)["verification"]["passed"]
+    pipe = openvino_genai.LLMPipeline(str(ov_dir), "CPU", **F32)
+    config = pipe.get_generation_config()
+    config.max_new_tokens = config.min_new_tokens = 16
+    config.do_sample = False
+    encoded = pipe.get_tokenizer().encode(
+        pipe.get_tokenizer().apply_chat_template(MESSAGES, add_generation_prompt=True), add_special_tokens=False)
+    assert list(pipe.generate(encoded, config).tokens[0]) == expected
+    model = OVModelForCausalLM.from_pretrained(ov_dir, ov_config=F32)
+    ids = torch.tensor([prompt])
+    assert model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=16, min_new_tokens=16,
+                          do_sample=False)[0, len(prompt):].tolist() == expected
+
+    manifest = compile_artifact(tmp_path / "export", ort_dir, "onnxruntime", new_tokens=16)
+    assert manifest["verification"]["passed"]
+    if not manifest["onnxruntime"]["genai_config"]:
+        assert json.loads((source / "config.json").read_text())["model_type"].startswith("deepseek")
+        return
+    og_model = og.Model(str(ort_dir))
+    params = og.GeneratorParams(og_model)
+    params.set_search_options(do_sample=False, max_length=len(prompt) + 16, min_length=len(prompt) + 16)
+    generator = og.Generator(og_model, params)
+    generator.append_tokens(np.array(prompt, np.int32))
+    tokens = []
+    while not generator.is_done():
+        generator.generate_next_token()
+        tokens.append(int(generator.get_next_tokens()[0]))
+    assert tokens == expected

@@ -1,0 +1,142 @@
+"""ONNX Runtime backend: model.onnx with ORT's portable offline optimisations applied, weights in external data,
+and a genai_config.json for onnxruntime-genai where its config can describe the model.
+
+Offline optimisation. ORT's *basic* level (constant folding, removal of redundant nodes, fusions that keep
+standard ONNX ops) rewrites the graph with semantics-preserving rules that do not depend on the execution
+provider or the CPU, so the saved graph stays a plain ONNX graph any ORT build (or another runtime) can load.
+The extended and layout levels are not applied offline: they insert com.microsoft contrib ops and blocked
+(NCHWc) layouts chosen for the provider and instruction set of the machine that saves the graph; ORT applies
+them itself at session creation, on the machine that runs the model.
+
+Interface: the graph keeps optimum's names (input_ids, attention_mask, position_ids, past_key_values.N.key /
+.value -> logits, present.N.key / .value), which is what optimum's ORTModelForCausalLM and
+onnxruntime-genai's decoder expect.
+
+onnxruntime-genai. Its decoder runtime feeds the graph and keeps the KV cache itself; genai_config.json names
+the inputs and outputs and gives the cache geometry: num_key_value_heads and one head_size, which its KV cache
+allocates for both the key and the value tensors of a layer (per-layer sizes are read from the graph's key
+input, and the value tensor is given the key's shape). DeepSeek's MLA caches keys of qk_nope_head_dim +
+qk_rope_head_dim and values of v_head_dim (192 and 128 in V2/V3), so its cache cannot be described: no
+genai_config.json is written for deepseek_v2 / deepseek_v3 and the manifest says why. Mixture-of-experts is
+not a limit: routing happens inside the graph, which genai runs as a black box.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable
+
+MODEL = "model.onnx"
+WEIGHTS = "model.onnx.data"
+GENAI_CONFIG = "genai_config.json"
+# Initialisers smaller than this stay inside model.onnx (shapes, axes, scalars); the weights go to WEIGHTS.
+INLINE_MAX_BYTES = 1024
+# model_type -> onnxruntime-genai model type (its decoder-only models with a plain [batch, kv_heads, seq,
+# head_size] cache and optimum's names).
+GENAI_TYPES = {"llama": "llama", "qwen2": "qwen2"}
+
+
+def optimize(src: Path, dst: Path) -> None:
+    """Apply ORT's basic-level graph optimisations to src and save the result as dst + external weights."""
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
+    options.optimized_model_filepath = str(dst)
+    options.add_session_config_entry("session.optimized_model_external_initializers_file_name", WEIGHTS)
+    options.add_session_config_entry("session.optimized_model_external_initializers_min_size_in_bytes",
+                                     str(INLINE_MAX_BYTES))
+    ort.InferenceSession(str(src), options, providers=["CPUExecutionProvider"])
+
+
+def cache_dims(onnx_path: Path) -> dict[str, tuple[int, int]]:
+    """past_key_values.* input name -> (kv heads, head dim), from the graph's input shapes."""
+    import onnx
+
+    graph = onnx.load(str(onnx_path), load_external_data=False).graph
+    dims = {}
+    for value in graph.input:
+        if value.name.startswith("past_key_values."):
+            shape = value.type.tensor_type.shape.dim
+            dims[value.name] = (shape[1].dim_value, shape[3].dim_value)
+    return dims
+
+
+def genai_unsupported_reason(model_type: str, dims: dict[str, tuple[int, int]]) -> str | None:
+    mismatched = sorted({(dims[k][1], dims[k.replace(".key", ".value")][1])
+                         for k in dims if k.endswith(".key") and dims[k] != dims[k.replace(".key", ".value")]})
+    if mismatched:
+        k, v = mismatched[0]
+        return (f"the KV cache has keys of head dim {k} and values of head dim {v} (MLA); onnxruntime-genai's "
+                f"config has one head_size for both, and its KV cache gives the value tensors the key's shape")
+    if model_type not in GENAI_TYPES:
+        return f"onnxruntime-genai has no model type for {model_type!r}"
+    return None
+
+
+def genai_config(config: dict, generation: dict, dims: dict[str, tuple[int, int]]) -> dict:
+    heads, head_size = next(iter(dims.values()))
+    eos = generation.get("eos_token_id", config.get("eos_token_id"))
+    pad = config.get("pad_token_id")
+    if pad is None:
+        pad = eos[0] if isinstance(eos, list) else eos
+    context = config.get("max_position_embeddings", 2048)
+    return {
+        "model": {
+            "type": GENAI_TYPES[config["model_type"]],
+            "bos_token_id": generation.get("bos_token_id", config.get("bos_token_id")),
+            "eos_token_id": eos,
+            "pad_token_id": pad,
+            "vocab_size": config["vocab_size"],
+            "context_length": context,
+            "decoder": {
+                "filename": MODEL,
+                "session_options": {"log_id": "onnxruntime-genai", "provider_options": []},
+                "hidden_size": config["hidden_size"],
+                "num_attention_heads": config["num_attention_heads"],
+                "num_key_value_heads": heads,
+                "num_hidden_layers": len(dims) // 2,
+                "head_size": head_size,
+                "inputs": {"input_ids": "input_ids", "attention_mask": "attention_mask",
+                           "position_ids": "position_ids",
+                           "past_key_names": "past_key_values.%d.key", "past_value_names": "past_key_values.%d.value"},
+                "outputs": {"logits": "logits",
+                            "present_key_names": "present.%d.key", "present_value_names": "present.%d.value"},
+            },
+        },
+        "search": {
+            # The graph concatenates the past with the new keys into present.* of the total length, so past and
+            # present cannot share one preallocated buffer.
+            "past_present_share_buffer": False,
+            "max_length": context,
+            "min_length": 0,
+            "do_sample": bool(generation.get("do_sample", False)),
+            "temperature": generation.get("temperature", 1.0),
+            "top_k": generation.get("top_k", 50),
+            "top_p": generation.get("top_p", 1.0),
+            "repetition_penalty": generation.get("repetition_penalty", 1.0),
+            "num_beams": 1,
+            "num_return_sequences": 1,
+            "early_stopping": True,
+            "length_penalty": 1.0,
+            "no_repeat_ngram_size": 0,
+            "diversity_penalty": 0.0,
+        },
+    }
+
+
+def write(onnx_path: Path, out_dir: Path, config: dict, generation: dict, log: Callable[[str], None]) -> dict:
+    import json
+
+    log("applying ONNX Runtime's basic graph optimisations; weights to external data")
+    optimize(onnx_path, out_dir / MODEL)
+    files = [MODEL] + ([WEIGHTS] if (out_dir / WEIGHTS).exists() else [])
+    dims = cache_dims(out_dir / MODEL)
+    reason = genai_unsupported_reason(config["model_type"], dims)
+    if reason is None:
+        (out_dir / GENAI_CONFIG).write_text(json.dumps(genai_config(config, generation, dims), indent=2) + "\n")
+        files.append(GENAI_CONFIG)
+    else:
+        log(f"no {GENAI_CONFIG}: {reason}")
+    return {"files": files, "optimization_level": "basic", "genai_config": reason is None,
+            "genai_unsupported_reason": reason, "past_specs": dims}

@@ -1,0 +1,164 @@
+"""OpenVINO backend: model.onnx -> a stateful IR that optimum-intel's OVModelForCausalLM and openvino_genai's
+LLMPipeline load as they load their own exports.
+
+The layout they expect, and what this module builds:
+
+- ``openvino_model.xml/.bin``: inputs ``input_ids``, ``attention_mask``, ``position_ids`` and ``beam_idx``
+  ([batch] int32), output ``logits``. Every ``past_key_values.N.*`` input and its ``present.N.*`` output become
+  one variable (ReadValue ... Assign), so the KV cache lives inside the infer request between calls. A Gather
+  on the batch axis with ``beam_idx`` reorders the cache read from each variable (what beam search needs;
+  greedy passes ``arange(batch)``). Each ReadValue is initialised with zeros of ``[batch, heads, 0, dim]``,
+  batch taken from ``input_ids``, so the first call of a new sequence starts from an empty cache of the right
+  batch.
+- ``openvino_tokenizer.xml`` / ``openvino_detokenizer.xml`` from openvino-tokenizers (the chat template and
+  the special token ids go into their rt_info, where openvino_genai reads them);
+- the checkpoint's ``config.json``, ``generation_config.json`` and tokenizer files, read by optimum-intel
+  (AutoConfig, GenerationConfig) and by openvino_genai (generation defaults, eos ids).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+MODEL_XML = "openvino_model.xml"
+TOKENIZER_XML = "openvino_tokenizer.xml"
+DETOKENIZER_XML = "openvino_detokenizer.xml"
+PAST_PREFIX = "past_key_values."
+PRESENT_PREFIX = "present."
+BATCH_AXIS = 0  # of input_ids and of every cache tensor [batch, heads, seq, dim]
+# What a caller passes to compile the IR with the numerics of the export's parity check. OpenVINO's CPU defaults
+# are bf16 inference where the CPU has bf16 instructions and, for a stateful model, a KV cache stored as u8
+# (quantised per token); the artifact keeps those defaults (they are the runtime's speed/memory choice, and the
+# CPU plugin ignores an inference precision stored in the IR's rt_info anyway), and these properties turn both
+# back to f32.
+F32 = {"INFERENCE_PRECISION_HINT": "f32", "KV_CACHE_PRECISION": "f32"}
+
+
+def _names(ports) -> list[str]:
+    return [p.get_any_name() for p in ports]
+
+
+def fuse_beam_reorder(model) -> None:
+    """Add the ``beam_idx`` [batch] int32 input and read every past_key_values.* input through
+    Gather(past, beam_idx, axis=batch)."""
+    import openvino as ov
+    from openvino import opset13 as ops
+
+    if "beam_idx" in _names(model.inputs):
+        raise ValueError("the model already has a beam_idx input")
+    batch = model.input("input_ids").get_partial_shape()[BATCH_AXIS]
+    beam_idx = ops.parameter(ov.PartialShape([batch]), ov.Type.i32, name="beam_idx")
+    beam_idx.output(0).get_tensor().set_names({"beam_idx"})
+    model.add_parameters([beam_idx])
+    axis = ops.constant(np.int64(BATCH_AXIS))
+    for name in _names(model.inputs):
+        if not name.startswith(PAST_PREFIX):
+            continue
+        past = model.input(name)
+        consumers = list(past.get_target_inputs())
+        reordered = ops.gather(past, beam_idx, axis).output(0)
+        for consumer in consumers:
+            consumer.replace_source_output(reordered)
+    model.validate_nodes_and_infer_types()
+
+
+def make_stateful(model) -> int:
+    """Turn each past_key_values.* input / present.* output pair into a variable, initialised with an empty
+    cache of input_ids' batch. Returns the number of variables."""
+    from openvino import opset13 as ops
+    from openvino._offline_transformations import apply_make_stateful_transformation
+
+    outputs = set(_names(model.outputs))
+    pairs = {}
+    for name in _names(model.inputs):
+        if name.startswith(PAST_PREFIX):
+            present = PRESENT_PREFIX + name[len(PAST_PREFIX):]
+            if present not in outputs:
+                raise ValueError(f"{name} has no {present} output")
+            pairs[name] = present
+    if not pairs:
+        raise ValueError("the model has no past_key_values.* inputs")
+    apply_make_stateful_transformation(model, pairs)
+
+    shape = ops.shape_of(model.input("input_ids"), output_type="i64")
+    batch = ops.gather(shape, ops.constant(np.array([BATCH_AXIS], np.int64)), ops.constant(np.int64(0)))
+    read_values = [op for op in model.get_ops() if op.get_type_name() == "ReadValue"]
+    for read_value in read_values:
+        dims = []
+        for axis, dim in enumerate(read_value.get_output_partial_shape(0)):
+            if axis == BATCH_AXIS:
+                dims.append(batch)
+            else:  # heads and head dim are static; the sequence axis starts empty
+                dims.append(ops.constant(np.array([dim.get_length() if dim.is_static else 0], np.int64)))
+        zeros = ops.broadcast(ops.constant(0.0, dtype=read_value.get_output_element_type(0)),
+                              ops.concat(dims, axis=0))
+        read_value.set_arguments([zeros])
+    model.validate_nodes_and_infer_types()
+    return len(read_values)
+
+
+def convert(onnx_path: Path, versions: dict[str, str]):
+    """model.onnx -> stateful ov.Model, with the versions that made it in rt_info (optimum-intel reads
+    optimum/transformers_version to pick the generation code path for some model types)."""
+    import openvino as ov
+
+    model = ov.convert_model(str(onnx_path))
+    fuse_beam_reorder(model)
+    make_stateful(model)
+    for key, value in versions.items():
+        model.set_rt_info(value, ["optimum", key])
+    return model
+
+
+def convert_tokenizers(source: Path, out_dir: Path) -> list[str]:
+    """openvino_tokenizer.xml and openvino_detokenizer.xml from the checkpoint's Hugging Face tokenizer."""
+    import openvino as ov
+    from openvino_tokenizers import convert_tokenizer
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(source)
+    tokenizer.padding_side = "left"  # as optimum-intel exports it for text generation
+    tokenizer_model, detokenizer_model = convert_tokenizer(tokenizer, with_detokenizer=True)
+    ov.save_model(tokenizer_model, out_dir / TOKENIZER_XML)
+    ov.save_model(detokenizer_model, out_dir / DETOKENIZER_XML)
+    return [TOKENIZER_XML, TOKENIZER_XML.replace(".xml", ".bin"), DETOKENIZER_XML,
+            DETOKENIZER_XML.replace(".xml", ".bin")]
+
+
+def write(onnx_path: Path, source: Path, out_dir: Path, versions: dict[str, str], has_tokenizer: bool,
+          log: Callable[[str], None]) -> dict:
+    import openvino as ov
+
+    log("converting model.onnx to OpenVINO IR and making the KV cache stateful")
+    model = convert(onnx_path, versions)
+    ov.save_model(model, out_dir / MODEL_XML, compress_to_fp16=False)
+    files = [MODEL_XML, MODEL_XML.replace(".xml", ".bin")]
+    if has_tokenizer:
+        log("converting the tokenizer with openvino-tokenizers")
+        files += convert_tokenizers(source, out_dir)
+    return {"files": files, "inputs": _names(model.inputs), "outputs": _names(model.outputs),
+            "variables": len(model.get_sinks())}
+
+
+def compile_ir(path: Path, config: dict | None = None):
+    """The IR compiled for CPU with f32 inference and KV cache precision (plus config)."""
+    import openvino as ov
+
+    return ov.Core().compile_model(str(path), "CPU", {**F32, **(config or {})})
+
+
+def stateful_step(compiled):
+    """A parity Step over a compiled stateful IR, with a fresh infer request: the KV cache of one sequence
+    batch stays in the request's variables between calls."""
+    request = compiled.create_infer_request()
+    logits = compiled.output("logits")
+
+    def step(ids, mask, positions):
+        result = request.infer({"input_ids": ids, "attention_mask": mask, "position_ids": positions,
+                                "beam_idx": np.arange(len(ids), dtype=np.int32)})
+        return np.array(result[logits])
+
+    return step
