@@ -80,13 +80,13 @@ def tokenized_exports(tmp_path_factory):
     return out
 
 
-def check_verification(manifest: dict) -> None:
+def check_verification(manifest: dict, new_tokens: int = NEW_TOKENS) -> None:
     verification = manifest["verification"]
     assert verification["passed"], verification
     assert {c["name"] for c in verification["cases"]} == {"short", "long", "batch2-left-padded"}
     for case in verification["cases"]:
         assert case["tokens"] == case["expected"], case
-        assert len(case["tokens"][0]) == NEW_TOKENS
+        assert len(case["tokens"][0]) == new_tokens
 
 
 def source_of(export_dir: Path) -> Path:
@@ -101,6 +101,60 @@ def reference_chat_tokens(source: Path, new_tokens: int = NEW_TOKENS) -> tuple[l
     ids, mask = left_pad([prompt], model.config.pad_token_id or 0)
     tokens, _ = greedy(torch_step(model), ids, mask, new_tokens)
     return prompt, tokens[0].tolist()
+
+
+def genai_greedy(artifact: Path, prompt: list[int], new_tokens: int = NEW_TOKENS) -> list[int]:
+    """Greedy tokens from onnxruntime-genai's own generation loop over the artifact."""
+    import onnxruntime_genai as og
+
+    model = og.Model(str(artifact))
+    params = og.GeneratorParams(model)
+    params.set_search_options(do_sample=False, max_length=len(prompt) + new_tokens,
+                              min_length=len(prompt) + new_tokens)
+    generator = og.Generator(model, params)
+    generator.append_tokens(np.array(prompt, np.int32))
+    tokens = []
+    while not generator.is_done():
+        generator.generate_next_token()
+        tokens.append(int(generator.get_next_tokens()[0]))
+    return tokens
+
+
+def llm_pipeline(artifact: Path, new_tokens: int = NEW_TOKENS, **properties):
+    """openvino_genai's LLMPipeline on the artifact and a greedy generation config of exactly new_tokens."""
+    import openvino_genai
+
+    pipe = openvino_genai.LLMPipeline(str(artifact), "CPU", **properties)
+    config = pipe.get_generation_config()
+    config.max_new_tokens = config.min_new_tokens = new_tokens
+    config.do_sample = False
+    return pipe, config
+
+
+def optimum_intel_greedy(artifact: Path, prompt: list[int], new_tokens: int = NEW_TOKENS) -> list[int]:
+    from optimum.intel import OVModelForCausalLM
+
+    model = OVModelForCausalLM.from_pretrained(artifact, ov_config=F32)
+    assert model.stateful
+    ids = torch.tensor([prompt])
+    generated = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                               min_new_tokens=new_tokens, do_sample=False)
+    return generated[0, len(prompt):].tolist()
+
+
+def pipeline_greedy(pipe, config, prompt: list[int]) -> list[int]:
+    import openvino as ov
+    import openvino_genai
+
+    ids = np.array([prompt], np.int64)
+    inputs = openvino_genai.TokenizedInputs(ov.Tensor(ids), ov.Tensor(np.ones_like(ids)))
+    return list(pipe.generate(inputs, config).tokens[0])
+
+
+def chat_prompt_ids(tokenizer) -> list[int]:
+    """MESSAGES through an openvino_genai tokenizer's chat template and encoder."""
+    text = tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True)
+    return tokenizer.encode(text, add_special_tokens=False).input_ids.data[0].tolist()
 
 
 # --- OpenVINO -------------------------------------------------------------------------------------------------
@@ -154,9 +208,6 @@ def test_openvino_beam_idx_reorders_the_cache(exports, tmp_path):
 
 @pytest.mark.parametrize("name", ["qwen2", "deepseek_v3"])
 def test_openvino_artifact_generates_through_llm_pipeline_and_optimum_intel(tokenized_exports, tmp_path, name):
-    import openvino_genai
-    from optimum.intel import OVModelForCausalLM
-
     out = tmp_path / "ov"
     manifest = compile_artifact(tokenized_exports[name], out, "openvino", verify=False)
     assert manifest["tokenizer"]
@@ -164,28 +215,18 @@ def test_openvino_artifact_generates_through_llm_pipeline_and_optimum_intel(toke
         assert (out / f).is_file(), f
     source = source_of(tokenized_exports[name])
     prompt, expected = reference_chat_tokens(source)
-    text = AutoTokenizer.from_pretrained(source).decode(expected)
+    reference = AutoTokenizer.from_pretrained(source)
 
-    pipe = openvino_genai.LLMPipeline(str(out), "CPU", **F32)
-    config = pipe.get_generation_config()
-    config.max_new_tokens = config.min_new_tokens = NEW_TOKENS
-    config.do_sample = False
+    pipe, config = llm_pipeline(out, **F32)
     tokenizer = pipe.get_tokenizer()
     assert tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True) == \
-        AutoTokenizer.from_pretrained(source).apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=False)
-    # a string prompt goes through the chat template and the tokenizer/detokenizer IR
-    assert pipe.generate(MESSAGES[0]["content"], config) == text
-    encoded = tokenizer.encode(tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True),
-                               add_special_tokens=False)
-    assert encoded.input_ids.data.tolist() == [prompt]
-    assert list(pipe.generate(encoded, config).tokens[0]) == expected
+        reference.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=False)
+    assert chat_prompt_ids(tokenizer) == prompt
+    # a string prompt goes through the chat template, the tokenizer IR, generation and the detokenizer IR
+    assert pipe.generate(MESSAGES[0]["content"], config) == reference.decode(expected)
+    assert pipeline_greedy(pipe, config, prompt) == expected
 
-    model = OVModelForCausalLM.from_pretrained(out, ov_config=F32)
-    assert model.stateful
-    ids = torch.tensor([prompt])
-    generated = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS,
-                               min_new_tokens=NEW_TOKENS, do_sample=False)
-    assert generated[0, len(prompt):].tolist() == expected
+    assert optimum_intel_greedy(out, prompt) == expected
 
 
 # --- ONNX Runtime ---------------------------------------------------------------------------------------------
@@ -217,6 +258,11 @@ def test_onnxruntime_artifact_keeps_optimum_names_and_decodes_like_pytorch(expor
         genai = json.loads((out / "genai_config.json").read_text())
         assert genai["model"]["type"] == "qwen2"
         assert genai["model"]["decoder"]["head_size"] == 16 and genai["model"]["decoder"]["num_key_value_heads"] == 2
+        # the random checkpoint has no special token ids (left out of genai_config.json); genai still loads it
+        model = AutoModelForCausalLM.from_pretrained(source_of(exports[name])).eval()
+        prompt = [5, 17, 33, 2, 9, 41, 12]
+        expected, _ = greedy(torch_step(model), *left_pad([prompt], 0), NEW_TOKENS)
+        assert genai_greedy(out, prompt) == expected[0].tolist()
 
 
 def test_onnxruntime_artifact_generates_through_onnxruntime_genai(tokenized_exports, tmp_path):
@@ -224,27 +270,17 @@ def test_onnxruntime_artifact_generates_through_onnxruntime_genai(tokenized_expo
 
     out = tmp_path / "ort"
     compile_artifact(tokenized_exports["qwen2"], out, "onnxruntime", verify=False)
-    prompt, expected = reference_chat_tokens(source_of(tokenized_exports["qwen2"]))
+    source = source_of(tokenized_exports["qwen2"])
+    prompt, expected = reference_chat_tokens(source)
 
-    model = og.Model(str(out))
-    tokenizer = og.Tokenizer(model)
-    ids = tokenizer.encode(tokenizer.apply_chat_template(json.dumps(MESSAGES), add_generation_prompt=True))
-    assert ids.tolist() == prompt
-    params = og.GeneratorParams(model)
-    params.set_search_options(do_sample=False, max_length=len(prompt) + NEW_TOKENS,
-                              min_length=len(prompt) + NEW_TOKENS)
-    generator = og.Generator(model, params)
-    generator.append_tokens(ids)
-    tokens = []
-    while not generator.is_done():
-        generator.generate_next_token()
-        tokens.append(int(generator.get_next_tokens()[0]))
-    assert tokens == expected
+    tokenizer = og.Tokenizer(og.Model(str(out)))
+    assert tokenizer.encode(tokenizer.apply_chat_template(json.dumps(MESSAGES), add_generation_prompt=True)).tolist() \
+        == prompt
+    assert genai_greedy(out, prompt) == expected
     # the tokenizer files are read by onnxruntime-extensions: same ids and text as Hugging Face's (a random model's
     # tokens can split UTF-8 sequences, which the two decoders render differently, so decode a real text)
-    reference = AutoTokenizer.from_pretrained(source_of(tokenized_exports["qwen2"]))
     text = TEXTS[0]
-    ids = reference(text, add_special_tokens=False)["input_ids"]
+    ids = AutoTokenizer.from_pretrained(source)(text, add_special_tokens=False)["input_ids"]
     assert tokenizer.encode(text).tolist() == ids
     assert tokenizer.decode(np.array(ids, np.int32)) == text
 
@@ -298,40 +334,21 @@ EMBEDDED_PRESENT = [n for n in sorted(EMBEDDED) if (embedded_path(n) / "config.j
 @pytest.mark.slow
 @pytest.mark.parametrize("name", EMBEDDED_PRESENT or [pytest.param("none", marks=pytest.mark.skip("no embedded models"))])
 def test_embedded_model_loads_in_every_runtime(tmp_path, name):
-    import onnxruntime_genai as og
-    import openvino_genai
-    from optimum.intel import OVModelForCausalLM
-
     export(name, tmp_path / "export", parity=())
-    source = embedded_path(name)
-    prompt, expected = reference_chat_tokens(source, 16)
+    prompt, expected = reference_chat_tokens(embedded_path(name), 16)
 
     ov_dir, ort_dir = tmp_path / "ov", tmp_path / "ort"
-    assert compile_artifact(tmp_path / "export", ov_dir, "openvino", new_tokens=16)["verification"]["passed"]
-    pipe = openvino_genai.LLMPipeline(str(ov_dir), "CPU", **F32)
-    config = pipe.get_generation_config()
-    config.max_new_tokens = config.min_new_tokens = 16
-    config.do_sample = False
-    encoded = pipe.get_tokenizer().encode(
-        pipe.get_tokenizer().apply_chat_template(MESSAGES, add_generation_prompt=True), add_special_tokens=False)
-    assert list(pipe.generate(encoded, config).tokens[0]) == expected
-    model = OVModelForCausalLM.from_pretrained(ov_dir, ov_config=F32)
-    ids = torch.tensor([prompt])
-    assert model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=16, min_new_tokens=16,
-                          do_sample=False)[0, len(prompt):].tolist() == expected
+    check_verification(compile_artifact(tmp_path / "export", ov_dir, "openvino", new_tokens=16), 16)
+    pipe, config = llm_pipeline(ov_dir, 16, **F32)
+    assert chat_prompt_ids(pipe.get_tokenizer()) == prompt
+    assert pipeline_greedy(pipe, config, prompt) == expected
+    assert pipe.generate(MESSAGES[0]["content"], config) == \
+        AutoTokenizer.from_pretrained(embedded_path(name)).decode(expected)
+    assert optimum_intel_greedy(ov_dir, prompt, 16) == expected
 
     manifest = compile_artifact(tmp_path / "export", ort_dir, "onnxruntime", new_tokens=16)
-    assert manifest["verification"]["passed"]
-    if not manifest["onnxruntime"]["genai_config"]:
-        assert json.loads((source / "config.json").read_text())["model_type"].startswith("deepseek")
-        return
-    og_model = og.Model(str(ort_dir))
-    params = og.GeneratorParams(og_model)
-    params.set_search_options(do_sample=False, max_length=len(prompt) + 16, min_length=len(prompt) + 16)
-    generator = og.Generator(og_model, params)
-    generator.append_tokens(np.array(prompt, np.int32))
-    tokens = []
-    while not generator.is_done():
-        generator.generate_next_token()
-        tokens.append(int(generator.get_next_tokens()[0]))
-    assert tokens == expected
+    check_verification(manifest, 16)
+    if manifest["model_type"] in ("deepseek_v2", "deepseek_v3"):
+        assert not manifest["onnxruntime"]["genai_config"]
+    else:
+        assert genai_greedy(ort_dir, prompt, 16) == expected

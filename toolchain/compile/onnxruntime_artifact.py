@@ -81,12 +81,13 @@ def genai_config(config: dict, generation: dict, dims: dict[str, tuple[int, int]
     if pad is None:
         pad = eos[0] if isinstance(eos, list) else eos
     context = config.get("max_position_embeddings", 2048)
+    # genai's parser rejects null: a checkpoint without special token ids leaves them out
+    token_ids = {"bos_token_id": generation.get("bos_token_id", config.get("bos_token_id")),
+                 "eos_token_id": eos, "pad_token_id": pad}
     return {
         "model": {
             "type": GENAI_TYPES[config["model_type"]],
-            "bos_token_id": generation.get("bos_token_id", config.get("bos_token_id")),
-            "eos_token_id": eos,
-            "pad_token_id": pad,
+            **{key: value for key, value in token_ids.items() if value is not None},
             "vocab_size": config["vocab_size"],
             "context_length": context,
             "decoder": {
