@@ -309,6 +309,11 @@ def test_bad_input_is_an_input_error_and_writes_nothing(exports, tmp_path):
     (moved / "export.json").write_text(json.dumps(report))
     with pytest.raises(InputError, match="source checkpoint"):
         compile_artifact(moved, tmp_path / "out", "openvino")
+    report["source"]["path"] = str(source_of(exports["llama"]))
+    report["parity"] = {"openvino": {"passed": False}}
+    (moved / "export.json").write_text(json.dumps(report))
+    with pytest.raises(InputError, match="failed its parity check on openvino"):
+        compile_artifact(moved, tmp_path / "out", "onnxruntime")
     assert not (tmp_path / "out").exists()
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".out")] == []
 

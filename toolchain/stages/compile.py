@@ -55,6 +55,10 @@ def read_export(export_dir: Path) -> tuple[dict, Path]:
         inputs = report["graph"]["inputs"]
     except (KeyError, TypeError):
         raise InputError(f"{export_dir / 'export.json'} lacks source.path or graph.inputs") from None
+    failed = [b for b, r in (report.get("parity") or {}).items() if isinstance(r, dict) and not r.get("passed", True)]
+    if failed:
+        raise InputError(f"{export_dir} failed its parity check on {', '.join(failed)} (see its export.json); "
+                         f"fix the export before compiling it")
     missing = [n for n in REQUIRED_INPUTS if n not in inputs]
     if missing or not any(n.startswith("past_key_values.") for n in inputs):
         raise InputError(f"{export_dir / 'model.onnx'} is not a decoder with a KV cache (inputs {inputs})")
