@@ -68,7 +68,7 @@ class Names:
         return name
 
     def add_initializer(self, array: np.ndarray, base_name: str) -> ir.Value:
-        tensor = ir.tensor(np.ascontiguousarray(array), name=self.fresh(base_name))
+        tensor = ir.tensor(np.ascontiguousarray(array).reshape(np.shape(array)), name=self.fresh(base_name))  # 0-d stays 0-d
         value = ir.Value(
             name=tensor.name, type=ir.TensorType(tensor.dtype), shape=ir.Shape(array.shape), const_value=tensor
         )
