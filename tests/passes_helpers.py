@@ -81,10 +81,13 @@ def rand(*shape: int, seed: int = 0, positive: bool = False) -> np.ndarray:
     return np.abs(array) + 0.5 if positive else array
 
 
-def check_pass(model: ir.Model, name: str, *, atol: float = 1e-5) -> PassStats:
+def check_pass(
+    model: ir.Model, name: str, *, atol: float = 1e-5, feeds: Mapping[str, np.ndarray] | None = None
+) -> PassStats:
     """Run pass ``name`` on ``model`` in place and return its stats, after checking that the model still
-    validates, computes the same outputs under ORT (random inputs), and that a second run changes nothing."""
-    feeds = random_feeds(model)
+    validates, computes the same outputs under ORT (``feeds``, random inputs by default), and that a second run
+    changes nothing."""
+    feeds = random_feeds(model) if feeds is None else feeds
     before_bytes = to_bytes(model)
     expected = run_ort(before_bytes, feeds)
     stats = run_pass(name, create_pass(name), model)
