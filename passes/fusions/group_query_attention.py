@@ -1,0 +1,129 @@
+"""fuse-group-query-attention: attention over a concatenated KV cache (Llama/Qwen2 GQA, repeat_kv included, or
+plain multi-head) -> com.microsoft GroupQueryAttention, which owns the KV cache.
+
+Matched (``passes.fusions._attention``): q [B, H, S, D]; present_k = Concat(past_k, k, axis=2) and present_v
+likewise, [B, kvH, T, D]; K/V repeated H/kvH times by repeat_kv; softmax(q K^T * scale + mask) V with the
+additive mask [B, 1, S, T]. K and V must share the head size D (GQA's requirement; MLA is for
+``fuse-mla-attention``). Replaced by::
+
+    out, present_k, present_v = GroupQueryAttention(q3, k3, v3, past_k, past_v, seqlens_k, total_length,
+        attention_bias=mask, query_seqlens=S_per_row, num_heads=H, kv_num_heads=kvH, scale=scale)
+
+* q3, k3, v3 are the [B, S, heads * D] tensors before the head split (a 4-D RotaryEmbedding on the way becomes
+  a 3-D one; a q/k/v not made by a head split is merged back with Transpose + Reshape).
+* present_k/present_v take over the Concat outputs, graph outputs included, so ``present.N.*`` keep their
+  names and stay the whole cache: ORT 1.32 returns [B, kvH, past + S, D] when past_key holds exactly the past
+  (no shared buffer), checked by the tests.
+* Left padding stays exact by keeping the graph's own mask: every row is treated as having the full length T
+  (``seqlens_k`` = T - 1, ``total_sequence_length`` = T, both from the mask's shape, int32), so GQA places the
+  new tokens at T - S .. T - 1 as the Concat did, and the mask goes in as ``attention_bias``, which adds the
+  padding (and causal) terms to the scores as the Add did; GQA's own causal mask only removes what the mask
+  already removes. ``query_seqlens`` = S for every row lifts GQA's rule that a multi-token step with past
+  context needs batch 1 (chunked prefill of a batch). Only padding query rows, whose every key is masked, can
+  come out differently (the unfused graph averages all keys there, GQA only the causal ones); nothing reads
+  them: they are masked as keys for every real token, and excluded from parity.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import onnx_ir as ir
+
+from passes.fusions._attention import match_sdpa, output_3d, to_3d
+from passes.fusions._common import FusionPass, MS_DOMAIN, Emitter, dims, remove_dead, static_dim, use_opset
+from passes.graph import bypass, drop_orphaned_initializers, initializers_in_use
+from passes.registry import register
+
+
+@register("fuse-group-query-attention", targets=("onnxruntime",),
+          description="Attention over a Concat KV cache (GQA repeat_kv or MHA) -> ORT GroupQueryAttention.")
+class FuseGroupQueryAttention(FusionPass):
+    """Counts: ``gqa`` (GroupQueryAttention nodes with kv heads < heads), ``mha`` (kv heads == heads)."""
+
+    def apply(self, model: ir.Model) -> Counter:
+        graph = model.graph
+        counts: Counter = Counter()
+        emit = Emitter(graph)
+        used_before = initializers_in_use(graph)
+        lengths: dict[ir.Value, tuple[ir.Value, ir.Value, ir.Value]] = {}
+        dead: list[ir.Node] = []
+        for node in list(graph):
+            match = match_sdpa(node)
+            if match is None:
+                continue
+            if isinstance(match, str):
+                self.near_miss("gqa", node, match, 1)
+                continue
+            shape = self._heads(match)
+            if isinstance(shape, str):
+                self.near_miss("gqa", node, shape, 2)
+                continue
+            heads, kv_heads, head_dim = shape
+            anchor = match.root
+            q3, q_nodes = to_3d(emit, anchor, match.q, heads, head_dim)
+            k3, k_nodes = to_3d(emit, anchor, match.key.new, kv_heads, head_dim)
+            v3, v_nodes = to_3d(emit, anchor, match.value.new, kv_heads, head_dim)
+            if match.mask not in lengths:
+                lengths[match.mask] = self._lengths(emit, anchor, match.mask, q3)
+            seqlens_k, total, query_seqlens = lengths[match.mask]
+            inputs = [q3, k3, v3, match.key.past, match.value.past, seqlens_k, total, None, None, None, match.mask,
+                      None, None, None, None, None, query_seqlens]
+            gqa = emit.node(anchor, "GroupQueryAttention", inputs,
+                            {"num_heads": heads, "kv_num_heads": kv_heads, "scale": match.scale},
+                            domain=MS_DOMAIN, num_outputs=3)
+            out, present_k, present_v = gqa.outputs
+            q_dims = dims(q3)
+            out.dtype, out.shape = q3.dtype, ir.Shape([q_dims[0], q_dims[1], heads * head_dim]) if q_dims else None
+            for new, old in ((present_k, match.key.present), (present_v, match.value.present)):
+                new.dtype, new.shape = old.dtype, old.shape
+                bypass(graph, old, new)
+            merged = output_3d(match)
+            if merged is not None:
+                bypass(graph, merged, out)
+                dead += [merged.producer(), merged.producer().inputs[0].producer()]
+            else:  # keep the [B, H, S, D] result the rest of the graph reads
+                split = emit.op(anchor, "Reshape", out, emit.const([0, 0, heads, head_dim]))
+                bypass(graph, match.root.outputs[0], emit.op(anchor, "Transpose", split, perm=[0, 2, 1, 3]))
+            dead += match.nodes + match.key.nodes + match.value.nodes + q_nodes + k_nodes + v_nodes
+            counts["gqa" if kv_heads < heads else "mha"] += 1
+        if counts:
+            use_opset(model, MS_DOMAIN, 1)
+            remove_dead(graph, dead)
+            drop_orphaned_initializers(graph, used_before)
+            graph.sort()
+        return counts
+
+    @staticmethod
+    def _heads(match) -> tuple[int, int, int] | str:
+        """(heads, kv_heads, head_dim), checked against what GroupQueryAttention supports."""
+        heads, head_dim = static_dim(match.q, 1), static_dim(match.q, 3)
+        kv_heads = static_dim(match.key.past, 1) or static_dim(match.key.new, 1)
+        dims_kv = {static_dim(v, 3) for v in (match.key.past, match.key.new, match.value.past, match.value.new)}
+        if heads is None or head_dim is None or kv_heads is None:
+            return "head counts or head size unknown (run infer-shapes first)"
+        if dims_kv - {None} != {head_dim}:
+            sizes = sorted(d for d in dims_kv if d)
+            return f"K/V head sizes {sizes} differ from q's {head_dim} (MLA: fuse-mla-attention)"
+        if heads % kv_heads or heads // kv_heads != match.key.n_rep:
+            return f"{heads} query heads over {kv_heads} kv heads, but K/V are repeated {match.key.n_rep} times"
+        mask = dims(match.mask)
+        if mask is not None and (len(mask) != 4 or mask[1] not in (1, heads, None)):
+            return f"mask of shape {mask} is not [B, 1 or heads, S, T]"
+        return heads, kv_heads, head_dim
+
+    @staticmethod
+    def _lengths(emit: Emitter, anchor: ir.Node, mask: ir.Value, q3: ir.Value):
+        """seqlens_k = T - 1 and query_seqlens = S for every row, total_sequence_length = T (int32, T from the
+        mask's last axis, B and S from q)."""
+        int32 = ir.DataType.INT32
+        total = emit.op(anchor, "Gather", emit.op(anchor, "Shape", mask), emit.const(3), axis=0,
+                        name="gqa_lengths/Gather")
+        q_shape = emit.op(anchor, "Shape", q3)
+        batch = emit.op(anchor, "Gather", q_shape, emit.const([0]), axis=0)
+        seq = emit.op(anchor, "Gather", q_shape, emit.const(1), axis=0)
+        seqlens_k = emit.op(anchor, "Cast", emit.op(anchor, "Expand", emit.op(anchor, "Sub", total, emit.const(1)),
+                                                    batch), to=int32)
+        query_seqlens = emit.op(anchor, "Cast", emit.op(anchor, "Expand", seq, batch), to=int32)
+        total = emit.op(anchor, "Cast", total, to=int32)
+        return seqlens_k, total, query_seqlens

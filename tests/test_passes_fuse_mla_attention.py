@@ -1,0 +1,72 @@
+"""fuse-mla-attention: attention whose K and V head sizes differ (DeepSeek MLA) -> ONNX Attention (opset 23); and
+the ONNX Runtime limits that rule out its contrib attention ops for it."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+from attention_helpers import attention_feeds, attention_model
+from onnx import TensorProto, helper
+from passes_helpers import check_pass, node, op_counts
+
+from passes.fusions.mla_attention import FuseMlaAttention
+
+
+def near_misses(model) -> str:
+    return " | ".join(str(m) for m in FuseMlaAttention().near_misses(model))
+
+
+@pytest.mark.parametrize("seq, past", [(3, 4), (5, 0), (1, 6)], ids=["chunk-with-past", "prefill", "decode"])
+def test_mla_attention_becomes_onnx_attention(seq, past):
+    model = attention_model(heads=3, kv_heads=3, k_dim=12, v_dim=8)
+    feeds = attention_feeds(model, seq=seq, past=past, padding=min(2, past))
+    stats = check_pass(model, "fuse-mla-attention", feeds=feeds)
+    assert stats.counts == {"mla": 1}
+    counts = op_counts(model)
+    assert counts["Attention"] == 1 and "Softmax" not in counts and "Concat" not in counts
+    attention = next(n for n in model.graph if n.op_type == "Attention")
+    assert attention.domain == "" and model.opset_imports[""] == 23
+    assert [v.name for v in attention.inputs] == ["q4", "k4", "v4", "mask", "past_key", "past_value"]
+    assert [v.name for v in model.graph.outputs] == ["out", "present_key", "present_value"]
+    assert model.graph.outputs[1].producer() is attention and model.graph.outputs[2].producer() is attention
+
+
+def test_gqa_shaped_attention_is_taken_too_without_repeat_kv():
+    """ONNX Attention takes fewer kv heads natively in 4-D: what fuse-group-query-attention did not fuse."""
+    model = attention_model(heads=4, kv_heads=2)
+    assert check_pass(model, "fuse-mla-attention", feeds=attention_feeds(model)).counts == {"gqa": 1}
+    assert "Expand" not in op_counts(model)
+
+
+def test_no_fusion_when_raising_the_opset_would_change_an_op():
+    extra = node("GroupNormalization", ["gn_x", "gn_scale", "gn_bias"], ["gn_y"], num_groups=1)
+    model = attention_model(heads=3, kv_heads=3, k_dim=12, v_dim=8, extra_ops=[
+        node("Constant", [], ["gn_x"], value=helper.make_tensor("v", TensorProto.FLOAT, [1, 2, 2], [1, 2, 3, 4])),
+        node("Constant", [], ["gn_scale"], value=helper.make_tensor("s", TensorProto.FLOAT, [1], [1])),
+        node("Constant", [], ["gn_bias"], value=helper.make_tensor("b", TensorProto.FLOAT, [1], [0])), extra])
+    assert FuseMlaAttention()(model).counts == {}
+    assert "raising the opset to 23 would change the meaning of GroupNormalization" in near_misses(model)
+    assert model.opset_imports[""] == 18
+
+
+def _run_contrib(op_type, inputs, feeds, **attrs):
+    values = [helper.make_tensor_value_info(name, TensorProto.FLOAT, list(feeds[name].shape))
+              for name in inputs if name]
+    op = helper.make_node(op_type, inputs, ["out", "pk", "pv"], domain="com.microsoft", **attrs)
+    outputs = [helper.make_tensor_value_info(n, TensorProto.FLOAT, None) for n in ("out", "pk", "pv")]
+    graph = helper.make_graph([op], "g", values, outputs)
+    opsets = [helper.make_opsetid("", 18), helper.make_opsetid("com.microsoft", 1)]
+    model = helper.make_model(graph, opset_imports=opsets, ir_version=10)
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    return session.run(None, {k: v for k, v in feeds.items() if k in inputs})
+
+
+def test_ort_multi_head_attention_rejects_a_past_value_of_another_head_size():
+    """Why MLA does not go to com.microsoft.MultiHeadAttention with past/present (ORT 1.32)."""
+    rng = np.random.default_rng(0)
+    shapes = {"q": (1, 2, 3 * 12), "k": (1, 2, 3 * 12), "v": (1, 2, 3 * 8),
+              "past_k": (1, 3, 4, 12), "past_v": (1, 3, 4, 8)}
+    feeds = {k: rng.standard_normal(s).astype(np.float32) for k, s in shapes.items()}
+    with pytest.raises(Exception, match="past_value' dimension 3 should be same as head_size"):
+        _run_contrib("MultiHeadAttention", ["q", "k", "v", "", "", "", "past_k", "past_v"], feeds, num_heads=3)
