@@ -104,6 +104,35 @@ def export_cmd(model: str, out_dir: Path, trust_remote_code: bool, parity: str, 
                    f"greedy tokens {'identical' if r['tokens_identical'] else 'DIFFER'}  [{cases}]")
 
 
+@cli.command("compile")
+@click.argument("export_dir", metavar="IN", type=click.Path(path_type=Path))
+@click.option("-o", "--out", "out_dir", type=click.Path(path_type=Path), required=True, help="Artifact directory.")
+@click.option("--backend", type=click.Choice(["openvino", "onnxruntime"]), required=True)
+@click.option("--no-verify", is_flag=True, help="Skip the greedy-decoding check of the artifact against PyTorch.")
+@click.option("--json", "as_json", is_flag=True, help="Print manifest.json to stdout instead of the summary.")
+def compile_cmd(export_dir: Path, out_dir: Path, backend: str, no_verify: bool, as_json: bool) -> None:
+    """Compile the output of `dstc export` (IN) into an artifact for one runtime.
+
+    openvino: stateful IR (KV cache in ReadValue/Assign, beam_idx) with tokenizer IR, for openvino_genai's
+    LLMPipeline and optimum-intel's OVModelForCausalLM. onnxruntime: the graph with external weights and a
+    genai_config.json for onnxruntime-genai where its config can describe the model.
+    """
+    from toolchain.stages.compile import compile_artifact
+
+    manifest = compile_artifact(export_dir, out_dir, backend, verify=not no_verify,
+                                log=lambda msg: click.echo(f"[compile] {msg}", err=True))
+    if as_json:
+        click.echo(json.dumps(manifest, indent=2))
+        return
+    click.echo(f"{backend} artifact for {manifest['model_type']} -> {out_dir} ({len(manifest['files'])} files)")
+    verification = manifest.get("verification")
+    if verification:
+        worst = max(c["relative_diff"] for c in verification["cases"])
+        click.echo(f"verified against PyTorch: {'PASS' if verification['passed'] else 'FAIL'}, "
+                   f"max relative logit diff {worst:.1e}, greedy tokens "
+                   f"{'identical' if all(c['tokens_identical'] for c in verification['cases']) else 'DIFFER'}")
+
+
 @cli.group("passes")
 def passes_group() -> None:
     """Graph-rewrite passes (see `dstc optimize`)."""
