@@ -166,7 +166,7 @@ def test_openvino_ir_is_stateful_and_decodes_like_pytorch(exports, tmp_path, nam
     manifest = compile_artifact(exports[name], tmp_path / "ov", "openvino")
     check_verification(manifest)
     out = tmp_path / "ov"
-    for f in ("openvino_model.xml", "openvino_model.bin", "config.json", "generation_config.json", "manifest.json"):
+    for f in ("openvino_model.xml", "openvino_model.bin", "config.json", "generation_config.json", "compile.json"):
         assert (out / f).is_file(), f
     assert not (out / "openvino_tokenizer.xml").exists()  # the random checkpoint has no tokenizer
     assert sorted(p.name for p in out.iterdir()) == manifest["files"]
@@ -237,7 +237,7 @@ def test_onnxruntime_artifact_keeps_optimum_names_and_decodes_like_pytorch(expor
     manifest = compile_artifact(exports[name], out, "onnxruntime")
     check_verification(manifest)  # our ORT greedy loop over optimum's input/output names
     assert manifest["onnxruntime"]["optimization_level"] == "basic"
-    for f in ("model.onnx", "model.onnx.data", "config.json", "generation_config.json", "manifest.json"):
+    for f in ("model.onnx", "model.onnx.data", "config.json", "generation_config.json", "compile.json"):
         assert (out / f).is_file(), f
     assert sorted(p.name for p in out.iterdir()) == manifest["files"]
 
@@ -323,7 +323,7 @@ def test_rebuild_replaces_a_previous_artifact(exports, tmp_path):
     compile_artifact(exports["llama"], out, "onnxruntime", verify=False)
     (out / "stale.txt").write_text("from an earlier build")
     compile_artifact(exports["llama"], out, "onnxruntime", verify=False)
-    assert not (out / "stale.txt").exists() and (out / "manifest.json").is_file()
+    assert not (out / "stale.txt").exists() and (out / "compile.json").is_file()
     foreign = tmp_path / "foreign"
     foreign.mkdir()
     (foreign / "notes.txt").write_text("not dstc's")

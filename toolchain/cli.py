@@ -109,7 +109,7 @@ def export_cmd(model: str, out_dir: Path, trust_remote_code: bool, parity: str, 
 @click.option("-o", "--out", "out_dir", type=click.Path(path_type=Path), required=True, help="Artifact directory.")
 @click.option("--backend", type=click.Choice(["openvino", "onnxruntime"]), required=True)
 @click.option("--no-verify", is_flag=True, help="Skip the greedy-decoding check of the artifact against PyTorch.")
-@click.option("--json", "as_json", is_flag=True, help="Print manifest.json to stdout instead of the summary.")
+@click.option("--json", "as_json", is_flag=True, help="Print compile.json to stdout instead of the summary.")
 def compile_cmd(export_dir: Path, out_dir: Path, backend: str, no_verify: bool, as_json: bool) -> None:
     """Compile the output of `dstc export` (IN) into an artifact for one runtime.
 
@@ -131,6 +131,107 @@ def compile_cmd(export_dir: Path, out_dir: Path, backend: str, no_verify: bool, 
         click.echo(f"verified against PyTorch: {'PASS' if verification['passed'] else 'FAIL'}, "
                    f"max relative logit diff {worst:.1e}, greedy tokens "
                    f"{'identical' if all(c['tokens_identical'] for c in verification['cases']) else 'DIFFER'}")
+
+
+class _BuildDisplay:
+    """Rich progress for `dstc build`: a spinner per running stage, stage logs dimmed, one line per finished stage."""
+
+    def __init__(self) -> None:
+        from rich.console import Console
+
+        self.console = Console(stderr=True)
+        self.status = None
+
+    def stage_started(self, name: str, stage_id: str, cached: bool) -> None:
+        if cached:
+            return
+        self.status = self.console.status(f"[bold]{name}[/] running (stage {stage_id[:12]})")
+        self.status.start()
+
+    def stage_finished(self, name: str, seconds: float, cached: bool) -> None:
+        if self.status:
+            self.status.stop()
+            self.status = None
+        note = "[cyan]reused from the stage cache[/]" if cached else f"[green]done[/] in {seconds:.1f} s"
+        self.console.print(f"  {name:<9} {note}")
+
+    def log(self, message: str) -> None:
+        self.console.print(f"[dim]    {message}[/]", highlight=False)
+
+    def close(self) -> None:
+        if self.status:
+            self.status.stop()
+
+
+def _print_build_summary(manifest: dict, out_dir: Path) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    recipe, prov = manifest["recipe"], manifest["provenance"]
+    table = Table(title=f"{recipe['name']}: {recipe['model']} -> {recipe['compile']['backend']}", title_justify="left")
+    for column in ("stage", "id", "time", "check"):
+        table.add_column(column)
+    for stage in manifest["stages"]:
+        name = stage["name"]
+        check = ""
+        report = prov["stage_reports"].get("export/export.json") if name == "export" else None
+        if report:
+            check = "; ".join(f"{b} {r['max_relative_diff']:.1e} {'ok' if r['passed'] else 'FAIL'}"
+                              for b, r in report["parity"].items())
+        compiled = prov["stage_reports"].get("compile/compile.json") if name == "compile" else None
+        if compiled and compiled.get("verification"):
+            v = compiled["verification"]
+            check = f"greedy vs PyTorch {'identical' if v['passed'] else 'DIFFER'}"
+        cached = "cached" if name in prov["cached_stages"] else f"{prov['durations_s'][name]:.1f} s"
+        table.add_row(name, stage["id"][:12], cached, check)
+    console = Console()
+    console.print(table)
+    size = sum((out_dir / f).stat().st_size for f in manifest["files"])
+    console.print(f"artifact {out_dir}  ({len(manifest['files'])} files, {size / 1e6:.1f} MB, "
+                  f"built in {prov['durations_s']['total']:.1f} s)")
+
+
+@cli.command("build")
+@click.argument("recipe", type=click.Path(path_type=Path))
+@click.option("-o", "--out", "out_dir", type=click.Path(path_type=Path), default=None,
+              help="Artifact directory (default: artifacts/<recipe name>).")
+@click.option("--model", default=None, help="Build the recipe on another checkpoint (name, directory or hub id).")
+@click.option("--no-cache", is_flag=True, help="Run every stage again instead of reusing the stage cache.")
+@click.option("--json", "as_json", is_flag=True, help="Print manifest.json to stdout instead of the summary.")
+def build_cmd(recipe: Path, out_dir: Path | None, model: str | None, no_cache: bool, as_json: bool) -> None:
+    """Run every stage RECIPE names (export, passes, compression, compile) into a verified artifact.
+
+    Finished stages are cached by id (DSTC_CACHE_DIR, default ~/.cache/dstc) and reused when their inputs
+    and configuration are unchanged. The artifact is assembled beside its target and renamed into place at the
+    end: an interrupted build leaves the previous artifact as it was.
+    """
+    from toolchain.build import build
+
+    display = _BuildDisplay()
+    try:
+        manifest = build(recipe, out_dir, model=model, use_cache=not no_cache, events=display)
+    finally:
+        display.close()
+    final = Path(manifest["provenance"]["output"])
+    if as_json:
+        click.echo(json.dumps(manifest, indent=2))
+    else:
+        _print_build_summary(manifest, final)
+
+
+@cli.command("verify")
+@click.argument("artifact", type=click.Path(path_type=Path))
+def verify_cmd(artifact: Path) -> None:
+    """Re-hash every file of ARTIFACT against its manifest.json. Exit 0 if all match, 1 naming each changed,
+    missing or extra file."""
+    from toolchain.manifest import verify_artifact
+
+    problems = verify_artifact(artifact)
+    for problem in problems:
+        click.echo(problem)
+    if problems:
+        sys.exit(1)
+    click.echo(f"{artifact}: every file matches manifest.json")
 
 
 @cli.group("passes")

@@ -21,6 +21,10 @@ class UnsupportedModelError(InputError):
     """The checkpoint is a model, but of an architecture or variant the toolchain does not export."""
 
 
+class RecipeError(InputError):
+    """A recipe that does not parse or validate; the message names the file and the key."""
+
+
 class ParityError(DstcError):
     """The exported model disagrees with the PyTorch reference beyond tolerance."""
 

@@ -21,17 +21,20 @@ class Source:
     config: dict
 
 
-def resolve(spec: str) -> Source:
+def resolve(spec: str, revision: str | None = None) -> Source:
+    """Find the checkpoint; with a revision (a recipe's pinned commit), only that snapshot of a cached hub id."""
     from toolchain.models.registry import EMBEDDED, embedded_path
 
+    if revision and not _looks_like_hub_id(spec):
+        raise InputError(f"{spec}: a pinned revision needs a hub id (org/name) in the local Hugging Face cache")
     if spec in EMBEDDED:
         path, kind = embedded_path(spec), "embedded"
-    elif Path(spec).exists():
+    elif Path(spec).exists() and not revision:
         path, kind = Path(spec), "directory"
         if not path.is_dir():
             raise InputError(f"{spec} is a file, not a model directory")
     elif _looks_like_hub_id(spec):
-        path, kind = _from_hf_cache(spec), "hf-cache"
+        path, kind = _from_hf_cache(spec, revision), "hf-cache"
     else:
         raise InputError(f"{spec}: no such directory, and not an embedded model ({', '.join(sorted(EMBEDDED))})")
     return Source(spec, path, kind, _read_config(path, spec))
@@ -42,15 +45,17 @@ def _looks_like_hub_id(spec: str) -> bool:
     return len(parts) == 2 and all(parts) and not spec.startswith((".", "~"))
 
 
-def _from_hf_cache(repo_id: str) -> Path:
+def _from_hf_cache(repo_id: str, revision: str | None) -> Path:
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import LocalEntryNotFoundError
 
     try:
-        return Path(snapshot_download(repo_id, local_files_only=True))
+        return Path(snapshot_download(repo_id, revision=revision, local_files_only=True))
     except (LocalEntryNotFoundError, FileNotFoundError, ValueError):
-        raise InputError(f"{repo_id} is not in the local Hugging Face cache, and dstc never downloads: "
-                         f"download it first or pass a local directory") from None
+        at = f" at revision {revision}" if revision else ""
+        raise InputError(f"{repo_id}{at} is not in the local Hugging Face cache, and dstc never downloads: "
+                         f"download it first (huggingface-cli download {repo_id}"
+                         f"{' --revision ' + revision if revision else ''}) or pass --model DIR") from None
 
 
 def _read_config(path: Path, spec: str) -> dict:

@@ -6,7 +6,7 @@
   genai_config.json for onnxruntime-genai where it can describe the model (toolchain/compile/onnxruntime_artifact.py).
 
 Both copy the checkpoint's config, generation config and tokenizer files beside the graph, and write
-manifest.json. Unless ``verify=False``, the compiled artifact then runs the export's parity prompts (short,
+compile.json. Unless ``verify=False``, the compiled artifact then runs the export's parity prompts (short,
 long, a left-padded batch of two) through prefill and greedy decode against PyTorch fp32 on the source
 checkpoint: the greedy tokens must be identical and the logits within the export's tolerance for that
 runtime, or a ParityError is raised (the artifact is kept for inspection).
@@ -130,15 +130,15 @@ def compile_artifact(export_dir: Path, out_dir: Path, backend: str, *, verify: b
             "export": {"dir": str(export_dir), "source": report["source"]},
             "model_type": config["model_type"],
             "tokenizer": has_tokenizer,
-            "files": sorted(files + ["manifest.json"]),
+            "files": sorted(files + ["compile.json"]),
             backend: details,
             "verification": verification,
             "timings": {k: round(v, 3) for k, v in timings.items()},
         }
-        (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
+        (tmp / "compile.json").write_text(json.dumps(manifest, indent=2) + "\n")
     if verification is not None and not verification["passed"]:
         worst = max(c["relative_diff"] for c in verification["cases"])
         raise ParityError(f"the {backend} artifact disagrees with PyTorch (relative diff {worst:.2e}, tokens "
                           f"identical: {all(c['tokens_identical'] for c in verification['cases'])}); "
-                          f"details in {out_dir / 'manifest.json'}")
+                          f"details in {out_dir / 'compile.json'}")
     return manifest

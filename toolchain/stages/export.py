@@ -56,8 +56,8 @@ def save_graph(model: ir.Model, path: Path) -> list[str]:
 
 
 def export(spec: str, out_dir: Path, *, trust_remote_code: bool = False, parity: tuple[str, ...] = PARITY_BACKENDS,
-           new_tokens: int = 16, log: Callable[[str], None] = lambda _: None) -> dict:
-    source = sources.resolve(spec)
+           new_tokens: int = 16, revision: str | None = None, log: Callable[[str], None] = lambda _: None) -> dict:
+    source = sources.resolve(spec, revision)
     arch = architecture_for(source.config["model_type"])
     timings = {}
     t0 = time.perf_counter()

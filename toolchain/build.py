@@ -1,0 +1,156 @@
+"""`dstc build`: run a recipe's stages into a verified, reproducible artifact.
+
+Stages chain through directories (export -> passes -> compress -> compile). Each stage's id hashes its parent's
+id, its configuration and the toolchain's code, the first parent being the source checkpoint's file hashes (as
+Olive chains pass ids); a finished stage is kept in the stage cache under its id and reused by any build that
+reaches the same id. The artifact is the compile stage's deployable files plus manifest.json, assembled in a
+temporary directory beside the target and renamed into place at the end.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import shutil
+import time
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Callable
+
+from toolchain import source as sources
+from toolchain.atomic import atomic_output_dir
+from toolchain.manifest import code_digest, digest, file_hashes, git_commit, versions, write_manifest
+from toolchain.recipe import Recipe, load_recipe
+
+# Stage reports: they hold timings and absolute paths, so they go to the manifest's provenance, not the artifact.
+STAGE_REPORTS = ("export.json", "passes.json", "compression.json", "compile.json", "stage.json")
+# Seeds of everything random on the way to an artifact (the parity prompts for checkpoints without a tokenizer).
+SEEDS = {"parity_prompts": 0}
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("DSTC_CACHE_DIR") or Path.home() / ".cache" / "dstc") / "stages"
+
+
+@dataclass
+class Stage:
+    name: str
+    config: dict
+    run: Callable[[Path | None, Path, Callable[[str], None]], dict]
+
+
+def plan(recipe: Recipe) -> list[Stage]:
+    """The recipe's stages in order, each with the configuration that goes into its id."""
+    stages = [Stage("export", {"model": recipe.model, "trust_remote_code": recipe.trust_remote_code,
+                               **recipe.export.model_dump(mode="json")}, _export(recipe))]
+    if recipe.passes:
+        stages.append(Stage("passes", recipe.passes.model_dump(mode="json"), _passes(recipe)))
+    if recipe.compress:
+        stages.append(Stage("compress", recipe.compress.model_dump(mode="json"), _compress(recipe)))
+    stages.append(Stage("compile", recipe.compile.model_dump(mode="json"), _compile(recipe)))
+    return stages
+
+
+def _export(recipe: Recipe):
+    from toolchain.stages.export import export
+
+    return lambda _in, out, log: export(recipe.model, out, trust_remote_code=recipe.trust_remote_code,
+                                        parity=tuple(recipe.export.parity), new_tokens=recipe.export.new_tokens,
+                                        revision=recipe.revision, log=log)
+
+
+def _passes(recipe: Recipe):
+    from toolchain.stages.optimize import optimize
+
+    cfg = recipe.passes
+    return lambda inp, out, log: optimize(inp, out, cfg.target, passes=cfg.passes, expectations=cfg.expect, log=log)
+
+
+def _compress(recipe: Recipe):
+    from toolchain.stages.compress import compress
+
+    cfg = recipe.compress.model_dump()
+    return lambda inp, out, log: compress(inp, out, target=recipe.compile.backend, log=log, **cfg)
+
+
+def _compile(recipe: Recipe):
+    from toolchain.stages.compile import compile_artifact
+
+    cfg = recipe.compile
+    return lambda inp, out, log: compile_artifact(inp, out, cfg.backend, verify=cfg.verify, log=log)
+
+
+class Events:
+    """What a build reports while it runs; the CLI draws it, tests ignore it."""
+
+    def stage_started(self, name: str, stage_id: str, cached: bool) -> None: ...
+
+    def stage_finished(self, name: str, seconds: float, cached: bool) -> None: ...
+
+    def log(self, message: str) -> None: ...
+
+
+def build(recipe_path: Path, out_dir: Path | None = None, *, model: str | None = None, use_cache: bool = True,
+          events: Events | None = None) -> dict:
+    events = events or Events()
+    started = time.perf_counter()
+    recipe = load_recipe(recipe_path, model)
+    out_dir = Path(out_dir or Path("artifacts") / recipe.name)
+    source = sources.resolve(recipe.model, revision=recipe.revision)
+    source_files = file_hashes(source.path)
+    code = code_digest()
+    parent, stage_rows, durations, cached_stages, reports = digest(source_files), [], {}, [], {}
+    stage_dir = None
+    with atomic_output_dir(out_dir) as tmp:
+        for stage in plan(recipe):
+            stage_id = digest({"stage": stage.name, "config": stage.config, "parent": parent, "code": code})
+            target = cache_root() / f"{stage.name}-{stage_id[:20]}"
+            cached = use_cache and (target / "stage.json").is_file()
+            events.stage_started(stage.name, stage_id, cached)
+            t0 = time.perf_counter()
+            if not cached:
+                _run_stage(stage, stage_dir, target, stage_id, parent, events.log)
+            else:
+                cached_stages.append(stage.name)
+            durations[stage.name] = round(time.perf_counter() - t0, 3)
+            events.stage_finished(stage.name, durations[stage.name], cached)
+            stage_rows.append({"name": stage.name, "id": stage_id, "parent": parent, "config": stage.config})
+            reports.update({f"{stage.name}/{r}": _read_report(target / r) for r in STAGE_REPORTS[:-1]
+                            if (target / r).is_file()})
+            parent, stage_dir = stage_id, target
+        for item in sorted(stage_dir.iterdir()):
+            if item.name not in STAGE_REPORTS:
+                (shutil.copytree if item.is_dir() else shutil.copyfile)(item, tmp / item.name)
+        fields = {
+            "dstc_version": versions()["dstc"],
+            "git_commit": git_commit(),
+            "recipe": recipe.model_dump(mode="json"),
+            "recipe_sha256": recipe.digest(),
+            "source": {"model": recipe.model, "revision": recipe.revision, "kind": source.kind,
+                       "files": source_files},
+            "stages": stage_rows,
+            "versions": versions(),
+            "seeds": SEEDS,
+            "nondeterministic": [],
+        }
+        durations["total"] = round(time.perf_counter() - started, 3)
+        provenance = {"built_at": datetime.now(timezone.utc).isoformat(timespec="seconds"), "host": platform.node(),
+                      "output": str(out_dir.resolve()), "durations_s": durations, "cached_stages": cached_stages,
+                      "stage_reports": reports}
+        manifest = write_manifest(tmp, fields, provenance)
+    return manifest
+
+
+def _run_stage(stage: Stage, input_dir: Path | None, target: Path, stage_id: str, parent: str, log) -> None:
+    """Run a stage into the cache. The stage writes its own directory atomically; stage.json, written last,
+    marks the entry complete, so an interrupted stage is run again rather than reused."""
+    (target / "stage.json").unlink(missing_ok=True)
+    stage.run(input_dir, target, log)
+    (target / "stage.json").write_text(json.dumps({"name": stage.name, "id": stage_id, "parent": parent,
+                                                   "config": stage.config}, indent=2) + "\n")
+
+
+def _read_report(path: Path) -> dict:
+    return json.loads(path.read_text())

@@ -1,0 +1,90 @@
+"""Build recipes: YAML files validated with pydantic, so that a typo is an error naming the key and the file.
+
+A recipe names a source model and the stages to run on it, in this order: export, passes (optional),
+compress (optional), compile. Each stage's section is its configuration; its hash becomes part of the stage id.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from toolchain.errors import RecipeError
+
+Backend = Literal["openvino", "onnxruntime"]
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class ExportSection(Section):
+    parity: list[Backend] = Field(default_factory=lambda: ["onnxruntime", "openvino"])
+    new_tokens: int = Field(16, ge=1)
+
+
+class PassesSection(Section):
+    target: Backend
+    passes: list[str] | None = None  # None: the target's default pipeline
+    expect: dict[str, dict[str, int | str]] | None = None
+
+
+class CompressSection(Section):
+    scheme: Literal["int4-grouped", "int8-per-channel", "int8-per-head"]
+    group_size: Literal[32, 64, 128] = 128
+    sym: bool = False
+    ratio: float = Field(1.0, gt=0, le=1)
+    backup: Literal["int8", "none"] = "int8"
+    awq: bool = False
+    scale_estimation: bool = False
+    gptq: bool = False
+    dataset: str = "embedded"
+    ignore: list[str] = Field(default_factory=list)
+    accuracy_level: int | None = 4
+
+
+class CompileSection(Section):
+    backend: Backend
+    verify: bool = True
+
+
+class Recipe(Section):
+    name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+    description: str = ""
+    model: str
+    revision: str | None = None  # a real checkpoint's pinned commit, checked against the local copy
+    trust_remote_code: bool = False
+    export: ExportSection = Field(default_factory=ExportSection)
+    passes: PassesSection | None = None
+    compress: CompressSection | None = None
+    compile: CompileSection
+
+    def digest(self) -> str:
+        return hashlib.sha256(json.dumps(self.model_dump(mode="json"), sort_keys=True).encode()).hexdigest()
+
+
+def load_recipe(path: Path, model_override: str | None = None) -> Recipe:
+    path = Path(path)
+    try:
+        data = yaml.safe_load(path.read_text())
+    except OSError as e:
+        raise RecipeError(f"cannot read recipe {path}: {e.strerror}") from None
+    except yaml.YAMLError as e:
+        raise RecipeError(f"{path}: not valid YAML: {str(e).splitlines()[0]}") from None
+    if not isinstance(data, dict):
+        raise RecipeError(f"{path}: a recipe is a mapping of keys to values")
+    if model_override:
+        data = {**data, "model": model_override, "revision": None}
+    try:
+        return Recipe.model_validate(data)
+    except ValidationError as e:
+        first = e.errors()[0]
+        key = ".".join(str(p) for p in first["loc"]) or "(top level)"
+        problem = "unknown key" if first["type"] == "extra_forbidden" else first["msg"]
+        more = f" (and {e.error_count() - 1} more)" if e.error_count() > 1 else ""
+        raise RecipeError(f"{path}: {key}: {problem}{more}") from None
