@@ -72,3 +72,11 @@ def test_no_fusion_when_scores_are_read_elsewhere():
     model = attention_model(extra_ops=[node("ReduceMax", ["probs"], ["probs_max"], keepdims=0)])
     assert check_pass(model, "fuse-group-query-attention", feeds=attention_feeds(model)).counts == {}
     assert "Softmax 'probs' of the attention has other uses" in near_misses(model)
+
+
+def test_no_fusion_for_a_head_size_gqa_does_not_support():
+    model = attention_model(heads=4, kv_heads=2, k_dim=12, v_dim=12)
+    assert check_pass(model, "fuse-group-query-attention", feeds=attention_feeds(model)).counts == {}
+    assert "head size 12 is not a multiple of 8" in near_misses(model)
+    stats = run_pipeline(model, ["fuse-group-query-attention", "fuse-mla-attention"])  # the fallback
+    assert [s.counts for s in stats] == [{}, {"gqa": 1}]

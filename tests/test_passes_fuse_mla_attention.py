@@ -51,8 +51,8 @@ def test_no_fusion_when_raising_the_opset_would_change_an_op():
 
 
 def _run_contrib(op_type, inputs, feeds, **attrs):
-    values = [helper.make_tensor_value_info(name, TensorProto.FLOAT, list(feeds[name].shape))
-              for name in inputs if name]
+    values = [helper.make_tensor_value_info(name, helper.np_dtype_to_tensor_dtype(feeds[name].dtype),
+                                            list(feeds[name].shape)) for name in inputs if name]
     op = helper.make_node(op_type, inputs, ["out", "pk", "pv"], domain="com.microsoft", **attrs)
     outputs = [helper.make_tensor_value_info(n, TensorProto.FLOAT, None) for n in ("out", "pk", "pv")]
     graph = helper.make_graph([op], "g", values, outputs)
@@ -70,3 +70,15 @@ def test_ort_multi_head_attention_rejects_a_past_value_of_another_head_size():
     feeds = {k: rng.standard_normal(s).astype(np.float32) for k, s in shapes.items()}
     with pytest.raises(Exception, match="past_value' dimension 3 should be same as head_size"):
         _run_contrib("MultiHeadAttention", ["q", "k", "v", "", "", "", "past_k", "past_v"], feeds, num_heads=3)
+
+
+def test_ort_group_query_attention_rejects_a_value_of_another_head_size():
+    """Why MLA does not go to com.microsoft.GroupQueryAttention (ORT 1.32)."""
+    rng = np.random.default_rng(0)
+    shapes = {"q": (1, 2, 2 * 16), "k": (1, 2, 2 * 16), "v": (1, 2, 2 * 8),
+              "past_k": (1, 2, 3, 16), "past_v": (1, 2, 3, 8)}
+    feeds = {k: rng.standard_normal(s).astype(np.float32) for k, s in shapes.items()}
+    feeds.update(seqlens_k=np.array([4], np.int32), total=np.array(5, np.int32))
+    with pytest.raises(Exception, match="'value' is expected to have same hidden size as key"):
+        _run_contrib("GroupQueryAttention", ["q", "k", "v", "past_k", "past_v", "seqlens_k", "total"], feeds,
+                     num_heads=2, kv_num_heads=2)

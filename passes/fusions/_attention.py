@@ -18,6 +18,7 @@ from passes.base import node_label
 from passes.fusions._common import (
     MS_DOMAIN, Emitter, axis_is_last, dims, int_list, is_op, only_consumer, producer, scalar,
 )
+from passes.graph import bypass
 
 
 @dataclasses.dataclass
@@ -128,6 +129,13 @@ def output_3d(sdpa: Sdpa) -> ir.Value | None:
     if target is None or len(target) != 3 or target[:2] != [0, 0]:
         return None
     return reshape.outputs[0]
+
+
+def take_over_caches(graph: ir.Graph, sdpa: Sdpa, present_k: ir.Value, present_v: ir.Value) -> None:
+    """Make a fused op's present outputs replace the cache Concats' (graph output names included)."""
+    for new, old in ((present_k, sdpa.key.present), (present_v, sdpa.value.present)):
+        new.dtype, new.shape = old.dtype, old.shape
+        bypass(graph, old, new)
 
 
 def split_heads_source(x4: ir.Value, heads: int, head_dim: int) -> tuple[ir.Value, list[ir.Node]] | None:

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
+from typing import NamedTuple
 
 import numpy as np
 import onnx_ir as ir
 
 from passes.base import CountingPass, NearMiss
-from passes.graph import Names, constant_array
+from passes.graph import Names, constant_array, drop_orphaned_initializers, initializers_in_use
 
 MS_DOMAIN = "com.microsoft"
 
@@ -140,9 +142,65 @@ def remove_dead(graph: ir.Graph, nodes: Iterable[ir.Node]) -> int:
     return removed
 
 
+class Miss(NamedTuple):
+    """Why a candidate was not rewritten; a higher ``score`` is closer to having matched."""
+
+    reason: str
+    score: int = 1
+
+
 class FusionPass(CountingPass):
-    """A hand-written fusion whose near-misses can be asked of any model: they come from a dry run on a clone
-    (tensors are shared, so it is cheap), as ``RewriteRulesPass`` replays its rules."""
+    """A hand-written fusion: :meth:`match` each node, :meth:`rewrite` each match; then the nodes the rewrites
+    left unused are removed, with the initializers only they read, and the graph is re-sorted.
+
+    ``match`` returns None for a node that is not a candidate, a :class:`Miss` for one that nearly matched
+    (recorded as a near-miss of ``rule``), or a match that ``rewrite`` turns into new nodes, returning the count
+    name to increment and the old nodes that may now be dead. Near-misses can be asked of any model: they come
+    from a dry run on a clone (tensors are shared, so it is cheap), as ``RewriteRulesPass`` replays its rules.
+    """
+
+    rule = "fusion"
+    domain: str | None = None  # imported (version 1) when something was rewritten
+
+    def start(self, model: ir.Model) -> None:
+        """Per-run state (e.g. values shared by all rewrites); ``self.emit`` is ready."""
+
+    def match(self, node: ir.Node):
+        raise NotImplementedError
+
+    def rewrite(self, match) -> tuple[str, list[ir.Node]]:
+        raise NotImplementedError
+
+    def finish(self, model: ir.Model) -> None:
+        """After at least one rewrite (e.g. opset changes)."""
+
+    def apply(self, model: ir.Model) -> Counter:
+        graph = model.graph
+        counts: Counter = Counter()
+        self.emit = Emitter(graph)
+        used_before = initializers_in_use(graph)
+        self.start(model)
+        dead: list[ir.Node] = []
+        for node in list(graph):
+            if node.graph is not graph:
+                continue  # removed by an earlier rewrite
+            found = self.match(node)
+            if found is None:
+                continue
+            if isinstance(found, Miss):
+                self.near_miss(self.rule, node, found.reason, found.score)
+                continue
+            name, old = self.rewrite(found)
+            counts[name] += 1
+            dead += old
+        if counts:
+            if self.domain is not None:
+                use_opset(model, self.domain, 1)
+            self.finish(model)
+            remove_dead(graph, dead)
+            drop_orphaned_initializers(graph, used_before)
+            graph.sort()
+        return counts
 
     def near_misses(self, model: ir.Model) -> list[NearMiss]:
         replay = type(self)()

@@ -3,8 +3,8 @@ plain multi-head) -> com.microsoft GroupQueryAttention, which owns the KV cache.
 
 Matched (``passes.fusions._attention``): q [B, H, S, D]; present_k = Concat(past_k, k, axis=2) and present_v
 likewise, [B, kvH, T, D]; K/V repeated H/kvH times by repeat_kv; softmax(q K^T * scale + mask) V with the
-additive mask [B, 1, S, T]. K and V must share the head size D (GQA's requirement; MLA is for
-``fuse-mla-attention``). Replaced by::
+additive mask [B, 1, S, T]. K and V must share the head size D, a multiple of 8 (ORT 1.32's GQA rejects
+others; ``fuse-mla-attention`` takes what is left, MLA in particular). Replaced by::
 
     out, present_k, present_v = GroupQueryAttention(q3, k3, v3, past_k, past_v, seqlens_k, total_length,
         attention_bias=mask, query_seqlens=S_per_row, num_heads=H, kv_num_heads=kvH, scale=scale)
@@ -26,13 +26,11 @@ additive mask [B, 1, S, T]. K and V must share the head size D (GQA's requiremen
 
 from __future__ import annotations
 
-from collections import Counter
-
 import onnx_ir as ir
 
-from passes.fusions._attention import match_sdpa, output_3d, to_3d
-from passes.fusions._common import FusionPass, MS_DOMAIN, Emitter, dims, remove_dead, static_dim, use_opset
-from passes.graph import bypass, drop_orphaned_initializers, initializers_in_use
+from passes.fusions._attention import match_sdpa, output_3d, take_over_caches, to_3d
+from passes.fusions._common import MS_DOMAIN, Emitter, FusionPass, Miss, dims, static_dim
+from passes.graph import bypass
 from passes.registry import register
 
 
@@ -41,58 +39,45 @@ from passes.registry import register
 class FuseGroupQueryAttention(FusionPass):
     """Counts: ``gqa`` (GroupQueryAttention nodes with kv heads < heads), ``mha`` (kv heads == heads)."""
 
-    def apply(self, model: ir.Model) -> Counter:
-        graph = model.graph
-        counts: Counter = Counter()
-        emit = Emitter(graph)
-        used_before = initializers_in_use(graph)
-        lengths: dict[ir.Value, tuple[ir.Value, ir.Value, ir.Value]] = {}
-        dead: list[ir.Node] = []
-        for node in list(graph):
-            match = match_sdpa(node)
-            if match is None:
-                continue
-            if isinstance(match, str):
-                self.near_miss("gqa", node, match, 1)
-                continue
-            shape = self._heads(match)
-            if isinstance(shape, str):
-                self.near_miss("gqa", node, shape, 2)
-                continue
-            heads, kv_heads, head_dim = shape
-            anchor = match.root
-            q3, q_nodes = to_3d(emit, anchor, match.q, heads, head_dim)
-            k3, k_nodes = to_3d(emit, anchor, match.key.new, kv_heads, head_dim)
-            v3, v_nodes = to_3d(emit, anchor, match.value.new, kv_heads, head_dim)
-            if match.mask not in lengths:
-                lengths[match.mask] = self._lengths(emit, anchor, match.mask, q3)
-            seqlens_k, total, query_seqlens = lengths[match.mask]
-            inputs = [q3, k3, v3, match.key.past, match.value.past, seqlens_k, total, None, None, None, match.mask,
-                      None, None, None, None, None, query_seqlens]
-            gqa = emit.node(anchor, "GroupQueryAttention", inputs,
-                            {"num_heads": heads, "kv_num_heads": kv_heads, "scale": match.scale},
-                            domain=MS_DOMAIN, num_outputs=3)
-            out, present_k, present_v = gqa.outputs
-            q_dims = dims(q3)
-            out.dtype, out.shape = q3.dtype, ir.Shape([q_dims[0], q_dims[1], heads * head_dim]) if q_dims else None
-            for new, old in ((present_k, match.key.present), (present_v, match.value.present)):
-                new.dtype, new.shape = old.dtype, old.shape
-                bypass(graph, old, new)
-            merged = output_3d(match)
-            if merged is not None:
-                bypass(graph, merged, out)
-                dead += [merged.producer(), merged.producer().inputs[0].producer()]
-            else:  # keep the [B, H, S, D] result the rest of the graph reads
-                split = emit.op(anchor, "Reshape", out, emit.const([0, 0, heads, head_dim]))
-                bypass(graph, match.root.outputs[0], emit.op(anchor, "Transpose", split, perm=[0, 2, 1, 3]))
-            dead += match.nodes + match.key.nodes + match.value.nodes + q_nodes + k_nodes + v_nodes
-            counts["gqa" if kv_heads < heads else "mha"] += 1
-        if counts:
-            use_opset(model, MS_DOMAIN, 1)
-            remove_dead(graph, dead)
-            drop_orphaned_initializers(graph, used_before)
-            graph.sort()
-        return counts
+    rule, domain = "gqa", MS_DOMAIN
+
+    def start(self, model: ir.Model) -> None:
+        self.lengths: dict[ir.Value, tuple[ir.Value, ir.Value, ir.Value]] = {}
+
+    def match(self, node: ir.Node):
+        match = match_sdpa(node)
+        if match is None or isinstance(match, str):
+            return None if match is None else Miss(match)
+        shape = self._heads(match)
+        return Miss(shape, 2) if isinstance(shape, str) else (match, shape)
+
+    def rewrite(self, found) -> tuple[str, list[ir.Node]]:
+        (match, (heads, kv_heads, head_dim)), emit, graph = found, self.emit, self.emit.graph
+        anchor = match.root
+        q3, q_nodes = to_3d(emit, anchor, match.q, heads, head_dim)
+        k3, k_nodes = to_3d(emit, anchor, match.key.new, kv_heads, head_dim)
+        v3, v_nodes = to_3d(emit, anchor, match.value.new, kv_heads, head_dim)
+        if match.mask not in self.lengths:
+            self.lengths[match.mask] = self._lengths(emit, anchor, match.mask, q3)
+        seqlens_k, total, query_seqlens = self.lengths[match.mask]
+        inputs = [q3, k3, v3, match.key.past, match.value.past, seqlens_k, total, None, None, None, match.mask,
+                  None, None, None, None, None, query_seqlens]
+        gqa = emit.node(anchor, "GroupQueryAttention", inputs,
+                        {"num_heads": heads, "kv_num_heads": kv_heads, "scale": match.scale},
+                        domain=MS_DOMAIN, num_outputs=3)
+        out, present_k, present_v = gqa.outputs
+        q_dims = dims(q3)
+        out.dtype, out.shape = q3.dtype, ir.Shape([q_dims[0], q_dims[1], heads * head_dim]) if q_dims else None
+        take_over_caches(graph, match, present_k, present_v)
+        dead = match.nodes + match.key.nodes + match.value.nodes + q_nodes + k_nodes + v_nodes
+        merged = output_3d(match)
+        if merged is not None:
+            bypass(graph, merged, out)
+            dead += [merged.producer(), merged.producer().inputs[0].producer()]
+        else:  # keep the [B, H, S, D] result the rest of the graph reads
+            split = emit.op(anchor, "Reshape", out, emit.const([0, 0, heads, head_dim]))
+            bypass(graph, match.root.outputs[0], emit.op(anchor, "Transpose", split, perm=[0, 2, 1, 3]))
+        return ("gqa" if kv_heads < heads else "mha"), dead
 
     @staticmethod
     def _heads(match) -> tuple[int, int, int] | str:
@@ -105,6 +90,8 @@ class FuseGroupQueryAttention(FusionPass):
         if dims_kv - {None} != {head_dim}:
             sizes = sorted(d for d in dims_kv if d)
             return f"K/V head sizes {sizes} differ from q's {head_dim} (MLA: fuse-mla-attention)"
+        if head_dim % 8:
+            return f"head size {head_dim} is not a multiple of 8, which ORT's GroupQueryAttention requires"
         if heads % kv_heads or heads // kv_heads != match.key.n_rep:
             return f"{heads} query heads over {kv_heads} kv heads, but K/V are repeated {match.key.n_rep} times"
         mask = dims(match.mask)

@@ -3,8 +3,8 @@ per-head KV cache) -> the ONNX ``Attention`` op (opset 23), which ONNX Runtime 1
 
 Which ONNX Runtime op fits, as found on ORT 1.32 (CPU, fp32; the tests pin each finding):
 
-* ``com.microsoft.GroupQueryAttention`` requires V's head size to equal K's (value shares key's
-  kv_hidden_size): no.
+* ``com.microsoft.GroupQueryAttention`` rejects a value whose hidden size differs from key's ("Input 'value'
+  is expected to have same hidden size as key"), and head sizes that are not multiples of 8: no.
 * ``com.microsoft.MultiHeadAttention`` with past_key/past_value rejects a past_value whose head size differs
   from K's ("Input 'past_value' dimension 3 should be same as head_size"); with 4-D [B, N, T, D] key/value
   (the whole cache, no past inputs) key and value must have the same shape. It accepts different K/V hidden
@@ -29,14 +29,12 @@ GQA cannot take (K/V head sizes differ) or that GQA was not run on.
 
 from __future__ import annotations
 
-from collections import Counter
-
 import onnx_ir as ir
 from onnx import defs
 
-from passes.fusions._attention import match_sdpa
-from passes.fusions._common import FusionPass, Emitter, dims, remove_dead, static_dim
-from passes.graph import bypass, drop_orphaned_initializers, initializers_in_use
+from passes.fusions._attention import match_sdpa, take_over_caches
+from passes.fusions._common import FusionPass, Miss, dims, static_dim
+from passes.graph import bypass
 from passes.registry import register
 
 ATTENTION_OPSET = 23
@@ -69,47 +67,35 @@ def opset_blocker(model: ir.Model, target: int = ATTENTION_OPSET) -> str | None:
 class FuseMlaAttention(FusionPass):
     """Counts: ``mla`` (K and V head sizes differ), ``mha`` / ``gqa`` (same head sizes, kv heads == / < heads)."""
 
-    def apply(self, model: ir.Model) -> Counter:
-        graph = model.graph
-        counts: Counter = Counter()
-        emit = Emitter(graph)
-        used_before = initializers_in_use(graph)
-        dead: list[ir.Node] = []
-        blocker = opset_blocker(model)
-        for node in list(graph):
-            match = match_sdpa(node)
-            if match is None:
-                continue
-            if isinstance(match, str):
-                self.near_miss("attention", node, match, 1)
-                continue
-            shape = self._check(match)
-            if isinstance(shape, str):
-                self.near_miss("attention", node, shape, 2)
-                continue
-            if blocker:
-                self.near_miss("attention", node, blocker, 3)
-                continue
-            heads, kv_heads, k_dim, v_dim = shape
-            attention = emit.node(match.root, "Attention",
-                                  [match.q, match.key.new, match.value.new, match.mask, match.key.past,
-                                   match.value.past], {"scale": match.scale}, num_outputs=3)
-            y, present_k, present_v = attention.outputs
-            out = match.root.outputs[0]
-            y.dtype, y.shape = out.dtype, out.shape
-            for new, old in ((present_k, match.key.present), (present_v, match.value.present)):
-                new.dtype, new.shape = old.dtype, old.shape
-                bypass(graph, old, new)
-            bypass(graph, out, y)
-            dead += match.nodes + match.key.nodes + match.value.nodes
-            counts["mla" if k_dim != v_dim else ("gqa" if kv_heads < heads else "mha")] += 1
-        if counts:
-            model.opset_imports[""] = max(model.opset_imports.get("", 1), ATTENTION_OPSET)
-            model.ir_version = max(model.ir_version or 0, 11)  # opset 23 came with IR version 11
-            remove_dead(graph, dead)
-            drop_orphaned_initializers(graph, used_before)
-            graph.sort()
-        return counts
+    rule = "attention"
+
+    def start(self, model: ir.Model) -> None:
+        self.blocker = opset_blocker(model)
+
+    def match(self, node: ir.Node):
+        match = match_sdpa(node)
+        if match is None or isinstance(match, str):
+            return None if match is None else Miss(match)
+        shape = self._check(match)
+        if isinstance(shape, str):
+            return Miss(shape, 2)
+        return Miss(self.blocker, 3) if self.blocker else (match, shape)
+
+    def rewrite(self, found) -> tuple[str, list[ir.Node]]:
+        match, (heads, kv_heads, k_dim, v_dim) = found
+        inputs = [match.q, match.key.new, match.value.new, match.mask, match.key.past, match.value.past]
+        attention = self.emit.node(match.root, "Attention", inputs, {"scale": match.scale}, num_outputs=3)
+        y, present_k, present_v = attention.outputs
+        out = match.root.outputs[0]
+        y.dtype, y.shape = out.dtype, out.shape
+        take_over_caches(self.emit.graph, match, present_k, present_v)
+        bypass(self.emit.graph, out, y)
+        kind = "mla" if k_dim != v_dim else ("gqa" if kv_heads < heads else "mha")
+        return kind, match.nodes + match.key.nodes + match.value.nodes
+
+    def finish(self, model: ir.Model) -> None:
+        model.opset_imports[""] = max(model.opset_imports.get("", 1), ATTENTION_OPSET)
+        model.ir_version = max(model.ir_version or 0, 11)  # opset 23 came with IR version 11
 
     @staticmethod
     def _check(match) -> tuple[int, int, int, int] | str:

@@ -26,9 +26,9 @@ from collections import Counter
 import numpy as np
 import onnx_ir as ir
 
-from passes.fusions._common import FusionPass, MS_DOMAIN, Emitter, dims, is_op, remove_dead, use_opset
+from passes.fusions._common import MS_DOMAIN, FusionPass, Miss, dims, is_op
 from passes.fusions._rope import match_rotate_half, match_tables
-from passes.graph import bypass, drop_orphaned_initializers, initializers_in_use
+from passes.graph import bypass
 from passes.registry import register
 
 
@@ -37,54 +37,48 @@ from passes.registry import register
 class FuseRotaryEmbedding(FusionPass):
     """Counts: ``rotary_embedding`` (RotaryEmbedding nodes created), ``cos_sin_caches`` (cache pairs built)."""
 
+    rule, domain = "rotary_embedding", MS_DOMAIN
+
+    def start(self, model: ir.Model) -> None:
+        self.caches: dict[tuple, tuple[ir.Value, ir.Value]] = {}
+
+    def match(self, add: ir.Node):
+        match = match_rotate_half(add) if is_op(add, "Add") else None
+        if match is None or isinstance(match, str):
+            return None if match is None else Miss(match)
+        x_dims = dims(match.x)
+        if x_dims is None or len(x_dims) != 4:
+            return Miss(f"x has shape {x_dims}, not [B, heads, S, D]", 2)
+        tables = match_tables(match.cos, match.sin)
+        if isinstance(tables, str):
+            return Miss(tables, 3)
+        half = tables.inv_freq.size
+        if match.half not in (None, half) or (isinstance(x_dims[3], int) and x_dims[3] != 2 * half):
+            return Miss(f"x's last dim {x_dims[3]} is not twice inv_freq's {half}", 4)
+        return match, tables
+
+    def rewrite(self, found) -> tuple[str, list[ir.Node]]:
+        match, tables = found
+        add = match.root
+        key = (tables.position_ids, tables.inv_freq.tobytes(), tables.scaling)
+        if key not in self.caches:
+            self.caches[key] = self._caches(add, tables)
+        cos_cache, sin_cache = self.caches[key]
+        rope = self.emit.node(add, "RotaryEmbedding", [match.x, tables.position_ids, cos_cache, sin_cache],
+                              {"interleaved": 0}, domain=MS_DOMAIN)
+        out = rope.outputs[0]
+        out.dtype, out.shape = add.outputs[0].dtype, match.x.shape
+        bypass(self.emit.graph, add.outputs[0], out)
+        return "rotary_embedding", match.nodes + tables.nodes
+
     def apply(self, model: ir.Model) -> Counter:
-        graph = model.graph
-        counts: Counter = Counter()
-        emit = Emitter(graph)
-        used_before = initializers_in_use(graph)
-        caches: dict[tuple, tuple[ir.Value, ir.Value]] = {}
-        dead: list[ir.Node] = []
-        for add in [n for n in graph if is_op(n, "Add")]:
-            match = match_rotate_half(add)
-            if match is None:
-                continue
-            if isinstance(match, str):
-                self.near_miss("rotary_embedding", add, match, 1)
-                continue
-            x_dims = dims(match.x)
-            if x_dims is None or len(x_dims) != 4:
-                self.near_miss("rotary_embedding", add, f"x has shape {x_dims}, not [B, heads, S, D]", 2)
-                continue
-            tables = match_tables(match.cos, match.sin)
-            if isinstance(tables, str):
-                self.near_miss("rotary_embedding", add, tables, 3)
-                continue
-            half = tables.inv_freq.size
-            if match.half not in (None, half) or (isinstance(x_dims[3], int) and x_dims[3] != 2 * half):
-                self.near_miss("rotary_embedding", add, f"x's last dim {x_dims[3]} is not twice inv_freq's {half}", 4)
-                continue
-            key = (tables.position_ids, tables.inv_freq.tobytes(), tables.scaling)
-            if key not in caches:
-                caches[key] = self._caches(emit, add, tables)
-                counts["cos_sin_caches"] += 1
-            cos_cache, sin_cache = caches[key]
-            rope = emit.node(add, "RotaryEmbedding", [match.x, tables.position_ids, cos_cache, sin_cache],
-                             {"interleaved": 0}, domain=MS_DOMAIN)
-            out = rope.outputs[0]
-            out.dtype, out.shape = add.outputs[0].dtype, match.x.shape
-            bypass(graph, add.outputs[0], out)
-            dead += match.nodes + tables.nodes
-            counts["rotary_embedding"] += 1
+        counts = super().apply(model)
         if counts:
-            use_opset(model, MS_DOMAIN, 1)
-            remove_dead(graph, dead)
-            drop_orphaned_initializers(graph, used_before)
-            graph.sort()
+            counts["cos_sin_caches"] = len(self.caches)
         return counts
 
-    @staticmethod
-    def _caches(emit: Emitter, anchor: ir.Node, tables) -> tuple[ir.Value, ir.Value]:
-        pos = tables.position_ids
+    def _caches(self, anchor: ir.Node, tables) -> tuple[ir.Value, ir.Value]:
+        emit, pos = self.emit, tables.position_ids
         last = emit.op(anchor, "ReduceMax", pos, keepdims=0, name="rope_cache/ReduceMax")
         rows = emit.op(anchor, "Range", emit.const(0), emit.op(anchor, "Add", last, emit.const(1)), emit.const(1))
         rows = emit.op(anchor, "Unsqueeze", emit.op(anchor, "Cast", rows, to=ir.DataType.FLOAT), emit.const([-1]))

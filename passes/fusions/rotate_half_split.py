@@ -13,11 +13,9 @@ Standard ONNX in, standard ONNX out; the values are the same, so the rewrite is 
 
 from __future__ import annotations
 
-from collections import Counter
-
 import onnx_ir as ir
 
-from passes.fusions._common import FusionPass, Emitter, dims, int_list, is_op
+from passes.fusions._common import FusionPass, Miss, dims, int_list, is_op
 from passes.fusions._rope import match_rotate_half
 from passes.registry import register
 
@@ -27,33 +25,29 @@ from passes.registry import register
 class RotateHalfSplit(FusionPass):
     """Counts: ``rotate_half_split`` (Splits rewritten)."""
 
-    def apply(self, model: ir.Model) -> Counter:
-        graph = model.graph
-        counts: Counter = Counter()
-        emit = Emitter(graph)
-        for add in [n for n in graph if is_op(n, "Add")]:
-            match = match_rotate_half(add)
-            if match is None:
-                continue
-            if isinstance(match, str):
-                self.near_miss("rotate_half_split", add, match, 1)
-                continue
-            split = match.halves[0]
-            if not is_op(split, "Split"):
-                continue  # Slices: already a form OpenVINO matches
-            x_dims = dims(match.x)
-            if x_dims is None or match.half is None:
-                self.near_miss("rotate_half_split", add, "x's rank or last dim unknown (run infer-shapes first)", 2)
-                continue
-            axis = len(x_dims) - 1
-            sizes = int_list(split.inputs[1]) if len(split.inputs) > 1 and split.inputs[1] is not None else None
-            if split.attributes.get_int("axis", 0) == axis and sizes == [match.half, match.half]:
-                continue  # already canonical
-            new = emit.node(split, "Split", [match.x, emit.const([match.half, match.half])], {"axis": axis},
-                            num_outputs=2)
-            for old, value in zip(split.outputs, new.outputs):
-                value.dtype, value.shape = old.dtype, old.shape
-                old.replace_all_uses_with(value)
-            graph.remove(split, safe=True)
-            counts["rotate_half_split"] += 1
-        return counts
+    rule = "rotate_half_split"
+
+    def match(self, add: ir.Node):
+        match = match_rotate_half(add) if is_op(add, "Add") else None
+        if match is None or isinstance(match, str):
+            return None if match is None else Miss(match)
+        split = match.halves[0]
+        if not is_op(split, "Split"):
+            return None  # Slices: already a form OpenVINO matches
+        x_dims = dims(match.x)
+        if x_dims is None or match.half is None:
+            return Miss("x's rank or last dim unknown (run infer-shapes first)", 2)
+        sizes = int_list(split.inputs[1]) if len(split.inputs) > 1 and split.inputs[1] is not None else None
+        if split.attributes.get_int("axis", 0) == len(x_dims) - 1 and sizes == [match.half, match.half]:
+            return None  # already canonical
+        return match, len(x_dims) - 1
+
+    def rewrite(self, found) -> tuple[str, list[ir.Node]]:
+        match, axis = found
+        split = match.halves[0]
+        new = self.emit.node(split, "Split", [match.x, self.emit.const([match.half, match.half])], {"axis": axis},
+                             num_outputs=2)
+        for old, value in zip(split.outputs, new.outputs):
+            value.dtype, value.shape = old.dtype, old.shape
+            old.replace_all_uses_with(value)
+        return "rotate_half_split", [split]
