@@ -1,0 +1,80 @@
+"""Per-runtime pipelines: which passes run for ONNX Runtime and for OpenVINO, and what they must achieve.
+
+* ``onnxruntime``: generic cleanups, then every fusion into the kernels ORT only runs when the graph names them
+  (SimplifiedLayerNormalization, SkipSimplifiedLayerNormalization, RotaryEmbedding, GroupQueryAttention, ONNX
+  Attention for MLA, QuickGelu), MatMul+Add -> Gemm where 2-D, cleanups.
+* ``openvino``: generic cleanups and standard ops only; OpenVINO fuses SDPA, RMSNorm and RoPE itself when it
+  compiles, so the graph is only reshaped where its fusions would miss: ``rotate-half-split`` for RoPE. Its
+  SDPA fusion fires on the exported attention as is (in the stateful IR the compile stage makes: the CPU plugin
+  keeps SDPA only in stateful models), and so does its RMS fusion.
+
+:func:`default_expectations` gives each fusion's expected count for a model type and depth (from the
+``dstc.model_type`` / ``dstc.num_layers`` metadata the exporter writes), so a fusion that misses a layer fails
+the pipeline with the pass's closest near-miss.
+"""
+
+from __future__ import annotations
+
+import onnx_ir as ir
+
+from passes.errors import PassError
+
+CLEANUP = ["fold-constants", "remove-unused", "cse"]
+
+PIPELINES: dict[str, list[str]] = {
+    "onnxruntime": [
+        "infer-shapes", *CLEANUP, "infer-shapes",
+        "fuse-rms-norm", "fuse-skip-rms-norm", "fuse-rotary-embedding",
+        "fuse-group-query-attention", "fuse-mla-attention", "fuse-silu", "fuse-matmul-add-gemm",
+        "cse", "remove-unused",
+    ],
+    "openvino": ["infer-shapes", *CLEANUP, "infer-shapes", "rotate-half-split", "remove-unused"],
+}
+
+GQA_MODELS = ("llama", "qwen2")
+MLA_MODELS = ("deepseek_v2", "deepseek_v3")
+
+
+def pipeline(target: str) -> list[str]:
+    if target not in PIPELINES:
+        raise PassError(f"unknown target {target!r}; targets: {', '.join(PIPELINES)}")
+    return list(PIPELINES[target])
+
+
+def model_info(model: ir.Model) -> tuple[str | None, int | None]:
+    """(model_type, num_layers) from the metadata dstc's exporter writes; None where absent."""
+    props = model.metadata_props
+    layers = props.get("dstc.num_layers")
+    return props.get("dstc.model_type"), int(layers) if layers and layers.isdigit() else None
+
+
+def default_expectations(target: str, model_type: str | None, num_layers: int | None) -> dict[str, dict]:
+    """Expected counts per pass for a decoder of ``num_layers`` layers (none for an unknown model)."""
+    pipeline(target)
+    if model_type not in GQA_MODELS + MLA_MODELS or not num_layers:
+        return {}
+    layers = num_layers
+    rotations = {"min": 2 * layers, "max": 2 * layers}  # q and k in every layer
+    if target == "openvino":
+        return {"rotate-half-split": rotations}
+    expectations = {
+        # input and post-attention norm of every layer and the final norm (MLA adds its own latent norms)
+        "fuse-rms-norm": {"min": 2 * layers + 1},
+        # every norm but the first layer's input norm follows a residual Add
+        "fuse-skip-rms-norm": {"min": 2 * layers, "max": 2 * layers},
+        "fuse-rotary-embedding": {"min": 2 * layers, "max": 2 * layers, "count": "rotary_embedding"},
+        "fuse-silu": {"min": layers},
+    }
+    if model_type in GQA_MODELS:
+        expectations["fuse-group-query-attention"] = {"min": layers, "max": layers}
+    else:
+        expectations["fuse-mla-attention"] = {"min": layers, "max": layers, "count": "mla"}
+    return expectations
+
+
+def expectations_for(model: ir.Model, target: str, pass_names: list[str] | None = None) -> dict[str, dict]:
+    """:func:`default_expectations` for ``model``, restricted to the passes in ``pass_names`` when given."""
+    expectations = default_expectations(target, *model_info(model))
+    if pass_names is not None:
+        expectations = {name: spec for name, spec in expectations.items() if name in pass_names}
+    return expectations
