@@ -259,8 +259,8 @@ def main() -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never download: checkpoints come from disk or the HF cache
     try:
         cli(standalone_mode=False)
-    except click.exceptions.Abort:
-        click.echo("dstc: aborted", err=True)
+    except (click.exceptions.Abort, KeyboardInterrupt):
+        click.echo("dstc: interrupted", err=True)
         sys.exit(130)
     except click.ClickException as e:
         e.show()

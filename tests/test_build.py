@@ -1,0 +1,136 @@
+"""dstc build: recipe validation, byte-reproducible artifacts, the stage cache, atomicity, dstc verify."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from toolchain.build import build
+from toolchain.errors import RecipeError
+from toolchain.recipe import load_recipe
+
+REPO = Path(__file__).resolve().parent.parent
+RECIPES = sorted((REPO / "recipes").glob("*.yaml"))
+
+
+def write_recipe(path: Path, **fields) -> Path:
+    recipe = {"name": "test", "model": "deepseek-v3-tiny", "export": {"parity": []},
+              "compile": {"backend": "openvino", "verify": False}, **fields}
+    path.write_text(yaml.safe_dump(recipe))
+    return path
+
+
+def dstc(*args, env: dict, **kwargs) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "toolchain", *map(str, args)], cwd=REPO, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kwargs)
+
+
+@pytest.fixture
+def env(tmp_path):
+    return {**os.environ, "DSTC_CACHE_DIR": str(tmp_path / "cache")}
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=[p.stem for p in RECIPES])
+def test_shipped_recipes_validate(recipe):
+    assert load_recipe(recipe).name == recipe.stem
+
+
+def test_recipe_typo_names_the_key_and_file(tmp_path):
+    path = write_recipe(tmp_path / "r.yaml", compile={"backend": "openvino", "verfy": False})
+    with pytest.raises(RecipeError, match=r"r\.yaml: compile\.verfy: unknown key"):
+        load_recipe(path)
+    path = write_recipe(tmp_path / "r.yaml", compile={"backend": "tensorrt"})
+    with pytest.raises(RecipeError, match=r"compile\.backend"):
+        load_recipe(path)
+
+
+def test_recipe_error_exits_2_and_writes_nothing(tmp_path, env):
+    path = write_recipe(tmp_path / "r.yaml", exprot={})
+    proc = dstc("build", path, "-o", tmp_path / "out", env=env)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 2 and "exprot: unknown key" in err and "Traceback" not in err
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("backend", ["openvino", "onnxruntime"])
+def test_two_fresh_builds_are_byte_identical(tiny_checkpoints, tmp_path, env, backend):
+    recipe = write_recipe(tmp_path / "r.yaml", compile={"backend": backend, "verify": False})
+    manifests = []
+    for out in ("a", "b"):
+        proc = dstc("build", recipe, "-o", tmp_path / out, "--model", tiny_checkpoints["deepseek_v3"], "--no-cache",
+                    env=env)
+        _, err = proc.communicate(timeout=300)
+        assert proc.returncode == 0, err
+        manifests.append(json.loads((tmp_path / out / "manifest.json").read_text()))
+    a, b = manifests
+    assert a["files"] == b["files"] and len(a["files"]) >= 3
+    assert [s["id"] for s in a["stages"]] == [s["id"] for s in b["stages"]]
+    assert a["provenance"]["output"] != b["provenance"]["output"]
+
+
+def test_rebuild_reuses_cached_stages_and_verify_catches_a_flipped_byte(tiny_checkpoints, tmp_path, env,
+                                                                       monkeypatch):
+    monkeypatch.setenv("DSTC_CACHE_DIR", env["DSTC_CACHE_DIR"])
+    recipe = write_recipe(tmp_path / "r.yaml")
+    first = build(recipe, tmp_path / "art", model=str(tiny_checkpoints["llama"]))
+    assert first["provenance"]["cached_stages"] == []
+    second = build(recipe, tmp_path / "art", model=str(tiny_checkpoints["llama"]))
+    assert second["provenance"]["cached_stages"] == ["export", "compile"]
+    assert second["files"] == first["files"]
+
+    proc = dstc("verify", tmp_path / "art", env=env)
+    assert proc.wait(timeout=120) == 0
+    weights = tmp_path / "art" / "openvino_model.bin"
+    data = bytearray(weights.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    weights.write_bytes(bytes(data))
+    (tmp_path / "art" / "notes.txt").write_text("extra")
+    proc = dstc("verify", tmp_path / "art", env=env)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 1
+    assert "changed: openvino_model.bin" in out and "extra: notes.txt" in out
+
+
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGINT])
+def test_interrupted_build_leaves_the_previous_artifact(tiny_checkpoints, tmp_path, env, monkeypatch, sig):
+    monkeypatch.setenv("DSTC_CACHE_DIR", env["DSTC_CACHE_DIR"])
+    recipe = write_recipe(tmp_path / "r.yaml", export={"parity": ["onnxruntime"]})
+    model = str(tiny_checkpoints["deepseek_v2"])
+    build(recipe, tmp_path / "art", model=model)
+    before = (tmp_path / "art" / "manifest.json").read_text()
+
+    proc = dstc("build", recipe, "-o", tmp_path / "art", "--model", model, "--no-cache", env=env)
+    deadline = time.time() + 120
+    while not list(tmp_path.glob(".art.tmp-*")) or not list((tmp_path / "cache").rglob(".export-*.tmp-*")):
+        assert time.time() < deadline and proc.poll() is None, "the build never reached its export stage"
+        time.sleep(0.05)
+    proc.send_signal(sig)
+    proc.communicate(timeout=120)
+    assert proc.returncode != 0
+    assert (tmp_path / "art" / "manifest.json").read_text() == before
+    proc = dstc("verify", tmp_path / "art", env=env)
+    assert proc.wait(timeout=120) == 0
+    if sig == signal.SIGINT:  # cleaned up on the way out
+        assert not list(tmp_path.glob(".art.*"))
+    build(recipe, tmp_path / "art", model=model)  # a later build removes a killed build's leftovers
+    assert not list(tmp_path.glob(".art.*"))
+
+
+def test_interrupted_first_build_leaves_no_artifact(tiny_checkpoints, tmp_path, env):
+    recipe = write_recipe(tmp_path / "r.yaml", export={"parity": ["onnxruntime"]})
+    proc = dstc("build", recipe, "-o", tmp_path / "art", "--model", tiny_checkpoints["qwen2"], env=env)
+    deadline = time.time() + 120
+    while not list((tmp_path / "cache").rglob(".export-*.tmp-*")):
+        assert time.time() < deadline and proc.poll() is None
+        time.sleep(0.05)
+    proc.kill()
+    proc.communicate(timeout=60)
+    assert not (tmp_path / "art").exists()
