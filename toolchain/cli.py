@@ -104,6 +104,41 @@ def export_cmd(model: str, out_dir: Path, trust_remote_code: bool, parity: str, 
                    f"greedy tokens {'identical' if r['tokens_identical'] else 'DIFFER'}  [{cases}]")
 
 
+@cli.command("optimize")
+@click.argument("in_dir", metavar="IN", type=click.Path(path_type=Path))
+@click.option("-o", "--out", "out_dir", type=click.Path(path_type=Path), required=True, help="Output directory.")
+@click.option("--target", type=click.Choice(["onnxruntime", "openvino"]), required=True,
+              help="onnxruntime: fuse into ORT's contrib kernels; openvino: standard ops shaped for OpenVINO's fusions.")
+@click.option("--passes", "pass_list", default=None,
+              help="Comma-separated pass names to run instead of the target's pipeline (see `dstc passes list`).")
+@click.option("--no-parity", is_flag=True, help="Skip the parity check of the optimised graph against PyTorch.")
+@click.option("--json", "as_json", is_flag=True, help="Print passes.json to stdout instead of the summary.")
+def optimize_cmd(in_dir: Path, out_dir: Path, target: str, pass_list: str | None, no_parity: bool,
+                 as_json: bool) -> None:
+    """Rewrite the output of `dstc export` (IN) for a runtime; per-pass statistics go to OUT/passes.json.
+
+    Exit codes: 0 done; 2 bad input; 3 the optimised graph disagrees with PyTorch; 4 a pass failed or fused
+    less than the target expects (the message names the pass and its closest near-miss).
+    """
+    from toolchain.stages.optimize import optimize
+
+    names = [n.strip() for n in pass_list.split(",") if n.strip()] if pass_list else None
+    report = optimize(in_dir, out_dir, target, names, parity=not no_parity,
+                      log=lambda msg: click.echo(f"[optimize] {msg}", err=True))
+    if as_json:
+        click.echo(json.dumps(report, indent=2))
+        return
+    click.echo(f"{target}: {report['input']['nodes']} -> {report['output']['nodes']} nodes -> {out_dir / 'model.onnx'}")
+    for stat in report["passes"]:
+        counts = ", ".join(f"{k} {v}" for k, v in stat["counts"].items())
+        click.echo(f"  {stat['name']:<28} {stat['nodes_before']:>6} -> {stat['nodes_after']:<6} {counts}")
+    for fusion, count in (report.get("openvino_fusions") or {}).items():
+        click.echo(f"  OpenVINO runtime {fusion}: {count}")
+    for backend, r in (report.get("parity") or {}).items():
+        click.echo(f"parity {backend}: {'PASS' if r['passed'] else 'FAIL'}, max relative logit diff "
+                   f"{r['max_relative_diff']:.1e}, greedy tokens {'identical' if r['tokens_identical'] else 'DIFFER'}")
+
+
 @cli.command("compile")
 @click.argument("export_dir", metavar="IN", type=click.Path(path_type=Path))
 @click.option("-o", "--out", "out_dir", type=click.Path(path_type=Path), required=True, help="Artifact directory.")
