@@ -198,6 +198,25 @@ class _BuildDisplay:
             self.status.stop()
 
 
+def _parity_line(results: dict) -> str:
+    return "; ".join(f"{b} {r['max_relative_diff']:.1e} {'ok' if r['passed'] else 'FAIL'}" for b, r in results.items())
+
+
+def _stage_check(name: str, reports: dict) -> str:
+    """One line of what a stage checked, from its report."""
+    if name == "export" and "export/export.json" in reports:
+        return "parity " + _parity_line(reports["export/export.json"]["parity"])
+    if name == "passes" and "passes/passes.json" in reports:
+        report = reports["passes/passes.json"]
+        fused = ", ".join(f"{k} {v}" for counts in report["counts"].values() for k, v in counts.items()
+                          if k != "values_annotated")
+        return f"{fused or 'no fusions'}; parity " + _parity_line(report.get("parity") or {})
+    if name == "compile" and (reports.get("compile/compile.json") or {}).get("verification"):
+        v = reports["compile/compile.json"]["verification"]
+        return f"greedy vs PyTorch {'identical' if v['passed'] else 'DIFFER'}"
+    return ""
+
+
 def _print_build_summary(manifest: dict, out_dir: Path) -> None:
     from rich.console import Console
     from rich.table import Table
@@ -208,17 +227,8 @@ def _print_build_summary(manifest: dict, out_dir: Path) -> None:
         table.add_column(column)
     for stage in manifest["stages"]:
         name = stage["name"]
-        check = ""
-        report = prov["stage_reports"].get("export/export.json") if name == "export" else None
-        if report:
-            check = "; ".join(f"{b} {r['max_relative_diff']:.1e} {'ok' if r['passed'] else 'FAIL'}"
-                              for b, r in report["parity"].items())
-        compiled = prov["stage_reports"].get("compile/compile.json") if name == "compile" else None
-        if compiled and compiled.get("verification"):
-            v = compiled["verification"]
-            check = f"greedy vs PyTorch {'identical' if v['passed'] else 'DIFFER'}"
         cached = "cached" if name in prov["cached_stages"] else f"{prov['durations_s'][name]:.1f} s"
-        table.add_row(name, stage["id"][:12], cached, check)
+        table.add_row(name, stage["id"][:12], cached, _stage_check(name, prov["stage_reports"]))
     console = Console()
     console.print(table)
     size = sum((out_dir / f).stat().st_size for f in manifest["files"])
