@@ -19,7 +19,7 @@ import onnx_ir as ir
 from passes.errors import PassError
 
 TARGETS = ("any", "onnxruntime", "openvino")
-PASS_PACKAGES = ("passes.generic", "passes.fusions")
+PASS_PACKAGES = ("passes.generic", "passes.fusions", "passes.quantize")
 
 _NAME = re.compile(r"^[a-z][a-z0-9]*(-[a-z0-9]+)*$")
 
