@@ -1,0 +1,211 @@
+"""Weight compression itself: NNCF for INT4 groups and INT8 per channel, the int8-per-head pass for per-head
+INT8, on the ONNX graph (onnxruntime target) or on OpenVINO's model of it (openvino target).
+
+Each precision in the plan is one NNCF call restricted to its weights (every other weight's node is in the
+call's ignored scope, with ``all_layers=True`` so that NNCF applies no embeddings / lm_head rule of its own: the
+policy in policy.py decides those). Three traps of NNCF 3.4 with ORT 1.32, measured on our graphs:
+
+1. INT4_ASYM on ONNX writes MatMulNBits zero points one per byte, [N, blocks], which ORT refuses at load; the
+   ``to-matmul-nbits`` pass packs them (two per byte) before the model is saved.
+2. INT4 of a 3-D MatMul weight: below opset 21 NNCF refuses it ("ONNX does not support 3D weights"), at 21+ it
+   writes a blocked DequantizeLinear that ORT rejects ("scale must be 1D tensor"). The exporter stores every
+   routed expert as its own 2-D MatMul, so exported graphs have none; a 3-D weight in another graph goes to
+   INT8 per channel instead (``demoted_3d`` in compression.json).
+3. A group size that does not divide a weight's input width (a router's or a LoRA rank's K=64 with g128, every
+   weight of a 64-wide test model) makes NNCF raise InvalidGroupSizeError. ``GroupSizeFallbackMode.ADJUST``
+   takes the largest power of two below the group size that divides K (at least 32); a weight with none goes
+   to the backup precision. The group size each weight got is in compression.json.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+import onnx_ir as ir
+
+from passes.quantize._weights import MS_DOMAIN
+from toolchain.errors import InputError
+
+MIN_ADJUSTED_GROUP_SIZE = 32
+
+
+@dataclass
+class Options:
+    scheme: str
+    group_size: int = 128
+    sym: bool = False
+    ratio: float = 1.0
+    backup: str = "int8"
+    awq: bool = False
+    scale_estimation: bool = False
+    gptq: bool = False
+    accuracy_level: int | None = 4
+    head_blocks: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def data_aware(self) -> bool:
+        return self.awq or self.scale_estimation or self.gptq or self.ratio < 1.0
+
+
+@dataclass
+class Weight:
+    name: str  # initializer
+    node: str  # consumer MatMul / Gather node name (NNCF's and OpenVINO's name for it)
+    output: str  # the consumer's output value name (kept by every rewrite; the key between graphs)
+    kind: str  # "matmul" | "gather"
+    shape: tuple[int, ...]
+    array: np.ndarray | None = None  # the fp32 value
+
+
+def graph_weights(model: ir.Model) -> list[Weight]:
+    """Every float constant weight: 2-D and 3-D MatMul right operands and axis-0 Gather tables. An unnamed
+    consumer is given a name first: NNCF's ignored scopes and OpenVINO address nodes by name."""
+    out = []
+    taken = {node.name for node in model.graph}
+    for i, node in enumerate(model.graph):
+        if not node.name:
+            node.name = next(f"{node.op_type}_w{i}_{k}" for k in range(len(taken) + 1)
+                             if f"{node.op_type}_w{i}_{k}" not in taken)
+        if node.domain not in ("", "ai.onnx") or node.op_type not in ("MatMul", "Gather"):
+            continue
+        if node.op_type == "Gather" and (node.attributes.get("axis") is not None
+                                         and node.attributes["axis"].as_int() != 0):
+            continue
+        value = node.inputs[1] if node.op_type == "MatMul" else node.inputs[0]
+        if value is None or value.const_value is None or value.is_graph_input():
+            continue
+        shape = tuple(value.const_value.shape)
+        if value.const_value.dtype != ir.DataType.FLOAT or len(shape) not in (2, 3) or \
+                (node.op_type == "Gather" and len(shape) != 2):
+            continue
+        out.append(Weight(value.name, node.name, node.outputs[0].name, node.op_type.lower(), shape,
+                          value.const_value.numpy()))
+    return out
+
+
+def _nncf_call(kind: str, options: Options, names: list[str], all_nodes: list[str], dataset):
+    """keyword arguments of nncf.compress_weights for one precision group."""
+    import nncf
+    from nncf.quantization.advanced_parameters import AdvancedCompressionParameters, GroupSizeFallbackMode
+
+    keep = set(names)
+    ignored = nncf.IgnoredScope(names=[n for n in all_nodes if n not in keep], validate=False)
+    if kind == "int8":
+        mode = nncf.CompressWeightsMode.INT8_SYM if options.sym else nncf.CompressWeightsMode.INT8_ASYM
+        return dict(mode=mode, ignored_scope=ignored)  # INT8 modes treat every layer alike
+    mode = nncf.CompressWeightsMode.INT4_SYM if options.sym else nncf.CompressWeightsMode.INT4_ASYM
+    backup = {"int8": nncf.BackupMode.INT8_SYM if options.sym else nncf.BackupMode.INT8_ASYM,
+              "none": nncf.BackupMode.NONE}[options.backup]
+    kwargs = dict(mode=mode, group_size=options.group_size, ratio=options.ratio, backup_mode=backup,
+                  ignored_scope=ignored, all_layers=True,
+                  advanced_parameters=AdvancedCompressionParameters(
+                      group_size_fallback_mode=GroupSizeFallbackMode.ADJUST,
+                      min_adjusted_group_size=MIN_ADJUSTED_GROUP_SIZE))
+    if options.data_aware:
+        # only the options asked for: NNCF's ONNX backend refuses gptq even as False
+        kwargs.update(dataset=dataset, subset_size=dataset.get_length() or 128,
+                      **{k: True for k in ("awq", "scale_estimation", "gptq") if getattr(options, k)})
+    return kwargs
+
+
+def _run_nncf(model, kwargs: dict, backend: str):
+    """nncf.compress_weights; an option NNCF does not support on this backend is the user's error."""
+    import nncf
+
+    try:
+        return nncf.compress_weights(model, **kwargs)
+    except nncf.ParameterNotSupportedError as e:
+        raise InputError(f"NNCF on {backend}: {e}") from None
+
+
+def _groups(weights: list[Weight], plan: dict[str, str]) -> tuple[dict[str, list[str]], list[str]]:
+    """precision -> consumer node names of its weights (3-D weights out of INT4), and the demoted 3-D weights."""
+    groups: dict[str, list[str]] = {}
+    demoted = []
+    for w in weights:
+        precision = plan[w.name]
+        if precision == "int4" and len(w.shape) == 3:
+            precision = "int8"
+            demoted.append(w.name)
+        groups.setdefault(precision, []).append(w.node)
+    return groups, demoted
+
+
+def _check_nncf_options(options: Options, groups: dict[str, list[str]], dataset) -> None:
+    if options.data_aware and "int4" not in groups:
+        raise InputError("--awq, --scale-estimation, --gptq and --ratio < 1 apply to INT4 weights, and this "
+                         "plan has none")
+    if options.data_aware and dataset is None:
+        raise InputError("data-aware compression needs a calibration dataset")
+
+
+def _per_head(model: ir.Model, weights: list[Weight], plan: dict[str, str], options: Options,
+              log: Callable[[str], None]) -> dict:
+    """Run the int8-per-head pass on the weights planned for it (in place); its counts and near-misses."""
+    from passes.quantize.int8_per_head import Int8PerHead
+
+    names = [w.name for w in weights if plan[w.name] == "int8-per-head"]
+    if not names:
+        return {"per_head": {}}
+    log(f"int8-per-head pass on {len(names)} weights")
+    pass_ = Int8PerHead(options.head_blocks, sym=options.sym, names=names)
+    counts = dict(pass_(model).counts)
+    return {"per_head": counts, "per_head_near_misses": [str(m) for m in pass_.near_misses(model)]}
+
+
+def compress_onnx(model: ir.Model, plan: dict[str, str], options: Options, dataset,
+                  log: Callable[[str], None]) -> tuple[ir.Model, dict]:
+    """The ONNX graph with its weights compressed per ``plan``, before the ORT kernel rewrite."""
+    weights = graph_weights(model)
+    groups, demoted = _groups(weights, plan)
+    _check_nncf_options(options, groups, dataset)
+    details = {"demoted_3d": demoted, **_per_head(model, weights, plan, options, log)}
+    all_nodes = [w.node for w in weights]
+    # INT8 first: NNCF's INT4 output has MatMulNBits without importing its domain, which the shape inference
+    # NNCF runs first on its input rejects; the import is added after each call all the same.
+    for kind in ("int8", "int4"):
+        if kind not in groups:
+            continue
+        log(f"NNCF {kind} on {len(groups[kind])} weights")
+        proto = ir.serde.serialize_model(model)
+        proto = _run_nncf(proto, _nncf_call(kind, options, groups[kind], all_nodes, dataset), "ONNX")
+        model = ir.serde.deserialize_model(proto)
+        if any(node.domain == MS_DOMAIN for node in model.graph):
+            model.opset_imports.setdefault(MS_DOMAIN, 1)
+    return model, details
+
+
+def compress_openvino(onnx_model: ir.Model, plan: dict[str, str], options: Options, dataset, work_dir,
+                      log: Callable[[str], None]) -> tuple[object, dict]:
+    """ov.Model of the graph with its weights compressed per ``plan`` (per-head INT8 written in the ONNX first,
+    which OpenVINO reads as its compressed-weight pattern)."""
+    import openvino as ov
+
+    weights = graph_weights(onnx_model)
+    groups, demoted = _groups(weights, plan)
+    _check_nncf_options(options, groups, dataset)
+    details = {"demoted_3d": demoted, **_per_head(onnx_model, weights, plan, options, log)}
+    path = work_dir / "pre-openvino.onnx"
+    ir.save(onnx_model, path)
+    model = ov.convert_model(str(path))
+    path.unlink()
+    all_nodes = [w.node for w in weights]
+    for kind in ("int8", "int4"):
+        if kind in groups:
+            log(f"NNCF {kind} on {len(groups[kind])} weights (OpenVINO)")
+            model = _run_nncf(model, _nncf_call(kind, options, groups[kind], all_nodes, dataset), "OpenVINO")
+    return model, details
+
+
+def to_ort_kernels(model: ir.Model, accuracy_level: int | None) -> dict:
+    from passes.quantize.matmul_nbits import ToMatMulNBits
+
+    return dict(ToMatMulNBits(accuracy_level)(model).counts)
+
+
+def numpy_dataset(feed_list):
+    import nncf
+
+    return None if not feed_list else nncf.Dataset(list(feed_list))

@@ -1,0 +1,228 @@
+"""The error of a compressed model, measured where it happens.
+
+* per weight: relative weight error ||W - Ŵ|| / ||W||, and output error ||X W - X Ŵ|| / ||X W|| on the activations
+  X that reach that weight when the fp32 graph runs the calibration text (a routed expert sees only the tokens
+  routed to it; a table, the calibration tokens' rows);
+* per attention head: the same on the head's block of output channels (q/k/v, MLA q_b/kv_b) or, for o_proj, its
+  block of input rows and that head's contribution X_h W_h to the output;
+* per MoE layer: routing agreement, the share of tokens whose set of selected experts is unchanged (the TopK
+  indices of each router, exposed as extra outputs of a copy of each graph);
+* for the model: top-1 agreement and mean KL(fp32 || compressed) of the next-token distributions;
+* storage: bits per weight of each weight (quantized values, scales and zero points).
+
+Ŵ is read back from the compressed graph itself: dequantized from MatMulNBits / DequantizeLinear initializers on
+ONNX, and for OpenVINO by compiling each weight's constant subgraph (its decompression ops) and running it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+import numpy as np
+import onnx_ir as ir
+
+from passes.graph import constant_array
+from passes.quantize._weights import dequantize_linear, matmul_nbits_weight, relative_error
+from toolchain.compress.engine import Weight
+
+MAX_ROWS = 2048  # activation rows kept per weight
+
+
+@dataclass
+class Restored:
+    """A weight as the compressed graph computes it: dequantized value, storage bytes and a precision label."""
+
+    array: np.ndarray
+    nbytes: int
+    precision: str
+
+
+# -- running graphs ---------------------------------------------------------------------------------------------
+
+
+def router_indices(model: ir.Model) -> dict[int, str]:
+    """MoE layer -> name of its TopK indices value: what the layer's expert 0 compares with (Equal)."""
+    out = {}
+    for node in model.graph:
+        parts = (node.name or "").split("/")
+        if node.op_type == "Equal" and "experts" in parts and parts[parts.index("experts") + 1] == "0" \
+                and parts[0].startswith("layers."):
+            out[int(parts[0].split(".")[1])] = node.inputs[0].name
+    return out
+
+
+def _with_outputs(model: ir.Model, names: dict[str, ir.DataType]) -> bytes:
+    """A serialized copy of ``model`` that also outputs the named values."""
+    copy = ir.serde.deserialize_model(ir.serde.serialize_model(model))
+    values = {v.name: v for node in copy.graph for v in node.outputs}
+    values.update({v.name: v for v in copy.graph.inputs})
+    present = {v.name for v in copy.graph.outputs}
+    for name, dtype in names.items():
+        value = values[name]
+        if name in present or value.is_graph_input():
+            continue
+        value.dtype = value.dtype or dtype
+        copy.graph.outputs.append(value)
+    return ir.serde.serialize_model(copy).SerializeToString()
+
+
+def ort_runner(model: ir.Model, extra: dict[str, ir.DataType]) -> Callable[[dict], dict]:
+    import onnxruntime as ort
+
+    session = ort.InferenceSession(_with_outputs(model, extra), providers=["CPUExecutionProvider"])
+    names = ["logits", *extra]
+    return lambda feeds: dict(zip(names, session.run(names, feeds)))
+
+
+def openvino_runner(model, extra: Iterable[str]) -> Callable[[dict], dict]:
+    import openvino as ov
+
+    copy = model.clone()
+    have = {name for out in copy.outputs for name in out.get_names()}
+    copy.add_outputs([name for name in extra if name not in have])
+    compiled = ov.Core().compile_model(copy, "CPU", {"INFERENCE_PRECISION_HINT": "f32"})
+    request = compiled.create_infer_request()
+    wanted = ["logits", *extra]
+    ports = {name: next(o for o in compiled.outputs if name in o.get_names()) for name in wanted}
+
+    def run(feeds):
+        result = request.infer(feeds)
+        return {name: np.array(result[port]) for name, port in ports.items()}
+
+    return run
+
+
+def capture(model: ir.Model, weights: list[Weight], feed_list: list[dict], routers: dict[int, str]):
+    """fp32 run: activations reaching each MatMul weight, logits and router indices per sequence."""
+    producers = {v.name: node for node in model.graph for v in node.outputs}
+    activation_of = {w.name: producers[w.output].inputs[0].name for w in weights if w.kind == "matmul"}
+    extra = {name: ir.DataType.FLOAT for name in set(activation_of.values())}
+    extra.update({name: ir.DataType.INT64 for name in routers.values()})
+    run = ort_runner(model, extra)
+    acts: dict[str, list[np.ndarray]] = {name: [] for name in extra}
+    logits, routing = [], {layer: [] for layer in routers}
+    for feeds in feed_list:
+        out = run(feeds)
+        for name in acts:
+            if name in out and len(acts[name]) < MAX_ROWS:
+                acts[name].append(out[name].reshape(-1, out[name].shape[-1]))
+        logits.append(out["logits"][0])
+        for layer, name in routers.items():
+            routing[layer].append(out[name])
+    rows = {w: np.concatenate(acts[a])[:MAX_ROWS] if acts[a] else None for w, a in activation_of.items()}
+    return rows, logits, routing
+
+
+# -- reading weights back ---------------------------------------------------------------------------------------
+
+
+def _bytes(values: Iterable[ir.Value | None]) -> int:
+    return sum(v.const_value.nbytes for v in values if v is not None and v.const_value is not None)
+
+
+def restored_onnx(model: ir.Model, weights: list[Weight]) -> dict[str, Restored]:
+    producers = {v.name: node for node in model.graph for v in node.outputs}
+    out = {}
+    for w in weights:
+        node = producers[w.output]
+        if node.op_type == "MatMulNBits":
+            bits, block = node.attributes["bits"].as_int(), node.attributes["block_size"].as_int()
+            sym = len(node.inputs) < 4 or node.inputs[3] is None
+            out[w.name] = Restored(matmul_nbits_weight(node), _bytes(node.inputs[1:4]),
+                                   f"int{bits}-{'sym' if sym else 'asym'}-g{block}")
+            continue
+        source = node.inputs[1] if node.op_type == "MatMul" else node.inputs[0]
+        dq = source.producer()
+        if dq is not None and dq.op_type == "DequantizeLinear":
+            q = constant_array(dq.inputs[0])
+            sym = len(dq.inputs) < 3 or dq.inputs[2] is None
+            block = dq.attributes.get("block_size")
+            label = f"int{8 if q.dtype in (np.int8, np.uint8) else 4}-{'sym' if sym else 'asym'}-" + \
+                (f"g{block.as_int()}" if block is not None and block.as_int() else "per-axis")
+            out[w.name] = Restored(dequantize_linear(dq), _bytes(dq.inputs), label)
+        else:
+            array = constant_array(source)
+            out[w.name] = Restored(array, array.nbytes, "fp32")
+    return out
+
+
+def restored_openvino(model, weights: list[Weight]) -> dict[str, Restored]:
+    """Each weight of an ov.Model: its constant subgraph compiled and run, its Constants' bytes (shape
+    constants excluded), its precision from the smallest element type."""
+    import openvino as ov
+
+    core = ov.Core()
+    by_output = {}
+    for op in model.get_ordered_ops():
+        if op.get_type_name() in ("MatMul", "Gather"):
+            for name in op.output(0).get_names():
+                by_output[name] = op
+    out = {}
+    for w in weights:
+        op = by_output.get(w.output)
+        if op is None:
+            continue
+        port = op.input_value(1 if op.get_type_name() == "MatMul" else 0)
+        sub = ov.Model([port], [], "weight")
+        consts = [c for c in sub.get_ops() if c.get_type_name() == "Constant"
+                  and c.get_element_type().get_type_name() not in ("i64", "i32")]
+        array = np.array(core.compile_model(sub, "CPU", {"INFERENCE_PRECISION_HINT": "f32"})
+                         .create_infer_request().infer({})[0])
+        if op.get_type_name() == "MatMul" and op.get_attributes().get("transpose_b"):
+            array = array.T
+        types = {c.get_element_type().get_type_name() for c in consts}
+        low = next((t for t in ("u4", "i4", "u8", "i8", "f16") if t in types), "f32")
+        label = {"u4": "int4-asym", "i4": "int4-sym", "u8": "int8-asym", "i8": "int8-sym"}.get(low, "fp32")
+        big = max(consts, key=lambda c: c.get_byte_size())
+        if label.startswith("int4") and len(big.get_output_shape(0)) == 3:
+            label += f"-g{big.get_output_shape(0)[2]}"
+        out[w.name] = Restored(array.reshape(w.shape), sum(c.get_byte_size() for c in consts), label)
+    return out
+
+
+# -- errors -----------------------------------------------------------------------------------------------------
+
+
+def output_error(x: np.ndarray | None, w: np.ndarray, w_hat: np.ndarray) -> float | None:
+    if x is None or not len(x):
+        return None
+    x = x.astype(np.float64)
+    return relative_error(x @ w, x @ w_hat)
+
+
+def head_errors(x: np.ndarray | None, w: np.ndarray, w_hat: np.ndarray, side: str, width: int) -> list[dict]:
+    """Per head: blocks of ``width`` output columns (side "out") or input rows (side "in", o_proj)."""
+    heads = []
+    axis_len = w.shape[1] if side == "out" else w.shape[0]
+    for h, start in enumerate(range(0, axis_len, width)):
+        sl = slice(start, start + width)
+        if side == "out":
+            row = {"head": h, "weight_error": relative_error(w[:, sl], w_hat[:, sl]),
+                   "output_error": output_error(x, w[:, sl], w_hat[:, sl])}
+        else:
+            row = {"head": h, "weight_error": relative_error(w[sl], w_hat[sl]),
+                   "output_error": output_error(None if x is None else x[:, sl], w[sl], w_hat[sl])}
+        heads.append(row)
+    return heads
+
+
+def routing_agreement(reference: list[np.ndarray], compressed: list[np.ndarray]) -> tuple[float, int]:
+    """Share of tokens whose selected expert set is the same, and the number of tokens."""
+    same = total = 0
+    for a, b in zip(reference, compressed):
+        a, b = np.sort(a.reshape(-1, a.shape[-1]), -1), np.sort(b.reshape(-1, b.shape[-1]), -1)
+        same += int((a == b).all(-1).sum())
+        total += len(a)
+    return (same / total if total else 1.0), total
+
+
+def distribution_agreement(reference: list[np.ndarray], compressed: list[np.ndarray]) -> dict:
+    """Top-1 agreement and mean KL(reference || compressed) of next-token distributions, over all positions."""
+    p_logits = np.concatenate(reference).astype(np.float64)
+    q_logits = np.concatenate(compressed).astype(np.float64)
+    log_p = p_logits - np.logaddexp.reduce(p_logits, -1, keepdims=True)
+    log_q = q_logits - np.logaddexp.reduce(q_logits, -1, keepdims=True)
+    kl = (np.exp(log_p) * (log_p - log_q)).sum(-1)
+    return {"tokens": len(p_logits), "top1_agreement": float((p_logits.argmax(-1) == q_logits.argmax(-1)).mean()),
+            "kl_mean": float(kl.mean()), "kl_max": float(kl.max())}

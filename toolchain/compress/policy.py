@@ -1,0 +1,112 @@
+"""Which precision each weight gets: the scheme's precision for the body of the model, and a stated policy for
+the weights that are more sensitive than their size suggests.
+
+Roles, from the exporter's scope names (toolchain/export/blocks.py): ``embeddings`` (the Gather on
+embed_tokens.weight), ``lm_head``, ``router`` (layers.N/mlp/router/gate), ``shared_expert``
+(layers.N/mlp/shared_experts/*), ``routed_expert`` (layers.N/mlp/experts/E/*), ``attention`` (layers.N/self_attn/*)
+and ``mlp`` (dense layers).
+
+Defaults, and why (numbers in benchmarks/compression.py):
+
+* embeddings and lm_head: INT8 per channel (per row for the table). lm_head sets every logit; with INT4 its
+  error goes straight into the next-token distribution, and the table's error into every token's input. At
+  real vocabularies they are a few percent of the weights, so INT8 costs little size. ``int4`` and ``fp32`` are
+  options.
+* MoE routers: FP32. A router is hidden x experts (0.1 % of a DeepSeek-V3 layer's weights), and a small change in
+  its logits swaps the chosen experts, which changes the token's whole MLP output: compression.json measures
+  that as routing agreement. ``int8`` or ``scheme`` (the body's precision) on request.
+* shared experts: the scheme's precision by default, like routed experts; ``int8`` keeps them at 8 bits. They
+  run on every token (a routed expert on top_k / n_experts of them), so their error reaches every token, but
+  they are 0.4 % of a V3 MoE layer's weights and the measured gain from 8 bits is small (see the benchmark).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from toolchain.errors import InputError
+
+SCHEMES = ("int4-grouped", "int8-per-channel", "int8-per-head")
+# Precisions a weight can end up in: "int4" (NNCF, grouped), "int8" (NNCF per channel, or the per-head pass's
+# per-channel/per-row form in the int8-per-head scheme), "int8-per-head" (the pass), "fp32" (untouched).
+SCHEME_PRECISION = {"int4-grouped": "int4", "int8-per-channel": "int8", "int8-per-head": "int8-per-head"}
+EDGE_CHOICES = ("int8", "int4", "fp32")  # embeddings, lm_head
+ROUTER_CHOICES = ("fp32", "int8", "scheme")
+SHARED_CHOICES = ("scheme", "int8", "fp32")
+ROLES = ("embeddings", "lm_head", "router", "shared_expert", "routed_expert", "attention", "mlp")
+
+_LAYER = re.compile(r"(?:^|/)layers\.(\d+)/")
+
+
+def role_of(weight_name: str) -> str:
+    if weight_name.startswith("embed_tokens"):
+        return "embeddings"
+    if weight_name.startswith("lm_head"):
+        return "lm_head"
+    if "/mlp/router/" in weight_name:
+        return "router"
+    if "/mlp/shared_experts/" in weight_name:
+        return "shared_expert"
+    if "/mlp/experts/" in weight_name:
+        return "routed_expert"
+    if "/self_attn/" in weight_name:
+        return "attention"
+    return "mlp"
+
+
+def layer_of(weight_name: str) -> int | None:
+    match = _LAYER.search(weight_name)
+    return int(match.group(1)) if match else None
+
+
+@dataclass(frozen=True)
+class Policy:
+    scheme: str
+    embeddings: str = "int8"
+    lm_head: str = "int8"
+    router: str = "fp32"
+    shared_experts: str = "scheme"
+    ignored_scope: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.scheme not in SCHEMES:
+            raise InputError(f"unknown scheme {self.scheme!r}; schemes: {', '.join(SCHEMES)}")
+        for name, value, choices in (("embeddings", self.embeddings, EDGE_CHOICES),
+                                     ("lm_head", self.lm_head, EDGE_CHOICES),
+                                     ("router", self.router, ROUTER_CHOICES),
+                                     ("shared_experts", self.shared_experts, SHARED_CHOICES)):
+            if value not in choices:
+                raise InputError(f"{name} policy {value!r} is not one of {', '.join(choices)}")
+        for pattern in self.ignored_scope:
+            try:
+                re.compile(pattern)
+            except re.error as e:
+                raise InputError(f"ignored scope {pattern!r} is not a regular expression: {e}") from None
+
+    def ignored(self, weight_name: str, node_name: str) -> bool:
+        """A pattern matches when it equals, or is a regular expression found in, the weight or node name."""
+        return any(p in (weight_name, node_name) or re.search(p, weight_name) or re.search(p, node_name)
+                   for p in self.ignored_scope)
+
+    def precision(self, weight_name: str, node_name: str = "") -> str:
+        body = SCHEME_PRECISION[self.scheme]
+        if self.ignored(weight_name, node_name):
+            return "fp32"
+        role = role_of(weight_name)
+        choice = {"embeddings": self.embeddings, "lm_head": self.lm_head, "router": self.router,
+                  "shared_expert": self.shared_experts}.get(role, "scheme")
+        if choice == "scheme":
+            return body
+        if choice == "int8" and body == "int8-per-head":
+            return "int8-per-head"  # the pass quantizes weights without heads per channel (tables per row)
+        return choice
+
+    def plan(self, weights: Iterable[tuple[str, str]]) -> dict[str, str]:
+        """(weight name, consumer node name) pairs -> weight name -> precision."""
+        return {w: self.precision(w, n) for w, n in weights}
+
+    def as_dict(self) -> dict:
+        return {"embeddings": self.embeddings, "lm_head": self.lm_head, "router": self.router,
+                "shared_experts": self.shared_experts, "ignored_scope": list(self.ignored_scope)}

@@ -1,0 +1,237 @@
+"""Stage: an export directory (model.onnx + export.json) -> weight-compressed model + compression.json.
+
+Schemes: ``int4-grouped`` (NNCF INT4, group size 32/64/128, asymmetric or symmetric, INT8 or no backup for
+what is left at ratio < 1, optional AWQ / scale estimation / GPTQ on calibration text), ``int8-per-channel``
+(NNCF INT8) and ``int8-per-head`` (the passes.quantize int8-per-head pass). The sensitive weights follow a
+stated policy (toolchain/compress/policy.py): embeddings and lm_head INT8, MoE routers FP32, unless asked.
+
+Targets:
+
+* ``onnxruntime``: OUT/model.onnx (+ model.onnx.data above 1 GiB of weights), every compressed MatMul a
+  com.microsoft MatMulNBits (4 or 8 bits) with ``accuracy_level``, embeddings gathered then dequantized
+  (passes/quantize/matmul_nbits.py); compression.json lists the kernels ORT's profiler saw run.
+* ``openvino``: OUT/openvino_model.xml/.bin, the stateless model (same inputs and outputs as the ONNX graph,
+  past_key_values.* / present.*) with NNCF's compressed weights; the compile stage makes it stateful as it does
+  a converted ONNX file (openvino_ir.fuse_beam_reorder + make_stateful on ``ov.Core().read_model``).
+
+Both copy IN/export.json to OUT/export.json (the source checkpoint and graph interface the compile stage reads).
+compression.json holds the error where it happens: per weight, per attention head, per MoE router (routing
+agreement), for the whole model, and bits per weight (toolchain/compress/metrics.py).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from collections import Counter, defaultdict
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import onnx_ir as ir
+
+from toolchain import __version__
+from toolchain.atomic import atomic_output_dir
+from toolchain.compress import calibration, engine, metrics
+from toolchain.compress.policy import Policy, layer_of, role_of
+from toolchain.errors import InputError
+
+TARGETS = ("onnxruntime", "openvino")
+GROUP_SIZES = (32, 64, 128)
+BACKUPS = ("int8", "none")
+CALIBRATION_SEQUENCES = 16
+OPENVINO_XML = "openvino_model.xml"
+
+
+def head_layout(config: dict) -> dict[str, tuple[str, int]]:
+    """projection -> ("out", head width) for projections whose output channels are heads, ("in", width) for
+    o_proj, whose input rows are; from the checkpoint's config."""
+    heads = config["num_attention_heads"]
+    if config["model_type"] in ("deepseek_v2", "deepseek_v3"):
+        nope, rope, v = config["qk_nope_head_dim"], config["qk_rope_head_dim"], config["v_head_dim"]
+        return {"q_proj": ("out", nope + rope), "q_b_proj": ("out", nope + rope), "kv_b_proj": ("out", nope + v),
+                "o_proj": ("in", v)}
+    head_dim = config.get("head_dim") or config["hidden_size"] // heads
+    return {p: ("out", head_dim) for p in ("q_proj", "k_proj", "v_proj")} | {"o_proj": ("in", head_dim)}
+
+
+def _check(target, scheme, group_size, ratio, backup, accuracy_level, awq, scale_estimation, gptq) -> None:
+    if target not in TARGETS:
+        raise InputError(f"unknown target {target!r}; targets: {', '.join(TARGETS)}")
+    if group_size not in GROUP_SIZES:
+        raise InputError(f"group size {group_size} is not one of {', '.join(map(str, GROUP_SIZES))}")
+    if not 0.0 < ratio <= 1.0:
+        raise InputError(f"ratio {ratio} is not in (0, 1]")
+    if ratio < 1.0 and scheme != "int4-grouped":
+        raise InputError("--ratio applies to int4-grouped (the share of weights in INT4, the rest in the backup)")
+    if (awq or scale_estimation or gptq) and scheme != "int4-grouped":
+        raise InputError("--awq, --scale-estimation and --gptq apply to the int4-grouped scheme")
+    if backup not in BACKUPS:
+        raise InputError(f"backup {backup!r} is not one of {', '.join(BACKUPS)}")
+    if accuracy_level is not None and accuracy_level not in (0, 1, 2, 3, 4):
+        raise InputError(f"accuracy level {accuracy_level} is not one of 0-4")
+
+
+def ort_kernels(path: Path, feeds: dict) -> dict[str, int]:
+    """Node kernels ONNX Runtime ran for one call (its profiler), with its default optimisation level."""
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.enable_profiling = True
+    options.profile_file_prefix = str(path.parent / "ort-profile")
+    session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+    session.run(["logits"], feeds)
+    profile = Path(session.end_profiling())
+    events = json.loads(profile.read_text())
+    profile.unlink()
+    return dict(Counter(e["args"]["op_name"] for e in events
+                        if e.get("cat") == "Node" and e.get("name", "").endswith("_kernel_time")).most_common())
+
+
+def _weight_rows(weights, plan, restored, rows, layout) -> list[dict]:
+    out = []
+    for w in weights:
+        r = restored.get(w.name)
+        if r is None:
+            continue
+        original = w.array
+        x = rows.get(w.name)
+        if w.kind == "gather":  # rows of the table the calibration tokens read
+            x = None
+        row = {"weight": w.name, "node": w.node, "role": role_of(w.name), "layer": layer_of(w.name),
+               "shape": list(w.shape), "planned": plan[w.name], "precision": r.precision,
+               "bits_per_weight": round(8 * r.nbytes / original.size, 4),
+               "weight_error": metrics.relative_error(original, r.array),
+               "output_error": metrics.output_error(x, original, r.array) if w.kind == "matmul" else None}
+        projection = w.name.split("/")[-2] if "/" in w.name else ""
+        if w.kind == "matmul" and projection in layout and len(w.shape) == 2:
+            side, width = layout[projection]
+            if (w.shape[1] if side == "out" else w.shape[0]) % width == 0:
+                row["head_side"] = "output channels" if side == "out" else "input rows"
+                row["heads"] = metrics.head_errors(x, original, r.array, side, width)
+        out.append(row)
+    return out
+
+
+def _layer_summary(rows: list[dict]) -> list[dict]:
+    """Per decoder layer (and embeddings / lm_head): parameter-weighted errors and bits."""
+    groups: dict = defaultdict(list)
+    for row in rows:
+        groups[row["layer"] if row["layer"] is not None else row["role"]].append(row)
+    out = []
+    for key, members in groups.items():
+        sizes = np.array([np.prod(m["shape"]) for m in members], np.float64)
+        out_err = [m["output_error"] for m in members if m["output_error"] is not None]
+        out.append({"layer": key, "weights": len(members), "parameters": int(sizes.sum()),
+                    "bits_per_weight": float((sizes * [m["bits_per_weight"] for m in members]).sum() / sizes.sum()),
+                    "weight_error_max": max(m["weight_error"] for m in members),
+                    "output_error_max": max(out_err) if out_err else None,
+                    "output_error_mean": float(np.mean(out_err)) if out_err else None})
+    return out
+
+
+def compress(in_dir: Path, out_dir: Path, *, target: str = "onnxruntime", scheme: str = "int4-grouped",
+             group_size: int = 128, sym: bool = False, ratio: float = 1.0, backup: str = "int8",
+             awq: bool = False, scale_estimation: bool = False, gptq: bool = False,
+             dataset: str | Path = "embedded", ignored_scope: list[str] | tuple[str, ...] = (),
+             accuracy_level: int | None = 4, embeddings: str = "int8", lm_head: str = "int8",
+             router: str = "fp32", shared_experts: str = "scheme",
+             log: Callable[[str], None] = lambda _: None) -> dict:
+    from toolchain.stages.compile import read_export
+    from toolchain.stages.export import save_graph
+
+    in_dir, out_dir = Path(in_dir), Path(out_dir)
+    policy = Policy(scheme, embeddings=embeddings, lm_head=lm_head, router=router, shared_experts=shared_experts,
+                    ignored_scope=tuple(ignored_scope))
+    _check(target, scheme, group_size, ratio, backup, accuracy_level, awq, scale_estimation, gptq)
+    report, source = read_export(in_dir)
+    config = json.loads((source / "config.json").read_text())
+    layout = head_layout(config)
+    options = engine.Options(scheme, group_size, sym, ratio, backup, awq, scale_estimation, gptq, accuracy_level,
+                             head_blocks={p: w for p, (side, w) in layout.items() if side == "out"})
+    timings = {}
+
+    t0 = time.perf_counter()
+    model = ir.load(in_dir / "model.onnx")
+    weights = engine.graph_weights(model)
+    plan = policy.plan((w.name, w.node) for w in weights)
+    specs = calibration.past_specs((v.name, v.shape) for v in model.graph.inputs)
+    texts = calibration.load_texts(dataset, CALIBRATION_SEQUENCES)
+    sequences, tokenization = calibration.token_sequences(texts, source, config["vocab_size"])
+    feed_list = [calibration.feeds(ids, specs) for ids in sequences]
+    routers = metrics.router_indices(model)
+    log(f"fp32 reference on {len(feed_list)} calibration sequences ({tokenization})")
+    rows, ref_logits, ref_routing = metrics.capture(model, weights, feed_list, routers)
+    timings["reference_s"] = time.perf_counter() - t0
+
+    with atomic_output_dir(out_dir) as tmp:
+        t0 = time.perf_counter()
+        nncf_dataset = engine.numpy_dataset(feed_list) if options.data_aware else None
+        if target == "onnxruntime":
+            compressed, details = engine.compress_onnx(model, plan, options, nncf_dataset, log)
+            restored = metrics.restored_onnx(compressed, weights)
+            details["ort_rewrites"] = engine.to_ort_kernels(compressed, accuracy_level)
+            files = save_graph(compressed, tmp / "model.onnx")
+            timings["compress_s"] = time.perf_counter() - t0
+            details["onnxruntime_kernels"] = ort_kernels(tmp / "model.onnx", feed_list[0])
+            run = metrics.ort_runner(compressed, {name: ir.DataType.INT64 for name in routers.values()})
+        else:
+            import openvino as ov
+
+            compressed, details = engine.compress_openvino(model, plan, options, nncf_dataset, tmp, log)
+            restored = metrics.restored_openvino(compressed, weights)
+            ov.save_model(compressed, tmp / OPENVINO_XML, compress_to_fp16=False)
+            files = [OPENVINO_XML, OPENVINO_XML.replace(".xml", ".bin")]
+            timings["compress_s"] = time.perf_counter() - t0
+            run = metrics.openvino_runner(compressed, list(routers.values()))
+        t0 = time.perf_counter()
+        log("measuring the error: weights, heads, routing, next-token distributions")
+        outputs = [run(feeds) for feeds in feed_list]
+        weight_rows = _weight_rows(weights, plan, restored, rows, layout)
+        routing = []
+        for layer, name in sorted(routers.items()):
+            agreement, tokens = metrics.routing_agreement(ref_routing[layer], [o[name] for o in outputs])
+            routing.append({"layer": layer, "agreement": agreement, "tokens": tokens})
+        model_metrics = metrics.distribution_agreement(ref_logits, [o["logits"][0] for o in outputs])
+        timings["measure_s"] = time.perf_counter() - t0
+        shutil.copyfile(in_dir / "export.json", tmp / "export.json")
+        files.append("export.json")
+        params = sum(int(np.prod(r["shape"])) for r in weight_rows)
+        stored_bits = sum(r["bits_per_weight"] * int(np.prod(r["shape"])) for r in weight_rows)
+        size = sum((tmp / f).stat().st_size for f in files if f != "export.json")
+        summary = {
+            "dstc_version": __version__,
+            "target": target,
+            "scheme": scheme,
+            "options": {"group_size": group_size, "sym": sym, "ratio": ratio, "backup": backup, "awq": awq,
+                        "scale_estimation": scale_estimation, "gptq": gptq, "dataset": str(dataset),
+                        "accuracy_level": accuracy_level if target == "onnxruntime" else None},
+            "policy": policy.as_dict(),
+            "source": {"export": str(in_dir), **report["source"]},
+            "files": sorted(files + ["compression.json"]),
+            "size_bytes": size,
+            "file_sizes": {f: (tmp / f).stat().st_size for f in files if f != "export.json"},
+            "input_size_bytes": report.get("graph", {}).get("size_bytes"),
+            "weights": {"parameters": params, "bits_per_weight": stored_bits / params if params else None,
+                        "precisions": dict(Counter(r["precision"] for r in weight_rows))},
+            "calibration": {"sequences": len(feed_list), "tokens": int(sum(len(s) for s in sequences)),
+                            "tokenization": tokenization},
+            "model": model_metrics,
+            "routing": routing,
+            "routing_agreement_min": min((r["agreement"] for r in routing), default=None),
+            "layers": _layer_summary(weight_rows),
+            "per_weight": weight_rows,
+            "details": details,
+            "timings": {k: round(v, 3) for k, v in timings.items()},
+        }
+        (tmp / "compression.json").write_text(json.dumps(summary, indent=1, default=_jsonable) + "\n")
+    return summary
+
+
+def _jsonable(value):
+    if isinstance(value, (np.integer, np.floating)):
+        return value.item()
+    if isinstance(value, tuple):
+        return list(value)
+    raise TypeError(f"{type(value).__name__} is not JSON serializable")
