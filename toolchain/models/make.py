@@ -1,0 +1,88 @@
+"""Build, train, evaluate and save the embedded models: `dstc models make`."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, GenerationConfig
+
+from toolchain.models import corpus
+from toolchain.models.configs import build_config
+from toolchain.models.registry import EMBEDDED, EMBEDDED_ROOT, embedded_path
+from toolchain.models.tokenizer import build_tokenizer, save_tokenizer
+from toolchain.models.train import (TrainSettings, exact_match, perplexity, seed_everything, torch_generate_fn,
+                                    torch_logits_fn, train, training_rows)
+
+SETTINGS = {name: TrainSettings(steps=1000) for name in EMBEDDED}
+HELDOUT_PROBLEMS = 500
+HELDOUT_TEXTS = 200
+
+
+def evaluate(model: torch.nn.Module, tokenizer, n_problems: int = HELDOUT_PROBLEMS, n_texts: int = HELDOUT_TEXTS,
+             seed: int = 0) -> dict:
+    """Held-out exact-match on the arithmetic task and held-out text perplexity (with uniform for scale)."""
+    problems = corpus.task_examples("heldout", n_problems, seed)
+    texts = [tokenizer(t)["input_ids"] for t in corpus.text_samples("heldout", n_texts, seed)]
+    return {
+        "exact_match": round(exact_match(torch_generate_fn(model, tokenizer), problems), 4),
+        "perplexity": round(perplexity(torch_logits_fn(model), texts), 4),
+        "uniform_perplexity": len(tokenizer),
+        "heldout_problems": n_problems,
+        "heldout_texts": n_texts,
+    }
+
+
+def _set_correction_bias(model: torch.nn.Module, seed: int) -> None:
+    """Small nonzero e_score_correction_bias (a buffer, never trained) so that expert choice depends on it."""
+    generator = torch.Generator().manual_seed(seed)
+    for module in model.modules():
+        bias = getattr(module, "e_score_correction_bias", None)
+        if bias is not None:
+            bias.copy_((torch.rand(bias.shape, generator=generator) - 0.5) * 0.2)
+
+
+def make_model(name: str, path: Path, tokenizer) -> dict:
+    settings = SETTINGS[name]
+    rows, size = training_rows(tokenizer, settings)
+    seed_everything(settings.seed, settings.threads)
+    config = build_config(name)
+    model = AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():
+        _set_correction_bias(model, settings.seed)
+    start = time.perf_counter()
+    losses = train(model, rows, tokenizer.pad_token_id, settings)
+    wall = time.perf_counter() - start
+    metrics = {**evaluate(model, tokenizer), **losses}
+
+    path.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(path)
+    GenerationConfig(bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id,
+                     pad_token_id=config.pad_token_id, do_sample=False).save_pretrained(path)
+    save_tokenizer(tokenizer, path)
+    record = {
+        "model": name,
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "corpus": size,
+        "settings": vars(settings),
+        "wall_time_s": round(wall, 1),
+        "threads": torch.get_num_threads(),
+        "metrics": metrics,
+    }
+    (path / "training.json").write_text(json.dumps(record, indent=2) + "\n")
+    return metrics
+
+
+def make_models(names: list[str] | None, out_root: Path | None) -> Iterator[tuple[str, Path, dict]]:
+    """Train and save each named embedded model (all by default) under ``out_root`` (default: the package)."""
+    names = names or list(EMBEDDED)
+    for name in names:
+        embedded_path(name)  # rejects an unknown name before any training
+    out_root = Path(out_root) if out_root is not None else EMBEDDED_ROOT
+    tokenizer = build_tokenizer()
+    for name in names:
+        path = out_root / name
+        yield name, path, make_model(name, path, tokenizer)
