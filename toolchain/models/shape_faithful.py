@@ -1,0 +1,98 @@
+"""Random-weight checkpoints with a real model's widths and fewer layers (and experts), for export at real scale."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig, PreTrainedConfig
+
+from toolchain.errors import InputError
+from toolchain.models.registry import embedded_path, reference_config
+
+# Generated in chunks of this many values, so filling a vocabulary-sized matrix needs no second full-size copy.
+_CHUNK = 1 << 24
+# The real checkpoints' dtype; V3 ships fp8 weights, whose dequantised form is bf16.
+_DTYPE = torch.bfloat16
+
+
+def reference_to_config(raw: dict, num_layers: int | None = None, num_experts: int | None = None) -> PreTrainedConfig:
+    """The installed transformers config for a reference config.json, optionally cut to fewer layers/experts.
+
+    The references use the original checkpoints' RoPE keys (rope_theta, rope_scaling with "type"); transformers
+    5 keeps them together in rope_parameters with "rope_type".
+    """
+    fields = {k: v for k, v in raw.items() if k not in ("model_type", "rope_theta", "rope_scaling")}
+    rope = dict(raw.get("rope_scaling") or {"rope_type": "default"})
+    rope["rope_type"] = rope.pop("type", rope.get("rope_type"))
+    # transformers validates the YaRN factors as floats; the original configs write some as integers.
+    rope.update({k: float(v) for k, v in rope.items()
+                 if isinstance(v, int) and k != "original_max_position_embeddings"})
+    fields["rope_parameters"] = {**rope, "rope_theta": float(raw.get("rope_theta", 10000.0))}
+    if num_layers is not None:
+        _cut_layers(fields, num_layers)
+    if num_experts is not None:
+        _cut_experts(fields, num_experts)
+    return AutoConfig.for_model(raw["model_type"], **fields)
+
+
+def _cut_layers(fields: dict, num_layers: int) -> None:
+    if num_layers < 1:
+        raise InputError(f"--layers must be at least 1, got {num_layers}")
+    fields["num_hidden_layers"] = num_layers
+    if "first_k_dense_replace" in fields:
+        # Keep the leading dense layers, but leave at least one MoE layer whenever there are two layers or more.
+        fields["first_k_dense_replace"] = min(fields["first_k_dense_replace"], max(1, num_layers - 1))
+
+
+def _cut_experts(fields: dict, num_experts: int) -> None:
+    if "n_routed_experts" not in fields:
+        raise InputError("--experts applies to mixture-of-experts references only")
+    n_group, topk_group = fields.get("n_group") or 1, fields.get("topk_group") or 1
+    # DeepSeek-V3 scores a group by its two best experts, so a group needs two; keep the selected share of groups.
+    groups = max((g for g in range(1, n_group + 1) if num_experts % g == 0 and num_experts // g >= min(2, n_group)),
+                 default=None)
+    if num_experts < 1 or num_experts > fields["n_routed_experts"] or groups is None:
+        raise InputError(f"--experts must be between 1 and {fields['n_routed_experts']} and allow expert groups "
+                         f"of two or more, got {num_experts}")
+    kept_groups = max(1, round(topk_group * groups / n_group))
+    fields.update(n_routed_experts=num_experts, n_group=groups, topk_group=kept_groups,
+                  num_experts_per_tok=min(fields["num_experts_per_tok"], kept_groups * num_experts // groups))
+
+
+@torch.no_grad()
+def _fill_random(tensor: torch.Tensor, name: str, generator: torch.Generator, std: float) -> None:
+    if "norm" in name:
+        tensor.fill_(1.0)
+        return
+    flat = tensor.view(-1)
+    for start in range(0, flat.numel(), _CHUNK):
+        chunk = flat[start:start + _CHUNK]
+        chunk.copy_(torch.randn(chunk.numel(), generator=generator, dtype=torch.float32) * std)
+
+
+def make_shape_faithful(reference: str, out_dir: Path, num_layers: int = 4, num_experts: int | None = None,
+                        seed: int = 0) -> Path:
+    """Write a seeded random checkpoint of ``reference`` in Hugging Face layout to ``out_dir``.
+
+    Weights are N(0, initializer_range) drawn in fp32 and stored in bf16, norms are ones; the router's
+    e_score_correction_bias gets random values too so its path matters. The vocabulary keeps its real size:
+    the embedded tokenizer, copied for text I/O, uses only the lowest ids, and ids above it are valid inputs.
+    """
+    config = reference_to_config(reference_config(reference), num_layers, num_experts)
+    config.dtype = _DTYPE
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=_DTYPE)
+    # Only the saved tensors are filled: non-persistent buffers (RoPE tables) are rebuilt when the checkpoint loads.
+    model.to_empty(device="cpu")
+    generator = torch.Generator().manual_seed(seed)
+    for name, tensor in model.state_dict().items():
+        _fill_random(tensor, name, generator, config.initializer_range)
+    out_dir = Path(out_dir)
+    model.save_pretrained(out_dir)
+    GenerationConfig(bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id).save_pretrained(out_dir)
+    tokenizer_dir = embedded_path("r1-distill-qwen-tiny")
+    for file in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copyfile(tokenizer_dir / file, out_dir / file)
+    return out_dir
