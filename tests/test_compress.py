@@ -32,10 +32,21 @@ MATRIX = [pytest.param(*c, marks=() if c in FAST else pytest.mark.slow)
 
 @pytest.fixture(scope="module")
 def exports(tiny_checkpoints, tmp_path_factory):
+    """The tiny checkpoints' exports, plus qwen2 with non-zero q/k/v biases (random init leaves them at 0)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
     root = tmp_path_factory.mktemp("compress-exports")
     for arch in ARCHS:
         export(str(tiny_checkpoints[arch]), root / arch, parity=())
-    return {arch: root / arch for arch in ARCHS}
+    model = AutoModelForCausalLM.from_pretrained(tiny_checkpoints["qwen2"])
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("proj.bias"):
+                param.normal_(0, 0.5)
+    model.save_pretrained(root / "ckpt-qwen2-biased")
+    export(str(root / "ckpt-qwen2-biased"), root / "qwen2_biased", parity=())
+    return {arch: root / arch for arch in (*ARCHS, "qwen2_biased")}
 
 
 @pytest.fixture(scope="module")
@@ -199,7 +210,7 @@ def test_calibration_from_files_and_bad_input(runs, exports, tmp_path):
     out = tmp_path / "out"
     for kwargs in (dict(scheme="int3"), dict(group_size=48), dict(target="tensorrt"), dict(dataset=str(bad), awq=True),
                    dict(scheme="int8-per-head", awq=True), dict(ratio=0.5, scheme="int8-per-channel"),
-                   dict(gptq=True), dict(lm_head="int2")):
+                   dict(gptq=True), dict(lm_head="int2"), dict(embeddings="int4")):
         with pytest.raises(InputError):
             compress(exports["qwen2"], out, **kwargs)
         assert not out.exists()
@@ -231,3 +242,25 @@ def test_openvino_output_is_what_the_compile_stage_makes_stateful(runs):
     step = openvino_ir.stateful_step(compiled)
     logits = step(np.array([[5, 6, 7]]), np.ones((1, 3), np.int64), np.arange(3)[None])
     assert logits.shape == (1, 3, 97) and np.isfinite(logits).all()
+
+
+@pytest.mark.parametrize("arch", ["qwen2_biased", "deepseek_v3"])  # q/k/v biases, which NNCF 3.4 doubles
+def test_onnxruntime_artifact_computes_with_the_measured_weights(arch, runs, exports):
+    """The compressed graph, run by ORT (accuracy level 0: fp32 compute), matches the fp32 graph whose weights are
+    replaced by the dequantized ones compression.json measured: nothing is lost or added between the two."""
+    from toolchain.compress import metrics
+
+    _, out = runs(arch, "onnxruntime", "int4-grouped", accuracy_level=0)
+    base = ir.load(exports[arch] / "model.onnx")
+    weights = engine.graph_weights(base)
+    compressed = ir.load(out / "model.onnx")
+    restored = metrics.restored_onnx(compressed, [w for w in weights if w.kind == "matmul"])
+    for w in weights:
+        if w.name in restored:
+            base.graph.initializers[w.name].const_value = ir.tensor(restored[w.name].array, name=w.name)
+    substituted = ir.serde.serialize_model(base).SerializeToString()
+    feeds = feeds_for(exports[arch] / "model.onnx")
+    (want,) = ort.InferenceSession(substituted, providers=["CPUExecutionProvider"]).run(["logits"], feeds)
+    (got,) = ort.InferenceSession(str(out / "model.onnx"), providers=["CPUExecutionProvider"]).run(["logits"], feeds)
+    # the embedding table stays fp32 in the substituted graph: its INT8 rounding is the only difference
+    assert np.abs(got - want).max() < 0.02 * np.abs(want).max()

@@ -160,3 +160,19 @@ def test_dequantize_linear_reader_matches_onnx_runtime():
                        {"q": q, "s": scale, "z": zp})
     (expected,) = run_ort(model, {})
     np.testing.assert_allclose(dequantize_linear(next(iter(model.graph))), expected, rtol=1e-6)
+
+
+def test_trap_nncf_bias_is_not_added_twice():
+    """NNCF 3.4 puts the bias of MatMul -> Add(bias) into MatMulNBits and keeps the Add; the pass drops the copy."""
+    rng = np.random.default_rng(3)
+    w, b = rng.normal(size=(128, 32)).astype(np.float32), rng.normal(size=32).astype(np.float32) * 10
+    base = make_model([node("MatMul", ["x", "w"], ["h"], name="mm"), node("Add", ["h", "b"], ["y"], name="add")],
+                      {"x": [2, 128]}, ["y"], {"w": w, "b": b})
+    model = ir.serde.deserialize_model(nncf_int4(ir.serde.serialize_model(base), "INT4_SYM", 32))
+    nbits = next(n for n in model.graph if n.op_type == "MatMulNBits")
+    assert len(nbits.inputs) == 6 and op_counts(model)["Add"] == 1  # bias in both places
+    w_hat = matmul_nbits_weight(nbits)
+    assert ToMatMulNBits(accuracy_level=0)(model).counts["double_bias_dropped"] == 1
+    x = rng.normal(size=(2, 128)).astype(np.float32)
+    (y,) = run_ort(model, {"x": x})
+    np.testing.assert_allclose(y, x @ w_hat + b, rtol=1e-4, atol=1e-3)

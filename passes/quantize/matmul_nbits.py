@@ -13,6 +13,8 @@ runs an fp32 MatMul. So:
   1.32 wants them packed two per byte, [N, ceil(blocks / 2)], and refuses the model at load otherwise
   ("zero_points initializer shape {96,8} does not match attribute-derived shape [384] or [96,4]"): they are
   packed, low nibble first;
+* NNCF 3.4 also copies the bias of a MatMul followed by Add(bias) into MatMulNBits' bias input and keeps the
+  Add, so the bias is added twice (qwen2's q/k/v): the copy is dropped;
 * every MatMulNBits gets ``accuracy_level`` (4: activations quantized to int8 per block and int8 dot products,
   0: as the weights' float type); ORT only uses levels its CPU build supports and otherwise falls back;
 * ``DequantizeLinear`` (axis 0, one scale per row) -> ``Gather`` on an embedding table becomes a Gather of the
@@ -96,6 +98,7 @@ class ToMatMulNBits(CountingPass):
         for node in graph:
             if node.op_type == "MatMulNBits" and node.domain == MS_DOMAIN:
                 counts["zero_points_packed"] += self._pack_zero_points(graph, names, node)
+                counts["double_bias_dropped"] += self._drop_double_bias(node)
                 if self.accuracy_level is not None and _int(node, "accuracy_level", 0) != self.accuracy_level:
                     node.attributes["accuracy_level"] = ir.AttrInt64("accuracy_level", self.accuracy_level)
                     counts["accuracy_level_set"] += 1
@@ -217,6 +220,18 @@ class ToMatMulNBits(CountingPass):
         new_nodes[-1].outputs[0].shape = ir.Shape(list(q.shape))
         bypass(graph, dq.outputs[0], new_nodes[-1].outputs[0])
         graph.remove(dq, safe=True)
+        return 1
+
+    def _drop_double_bias(self, node: ir.Node) -> int:
+        """NNCF 3.4 copies the bias of a MatMul -> Add(bias) into MatMulNBits' bias input and keeps the Add: the
+        bias is added twice. Drop the copy (the Add stays, as in the float graph)."""
+        if len(node.inputs) < 6 or node.inputs[5] is None:
+            return 0
+        bias = node.inputs[5]
+        if not any(user.op_type == "Add" and bias in user.inputs for user, _ in node.outputs[0].uses()):
+            return 0
+        keep = 4 if len(node.inputs) > 3 and node.inputs[3] is not None else 3
+        node.resize_inputs(keep)
         return 1
 
     def _pack_zero_points(self, graph: ir.Graph, names: Names, node: ir.Node) -> int:

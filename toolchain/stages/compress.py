@@ -56,7 +56,8 @@ def head_layout(config: dict) -> dict[str, tuple[str, int]]:
     return {p: ("out", head_dim) for p in ("q_proj", "k_proj", "v_proj")} | {"o_proj": ("in", head_dim)}
 
 
-def _check(target, scheme, group_size, ratio, backup, accuracy_level, awq, scale_estimation, gptq) -> None:
+def _check(target, scheme, group_size, ratio, backup, accuracy_level, awq, scale_estimation, gptq,
+           embeddings) -> None:
     if target not in TARGETS:
         raise InputError(f"unknown target {target!r}; targets: {', '.join(TARGETS)}")
     if group_size not in GROUP_SIZES:
@@ -67,6 +68,11 @@ def _check(target, scheme, group_size, ratio, backup, accuracy_level, awq, scale
         raise InputError("--ratio applies to int4-grouped (the share of weights in INT4, the rest in the backup)")
     if (awq or scale_estimation or gptq) and scheme != "int4-grouped":
         raise InputError("--awq, --scale-estimation and --gptq apply to the int4-grouped scheme")
+    if target == "onnxruntime" and embeddings == "int4":
+        # NNCF 3.4's ONNX backend replaces an INT4 Gather with a MatMulNBits fed the token ids, which ORT rejects
+        # ("Type 'tensor(int64)' of input parameter (input_ids) of operator (MatMulNBits) ... is invalid")
+        raise InputError("INT4 embeddings are not supported for onnxruntime (NNCF 3.4 writes an invalid graph for "
+                         "them); use --embeddings int8 or --target openvino")
     if backup not in BACKUPS:
         raise InputError(f"backup {backup!r} is not one of {', '.join(BACKUPS)}")
     if accuracy_level is not None and accuracy_level not in (0, 1, 2, 3, 4):
@@ -144,7 +150,7 @@ def compress(in_dir: Path, out_dir: Path, *, target: str = "onnxruntime", scheme
     in_dir, out_dir = Path(in_dir), Path(out_dir)
     policy = Policy(scheme, embeddings=embeddings, lm_head=lm_head, router=router, shared_experts=shared_experts,
                     ignored_scope=tuple(ignored_scope))
-    _check(target, scheme, group_size, ratio, backup, accuracy_level, awq, scale_estimation, gptq)
+    _check(target, scheme, group_size, ratio, backup, accuracy_level, awq, scale_estimation, gptq, embeddings)
     report, source = read_export(in_dir)
     config = json.loads((source / "config.json").read_text())
     layout = head_layout(config)
