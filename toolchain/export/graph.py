@@ -47,8 +47,15 @@ class GraphBuilder:
         return values[0] if outputs == 1 else tuple(values)
 
     def weight(self, name: str, array: np.ndarray) -> ir.Value:
+        """An initializer. A non-contiguous view (a transposed torch weight) is copied only when saved, one
+        tensor at a time, so a large model never holds a second full copy of its weights in memory."""
         full = self._path(name)
-        return self.tape.initializer(ir.tensor(np.ascontiguousarray(array), name=full), name=full)
+        if array.flags.c_contiguous:
+            tensor = ir.tensor(array, name=full)
+        else:
+            tensor = ir.LazyTensor(lambda a=array: ir.tensor(np.ascontiguousarray(a)),
+                                   dtype=ir.DataType.from_numpy(array.dtype), shape=ir.Shape(array.shape), name=full)
+        return self.tape.initializer(tensor, name=full)
 
     def const(self, value, dtype=np.int64) -> ir.Value:
         """A small constant, shared by every node that asks for the same value."""
