@@ -148,27 +148,27 @@ def restored_onnx(model: ir.Model, weights: list[Weight]) -> dict[str, Restored]
 
 
 def restored_openvino(model, weights: list[Weight]) -> dict[str, Restored]:
-    """Each weight of an ov.Model: its constant subgraph compiled and run, its Constants' bytes (shape
-    constants excluded), its precision from the smallest element type."""
+    """Each weight of an ov.Model: its constant subgraph (all of them as the outputs of one parameterless model,
+    compiled once) run on CPU, its Constants' bytes (shape constants excluded), its precision from the smallest
+    element type."""
     import openvino as ov
 
-    core = ov.Core()
     by_output = {}
     for op in model.get_ordered_ops():
         if op.get_type_name() in ("MatMul", "Gather"):
             for name in op.output(0).get_names():
                 by_output[name] = op
+    found = [(w, by_output[w.output]) for w in weights if w.output in by_output]
+    ports = [op.input_value(1 if op.get_type_name() == "MatMul" else 0) for _, op in found]
+    if not ports:
+        return {}
+    compiled = ov.Core().compile_model(ov.Model(ports, [], "weights"), "CPU", {"INFERENCE_PRECISION_HINT": "f32"})
+    values = list(compiled.create_infer_request().infer({}).values())
     out = {}
-    for w in weights:
-        op = by_output.get(w.output)
-        if op is None:
-            continue
-        port = op.input_value(1 if op.get_type_name() == "MatMul" else 0)
-        sub = ov.Model([port], [], "weight")
-        consts = [c for c in sub.get_ops() if c.get_type_name() == "Constant"
+    for (w, op), port, value in zip(found, ports, values):
+        consts = [c for c in ov.Model([port], [], "weight").get_ops() if c.get_type_name() == "Constant"
                   and c.get_element_type().get_type_name() not in ("i64", "i32")]
-        array = np.array(core.compile_model(sub, "CPU", {"INFERENCE_PRECISION_HINT": "f32"})
-                         .create_infer_request().infer({})[0])
+        array = np.array(value)
         if op.get_type_name() == "MatMul" and op.get_attributes().get("transpose_b"):
             array = array.T
         types = {c.get_element_type().get_type_name() for c in consts}
