@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import time
 from pathlib import Path
@@ -97,6 +98,8 @@ def export(spec: str, out_dir: Path, *, trust_remote_code: bool = False, parity:
             "timings": {k: round(v, 3) for k, v in timings.items()},
         }
         (tmp / "export.json").write_text(json.dumps(report, indent=2) + "\n")
+    del model
+    gc.collect()  # transformers models hold reference cycles; the next stage may load another full copy
     failed = [b for b, r in results.items() if not r["passed"]]
     if failed:
         worst = {b: f"{results[b]['max_relative_diff']:.2e}" for b in failed}
