@@ -139,6 +139,58 @@ def optimize_cmd(in_dir: Path, out_dir: Path, target: str, pass_list: str | None
                    f"{r['max_relative_diff']:.1e}, greedy tokens {'identical' if r['tokens_identical'] else 'DIFFER'}")
 
 
+@cli.command("compress")
+@click.argument("in_dir", metavar="IN", type=click.Path(path_type=Path))
+@click.option("-o", "--out", "out_dir", type=click.Path(path_type=Path), required=True, help="Output directory.")
+@click.option("--target", type=click.Choice(["onnxruntime", "openvino"]), default="onnxruntime", show_default=True,
+              help="onnxruntime: MatMulNBits in model.onnx; openvino: compressed openvino_model.xml.")
+@click.option("--scheme", type=click.Choice(["int4-grouped", "int8-per-channel", "int8-per-head"]),
+              default="int4-grouped", show_default=True)
+@click.option("--group-size", type=click.Choice(["32", "64", "128"]), default="128", show_default=True)
+@click.option("--sym/--asym", default=False, show_default=True, help="Symmetric (no zero point) or asymmetric.")
+@click.option("--ratio", type=click.FloatRange(0, 1, min_open=True), default=1.0, show_default=True,
+              help="Share of INT4 weights kept in INT4 (the rest in --backup); int4 only.")
+@click.option("--backup", type=click.Choice(["int8", "none"]), default="int8", show_default=True)
+@click.option("--awq", is_flag=True, help="Activation-aware scaling (int4, needs calibration text).")
+@click.option("--scale-estimation", is_flag=True, help="Scale estimation (int4, needs calibration text).")
+@click.option("--gptq", is_flag=True, help="GPTQ (int4, openvino target only).")
+@click.option("--dataset", default="embedded", show_default=True,
+              help="Calibration text: 'embedded' (the project's corpus), a JSONL file with a \"text\" field, "
+                   "a text file or a directory of them. Never downloaded.")
+@click.option("--ignore", "ignored", multiple=True, help="Keep matching weights/nodes in fp32 (name or regex; repeat).")
+@click.option("--accuracy-level", type=click.IntRange(0, 4), default=4, show_default=True,
+              help="MatMulNBits compute precision on onnxruntime (4: int8 activations, fastest).")
+@click.option("--embeddings", type=click.Choice(["int8", "int4", "fp32"]), default="int8", show_default=True)
+@click.option("--lm-head", type=click.Choice(["int8", "int4", "fp32"]), default="int8", show_default=True)
+@click.option("--router", type=click.Choice(["fp32", "int8", "scheme"]), default="fp32", show_default=True,
+              help="MoE router weights.")
+@click.option("--shared-experts", type=click.Choice(["scheme", "int8", "fp32"]), default="scheme", show_default=True)
+@click.option("--json", "as_json", is_flag=True, help="Print compression.json to stdout instead of the summary.")
+def compress_cmd(in_dir: Path, out_dir: Path, target: str, scheme: str, group_size: str, sym: bool, ratio: float,
+                 backup: str, awq: bool, scale_estimation: bool, gptq: bool, dataset: str, ignored: tuple[str, ...],
+                 accuracy_level: int, embeddings: str, lm_head: str, router: str, shared_experts: str,
+                 as_json: bool) -> None:
+    """Compress the weights of IN (an export or optimize output) through NNCF; errors measured where they
+    happen (per layer, per head, MoE routing agreement) go to OUT/compression.json."""
+    from toolchain.stages.compress import compress
+
+    report = compress(in_dir, out_dir, target=target, scheme=scheme, group_size=int(group_size), sym=sym,
+                      ratio=ratio, backup=backup, awq=awq, scale_estimation=scale_estimation, gptq=gptq,
+                      dataset=dataset, ignored_scope=list(ignored), accuracy_level=accuracy_level,
+                      embeddings=embeddings, lm_head=lm_head, router=router, shared_experts=shared_experts,
+                      log=lambda msg: click.echo(f"[compress] {msg}", err=True))
+    if as_json:
+        click.echo(json.dumps(report, indent=2))
+        return
+    weights, model = report["weights"], report["model"]
+    click.echo(f"{scheme} for {target} -> {out_dir}: {report['input_size_bytes'] / 1e6:.1f} MB -> "
+               f"{report['size_bytes'] / 1e6:.1f} MB, {weights['bits_per_weight']:.2f} bits/weight")
+    click.echo(f"vs uncompressed on {model['tokens']} calibration tokens: top-1 agreement "
+               f"{model['top1_agreement']:.3f}, mean KL {model['kl_mean']:.2e}"
+               + (f", min MoE routing agreement {report['routing_agreement_min']:.3f}"
+                  if report.get("routing_agreement_min") is not None else ""))
+
+
 @cli.command("compile")
 @click.argument("export_dir", metavar="IN", type=click.Path(path_type=Path))
 @click.option("-o", "--out", "out_dir", type=click.Path(path_type=Path), required=True, help="Artifact directory.")
@@ -163,7 +215,7 @@ def compile_cmd(export_dir: Path, out_dir: Path, backend: str, no_verify: bool, 
     verification = manifest.get("verification")
     if verification:
         worst = max(c["relative_diff"] for c in verification["cases"])
-        click.echo(f"verified against PyTorch: {'PASS' if verification['passed'] else 'FAIL'}, "
+        click.echo(f"verified against {verification['reference']}: {'PASS' if verification['passed'] else 'FAIL'}, "
                    f"max relative logit diff {worst:.1e}, greedy tokens "
                    f"{'identical' if all(c['tokens_identical'] for c in verification['cases']) else 'DIFFER'}")
 
@@ -206,6 +258,11 @@ def _stage_check(name: str, reports: dict) -> str:
     """One line of what a stage checked, from its report."""
     if name == "export" and "export/export.json" in reports:
         return "parity " + _parity_line(reports["export/export.json"]["parity"])
+    if name == "compress" and "compress/compression.json" in reports:
+        report = reports["compress/compression.json"]
+        routing = report.get("routing_agreement_min")
+        return (f"{report['weights']['bits_per_weight']:.2f} bits/w, top-1 {report['model']['top1_agreement']:.3f}, "
+                f"KL {report['model']['kl_mean']:.1e}" + (f", routing {routing:.3f}" if routing is not None else ""))
     if name == "passes" and "passes/passes.json" in reports:
         report = reports["passes/passes.json"]
         fused = ", ".join(f"{k} {v}" for counts in report["counts"].values() for k, v in counts.items()
@@ -213,7 +270,7 @@ def _stage_check(name: str, reports: dict) -> str:
         return f"{fused or 'no fusions'}; parity " + _parity_line(report.get("parity") or {})
     if name == "compile" and (reports.get("compile/compile.json") or {}).get("verification"):
         v = reports["compile/compile.json"]["verification"]
-        return f"greedy vs PyTorch {'identical' if v['passed'] else 'DIFFER'}"
+        return f"greedy vs {v['reference']} {'identical' if v['passed'] else 'DIFFER'}"
     return ""
 
 

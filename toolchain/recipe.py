@@ -45,7 +45,11 @@ class CompressSection(Section):
     gptq: bool = False
     dataset: str = "embedded"
     ignore: list[str] = Field(default_factory=list)
-    accuracy_level: int | None = 4
+    accuracy_level: int | None = Field(4, ge=0, le=4)
+    embeddings: Literal["int8", "int4", "fp32"] = "int8"
+    lm_head: Literal["int8", "int4", "fp32"] = "int8"
+    router: Literal["fp32", "int8", "scheme"] = "fp32"
+    shared_experts: Literal["scheme", "int8", "fp32"] = "scheme"
 
 
 class CompileSection(Section):

@@ -41,6 +41,16 @@ def _names(ports) -> list[str]:
     return [p.get_any_name() for p in ports]
 
 
+def cache_dims(graph_path: Path) -> dict[str, tuple[int, int]]:
+    """{past_key_values.* input: (heads, head dim)} of a stateless graph (ONNX or IR)."""
+    import openvino as ov
+
+    model = ov.Core().read_model(str(graph_path))
+    return {name: (model.input(name).get_partial_shape()[1].get_length(),
+                   model.input(name).get_partial_shape()[3].get_length())
+            for name in _names(model.inputs) if name.startswith(PAST_PREFIX)}
+
+
 def fuse_beam_reorder(model) -> None:
     """Add the ``beam_idx`` [batch] int32 input and read every past_key_values.* input through
     Gather(past, beam_idx, axis=batch)."""
@@ -100,12 +110,16 @@ def make_stateful(model) -> int:
     return len(read_values)
 
 
-def convert(onnx_path: Path, versions: dict[str, str]):
-    """model.onnx -> stateful ov.Model, with the versions that made it in rt_info (optimum-intel reads
-    optimum/transformers_version to pick the generation code path for some model types)."""
+def convert(graph_path: Path, versions: dict[str, str]):
+    """model.onnx (or an already converted, e.g. compressed, stateless IR .xml) -> stateful ov.Model, with the
+    versions that made it in rt_info (optimum-intel reads optimum/transformers_version to pick the generation
+    code path for some model types)."""
     import openvino as ov
 
-    model = ov.convert_model(str(onnx_path))
+    if Path(graph_path).suffix == ".xml":
+        model = ov.Core().read_model(str(graph_path))
+    else:
+        model = ov.convert_model(str(graph_path))
     fuse_beam_reorder(model)
     make_stateful(model)
     for key, value in versions.items():

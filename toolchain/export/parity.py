@@ -119,7 +119,9 @@ def onnxruntime_runner(path: Path) -> Callable[[dict], dict]:
 def openvino_runner(path: Path) -> Callable[[dict], dict]:
     import openvino as ov
 
-    compiled = ov.Core().compile_model(ov.convert_model(str(path)), "CPU", {"INFERENCE_PRECISION_HINT": "f32"})
+    core = ov.Core()
+    model = core.read_model(str(path)) if Path(path).suffix == ".xml" else ov.convert_model(str(path))
+    compiled = core.compile_model(model, "CPU", {"INFERENCE_PRECISION_HINT": "f32"})
     request = compiled.create_infer_request()
     names = [o.get_any_name() for o in compiled.outputs]
 

@@ -45,7 +45,7 @@ def read_export(export_dir: Path) -> tuple[dict, Path]:
     """The export's report and its source checkpoint directory, checked before anything is written."""
     if not export_dir.is_dir():
         raise InputError(f"{export_dir} is not a directory (expected the output of dstc export)")
-    if not (export_dir / "model.onnx").is_file():
+    if not (export_dir / "model.onnx").is_file() and not (export_dir / openvino_ir.MODEL_XML).is_file():
         raise InputError(f"{export_dir} has no model.onnx: run dstc export first")
     if not (export_dir / "export.json").is_file():
         raise InputError(f"{export_dir} has no export.json: not a dstc export")
@@ -68,26 +68,40 @@ def read_export(export_dir: Path) -> tuple[dict, Path]:
     return report, source
 
 
-def _verify(backend: str, artifact: Path, source: Path, past_specs: dict, new_tokens: int,
+def _verify(backend: str, artifact: Path, input_dir: Path, source: Path, past_specs: dict, new_tokens: int,
             log: Callable[[str], None]) -> dict:
-    """Greedy tokens and logits of the compiled artifact against PyTorch fp32, on the export's parity prompts."""
+    """Greedy tokens and logits of the compiled artifact against a reference, on the export's parity prompts.
+
+    The reference is PyTorch fp32 on the source checkpoint, except for a compressed input: its weights differ
+    from the checkpoint's by design (compression.json measures by how much), so compiling is checked against
+    the compressed graph itself, run stateless on the same runtime.
+    """
     from toolchain import source as sources
-    from toolchain.export.parity import TOLERANCES, graph_step, greedy, left_pad, onnxruntime_runner, torch_step
+    from toolchain.export.parity import (TOLERANCES, graph_step, greedy, left_pad, onnxruntime_runner,
+                                         openvino_runner, torch_step)
     from toolchain.stages.export import parity_cases
 
     model = sources.load(sources.resolve(str(source)), False)
     cases = parity_cases(source, model.config.vocab_size)
-    log(f"verifying the {backend} artifact against PyTorch fp32: {len(cases)} cases, {new_tokens} greedy tokens")
+    compressed = (input_dir / "compression.json").is_file()
+    if compressed:
+        input_graph = input_dir / ("model.onnx" if backend == "onnxruntime" else openvino_ir.MODEL_XML)
+        run = (onnxruntime_runner if backend == "onnxruntime" else openvino_runner)(input_graph)
+        past_specs = past_specs or openvino_ir.cache_dims(input_graph)
+        reference, new_reference = "compressed input graph", lambda: graph_step(run, past_specs)  # noqa: E731
+    else:
+        reference, new_reference = "pytorch fp32", lambda: torch_step(model)  # noqa: E731
+    log(f"verifying the {backend} artifact against {reference}: {len(cases)} cases, {new_tokens} greedy tokens")
     if backend == "openvino":
         compiled = openvino_ir.compile_ir(artifact / openvino_ir.MODEL_XML)
         new_step = lambda: openvino_ir.stateful_step(compiled)  # noqa: E731
     else:
-        run = onnxruntime_runner(artifact / onnxruntime_artifact.MODEL)
-        new_step = lambda: graph_step(run, past_specs)  # noqa: E731
+        artifact_run = onnxruntime_runner(artifact / onnxruntime_artifact.MODEL)
+        new_step = lambda: graph_step(artifact_run, past_specs)  # noqa: E731
     results = []
     for case in cases:
         ids, mask = left_pad(case.prompts, model.config.pad_token_id or 0)
-        expected, expected_logits = greedy(torch_step(model), ids, mask, new_tokens)
+        expected, expected_logits = greedy(new_reference(), ids, mask, new_tokens)
         tokens, logits = greedy(new_step(), ids, mask, new_tokens)
         span = max(float(r.max() - r.min()) for r in expected_logits)
         diff = max(float(np.abs(a - b).max()) for a, b in zip(logits, expected_logits))
@@ -95,7 +109,8 @@ def _verify(backend: str, artifact: Path, source: Path, past_specs: dict, new_to
                         "tokens_identical": bool((tokens == expected).all()), "relative_diff": diff / span})
     tolerance = TOLERANCES[backend]
     return {"passed": all(r["tokens_identical"] and r["relative_diff"] <= tolerance for r in results),
-            "tolerance_relative_to_logits_range": tolerance, "new_tokens": new_tokens, "cases": results}
+            "reference": reference, "tolerance_relative_to_logits_range": tolerance, "new_tokens": new_tokens,
+            "cases": results}
 
 
 def compile_artifact(export_dir: Path, out_dir: Path, backend: str, *, verify: bool = True,
@@ -113,7 +128,9 @@ def compile_artifact(export_dir: Path, out_dir: Path, backend: str, *, verify: b
         if backend == "openvino":
             versions = {"transformers_version": config.get("transformers_version", ""),
                         "dstc_version": __version__}
-            details = openvino_ir.write(export_dir / "model.onnx", source, tmp, versions, has_tokenizer, log)
+            graph = export_dir / openvino_ir.MODEL_XML
+            details = openvino_ir.write(graph if graph.is_file() else export_dir / "model.onnx", source, tmp,
+                                        versions, has_tokenizer, log)
         else:
             details = onnxruntime_artifact.write(export_dir / "model.onnx", tmp, config, generation, log)
         past_specs = details.pop("past_specs", None)
@@ -122,7 +139,7 @@ def compile_artifact(export_dir: Path, out_dir: Path, backend: str, *, verify: b
         verification = None
         if verify:
             t0 = time.perf_counter()
-            verification = _verify(backend, tmp, source, past_specs, new_tokens, log)
+            verification = _verify(backend, tmp, export_dir, source, past_specs, new_tokens, log)
             timings["verify_s"] = time.perf_counter() - t0
         manifest = {
             "dstc_version": __version__,
