@@ -1,0 +1,204 @@
+"""The embedded tiny models, their corpus and tokenizer, the registry, and the shape-faithful random models."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from toolchain.errors import InputError
+from toolchain.models import corpus
+from toolchain.models.make import evaluate, make_models
+from toolchain.models.registry import EMBEDDED, REFERENCES, embedded_path, list_embedded, reference_config
+from toolchain.models.shape_faithful import make_shape_faithful, reference_to_config
+from toolchain.models.tokenizer import ASSISTANT, BOS, EOS, USER
+from toolchain.models.train import exact_match, perplexity
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return AutoTokenizer.from_pretrained(embedded_path("r1-distill-qwen-tiny"))
+
+
+def _load(name: str):
+    return AutoModelForCausalLM.from_pretrained(embedded_path(name)).eval()
+
+
+# --- registry -------------------------------------------------------------------------------------------------
+
+def test_unknown_names_are_input_errors_listing_the_known_ones():
+    with pytest.raises(InputError, match="deepseek-v3-tiny") as err:
+        embedded_path("gpt-2")
+    assert "\n" not in str(err.value)
+    with pytest.raises(InputError, match="deepseek-v2-lite"):
+        reference_config("deepseek-v4")
+    with pytest.raises(InputError, match="r1-distill-llama-tiny"):
+        next(make_models(["nope"], None))
+
+
+def test_list_embedded_rows():
+    rows = {row["name"]: row for row in list_embedded()}
+    assert set(EMBEDDED) | set(REFERENCES) == set(rows)
+    for name in EMBEDDED:
+        row = rows[name]
+        assert row["model_type"] == EMBEDDED[name]
+        assert 500_000 < row["parameters"] < 5_000_000
+        assert row["size_bytes"] > 4 * row["parameters"]
+        assert row["exact_match"] >= 0.9
+    assert sum(rows[n]["size_bytes"] for n in EMBEDDED) <= 40 * 2**20
+    assert 6.5e11 < rows["deepseek-v3"]["parameters"] < 7e11
+    assert 7.9e9 < rows["deepseek-r1-distill-llama-8b"]["parameters"] < 8.1e9
+
+
+# --- embedded models ------------------------------------------------------------------------------------------
+
+def _check_deepseek_v3(c):
+    assert c.q_lora_rank and c.kv_lora_rank and c.qk_rope_head_dim and c.qk_nope_head_dim
+    assert c.v_head_dim != c.qk_nope_head_dim + c.qk_rope_head_dim
+    assert c.n_shared_experts == 1 and c.n_routed_experts >= 8 and 2 <= c.num_experts_per_tok <= 4
+    assert c.n_group > 1 and c.topk_group >= 1 and c.n_routed_experts % c.n_group == 0
+    assert c.first_k_dense_replace >= 1 and c.num_hidden_layers > c.first_k_dense_replace
+    assert c.norm_topk_prob and c.routed_scaling_factor != 1 and c.rope_interleave
+
+
+def _check_deepseek_v2(c):
+    assert c.q_lora_rank is None and c.kv_lora_rank
+    assert c.topk_method == "greedy" and c.n_shared_experts >= 1 and c.n_routed_experts >= 8
+    assert c.first_k_dense_replace >= 1 and c.num_hidden_layers > c.first_k_dense_replace
+
+
+def _check_qwen(c):
+    assert c.num_key_value_heads < c.num_attention_heads and not c.tie_word_embeddings
+
+
+def _check_llama(c):
+    assert c.num_key_value_heads < c.num_attention_heads
+    rope = c.rope_parameters
+    assert rope["rope_type"] == "llama3"
+    assert {"factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"} <= set(rope)
+
+
+ARCHITECTURE_CHECKS = {"deepseek-v3-tiny": _check_deepseek_v3, "deepseek-v2-lite-tiny": _check_deepseek_v2,
+                       "r1-distill-qwen-tiny": _check_qwen, "r1-distill-llama-tiny": _check_llama}
+
+
+@pytest.mark.parametrize("name", list(EMBEDDED))
+def test_embedded_model_loads_with_its_architecture_and_meets_its_targets(name, tokenizer):
+    model = _load(name)
+    assert model.config.model_type == EMBEDDED[name]
+    ARCHITECTURE_CHECKS[name](model.config)
+    assert model.config.vocab_size == len(tokenizer) and 512 <= model.config.max_position_embeddings <= 2048
+    if name == "deepseek-v3-tiny":
+        bias = model.model.layers[-1].mlp.gate.e_score_correction_bias
+        assert bias.abs().min() > 0
+
+    record = json.loads((embedded_path(name) / "training.json").read_text())
+    metrics = record["metrics"]
+    assert metrics["exact_match"] >= 0.9
+    assert metrics["perplexity"] < metrics["uniform_perplexity"] / 20
+    assert {"examples", "tokens"} <= set(record["corpus"]) and record["threads"] >= 1
+    # Measured again here on held-out problems the recorded figure did not use (another seed).
+    again = evaluate(model, tokenizer, n_problems=50, n_texts=20, seed=1)
+    assert again["exact_match"] >= 0.9
+    assert again["perplexity"] < metrics["uniform_perplexity"] / 20
+
+
+def test_embedded_tokenizer_splits_digits_and_applies_the_chat_template(tokenizer):
+    assert tokenizer.tokenize("1234+56=") == ["1", "2", "3", "4", "+", "5", "6", "="]
+    assert tokenizer("hi")["input_ids"][0] == tokenizer.bos_token_id
+    assert (tokenizer.bos_token, tokenizer.eos_token) == (BOS, EOS)
+    assert tokenizer.pad_token_id not in (tokenizer.bos_token_id, tokenizer.eos_token_id)
+    text = tokenizer.apply_chat_template(
+        [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "321+654="},
+         {"role": "assistant", "content": "thinking</think>9750"}, {"role": "user", "content": "Again."}],
+        tokenize=False, add_generation_prompt=True)
+    assert text == f"{BOS}Be brief.{USER}321+654={ASSISTANT}9750{EOS}{USER}Again.{ASSISTANT}"
+    for name in EMBEDDED:
+        assert (embedded_path(name) / "tokenizer.json").read_bytes() == \
+            (embedded_path("r1-distill-qwen-tiny") / "tokenizer.json").read_bytes()
+
+
+# --- corpus and evaluation helpers ----------------------------------------------------------------------------
+
+def test_corpus_is_deterministic_and_its_splits_are_disjoint():
+    assert corpus.task_examples("train", 200, seed=3) == corpus.task_examples("train", 200, seed=3)
+    assert corpus.task_examples("train", 200, seed=3) != corpus.task_examples("train", 200, seed=4)
+    assert corpus.text_samples("heldout", 50, seed=1) == corpus.text_samples("heldout", 50, seed=1)
+
+    def unordered(prompt):
+        a, b = prompt.rstrip("=").split("+")
+        return frozenset((a, b))
+
+    train = {unordered(p) for p, _ in corpus.task_examples("train", 20_000)}
+    heldout = {unordered(p) for p, _ in corpus.task_examples("heldout", 1_000)}
+    assert not train & heldout
+    assert not set(corpus.text_samples("train", 5_000)) & set(corpus.text_samples("heldout", 500))
+    for prompt, answer in corpus.task_examples("heldout", 100):
+        a, b = (int(x[::-1]) for x in prompt.rstrip("=").split("+"))
+        assert int(answer[::-1]) == a + b
+    assert len(corpus.calibration_texts(16)) == 16
+
+
+def test_evaluation_helpers_take_any_backend():
+    examples = [("321+654=", "9750"), ("100+100=", "2000")]
+    assert exact_match(lambda prompts: ["9750\n123", "1000"], examples) == 0.5
+    vocab = 50
+    assert math.isclose(perplexity(lambda ids: np.zeros((len(ids), vocab)), [[1, 2, 3], [4, 5]]), vocab)
+
+
+# --- shape-faithful models ------------------------------------------------------------------------------------
+
+def test_reference_configs_map_to_transformers_and_cut_consistently():
+    llama = reference_to_config(reference_config("deepseek-r1-distill-llama-8b"), num_layers=2)
+    assert llama.rope_parameters["rope_type"] == "llama3" and llama.rope_parameters["rope_theta"] == 500000.0
+    assert llama.num_hidden_layers == 2 and llama.hidden_size == 4096
+    v3 = reference_to_config(reference_config("deepseek-v3"), num_layers=2, num_experts=8)
+    assert (v3.num_hidden_layers, v3.first_k_dense_replace) == (2, 1)
+    assert (v3.n_routed_experts, v3.n_group, v3.topk_group, v3.num_experts_per_tok) == (8, 4, 2, 4)
+    assert v3.rope_parameters["rope_type"] == "yarn" and v3.rope_parameters["factor"] == 40
+    with pytest.raises(InputError):
+        reference_to_config(reference_config("deepseek-r1-distill-qwen-7b"), num_experts=4)
+
+
+def _check_shape_faithful(path, reference: str, layers: int, experts: int, tokenizer):
+    raw = reference_config(reference)
+    model = AutoModelForCausalLM.from_pretrained(path).eval()
+    c = model.config
+    for key in ("hidden_size", "vocab_size", "kv_lora_rank", "moe_intermediate_size", "intermediate_size",
+                "num_attention_heads", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim"):
+        assert getattr(c, key) == raw[key], key
+    assert (c.num_hidden_layers, c.n_routed_experts) == (layers, experts)
+    with torch.no_grad():
+        logits = model(torch.tensor([[0, 17, raw["vocab_size"] - 1]])).logits
+    assert logits.shape == (1, 3, raw["vocab_size"]) and torch.isfinite(logits).all()
+    assert AutoTokenizer.from_pretrained(path).get_vocab() == tokenizer.get_vocab()
+
+
+def test_shape_faithful_deepseek_v2_lite(tmp_path, tokenizer):
+    path = make_shape_faithful("deepseek-v2-lite", tmp_path / "m", num_layers=2, num_experts=8, seed=1)
+    _check_shape_faithful(path, "deepseek-v2-lite", layers=2, experts=8, tokenizer=tokenizer)
+
+
+@pytest.mark.slow
+def test_shape_faithful_deepseek_v3(tmp_path, tokenizer):
+    # About 3e9 values (1.9e9 of them embedding and head) in bf16: ~6 GB written, so not in the default suite.
+    path = make_shape_faithful("deepseek-v3", tmp_path / "m", num_layers=2, num_experts=8)
+    _check_shape_faithful(path, "deepseek-v3", layers=2, experts=8, tokenizer=tokenizer)
+
+
+# --- determinism ----------------------------------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_retraining_reproduces_the_committed_weights(tmp_path):
+    name = "r1-distill-qwen-tiny"
+    [(_, path, _)] = list(make_models([name], tmp_path))
+
+    def digest(p):
+        return hashlib.sha256((p / "model.safetensors").read_bytes()).hexdigest()
+
+    assert digest(path) == digest(embedded_path(name))
