@@ -90,7 +90,7 @@ def export_cmd(model: str, out_dir: Path, trust_remote_code: bool, parity: str, 
     if unknown:
         raise click.BadParameter(f"unknown backend(s): {', '.join(sorted(unknown))}", param_hint="--parity")
     report = export(model, out_dir, trust_remote_code=trust_remote_code, parity=backends, new_tokens=new_tokens,
-                    log=lambda msg: click.echo(f"[export] {msg}", err=True))
+                    log=_logger("export"))
     if as_json:
         click.echo(json.dumps(report, indent=2))
         return
@@ -124,7 +124,7 @@ def optimize_cmd(in_dir: Path, out_dir: Path, target: str, pass_list: str | None
 
     names = [n.strip() for n in pass_list.split(",") if n.strip()] if pass_list else None
     report = optimize(in_dir, out_dir, target, names, parity=not no_parity,
-                      log=lambda msg: click.echo(f"[optimize] {msg}", err=True))
+                      log=_logger("optimize"))
     if as_json:
         click.echo(json.dumps(report, indent=2))
         return
@@ -178,7 +178,7 @@ def compress_cmd(in_dir: Path, out_dir: Path, target: str, scheme: str, group_si
                       ratio=ratio, backup=backup, awq=awq, scale_estimation=scale_estimation, gptq=gptq,
                       dataset=dataset, ignored_scope=list(ignored), accuracy_level=accuracy_level,
                       embeddings=embeddings, lm_head=lm_head, router=router, shared_experts=shared_experts,
-                      log=lambda msg: click.echo(f"[compress] {msg}", err=True))
+                      log=_logger("compress"))
     if as_json:
         click.echo(json.dumps(report, indent=2))
         return
@@ -207,17 +207,21 @@ def compile_cmd(export_dir: Path, out_dir: Path, backend: str, no_verify: bool, 
     from toolchain.stages.compile import compile_artifact
 
     manifest = compile_artifact(export_dir, out_dir, backend, verify=not no_verify,
-                                log=lambda msg: click.echo(f"[compile] {msg}", err=True))
+                                log=_logger("compile"))
     if as_json:
         click.echo(json.dumps(manifest, indent=2))
         return
     click.echo(f"{backend} artifact for {manifest['model_type']} -> {out_dir} ({len(manifest['files'])} files)")
     verification = manifest.get("verification")
     if verification:
-        worst = max(c["relative_diff"] for c in verification["cases"])
         click.echo(f"verified against {verification['reference']}: {'PASS' if verification['passed'] else 'FAIL'}, "
-                   f"max relative logit diff {worst:.1e}, greedy tokens "
-                   f"{'identical' if all(c['tokens_identical'] for c in verification['cases']) else 'DIFFER'}")
+                   f"max relative logit diff {verification['max_relative_diff']:.1e}, greedy tokens "
+                   f"{'identical' if verification['tokens_identical'] else 'DIFFER'}")
+
+
+def _logger(stage: str):
+    """Progress lines of a stage, on stderr so that --json output stays clean."""
+    return lambda msg: click.echo(f"[{stage}] {msg}", err=True)
 
 
 class _BuildDisplay:

@@ -135,19 +135,18 @@ def openvino_runner(path: Path) -> Callable[[dict], dict]:
 RUNNERS = {"onnxruntime": onnxruntime_runner, "openvino": openvino_runner}
 
 
-def compare(model: torch.nn.Module, path: Path, backend: str, cases: list[Case], past_specs: dict[str, tuple],
-            new_tokens: int, pad_id: int) -> dict:
-    run = RUNNERS[backend](path)
+def compare_steps(new_reference: Callable[[], Step], new_step: Callable[[], Step], cases: list[Case],
+                  new_tokens: int, pad_id: int, tolerance: float) -> dict:
+    """Greedy runs of a reference and a candidate on every case (a fresh Step, i.e. an empty cache, per case)."""
     results = []
     for case in cases:
         ids, mask = left_pad(case.prompts, pad_id)
-        ref_tokens, ref_logits = greedy(torch_step(model), ids, mask, new_tokens)
-        tokens, logits = greedy(graph_step(run, past_specs), ids, mask, new_tokens)
+        ref_tokens, ref_logits = greedy(new_reference(), ids, mask, new_tokens)
+        tokens, logits = greedy(new_step(), ids, mask, new_tokens)
         diff = max(float(np.abs(a - b).max()) for a, b in zip(logits, ref_logits))
         span = max(float(r.max() - r.min()) for r in ref_logits)
         results.append(CaseResult(case.name, len(case.prompts), [len(p) for p in case.prompts], new_tokens, diff,
                                   span, bool((tokens == ref_tokens).all()), tokens.tolist()))
-    tolerance = TOLERANCES[backend]
     passed = all(r.relative_diff <= tolerance and r.tokens_identical for r in results)
     return {
         "passed": passed,
@@ -157,3 +156,11 @@ def compare(model: torch.nn.Module, path: Path, backend: str, cases: list[Case],
         "tokens_identical": all(r.tokens_identical for r in results),
         "cases": [dict(vars(r), relative_diff=r.relative_diff) for r in results],
     }
+
+
+def compare(model: torch.nn.Module, path: Path, backend: str, cases: list[Case], past_specs: dict[str, tuple],
+            new_tokens: int, pad_id: int) -> dict:
+    """A graph file on one backend against the PyTorch model."""
+    run = RUNNERS[backend](path)
+    return compare_steps(lambda: torch_step(model), lambda: graph_step(run, past_specs), cases, new_tokens, pad_id,
+                         TOLERANCES[backend])

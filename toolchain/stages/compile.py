@@ -19,7 +19,6 @@ import time
 from pathlib import Path
 from typing import Callable
 
-import numpy as np
 
 from toolchain import __version__
 from toolchain.atomic import atomic_output_dir
@@ -77,7 +76,7 @@ def _verify(backend: str, artifact: Path, input_dir: Path, source: Path, past_sp
     the compressed graph itself, run stateless on the same runtime.
     """
     from toolchain import source as sources
-    from toolchain.export.parity import (TOLERANCES, graph_step, greedy, left_pad, onnxruntime_runner,
+    from toolchain.export.parity import (TOLERANCES, compare_steps, graph_step, onnxruntime_runner,
                                          openvino_runner, torch_step)
     from toolchain.stages.export import parity_cases
 
@@ -98,19 +97,9 @@ def _verify(backend: str, artifact: Path, input_dir: Path, source: Path, past_sp
     else:
         artifact_run = onnxruntime_runner(artifact / onnxruntime_artifact.MODEL)
         new_step = lambda: graph_step(artifact_run, past_specs)  # noqa: E731
-    results = []
-    for case in cases:
-        ids, mask = left_pad(case.prompts, model.config.pad_token_id or 0)
-        expected, expected_logits = greedy(new_reference(), ids, mask, new_tokens)
-        tokens, logits = greedy(new_step(), ids, mask, new_tokens)
-        span = max(float(r.max() - r.min()) for r in expected_logits)
-        diff = max(float(np.abs(a - b).max()) for a, b in zip(logits, expected_logits))
-        results.append({"name": case.name, "tokens": tokens.tolist(), "expected": expected.tolist(),
-                        "tokens_identical": bool((tokens == expected).all()), "relative_diff": diff / span})
-    tolerance = TOLERANCES[backend]
-    return {"passed": all(r["tokens_identical"] and r["relative_diff"] <= tolerance for r in results),
-            "reference": reference, "tolerance_relative_to_logits_range": tolerance, "new_tokens": new_tokens,
-            "cases": results}
+    result = compare_steps(new_reference, new_step, cases, new_tokens, model.config.pad_token_id or 0,
+                           TOLERANCES[backend])
+    return {**result, "reference": reference, "new_tokens": new_tokens}
 
 
 def compile_artifact(export_dir: Path, out_dir: Path, backend: str, *, verify: bool = True,
@@ -154,8 +143,8 @@ def compile_artifact(export_dir: Path, out_dir: Path, backend: str, *, verify: b
         }
         (tmp / "compile.json").write_text(json.dumps(manifest, indent=2) + "\n")
     if verification is not None and not verification["passed"]:
-        worst = max(c["relative_diff"] for c in verification["cases"])
-        raise ParityError(f"the {backend} artifact disagrees with PyTorch (relative diff {worst:.2e}, tokens "
-                          f"identical: {all(c['tokens_identical'] for c in verification['cases'])}); "
+        raise ParityError(f"the {backend} artifact disagrees with {verification['reference']} (relative diff "
+                          f"{verification['max_relative_diff']:.2e}, tokens identical: "
+                          f"{verification['tokens_identical']}); "
                           f"details in {out_dir / 'compile.json'}")
     return manifest
