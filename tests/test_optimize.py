@@ -10,7 +10,7 @@ import pytest
 from transformers import AutoConfig
 
 from toolchain.errors import InputError
-from toolchain.pass_errors import OptimizeError
+from toolchain.errors import OptimizeError
 from toolchain.stages.export import export
 from toolchain.stages.optimize import optimize
 

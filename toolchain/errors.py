@@ -29,3 +29,17 @@ class ParityError(DstcError):
     """The exported model disagrees with the PyTorch reference beyond tolerance."""
 
     exit_code = 3
+
+
+class OptimizeError(DstcError):
+    """A pass failed, left an invalid graph, or fused less than the target's expectations require.
+
+    The message names the pass and, for a missed expectation, its closest near-miss.
+    """
+
+    exit_code = 4
+
+    def __init__(self, message: str, pass_name: str | None = None, near_miss: str | None = None) -> None:
+        super().__init__(message)
+        self.pass_name = pass_name
+        self.near_miss = near_miss

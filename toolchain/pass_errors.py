@@ -3,21 +3,7 @@
 from __future__ import annotations
 
 from passes.errors import ExpectationError, PassError, PassValidationError
-from toolchain.errors import DstcError, InputError
-
-
-class OptimizeError(DstcError):
-    """A pass failed, left an invalid graph, or fused less than the target's expectations require.
-
-    The message names the pass and, for a missed expectation, its closest near-miss.
-    """
-
-    exit_code = 4
-
-    def __init__(self, message: str, pass_name: str | None = None, near_miss: str | None = None) -> None:
-        super().__init__(message)
-        self.pass_name = pass_name
-        self.near_miss = near_miss
+from toolchain.errors import DstcError, InputError, OptimizeError
 
 
 def to_dstc_error(error: PassError) -> DstcError:

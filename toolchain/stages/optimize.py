@@ -108,7 +108,7 @@ def optimize(in_dir: Path, out_dir: Path, target: str, passes: list[str] | None 
     ``passes``: registered pass names to run instead of the target's pipeline (each must be for the target or
     for any runtime). ``expectations``: {pass: {"min"/"max"/"count": ...}} replacing the defaults, which are the
     target's per-model-type counts for the passes that run ({} checks nothing). Raises InputError for bad input,
-    OptimizeError (toolchain.pass_errors) when a pass fails or misses an expectation (nothing is written), and
+    OptimizeError when a pass fails or misses an expectation (nothing is written), and
     ParityError when the optimised graph disagrees with PyTorch (the output is kept for inspection).
     """
     from toolchain.stages.compile import read_export
