@@ -121,7 +121,9 @@ def openvino_runner(path: Path) -> Callable[[dict], dict]:
 
     core = ov.Core()
     model = core.read_model(str(path)) if Path(path).suffix == ".xml" else ov.convert_model(str(path))
-    compiled = core.compile_model(model, "CPU", {"INFERENCE_PRECISION_HINT": "f32"})
+    # f32 compute, and no on-the-fly activation quantisation for compressed weights (see openvino_ir.F32)
+    compiled = core.compile_model(model, "CPU",
+                                  {"INFERENCE_PRECISION_HINT": "f32", "DYNAMIC_QUANTIZATION_GROUP_SIZE": "0"})
     request = compiled.create_infer_request()
     names = [o.get_any_name() for o in compiled.outputs]
 
