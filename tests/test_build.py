@@ -134,3 +134,12 @@ def test_interrupted_first_build_leaves_no_artifact(tiny_checkpoints, tmp_path, 
     proc.kill()
     proc.communicate(timeout=60)
     assert not (tmp_path / "art").exists()
+
+
+def test_real_checkpoint_recipe_without_the_checkpoint_stops_clearly(tmp_path, env):
+    env = {**env, "HF_HOME": str(tmp_path / "empty-hf-home")}
+    proc = dstc("build", REPO / "recipes" / "deepseek-r1-distill-qwen-1.5b-openvino-int4.yaml", "-o", tmp_path / "out",
+                env=env)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 2 and "not in the local Hugging Face cache" in err and "Traceback" not in err
+    assert not (tmp_path / "out").exists()
