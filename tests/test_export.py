@@ -14,7 +14,9 @@ from toolchain.export.decoder import build_decoder
 from toolchain.export.parity import Case, compare
 from toolchain.models.registry import EMBEDDED
 from toolchain.source import load, resolve
-from toolchain.stages.export import export, parity_cases, save_graph
+from toolchain.export.graph import save_graph
+from toolchain.export.parity import parity_cases
+from toolchain.stages.export import export
 
 from conftest import tiny_configs
 

@@ -8,6 +8,7 @@ de-duplicated small constants.
 from __future__ import annotations
 
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Iterator, Sequence
 
 import numpy as np
@@ -88,3 +89,18 @@ def rename_output(value: ir.Value, name: str, dtype: ir.DataType, dims: Sequence
     value.dtype = dtype
     value.shape = ir.Shape(list(dims))
     return value
+
+
+# Above this many bytes of weights the graph keeps them in model.onnx.data (protobuf's 2 GB limit, and a
+# graph file that tools can open quickly).
+EXTERNAL_DATA_BYTES = 1 << 30
+
+
+def save_graph(model: ir.Model, path: Path) -> list[str]:
+    """Write the model; returns the files written (model.onnx, and model.onnx.data for large weights)."""
+    weight_bytes = sum(v.const_value.nbytes for v in model.graph.initializers.values())
+    if weight_bytes > EXTERNAL_DATA_BYTES:
+        ir.save(model, path, external_data=path.name + ".data")
+        return [path.name, path.name + ".data"]
+    ir.save(model, path)
+    return [path.name]

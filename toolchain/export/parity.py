@@ -166,3 +166,27 @@ def compare(model: torch.nn.Module, path: Path, backend: str, cases: list[Case],
     run = RUNNERS[backend](path)
     return compare_steps(lambda: torch_step(model), lambda: graph_step(run, past_specs), cases, new_tokens, pad_id,
                          TOLERANCES[backend])
+
+
+PROMPTS = (
+    "12+345=",
+    "the old man walked to the market with a basket of apples, and the children followed him along the river "
+    "because they wanted to see the boats. 607+58=",
+    "where is the red book?",
+)
+
+
+def parity_cases(source_path: Path, vocab_size: int) -> list[Case]:
+    """Prompts of several lengths, alone and as a left-padded batch of two; text when the checkpoint has a
+    tokenizer, seeded random ids otherwise."""
+    prompts = []
+    if (source_path / "tokenizer.json").is_file():
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(source_path)
+        prompts = [[t for t in tok(p, add_special_tokens=False)["input_ids"] if t < vocab_size] for p in PROMPTS]
+    if not prompts or not all(prompts):
+        rng = np.random.default_rng(0)
+        prompts = [rng.integers(0, vocab_size, n).tolist() for n in (5, 48, 11)]
+    short, long, other = prompts
+    return [Case("short", [short]), Case("long", [long]), Case("batch2-left-padded", [other, short])]

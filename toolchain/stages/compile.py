@@ -24,47 +24,10 @@ from toolchain import __version__
 from toolchain.atomic import atomic_output_dir
 from toolchain.compile import copy_checkpoint_files, onnxruntime_artifact, openvino_ir
 from toolchain.errors import InputError, ParityError
+from toolchain.stages.inputs import read_export, read_json
 
 BACKENDS = ("openvino", "onnxruntime")
 VERIFY_TOKENS = 8
-REQUIRED_INPUTS = ("input_ids", "attention_mask", "position_ids")
-
-
-def _read_json(path: Path) -> dict:
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise InputError(f"cannot read {path}: {e}") from None
-    if not isinstance(data, dict):
-        raise InputError(f"{path} is not a JSON object")
-    return data
-
-
-def read_export(export_dir: Path) -> tuple[dict, Path]:
-    """The export's report and its source checkpoint directory, checked before anything is written."""
-    if not export_dir.is_dir():
-        raise InputError(f"{export_dir} is not a directory (expected the output of dstc export)")
-    if not (export_dir / "model.onnx").is_file() and not (export_dir / openvino_ir.MODEL_XML).is_file():
-        raise InputError(f"{export_dir} has no model.onnx: run dstc export first")
-    if not (export_dir / "export.json").is_file():
-        raise InputError(f"{export_dir} has no export.json: not a dstc export")
-    report = _read_json(export_dir / "export.json")
-    try:
-        source = Path(report["source"]["path"])
-        inputs = report["graph"]["inputs"]
-    except (KeyError, TypeError):
-        raise InputError(f"{export_dir / 'export.json'} lacks source.path or graph.inputs") from None
-    failed = [b for b, r in (report.get("parity") or {}).items() if isinstance(r, dict) and not r.get("passed", True)]
-    if failed:
-        raise InputError(f"{export_dir} failed its parity check on {', '.join(failed)} (see its export.json); "
-                         f"fix the export before compiling it")
-    missing = [n for n in REQUIRED_INPUTS if n not in inputs]
-    if missing or not any(n.startswith("past_key_values.") for n in inputs):
-        raise InputError(f"{export_dir / 'model.onnx'} is not a decoder with a KV cache (inputs {inputs})")
-    if not (source / "config.json").is_file():
-        raise InputError(f"the export's source checkpoint {source} is gone (no config.json); the compiled artifact "
-                         f"needs its config and tokenizer files")
-    return report, source
 
 
 def _verify(backend: str, artifact: Path, input_dir: Path, source: Path, past_specs: dict, new_tokens: int,
@@ -77,8 +40,7 @@ def _verify(backend: str, artifact: Path, input_dir: Path, source: Path, past_sp
     """
     from toolchain import source as sources
     from toolchain.export.parity import (TOLERANCES, compare_steps, graph_step, onnxruntime_runner,
-                                         openvino_runner, torch_step)
-    from toolchain.stages.export import parity_cases
+                                         openvino_runner, parity_cases, torch_step)
 
     model = sources.load(sources.resolve(str(source)), False)
     cases = parity_cases(source, model.config.vocab_size)
@@ -108,8 +70,8 @@ def compile_artifact(export_dir: Path, out_dir: Path, backend: str, *, verify: b
     if backend not in BACKENDS:
         raise InputError(f"unknown backend {backend!r}; known: {', '.join(BACKENDS)}")
     report, source = read_export(export_dir)
-    config = _read_json(source / "config.json")
-    generation = _read_json(source / "generation_config.json") if (source / "generation_config.json").is_file() else {}
+    config = read_json(source / "config.json")
+    generation = read_json(source / "generation_config.json") if (source / "generation_config.json").is_file() else {}
     has_tokenizer = (source / "tokenizer.json").is_file()
     timings = {}
     with atomic_output_dir(out_dir) as tmp:

@@ -150,8 +150,8 @@ def compress(in_dir: Path, out_dir: Path, *, target: str = "onnxruntime", scheme
     name or regular expression. ``embeddings`` / ``lm_head``: "int8" | "int4" | "fp32"; ``router``: "fp32" |
     "int8" | "scheme"; ``shared_experts``: "scheme" | "int8" | "fp32" (toolchain/compress/policy.py).
     """
-    from toolchain.stages.compile import read_export
-    from toolchain.stages.export import save_graph
+    from toolchain.export.graph import save_graph
+    from toolchain.stages.inputs import read_export
 
     in_dir, out_dir = Path(in_dir), Path(out_dir)
     policy = Policy(scheme, embeddings=embeddings, lm_head=lm_head, router=router, shared_experts=shared_experts,

@@ -8,52 +8,16 @@ import time
 from pathlib import Path
 from typing import Callable
 
-import numpy as np
-import onnx_ir as ir
-
 from toolchain import __version__
 from toolchain.atomic import atomic_output_dir
 from toolchain.errors import ParityError
 from toolchain.export.architectures import architecture_for
 from toolchain.export.decoder import build_decoder
-from toolchain.export.parity import Case, compare
+from toolchain.export.graph import save_graph
+from toolchain.export.parity import compare, parity_cases
 from toolchain import source as sources
 
-# Above this many bytes of weights the graph keeps them in model.onnx.data (protobuf's 2 GB limit, and a
-# graph file that tools can open quickly).
-EXTERNAL_DATA_BYTES = 1 << 30
 PARITY_BACKENDS = ("onnxruntime", "openvino")
-PROMPTS = (
-    "12+345=",
-    "the old man walked to the market with a basket of apples, and the children followed him along the river "
-    "because they wanted to see the boats. 607+58=",
-    "where is the red book?",
-)
-
-
-def parity_cases(source_path: Path, vocab_size: int) -> list[Case]:
-    """Prompts of several lengths, alone and as a left-padded batch of two; text when the checkpoint has a
-    tokenizer, seeded random ids otherwise."""
-    prompts = []
-    if (source_path / "tokenizer.json").is_file():
-        from transformers import AutoTokenizer
-
-        tok = AutoTokenizer.from_pretrained(source_path)
-        prompts = [[t for t in tok(p, add_special_tokens=False)["input_ids"] if t < vocab_size] for p in PROMPTS]
-    if not prompts or not all(prompts):
-        rng = np.random.default_rng(0)
-        prompts = [rng.integers(0, vocab_size, n).tolist() for n in (5, 48, 11)]
-    short, long, other = prompts
-    return [Case("short", [short]), Case("long", [long]), Case("batch2-left-padded", [other, short])]
-
-
-def save_graph(model: ir.Model, path: Path) -> list[str]:
-    weight_bytes = sum(v.const_value.nbytes for v in model.graph.initializers.values())
-    if weight_bytes > EXTERNAL_DATA_BYTES:
-        ir.save(model, path, external_data=path.name + ".data")
-        return [path.name, path.name + ".data"]
-    ir.save(model, path)
-    return [path.name]
 
 
 def export(spec: str, out_dir: Path, *, trust_remote_code: bool = False, parity: tuple[str, ...] = PARITY_BACKENDS,

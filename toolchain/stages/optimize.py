@@ -91,8 +91,7 @@ def openvino_fusions(onnx_path: Path) -> dict[str, dict[str, int]]:
 def _parity(source: Path, onnx_path: Path, backend: str, past_specs: dict, new_tokens: int,
             log: Callable[[str], None]) -> dict:
     from toolchain import source as sources
-    from toolchain.export.parity import compare
-    from toolchain.stages.export import parity_cases
+    from toolchain.export.parity import compare, parity_cases
 
     model = sources.load(sources.resolve(str(source)), False)
     cases = parity_cases(source, model.config.vocab_size)
@@ -111,8 +110,8 @@ def optimize(in_dir: Path, out_dir: Path, target: str, passes: list[str] | None 
     OptimizeError when a pass fails or misses an expectation (nothing is written), and
     ParityError when the optimised graph disagrees with PyTorch (the output is kept for inspection).
     """
-    from toolchain.stages.compile import read_export
-    from toolchain.stages.export import save_graph
+    from toolchain.export.graph import save_graph
+    from toolchain.stages.inputs import read_export
 
     in_dir, out_dir = Path(in_dir), Path(out_dir)
     names = _pass_names(target, passes)

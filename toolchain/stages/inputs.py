@@ -1,0 +1,48 @@
+"""What a stage reads from the directory an earlier stage wrote: its export.json and the source checkpoint."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from toolchain.compile.openvino_ir import MODEL_XML
+from toolchain.errors import InputError
+
+REQUIRED_INPUTS = ("input_ids", "attention_mask", "position_ids")
+
+
+def read_json(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise InputError(f"cannot read {path}: {e}") from None
+    if not isinstance(data, dict):
+        raise InputError(f"{path} is not a JSON object")
+    return data
+
+
+def read_export(export_dir: Path) -> tuple[dict, Path]:
+    """The export's report and its source checkpoint directory, checked before anything is written."""
+    if not export_dir.is_dir():
+        raise InputError(f"{export_dir} is not a directory (expected the output of dstc export)")
+    if not (export_dir / "model.onnx").is_file() and not (export_dir / MODEL_XML).is_file():
+        raise InputError(f"{export_dir} has no model.onnx: run dstc export first")
+    if not (export_dir / "export.json").is_file():
+        raise InputError(f"{export_dir} has no export.json: not a dstc export")
+    report = read_json(export_dir / "export.json")
+    try:
+        source = Path(report["source"]["path"])
+        inputs = report["graph"]["inputs"]
+    except (KeyError, TypeError):
+        raise InputError(f"{export_dir / 'export.json'} lacks source.path or graph.inputs") from None
+    failed = [b for b, r in (report.get("parity") or {}).items() if isinstance(r, dict) and not r.get("passed", True)]
+    if failed:
+        raise InputError(f"{export_dir} failed its parity check on {', '.join(failed)} (see its export.json); "
+                         f"fix the export before compiling it")
+    missing = [n for n in REQUIRED_INPUTS if n not in inputs]
+    if missing or not any(n.startswith("past_key_values.") for n in inputs):
+        raise InputError(f"{export_dir / 'model.onnx'} is not a decoder with a KV cache (inputs {inputs})")
+    if not (source / "config.json").is_file():
+        raise InputError(f"the export's source checkpoint {source} is gone (no config.json); the compiled artifact "
+                         f"needs its config and tokenizer files")
+    return report, source
