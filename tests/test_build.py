@@ -143,3 +143,32 @@ def test_real_checkpoint_recipe_without_the_checkpoint_stops_clearly(tmp_path, e
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 2 and "not in the local Hugging Face cache" in err and "Traceback" not in err
     assert not (tmp_path / "out").exists()
+
+
+def test_real_checkpoint_recipes_pin_a_commit_and_only_that_snapshot_is_used(tmp_path, monkeypatch):
+    import re
+
+    from toolchain import source as sources
+    from toolchain.errors import InputError
+    from toolchain.recipe import load_recipe
+
+    real = [load_recipe(p) for p in sorted((REPO / "recipes").glob("*.yaml")) if "tiny" not in p.name]
+    assert len(real) == 5 and all(re.fullmatch(r"[0-9a-f]{40}", r.revision or "") for r in real)
+
+    recipe = next(r for r in real if r.model.endswith("Qwen-1.5B"))
+    repo = tmp_path / "hub" / ("models--" + recipe.model.replace("/", "--"))
+    other = "0" * 40
+    (repo / "snapshots" / other).mkdir(parents=True)
+    (repo / "snapshots" / other / "config.json").write_text('{"model_type": "qwen2"}')
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(other)
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    with pytest.raises(InputError, match=f"at revision {recipe.revision}"):
+        sources.resolve(recipe.model, recipe.revision)
+    assert sources.resolve(recipe.model).path.name == other  # unpinned takes what the cache has
+
+    (repo / "snapshots" / recipe.revision).mkdir()
+    (repo / "snapshots" / recipe.revision / "config.json").write_text('{"model_type": "qwen2"}')
+    assert sources.resolve(recipe.model, recipe.revision).path.name == recipe.revision
