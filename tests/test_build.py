@@ -172,3 +172,19 @@ def test_real_checkpoint_recipes_pin_a_commit_and_only_that_snapshot_is_used(tmp
     (repo / "snapshots" / recipe.revision).mkdir()
     (repo / "snapshots" / recipe.revision / "config.json").write_text('{"model_type": "qwen2"}')
     assert sources.resolve(recipe.model, recipe.revision).path.name == recipe.revision
+
+
+def test_a_cached_stage_from_a_checkout_that_is_gone_is_still_usable(tmp_path, monkeypatch):
+    """Stage ids hash the checkpoint's files, not its path: another clone's cached export is reused, and the
+    later stages read the checkpoint this build resolved rather than the path that export recorded."""
+    monkeypatch.setenv("DSTC_CACHE_DIR", str(tmp_path / "cache"))
+    build(write_recipe(tmp_path / "a.yaml", model="r1-distill-llama-tiny"), tmp_path / "a")
+    (report_file,) = (tmp_path / "cache").rglob("export-*/export.json")
+    report = json.loads(report_file.read_text())
+    report["source"]["path"] = str(tmp_path / "old-clone" / "r1-distill-llama-tiny")
+    report_file.write_text(json.dumps(report))
+    recipe = write_recipe(tmp_path / "b.yaml", model="r1-distill-llama-tiny",
+                          compile={"backend": "onnxruntime", "verify": True})
+    manifest = build(recipe, tmp_path / "b")
+    assert manifest["provenance"]["cached_stages"] == ["export"]
+    assert manifest["provenance"]["stage_reports"]["compile/compile.json"]["verification"]["passed"]

@@ -41,15 +41,16 @@ class Stage:
     run: Callable[[Path | None, Path, Callable[[str], None]], dict]
 
 
-def plan(recipe: Recipe) -> list[Stage]:
-    """The recipe's stages in order, each with the configuration that goes into its id."""
+def plan(recipe: Recipe, source: Path) -> list[Stage]:
+    """The recipe's stages in order, each with the configuration that goes into its id. Later stages read the
+    checkpoint this build resolved (``source``), not the path an earlier, perhaps cached, stage recorded."""
     stages = [Stage("export", {"model": recipe.model, "trust_remote_code": recipe.trust_remote_code,
                                **recipe.export.model_dump(mode="json")}, _export(recipe))]
     if recipe.passes:
-        stages.append(Stage("passes", recipe.passes.model_dump(mode="json"), _passes(recipe)))
+        stages.append(Stage("passes", recipe.passes.model_dump(mode="json"), _passes(recipe, source)))
     if recipe.compress:
-        stages.append(Stage("compress", recipe.compress.model_dump(mode="json"), _compress(recipe)))
-    stages.append(Stage("compile", recipe.compile.model_dump(mode="json"), _compile(recipe)))
+        stages.append(Stage("compress", recipe.compress.model_dump(mode="json"), _compress(recipe, source)))
+    stages.append(Stage("compile", recipe.compile.model_dump(mode="json"), _compile(recipe, source)))
     return stages
 
 
@@ -61,25 +62,28 @@ def _export(recipe: Recipe):
                                         revision=recipe.revision, log=log)
 
 
-def _passes(recipe: Recipe):
+def _passes(recipe: Recipe, source: Path):
     from toolchain.stages.optimize import optimize
 
     cfg = recipe.passes
-    return lambda inp, out, log: optimize(inp, out, cfg.target, passes=cfg.passes, expectations=cfg.expect, log=log)
+    return lambda inp, out, log: optimize(inp, out, cfg.target, passes=cfg.passes, expectations=cfg.expect,
+                                          source=source, log=log)
 
 
-def _compress(recipe: Recipe):
+def _compress(recipe: Recipe, source: Path):
     from toolchain.stages.compress import compress
 
     cfg = recipe.compress.model_dump()
-    return lambda inp, out, log: compress(inp, out, target=recipe.compile.backend, log=log, **cfg)
+    return lambda inp, out, log: compress(inp, out, target=recipe.compile.backend, source=source, log=log,
+                                          **cfg)
 
 
-def _compile(recipe: Recipe):
+def _compile(recipe: Recipe, source: Path):
     from toolchain.stages.compile import compile_artifact
 
     cfg = recipe.compile
-    return lambda inp, out, log: compile_artifact(inp, out, cfg.backend, verify=cfg.verify, log=log)
+    return lambda inp, out, log: compile_artifact(inp, out, cfg.backend, verify=cfg.verify, source=source,
+                                                    log=log)
 
 
 class Events:
@@ -104,7 +108,7 @@ def build(recipe_path: Path, out_dir: Path | None = None, *, model: str | None =
     parent, stage_rows, durations, cached_stages, reports = digest(source_files), [], {}, [], {}
     stage_dir = None
     with atomic_output_dir(out_dir) as tmp:
-        for stage in plan(recipe):
+        for stage in plan(recipe, source.path):
             stage_id = digest({"stage": stage.name, "config": stage.config, "parent": parent, "code": code})
             target = cache_root() / f"{stage.name}-{stage_id[:20]}"
             cached = use_cache and (target / "stage.json").is_file()

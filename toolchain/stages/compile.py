@@ -65,11 +65,12 @@ def _verify(backend: str, artifact: Path, input_dir: Path, source: Path, past_sp
 
 
 def compile_artifact(export_dir: Path, out_dir: Path, backend: str, *, verify: bool = True,
-                     new_tokens: int = VERIFY_TOKENS, log: Callable[[str], None] = lambda _: None) -> dict:
+                     new_tokens: int = VERIFY_TOKENS, source: Path | None = None,
+                     log: Callable[[str], None] = lambda _: None) -> dict:
     export_dir, out_dir = Path(export_dir), Path(out_dir)
     if backend not in BACKENDS:
         raise InputError(f"unknown backend {backend!r}; known: {', '.join(BACKENDS)}")
-    report, source = read_export(export_dir)
+    report, source = read_export(export_dir, source)
     config = read_json(source / "config.json")
     generation = read_json(source / "generation_config.json") if (source / "generation_config.json").is_file() else {}
     has_tokenizer = (source / "tokenizer.json").is_file()

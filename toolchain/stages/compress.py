@@ -143,7 +143,7 @@ def compress(in_dir: Path, out_dir: Path, *, target: str = "onnxruntime", scheme
              dataset: str | Path = "embedded", ignored_scope: list[str] | tuple[str, ...] = (),
              accuracy_level: int | None = 4, embeddings: str = "int8", lm_head: str = "int8",
              router: str = "fp32", shared_experts: str = "scheme", ignore: list[str] | tuple[str, ...] = (),
-             log: Callable[[str], None] = lambda _: None) -> dict:
+             source: Path | None = None, log: Callable[[str], None] = lambda _: None) -> dict:
     """Compress IN's model.onnx into OUT (see the module doc); returns compression.json's content.
 
     ``ignored_scope`` (``ignore``, the recipe's name for it, adds to it): weights or nodes kept in fp32, by exact
@@ -157,7 +157,7 @@ def compress(in_dir: Path, out_dir: Path, *, target: str = "onnxruntime", scheme
     policy = Policy(scheme, embeddings=embeddings, lm_head=lm_head, router=router, shared_experts=shared_experts,
                     ignored_scope=(*ignored_scope, *ignore))
     _check(target, scheme, group_size, ratio, backup, accuracy_level, awq, scale_estimation, gptq, embeddings)
-    report, source = read_export(in_dir)
+    report, source = read_export(in_dir, source)
     config = json.loads((source / "config.json").read_text())
     layout = head_layout(config)
     options = engine.Options(scheme, group_size, sym, ratio, backup, awq, scale_estimation, gptq, accuracy_level,

@@ -21,8 +21,11 @@ def read_json(path: Path) -> dict:
     return data
 
 
-def read_export(export_dir: Path) -> tuple[dict, Path]:
-    """The export's report and its source checkpoint directory, checked before anything is written."""
+def read_export(export_dir: Path, source: Path | None = None) -> tuple[dict, Path]:
+    """The export's report and its source checkpoint directory, checked before anything is written.
+
+    ``source`` replaces the directory export.json recorded: a build resolves the checkpoint itself, and a stage
+    taken from the cache may have been exported from a checkout or cache that no longer exists."""
     if not export_dir.is_dir():
         raise InputError(f"{export_dir} is not a directory (expected the output of dstc export)")
     if not (export_dir / "model.onnx").is_file() and not (export_dir / MODEL_XML).is_file():
@@ -31,7 +34,7 @@ def read_export(export_dir: Path) -> tuple[dict, Path]:
         raise InputError(f"{export_dir} has no export.json: not a dstc export")
     report = read_json(export_dir / "export.json")
     try:
-        source = Path(report["source"]["path"])
+        source = Path(source or report["source"]["path"])
         inputs = report["graph"]["inputs"]
     except (KeyError, TypeError):
         raise InputError(f"{export_dir / 'export.json'} lacks source.path or graph.inputs") from None

@@ -101,7 +101,7 @@ def _parity(source: Path, onnx_path: Path, backend: str, past_specs: dict, new_t
 
 def optimize(in_dir: Path, out_dir: Path, target: str, passes: list[str] | None = None,
              expectations: dict | None = None, *, parity: bool = True, new_tokens: int = 16,
-             log: Callable[[str], None] = lambda _: None) -> dict:
+             source: Path | None = None, log: Callable[[str], None] = lambda _: None) -> dict:
     """Rewrite IN/model.onnx for ``target`` ("onnxruntime" or "openvino") into OUT; returns passes.json's content.
 
     ``passes``: registered pass names to run instead of the target's pipeline (each must be for the target or
@@ -115,7 +115,7 @@ def optimize(in_dir: Path, out_dir: Path, target: str, passes: list[str] | None 
 
     in_dir, out_dir = Path(in_dir), Path(out_dir)
     names = _pass_names(target, passes)
-    export_report, source = read_export(in_dir)
+    export_report, source = read_export(in_dir, source)
     timings = {}
     t0 = time.perf_counter()
     model = ir.load(in_dir / "model.onnx")
