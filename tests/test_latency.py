@@ -1,0 +1,51 @@
+"""toolchain.evaluate.latency: every case measured in a child process, and the child's errors raised here.
+No timing thresholds: the numbers only have to exist and be consistent."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import yaml
+
+from toolchain.build import build
+from toolchain.errors import InputError
+from toolchain.evaluate.latency import measure_latency
+
+
+@pytest.fixture(scope="module")
+def ort_artifact(tmp_path_factory):
+    root = tmp_path_factory.mktemp("latency")
+    recipe = root / "r.yaml"
+    recipe.write_text(yaml.safe_dump({"name": "t", "model": "deepseek-v3-tiny", "export": {"parity": []},
+                                      "compile": {"backend": "onnxruntime", "verify": False}}))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("DSTC_CACHE_DIR", str(root / "cache"))
+        build(recipe, root / "art")
+    return root / "art"
+
+
+def test_measure_latency_runs_every_case(ort_artifact):
+    result = measure_latency(ort_artifact, prompt_lengths=(32, 128, 1020), batches=(1, 2), new_tokens=8, warmup=1,
+                             repetitions=3, threads=1)
+    assert [(c["prompt_length"], c["batch"]) for c in result["cases"]] == [(32, 1), (32, 2), (128, 1), (128, 2)]
+    for case in result["cases"]:
+        assert case["new_tokens"] == 8 and case["warmup"] == 1 and case["repetitions"] == 3
+        assert len(case["ttft_ms"]) == 3 and len(case["itl_ms"]) == 3 * 7
+        assert min(case["ttft_ms"]) > 0 and min(case["itl_ms"]) > 0 and case["tokens_per_s"] > 0
+    # 1020 prompt tokens + 8 new ones exceed the model's 1024 positions
+    assert result["skipped"] == [{"prompt_length": 1020, "new_tokens": 8, "max_position_embeddings": 1024}]
+    assert result["peak_rss_mb"] > result["rss_increase_mb"] > 0 and result["load_s"] > 0
+    assert result["threads"] == 1 and result["runtime_config"]["intra_op_num_threads"] == 1
+
+
+def test_errors_in_the_child_surface_with_its_message(ort_artifact, tmp_path):
+    with pytest.raises(InputError, match="is not a directory"):
+        measure_latency(tmp_path / "missing", prompt_lengths=(8,), batches=(1,), new_tokens=2, repetitions=1)
+    broken = tmp_path / "broken"
+    shutil.copytree(ort_artifact, broken)
+    (broken / "model.onnx").write_bytes(b"not a protobuf")
+    with pytest.raises(RuntimeError, match=r"(?s)Traceback.*InferenceSession.*INVALID_PROTOBUF"):
+        measure_latency(broken, prompt_lengths=(8,), batches=(1,), new_tokens=2, repetitions=1)
+    with pytest.raises(InputError, match="new_tokens >= 2"):
+        measure_latency(ort_artifact, new_tokens=1)

@@ -1,0 +1,358 @@
+"""toolchain.runtime: artifacts, decoders on both backends against PyTorch, greedy generation, router outputs,
+streamed text."""
+
+from __future__ import annotations
+
+import shutil
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+import yaml
+
+from toolchain import source as sources
+from toolchain.build import build
+from toolchain.errors import InputError
+from toolchain.export.parity import PROMPTS, graph_step, greedy, left_pad, onnxruntime_runner, torch_step
+from toolchain.models.corpus import task_examples
+from toolchain.runtime.artifact import open_artifact
+from toolchain.runtime.decoder import open_decoder
+from toolchain.runtime.generate import greedy_generate, prompt_ids, stream_text
+from toolchain.runtime.routing import router_outputs
+
+BACKENDS = ("onnxruntime", "openvino")
+
+
+@pytest.fixture(scope="module")
+def artifact(tmp_path_factory):
+    """artifact(model, backend): an fp32 build of an embedded model, built on first use."""
+    root = tmp_path_factory.mktemp("runtime")
+    built = {}
+
+    def get(model: str, backend: str):
+        if (model, backend) not in built:
+            recipe = root / f"{model}-{backend}.yaml"
+            recipe.write_text(yaml.safe_dump({"name": "t", "model": model, "export": {"parity": []},
+                                              "compile": {"backend": backend, "verify": False}}))
+            with pytest.MonkeyPatch.context() as mp:
+                mp.setenv("DSTC_CACHE_DIR", str(root / "cache"))
+                build(recipe, root / f"{model}-{backend}")
+            built[model, backend] = open_artifact(root / f"{model}-{backend}")
+        return built[model, backend]
+
+    return get
+
+
+@pytest.fixture(scope="module")
+def torch_model():
+    loaded = {}
+
+    def get(name: str):
+        if name not in loaded:
+            loaded[name] = sources.load(sources.resolve(name), False)
+        return loaded[name]
+
+    return get
+
+
+def decoder_step(decoder):
+    """A parity Step over a Decoder (which derives the position ids from the mask itself)."""
+    return lambda ids, mask, _positions: decoder.forward(ids, mask)
+
+
+def relative_diff(logits, reference) -> float:
+    return max(float(np.abs(a - b).max()) for a, b in zip(logits, reference)) / \
+        max(float(r.max() - r.min()) for r in reference)
+
+
+def arithmetic_pairs(tokenizer, n: int) -> list[list[list[int]]]:
+    """Left-padded batches of two held-out problems of different lengths (the second after a solved one)."""
+    ex = task_examples("heldout", 2 * n)
+    return [[tokenizer(ex[2 * i][0])["input_ids"],
+             tokenizer(ex[2 * i + 1][0] + ex[2 * i + 1][1] + "\n" + ex[2 * i][0])["input_ids"]] for i in range(n)]
+
+
+# -- artifacts --------------------------------------------------------------------------------------------------
+
+
+def test_open_artifact_rejects_what_is_not_an_artifact(tmp_path, artifact):
+    with pytest.raises(InputError, match="is not a directory"):
+        open_artifact(tmp_path / "missing")
+    with pytest.raises(InputError, match="no openvino_model.xml or model.onnx"):
+        open_artifact(tmp_path)
+    export_like = tmp_path / "export"
+    export_like.mkdir()
+    shutil.copyfile(artifact("deepseek-v3-tiny", "onnxruntime").path / "model.onnx", export_like / "model.onnx")
+    (export_like / "export.json").write_text("{}")
+    with pytest.raises(InputError, match="no manifest.json or compile.json") as info:
+        open_artifact(export_like)
+    assert "\n" not in str(info.value)
+
+
+def test_artifact_fields_for_a_build_and_a_compile_only_directory(tmp_path, artifact):
+    ort_art = artifact("deepseek-v3-tiny", "onnxruntime")
+    assert ort_art.backend == "onnxruntime" and ort_art.manifest["recipe"]["compile"]["backend"] == "onnxruntime"
+    assert ort_art.eos_token_ids == [1] and ort_art.pad_token_id == 2
+    assert [p.name for p in ort_art.model_files] == ["model.onnx", "model.onnx.data"]
+    assert ort_art.size_bytes == sum(p.stat().st_size for p in ort_art.model_files) > 4_000_000
+    assert ort_art.tokenizer() is ort_art.tokenizer()
+
+    ov_art = artifact("deepseek-v3-tiny", "openvino")
+    assert ov_art.backend == "openvino"
+    assert [p.name for p in ov_art.model_files] == ["openvino_model.xml", "openvino_model.bin"]
+
+    compiled = tmp_path / "compiled"
+    shutil.copytree(ov_art.path, compiled)
+    (compiled / "manifest.json").rename(compiled / "compile.json")
+    opened = open_artifact(compiled)
+    assert opened.backend == "openvino" and opened.manifest == {} and opened.config == ov_art.config
+
+
+# -- decoders against PyTorch -----------------------------------------------------------------------------------
+
+
+def test_onnxruntime_logits_match_pytorch_on_a_left_padded_batch(artifact, torch_model):
+    art = artifact("deepseek-v3-tiny", "onnxruntime")
+    tok = art.tokenizer()
+    ids, mask = left_pad([tok(PROMPTS[1])["input_ids"], tok(PROMPTS[0])["input_ids"]], art.pad_token_id)
+    assert mask[1, 0] == 0  # the second row is padded
+    decoder = open_decoder(art)
+    tokens, logits = greedy(decoder_step(decoder), ids, mask, 9)  # prefill + 8 decode steps
+    ref_tokens, ref_logits = greedy(torch_step(torch_model("deepseek-v3-tiny")), ids, mask, 9)
+    assert relative_diff(logits, ref_logits) <= 1e-3
+    assert (tokens == ref_tokens).all()
+
+
+def test_openvino_greedy_tokens_match_pytorch_on_heldout_problems(artifact, torch_model):
+    """OpenVINO runs with its deployment defaults, which on a CPU with bf16 instructions are bf16 compute and a
+    u8 KV cache (read back in runtime_config): its logits are ~5e-2 of the range off PyTorch fp32 here, ~1e-6 at
+    f32. Tokens are what must not change; the loose logits bound still catches a wrong cache or wrong positions,
+    which are off by the order of the range."""
+    art = artifact("deepseek-v3-tiny", "openvino")
+    decoder = open_decoder(art)
+    assert {"INFERENCE_PRECISION_HINT", "KV_CACHE_PRECISION", "INFERENCE_NUM_THREADS"} <= set(decoder.runtime_config)
+    model = torch_model("deepseek-v3-tiny")
+    for prompts in arithmetic_pairs(art.tokenizer(), 5):
+        ids, mask = left_pad(prompts, art.pad_token_id)
+        decoder.reset()
+        tokens, logits = greedy(decoder_step(decoder), ids, mask, 9)
+        ref_tokens, ref_logits = greedy(torch_step(model), ids, mask, 9)
+        assert (tokens == ref_tokens).all()
+        assert relative_diff(logits, ref_logits) < 0.1
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_threads_are_applied_and_read_back(artifact, backend):
+    decoder = open_decoder(artifact("r1-distill-qwen-tiny", backend), threads=1)
+    assert decoder.threads == 1 and decoder.backend == backend and decoder.load_seconds > 0
+    key = "INFERENCE_NUM_THREADS" if backend == "openvino" else "intra_op_num_threads"
+    assert decoder.runtime_config[key] == 1
+    with pytest.raises(InputError):
+        open_decoder(artifact("r1-distill-qwen-tiny", backend), threads=0)
+
+
+# -- greedy generation ------------------------------------------------------------------------------------------
+
+
+class ScriptedDecoder:
+    """Row r's argmax at step s is script[r][s]; records what it is fed."""
+
+    backend, threads, load_seconds, runtime_config, extras = "scripted", 1, 0.0, {}, {}
+
+    def __init__(self, script: list[list[int]], vocab: int = 700) -> None:
+        self.script, self.vocab = script, vocab
+        self.reset()
+
+    def reset(self) -> None:
+        self.step, self.fed = 0, []
+
+    def forward(self, input_ids, attention_mask):
+        self.fed.append((input_ids.copy(), attention_mask.copy()))
+        logits = np.zeros((*input_ids.shape, self.vocab), np.float32)
+        for row, script in enumerate(self.script):
+            logits[row, -1, script[min(self.step, len(script) - 1)]] = 1.0
+        self.step += 1
+        return logits
+
+
+def test_greedy_generate_stops_each_row_at_its_first_stop_id():
+    decoder = ScriptedDecoder([[3, 4, 1, 5, 6], [9, 1, 7, 7, 7]])
+    seen = []
+    gen = greedy_generate(decoder, [[5, 6, 7], [8]], 5, {1}, pad_id=0, on_token=lambda s, t: seen.append(t.tolist()))
+    assert gen.tokens == [[3, 4], [9]] and gen.prompt_tokens == [3, 1]
+    assert len(decoder.fed) == 3 and len(gen.itl_s) == 2 and gen.ttft_s > 0  # ends when both rows stopped
+    assert seen == [[3, 9], [4, -1], [-1, -1]]
+    prefill_ids, prefill_mask = decoder.fed[0]
+    assert prefill_ids.tolist() == [[5, 6, 7], [0, 0, 8]] and prefill_mask.tolist() == [[1, 1, 1], [0, 0, 1]]
+    ids, mask = decoder.fed[2]
+    assert ids.tolist() == [[4], [0]] and mask.shape == (2, 5) and mask[:, 3:].all()  # stopped row fed pad
+
+    gen = greedy_generate(decoder, [[5, 6, 7], [8]], 5, {1}, pad_id=0, ignore_stop=True)
+    assert gen.tokens == [[3, 4, 1, 5, 6], [9, 1, 7, 7, 7]] and len(gen.itl_s) == 4 and len(decoder.fed) == 5
+    decoder = ScriptedDecoder([[3, 4, 5, 6]])
+    gen = greedy_generate(decoder, [[5]], 2, {1}, pad_id=0)
+    assert gen.tokens == [[3, 4]] and len(decoder.fed) == 2  # the budget ends it, with no forward past it
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_greedy_generate_solves_heldout_problems_in_batches(artifact, backend):
+    art = artifact("deepseek-v3-tiny", backend)
+    tok = art.tokenizer()
+    newline = tok.convert_tokens_to_ids(tok.tokenize("\n"))[0]
+    examples = task_examples("heldout", 20)
+    prompts = [tok(p)["input_ids"] for p, _ in examples]
+    decoder = open_decoder(art)
+    batched = [t for i in range(0, 20, 4)
+               for t in greedy_generate(decoder, prompts[i:i + 4], 6, {newline}, art.pad_token_id).tokens]
+    # Stopping at the newline (not at the budget of 6) leaves the 4 answer digits.
+    assert np.mean([len(t) == 4 and tok.decode(t) == answer for t, (_, answer) in zip(batched, examples)]) >= 0.9
+    single = [greedy_generate(decoder, [p], 6, {newline}, art.pad_token_id).tokens[0] for p in prompts]
+    assert single == batched
+
+
+# -- ONNX Runtime IO binding ------------------------------------------------------------------------------------
+
+
+def test_onnxruntime_cache_stays_in_ortvalues_between_steps(artifact, monkeypatch):
+    art = artifact("deepseek-v3-tiny", "onnxruntime")
+    decoder = open_decoder(art)
+    ids, mask = left_pad([art.tokenizer()(PROMPTS[0])["input_ids"]], art.pad_token_id)
+    logits = decoder.forward(ids, mask)
+    presents = dict(decoder.cache)
+    assert len(presents) == 2 * art.config["num_hidden_layers"]
+    pointers = {name: value.data_ptr() for name, value in presents.items()}
+
+    bound, to_numpy = {}, []
+    original_bind, original_numpy = ort.IOBinding.bind_ortvalue_input, ort.OrtValue.numpy
+
+    def bind(self, name, value):
+        bound[name] = value
+        return original_bind(self, name, value)
+
+    def numpy(self):
+        to_numpy.append(self)
+        return original_numpy(self)
+
+    monkeypatch.setattr(ort.IOBinding, "bind_ortvalue_input", bind)
+    monkeypatch.setattr(ort.OrtValue, "numpy", numpy)
+    mask = np.concatenate([mask, np.ones((1, 1), np.int64)], axis=1)
+    decoder.forward(logits[:, -1].argmax(-1)[:, None], mask)
+
+    assert set(bound) == set(presents)
+    assert all(bound[name] is presents[name] and bound[name].data_ptr() == pointers[name] for name in presents)
+    assert len(to_numpy) == 1 and to_numpy[0].shape()[-1] == art.config["vocab_size"]  # the logits only
+    assert all(decoder.cache[name].shape()[2] == mask.shape[1] for name in presents)
+
+
+def test_onnxruntime_binding_decodes_like_the_numpy_feed_path(artifact):
+    from toolchain.compile.onnxruntime_artifact import cache_dims
+
+    art = artifact("deepseek-v3-tiny", "onnxruntime")
+    tok = art.tokenizer()
+    ids, mask = left_pad([tok(PROMPTS[2])["input_ids"], tok(PROMPTS[0])["input_ids"]], art.pad_token_id)
+    path = art.path / "model.onnx"
+    reference, ref_logits = greedy(graph_step(onnxruntime_runner(path), cache_dims(path)), ids, mask, 20)
+    tokens, logits = greedy(decoder_step(open_decoder(art)), ids, mask, 20)
+    assert (tokens == reference).all()
+    assert relative_diff(logits, ref_logits) <= 1e-5
+
+
+# -- router outputs ---------------------------------------------------------------------------------------------
+
+
+def torch_routing(model) -> dict[int, list[np.ndarray]]:
+    """Wrap each MoE layer's route_tokens_to_experts to record its selected experts [tokens, top_k] per call."""
+    captured: dict[int, list[np.ndarray]] = {}
+    for index, layer in enumerate(model.model.layers):
+        if hasattr(layer.mlp, "route_tokens_to_experts"):
+            original = layer.mlp.route_tokens_to_experts
+
+            def route(router_logits, original=original, index=index):
+                experts, weights = original(router_logits)
+                captured.setdefault(index, []).append(experts.numpy().copy())
+                return experts, weights
+
+            layer.mlp.route_tokens_to_experts = route
+    return captured
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("model_name", ["deepseek-v3-tiny", "deepseek-v2-lite-tiny"])
+def test_router_outputs_agree_with_pytorch_routing(artifact, model_name, backend):
+    art = artifact(model_name, backend)
+    config = art.config
+    routers = router_outputs(art)
+    assert sorted(routers) == list(range(config["first_k_dense_replace"], config["num_hidden_layers"]))
+    tok = art.tokenizer()
+    ids, mask = left_pad([tok(PROMPTS[1])["input_ids"], tok(PROMPTS[2])["input_ids"]], art.pad_token_id)
+    model = sources.load(sources.resolve(model_name), False)  # a fresh model: its router methods get wrapped
+    captured = torch_routing(model)
+    steps = 4
+    ref_tokens, _ = greedy(torch_step(model), ids, mask, steps)
+
+    # The same input on the artifact: prefill, then PyTorch's tokens (so that the inputs stay identical).
+    decoder = open_decoder(art, extra_outputs=list(routers.values()))
+    got, real = {layer: [] for layer in routers}, []
+    feed, feed_mask = ids, mask
+    for step in range(steps):
+        decoder.forward(feed, feed_mask)
+        for layer, name in routers.items():
+            experts = decoder.extras[name]
+            assert experts.dtype == np.int64 and experts.shape == (feed.size, config["num_experts_per_tok"])
+            assert 0 <= experts.min() and experts.max() < config["n_routed_experts"]
+            got[layer].append(experts)
+        real.append(feed_mask[:, -feed.shape[1]:].reshape(-1).astype(bool))  # padding positions are not compared
+        feed = ref_tokens[:, step:step + 1]
+        feed_mask = np.concatenate([feed_mask, np.ones((2, 1), np.int64)], axis=1)
+    keep = np.concatenate(real)
+    for layer in routers:
+        ours = np.sort(np.concatenate(got[layer])[keep], -1)
+        theirs = np.sort(np.concatenate(captured[layer][:steps])[keep], -1)
+        assert (ours == theirs).all(-1).mean() >= 0.95, f"layer {layer}"
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_dense_models_have_no_router_outputs(artifact, backend):
+    assert router_outputs(artifact("r1-distill-qwen-tiny", backend)) == {}
+
+
+# -- streamed text ----------------------------------------------------------------------------------------------
+
+
+def test_stream_text_yields_the_decoded_answer_piece_by_piece(artifact):
+    art = artifact("deepseek-v3-tiny", "onnxruntime")
+    tok = art.tokenizer()
+    decoder = open_decoder(art)
+    pieces = list(stream_text(art, decoder, "The old man", max_new_tokens=24, chat=False))
+    expected = greedy_generate(decoder, [tok("The old man")["input_ids"]], 24, set(art.eos_token_ids),
+                               art.pad_token_id).tokens[0]
+    assert len(pieces) > 5 and all(pieces) and "".join(pieces) == tok.decode(expected)
+
+
+def test_stream_text_holds_back_a_character_split_across_tokens(artifact):
+    art = artifact("deepseek-v3-tiny", "onnxruntime")
+    tok = art.tokenizer()
+    text = "café ü 日本"
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    assert len(ids) > len(text)  # multi-byte characters span several byte-level tokens
+    pieces = list(stream_text(art, ScriptedDecoder([ids + art.eos_token_ids]), "x", max_new_tokens=50, chat=False))
+    assert "".join(pieces) == text and not any("\ufffd" in p for p in pieces)
+
+
+def test_stream_text_chat_puts_the_template_in_front(artifact):
+    art = artifact("deepseek-v3-tiny", "onnxruntime")
+    tok = art.tokenizer()
+    decoder = open_decoder(art)
+    fed = []
+    forward = decoder.forward
+
+    def recording(ids, mask):
+        fed.append(ids.tolist())
+        return forward(ids, mask)
+
+    decoder.forward = recording
+    list(stream_text(art, decoder, "321+654=", max_new_tokens=3, chat=True))
+    user, assistant = tok.convert_tokens_to_ids(["<｜User｜>", "<｜Assistant｜>"])
+    raw = tok("321+654=", add_special_tokens=False)["input_ids"]
+    assert fed[0] == [[tok.bos_token_id, user, *raw, assistant]]
+    assert prompt_ids(art, "321+654=", chat=False) == [tok.bos_token_id, *raw]

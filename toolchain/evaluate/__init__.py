@@ -1,0 +1,1 @@
+"""Measurements of built artifacts: latency, throughput and memory of greedy decoding."""

@@ -1,0 +1,88 @@
+"""A built artifact on disk: which runtime it is for, its configs and tokenizer, and the size of its model files.
+
+Two layouts are accepted, told apart by their files: a ``dstc build`` output (``manifest.json``) and a
+``dstc compile`` output (``compile.json``). Either holds the graph of one backend (``openvino_model.xml`` or
+``model.onnx``) beside the checkpoint's ``config.json``, ``generation_config.json`` and tokenizer files.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+from pathlib import Path
+
+from toolchain.compile.onnxruntime_artifact import MODEL as ONNX_MODEL, WEIGHTS as ONNX_WEIGHTS
+from toolchain.compile.openvino_ir import MODEL_XML
+from toolchain.errors import InputError
+from toolchain.manifest import MANIFEST
+from toolchain.stages.inputs import read_json
+
+COMPILE_REPORT = "compile.json"
+
+
+@dataclass(frozen=True)
+class Artifact:
+    path: Path
+    backend: str  # "openvino" | "onnxruntime"
+    manifest: dict  # manifest.json of a build; {} for a compile-only directory
+    config: dict
+    generation: dict
+
+    def tokenizer(self):
+        """The Hugging Face tokenizer saved beside the graph (loaded once)."""
+        return self._tokenizer
+
+    @cached_property  # writes the instance __dict__ directly, so it works on a frozen dataclass
+    def _tokenizer(self):
+        if not (self.path / "tokenizer.json").is_file():
+            raise InputError(f"{self.path} has no tokenizer.json (its checkpoint had no tokenizer)")
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(self.path)
+
+    @property
+    def eos_token_ids(self) -> list[int]:
+        eos = self.generation.get("eos_token_id", self.config.get("eos_token_id"))
+        if eos is None:
+            return []
+        return [int(e) for e in eos] if isinstance(eos, list) else [int(eos)]
+
+    @property
+    def pad_token_id(self) -> int:
+        for pad in (self.generation.get("pad_token_id"), self.config.get("pad_token_id")):
+            if pad is not None:
+                return int(pad)
+        return self.eos_token_ids[0] if self.eos_token_ids else 0
+
+    @property
+    def model_files(self) -> list[Path]:
+        """The graph and weight files (what a deployment loads besides configs and tokenizer)."""
+        names = (MODEL_XML, MODEL_XML.replace(".xml", ".bin")) if self.backend == "openvino" else \
+            (ONNX_MODEL, ONNX_WEIGHTS)
+        return [self.path / n for n in names if (self.path / n).is_file()]
+
+    @property
+    def size_bytes(self) -> int:
+        return sum(p.stat().st_size for p in self.model_files)
+
+
+def open_artifact(path: Path | str) -> Artifact:
+    path = Path(path)
+    if not path.is_dir():
+        raise InputError(f"{path} is not a directory (expected an artifact of dstc build or dstc compile)")
+    if (path / MODEL_XML).is_file():
+        backend = "openvino"
+    elif (path / ONNX_MODEL).is_file():
+        backend = "onnxruntime"
+    else:
+        raise InputError(f"{path} is not an artifact: no {MODEL_XML} or {ONNX_MODEL}")
+    if not (path / MANIFEST).is_file() and not (path / COMPILE_REPORT).is_file():
+        raise InputError(f"{path} is not a compiled artifact: no {MANIFEST} or {COMPILE_REPORT} "
+                         f"(an export? run dstc compile or dstc build)")
+    if not (path / "config.json").is_file():
+        raise InputError(f"{path} is not a compiled artifact: no config.json")
+    generation = path / "generation_config.json"
+    return Artifact(path=path, backend=backend,
+                    manifest=read_json(path / MANIFEST) if (path / MANIFEST).is_file() else {},
+                    config=read_json(path / "config.json"),
+                    generation=read_json(generation) if generation.is_file() else {})

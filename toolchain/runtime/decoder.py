@@ -1,0 +1,184 @@
+"""One decoding session over an artifact: a KV cache that forward() appends to, on OpenVINO or ONNX Runtime.
+
+Both backends take the same calls: ``forward(input_ids [B, S], attention_mask [B, past + S])`` returns the logits
+of the S new positions and keeps their keys and values; position ids come from the attention mask (cumsum - 1,
+clipped at 0), so a left-padded batch decodes as the padding were not there. Each is configured as a user
+deploys it (the runtime's defaults plus a thread count), and ``runtime_config`` reads back what was applied.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Sequence
+from typing import Protocol
+
+import numpy as np
+
+from toolchain.compile.onnxruntime_artifact import MODEL as ONNX_MODEL
+from toolchain.compile.openvino_ir import MODEL_XML, PAST_PREFIX, PRESENT_PREFIX
+from toolchain.errors import InputError
+from toolchain.runtime.artifact import Artifact
+
+
+class Decoder(Protocol):
+    backend: str
+    threads: int
+    load_seconds: float
+    runtime_config: dict
+    extras: dict[str, np.ndarray]  # the requested extra outputs of the last forward
+
+    def reset(self) -> None:
+        """Empty the KV cache: the next forward starts a new batch of sequences."""
+
+    def forward(self, input_ids: np.ndarray, attention_mask: np.ndarray) -> np.ndarray:
+        """float32 logits [B, S, vocab] of the new positions; their keys and values join the cache."""
+
+
+def positions(attention_mask: np.ndarray, new: int) -> np.ndarray:
+    return np.clip(attention_mask.cumsum(-1) - 1, 0, None)[:, -new:]
+
+
+class OnnxRuntimeDecoder:
+    backend = "onnxruntime"
+
+    def __init__(self, artifact: Artifact, threads: int | None, extra_outputs: Sequence[str]) -> None:
+        import onnxruntime as ort
+
+        started = time.perf_counter()
+        options = ort.SessionOptions()
+        options.intra_op_num_threads = threads or os.cpu_count() or 1
+        model: str | bytes = str(artifact.path / ONNX_MODEL)
+        if extra_outputs:
+            model = _onnx_with_outputs(artifact.path / ONNX_MODEL, extra_outputs)
+            # A model given as bytes finds its external weights here (ORT refuses external data that resolves
+            # outside the model's directory, so a copy of model.onnx elsewhere next to a symlink does not load).
+            options.add_session_config_entry("session.model_external_initializers_file_folder_path",
+                                             str(artifact.path.resolve()))
+        self.session = ort.InferenceSession(model, options, providers=["CPUExecutionProvider"])
+        self.load_seconds = time.perf_counter() - started
+        applied = self.session.get_session_options()
+        self.threads = applied.intra_op_num_threads
+        self.runtime_config = {
+            "providers": self.session.get_providers(),
+            "intra_op_num_threads": applied.intra_op_num_threads,
+            "inter_op_num_threads": applied.inter_op_num_threads,
+            "graph_optimization_level": applied.graph_optimization_level.name,
+            "execution_mode": applied.execution_mode.name,
+            "enable_cpu_mem_arena": applied.enable_cpu_mem_arena,
+            "enable_mem_pattern": applied.enable_mem_pattern,
+        }
+        dtypes = {"tensor(float)": np.float32, "tensor(float16)": np.float16}
+        self._past = {i.name: (i.shape[1], i.shape[3], dtypes[i.type]) for i in self.session.get_inputs()
+                      if i.name.startswith(PAST_PREFIX)}
+        self._outputs = [o.name for o in self.session.get_outputs()]
+        self._extra = list(extra_outputs)
+        self._binding = self.session.io_binding()
+        self.cache: dict = {}  # past_key_values.* input -> the OrtValue the last run returned for it
+        self.extras: dict[str, np.ndarray] = {}
+
+    def reset(self) -> None:
+        self.cache = {}
+
+    def forward(self, input_ids: np.ndarray, attention_mask: np.ndarray) -> np.ndarray:
+        ids = np.ascontiguousarray(input_ids, np.int64)
+        mask = np.ascontiguousarray(attention_mask, np.int64)
+        binding = self._binding
+        binding.bind_cpu_input("input_ids", ids)
+        binding.bind_cpu_input("attention_mask", mask)
+        binding.bind_cpu_input("position_ids", np.ascontiguousarray(positions(mask, ids.shape[1])))
+        for name, value in (self.cache or self._empty_cache(len(ids))).items():
+            binding.bind_ortvalue_input(name, value)
+        # Outputs are re-bound to the device each step rather than to last step's buffers: present.* grows by
+        # the new positions, and ORT allocates each output at its new shape.
+        binding.clear_binding_outputs()
+        for name in self._outputs:
+            binding.bind_output(name, "cpu")
+        self.session.run_with_iobinding(binding)
+        values = dict(zip(self._outputs, binding.get_outputs()))
+        # The cache stays in ORT's OrtValues: each present.* is bound as the next step's past input as is, with
+        # no copy to numpy and back per step (that copy grows with the context and the layer count).
+        self.cache = {name: values[PRESENT_PREFIX + name[len(PAST_PREFIX):]] for name in self._past}
+        self.extras = {name: values[name].numpy() for name in self._extra}
+        return values["logits"].numpy()
+
+    def _empty_cache(self, batch: int) -> dict:
+        from onnxruntime import OrtValue
+
+        return {name: OrtValue.ortvalue_from_shape_and_type([batch, heads, 0, dim], dtype, "cpu", 0)
+                for name, (heads, dim, dtype) in self._past.items()}
+
+
+def _onnx_with_outputs(path, names: Sequence[str]) -> bytes:
+    """model.onnx (without loading its external weights) with the named values as extra graph outputs; ORT
+    infers their types."""
+    import onnx
+
+    model = onnx.load(str(path), load_external_data=False)
+    known = {v for node in model.graph.node for v in node.output}
+    present = {o.name for o in model.graph.output}
+    for name in names:
+        if name not in known:
+            raise ValueError(f"{path} has no value named {name!r}")
+        if name not in present:
+            model.graph.output.append(onnx.ValueInfoProto(name=name))
+    return model.SerializeToString()
+
+
+class OpenVINODecoder:
+    backend = "openvino"
+
+    def __init__(self, artifact: Artifact, threads: int | None, extra_outputs: Sequence[str]) -> None:
+        import openvino as ov
+
+        started = time.perf_counter()
+        core = ov.Core()
+        model = core.read_model(str(artifact.path / MODEL_XML))
+        if extra_outputs:
+            model.add_outputs(list(extra_outputs))
+        # The plugin's defaults, as openvino_genai and optimum-intel deploy the IR (bf16 compute where the CPU has
+        # bf16 instructions, a u8 KV cache): what is measured is what users run, and runtime_config says what it was.
+        compiled = core.compile_model(model, "CPU", {"INFERENCE_NUM_THREADS": threads} if threads else {})
+        self._request = compiled.create_infer_request()
+        self.load_seconds = time.perf_counter() - started
+        self.threads = int(compiled.get_property("INFERENCE_NUM_THREADS"))
+        self.runtime_config = {"device": "CPU", **{
+            name: _plain(compiled.get_property(name)) for name in compiled.get_property("SUPPORTED_PROPERTIES")
+            if name != "SUPPORTED_PROPERTIES"}}
+        self._logits = compiled.output("logits")
+        self._extra = {name: compiled.output(name) for name in extra_outputs}
+        self.extras: dict[str, np.ndarray] = {}
+
+    def reset(self) -> None:
+        self._request.reset_state()
+
+    def forward(self, input_ids: np.ndarray, attention_mask: np.ndarray) -> np.ndarray:
+        ids = np.ascontiguousarray(input_ids, np.int64)
+        mask = np.ascontiguousarray(attention_mask, np.int64)
+        result = self._request.infer({"input_ids": ids, "attention_mask": mask,
+                                      "position_ids": np.ascontiguousarray(positions(mask, ids.shape[1])),
+                                      "beam_idx": np.arange(len(ids), dtype=np.int32)},
+                                     share_inputs=True, share_outputs=True)
+        # Shared outputs are the request's own buffers, overwritten by the next infer: keep copies.
+        self.extras = {name: np.array(result[port]) for name, port in self._extra.items()}
+        return np.array(result[self._logits], dtype=np.float32)
+
+
+def _plain(value):
+    """An OpenVINO property value as JSON: element types by name, enums and other objects as text."""
+    if isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, (list, tuple, set)):
+        return [_plain(v) for v in value]
+    if hasattr(value, "get_type_name"):
+        return value.get_type_name()
+    return str(value)
+
+
+def open_decoder(artifact: Artifact, *, threads: int | None = None, extra_outputs: Sequence[str] = ()) -> Decoder:
+    """A Decoder on the artifact's backend; ``threads`` None takes every CPU (ORT) or the plugin's choice
+    (OpenVINO). ``extra_outputs``: graph values to return in ``extras`` after each forward."""
+    if threads is not None and threads < 1:
+        raise InputError(f"threads must be at least 1, not {threads}")
+    cls = OpenVINODecoder if artifact.backend == "openvino" else OnnxRuntimeDecoder
+    return cls(artifact, threads, tuple(extra_outputs))

@@ -1,0 +1,108 @@
+"""Greedy generation on a Decoder, the same on every backend: a left-padded batch, prefill, then one token per
+step until each row meets a stop id or the token budget is spent; and streamed text for one prompt."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import numpy as np
+
+from toolchain.errors import InputError
+from toolchain.export.parity import left_pad
+from toolchain.runtime.artifact import Artifact
+from toolchain.runtime.decoder import Decoder
+
+
+@dataclass
+class Generation:
+    tokens: list[list[int]]  # per row, the generated tokens before its stop token
+    ttft_s: float  # cache reset, prefill and the first token
+    itl_s: list[float]  # each later decode step (one forward and its argmax)
+    prompt_tokens: list[int]  # per row, the prompt's length in tokens
+
+
+def greedy_steps(decoder: Decoder, prompts: list[list[int]], stop_ids: set[int], pad_id: int,
+                 ignore_stop: bool = False) -> Iterator[np.ndarray]:
+    """Greedy tokens [B] of a left-padded batch, one array per step, -1 where a row has stopped (its stop token
+    and after). Ends when every row has stopped; with ignore_stop, never (the caller takes what it needs)."""
+    if not prompts or not all(prompts):
+        raise InputError("every prompt needs at least one token")
+    decoder.reset()
+    ids, mask = left_pad(prompts, pad_id)
+    live = np.ones(len(prompts), bool)
+    stops = np.array(sorted(stop_ids), np.int64)
+    while True:
+        token = decoder.forward(ids, mask)[:, -1].argmax(-1)
+        if not ignore_stop:
+            live &= ~np.isin(token, stops)
+        yield np.where(live, token, -1)
+        if not live.any():
+            return
+        # A stopped row is still fed (pad), as the batch moves together; nothing of it is read any more.
+        ids = np.where(live, token, pad_id)[:, None]
+        mask = np.concatenate([mask, np.ones((len(mask), 1), np.int64)], axis=1)
+
+
+def greedy_generate(decoder: Decoder, prompts: list[list[int]], max_new_tokens: int, stop_ids: set[int],
+                    pad_id: int, on_token: Callable[[int, np.ndarray], None] | None = None,
+                    ignore_stop: bool = False) -> Generation:
+    """Greedy decoding of a batch. ``on_token(step, tokens)`` sees each step's tokens [B] (-1 for rows that have
+    stopped) outside the timed region. ``ignore_stop`` runs exactly max_new_tokens steps (latency runs)."""
+    if max_new_tokens < 1:
+        raise InputError(f"max_new_tokens must be at least 1, not {max_new_tokens}")
+    out: list[list[int]] = [[] for _ in prompts]
+    steps = greedy_steps(decoder, prompts, stop_ids, pad_id, ignore_stop)
+    times = []
+    for step in range(max_new_tokens):
+        started = time.perf_counter()
+        tokens = next(steps, None)
+        if tokens is None:
+            break
+        times.append(time.perf_counter() - started)
+        for row, token in enumerate(tokens.tolist()):
+            if token >= 0:
+                out[row].append(token)
+        if on_token is not None:
+            on_token(step, tokens)
+    return Generation(out, times[0], times[1:], [len(p) for p in prompts])
+
+
+def prompt_ids(artifact: Artifact, prompt: str, *, chat: bool) -> list[int]:
+    """The prompt's token ids: through the tokenizer's chat template as a user turn with the assistant's
+    generation prompt, or encoded as the embedded models were trained, with only the special tokens the
+    tokenizer adds by default (BOS for DeepSeek's)."""
+    tokenizer = artifact.tokenizer()
+    if chat:
+        encoded = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                                tokenize=True, return_dict=True)
+        return list(encoded["input_ids"])
+    return list(tokenizer(prompt)["input_ids"])
+
+
+def stream_text(artifact: Artifact, decoder: Decoder, prompt: str, *, max_new_tokens: int,
+                chat: bool) -> Iterator[str]:
+    """Text increments of a greedy answer as its tokens arrive, until an eos id or max_new_tokens.
+
+    Each step decodes the whole answer so far and yields what is new: a character whose bytes span several
+    tokens decodes as U+FFFD until its last token arrives, so a prefix ending in one is held back.
+    """
+    tokenizer = artifact.tokenizer()
+    steps = greedy_steps(decoder, [prompt_ids(artifact, prompt, chat=chat)], set(artifact.eos_token_ids),
+                         artifact.pad_token_id)
+    generated: list[int] = []
+    sent = ""
+    for tokens in itertools.islice(steps, max_new_tokens):
+        if tokens[0] < 0:
+            break
+        generated.append(int(tokens[0]))
+        text = tokenizer.decode(generated)
+        if text.endswith("\ufffd") or not text.startswith(sent) or text == sent:
+            continue
+        yield text[len(sent):]
+        sent = text
+    text = tokenizer.decode(generated)
+    if text != sent:
+        yield text[len(sent):]
