@@ -1,0 +1,124 @@
+"""Several reports side by side (typically one recipe built for ONNX Runtime and for OpenVINO): every metric and
+every latency case with its ratio to the first report and the better report by the metric's direction."""
+
+from __future__ import annotations
+
+from html import escape
+
+from toolchain.report.html import facts_list, figures, html_table, page
+from toolchain.report.markdown import Table, fmt, markdown_table, ordered_metrics, percentile, title, verdict
+from toolchain.report.plots import all_plots
+from toolchain.report.schema import Direction, Report
+
+# per latency case: (row name, unit, direction, value of the case)
+CASE_METRICS = (("ttft_p50_ms", "ms", "lower", lambda c: percentile(c.ttft_ms, 50)),
+                ("itl_p50_ms", "ms", "lower", lambda c: percentile(c.itl_ms, 50)),
+                ("tokens_per_s", "tokens/s", "higher", lambda c: c.tokens_per_s))
+PLOT_SECTIONS = (("accuracy", "Accuracy"), ("latency", "Latency"), ("quantization", "Quantization error"))
+
+
+def _ratios(values: list[float | None]) -> list[float | None]:
+    base = values[0]
+    if base is None or base == 0:
+        return [None] * len(values)
+    return [None if v is None else v / base for v in values]
+
+
+def _better(values: list[float | None], direction: Direction, labels: list[str]) -> str | None:
+    """The label of the best value; None with no direction, fewer than two values or a tie for best."""
+    present = [(v, label) for v, label in zip(values, labels) if v is not None]
+    if direction == "none" or len(present) < 2:
+        return None
+    best = (min if direction == "lower" else max)(v for v, _ in present)
+    winners = [label for v, label in present if v == best]
+    return winners[0] if len(winners) == 1 else None
+
+
+def _row(metric: str, case: dict | None, unit: str, direction: Direction, description: str,
+         values: list[float | None], labels: list[str]) -> dict:
+    return dict(metric=metric, case=case, unit=unit, direction=direction, description=description, values=values,
+                ratios=_ratios(values), better=_better(values, direction, labels))
+
+
+def comparison_rows(reports: list[Report], labels: list[str]) -> list[dict]:
+    """One JSON-able row per metric (any report has it), then per latency case x (TTFT p50, ITL p50, tokens/s):
+    {metric, case, unit, direction, description, values, ratios (value_i / value_0), better (label or None)}."""
+    if len(reports) != len(labels) or not reports:
+        raise ValueError(f"{len(reports)} reports for {len(labels)} labels")
+    rows = []
+    for name in ordered_metrics({n for r in reports for n in r.metrics}):
+        first = next(r.metrics[name] for r in reports if name in r.metrics)
+        rows.append(_row(name, None, first.unit, first.direction, first.description,
+                         [r.value(name) for r in reports], labels))
+    cases = sorted({(c.prompt_length, c.batch) for r in reports for c in r.latency})
+    for prompt_length, batch in cases:
+        found = [next((c for c in r.latency if (c.prompt_length, c.batch) == (prompt_length, batch)), None)
+                 for r in reports]
+        for name, unit, direction, get in CASE_METRICS:
+            rows.append(_row(name, {"prompt_length": prompt_length, "batch": batch}, unit, direction,
+                             f"{name} at prompt length {prompt_length}, batch {batch}",
+                             [None if c is None else get(c) for c in found], labels))
+    return rows
+
+
+def _ratio(r: float | None) -> str:
+    if r is None:
+        return ""
+    if abs(r) < 100:
+        return f" (×{r:.2f})"
+    return f" (×{r:,.0f})" if abs(r) < 1e4 else f" (×{r:.1e})"
+
+
+def comparison_table(reports: list[Report], labels: list[str]) -> tuple[Table, list[list[str]]]:
+    """The rows as formatted cells (value, and its ratio to the first report after the first column) and the
+    cell classes that mark each row's best value."""
+    header = ["metric", "unit", *labels, "better"]
+    rows, classes = [], []
+    for row in comparison_rows(reports, labels):
+        case = row["case"]
+        name = row["metric"] if case is None else f"{row['metric']} @ {case['prompt_length']}×{case['batch']}"
+        cells = [fmt(v, row["unit"]) + (_ratio(r) if i else "")
+                 for i, (v, r) in enumerate(zip(row["values"], row["ratios"]))]
+        rows.append([name, row["unit"], *cells, row["better"] or ""])
+        classes.append(["", "", *("best" if label == row["better"] else "" for label in labels), ""])
+    return (header, rows), classes
+
+
+def render_comparison_text(reports: list[Report], labels: list[str]) -> str:
+    """An aligned plain-text table for the terminal, numbers right-aligned."""
+    (header, rows), _ = comparison_table(reports, labels)
+    widths = [max(len(str(x)) for x in column) for column in zip(header, *rows)]
+    numeric = set(range(2, 2 + len(labels)))
+
+    def line(cells: list[str]) -> str:
+        return "  ".join(c.rjust(w) if i in numeric else c.ljust(w)
+                         for i, (c, w) in enumerate(zip(cells, widths))).rstrip()
+
+    width = max(len(label) for label in labels)
+    heads = [f"{label:<{width}}  {title(r)}" for label, r in zip(labels, reports)]
+    return "\n".join([*heads, "", line(header), line(["-" * w for w in widths]), *(line(r) for r in rows)])
+
+
+def _report_lines(reports: list[Report], labels: list[str]) -> list[tuple[str, str]]:
+    return [(label, title(r) + (f" · gates {verdict(r)}" if r.gates else "")) for label, r in zip(labels, reports)]
+
+
+def render_comparison_markdown(reports: list[Report], labels: list[str]) -> str:
+    """The comparison as Markdown: the reports compared, then the table with each row's best value in bold."""
+    (header, rows), classes = comparison_table(reports, labels)
+    bold = [[f"**{c}**" if cls == "best" else c for c, cls in zip(row, row_cls)] for row, row_cls in zip(rows, classes)]
+    listing = "\n".join(f"- {label}: {text}" for label, text in _report_lines(reports, labels))
+    return f"# Comparison: {' vs '.join(labels)}\n\n{listing}\n\n{markdown_table((header, bold))}\n"
+
+
+def render_comparison_html(reports: list[Report], labels: list[str]) -> str:
+    """A self-contained page: the reports compared, the table (best values marked) and the overlaid plots."""
+    table, classes = comparison_table(reports, labels)
+    plots = all_plots(list(zip(labels, reports)))
+    body = [facts_list(_report_lines(reports, labels)), "<h2>Metrics</h2>", html_table(table, cell_classes=classes),
+            '<p class="settings">Ratios are to the first report; the better value by each metric\'s direction is '
+            "in bold.</p>"]
+    for key, heading in PLOT_SECTIONS:
+        if plots.get(key):
+            body += [f"<h2>{escape(heading)}</h2>", figures(plots[key])]
+    return page(f"Comparison: {' vs '.join(labels)}", "\n".join(body))
