@@ -21,7 +21,8 @@ from typing import Callable
 
 from toolchain import source as sources
 from toolchain.atomic import atomic_output_dir
-from toolchain.manifest import code_digest, digest, file_hashes, git_commit, versions, write_manifest
+from toolchain.gates import GateFailed
+from toolchain.manifest import REPORT_FILES, code_digest, digest, file_hashes, git_commit, versions, write_manifest
 from toolchain.recipe import Recipe, load_recipe
 
 # Stage reports: they hold timings and absolute paths, so they go to the manifest's provenance, not the artifact.
@@ -102,6 +103,7 @@ def build(recipe_path: Path, out_dir: Path | None = None, *, model: str | None =
     started = time.perf_counter()
     recipe = load_recipe(recipe_path, model)
     out_dir = Path(out_dir or Path("artifacts") / recipe.name)
+    baseline = _gate_baseline(recipe, Path(recipe_path))
     source = sources.resolve(recipe.model, revision=recipe.revision)
     source_files = file_hashes(source.path)
     code = code_digest()
@@ -137,14 +139,52 @@ def build(recipe_path: Path, out_dir: Path | None = None, *, model: str | None =
             "stages": stage_rows,
             "versions": versions(),
             "seeds": SEEDS,
-            "nondeterministic": [],
+            "nondeterministic": {name: "written by dstc eval: measured latencies and host; not hashed"
+                                 for name in REPORT_FILES},
         }
         durations["total"] = round(time.perf_counter() - started, 3)
         provenance = {"built_at": datetime.now(timezone.utc).isoformat(timespec="seconds"), "host": platform.node(),
                       "output": str(out_dir.resolve()), "durations_s": durations, "cached_stages": cached_stages,
                       "stage_reports": reports}
         manifest = write_manifest(tmp, fields, provenance)
+        gates = _evaluate(recipe, baseline, tmp, out_dir, events) if recipe.eval or recipe.gates else None
+    failed = [g for g in gates or [] if not g.passed]
+    if failed:
+        raise GateFailed(f"{len(failed)} of {len(gates)} gates failed ({', '.join(g.name for g in failed)}); "
+                         f"the artifact and its report are in {out_dir}")
     return manifest
+
+
+def _gate_baseline(recipe: Recipe, recipe_path: Path):
+    """The recipe's gate baseline report (its path is relative to the recipe), read before anything is built."""
+    from toolchain.errors import InputError
+    from toolchain.report.schema import load_report
+
+    gates = recipe.gates
+    if gates is None:
+        return None
+    if gates.max_latency_ratio is not None and not gates.baseline:
+        raise InputError(f"{recipe_path}: gates.max_latency_ratio needs gates.baseline (a report.json)")
+    return load_report(recipe_path.parent / gates.baseline) if gates.baseline else None
+
+
+def _evaluate(recipe: Recipe, baseline, artifact: Path, final: Path, events: Events):
+    """Evaluate the assembled artifact before it is renamed into place, write its report into it, and check the
+    recipe's gates. Returns the gate results."""
+    from toolchain.evaluate.run import evaluate_artifact, write_report
+    from toolchain.evaluate.settings import EvalSettings
+    from toolchain.gates import check_gates
+
+    events.stage_started("eval", "", False)
+    t0 = time.perf_counter()
+    report = evaluate_artifact(artifact, recipe.eval or EvalSettings(), display_path=final, log=events.log)
+    results = []
+    if recipe.gates:
+        results = check_gates(report, recipe.gates, baseline)
+        report.gates = results
+    write_report(report, artifact)
+    events.stage_finished("eval", time.perf_counter() - t0, False)
+    return results
 
 
 def _run_stage(stage: Stage, input_dir: Path | None, target: Path, stage_id: str, parent: str, log) -> None:

@@ -295,6 +295,15 @@ def _print_build_summary(manifest: dict, out_dir: Path) -> None:
     size = sum((out_dir / f).stat().st_size for f in manifest["files"])
     console.print(f"artifact {out_dir}  ({len(manifest['files'])} files, {size / 1e6:.1f} MB, "
                   f"built in {prov['durations_s']['total']:.1f} s)")
+    if (out_dir / "report.json").is_file():
+        from toolchain.report.markdown import render_summary
+        from toolchain.report.schema import load_report
+
+        report = load_report(out_dir / "report.json")
+        console.print(render_summary(report), highlight=False, markup=False)
+        if report.gates:
+            _print_gates(report.gates)
+        console.print(f"report: {(out_dir / 'report.html').resolve()}")
 
 
 @cli.command("build")
@@ -312,10 +321,19 @@ def build_cmd(recipe: Path, out_dir: Path | None, model: str | None, no_cache: b
     end: an interrupted build leaves the previous artifact as it was.
     """
     from toolchain.build import build
+    from toolchain.gates import GateFailed
+    from toolchain.recipe import load_recipe
 
     display = _BuildDisplay()
     try:
         manifest = build(recipe, out_dir, model=model, use_cache=not no_cache, events=display)
+    except GateFailed:
+        # The artifact and its report were kept: show them before the one-line error and exit 1.
+        display.close()
+        if not as_json:
+            final = out_dir or Path("artifacts") / load_recipe(recipe, model).name
+            _print_build_summary(json.loads((final / "manifest.json").read_text()), final)
+        raise
     finally:
         display.close()
     final = Path(manifest["provenance"]["output"])
@@ -338,6 +356,183 @@ def verify_cmd(artifact: Path) -> None:
     if problems:
         sys.exit(1)
     click.echo(f"{artifact}: every file matches manifest.json")
+
+
+def _int_list(value: str, option: str) -> list[int]:
+    try:
+        numbers = [int(v) for v in value.split(",") if v.strip()]
+    except ValueError:
+        raise click.BadParameter(f"expected comma-separated integers, got {value!r}", param_hint=option) from None
+    if not numbers or min(numbers) < 1:
+        raise click.BadParameter(f"expected positive integers, got {value!r}", param_hint=option)
+    return numbers
+
+
+def _eval_options(command):
+    """Options shared by `dstc eval` and `dstc compare`: how much to measure."""
+    options = [
+        click.option("--reference", default=None,
+                     help="fp32 PyTorch reference checkpoint (default: the source model named in the manifest)."),
+        click.option("--texts", type=click.IntRange(1), default=200, show_default=True,
+                     help="Held-out texts for perplexity, KL, top-1 and routing agreement."),
+        click.option("--problems", type=click.IntRange(1), default=200, show_default=True,
+                     help="Held-out arithmetic problems for exact match (embedded models)."),
+        click.option("--no-latency", is_flag=True, help="Measure accuracy only."),
+        click.option("--prompt-lengths", default="32,128,512", show_default=True, help="Latency prompt lengths."),
+        click.option("--batches", default="1,4", show_default=True, help="Latency batch sizes."),
+        click.option("--new-tokens", type=click.IntRange(2), default=32, show_default=True,
+                     help="Tokens generated per latency run (stop tokens ignored)."),
+        click.option("--warmup", type=click.IntRange(0), default=2, show_default=True,
+                     help="Unmeasured runs before each latency case."),
+        click.option("--repetitions", type=click.IntRange(1), default=5, show_default=True,
+                     help="Measured runs per latency case."),
+        click.option("--threads", type=click.IntRange(1), default=None, help="Runtime threads (default: every core)."),
+    ]
+    for option in reversed(options):
+        command = option(command)
+    return command
+
+
+def _eval_settings(texts, problems, no_latency, prompt_lengths, batches, new_tokens, warmup, repetitions, threads):
+    from toolchain.evaluate.settings import EvalSettings
+
+    return EvalSettings(texts=texts, problems=problems, latency=not no_latency,
+                        prompt_lengths=_int_list(prompt_lengths, "--prompt-lengths"),
+                        batches=_int_list(batches, "--batches"), new_tokens=new_tokens, warmup=warmup,
+                        repetitions=repetitions, threads=threads)
+
+
+@cli.command("eval")
+@click.argument("artifact", type=click.Path(path_type=Path))
+@_eval_options
+@click.option("-o", "--out", "out_dir", type=click.Path(path_type=Path), default=None,
+              help="Where to write report.json/.md/.html (default: inside ARTIFACT).")
+@click.option("--json", "as_json", is_flag=True, help="Print report.json to stdout instead of the summary.")
+def eval_cmd(artifact: Path, reference: str | None, texts: int, problems: int, no_latency: bool,
+             prompt_lengths: str, batches: str, new_tokens: int, warmup: int, repetitions: int,
+             threads: int | None, out_dir: Path | None, as_json: bool) -> None:
+    """Measure ARTIFACT against the fp32 PyTorch reference of its source model, and its latency.
+
+    Accuracy: held-out perplexity, exact match on the embedded task, KL and top-1 agreement of next-token
+    distributions, greedy-continuation match, MoE routing agreement. Latency (in a fresh process): load time,
+    time to first token P50/P90/P99, inter-token latency P50/P90, tokens/s, peak RSS, for every prompt length
+    x batch. Writes report.json (schema dstc.report/1), report.md and report.html.
+    """
+    from toolchain.evaluate.run import evaluate_artifact, write_report
+    from toolchain.report.markdown import render_summary
+
+    settings = _eval_settings(texts, problems, no_latency, prompt_lengths, batches, new_tokens, warmup, repetitions,
+                              threads)
+    report = evaluate_artifact(artifact, settings, reference=reference, log=_logger("eval"))
+    target = out_dir or artifact
+    target.mkdir(parents=True, exist_ok=True)
+    written = write_report(report, target)
+    if as_json:
+        click.echo(json.dumps(report.dump(), indent=2))
+        return
+    click.echo(render_summary(report))
+    click.echo(f"report: {written[-1]}")
+
+
+@cli.command("compare")
+@click.argument("artifacts", nargs=-1, required=True, type=click.Path(path_type=Path))
+@_eval_options
+@click.option("--html", "html_out", type=click.Path(path_type=Path), default=None,
+              help="Also write the table and the overlaid plots to this HTML file.")
+@click.option("--json", "as_json", is_flag=True, help="Print the comparison rows and every report as JSON.")
+def compare_cmd(artifacts: tuple[Path, ...], reference: str | None, texts: int, problems: int, no_latency: bool,
+                prompt_lengths: str, batches: str, new_tokens: int, warmup: int, repetitions: int,
+                threads: int | None, html_out: Path | None, as_json: bool) -> None:
+    """Evaluate several ARTIFACTS in one run with the same prompts (typically one recipe built for ONNX Runtime
+    and OpenVINO) and print them side by side, with each value's ratio to the first artifact's."""
+    from toolchain.evaluate.compare import compare_artifacts, labels_for
+    from toolchain.report.comparison import comparison_rows, render_comparison_html, render_comparison_text
+
+    if len(artifacts) < 2:
+        raise click.BadParameter("give at least two artifacts", param_hint="ARTIFACTS")
+    settings = _eval_settings(texts, problems, no_latency, prompt_lengths, batches, new_tokens, warmup, repetitions,
+                              threads)
+    reports = compare_artifacts(list(artifacts), settings, reference=reference,
+                                log=lambda a, m: click.echo(f"[compare {a}] {m}", err=True))
+    labels = labels_for(reports)
+    if html_out:
+        html_out.write_text(render_comparison_html(reports, labels))
+    if as_json:
+        click.echo(json.dumps({"labels": labels, "rows": comparison_rows(reports, labels),
+                               "reports": [r.dump() for r in reports]}, indent=2))
+        return
+    click.echo(render_comparison_text(reports, labels))
+    if html_out:
+        click.echo(f"comparison: {html_out}")
+
+
+@cli.command("gate")
+@click.argument("report_path", metavar="REPORT", type=click.Path(path_type=Path))
+@click.option("--baseline", type=click.Path(path_type=Path), default=None,
+              help="A baseline report.json (or artifact): accuracy and latency are judged against it. Without one, "
+                   "accuracy is judged against the fp32 reference inside REPORT.")
+@click.option("--max-ppl-increase", type=click.FloatRange(0), default=None,
+              help="Largest allowed relative perplexity increase (0.05 = +5 %).")
+@click.option("--min-top1", type=click.FloatRange(0, 1), default=None, help="Smallest allowed top-1 agreement.")
+@click.option("--max-em-drop", type=click.FloatRange(0), default=None, help="Largest allowed exact-match drop, points.")
+@click.option("--max-kl", type=click.FloatRange(0), default=None, help="Largest allowed mean KL, nats.")
+@click.option("--max-latency-ratio", type=click.FloatRange(0, min_open=True), default=None,
+              help="Largest allowed TTFT and ITL P50 ratio to the baseline's (needs --baseline).")
+@click.option("--json", "as_json", is_flag=True, help="Print the gate results as JSON.")
+def gate_cmd(report_path: Path, baseline: Path | None, max_ppl_increase: float | None, min_top1: float | None,
+             max_em_drop: float | None, max_kl: float | None, max_latency_ratio: float | None, as_json: bool) -> None:
+    """Check REPORT (a report.json or an artifact) against release gates. Exit 0 when every gate passes, 1 when
+    any fails, 2 for bad input (no gates given, unreadable report)."""
+    from toolchain.gates import GateLimits, check_gates
+    from toolchain.report.schema import load_report
+
+    limits = GateLimits(max_perplexity_increase=max_ppl_increase, min_top1_agreement=min_top1,
+                        max_exact_match_drop=max_em_drop, max_kl_mean=max_kl, max_latency_ratio=max_latency_ratio)
+    if not limits.any():
+        raise click.UsageError("no gates given: set at least one --max-*/--min-* option")
+    results = check_gates(load_report(report_path), limits, load_report(baseline) if baseline else None)
+    if as_json:
+        click.echo(json.dumps([r.model_dump() for r in results], indent=2))
+    else:
+        _print_gates(results)
+    if not all(r.passed for r in results):
+        sys.exit(1)
+
+
+def _print_gates(results) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title="gates", title_justify="left")
+    for column in ("gate", "value", "limit", "verdict", "against"):
+        table.add_column(column)
+    for r in results:
+        value = "n/a" if r.value is None else f"{r.value:.4g}"
+        table.add_row(r.name, value, f"{r.limit:g}", "[green]pass[/]" if r.passed else "[red]FAIL[/]", r.detail)
+    Console().print(table)
+
+
+@cli.command("generate")
+@click.argument("artifact", type=click.Path(path_type=Path))
+@click.argument("prompt")
+@click.option("--max-new-tokens", type=click.IntRange(1), default=64, show_default=True)
+@click.option("--chat/--raw", default=None,
+              help="Wrap PROMPT in the tokenizer's chat template (default when it has one) or send it as is. "
+                   "The embedded models were trained on raw text: use --raw with them.")
+@click.option("--threads", type=click.IntRange(1), default=None)
+def generate_cmd(artifact: Path, prompt: str, max_new_tokens: int, chat: bool | None, threads: int | None) -> None:
+    """Generate greedily from PROMPT with ARTIFACT, streaming tokens as they come."""
+    from toolchain.runtime.artifact import open_artifact
+    from toolchain.runtime.decoder import open_decoder
+    from toolchain.runtime.generate import stream_text
+
+    art = open_artifact(artifact)
+    if chat is None:
+        chat = bool(getattr(art.tokenizer(), "chat_template", None))
+    decoder = open_decoder(art, threads=threads)
+    for piece in stream_text(art, decoder, prompt, max_new_tokens=max_new_tokens, chat=chat):
+        click.echo(piece, nl=False)
+    click.echo()
 
 
 @cli.group("passes")

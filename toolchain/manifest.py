@@ -17,6 +17,9 @@ from pathlib import Path
 from toolchain import __version__
 
 MANIFEST = "manifest.json"
+# Written by `dstc eval` into the artifact: measured latencies and the host, so no hash covers them.
+REPORT_FILES = ("report.json", "report.md", "report.html")
+UNHASHED = (MANIFEST, *REPORT_FILES)
 SCHEMA_VERSION = 1
 # Packages whose code reads or writes the model on its way to an artifact.
 PACKAGES = ("torch", "transformers", "tokenizers", "safetensors", "numpy", "onnx", "onnx-ir", "onnxscript",
@@ -69,7 +72,7 @@ def git_commit() -> str | None:
 
 def write_manifest(artifact: Path, fields: dict, provenance: dict) -> dict:
     manifest = {"schema_version": SCHEMA_VERSION, **fields,
-                "files": file_hashes(artifact, exclude=(MANIFEST,)), "provenance": provenance}
+                "files": file_hashes(artifact, exclude=UNHASHED), "provenance": provenance}
     (artifact / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
     return manifest
 
@@ -83,7 +86,7 @@ def verify_artifact(artifact: Path) -> list[str]:
         expected = json.loads(path.read_text())["files"]
     except (OSError, ValueError, KeyError, TypeError):
         raise InputError(f"{artifact} has no readable {MANIFEST}: not a dstc artifact") from None
-    actual = file_hashes(Path(artifact), exclude=(MANIFEST,))
+    actual = file_hashes(Path(artifact), exclude=UNHASHED)
     problems = [f"changed: {name}" for name in sorted(expected) if name in actual and actual[name] != expected[name]]
     problems += [f"missing: {name}" for name in sorted(set(expected) - set(actual))]
     problems += [f"extra: {name}" for name in sorted(set(actual) - set(expected))]

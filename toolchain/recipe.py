@@ -15,6 +15,8 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from toolchain.errors import RecipeError
+from toolchain.evaluate.settings import EvalSettings
+from toolchain.gates import GateLimits
 
 Backend = Literal["openvino", "onnxruntime"]
 
@@ -67,6 +69,8 @@ class Recipe(Section):
     passes: PassesSection | None = None
     compress: CompressSection | None = None
     compile: CompileSection
+    eval: EvalSettings | None = None  # evaluate the artifact after building it (report files inside it)
+    gates: GateLimits | None = None  # fail the build (exit 1, report kept) when a gate fails; implies eval
 
     def digest(self) -> str:
         return hashlib.sha256(json.dumps(self.model_dump(mode="json"), sort_keys=True).encode()).hexdigest()

@@ -1,0 +1,125 @@
+"""dstc eval / gate / build with gates on real (tiny) artifacts: report files, metrics against the fp32
+reference, and a damaged artifact that the gates reject while the healthy one passes."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+import yaml
+from onnx import numpy_helper
+
+from toolchain.build import build
+from toolchain.report.schema import REPORT_FILES, load_report
+
+REPO = Path(__file__).resolve().parent.parent
+SMALL = ["--texts", "40", "--problems", "40", "--prompt-lengths", "16,32", "--batches", "1,2", "--new-tokens", "4",
+         "--warmup", "0", "--repetitions", "2"]
+GATES = ["--max-ppl-increase", "0.05", "--min-top1", "0.95", "--max-em-drop", "5"]
+ACCURACY = ("perplexity", "perplexity_increase", "exact_match", "exact_match_drop", "kl_mean", "kl_max",
+            "top1_agreement", "greedy_match_rate", "routing_agreement")
+LATENCY = ("load_time_s", "ttft_p50_ms", "ttft_p90_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p90_ms", "tokens_per_s",
+           "peak_rss_mb", "model_size_mb")
+
+
+def dstc(*args, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "toolchain", *map(str, args)], cwd=REPO, capture_output=True,
+                          text=True, timeout=600, env=env)
+
+
+def recipe(path: Path, **fields) -> Path:
+    path.write_text(yaml.safe_dump({"name": path.stem, "model": "r1-distill-qwen-tiny", "export": {"parity": []},
+                                    "compile": {"backend": "onnxruntime", "verify": False}, **fields}))
+    return path
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    cache = tmp_path_factory.mktemp("cache")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("DSTC_CACHE_DIR", str(cache))
+        yield {**os.environ, "DSTC_CACHE_DIR": str(cache)}
+
+
+@pytest.fixture(scope="module")
+def healthy(tmp_path_factory, cache):
+    root = tmp_path_factory.mktemp("healthy")
+    build(recipe(root / "qwen-fp32.yaml"), root / "art")
+    return root / "art"
+
+
+def damage(artifact: Path, out: Path) -> Path:
+    """A copy whose MLP weights carry noise twice as large as the weights themselves (a corrupted download or a
+    broken quantizer would do as much)."""
+    shutil.copytree(artifact, out)
+    model = onnx.load(str(artifact / "model.onnx"))
+    rng = np.random.default_rng(0)
+    hit = 0
+    for init in model.graph.initializer:
+        if "/mlp/" in init.name and len(init.dims) == 2:
+            w = numpy_helper.to_array(init)
+            init.CopyFrom(numpy_helper.from_array((w + rng.normal(0, 2 * w.std(), w.shape)).astype(np.float32),
+                                                  init.name))
+            hit += 1
+    assert hit == 3 * 4  # gate, up and down projections of four layers
+    (out / "model.onnx.data").unlink()
+    onnx.save(model, str(out / "model.onnx"), save_as_external_data=True, location="model.onnx.data")
+    return out
+
+
+def test_eval_writes_three_report_files_with_every_metric(healthy, cache):
+    proc = dstc("eval", healthy, *SMALL, env=cache)
+    assert proc.returncode == 0, proc.stderr
+    assert all((healthy / name).is_file() for name in REPORT_FILES)
+    assert str(healthy / "report.html") in proc.stdout
+    report = load_report(healthy / "report.json")
+    values = {name: report.value(name) for name in (*ACCURACY, *LATENCY)}
+    assert values.pop("routing_agreement") is None  # a dense model
+    assert all(v is not None for v in values.values()), values
+    # fp32 ONNX Runtime against fp32 PyTorch: the same model
+    assert values["perplexity_increase"] < 1e-4 and values["top1_agreement"] > 0.999
+    assert values["exact_match"] >= 0.95 and values["exact_match_drop"] == 0
+    assert values["greedy_match_rate"] == 1.0 and values["kl_max"] < 1e-6
+    assert report.metrics["perplexity"].reference == pytest.approx(values["perplexity"], rel=1e-4)
+    assert {(c.prompt_length, c.batch) for c in report.latency} == {(16, 1), (16, 2), (32, 1), (32, 2)}
+    assert all(len(c.ttft_ms) == 2 and len(c.itl_ms) == 2 * 3 for c in report.latency)
+    assert len(report.series.kl_per_position) > 10
+    assert report.settings["warmup"] == 0 and report.settings["repetitions"] == 2
+    assert report.environment["threads"] >= 1
+    assert dstc("verify", healthy, env=cache).returncode == 0  # report files are not covered by the hashes
+
+
+def test_gate_rejects_a_damaged_artifact_and_passes_the_healthy_one(healthy, tmp_path, cache):
+    broken = damage(healthy, tmp_path / "broken")
+    for art in (healthy, broken):
+        proc = dstc("eval", art, *SMALL, "--no-latency", env=cache)
+        assert proc.returncode == 0, proc.stderr
+    ok = dstc("gate", healthy / "report.json", *GATES, env=cache)
+    assert ok.returncode == 0, ok.stdout
+    bad = dstc("gate", broken / "report.json", *GATES, "--json", env=cache)
+    assert bad.returncode == 1
+    verdicts = {g["name"]: g["passed"] for g in json.loads(bad.stdout)}
+    assert verdicts["max_perplexity_increase"] is False and verdicts["min_top1_agreement"] is False
+    # against the healthy build as baseline, too
+    assert dstc("gate", broken, "--baseline", healthy, "--max-ppl-increase", "0.05", env=cache).returncode == 1
+
+
+def test_build_fails_on_a_recipe_gate_and_keeps_the_report(tmp_path, cache):
+    path = recipe(tmp_path / "v3-int4-gated.yaml", model="deepseek-v3-tiny", compress={"scheme": "int4-grouped"},
+                  eval={"texts": 30, "problems": 30, "latency": False},
+                  gates={"min_top1_agreement": 1.0, "max_perplexity_increase": 0.5})
+    proc = dstc("build", path, "-o", tmp_path / "art", env=cache)
+    assert proc.returncode == 1, proc.stderr
+    assert "1 of 2 gates failed (min_top1_agreement)" in proc.stderr and "Traceback" not in proc.stderr
+    report = load_report(tmp_path / "art" / "report.json")
+    assert {g.name: g.passed for g in report.gates} == {"max_perplexity_increase": True, "min_top1_agreement": False}
+    assert report.value("routing_agreement") is not None and len(report.series.routing_agreement_per_layer) == 2
+    assert report.series.layer_errors and report.value("ttft_p50_ms") is None  # latency was switched off
+    assert dstc("verify", tmp_path / "art", env=cache).returncode == 0

@@ -1,0 +1,88 @@
+"""Release gates on report.json: limits against the fp32 reference or a baseline, and `dstc gate`'s exit codes."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from toolchain.errors import InputError
+from toolchain.gates import GateLimits, check_gates
+from toolchain.report.schema import SCHEMA, Metric, Report, load_report
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def report(ppl=4.0, ref_ppl=3.8, em=0.99, ref_em=1.0, top1=0.95, kl=1e-3, ttft=10.0, itl=2.0) -> Report:
+    def m(value, direction, unit="", reference=None):
+        return Metric(value=value, unit=unit, direction=direction, description="", reference=reference)
+
+    return Report(artifact={"backend": "onnxruntime"}, reference={}, environment={}, settings={}, metrics={
+        "perplexity": m(ppl, "lower", reference=ref_ppl), "perplexity_increase": m(ppl / ref_ppl - 1, "lower", "ratio"),
+        "exact_match": m(em, "higher", "ratio", ref_em), "exact_match_drop": m(100 * (ref_em - em), "lower", "points"),
+        "top1_agreement": m(top1, "higher", "ratio"), "kl_mean": m(kl, "lower", "nats"),
+        "ttft_p50_ms": m(ttft, "lower", "ms"), "itl_p50_ms": m(itl, "lower", "ms")})
+
+
+def verdicts(results) -> dict[str, bool]:
+    return {r.name: r.passed for r in results}
+
+
+def test_accuracy_gates_against_the_reference_inside_the_report():
+    limits = GateLimits(max_perplexity_increase=0.06, min_top1_agreement=0.9, max_exact_match_drop=2.0,
+                        max_kl_mean=1e-2)
+    results = check_gates(report(), limits)
+    assert verdicts(results) == {"max_perplexity_increase": True, "min_top1_agreement": True,
+                                 "max_exact_match_drop": True, "max_kl_mean": True}
+    assert results[0].value == pytest.approx(4.0 / 3.8 - 1)
+    results = check_gates(report(ppl=4.1, em=0.97, top1=0.89, kl=0.02), limits)
+    assert not any(verdicts(results).values())
+    assert [r.value for r in results][1] == pytest.approx(3.0)  # exact-match points lost
+
+
+def test_gates_against_a_baseline_report_and_latency_ratio():
+    base = report(ppl=3.9, em=0.99, ttft=10.0, itl=2.0)
+    limits = GateLimits(max_perplexity_increase=0.02, max_exact_match_drop=0.5, max_latency_ratio=1.2)
+    results = check_gates(report(ppl=3.95, em=0.99, ttft=11.0, itl=2.6), limits, base)
+    assert verdicts(results) == {"max_perplexity_increase": True, "max_exact_match_drop": True,
+                                 "max_latency_ratio (ttft_p50_ms)": True, "max_latency_ratio (itl_p50_ms)": False}
+    assert results[0].value == pytest.approx(3.95 / 3.9 - 1)
+    assert results[3].value == pytest.approx(1.3)
+    with pytest.raises(InputError, match="needs a baseline"):
+        check_gates(report(), GateLimits(max_latency_ratio=1.2))
+
+
+def test_a_metric_that_was_not_measured_fails_its_gate():
+    r = report()
+    r.metrics["exact_match_drop"] = Metric(value=None, unit="points", direction="lower", description="n/a")
+    (result,) = check_gates(r, GateLimits(max_exact_match_drop=1.0))
+    assert result.value is None and not result.passed
+
+
+def gate(*args) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "toolchain", "gate", *map(str, args)], cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_gate_cli_exit_codes_and_table(tmp_path):
+    good, bad = tmp_path / "good.json", tmp_path / "bad.json"
+    good.write_text(json.dumps(report().dump()))
+    bad.write_text(json.dumps(report(top1=0.5).dump()))
+    assert load_report(good).value("top1_agreement") == 0.95
+
+    ok = gate(good, "--min-top1", "0.9", "--max-ppl-increase", "0.1")
+    assert ok.returncode == 0 and "min_top1_agreement" in ok.stdout and "pass" in ok.stdout
+    fail = gate(bad, "--min-top1", "0.9", "--json")
+    assert fail.returncode == 1
+    (row,) = json.loads(fail.stdout)
+    assert row["passed"] is False and row["value"] == 0.5 and row["limit"] == 0.9
+
+    assert gate(good).returncode == 2  # no gates given
+    (tmp_path / "other.json").write_text(json.dumps({"schema": "something/9"}))
+    unreadable = gate(tmp_path / "other.json", "--min-top1", "0.9")
+    assert unreadable.returncode == 2 and SCHEMA in unreadable.stderr and "Traceback" not in unreadable.stderr
+    latency = gate(good, "--max-latency-ratio", "1.1")
+    assert latency.returncode == 2 and "needs a baseline" in latency.stderr

@@ -1,0 +1,142 @@
+"""`dstc eval`: accuracy against the fp32 PyTorch reference and latency of one artifact, as a Report.
+
+Latency runs in a child process (toolchain/evaluate/latency.py) so that its peak RSS is the runtime's alone;
+accuracy runs here, beside the reference model.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import platform
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+
+from toolchain.evaluate.accuracy import measure_accuracy
+from toolchain.evaluate.settings import EvalSettings
+from toolchain.manifest import MANIFEST, REPORT_FILES, versions
+from toolchain.report.schema import SCHEMA, HeadError, LatencyCase, LayerError, Metric, Report, Series
+
+HEADLINE = (128, 1)  # prompt length and batch of the headline latency metrics
+
+
+def _percentile(samples: list[float], q: float) -> float | None:
+    return float(np.percentile(samples, q)) if samples else None
+
+
+def latency_metrics(cases: list[dict], load_s: float | None, peak_rss_mb: float | None) -> dict[str, Metric]:
+    """Headline latency metrics from the case at HEADLINE (or the first case measured)."""
+    case = next((c for c in cases if (c["prompt_length"], c["batch"]) == HEADLINE), cases[0] if cases else None)
+    where = f"prompt {case['prompt_length']} tokens, batch {case['batch']}" if case else "not measured"
+    ttft, itl = (case["ttft_ms"], case["itl_ms"]) if case else ([], [])
+
+    def ms(name: str, samples: list[float], q: float, what: str) -> tuple[str, Metric]:
+        return name, Metric(value=_percentile(samples, q), unit="ms", direction="lower",
+                            description=f"{what} P{q:g} ({where})")
+
+    return dict([
+        ("load_time_s", Metric(value=load_s, unit="s", direction="lower", description="model load and compile")),
+        ms("ttft_p50_ms", ttft, 50, "time to first token"), ms("ttft_p90_ms", ttft, 90, "time to first token"),
+        ms("ttft_p99_ms", ttft, 99, "time to first token"),
+        ms("itl_p50_ms", itl, 50, "inter-token latency"), ms("itl_p90_ms", itl, 90, "inter-token latency"),
+        ("tokens_per_s", Metric(value=case["tokens_per_s"] if case else None, unit="tokens/s", direction="higher",
+                                description=f"decode throughput ({where})")),
+        ("peak_rss_mb", Metric(value=peak_rss_mb, unit="MB", direction="lower",
+                               description="peak resident memory of the process running the artifact")),
+    ])
+
+
+def quantization_series(manifest: dict) -> tuple[list[LayerError], list[HeadError]]:
+    """Per-weight and per-head errors the compression stage measured, from the manifest's provenance."""
+    report = (manifest.get("provenance") or {}).get("stage_reports", {}).get("compress/compression.json") or {}
+    layers, heads = [], []
+    for row in report.get("per_weight", []):
+        layers.append(LayerError(weight=row["weight"], layer=row.get("layer"), precision=row["precision"],
+                                 weight_error=row["weight_error"], output_error=row.get("output_error")))
+        heads += [HeadError(weight=row["weight"], layer=row.get("layer"), head=h["head"],
+                            weight_error=h["weight_error"], output_error=h.get("output_error"))
+                  for h in row.get("heads") or []]
+    return layers, heads
+
+
+def evaluate_artifact(path: Path, settings: EvalSettings = EvalSettings(), *, reference: str | None = None,
+                      display_path: Path | None = None, log: Callable[[str], None] = lambda _: None) -> Report:
+    """Measure the artifact at ``path``. ``display_path``: where the artifact will live, when ``path`` is the
+    temporary directory of a build that has not been renamed into place yet."""
+    from toolchain.evaluate.latency import measure_latency
+    from toolchain.evaluate.reference import TorchDecoder, resolve_reference
+    from toolchain.runtime.artifact import open_artifact
+    from toolchain.runtime.decoder import open_decoder
+    from toolchain.runtime.routing import router_outputs
+
+    artifact = open_artifact(path)
+    source = resolve_reference(artifact.manifest, reference)
+    log(f"reference: {source.spec} (PyTorch fp32, eager) from {source.path}")
+    ref = TorchDecoder(source, settings.threads)
+    routers = router_outputs(artifact)
+    decoder = open_decoder(artifact, threads=settings.threads, extra_outputs=list(routers.values()))
+    log(f"{artifact.backend} artifact loaded in {decoder.load_seconds:.2f} s ({decoder.threads} threads)")
+    task = (artifact.manifest.get("source") or {}).get("kind") == "embedded"
+    metrics, series = measure_accuracy(decoder, ref, routers, artifact.tokenizer(), eos_ids=artifact.eos_token_ids,
+                                       pad_id=artifact.pad_token_id, task=task, settings=settings, log=log)
+    del decoder, ref
+
+    latency, cases = {}, []
+    if settings.latency:
+        log(f"latency: prompts {settings.prompt_lengths} x batch {settings.batches}, {settings.new_tokens} new "
+            f"tokens, {settings.warmup} warm-up + {settings.repetitions} measured runs each")
+        latency = measure_latency(path, prompt_lengths=tuple(settings.prompt_lengths), batches=tuple(settings.batches),
+                                  new_tokens=settings.new_tokens, warmup=settings.warmup,
+                                  repetitions=settings.repetitions, threads=settings.threads)
+        cases = latency["cases"]
+        metrics.update(latency_metrics(cases, latency["load_s"], latency["peak_rss_mb"]))
+    metrics["model_size_mb"] = Metric(value=artifact.size_bytes / 1e6, unit="MB", direction="lower",
+                                      description="model files on disk (graph and weights)")
+
+    layer_errors, head_errors = quantization_series(artifact.manifest)
+    manifest_file = Path(path) / MANIFEST
+    recipe = artifact.manifest.get("recipe") or {}
+    return Report.model_validate({
+        "schema": SCHEMA,
+        "artifact": {"path": str(Path(display_path or path).resolve()), "recipe": recipe.get("name"),
+                     "backend": artifact.backend, "model": (artifact.manifest.get("source") or {}).get("model"),
+                     "model_type": artifact.config.get("model_type"),
+                     "compression": (recipe.get("compress") or {}).get("scheme", "none"),
+                     "manifest_sha256": hashlib.sha256(manifest_file.read_bytes()).hexdigest()
+                     if manifest_file.is_file() else None,
+                     "size_bytes": artifact.size_bytes, "report_files": list(REPORT_FILES)},
+        "reference": {"model": source.spec, "path": str(source.path), "runtime": "pytorch eager fp32"},
+        "environment": {"host": platform.node(), "cpu": platform.processor() or platform.machine(),
+                        "cores": os.cpu_count(), "threads": latency.get("threads", settings.threads),
+                        "runtime_config": latency.get("runtime_config", {}), "versions": versions()},
+        "settings": {**settings.model_dump(), "task": "embedded arithmetic" if task else None,
+                     "latency_skipped": latency.get("skipped", []),
+                     "rss_increase_mb": latency.get("rss_increase_mb")},
+        "metrics": {k: v.model_dump() for k, v in metrics.items()},
+        "latency": [LatencyCase.model_validate(c).model_dump() for c in cases],
+        "series": Series(kl_per_position=series["kl_per_position"],
+                         routing_agreement_per_layer=series["routing_agreement_per_layer"],
+                         layer_errors=layer_errors, head_errors=head_errors).model_dump(),
+    })
+
+
+def write_report(report: Report, directory: Path) -> list[Path]:
+    """report.json, report.md and report.html into ``directory``, each written to a temporary name and renamed,
+    so a reader never sees half a report."""
+    import json
+
+    from toolchain.report.html import render_html
+    from toolchain.report.markdown import render_markdown
+
+    texts = {"report.json": json.dumps(report.dump(), indent=2) + "\n", "report.md": render_markdown(report),
+             "report.html": render_html(report)}
+    written = []
+    for name, text in texts.items():
+        target = Path(directory) / name
+        tmp = target.with_name(f".{name}.tmp-{os.getpid()}")
+        tmp.write_text(text)
+        os.replace(tmp, target)
+        written.append(target)
+    return written

@@ -1,0 +1,80 @@
+"""Release gates on a report: accuracy against the fp32 reference or a baseline report, latency against a baseline.
+
+A gate reads metrics by name from report.json and compares them with a limit; the same limits come from
+`dstc gate` options or a recipe's `gates:` section, so CI and `dstc build` decide alike.
+"""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from toolchain.errors import DstcError, InputError
+from toolchain.report.schema import GateResult, Report
+
+
+class GateFailed(DstcError):
+    """At least one gate failed; the report (with the gate table) is kept."""
+
+    exit_code = 1
+
+
+class GateLimits(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    max_perplexity_increase: float | None = Field(None, ge=0)  # relative: 0.05 allows +5 %
+    min_top1_agreement: float | None = Field(None, ge=0, le=1)
+    max_exact_match_drop: float | None = Field(None, ge=0)  # points (0-100)
+    max_kl_mean: float | None = Field(None, ge=0)  # nats
+    max_latency_ratio: float | None = Field(None, gt=0)  # TTFT and ITL P50 over the baseline's
+    baseline: str | None = None  # a report.json; in a recipe, relative to the recipe's directory
+
+    def any(self) -> bool:
+        return any(v is not None for k, v in self.model_dump().items() if k != "baseline")
+
+
+def _ratio_to(value: float | None, base: float | None) -> float | None:
+    return None if value is None or not base else value / base
+
+
+def check_gates(report: Report, limits: GateLimits, baseline: Report | None = None) -> list[GateResult]:
+    """Each set limit as a GateResult. Without a baseline, accuracy is judged against the report's own fp32
+    reference; latency always needs a baseline (InputError otherwise)."""
+    results = []
+
+    def gate(name: str, metric: str, value: float | None, limit: float, ok, detail: str) -> None:
+        # A metric that could not be measured (None) fails its gate rather than passing silently.
+        results.append(GateResult(name=name, metric=metric, value=value, limit=limit,
+                                  passed=value is not None and bool(ok(value, limit)), detail=detail))
+
+    at_most, at_least = (lambda v, lim: v <= lim), (lambda v, lim: v >= lim)
+    against = "baseline" if baseline else "fp32 reference"
+    if limits.max_perplexity_increase is not None:
+        if baseline:
+            ratio = _ratio_to(report.value("perplexity"), baseline.value("perplexity"))
+            value = None if ratio is None else ratio - 1
+        else:
+            value = report.value("perplexity_increase")
+        gate("max_perplexity_increase", "perplexity", value, limits.max_perplexity_increase, at_most,
+             f"relative increase over the {against}")
+    if limits.max_exact_match_drop is not None:
+        if baseline:
+            em, base = report.value("exact_match"), baseline.value("exact_match")
+            value = None if em is None or base is None else 100 * (base - em)
+        else:
+            value = report.value("exact_match_drop")
+        gate("max_exact_match_drop", "exact_match", value, limits.max_exact_match_drop, at_most,
+             f"points lost against the {against}")
+    if limits.min_top1_agreement is not None:
+        gate("min_top1_agreement", "top1_agreement", report.value("top1_agreement"), limits.min_top1_agreement,
+             at_least, "next-token top-1 agreement with the fp32 reference")
+    if limits.max_kl_mean is not None:
+        gate("max_kl_mean", "kl_mean", report.value("kl_mean"), limits.max_kl_mean, at_most,
+             "mean KL(reference || artifact), nats")
+    if limits.max_latency_ratio is not None:
+        if baseline is None:
+            raise InputError("the latency gate (max_latency_ratio) needs a baseline report")
+        for metric in ("ttft_p50_ms", "itl_p50_ms"):
+            gate(f"max_latency_ratio ({metric})", metric,
+                 _ratio_to(report.value(metric), baseline.value(metric)), limits.max_latency_ratio, at_most,
+                 "ratio to the baseline's")
+    return results
