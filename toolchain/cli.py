@@ -300,7 +300,7 @@ def _print_build_summary(manifest: dict, out_dir: Path) -> None:
         from toolchain.report.schema import load_report
 
         report = load_report(out_dir / "report.json")
-        console.print(render_summary(report), highlight=False, markup=False)
+        click.echo(render_summary(report))  # plain text: its own line breaks, not the console's wrapping
         if report.gates:
             _print_gates(report.gates)
         console.print(f"report: {(out_dir / 'report.html').resolve()}")

@@ -192,7 +192,7 @@ def _summary_item(report: Report, name: str) -> str:
     return f"{name} {fmt(m.value, m.unit)}{unit}{ref}"
 
 
-def _wrapped(label: str, items: list[str], max_lines: int, width: int = 110) -> list[str]:
+def _wrapped(label: str, items: list[str], max_lines: int, width: int = 100) -> list[str]:
     """Items joined by " · " on lines of at most `width` (an item is never split), the first line labelled;
     past max_lines the rest is cut and marked with "…"."""
     if not items:
@@ -206,11 +206,30 @@ def _wrapped(label: str, items: list[str], max_lines: int, width: int = 110) -> 
     return text if len(text) <= max_lines else text[:max_lines - 1] + [text[max_lines - 1] + " …"]
 
 
+DERIVED = ("perplexity_increase", "exact_match_drop")
+
+
+def summary_settings(report: Report) -> list[str]:
+    """The settings one needs to read the numbers: threads, data sizes, latency cases and repetitions."""
+    s, threads = report.settings, report.environment.get("threads", report.settings.get("threads"))
+    items = [f"{threads} threads" if threads else "", f"{s['texts']} texts" if s.get("texts") else "",
+             f"{s['problems']} problems" if s.get("task") and s.get("problems") else ""]
+    if report.latency:
+        lengths = "/".join(str(n) for n in sorted({c.prompt_length for c in report.latency}))
+        batches = "/".join(str(n) for n in sorted({c.batch for c in report.latency}))
+        first = report.latency[0]
+        items += [f"prompts {lengths} x batch {batches}, {first.new_tokens} new tokens",
+                  f"{first.warmup} warm-up + {first.repetitions} runs each"]
+    return [item for item in items if item]
+
+
 def render_summary(report: Report) -> str:
     """At most 12 lines for the terminal: accuracy against the reference, speed and size, gate verdicts."""
-    lines = [title(report), *_wrapped("", settings_items(report), 2)]
+    lines = [title(report), *_wrapped("measured", summary_settings(report), 2)]
     for (heading, names), max_lines in zip(metric_groups(report), (4, 3)):
-        items = [_summary_item(report, n) for n in names if report.metrics[n].value is not None]
+        # the reference's value is shown beside each metric, so the derived increase/drop metrics are left out
+        items = [_summary_item(report, n) for n in names
+                 if report.metrics[n].value is not None and n not in DERIVED]
         if items:
             lines += _wrapped(heading.split()[0].lower(), items, max_lines)
     if report.gates:
