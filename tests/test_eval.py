@@ -123,3 +123,19 @@ def test_build_fails_on_a_recipe_gate_and_keeps_the_report(tmp_path, cache):
     assert report.value("routing_agreement") is not None and len(report.series.routing_agreement_per_layer) == 2
     assert report.series.layer_errors and report.value("ttft_p50_ms") is None  # latency was switched off
     assert dstc("verify", tmp_path / "art", env=cache).returncode == 0
+
+
+def test_compare_puts_the_two_backends_side_by_side(healthy, tmp_path, cache):
+    build(recipe(tmp_path / "qwen-ov.yaml", compile={"backend": "openvino", "verify": False}), tmp_path / "ov")
+    proc = dstc("compare", healthy, tmp_path / "ov", *SMALL, "--html", tmp_path / "cmp.html", "--json", env=cache)
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    assert out["labels"] == ["onnxruntime", "openvino"]
+    rows = {(r["metric"], json.dumps(r["case"])): r for r in out["rows"]}
+    ppl = rows[("perplexity", "null")]
+    assert ppl["ratios"][0] == 1.0 and ppl["ratios"][1] == pytest.approx(ppl["values"][1] / ppl["values"][0])
+    assert ("ttft_p50_ms", json.dumps({"prompt_length": 32, "batch": 2})) in rows
+    assert [r["artifact"]["backend"] for r in out["reports"]] == ["onnxruntime", "openvino"]
+    assert (tmp_path / "cmp.html").read_text().count("<svg") >= 3
+    text = dstc("compare", healthy, tmp_path / "ov", *SMALL, "--no-latency", env=cache)
+    assert text.returncode == 0 and "onnxruntime" in text.stdout and "openvino" in text.stdout

@@ -86,3 +86,15 @@ def test_gate_cli_exit_codes_and_table(tmp_path):
     assert unreadable.returncode == 2 and SCHEMA in unreadable.stderr and "Traceback" not in unreadable.stderr
     latency = gate(good, "--max-latency-ratio", "1.1")
     assert latency.returncode == 2 and "needs a baseline" in latency.stderr
+
+
+def test_the_example_ci_workflow_names_shipped_recipes_with_committed_baselines():
+    import yaml
+
+    workflow = yaml.safe_load((REPO / "docs" / "github-actions-release-gate.yml").read_text())
+    recipes = workflow["jobs"]["build-and-gate"]["strategy"]["matrix"]["recipe"]
+    assert len(recipes) >= 2
+    for name in recipes:
+        assert (REPO / "recipes" / f"{name}.yaml").is_file()
+        baseline = load_report(REPO / "baselines" / f"{name}.json")
+        assert baseline.artifact["recipe"] == name and baseline.value("perplexity") is not None

@@ -303,7 +303,7 @@ def _print_build_summary(manifest: dict, out_dir: Path) -> None:
         click.echo(render_summary(report))  # plain text: its own line breaks, not the console's wrapping
         if report.gates:
             _print_gates(report.gates)
-        console.print(f"report: {(out_dir / 'report.html').resolve()}")
+        click.echo(f"report: {(out_dir / 'report.html').resolve()}")
 
 
 @cli.command("build")
@@ -387,16 +387,20 @@ def _eval_options(command):
         click.option("--repetitions", type=click.IntRange(1), default=5, show_default=True,
                      help="Measured runs per latency case."),
         click.option("--threads", type=click.IntRange(1), default=None, help="Runtime threads (default: every core)."),
+        click.option("--openvino-f32", is_flag=True,
+                     help="Run OpenVINO at f32 compute and KV cache instead of the CPU plugin's deployment defaults "
+                          "(bf16 and a u8 KV cache where the CPU has bf16), to see the weights' own error."),
     ]
     for option in reversed(options):
         command = option(command)
     return command
 
 
-def _eval_settings(texts, problems, no_latency, prompt_lengths, batches, new_tokens, warmup, repetitions, threads):
+def _eval_settings(texts, problems, no_latency, prompt_lengths, batches, new_tokens, warmup, repetitions, threads,
+                   openvino_f32):
     from toolchain.evaluate.settings import EvalSettings
 
-    return EvalSettings(texts=texts, problems=problems, latency=not no_latency,
+    return EvalSettings(texts=texts, problems=problems, latency=not no_latency, openvino_f32=openvino_f32,
                         prompt_lengths=_int_list(prompt_lengths, "--prompt-lengths"),
                         batches=_int_list(batches, "--batches"), new_tokens=new_tokens, warmup=warmup,
                         repetitions=repetitions, threads=threads)
@@ -410,7 +414,7 @@ def _eval_settings(texts, problems, no_latency, prompt_lengths, batches, new_tok
 @click.option("--json", "as_json", is_flag=True, help="Print report.json to stdout instead of the summary.")
 def eval_cmd(artifact: Path, reference: str | None, texts: int, problems: int, no_latency: bool,
              prompt_lengths: str, batches: str, new_tokens: int, warmup: int, repetitions: int,
-             threads: int | None, out_dir: Path | None, as_json: bool) -> None:
+             threads: int | None, openvino_f32: bool, out_dir: Path | None, as_json: bool) -> None:
     """Measure ARTIFACT against the fp32 PyTorch reference of its source model, and its latency.
 
     Accuracy: held-out perplexity, exact match on the embedded task, KL and top-1 agreement of next-token
@@ -422,7 +426,7 @@ def eval_cmd(artifact: Path, reference: str | None, texts: int, problems: int, n
     from toolchain.report.markdown import render_summary
 
     settings = _eval_settings(texts, problems, no_latency, prompt_lengths, batches, new_tokens, warmup, repetitions,
-                              threads)
+                              threads, openvino_f32)
     report = evaluate_artifact(artifact, settings, reference=reference, log=_logger("eval"))
     target = out_dir or artifact
     target.mkdir(parents=True, exist_ok=True)
@@ -442,7 +446,7 @@ def eval_cmd(artifact: Path, reference: str | None, texts: int, problems: int, n
 @click.option("--json", "as_json", is_flag=True, help="Print the comparison rows and every report as JSON.")
 def compare_cmd(artifacts: tuple[Path, ...], reference: str | None, texts: int, problems: int, no_latency: bool,
                 prompt_lengths: str, batches: str, new_tokens: int, warmup: int, repetitions: int,
-                threads: int | None, html_out: Path | None, as_json: bool) -> None:
+                threads: int | None, openvino_f32: bool, html_out: Path | None, as_json: bool) -> None:
     """Evaluate several ARTIFACTS in one run with the same prompts (typically one recipe built for ONNX Runtime
     and OpenVINO) and print them side by side, with each value's ratio to the first artifact's."""
     from toolchain.evaluate.compare import compare_artifacts, labels_for
@@ -451,7 +455,7 @@ def compare_cmd(artifacts: tuple[Path, ...], reference: str | None, texts: int, 
     if len(artifacts) < 2:
         raise click.BadParameter("give at least two artifacts", param_hint="ARTIFACTS")
     settings = _eval_settings(texts, problems, no_latency, prompt_lengths, batches, new_tokens, warmup, repetitions,
-                              threads)
+                              threads, openvino_f32)
     reports = compare_artifacts(list(artifacts), settings, reference=reference,
                                 log=lambda a, m: click.echo(f"[compare {a}] {m}", err=True))
     labels = labels_for(reports)
@@ -500,16 +504,13 @@ def gate_cmd(report_path: Path, baseline: Path | None, max_ppl_increase: float |
 
 
 def _print_gates(results) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
-    table = Table(title="gates", title_justify="left")
-    for column in ("gate", "value", "limit", "verdict", "against"):
-        table.add_column(column)
-    for r in results:
-        value = "n/a" if r.value is None else f"{r.value:.4g}"
-        table.add_row(r.name, value, f"{r.limit:g}", "[green]pass[/]" if r.passed else "[red]FAIL[/]", r.detail)
-    Console().print(table)
+    """The gate table as plain text: CI logs keep it whole, where a console table would wrap."""
+    rows = [("gate", "value", "limit", "verdict", "against")]
+    rows += [(r.name, "n/a" if r.value is None else f"{r.value:.4g}", f"{r.limit:g}", "pass" if r.passed else "FAIL",
+              r.detail) for r in results]
+    widths = [max(len(row[i]) for row in rows) for i in range(4)]
+    for row in rows:
+        click.echo("  ".join(cell.ljust(w) for cell, w in zip(row, widths)) + "  " + row[4])
 
 
 @cli.command("generate")

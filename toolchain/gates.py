@@ -55,7 +55,7 @@ def check_gates(report: Report, limits: GateLimits, baseline: Report | None = No
         else:
             value = report.value("perplexity_increase")
         gate("max_perplexity_increase", "perplexity", value, limits.max_perplexity_increase, at_most,
-             f"relative increase over the {against}")
+             f"relative, vs the {against}")
     if limits.max_exact_match_drop is not None:
         if baseline:
             em, base = report.value("exact_match"), baseline.value("exact_match")
@@ -63,18 +63,18 @@ def check_gates(report: Report, limits: GateLimits, baseline: Report | None = No
         else:
             value = report.value("exact_match_drop")
         gate("max_exact_match_drop", "exact_match", value, limits.max_exact_match_drop, at_most,
-             f"points lost against the {against}")
+             f"points, vs the {against}")
     if limits.min_top1_agreement is not None:
         gate("min_top1_agreement", "top1_agreement", report.value("top1_agreement"), limits.min_top1_agreement,
-             at_least, "next-token top-1 agreement with the fp32 reference")
+             at_least, "vs the fp32 reference")
     if limits.max_kl_mean is not None:
         gate("max_kl_mean", "kl_mean", report.value("kl_mean"), limits.max_kl_mean, at_most,
-             "mean KL(reference || artifact), nats")
+             "nats, vs the fp32 reference")
     if limits.max_latency_ratio is not None:
         if baseline is None:
             raise InputError("the latency gate (max_latency_ratio) needs a baseline report")
         for metric in ("ttft_p50_ms", "itl_p50_ms"):
             gate(f"max_latency_ratio ({metric})", metric,
                  _ratio_to(report.value(metric), baseline.value(metric)), limits.max_latency_ratio, at_most,
-                 "ratio to the baseline's")
+                 "ratio, vs the baseline")
     return results

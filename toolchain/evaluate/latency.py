@@ -33,7 +33,7 @@ from toolchain.errors import InputError
 
 def measure_latency(artifact_path: Path | str, *, prompt_lengths: tuple[int, ...] = (32, 128, 512),
                     batches: tuple[int, ...] = (1, 4), new_tokens: int = 32, warmup: int = 2, repetitions: int = 5,
-                    threads: int | None = None) -> dict:
+                    threads: int | None = None, openvino_f32: bool = False) -> dict:
     """Run the measurement in a child process and return its results. An InputError in the child (not an
     artifact, bad settings) is raised as one here; any other failure as a RuntimeError with the child's
     traceback."""
@@ -42,7 +42,8 @@ def measure_latency(artifact_path: Path | str, *, prompt_lengths: tuple[int, ...
         raise InputError("latency needs new_tokens >= 2, repetitions >= 1, warmup >= 0 and at least one prompt "
                          "length and batch, each >= 1")
     settings = {"artifact": str(artifact_path), "prompt_lengths": list(prompt_lengths), "batches": list(batches),
-                "new_tokens": new_tokens, "warmup": warmup, "repetitions": repetitions, "threads": threads}
+                "new_tokens": new_tokens, "warmup": warmup, "repetitions": repetitions, "threads": threads,
+                "openvino_f32": openvino_f32}
     with tempfile.TemporaryDirectory(prefix="dstc-latency-") as tmp:
         out = Path(tmp) / "result.json"
         proc = subprocess.run([sys.executable, "-m", __name__, json.dumps(settings), str(out)],
@@ -93,7 +94,7 @@ def _measure(settings: dict) -> dict:
     from toolchain.runtime.generate import greedy_generate
 
     baseline = _peak_rss_mb()
-    decoder = open_decoder(artifact, threads=settings["threads"])
+    decoder = open_decoder(artifact, threads=settings["threads"], openvino_f32=settings.get("openvino_f32", False))
     new_tokens, repetitions = settings["new_tokens"], settings["repetitions"]
     context = artifact.config.get("max_position_embeddings")
     cases, skipped = [], []

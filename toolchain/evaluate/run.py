@@ -76,11 +76,13 @@ def evaluate_artifact(path: Path, settings: EvalSettings = EvalSettings(), *, re
     log(f"reference: {source.spec} (PyTorch fp32, eager) from {source.path}")
     ref = TorchDecoder(source, settings.threads)
     routers = router_outputs(artifact)
-    decoder = open_decoder(artifact, threads=settings.threads, extra_outputs=list(routers.values()))
+    decoder = open_decoder(artifact, threads=settings.threads, extra_outputs=list(routers.values()),
+                           openvino_f32=settings.openvino_f32)
     log(f"{artifact.backend} artifact loaded in {decoder.load_seconds:.2f} s ({decoder.threads} threads)")
     task = (artifact.manifest.get("source") or {}).get("kind") == "embedded"
     metrics, series = measure_accuracy(decoder, ref, routers, artifact.tokenizer(), eos_ids=artifact.eos_token_ids,
                                        pad_id=artifact.pad_token_id, task=task, settings=settings, log=log)
+    threads, runtime_config = decoder.threads, decoder.runtime_config
     del decoder, ref
 
     latency, cases = {}, []
@@ -89,7 +91,8 @@ def evaluate_artifact(path: Path, settings: EvalSettings = EvalSettings(), *, re
             f"tokens, {settings.warmup} warm-up + {settings.repetitions} measured runs each")
         latency = measure_latency(path, prompt_lengths=tuple(settings.prompt_lengths), batches=tuple(settings.batches),
                                   new_tokens=settings.new_tokens, warmup=settings.warmup,
-                                  repetitions=settings.repetitions, threads=settings.threads)
+                                  repetitions=settings.repetitions, threads=settings.threads,
+                                  openvino_f32=settings.openvino_f32)
         cases = latency["cases"]
         metrics.update(latency_metrics(cases, latency["load_s"], latency["peak_rss_mb"]))
     metrics["model_size_mb"] = Metric(value=artifact.size_bytes / 1e6, unit="MB", direction="lower",
@@ -109,8 +112,8 @@ def evaluate_artifact(path: Path, settings: EvalSettings = EvalSettings(), *, re
                      "size_bytes": artifact.size_bytes, "report_files": list(REPORT_FILES)},
         "reference": {"model": source.spec, "path": str(source.path), "runtime": "pytorch eager fp32"},
         "environment": {"host": platform.node(), "cpu": platform.processor() or platform.machine(),
-                        "cores": os.cpu_count(), "threads": latency.get("threads", settings.threads),
-                        "runtime_config": latency.get("runtime_config", {}), "versions": versions()},
+                        "cores": os.cpu_count(), "threads": latency.get("threads", threads),
+                        "runtime_config": latency.get("runtime_config", runtime_config), "versions": versions()},
         "settings": {**settings.model_dump(), "task": "embedded arithmetic" if task else None,
                      "latency_skipped": latency.get("skipped", []),
                      "rss_increase_mb": latency.get("rss_increase_mb")},

@@ -20,4 +20,5 @@ class EvalSettings(BaseModel):
     warmup: int = Field(2, ge=0)
     repetitions: int = Field(5, ge=1)
     threads: int | None = Field(None, ge=1)  # None: every core
+    openvino_f32: bool = False  # OpenVINO at f32 compute and KV cache instead of the plugin's deployment defaults
     seed: int = 0

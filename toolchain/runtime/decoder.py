@@ -16,7 +16,7 @@ from typing import Protocol
 import numpy as np
 
 from toolchain.compile.onnxruntime_artifact import MODEL as ONNX_MODEL
-from toolchain.compile.openvino_ir import MODEL_XML, PAST_PREFIX, PRESENT_PREFIX
+from toolchain.compile.openvino_ir import F32, MODEL_XML, PAST_PREFIX, PRESENT_PREFIX
 from toolchain.errors import InputError
 from toolchain.runtime.artifact import Artifact
 
@@ -128,7 +128,7 @@ def _onnx_with_outputs(path, names: Sequence[str]) -> bytes:
 class OpenVINODecoder:
     backend = "openvino"
 
-    def __init__(self, artifact: Artifact, threads: int | None, extra_outputs: Sequence[str]) -> None:
+    def __init__(self, artifact: Artifact, threads: int | None, extra_outputs: Sequence[str], f32: bool) -> None:
         import openvino as ov
 
         started = time.perf_counter()
@@ -138,7 +138,10 @@ class OpenVINODecoder:
             model.add_outputs(list(extra_outputs))
         # The plugin's defaults, as openvino_genai and optimum-intel deploy the IR (bf16 compute where the CPU has
         # bf16 instructions, a u8 KV cache): what is measured is what users run, and runtime_config says what it was.
-        compiled = core.compile_model(model, "CPU", {"INFERENCE_NUM_THREADS": threads} if threads else {})
+        # f32 (on request) separates the weights' error from the plugin's bf16 compute, u8 KV cache and on-the-fly
+        # int8 activations, which the deployment defaults add.
+        config = {**(F32 if f32 else {}), **({"INFERENCE_NUM_THREADS": threads} if threads else {})}
+        compiled = core.compile_model(model, "CPU", config)
         self._request = compiled.create_infer_request()
         self.load_seconds = time.perf_counter() - started
         self.threads = int(compiled.get_property("INFERENCE_NUM_THREADS"))
@@ -175,10 +178,13 @@ def _plain(value):
     return str(value)
 
 
-def open_decoder(artifact: Artifact, *, threads: int | None = None, extra_outputs: Sequence[str] = ()) -> Decoder:
+def open_decoder(artifact: Artifact, *, threads: int | None = None, extra_outputs: Sequence[str] = (),
+                 openvino_f32: bool = False) -> Decoder:
     """A Decoder on the artifact's backend; ``threads`` None takes every CPU (ORT) or the plugin's choice
-    (OpenVINO). ``extra_outputs``: graph values to return in ``extras`` after each forward."""
+    (OpenVINO). ``extra_outputs``: graph values to return in ``extras`` after each forward. ``openvino_f32``:
+    f32 compute and KV cache instead of the CPU plugin's deployment defaults (ONNX Runtime is fp32 already)."""
     if threads is not None and threads < 1:
         raise InputError(f"threads must be at least 1, not {threads}")
-    cls = OpenVINODecoder if artifact.backend == "openvino" else OnnxRuntimeDecoder
-    return cls(artifact, threads, tuple(extra_outputs))
+    if artifact.backend == "openvino":
+        return OpenVINODecoder(artifact, threads, tuple(extra_outputs), openvino_f32)
+    return OnnxRuntimeDecoder(artifact, threads, tuple(extra_outputs))
