@@ -236,7 +236,8 @@ class _BuildDisplay:
     def stage_started(self, name: str, stage_id: str, cached: bool) -> None:
         if cached:
             return
-        self.status = self.console.status(f"[bold]{name}[/] running (stage {stage_id[:12]})")
+        stage = f" (stage {stage_id[:12]})" if stage_id else ""
+        self.status = self.console.status(f"[bold]{name}[/] running{stage}")
         self.status.start()
 
     def stage_finished(self, name: str, seconds: float, cached: bool) -> None:

@@ -54,7 +54,7 @@ def check_gates(report: Report, limits: GateLimits, baseline: Report | None = No
             value = None if ratio is None else ratio - 1
         else:
             value = report.value("perplexity_increase")
-        gate("max_perplexity_increase", "perplexity", value, limits.max_perplexity_increase, at_most,
+        gate("max_perplexity_increase", "perplexity_increase", value, limits.max_perplexity_increase, at_most,
              f"relative, vs the {against}")
     if limits.max_exact_match_drop is not None:
         if baseline:
@@ -62,7 +62,7 @@ def check_gates(report: Report, limits: GateLimits, baseline: Report | None = No
             value = None if em is None or base is None else 100 * (base - em)
         else:
             value = report.value("exact_match_drop")
-        gate("max_exact_match_drop", "exact_match", value, limits.max_exact_match_drop, at_most,
+        gate("max_exact_match_drop", "exact_match_drop", value, limits.max_exact_match_drop, at_most,
              f"points, vs the {against}")
     if limits.min_top1_agreement is not None:
         gate("min_top1_agreement", "top1_agreement", report.value("top1_agreement"), limits.min_top1_agreement,

@@ -116,7 +116,7 @@ def evaluate_artifact(path: Path, settings: EvalSettings = EvalSettings(), *, re
                         "runtime_config": latency.get("runtime_config", runtime_config), "versions": versions()},
         "settings": {**settings.model_dump(), "task": "embedded arithmetic" if task else None,
                      "latency_skipped": latency.get("skipped", []),
-                     "rss_increase_mb": latency.get("rss_increase_mb")},
+                     "rss_increase_mb": round(latency["rss_increase_mb"], 1) if latency else None},
         "metrics": {k: v.model_dump() for k, v in metrics.items()},
         "latency": [LatencyCase.model_validate(c).model_dump() for c in cases],
         "series": Series(kl_per_position=series["kl_per_position"],
