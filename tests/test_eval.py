@@ -139,3 +139,16 @@ def test_compare_puts_the_two_backends_side_by_side(healthy, tmp_path, cache):
     assert (tmp_path / "cmp.html").read_text().count("<svg") >= 3
     text = dstc("compare", healthy, tmp_path / "ov", *SMALL, "--no-latency", env=cache)
     assert text.returncode == 0 and "onnxruntime" in text.stdout and "openvino" in text.stdout
+
+
+def test_generate_streams_the_answer_of_a_held_out_problem(healthy, cache):
+    from toolchain.models.corpus import task_examples
+
+    (prompt, answer), = task_examples("heldout", 1)
+    proc = dstc("generate", healthy, prompt, "--raw", "--max-new-tokens", "8", env=cache)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split("\n")[0].strip() == answer
+    chat = dstc("generate", healthy, prompt, "--max-new-tokens", "4", env=cache)  # the chat template by default
+    assert chat.returncode == 0 and chat.stdout != proc.stdout
+    missing = dstc("generate", healthy.parent / "nothing-here", prompt, env=cache)
+    assert missing.returncode == 2 and "Traceback" not in missing.stderr
