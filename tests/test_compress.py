@@ -264,3 +264,25 @@ def test_onnxruntime_artifact_computes_with_the_measured_weights(arch, runs, exp
     (got,) = ort.InferenceSession(str(out / "model.onnx"), providers=["CPUExecutionProvider"]).run(["logits"], feeds)
     # the embedding table stays fp32 in the substituted graph: its INT8 rounding is the only difference
     assert np.abs(got - want).max() < 0.02 * np.abs(want).max()
+
+
+def test_measuring_runs_a_graph_whose_weights_are_external(tmp_path, monkeypatch):
+    """Exports over 1 GiB keep their weights in model.onnx.data; the error measurement passes the graph to ORT
+    as bytes, which must still find them (it did not, for R1-Distill-Qwen-1.5B)."""
+    from onnx import helper, numpy_helper
+
+    from toolchain.compress import metrics
+
+    w = np.arange(12, dtype=np.float32).reshape(3, 4)
+    graph = helper.make_graph([helper.make_node("MatMul", ["x", "w"], ["h"]), helper.make_node("Relu", ["h"], ["logits"])],
+                              "g", [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [1, 3])],
+                              [helper.make_tensor_value_info("logits", onnx.TensorProto.FLOAT, [1, 4])],
+                              [numpy_helper.from_array(w, "w")])
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)]), str(tmp_path / "model.onnx"),
+              save_as_external_data=True, location="model.onnx.data", size_threshold=0)
+    monkeypatch.chdir(tmp_path.parent)  # ORT would otherwise look for the weights in the working directory
+    model = ir.load(tmp_path / "model.onnx")
+    x = np.ones((1, 3), np.float32)
+    out = metrics.ort_runner(model, {"h": ir.DataType.FLOAT})({"x": x})
+    np.testing.assert_allclose(out["h"], x @ w)
+    np.testing.assert_allclose(out["logits"], np.maximum(x @ w, 0))

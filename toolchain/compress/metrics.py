@@ -70,7 +70,13 @@ def _with_outputs(model: ir.Model, names: dict[str, ir.DataType]) -> bytes:
 def ort_runner(model: ir.Model, extra: dict[str, ir.DataType]) -> Callable[[dict], dict]:
     import onnxruntime as ort
 
-    session = ort.InferenceSession(_with_outputs(model, extra), providers=["CPUExecutionProvider"])
+    options = ort.SessionOptions()
+    folders = {init.const_value.base_dir for init in model.graph.initializers.values()
+               if isinstance(init.const_value, ir.ExternalTensor)}
+    if folders:
+        # A graph with external weights (over 1 GiB) is passed as bytes: ORT then needs their folder named.
+        options.add_session_config_entry("session.model_external_initializers_file_folder_path", str(folders.pop()))
+    session = ort.InferenceSession(_with_outputs(model, extra), options, providers=["CPUExecutionProvider"])
     names = ["logits", *extra]
     return lambda feeds: dict(zip(names, session.run(names, feeds)))
 
