@@ -85,23 +85,37 @@ def graph_weights(model: ir.Model) -> list[Weight]:
     return out
 
 
-def _nncf_call(kind: str, options: Options, names: list[str], all_nodes: list[str], dataset):
-    """keyword arguments of nncf.compress_weights for one precision group."""
+def external_data_dir(model: ir.Model) -> str | None:
+    """The folder of the model's external weights (exports over 1 GiB keep them in model.onnx.data), if any:
+    a graph handed on as bytes or a proto has to name it."""
+    folders = {init.const_value.base_dir for init in model.graph.initializers.values()
+               if isinstance(init.const_value, ir.ExternalTensor)}
+    return str(folders.pop()) if folders else None
+
+
+def _nncf_call(kind: str, options: Options, names: list[str], all_nodes: list[str], dataset,
+               data_dir: str | None = None):
+    """keyword arguments of nncf.compress_weights for one precision group; ``data_dir``: the ONNX graph's
+    external weights folder."""
     import nncf
+    from nncf.onnx.quantization.backend_parameters import BackendParameters
     from nncf.quantization.advanced_parameters import AdvancedCompressionParameters, GroupSizeFallbackMode
 
     keep = set(names)
     ignored = nncf.IgnoredScope(names=[n for n in all_nodes if n not in keep], validate=False)
+    backend_params = {BackendParameters.EXTERNAL_DATA_DIR: data_dir} if data_dir else {}
     if kind == "int8":
         mode = nncf.CompressWeightsMode.INT8_SYM if options.sym else nncf.CompressWeightsMode.INT8_ASYM
-        return dict(mode=mode, ignored_scope=ignored)  # INT8 modes treat every layer alike
+        # INT8 modes treat every layer alike
+        return dict(mode=mode, ignored_scope=ignored,
+                    advanced_parameters=AdvancedCompressionParameters(backend_params=backend_params))
     mode = nncf.CompressWeightsMode.INT4_SYM if options.sym else nncf.CompressWeightsMode.INT4_ASYM
     backup = {"int8": nncf.BackupMode.INT8_SYM if options.sym else nncf.BackupMode.INT8_ASYM,
               "none": nncf.BackupMode.NONE}[options.backup]
     kwargs = dict(mode=mode, group_size=options.group_size, ratio=options.ratio, backup_mode=backup,
                   ignored_scope=ignored, all_layers=True,
                   advanced_parameters=AdvancedCompressionParameters(
-                      group_size_fallback_mode=GroupSizeFallbackMode.ADJUST,
+                      backend_params=backend_params, group_size_fallback_mode=GroupSizeFallbackMode.ADJUST,
                       min_adjusted_group_size=MIN_ADJUSTED_GROUP_SIZE))
     if options.data_aware:
         # only the options asked for: NNCF's ONNX backend refuses gptq even as False
@@ -169,8 +183,9 @@ def compress_onnx(model: ir.Model, plan: dict[str, str], options: Options, datas
         if kind not in groups:
             continue
         log(f"NNCF {kind} on {len(groups[kind])} weights")
+        data_dir = external_data_dir(model)
         proto = ir.serde.serialize_model(model)
-        proto = _run_nncf(proto, _nncf_call(kind, options, groups[kind], all_nodes, dataset), "ONNX")
+        proto = _run_nncf(proto, _nncf_call(kind, options, groups[kind], all_nodes, dataset, data_dir), "ONNX")
         model = ir.serde.deserialize_model(proto)
         if any(node.domain == MS_DOMAIN for node in model.graph):
             model.opset_imports.setdefault(MS_DOMAIN, 1)
@@ -188,9 +203,13 @@ def compress_openvino(onnx_model: ir.Model, plan: dict[str, str], options: Optio
     _check_nncf_options(options, groups, dataset)
     details = {"demoted_3d": demoted, **_per_head(onnx_model, weights, plan, options, log)}
     path = work_dir / "pre-openvino.onnx"
-    ir.save(onnx_model, path)
+    # External weights are written again beside the copy: their recorded location is relative to the export.
+    data = path.with_suffix(".onnx.data") if external_data_dir(onnx_model) else None
+    ir.save(onnx_model, path, external_data=data.name if data else None)
     model = ov.convert_model(str(path))
     path.unlink()
+    if data:
+        data.unlink()  # convert_model has read (or mapped) the weights; a mapping outlives the name
     all_nodes = [w.node for w in weights]
     for kind in ("int8", "int4"):
         if kind in groups:

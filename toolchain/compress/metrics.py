@@ -24,7 +24,7 @@ import onnx_ir as ir
 
 from passes.graph import constant_array
 from passes.quantize._weights import dequantize_linear, matmul_nbits_weight, relative_error
-from toolchain.compress.engine import Weight
+from toolchain.compress.engine import Weight, external_data_dir
 
 MAX_ROWS = 2048  # activation rows kept per weight
 
@@ -71,11 +71,9 @@ def ort_runner(model: ir.Model, extra: dict[str, ir.DataType]) -> Callable[[dict
     import onnxruntime as ort
 
     options = ort.SessionOptions()
-    folders = {init.const_value.base_dir for init in model.graph.initializers.values()
-               if isinstance(init.const_value, ir.ExternalTensor)}
-    if folders:
-        # A graph with external weights (over 1 GiB) is passed as bytes: ORT then needs their folder named.
-        options.add_session_config_entry("session.model_external_initializers_file_folder_path", str(folders.pop()))
+    data_dir = external_data_dir(model)
+    if data_dir:  # the graph goes as bytes, so ORT is told where its external weights are
+        options.add_session_config_entry("session.model_external_initializers_file_folder_path", data_dir)
     session = ort.InferenceSession(_with_outputs(model, extra), options, providers=["CPUExecutionProvider"])
     names = ["logits", *extra]
     return lambda feeds: dict(zip(names, session.run(names, feeds)))
