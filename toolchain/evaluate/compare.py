@@ -22,5 +22,17 @@ def labels_for(reports: list[Report]) -> list[str]:
 
 def compare_artifacts(paths: list[Path], settings: EvalSettings, *, reference: str | None = None,
                       log: Callable[[str, str], None] = lambda _a, _m: None) -> list[Report]:
-    """One Report per artifact, in order; ``log(artifact, message)``."""
-    return [evaluate_artifact(p, settings, reference=reference, log=lambda m, p=p: log(str(p), m)) for p in paths]
+    """One Report per artifact, in order; ``log(artifact, message)``. Each source model's PyTorch reference is
+    loaded once for all the artifacts built from it."""
+    from toolchain.evaluate.reference import TorchDecoder, resolve_reference
+    from toolchain.runtime.artifact import open_artifact
+
+    references: dict[Path, TorchDecoder] = {}
+    reports = []
+    for path in paths:
+        source = resolve_reference(open_artifact(path).manifest, reference)
+        if source.path not in references:
+            references[source.path] = TorchDecoder(source, settings.threads)
+        reports.append(evaluate_artifact(path, settings, reference_decoder=references[source.path],
+                                         log=lambda m, p=path: log(str(p), m)))
+    return reports

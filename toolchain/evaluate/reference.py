@@ -29,6 +29,7 @@ class TorchDecoder:
 
     def __init__(self, source: sources.Source, threads: int | None = None) -> None:
         t0 = time.perf_counter()
+        self.source = source
         self.model = sources.load(source, False)
         self.load_seconds = time.perf_counter() - t0
         self.threads = threads or torch.get_num_threads()

@@ -62,9 +62,11 @@ def quantization_series(manifest: dict) -> tuple[list[LayerError], list[HeadErro
 
 
 def evaluate_artifact(path: Path, settings: EvalSettings = EvalSettings(), *, reference: str | None = None,
-                      display_path: Path | None = None, log: Callable[[str], None] = lambda _: None) -> Report:
-    """Measure the artifact at ``path``. ``display_path``: where the artifact will live, when ``path`` is the
-    temporary directory of a build that has not been renamed into place yet."""
+                      reference_decoder=None, display_path: Path | None = None,
+                      log: Callable[[str], None] = lambda _: None) -> Report:
+    """Measure the artifact at ``path``. ``reference_decoder``: an already loaded TorchDecoder of the source
+    model (`dstc compare` loads it once for all artifacts). ``display_path``: where the artifact will live, when
+    ``path`` is the temporary directory of a build that has not been renamed into place yet."""
     from toolchain.evaluate.latency import measure_latency
     from toolchain.evaluate.reference import TorchDecoder, resolve_reference
     from toolchain.runtime.artifact import open_artifact
@@ -72,9 +74,9 @@ def evaluate_artifact(path: Path, settings: EvalSettings = EvalSettings(), *, re
     from toolchain.runtime.routing import router_outputs
 
     artifact = open_artifact(path)
-    source = resolve_reference(artifact.manifest, reference)
+    ref = reference_decoder or TorchDecoder(resolve_reference(artifact.manifest, reference), settings.threads)
+    source = ref.source
     log(f"reference: {source.spec} (PyTorch fp32, eager) from {source.path}")
-    ref = TorchDecoder(source, settings.threads)
     routers = router_outputs(artifact)
     decoder = open_decoder(artifact, threads=settings.threads, extra_outputs=list(routers.values()),
                            openvino_f32=settings.openvino_f32)
@@ -83,7 +85,7 @@ def evaluate_artifact(path: Path, settings: EvalSettings = EvalSettings(), *, re
     metrics, series = measure_accuracy(decoder, ref, routers, artifact.tokenizer(), eos_ids=artifact.eos_token_ids,
                                        pad_id=artifact.pad_token_id, task=task, settings=settings, log=log)
     threads, runtime_config = decoder.threads, decoder.runtime_config
-    del decoder, ref
+    del decoder, ref  # before latency runs in its child process (a caller's reference stays loaded)
 
     latency, cases = {}, []
     if settings.latency:
