@@ -315,7 +315,10 @@ def _print_build_summary(manifest: dict, out_dir: Path) -> None:
 @click.option("--no-cache", is_flag=True, help="Run every stage again instead of reusing the stage cache.")
 @click.option("--json", "as_json", is_flag=True, help="Print manifest.json to stdout instead of the summary.")
 def build_cmd(recipe: Path, out_dir: Path | None, model: str | None, no_cache: bool, as_json: bool) -> None:
-    """Run every stage RECIPE names (export, passes, compression, compile) into a verified artifact.
+    """Run every stage RECIPE names (export, passes, compression, compile, evaluation) into a verified artifact.
+
+    A recipe's eval section writes report.json/.md/.html into the artifact; its gates section makes the build
+    exit 1 when a gate fails (the artifact and report are kept).
 
     Finished stages are cached by id (DSTC_CACHE_DIR, default ~/.cache/dstc) and reused when their inputs
     and configuration are unchanged. The artifact is assembled beside its target and renamed into place at the
