@@ -43,3 +43,7 @@ class OptimizeError(DstcError):
         super().__init__(message)
         self.pass_name = pass_name
         self.near_miss = near_miss
+
+
+class OutputError(InputError):
+    """An output that cannot be written: a full disk, a read-only or denied path. Nothing is left half-written."""
