@@ -67,7 +67,8 @@ def default_expectations(target: str, model_type: str | None, num_layers: int | 
     }
     if model_type in GQA_MODELS:
         expectations["fuse-group-query-attention"] = {"min": layers, "max": layers}
-    else:
+    else:  # GQA declines MLA (also where K and V head sizes are equal), which fuse-mla-attention then takes
+        expectations["fuse-group-query-attention"] = {"max": 0}
         expectations["fuse-mla-attention"] = {"min": layers, "max": layers, "count": "mla"}
     return expectations
 

@@ -8,8 +8,10 @@ import onnxruntime as ort
 import pytest
 from attention_helpers import attention_feeds, attention_model
 from onnx import TensorProto, helper
-from passes_helpers import check_pass, node, op_counts
+from passes_helpers import check_pass, make_model, node, op_counts
 
+from passes import run_pipeline
+from passes.fusions.group_query_attention import FuseGroupQueryAttention
 from passes.fusions.mla_attention import FuseMlaAttention
 
 
@@ -48,6 +50,56 @@ def test_no_fusion_when_raising_the_opset_would_change_an_op():
     assert FuseMlaAttention()(model).counts == {}
     assert "raising the opset to 23 would change the meaning of GroupNormalization" in near_misses(model)
     assert model.opset_imports[""] == 18
+
+
+def mla_model(heads=2, nope=8, rope=8, v_dim=16, shared_rope=True):
+    """MLA attention as dstc exports it: K = Concat(k_nope, Expand(k_rope of one head, to every head)); with
+    ``shared_rope=False`` the RoPE part comes per head instead (plain multi-head attention)."""
+    k_dim = nope + rope
+    nodes = [node("Reshape", ["q3", "split_q"], ["q_bsnd"]), node("Transpose", ["q_bsnd"], ["q4"], perm=[0, 2, 1, 3]),
+             node("Reshape", ["kv3", "split_kv"], ["kv_bsnd"]),
+             node("Transpose", ["kv_bsnd"], ["kv4"], perm=[0, 2, 1, 3]),
+             node("Split", ["kv4", "nope_v"], ["k_nope", "v4"], axis=-1)]
+    rope_part = "k_rope"
+    if shared_rope:
+        nodes.append(node("Expand", ["k_rope", "every_head"], ["k_rope_heads"]))
+        rope_part = "k_rope_heads"
+    nodes += [node("Concat", ["k_nope", rope_part], ["k4"], axis=-1),
+              node("Concat", ["past_key", "k4"], ["present_key"], axis=2),
+              node("Concat", ["past_value", "v4"], ["present_value"], axis=2),
+              node("Transpose", ["present_key"], ["kt"], perm=[0, 1, 3, 2]), node("MatMul", ["q4", "kt"], ["qk"]),
+              node("Mul", ["qk", "scale"], ["scores"]), node("Add", ["scores", "mask"], ["masked"]),
+              node("Softmax", ["masked"], ["probs"], axis=-1), node("MatMul", ["probs", "present_value"], ["o4"]),
+              node("Transpose", ["o4"], ["o_bsnd"], perm=[0, 2, 1, 3]), node("Reshape", ["o_bsnd", "merge"], ["out"])]
+    inits = {"split_q": np.array([0, 0, heads, k_dim]), "split_kv": np.array([0, 0, heads, nope + v_dim]),
+             "nope_v": np.array([nope, v_dim]), "every_head": np.array([1, heads, 1, 1]),
+             "scale": np.float32(k_dim ** -0.5), "merge": np.array([0, 0, -1])}
+    if not shared_rope:
+        del inits["every_head"]
+    inputs = {"q3": ["B", "S", heads * k_dim], "kv3": ["B", "S", heads * (nope + v_dim)],
+              "k_rope": ["B", 1 if shared_rope else heads, "S", rope],
+              "past_key": ["B", heads, "P", k_dim], "past_value": ["B", heads, "P", v_dim], "mask": ["B", 1, "S", "T"]}
+    return make_model(nodes, inputs, ["out", "present_key", "present_value"], inits)
+
+
+@pytest.mark.parametrize("seq, past", [(3, 4), (1, 6)], ids=["chunk-with-past", "decode"])
+def test_mla_with_equal_head_sizes_goes_to_onnx_attention_not_gqa(seq, past):
+    """qk_nope + qk_rope == v_head_dim (16, a size GQA takes): GQA declines it, for ONNX Attention's speed."""
+    model = mla_model()
+    feeds = attention_feeds(model, seq=seq, past=past, padding=2)
+    assert check_pass(model.clone(), "fuse-group-query-attention", feeds=feeds).counts == {}
+    gqa_misses = " | ".join(str(m) for m in FuseGroupQueryAttention().near_misses(model))
+    assert "K has a part shared by every head, MLA's RoPE key" in gqa_misses
+    stats = check_pass(model, "fuse-mla-attention", feeds=feeds)
+    assert stats.counts == {"mla": 1}
+    assert op_counts(model)["Attention"] == 1 and "Softmax" not in op_counts(model)
+
+
+def test_per_head_rope_part_is_not_mla():
+    """Without the shared (Expanded) RoPE key the same Concat is plain multi-head attention, which GQA takes."""
+    model = mla_model(shared_rope=False)
+    stats = run_pipeline(model, ["fuse-group-query-attention", "fuse-mla-attention"])
+    assert [s.counts for s in stats] == [{"mha": 1}, {}]
 
 
 def _run_contrib(op_type, inputs, feeds, **attrs):

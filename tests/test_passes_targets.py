@@ -32,6 +32,7 @@ def test_expectations_scale_with_depth_and_attention_kind():
     assert "fuse-mla-attention" not in llama
     v3 = default_expectations("onnxruntime", "deepseek_v3", 5)
     assert v3["fuse-mla-attention"] == {"min": 5, "max": 5, "count": "mla"}
+    assert v3["fuse-group-query-attention"] == {"max": 0}  # GQA declines MLA, also with equal K/V head sizes
     assert default_expectations("openvino", "qwen2", 2) == {"rotate-half-split": {"min": 4, "max": 4}}
     assert default_expectations("onnxruntime", "gpt2", 12) == {}
 

@@ -16,7 +16,7 @@ import onnx_ir as ir
 
 from passes.base import node_label
 from passes.fusions._common import (
-    MS_DOMAIN, Emitter, axis_is_last, dims, int_list, is_op, only_consumer, producer, scalar,
+    MS_DOMAIN, Emitter, axis_is_last, dims, int_list, is_op, only_consumer, producer, scalar, static_dim,
 )
 from passes.graph import bypass
 
@@ -116,6 +116,17 @@ def match_sdpa(matmul: ir.Node) -> Sdpa | str | None:
     if key.n_rep != value.n_rep:
         return f"K and V are repeated differently ({key.n_rep} vs {value.n_rep})"
     return Sdpa(qk.inputs[0], key, value, mask, scale, matmul, [*inner, matmul])
+
+
+def shared_key_part(cache: Cache) -> bool:
+    """Whether the new K is a last-axis Concat with a part shared by every head (Expand from one head): MLA's
+    decoupled RoPE key, ``Concat(k_nope, Expand(k_rope [B, 1, S, r], [1, heads, 1, 1]))``. It tells MLA apart
+    where its K and V head sizes happen to be equal."""
+    concat = producer(cache.new, "Concat")
+    if concat is None or not axis_is_last(concat.attributes.get_int("axis", 0), len(dims(cache.new) or []) or None):
+        return False
+    return any(producer(part, "Expand") is not None and static_dim(part.producer().inputs[0], 1) == 1
+               for part in concat.inputs)
 
 
 def output_3d(sdpa: Sdpa) -> ir.Value | None:

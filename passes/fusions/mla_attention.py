@@ -24,7 +24,8 @@ present_v likewise with Dv, optional repeat_kv (ONNX Attention takes kv heads < 
 Y [B, H, S, Dv] takes the place of the MatMul's output; present_* take over the Concat outputs (graph output
 names included). The mask keeps left padding exact; only padding query rows (every key masked) can come out
 differently, and nothing reads them. Runs after ``fuse-group-query-attention``, so it only sees the attention
-GQA cannot take (K/V head sizes differ) or that GQA was not run on.
+GQA cannot take or declines (MLA: K/V head sizes differ, or a K part shared by every head) or that GQA was not
+run on.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from __future__ import annotations
 import onnx_ir as ir
 from onnx import defs
 
-from passes.fusions._attention import match_sdpa, take_over_caches
+from passes.fusions._attention import match_sdpa, shared_key_part, take_over_caches
 from passes.fusions._common import FusionPass, Miss, dims, static_dim
 from passes.graph import bypass
 from passes.registry import register
@@ -65,7 +66,8 @@ def opset_blocker(model: ir.Model, target: int = ATTENTION_OPSET) -> str | None:
 @register("fuse-mla-attention", targets=("onnxruntime",),
           description="MLA attention (K/V head sizes differ) over a Concat KV cache -> ONNX Attention (opset 23).")
 class FuseMlaAttention(FusionPass):
-    """Counts: ``mla`` (K and V head sizes differ), ``mha`` / ``gqa`` (same head sizes, kv heads == / < heads)."""
+    """Counts: ``mla`` (K and V head sizes differ, or K has MLA's RoPE part shared by every head), else ``mha`` /
+    ``gqa`` (kv heads == / < heads)."""
 
     rule = "attention"
 
@@ -90,7 +92,8 @@ class FuseMlaAttention(FusionPass):
         y.dtype, y.shape = out.dtype, out.shape
         take_over_caches(self.emit.graph, match, present_k, present_v)
         bypass(self.emit.graph, out, y)
-        kind = "mla" if k_dim != v_dim else ("gqa" if kv_heads < heads else "mha")
+        mla = k_dim != v_dim or shared_key_part(match.key)
+        kind = "mla" if mla else ("gqa" if kv_heads < heads else "mha")
         return kind, match.nodes + match.key.nodes + match.value.nodes
 
     def finish(self, model: ir.Model) -> None:
