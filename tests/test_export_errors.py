@@ -79,7 +79,7 @@ def test_existing_foreign_directory_is_not_replaced(monkeypatch, capsys, tiny_ch
     foreign.mkdir()
     (foreign / "notes.txt").write_text("keep me")
     code, err = run_cli(monkeypatch, capsys, "export", tiny_checkpoints["llama"], "-o", foreign, "--parity", "none")
-    assert_one_line_error(code, err, "not a dstc output")
+    assert_one_line_error(code, err, "was not written by dstc")
     assert sorted(p.name for p in foreign.iterdir()) == ["notes.txt"]
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".home")]
 

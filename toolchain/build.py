@@ -20,13 +20,15 @@ from pathlib import Path
 from typing import Callable
 
 from toolchain import source as sources
-from toolchain.atomic import atomic_output_dir
+from toolchain.atomic import MARKER, atomic_output_dir, lock_file
+from toolchain.errors import InputError
 from toolchain.gates import GateFailed
 from toolchain.manifest import REPORT_FILES, code_digest, digest, file_hashes, git_commit, versions, write_manifest
 from toolchain.recipe import Recipe, load_recipe
 
 # Stage reports: they hold timings and absolute paths, so they go to the manifest's provenance, not the artifact.
-STAGE_REPORTS = ("export.json", "passes.json", "compression.json", "compile.json", "stage.json")
+STAGE_RECORD = "stage.json"
+STAGE_REPORTS = ("export.json", "passes.json", "compression.json", "compile.json", STAGE_RECORD)
 # Seeds of everything random on the way to an artifact (the parity prompts for checkpoints without a tokenizer).
 SEEDS = {"parity_prompts": 0}
 
@@ -105,6 +107,9 @@ def build(recipe_path: Path, out_dir: Path | None = None, *, model: str | None =
     out_dir = Path(out_dir or Path("artifacts") / recipe.name)
     baseline = _gate_baseline(recipe, Path(recipe_path))
     source = sources.resolve(recipe.model, revision=recipe.revision)
+    if (recipe.eval or recipe.gates) and not (source.path / "tokenizer.json").is_file():
+        raise InputError(f"{recipe_path}: the recipe evaluates its artifact (eval/gates), which needs a tokenizer, "
+                         f"and {source.spec} has no tokenizer.json; remove eval and gates or add a tokenizer")
     source_files = file_hashes(source.path)
     code = code_digest()
     parent, stage_rows, durations, cached_stages, reports = digest(source_files), [], {}, [], {}
@@ -113,13 +118,20 @@ def build(recipe_path: Path, out_dir: Path | None = None, *, model: str | None =
         for stage in plan(recipe, source.path):
             stage_id = digest({"stage": stage.name, "config": stage.config, "parent": parent, "code": code})
             target = cache_root() / f"{stage.name}-{stage_id[:20]}"
-            cached = use_cache and (target / "stage.json").is_file()
-            events.stage_started(stage.name, stage_id, cached)
-            t0 = time.perf_counter()
-            if not cached:
-                _run_stage(stage, stage_dir, target, stage_id, parent, events.log)
-            else:
-                cached_stages.append(stage.name)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            # One build at a time per cache entry: a second build of the same stage waits, then reuses it.
+            with lock_file(target.parent / f".{target.name}.build.lock", wait=True, what=target):
+                damage = cache_damage(target) if use_cache else None
+                cached = use_cache and not damage
+                if damage and damage != "absent":
+                    events.log(f"the stage cache entry {target} does not match what was recorded when it was "
+                               f"written ({damage}); running the {stage.name} stage again")
+                events.stage_started(stage.name, stage_id, cached)
+                t0 = time.perf_counter()
+                if not cached:
+                    _run_stage(stage, stage_dir, target, stage_id, parent, events.log)
+                else:
+                    cached_stages.append(stage.name)
             durations[stage.name] = round(time.perf_counter() - t0, 3)
             events.stage_finished(stage.name, durations[stage.name], cached)
             stage_rows.append({"name": stage.name, "id": stage_id, "parent": parent, "config": stage.config})
@@ -127,7 +139,7 @@ def build(recipe_path: Path, out_dir: Path | None = None, *, model: str | None =
                             if (target / r).is_file()})
             parent, stage_dir = stage_id, target
         for item in sorted(stage_dir.iterdir()):
-            if item.name not in STAGE_REPORTS:
+            if item.name not in STAGE_REPORTS and item.name != MARKER:
                 (shutil.copytree if item.is_dir() else shutil.copyfile)(item, tmp / item.name)
         fields = {
             "dstc_version": versions()["dstc"],
@@ -187,13 +199,34 @@ def _evaluate(recipe: Recipe, baseline, artifact: Path, final: Path, events: Eve
     return results
 
 
+def cache_damage(target: Path) -> str | None:
+    """None when the cache entry is complete and every file has the hash recorded when it was written; else
+    what is wrong ("absent" when there is no finished entry)."""
+    record = target / STAGE_RECORD
+    if not record.is_file():
+        return "absent"
+    try:
+        recorded = json.loads(record.read_text())["files"]
+        if not isinstance(recorded, dict):
+            raise TypeError
+    except (OSError, ValueError, KeyError, TypeError, RecursionError):
+        return f"unreadable {STAGE_RECORD}"
+    actual = file_hashes(target, exclude=(STAGE_RECORD, MARKER))
+    changed = [f"changed {n}" for n in sorted(recorded) if n in actual and actual[n] != recorded[n]]
+    changed += [f"missing {n}" for n in sorted(set(recorded) - set(actual))]
+    changed += [f"extra {n}" for n in sorted(set(actual) - set(recorded))]
+    return ", ".join(changed[:3]) + (" ..." if len(changed) > 3 else "") if changed else None
+
+
 def _run_stage(stage: Stage, input_dir: Path | None, target: Path, stage_id: str, parent: str, log) -> None:
     """Run a stage into the cache. The stage writes its own directory atomically; stage.json, written last,
-    marks the entry complete, so an interrupted stage is run again rather than reused."""
-    (target / "stage.json").unlink(missing_ok=True)
+    marks the entry complete and records the sha256 of every file, which is checked before any reuse."""
+    (target / STAGE_RECORD).unlink(missing_ok=True)
     stage.run(input_dir, target, log)
-    (target / "stage.json").write_text(json.dumps({"name": stage.name, "id": stage_id, "parent": parent,
-                                                   "config": stage.config}, indent=2) + "\n")
+    (target / STAGE_RECORD).write_text(json.dumps({"name": stage.name, "id": stage_id, "parent": parent,
+                                                   "config": stage.config,
+                                                   "files": file_hashes(target, exclude=(STAGE_RECORD, MARKER))},
+                                                  indent=2) + "\n")
 
 
 def _read_report(path: Path) -> dict:

@@ -349,17 +349,46 @@ def build_cmd(recipe: Path, out_dir: Path | None, model: str | None, no_cache: b
 
 @cli.command("verify")
 @click.argument("artifact", type=click.Path(path_type=Path))
-def verify_cmd(artifact: Path) -> None:
-    """Re-hash every file of ARTIFACT against its manifest.json. Exit 0 if all match, 1 naming each changed,
-    missing or extra file."""
+@click.option("--public-key", type=click.Path(path_type=Path), default=None,
+              help="Also check manifest.json.sig: an Ed25519 signature of manifest.json by this key (PEM).")
+def verify_cmd(artifact: Path, public_key: Path | None) -> None:
+    """Check ARTIFACT: manifest.json against its own digest (and its signature, with --public-key), every file
+    against manifest.json, and the report files against report.json. Exit 0 if all match, 1 naming each
+    changed, missing or extra file, 2 if ARTIFACT is not an artifact."""
     from toolchain.manifest import verify_artifact
 
-    problems = verify_artifact(artifact)
+    problems = verify_artifact(artifact, public_key)
     for problem in problems:
         click.echo(problem)
     if problems:
         sys.exit(1)
-    click.echo(f"{artifact}: every file matches manifest.json")
+    signed = " and is signed by that key" if public_key else ""
+    click.echo(f"{artifact}: every file matches manifest.json{signed}")
+
+
+@cli.command("sign")
+@click.argument("artifact", type=click.Path(path_type=Path))
+@click.option("--key", "key", type=click.Path(path_type=Path), required=True,
+              help="Ed25519 private key (PEM, unencrypted), e.g. from `dstc keygen` or "
+                   "`openssl genpkey -algorithm ed25519 -out key.pem`.")
+def sign_cmd(artifact: Path, key: Path) -> None:
+    """Sign ARTIFACT's manifest.json with an Ed25519 key (manifest.json.sig), after checking every file against
+    it. `dstc verify ARTIFACT --public-key PUB` checks the signature."""
+    from toolchain.signing import sign_artifact
+
+    click.echo(str(sign_artifact(artifact, key)))
+
+
+@cli.command("keygen")
+@click.argument("private_key", type=click.Path(path_type=Path))
+@click.argument("public_key", type=click.Path(path_type=Path))
+def keygen_cmd(private_key: Path, public_key: Path) -> None:
+    """Write a new Ed25519 key pair (PEM) for `dstc sign` and `dstc verify --public-key`; existing files are
+    never overwritten."""
+    from toolchain.signing import generate_keys
+
+    generate_keys(private_key, public_key)
+    click.echo(f"private key {private_key} (mode 0600), public key {public_key}")
 
 
 def _int_list(value: str, option: str) -> list[int]:
@@ -429,12 +458,14 @@ def eval_cmd(artifact: Path, reference: str | None, texts: int, problems: int, n
     from toolchain.evaluate.run import evaluate_artifact, write_report
     from toolchain.report.markdown import render_summary
 
+    from toolchain.atomic import check_writable_target, ensure_output_dir
+
     settings = _eval_settings(texts, problems, no_latency, prompt_lengths, batches, new_tokens, warmup, repetitions,
                               threads, openvino_f32)
+    if out_dir is not None:
+        check_writable_target(out_dir)  # before the work, not after it
     report = evaluate_artifact(artifact, settings, reference=reference, log=_logger("eval"))
-    target = out_dir or artifact
-    target.mkdir(parents=True, exist_ok=True)
-    written = write_report(report, target)
+    written = write_report(report, ensure_output_dir(out_dir) if out_dir is not None else artifact)
     if as_json:
         click.echo(json.dumps(report.dump(), indent=2))
         return
@@ -456,15 +487,19 @@ def compare_cmd(artifacts: tuple[Path, ...], reference: str | None, texts: int, 
     from toolchain.evaluate.compare import compare_artifacts, labels_for
     from toolchain.report.comparison import comparison_rows, render_comparison_html, render_comparison_text
 
+    from toolchain.atomic import check_writable_file, write_file_atomically
+
     if len(artifacts) < 2:
         raise click.BadParameter("give at least two artifacts", param_hint="ARTIFACTS")
+    if html_out is not None:
+        check_writable_file(html_out)
     settings = _eval_settings(texts, problems, no_latency, prompt_lengths, batches, new_tokens, warmup, repetitions,
                               threads, openvino_f32)
     reports = compare_artifacts(list(artifacts), settings, reference=reference,
                                 log=lambda a, m: click.echo(f"[compare {a}] {m}", err=True))
     labels = labels_for(reports)
     if html_out:
-        html_out.write_text(render_comparison_html(reports, labels))
+        write_file_atomically(html_out, render_comparison_html(reports, labels))
     if as_json:
         click.echo(json.dumps({"labels": labels, "rows": comparison_rows(reports, labels),
                                "reports": [r.dump() for r in reports]}, indent=2))
@@ -486,16 +521,21 @@ def compare_cmd(artifacts: tuple[Path, ...], reference: str | None, texts: int, 
 @click.option("--max-kl", type=click.FloatRange(0), default=None, help="Largest allowed mean KL, nats.")
 @click.option("--max-latency-ratio", type=click.FloatRange(0, min_open=True), default=None,
               help="Largest allowed TTFT and ITL P50 ratio to the baseline's (needs --baseline).")
+@click.option("--allow-unmeasured", is_flag=True,
+              help="Report a gate whose metric the report could not measure (exact match on a model not trained "
+                   "on the embedded task) as skipped instead of failed.")
 @click.option("--json", "as_json", is_flag=True, help="Print the gate results as JSON.")
 def gate_cmd(report_path: Path, baseline: Path | None, max_ppl_increase: float | None, min_top1: float | None,
-             max_em_drop: float | None, max_kl: float | None, max_latency_ratio: float | None, as_json: bool) -> None:
+             max_em_drop: float | None, max_kl: float | None, max_latency_ratio: float | None,
+             allow_unmeasured: bool, as_json: bool) -> None:
     """Check REPORT (a report.json or an artifact) against release gates. Exit 0 when every gate passes, 1 when
     any fails, 2 for bad input (no gates given, unreadable report)."""
     from toolchain.gates import GateLimits, check_gates
     from toolchain.report.schema import load_report
 
     limits = GateLimits(max_perplexity_increase=max_ppl_increase, min_top1_agreement=min_top1,
-                        max_exact_match_drop=max_em_drop, max_kl_mean=max_kl, max_latency_ratio=max_latency_ratio)
+                        max_exact_match_drop=max_em_drop, max_kl_mean=max_kl, max_latency_ratio=max_latency_ratio,
+                        allow_unmeasured=allow_unmeasured)
     if not limits.any():
         raise click.UsageError("no gates given: set at least one --max-*/--min-* option")
     results = check_gates(load_report(report_path), limits, load_report(baseline) if baseline else None)
@@ -510,8 +550,9 @@ def gate_cmd(report_path: Path, baseline: Path | None, max_ppl_increase: float |
 def _print_gates(results) -> None:
     """The gate table as plain text: CI logs keep it whole, where a console table would wrap."""
     rows = [("gate", "value", "limit", "verdict", "against")]
-    rows += [(r.name, "n/a" if r.value is None else f"{r.value:.4g}", f"{r.limit:g}", "pass" if r.passed else "FAIL",
-              r.detail) for r in results]
+    rows += [(r.name, "n/a" if r.value is None else f"{r.value:.4g}", f"{r.limit:g}",
+              ("skipped" if r.passed else "FAIL") if r.skipped else ("pass" if r.passed else "FAIL"), r.detail)
+             for r in results]
     widths = [max(len(row[i]) for row in rows) for i in range(4)]
     for row in rows:
         click.echo("  ".join(cell.ljust(w) for cell, w in zip(row, widths)) + "  " + row[4])
@@ -529,11 +570,12 @@ def generate_cmd(artifact: Path, prompt: str, max_new_tokens: int, chat: bool | 
     """Generate greedily from PROMPT with ARTIFACT, streaming tokens as they come."""
     from toolchain.runtime.artifact import open_artifact
     from toolchain.runtime.decoder import open_decoder
-    from toolchain.runtime.generate import stream_text
+    from toolchain.runtime.generate import prompt_ids, stream_text
 
     art = open_artifact(artifact)
     if chat is None:
         chat = bool(getattr(art.tokenizer(), "chat_template", None))
+    art.check_length(len(prompt_ids(art, prompt, chat=chat)), max_new_tokens)  # before the model is loaded
     decoder = open_decoder(art, threads=threads)
     for piece in stream_text(art, decoder, prompt, max_new_tokens=max_new_tokens, chat=chat):
         click.echo(piece, nl=False)
@@ -569,8 +611,17 @@ def main() -> None:
         click.echo("dstc: interrupted", err=True)
         sys.exit(130)
     except click.ClickException as e:
-        e.show()
+        # one line, as for every other bad input (click's own form spreads it over a usage block)
+        command = f" (see {e.ctx.command_path} --help)" if getattr(e, "ctx", None) is not None else ""
+        click.echo(f"dstc: error: {e.format_message()}{command}", err=True)
         sys.exit(2)
     except DstcError as e:
         click.echo(f"dstc: error: {e}", err=True)
         sys.exit(e.exit_code)
+    except OSError as e:
+        from toolchain.atomic import is_write_error
+
+        if not is_write_error(e):
+            raise
+        click.echo(f"dstc: error: {e.strerror}: {e.filename}", err=True)  # a full disk is not a bug: no traceback
+        sys.exit(2)

@@ -27,9 +27,12 @@ class GateLimits(BaseModel):
     max_kl_mean: float | None = Field(None, ge=0)  # nats
     max_latency_ratio: float | None = Field(None, gt=0)  # TTFT and ITL P50 over the baseline's
     baseline: str | None = None  # a report.json; in a recipe, relative to the recipe's directory
+    # A gate whose metric the report could not measure (exact match on a model not trained on the embedded task):
+    # False counts it as failed, True reports it as skipped and lets it pass.
+    allow_unmeasured: bool = False
 
     def any(self) -> bool:
-        return any(v is not None for k, v in self.model_dump().items() if k != "baseline")
+        return any(v is not None for k, v in self.model_dump().items() if k not in ("baseline", "allow_unmeasured"))
 
 
 def _ratio_to(value: float | None, base: float | None) -> float | None:
@@ -42,9 +45,14 @@ def check_gates(report: Report, limits: GateLimits, baseline: Report | None = No
     results = []
 
     def gate(name: str, metric: str, value: float | None, limit: float, ok, detail: str) -> None:
-        # A metric that could not be measured (None) fails its gate rather than passing silently.
+        if value is None:  # not measurable on this model: skipped if the limits allow it, never passed silently
+            allowed = limits.allow_unmeasured
+            verdict = "allowed" if allowed else "not allowed: set allow_unmeasured to skip it"
+            results.append(GateResult(name=name, metric=metric, value=None, limit=limit, passed=allowed,
+                                      skipped=True, detail=f"not measured on this model ({verdict})"))
+            return
         results.append(GateResult(name=name, metric=metric, value=value, limit=limit,
-                                  passed=value is not None and bool(ok(value, limit)), detail=detail))
+                                  passed=bool(ok(value, limit)), detail=detail))
 
     at_most, at_least = (lambda v, lim: v <= lim), (lambda v, lim: v >= lim)
     against = "baseline" if baseline else "fp32 reference"

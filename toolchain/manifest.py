@@ -2,7 +2,12 @@
 
 Everything a rebuild must reproduce (recipe, source files, stage ids, output file hashes, versions, seeds) sits
 at the top level; time, host, durations, cache hits and the stages' own reports go under "provenance", which
-no hash covers and no comparison reads.
+no file hash covers and no comparison reads. ``digest`` is the sha256 of everything but itself, so that an edited
+manifest is detected; an Ed25519 signature over the whole file (``dstc sign``, toolchain/signing.py) proves who
+built it.
+
+The report files `dstc eval` writes into an artifact are not hashed here (their latencies differ from run to run);
+report.json records the sha256 of this manifest and of report.md / report.html, and carries a digest of its own.
 """
 
 from __future__ import annotations
@@ -16,10 +21,14 @@ from pathlib import Path
 
 from toolchain import __version__
 
+from toolchain.atomic import MARKER
+from toolchain.errors import InputError
+
 MANIFEST = "manifest.json"
+SIGNATURE = "manifest.json.sig"
 # Written by `dstc eval` into the artifact: measured latencies and the host, so no hash covers them.
 REPORT_FILES = ("report.json", "report.md", "report.html")
-UNHASHED = (MANIFEST, *REPORT_FILES)
+UNHASHED = (MANIFEST, SIGNATURE, MARKER, *REPORT_FILES)
 SCHEMA_VERSION = 1
 # Packages whose code reads or writes the model on its way to an artifact.
 PACKAGES = ("torch", "transformers", "tokenizers", "safetensors", "numpy", "onnx", "onnx-ir", "onnxscript",
@@ -42,6 +51,26 @@ def file_hashes(root: Path, exclude: tuple[str, ...] = ()) -> dict[str, str]:
 
 def digest(data) -> str:
     return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()
+
+
+def self_digest(document: dict) -> str:
+    """sha256 of a JSON document without its own ``digest`` field."""
+    return digest({k: v for k, v in document.items() if k != "digest"})
+
+
+def read_json_file(path: Path, what: str) -> dict:
+    """A JSON object from a file; InputError (one line) for anything unreadable, however malformed."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except OSError as e:
+        raise InputError(f"cannot read {what} {path}: {e.strerror}") from None
+    except (ValueError, UnicodeDecodeError) as e:
+        raise InputError(f"{path} is not valid JSON: {str(e).splitlines()[0]}") from None
+    except RecursionError:
+        raise InputError(f"{path} is nested too deeply to be a {what}") from None
+    if not isinstance(data, dict):
+        raise InputError(f"{path} is not a JSON object")
+    return data
 
 
 def versions() -> dict[str, str]:
@@ -73,21 +102,64 @@ def git_commit() -> str | None:
 def write_manifest(artifact: Path, fields: dict, provenance: dict) -> dict:
     manifest = {"schema_version": SCHEMA_VERSION, **fields,
                 "files": file_hashes(artifact, exclude=UNHASHED), "provenance": provenance}
+    manifest["digest"] = self_digest(manifest)
     (artifact / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
     return manifest
 
 
-def verify_artifact(artifact: Path) -> list[str]:
-    """Problems found re-hashing the artifact against its manifest: changed, missing or extra files."""
-    from toolchain.errors import InputError
-
+def read_manifest(artifact: Path) -> dict:
+    """An artifact's manifest.json, checked against its own digest (InputError if unreadable or edited)."""
     path = Path(artifact) / MANIFEST
-    try:
-        expected = json.loads(path.read_text())["files"]
-    except (OSError, ValueError, KeyError, TypeError):
-        raise InputError(f"{artifact} has no readable {MANIFEST}: not a dstc artifact") from None
-    actual = file_hashes(Path(artifact), exclude=UNHASHED)
-    problems = [f"changed: {name}" for name in sorted(expected) if name in actual and actual[name] != expected[name]]
+    if not path.is_file():
+        raise InputError(f"{artifact} has no {MANIFEST}: not a dstc artifact")
+    manifest = read_json_file(path, "manifest")
+    if not isinstance(manifest.get("files"), dict):
+        raise InputError(f"{path} lists no files: not a dstc manifest")
+    if manifest.get("digest") != self_digest(manifest):
+        raise InputError(f"{path} was changed after dstc wrote it (its content does not match its digest)")
+    return manifest
+
+
+def manifest_sha256(artifact: Path) -> str:
+    return sha256_file(Path(artifact) / MANIFEST)
+
+
+def check_report_binding(report: dict, artifact: Path, path: Path) -> None:
+    """InputError unless the report (read from ``path``) was written for this artifact's manifest.json."""
+    recorded = (report.get("artifact") or {}).get("manifest_sha256")
+    actual = manifest_sha256(artifact)
+    if recorded != actual:
+        raise InputError(f"{path} was not written for the artifact in {artifact}: it records manifest sha256 "
+                         f"{str(recorded)[:12]}, the artifact's manifest.json is {actual[:12]} (copied from another "
+                         f"artifact, or the artifact was rebuilt: run dstc eval again)")
+
+
+def verify_artifact(artifact: Path, public_key: Path | None = None) -> list[str]:
+    """Problems found checking the artifact: manifest.json against its digest (and signature, given a public
+    key), every file against the manifest (changed, missing, extra), and the report files against report.json
+    and report.json against the manifest."""
+    from toolchain.report.schema import read_report_data
+    from toolchain.signing import verify_signature
+
+    artifact = Path(artifact)
+    manifest = read_manifest(artifact)
+    expected = manifest["files"]
+    problems = []
+    if public_key is not None:
+        problems += verify_signature(artifact / MANIFEST, artifact / SIGNATURE, public_key)
+    actual = file_hashes(artifact, exclude=UNHASHED)
+    problems += [f"changed: {name}" for name in sorted(expected) if name in actual and actual[name] != expected[name]]
     problems += [f"missing: {name}" for name in sorted(set(expected) - set(actual))]
     problems += [f"extra: {name}" for name in sorted(set(actual) - set(expected))]
+    if (artifact / REPORT_FILES[0]).is_file():
+        try:
+            report = read_report_data(artifact / REPORT_FILES[0])
+            check_report_binding(report, artifact, artifact / REPORT_FILES[0])
+        except InputError as e:
+            return problems + [f"report: {e}"]
+        for name, sha in (report.get("files") or {}).items():
+            if not (artifact / name).is_file():
+                problems.append(f"missing: {name} (listed in report.json)")
+            elif sha256_file(artifact / name) != sha:
+                problems.append(f"changed: {name} (since dstc eval wrote it)")
     return problems

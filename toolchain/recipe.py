@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from toolchain.errors import RecipeError
 from toolchain.evaluate.settings import EvalSettings
@@ -53,6 +53,22 @@ class CompressSection(Section):
     router: Literal["fp32", "int8", "scheme"] = "fp32"
     shared_experts: Literal["scheme", "int8", "fp32"] = "scheme"
 
+    def problem(self, target: str) -> str | None:
+        """What is wrong with these options together for ``target``, or None: rules that span fields, checked
+        when a recipe loads and before a compress stage reads anything."""
+        if self.ratio < 1.0 and self.scheme != "int4-grouped":
+            return "ratio applies to int4-grouped (the share of weights in INT4, the rest in the backup)"
+        if (self.awq or self.scale_estimation or self.gptq) and self.scheme != "int4-grouped":
+            return "awq, scale_estimation and gptq apply to the int4-grouped scheme"
+        if self.gptq and target != "openvino":
+            return "gptq runs on the openvino target only (NNCF's ONNX backend does not implement it)"
+        if target == "onnxruntime" and self.embeddings == "int4":
+            # NNCF 3.4's ONNX backend replaces an INT4 Gather with a MatMulNBits fed the token ids, which ORT
+            # rejects ("Type 'tensor(int64)' of input parameter (input_ids) of operator (MatMulNBits) ... invalid")
+            return ("INT4 embeddings are not supported for onnxruntime (NNCF 3.4 writes an invalid graph for them); "
+                    "use embeddings int8 or the openvino target")
+        return None
+
 
 class CompileSection(Section):
     backend: Backend
@@ -72,18 +88,49 @@ class Recipe(Section):
     eval: EvalSettings | None = None  # evaluate the artifact after building it (report files inside it)
     gates: GateLimits | None = None  # fail the build (exit 1, report kept) when a gate fails; implies eval
 
+    @model_validator(mode="after")
+    def _compression_fits_the_backend(self) -> "Recipe":
+        problem = self.compress.problem(self.compile.backend) if self.compress else None
+        if problem:
+            raise ValueError(f"compress: {problem}")
+        return self
+
     def digest(self) -> str:
         return hashlib.sha256(json.dumps(self.model_dump(mode="json"), sort_keys=True).encode()).hexdigest()
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """YAML's safe loader, refusing a key given twice in one mapping (plain YAML keeps the last silently)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            try:
+                duplicate = key in seen
+            except TypeError:  # an unhashable key: the base class reports it
+                break
+            if duplicate:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"duplicate key {key!r} (line {key_node.start_mark.line + 1})", key_node.start_mark)
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
 
 
 def load_recipe(path: Path, model_override: str | None = None) -> Recipe:
     path = Path(path)
     try:
-        data = yaml.safe_load(path.read_text())
+        data = yaml.load(path.read_text(), Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
     except OSError as e:
         raise RecipeError(f"cannot read recipe {path}: {e.strerror}") from None
+    except UnicodeDecodeError:
+        raise RecipeError(f"{path}: not a text file") from None
     except yaml.YAMLError as e:
-        raise RecipeError(f"{path}: not valid YAML: {str(e).splitlines()[0]}") from None
+        lines = [line for line in str(e).splitlines() if line.strip()]
+        detail = next((line for line in lines if "duplicate key" in line), lines[0] if lines else "")
+        raise RecipeError(f"{path}: not valid YAML: {detail.strip()}") from None
+    except RecursionError:
+        raise RecipeError(f"{path}: nested too deeply to be a recipe") from None
     if not isinstance(data, dict):
         raise RecipeError(f"{path}: a recipe is a mapping of keys to values")
     if model_override:

@@ -21,8 +21,9 @@ class Source:
     config: dict
 
 
-def resolve(spec: str, revision: str | None = None) -> Source:
-    """Find the checkpoint; with a revision (a recipe's pinned commit), only that snapshot of a cached hub id."""
+def resolve(spec: str, revision: str | None = None, hint: str = "--model DIR") -> Source:
+    """Find the checkpoint; with a revision (a recipe's pinned commit), only that snapshot of a cached hub id.
+    ``hint``: the option that names another checkpoint instead, for the message when it is not cached."""
     from toolchain.models.registry import EMBEDDED, embedded_path
 
     if revision and not _looks_like_hub_id(spec):
@@ -34,7 +35,7 @@ def resolve(spec: str, revision: str | None = None) -> Source:
         if not path.is_dir():
             raise InputError(f"{spec} is a file, not a model directory")
     elif _looks_like_hub_id(spec):
-        path, kind = _from_hf_cache(spec, revision), "hf-cache"
+        path, kind = _from_hf_cache(spec, revision, hint), "hf-cache"
     else:
         raise InputError(f"{spec}: no such directory, and not an embedded model ({', '.join(sorted(EMBEDDED))})")
     return Source(spec, path, kind, _read_config(path, spec))
@@ -45,7 +46,7 @@ def _looks_like_hub_id(spec: str) -> bool:
     return len(parts) == 2 and all(parts) and not spec.startswith((".", "~"))
 
 
-def _from_hf_cache(repo_id: str, revision: str | None) -> Path:
+def _from_hf_cache(repo_id: str, revision: str | None, hint: str) -> Path:
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import LocalEntryNotFoundError
 
@@ -55,7 +56,7 @@ def _from_hf_cache(repo_id: str, revision: str | None) -> Path:
         at = f" at revision {revision}" if revision else ""
         raise InputError(f"{repo_id}{at} is not in the local Hugging Face cache, and dstc never downloads: "
                          f"download it first (huggingface-cli download {repo_id}"
-                         f"{' --revision ' + revision if revision else ''}) or pass --model DIR") from None
+                         f"{' --revision ' + revision if revision else ''}) or pass {hint}") from None
 
 
 def _read_config(path: Path, spec: str) -> dict:
@@ -68,7 +69,39 @@ def _read_config(path: Path, spec: str) -> dict:
         raise InputError(f"{config_file} is not valid JSON: {e}") from None
     if not isinstance(config, dict) or "model_type" not in config:
         raise InputError(f"{config_file} has no model_type")
+    _check_config(config, config_file)
     return config
+
+
+# Sizes and counts that must be positive integers where a config gives them (first_k_dense_replace may be 0).
+POSITIVE_FIELDS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                   "num_key_value_heads", "vocab_size", "max_position_embeddings", "head_dim",
+                   "moe_intermediate_size", "n_routed_experts", "n_shared_experts", "num_experts_per_tok",
+                   "kv_lora_rank", "q_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim", "n_group",
+                   "topk_group")
+
+
+def _check_config(config: dict, config_file: Path) -> None:
+    """Types through transformers' own config class (its strict fields), then the sizes it accepts but no model
+    can have; one line naming the field."""
+    from toolchain.export.architectures import ARCHITECTURES
+
+    if config["model_type"] not in ARCHITECTURES:
+        return  # the exporter refuses it with the list of supported types
+    for name in POSITIVE_FIELDS:
+        value = config.get(name)
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+            raise InputError(f"{config_file}: {name} must be a positive integer, not {value!r}")
+    first_dense = config.get("first_k_dense_replace")
+    if first_dense is not None and (not isinstance(first_dense, int) or first_dense < 0):
+        raise InputError(f"{config_file}: first_k_dense_replace must be an integer >= 0, not {first_dense!r}")
+    from transformers import AutoConfig
+
+    try:
+        AutoConfig.for_model(**config)
+    except Exception as e:  # transformers raises several types for a field of the wrong type or value
+        lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+        raise InputError(f"{config_file}: {' '.join(lines[:2]) or type(e).__name__}") from None
 
 
 def check_weights(source: Source) -> list[Path]:
@@ -96,12 +129,27 @@ def load(source: Source, trust_remote_code: bool = False):
 
     arch = architecture_for(source.config["model_type"])
     check_weights(source)
+    from transformers.utils import logging as hf_logging
+
+    verbosity = hf_logging.get_verbosity()
+    # transformers' load report and progress bar repeat, in 10-15 lines on stderr, what one line below says
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
     try:
         model, info = AutoModelForCausalLM.from_pretrained(
             source.path, dtype=torch.float32, attn_implementation="eager", trust_remote_code=trust_remote_code,
-            output_loading_info=True)
-    except (OSError, ValueError, RuntimeError) as e:
+            output_loading_info=True, ignore_mismatched_sizes=True)
+    except (OSError, ValueError, RuntimeError, TypeError) as e:
         raise InputError(f"cannot load {source.spec}: {str(e).splitlines()[0]}") from None
+    finally:
+        hf_logging.set_verbosity(verbosity)
+        hf_logging.enable_progress_bar()
+    mismatched = sorted(info.get("mismatched_keys", ()))
+    if mismatched:
+        name, found, expected = mismatched[0]
+        raise InputError(f"{source.spec}: the weights do not fit its config.json: {name} is {list(found)} in the "
+                         f"checkpoint, the config implies {list(expected)}"
+                         + (f" (and {len(mismatched) - 1} more)" if len(mismatched) > 1 else ""))
     missing = [k for k in info.get("missing_keys", ()) if k != "lm_head.weight" or not model.config.tie_word_embeddings]
     if missing:
         raise InputError(f"{source.spec}: weights missing from the checkpoint: {', '.join(sorted(missing)[:5])}"

@@ -27,12 +27,14 @@ def compare_artifacts(paths: list[Path], settings: EvalSettings, *, reference: s
     from toolchain.evaluate.reference import TorchDecoder, resolve_reference
     from toolchain.runtime.artifact import open_artifact
 
-    references: dict[Path, TorchDecoder] = {}
+    references: dict[tuple, TorchDecoder] = {}
+    # Every artifact and its reference are checked before any is evaluated: a bad one fails at once.
+    chosen = [resolve_reference(open_artifact(path).manifest, reference) for path in paths]
     reports = []
-    for path in paths:
-        source = resolve_reference(open_artifact(path).manifest, reference)
-        if source.path not in references:
-            references[source.path] = TorchDecoder(source, settings.threads)
-        reports.append(evaluate_artifact(path, settings, reference_decoder=references[source.path],
+    for path, (source, choice) in zip(paths, chosen):
+        key = (source.path, tuple(sorted(choice.items())))
+        if key not in references:
+            references[key] = TorchDecoder(source, settings.threads, choice)
+        reports.append(evaluate_artifact(path, settings, reference_decoder=references[key],
                                          log=lambda m, p=path: log(str(p), m)))
     return reports

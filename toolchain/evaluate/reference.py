@@ -12,14 +12,36 @@ from toolchain import source as sources
 from toolchain.errors import InputError
 
 
-def resolve_reference(manifest: dict, override: str | None) -> sources.Source:
-    """The checkpoint an artifact was built from (its manifest's model and pinned revision), or ``override``."""
+def source_changes(manifest: dict, source: sources.Source) -> list[str]:
+    """How the checkpoint at ``source`` differs from the files the artifact was built from ([] when identical)."""
+    from toolchain.manifest import file_hashes
+
+    recorded = (manifest.get("source") or {}).get("files") or {}
+    actual = file_hashes(source.path)
+    changes = [f"changed {n}" for n in sorted(recorded) if n in actual and actual[n] != recorded[n]]
+    changes += [f"missing {n}" for n in sorted(set(recorded) - set(actual))]
+    changes += [f"extra {n}" for n in sorted(set(actual) - set(recorded))]
+    return changes
+
+
+def resolve_reference(manifest: dict, override: str | None) -> tuple[sources.Source, dict]:
+    """The checkpoint an artifact was built from (its manifest's model and pinned revision), checked against the
+    source hashes the manifest recorded; or ``override``, used as given. Returns the source and what the report
+    records of the choice."""
     if override:
-        return sources.resolve(override)
+        source = sources.resolve(override, hint="--reference MODEL")
+        changes = source_changes(manifest, source) if (manifest.get("source") or {}).get("files") else None
+        return source, {"override": True, "matches_build_source": None if changes is None else not changes}
     src = manifest.get("source") or {}
     if not src.get("model"):
         raise InputError("the artifact has no manifest.json naming its source model: pass --reference MODEL")
-    return sources.resolve(src["model"], revision=src.get("revision"))
+    source = sources.resolve(src["model"], revision=src.get("revision"), hint="--reference MODEL")
+    changes = source_changes(manifest, source)
+    if changes:
+        raise InputError(f"the checkpoint now at {source.path} is not the one the artifact was built from "
+                         f"({', '.join(changes[:3])}{' ...' if len(changes) > 3 else ''}); pass --reference "
+                         f"{src['model']} to evaluate against it anyway")
+    return source, {"override": False, "matches_build_source": True}
 
 
 class TorchDecoder:
@@ -27,9 +49,10 @@ class TorchDecoder:
 
     backend = "pytorch"
 
-    def __init__(self, source: sources.Source, threads: int | None = None) -> None:
+    def __init__(self, source: sources.Source, threads: int | None = None, choice: dict | None = None) -> None:
         t0 = time.perf_counter()
         self.source = source
+        self.choice = choice or {}  # how the reference was chosen (resolve_reference), recorded in the report
         self.model = sources.load(source, False)
         self.load_seconds = time.perf_counter() - t0
         self.threads = threads or torch.get_num_threads()

@@ -74,8 +74,12 @@ def evaluate_artifact(path: Path, settings: EvalSettings = EvalSettings(), *, re
     from toolchain.runtime.routing import router_outputs
 
     artifact = open_artifact(path)
-    ref = reference_decoder or TorchDecoder(resolve_reference(artifact.manifest, reference), settings.threads)
-    source = ref.source
+    if reference_decoder is not None:
+        ref = reference_decoder
+    else:
+        source, choice = resolve_reference(artifact.manifest, reference)
+        ref = TorchDecoder(source, settings.threads, choice)
+    source, ref_choice = ref.source, ref.choice
     log(f"reference: {source.spec} (PyTorch fp32, eager) from {source.path}")
     routers = router_outputs(artifact)
     decoder = open_decoder(artifact, threads=settings.threads, extra_outputs=list(routers.values()),
@@ -112,7 +116,8 @@ def evaluate_artifact(path: Path, settings: EvalSettings = EvalSettings(), *, re
                      "manifest_sha256": hashlib.sha256(manifest_file.read_bytes()).hexdigest()
                      if manifest_file.is_file() else None,
                      "size_bytes": artifact.size_bytes, "report_files": list(REPORT_FILES)},
-        "reference": {"model": source.spec, "path": str(source.path), "runtime": "pytorch eager fp32"},
+        "reference": {"model": source.spec, "path": str(source.path), "runtime": "pytorch eager fp32",
+                      **ref_choice},
         "environment": {"host": platform.node(), "cpu": platform.processor() or platform.machine(),
                         "cores": os.cpu_count(), "threads": latency.get("threads", threads),
                         "runtime_config": latency.get("runtime_config", runtime_config), "versions": versions()},
@@ -128,20 +133,22 @@ def evaluate_artifact(path: Path, settings: EvalSettings = EvalSettings(), *, re
 
 
 def write_report(report: Report, directory: Path) -> list[Path]:
-    """report.json, report.md and report.html into ``directory``, each written to a temporary name and renamed,
-    so a reader never sees half a report."""
+    """report.md, report.html, then report.json (which records their sha256 and a digest of itself) into
+    ``directory``, each written to a temporary name and renamed, so a reader never sees half a report."""
+    import hashlib
     import json
 
+    from toolchain.atomic import write_file_atomically
+    from toolchain.manifest import self_digest
     from toolchain.report.html import render_html
     from toolchain.report.markdown import render_markdown
 
-    texts = {"report.json": json.dumps(report.dump(), indent=2) + "\n", "report.md": render_markdown(report),
-             "report.html": render_html(report)}
-    written = []
+    texts = {"report.md": render_markdown(report), "report.html": render_html(report)}
+    report.files = {name: hashlib.sha256(text.encode()).hexdigest() for name, text in texts.items()}
+    report.digest = None
+    data = report.dump()
+    report.digest = data["digest"] = self_digest(data)
+    texts["report.json"] = json.dumps(data, indent=2) + "\n"
     for name, text in texts.items():
-        target = Path(directory) / name
-        tmp = target.with_name(f".{name}.tmp-{os.getpid()}")
-        tmp.write_text(text)
-        os.replace(tmp, target)
-        written.append(target)
-    return written
+        write_file_atomically(Path(directory) / name, text)
+    return [Path(directory) / name for name in REPORT_FILES]

@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig, PreTrainedConfig
 
+from toolchain.atomic import atomic_output_dir, check_writable_target
 from toolchain.errors import InputError
 from toolchain.models.registry import embedded_path, reference_config
 
@@ -81,6 +82,7 @@ def make_shape_faithful(reference: str, out_dir: Path, num_layers: int = 4, num_
     the embedded tokenizer, copied for text I/O, uses only the lowest ids, and ids above it are valid inputs.
     """
     config = reference_to_config(reference_config(reference), num_layers, num_experts)
+    check_writable_target(out_dir)  # before filling a model that may take minutes
     config.dtype = _DTYPE
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=_DTYPE)
@@ -89,10 +91,12 @@ def make_shape_faithful(reference: str, out_dir: Path, num_layers: int = 4, num_
     generator = torch.Generator().manual_seed(seed)
     for name, tensor in model.state_dict().items():
         _fill_random(tensor, name, generator, config.initializer_range)
-    out_dir = Path(out_dir)
-    model.save_pretrained(out_dir)
-    GenerationConfig(bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id).save_pretrained(out_dir)
-    tokenizer_dir = embedded_path("r1-distill-qwen-tiny")
-    for file in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copyfile(tokenizer_dir / file, out_dir / file)
-    return out_dir
+    # Written beside the target and renamed into place: an existing checkpoint there is replaced only if dstc
+    # wrote it, and never left half-overwritten.
+    with atomic_output_dir(Path(out_dir)) as tmp:
+        model.save_pretrained(tmp)
+        GenerationConfig(bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id).save_pretrained(tmp)
+        tokenizer_dir = embedded_path("r1-distill-qwen-tiny")
+        for file in ("tokenizer.json", "tokenizer_config.json"):
+            shutil.copyfile(tokenizer_dir / file, tmp / file)
+    return Path(out_dir)

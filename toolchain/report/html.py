@@ -84,7 +84,7 @@ def render_html(report: Report) -> str:
     body = [f'<p class="settings">{escape(settings_line(report))}</p>', facts_list(main_facts)]
     if report.gates:
         body += ["<h2>Gates</h2>", html_table(gate_table(report), row_classes=[
-            "PASS" if g.passed else "FAIL" for g in report.gates])]
+            ("SKIPPED" if g.skipped and g.passed else "PASS" if g.passed else "FAIL") for g in report.gates])]
     groups = dict(metric_groups(report))
     accuracy, speed = groups.get("Accuracy", []), groups.get("Speed and size", [])
     if accuracy or "accuracy" in plots:

@@ -97,7 +97,7 @@ def gate_table(report: Report) -> Table:
     rows = []
     for g in report.gates or []:
         unit = _unit(report, g.metric)
-        rows.append([g.name, g.metric, fmt(g.value, unit), fmt(g.limit, unit), "PASS" if g.passed else "FAIL",
+        rows.append([g.name, g.metric, fmt(g.value, unit), fmt(g.limit, unit), "SKIPPED" if g.skipped and g.passed else "PASS" if g.passed else "FAIL",
                      g.detail])
     return GATE_HEADER, rows
 

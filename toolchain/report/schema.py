@@ -2,18 +2,22 @@
 
 Every metric carries its unit and its direction ("lower" or "higher" is better, "none" for facts such as a
 size), so a gate or a comparison never needs to know a metric by name to tell better from worse.
+
+A report is bound to what it measured: ``artifact.manifest_sha256`` is the sha256 of the artifact's
+manifest.json, ``files`` the sha256 of the report.md / report.html written with it, and ``digest`` the sha256 of
+the report itself without that field. A report read from inside an artifact must match that artifact's manifest.
 """
 
 from __future__ import annotations
 
-import json
+import math
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from toolchain.errors import InputError
-from toolchain.manifest import REPORT_FILES
+from toolchain.manifest import MANIFEST, REPORT_FILES, check_report_binding, read_json_file, self_digest
 
 SCHEMA = "dstc.report/1"
 
@@ -76,7 +80,28 @@ class GateResult(_Strict):
     value: float | None
     limit: float
     passed: bool
+    skipped: bool = False  # its metric could not be measured; passed says whether that was allowed
     detail: str = ""
+
+
+# The values a metric can take; a report outside them was not written by dstc (or was edited).
+_SHARES = ("exact_match", "top1_agreement", "greedy_match_rate", "routing_agreement")
+_NON_NEGATIVE_UNITS = ("ms", "s", "MB", "tokens/s", "nats")
+
+
+def _metric_problem(name: str, metric: Metric) -> str | None:
+    value = metric.value
+    if value is None:
+        return None
+    if not math.isfinite(value):
+        return f"{value} is not a finite number"
+    if name == "perplexity" and value < 1:
+        return f"perplexity {value} is below 1, which no distribution has"
+    if name in _SHARES and not 0 <= value <= 1:
+        return f"{value} is not a share in [0, 1]"
+    if metric.unit in _NON_NEGATIVE_UNITS and value < 0:
+        return f"{value} {metric.unit} is negative"
+    return None
 
 
 class Report(_Strict):
@@ -91,6 +116,16 @@ class Report(_Strict):
     latency: list[LatencyCase] = Field(default_factory=list)
     series: Series = Field(default_factory=Series)
     gates: list[GateResult] | None = None
+    files: dict[str, str] = Field(default_factory=dict)  # report.md / report.html -> sha256, as written with it
+    digest: str | None = None  # sha256 of this report without this field (write_report sets it)
+
+    @model_validator(mode="after")
+    def _values_in_range(self) -> "Report":
+        for name, metric in self.metrics.items():
+            problem = _metric_problem(name, metric)
+            if problem:
+                raise ValueError(f"metric {name}: {problem}")
+        return self
 
     def value(self, name: str) -> float | None:
         metric = self.metrics.get(name)
@@ -100,23 +135,31 @@ class Report(_Strict):
         return self.model_dump(mode="json", by_alias=True)
 
 
+def read_report_data(path: Path) -> dict:
+    """report.json as a dict of the right schema whose digest (when it has one) matches its content."""
+    data = read_json_file(path, "report")
+    if data.get("schema") != SCHEMA:
+        raise InputError(f"{path}: not a dstc report of schema {SCHEMA} (schema: {str(data.get('schema'))[:40]!r})")
+    if data.get("digest") is not None and data["digest"] != self_digest(data):
+        raise InputError(f"{path} was changed after dstc wrote it (its content does not match its digest)")
+    return data
+
+
 def load_report(path: Path) -> Report:
-    """A report.json (or an artifact directory holding one), validated; InputError names the file and the key."""
+    """A report.json (or an artifact directory holding one), validated; InputError names the file and the key.
+    A report inside an artifact (beside a manifest.json) must have been written for that artifact."""
     path = Path(path)
     if path.is_dir():
         path = path / REPORT_FILES[0]
+    data = read_report_data(path)
     try:
-        data = json.loads(path.read_text())
-    except OSError as e:
-        raise InputError(f"cannot read report {path}: {e.strerror}") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise InputError(f"{path} is not valid JSON: {e}") from None
-    if not isinstance(data, dict) or data.get("schema") != SCHEMA:
-        found = data.get("schema") if isinstance(data, dict) else None
-        raise InputError(f"{path}: not a dstc report of schema {SCHEMA} (schema: {found!r})")
-    try:
-        return Report.model_validate(data)
+        report = Report.model_validate(data)
     except ValidationError as e:
         first = e.errors()[0]
         key = ".".join(str(p) for p in first["loc"]) or "(top level)"
         raise InputError(f"{path}: {key}: {first['msg']}") from None
+    except RecursionError:
+        raise InputError(f"{path} is nested too deeply to be a report") from None
+    if (path.parent / MANIFEST).is_file():
+        check_report_binding(data, path.parent, path)
+    return report

@@ -14,7 +14,7 @@ from pathlib import Path
 from toolchain.compile.onnxruntime_artifact import MODEL as ONNX_MODEL, WEIGHTS as ONNX_WEIGHTS
 from toolchain.compile.openvino_ir import MODEL_XML
 from toolchain.errors import InputError
-from toolchain.manifest import MANIFEST
+from toolchain.manifest import MANIFEST, read_manifest
 from toolchain.stages.inputs import read_json
 
 COMPILE_REPORT = "compile.json"
@@ -55,6 +55,20 @@ class Artifact:
         return self.eos_token_ids[0] if self.eos_token_ids else 0
 
     @property
+    def context_length(self) -> int | None:
+        """The longest sequence (prompt + generated tokens) the model was trained for."""
+        value = self.config.get("max_position_embeddings")
+        return int(value) if isinstance(value, int) and value > 0 else None
+
+    def check_length(self, prompt_tokens: int, new_tokens: int) -> None:
+        """InputError, with the numbers, when a prompt and the tokens to generate do not fit the context (past
+        it a model does not fail: it silently produces garbage)."""
+        context = self.context_length
+        if context is not None and prompt_tokens + new_tokens > context:
+            raise InputError(f"the prompt is {prompt_tokens} tokens and {new_tokens} more are to be generated: "
+                             f"{prompt_tokens + new_tokens} exceeds the model's context of {context} tokens")
+
+    @property
     def model_files(self) -> list[Path]:
         """The graph and weight files (what a deployment loads besides configs and tokenizer)."""
         names = (MODEL_XML, MODEL_XML.replace(".xml", ".bin")) if self.backend == "openvino" else \
@@ -82,7 +96,11 @@ def open_artifact(path: Path | str) -> Artifact:
     if not (path / "config.json").is_file():
         raise InputError(f"{path} is not a compiled artifact: no config.json")
     generation = path / "generation_config.json"
-    return Artifact(path=path, backend=backend,
-                    manifest=read_json(path / MANIFEST) if (path / MANIFEST).is_file() else {},
-                    config=read_json(path / "config.json"),
+    manifest = read_manifest(path) if (path / MANIFEST).is_file() else {}
+    listed = manifest["files"] if manifest else read_json(path / COMPILE_REPORT).get("files") or []
+    missing = sorted(name for name in listed if not (path / name).is_file())
+    if missing:
+        raise InputError(f"{path} is incomplete: {', '.join(missing[:3])}{' ...' if len(missing) > 3 else ''} "
+                         f"missing (dstc verify {path} lists every difference)")
+    return Artifact(path=path, backend=backend, manifest=manifest, config=read_json(path / "config.json"),
                     generation=read_json(generation) if generation.is_file() else {})

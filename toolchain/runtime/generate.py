@@ -74,6 +74,10 @@ def prompt_ids(artifact: Artifact, prompt: str, *, chat: bool) -> list[int]:
     """The prompt's token ids: through the tokenizer's chat template as a user turn with the assistant's
     generation prompt, or encoded as the embedded models were trained, with only the special tokens the
     tokenizer adds by default (BOS for DeepSeek's)."""
+    try:
+        prompt.encode("utf-8")
+    except UnicodeEncodeError:  # the command line hands undecodable bytes over as lone surrogates
+        raise InputError("the prompt is not valid UTF-8 text") from None
     tokenizer = artifact.tokenizer()
     if chat:
         encoded = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
@@ -90,8 +94,9 @@ def stream_text(artifact: Artifact, decoder: Decoder, prompt: str, *, max_new_to
     tokens decodes as U+FFFD until its last token arrives, so a prefix ending in one is held back.
     """
     tokenizer = artifact.tokenizer()
-    steps = greedy_steps(decoder, [prompt_ids(artifact, prompt, chat=chat)], set(artifact.eos_token_ids),
-                         artifact.pad_token_id)
+    ids = prompt_ids(artifact, prompt, chat=chat)
+    artifact.check_length(len(ids), max_new_tokens)
+    steps = greedy_steps(decoder, [ids], set(artifact.eos_token_ids), artifact.pad_token_id)
     generated: list[int] = []
     sent = ""
     for tokens in itertools.islice(steps, max_new_tokens):

@@ -38,8 +38,6 @@ from toolchain.compress.policy import Policy, layer_of, role_of
 from toolchain.errors import InputError
 
 TARGETS = ("onnxruntime", "openvino")
-GROUP_SIZES = (32, 64, 128)
-BACKUPS = ("int8", "none")
 CALIBRATION_SEQUENCES = 16
 OPENVINO_XML = "openvino_model.xml"
 
@@ -56,27 +54,22 @@ def head_layout(config: dict) -> dict[str, tuple[str, int]]:
     return {p: ("out", head_dim) for p in ("q_proj", "k_proj", "v_proj")} | {"o_proj": ("in", head_dim)}
 
 
-def _check(target, scheme, group_size, ratio, backup, accuracy_level, awq, scale_estimation, gptq,
-           embeddings) -> None:
+def _check(target: str, **options) -> None:
+    """The options as a recipe's compress section would hold them, and their cross-field rules for ``target``."""
+    from pydantic import ValidationError
+
+    from toolchain.recipe import CompressSection
+
     if target not in TARGETS:
         raise InputError(f"unknown target {target!r}; targets: {', '.join(TARGETS)}")
-    if group_size not in GROUP_SIZES:
-        raise InputError(f"group size {group_size} is not one of {', '.join(map(str, GROUP_SIZES))}")
-    if not 0.0 < ratio <= 1.0:
-        raise InputError(f"ratio {ratio} is not in (0, 1]")
-    if ratio < 1.0 and scheme != "int4-grouped":
-        raise InputError("--ratio applies to int4-grouped (the share of weights in INT4, the rest in the backup)")
-    if (awq or scale_estimation or gptq) and scheme != "int4-grouped":
-        raise InputError("--awq, --scale-estimation and --gptq apply to the int4-grouped scheme")
-    if target == "onnxruntime" and embeddings == "int4":
-        # NNCF 3.4's ONNX backend replaces an INT4 Gather with a MatMulNBits fed the token ids, which ORT rejects
-        # ("Type 'tensor(int64)' of input parameter (input_ids) of operator (MatMulNBits) ... is invalid")
-        raise InputError("INT4 embeddings are not supported for onnxruntime (NNCF 3.4 writes an invalid graph for "
-                         "them); use --embeddings int8 or --target openvino")
-    if backup not in BACKUPS:
-        raise InputError(f"backup {backup!r} is not one of {', '.join(BACKUPS)}")
-    if accuracy_level is not None and accuracy_level not in (0, 1, 2, 3, 4):
-        raise InputError(f"accuracy level {accuracy_level} is not one of 0-4")
+    try:
+        section = CompressSection(**options)
+    except ValidationError as e:
+        first = e.errors()[0]
+        raise InputError(f"{'.'.join(map(str, first['loc']))}: {first['msg']}") from None
+    problem = section.problem(target)
+    if problem:
+        raise InputError(problem)
 
 
 def ort_kernels(path: Path, feeds: dict) -> dict[str, int]:
@@ -156,7 +149,9 @@ def compress(in_dir: Path, out_dir: Path, *, target: str = "onnxruntime", scheme
     in_dir, out_dir = Path(in_dir), Path(out_dir)
     policy = Policy(scheme, embeddings=embeddings, lm_head=lm_head, router=router, shared_experts=shared_experts,
                     ignored_scope=(*ignored_scope, *ignore))
-    _check(target, scheme, group_size, ratio, backup, accuracy_level, awq, scale_estimation, gptq, embeddings)
+    _check(target, scheme=scheme, group_size=group_size, sym=sym, ratio=ratio, backup=backup,
+           accuracy_level=accuracy_level, awq=awq, scale_estimation=scale_estimation, gptq=gptq,
+           embeddings=embeddings, lm_head=lm_head, router=router, shared_experts=shared_experts)
     report, source = read_export(in_dir, source)
     config = json.loads((source / "config.json").read_text())
     layout = head_layout(config)
