@@ -7,8 +7,10 @@ Nothing is ever downloaded: the CLI runs with HF_HUB_OFFLINE=1.
 from __future__ import annotations
 
 import json
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterator
 
 from toolchain.errors import InputError, UnsupportedModelError
 
@@ -67,7 +69,7 @@ def _read_config(path: Path, spec: str) -> dict:
         config = json.loads(config_file.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise InputError(f"{config_file} is not valid JSON: {e}") from None
-    if not isinstance(config, dict) or "model_type" not in config:
+    if not isinstance(config, dict) or not isinstance(config.get("model_type"), str):
         raise InputError(f"{config_file} has no model_type")
     _check_config(config, config_file)
     return config
@@ -98,7 +100,8 @@ def _check_config(config: dict, config_file: Path) -> None:
     from transformers import AutoConfig
 
     try:
-        AutoConfig.for_model(**config)
+        with quiet_transformers():
+            AutoConfig.for_model(**config)
     except Exception as e:  # transformers raises several types for a field of the wrong type or value
         lines = [line.strip() for line in str(e).splitlines() if line.strip()]
         raise InputError(f"{config_file}: {' '.join(lines[:2]) or type(e).__name__}") from None
@@ -120,6 +123,22 @@ def check_weights(source: Source) -> list[Path]:
     return files
 
 
+@contextmanager
+def quiet_transformers() -> Iterator[None]:
+    """transformers' load report, warnings and progress bar off: they repeat, in 10-15 lines on stderr, what a
+    one-line error says (and say nothing when all is well)."""
+    from transformers.utils import logging as hf_logging
+
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(verbosity)
+        hf_logging.enable_progress_bar()
+
+
 def load(source: Source, trust_remote_code: bool = False):
     """The model in fp32 with eager attention (the reference the exported graph is compared with)."""
     import torch
@@ -129,21 +148,13 @@ def load(source: Source, trust_remote_code: bool = False):
 
     arch = architecture_for(source.config["model_type"])
     check_weights(source)
-    from transformers.utils import logging as hf_logging
-
-    verbosity = hf_logging.get_verbosity()
-    # transformers' load report and progress bar repeat, in 10-15 lines on stderr, what one line below says
-    hf_logging.set_verbosity_error()
-    hf_logging.disable_progress_bar()
     try:
-        model, info = AutoModelForCausalLM.from_pretrained(
-            source.path, dtype=torch.float32, attn_implementation="eager", trust_remote_code=trust_remote_code,
-            output_loading_info=True, ignore_mismatched_sizes=True)
+        with quiet_transformers():
+            model, info = AutoModelForCausalLM.from_pretrained(
+                source.path, dtype=torch.float32, attn_implementation="eager", trust_remote_code=trust_remote_code,
+                output_loading_info=True, ignore_mismatched_sizes=True)
     except (OSError, ValueError, RuntimeError, TypeError) as e:
         raise InputError(f"cannot load {source.spec}: {str(e).splitlines()[0]}") from None
-    finally:
-        hf_logging.set_verbosity(verbosity)
-        hf_logging.enable_progress_bar()
     mismatched = sorted(info.get("mismatched_keys", ()))
     if mismatched:
         name, found, expected = mismatched[0]
