@@ -176,3 +176,46 @@ def test_trap_nncf_bias_is_not_added_twice():
     x = rng.normal(size=(2, 128)).astype(np.float32)
     (y,) = run_ort(model, {"x": x})
     np.testing.assert_allclose(y, x @ w_hat + b, rtol=1e-4, atol=1e-3)
+
+
+def tied_model(k: int, vocab: int = 50):
+    """An embedding table read by a Gather and, transposed, by the lm_head Gemm (tied embeddings)."""
+    table = np.random.default_rng(k).normal(size=(vocab, k)).astype(np.float32)
+    return make_model([node("Gather", ["table", "ids"], ["e"], axis=0),
+                       node("Gemm", ["x", "table"], ["logits"], transB=1)],
+                      {"x": [3, k], "ids": ([2, 5], np.int64)}, ["e", "logits"], {"table": table})
+
+
+@pytest.mark.parametrize("sym", [False, True])
+@pytest.mark.parametrize("k, block", [(64, 64), (96, 32), (40, 64)])  # one block, 3 blocks, padded and sliced
+def test_tied_table_stays_one_8_bit_tensor_for_gather_and_lm_head(sym, k, block):
+    model = tied_model(k)
+    assert Int8PerHead(sym=sym)(model).counts == {"per_row": 1}
+    assert op_counts(model)["DequantizeLinear"] == 1  # the lm_head reads the same quantized table
+    rng = np.random.default_rng(0)
+    feeds = {"x": rng.normal(size=(3, k)).astype(np.float32), "ids": rng.integers(0, 50, (2, 5))}
+    expected = run_ort(model, feeds)
+    pass_ = ToMatMulNBits(accuracy_level=0)
+    assert pass_(model).counts == {"tied_table": 1}
+    assert op_counts(model)["MatMulNBits"] == 1 and "DequantizeLinear" not in op_counts(model)
+    tables = [v for v in model.graph.initializers.values() if v.const_value.size >= 50 * k]
+    assert len(tables) == 1 and tables[0].dtype == ir.DataType.UINT8
+    assert tables[0].const_value.size == 50 * max(k, block)  # padded only where k has no power-of-two divisor >= 16
+    assert {n.op_type for n, _ in tables[0].uses()} == {"Gather", "MatMulNBits"}
+    nbits = next(n for n in model.graph if n.op_type == "MatMulNBits")
+    assert nbits.attributes["block_size"].as_int() == block
+    for got, want in zip(run_ort(model, feeds), expected):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    assert ToMatMulNBits(accuracy_level=0)(model).counts == {}
+
+
+def test_table_read_by_a_gemm_without_trans_b_is_not_rewritten():
+    """Gemm(x, w) reads a [K, N] weight, not the table's rows: the DequantizeLinear is left for both readers."""
+    model = make_model([node("DequantizeLinear", ["q", "s", "z"], ["w"], axis=0),
+                        node("Gather", ["w", "ids"], ["e"], axis=0), node("Gemm", ["x", "w"], ["y"])],
+                       {"x": [3, 50], "ids": ([2, 5], np.int64)}, ["e", "y"],
+                       {"q": np.random.default_rng(1).integers(0, 255, (50, 8)).astype(np.uint8),
+                        "s": np.full(50, 0.01, np.float32), "z": np.full(50, 128, np.uint8)})
+    before = to_bytes(model)
+    assert ToMatMulNBits(accuracy_level=0)(model).counts == {}
+    assert to_bytes(model) == before

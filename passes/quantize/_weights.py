@@ -107,6 +107,17 @@ def float_weights(graph: ir.Graph) -> Iterator[WeightUse]:
         yield WeightUse(node, value, kind)
 
 
+def is_transposed_gemm(node: ir.Node, index: int) -> bool:
+    """Whether ``node`` reads input ``index`` as ``w`` of a plain Gemm(a, w, transB=1) = a @ w.T: a tied lm_head
+    reading the [vocab, hidden] embedding table, whose rows are its output channels."""
+    if node.op_type != "Gemm" or node.domain not in ("", "ai.onnx") or index != 1:
+        return False
+    scaled = any(node.attributes.get(name) is not None and node.attributes[name].as_float() != 1.0
+                 for name in ("alpha", "beta"))
+    no_bias = len(node.inputs) < 3 or node.inputs[2] is None
+    return _attr_int(node, "transB", 0) == 1 and not _attr_int(node, "transA", 0) and not scaled and no_bias
+
+
 def _attr_int(node: ir.Node, name: str, default: int) -> int:
     attr = node.attributes.get(name)
     return default if attr is None else int(attr.as_int())

@@ -9,7 +9,9 @@ o_proj's outputs are hidden channels, each a sum over all heads. o_proj's heads 
 h*d .. (h+1)*d of the [K, N] weight); a scale per input-head block would be one scalar for a head's whole
 [d, hidden] slab, which no per-axis DequantizeLinear over the output can express and which measures far worse
 than per output channel (benchmarks/compression.py prints both), so o_proj is quantized per output channel, like
-every MatMul without heads. Embedding tables (Gather on axis 0) get one scale per row (token).
+every MatMul without heads. Embedding tables (Gather on axis 0) get one scale per row (token); a tied table, also
+read by the lm_head as Gemm(x, table, transB=1), is quantized once for both: its rows are the lm_head's output
+channels, so the per-row scales are per output channel there.
 
 The form. Per-head scales are written expanded to per-channel values (identical within a head) and emitted as a
 standard per-axis ``DequantizeLinear`` (axis 1 of the [K, N] weight; axis 0 of an embedding table) feeding the
@@ -32,7 +34,7 @@ import onnx_ir as ir
 
 from passes.base import CountingPass
 from passes.graph import Names, constant_array
-from passes.quantize._weights import WeightUse, float_weights, group_bounds, quantize_int8
+from passes.quantize._weights import WeightUse, float_weights, group_bounds, is_transposed_gemm, quantize_int8
 from passes.registry import register
 
 # Projections whose output channels are heads, by the name of the scope that holds their weight.
@@ -109,6 +111,8 @@ class Int8PerHead(CountingPass):
             weight = use.value
             if self.names is not None and weight.name not in self.names:
                 continue
+            if use.node.inputs[1 if use.kind == "matmul" else 0] is not weight:
+                continue  # a tied table's other reader, rewired when the table was quantized
             array = weight.const_value.numpy()
             matrix = array if use.kind == "matmul" else array.T  # channels are columns
             width = self._group(use)
@@ -126,6 +130,11 @@ class Int8PerHead(CountingPass):
             dq.outputs[0].shape = ir.Shape(list(array.shape))
             graph.insert_before(use.node, dq)
             use.node.replace_input_with(1 if use.kind == "matmul" else 0, dq.outputs[0])
+            if use.kind == "gather":  # every reader of the table's rows: other Gathers, a tied lm_head
+                for reader, index in list(weight.uses()):
+                    if is_transposed_gemm(reader, index) or (
+                            reader.op_type == "Gather" and index == 0 and reader.attributes.get_int("axis", 0) == 0):
+                        reader.replace_input_with(index, dq.outputs[0])
             if not weight.uses() and not weight.is_graph_output():
                 del graph.initializers[weight.name]
             if use.kind == "gather":

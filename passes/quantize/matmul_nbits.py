@@ -19,6 +19,13 @@ runs an fp32 MatMul. So:
   0: as the weights' float type); ORT only uses levels its CPU build supports and otherwise falls back;
 * ``DequantizeLinear`` (axis 0, one scale per row) -> ``Gather`` on an embedding table becomes a Gather of the
   quantized rows, of their scales and zero points, then Cast / Sub / Mul on the gathered rows only;
+* a tied embedding table (the exporter's lm_head ``Gemm(x, table, transB=1)`` reads the table the Gathers read,
+  and NNCF gives both one ``DequantizeLinear``, axis 0, one scale per row = per lm_head output) stays one
+  8-bit tensor: it becomes MatMulNBits' B, [vocab, blocks, block], which the Gathers read rows of as above
+  (reshaped to [..., hidden]). ``block`` is the largest power of two dividing the hidden size (at least 16), so
+  B holds the table's bytes with no padding, the row's scale repeated per block; a hidden size with none is
+  padded to one block as for MatMul, and the gathered rows are sliced back. Without this the shared
+  DequantizeLinear is left as it is and dequantizes the whole table at every step, for each of its readers;
 * a ``DequantizeLinear`` whose scale has the weight's rank (NNCF's INT8 of a 3-D weight: invalid below opset 21,
   and ORT fails at run time with "scale must be 1D tensor") becomes Cast / Sub / Mul with broadcasting.
 """
@@ -33,7 +40,7 @@ import onnx_ir as ir
 
 from passes.base import CountingPass
 from passes.graph import Names, bypass, constant_array, drop_orphaned_initializers, initializers_in_use
-from passes.quantize._weights import MS_DOMAIN
+from passes.quantize._weights import MS_DOMAIN, is_transposed_gemm
 from passes.registry import register
 
 ACCURACY_LEVELS = (0, 1, 2, 3, 4)
@@ -57,6 +64,10 @@ def _int(node: ir.Node, name: str, default: int) -> int:
     return default if attr is None else int(attr.as_int())
 
 
+def _is_table_gather(node: ir.Node, index: int) -> bool:
+    return node.op_type == "Gather" and node.domain in ("", "ai.onnx") and index == 0 and _int(node, "axis", 0) == 0
+
+
 def _dq_parts(dq: ir.Node):
     """(quantized, scale, zero point or None) of a DequantizeLinear with constant inputs, else None."""
     if dq.op_type != "DequantizeLinear" or dq.domain not in ("", "ai.onnx") or _int(dq, "block_size", 0):
@@ -70,7 +81,7 @@ def _dq_parts(dq: ir.Node):
 
 @register("to-matmul-nbits", targets=("onnxruntime",),
           description="8-bit DequantizeLinear->MatMul to MatMulNBits, pack NNCF's 4-bit zero points, set "
-                      "accuracy_level, gather-then-dequantize embeddings")
+                      "accuracy_level, gather-then-dequantize embeddings, one 8-bit tied table")
 class ToMatMulNBits(CountingPass):
     def __init__(self, accuracy_level: int | None = 4) -> None:
         super().__init__()
@@ -93,8 +104,10 @@ class ToMatMulNBits(CountingPass):
                     counts["dequantize_broadcast"] += self._broadcast(graph, names, node, *parts)
                 elif all(c.op_type == "MatMul" and i == 1 for c, i in consumers):
                     counts["matmul_nbits_8bit"] += self._matmul(graph, names, node)
-                elif all(c.op_type == "Gather" and i == 0 and _int(c, "axis", 0) == 0 for c, i in consumers):
+                elif all(_is_table_gather(c, i) for c, i in consumers):
                     counts["gather_dequantize"] += self._gather(graph, names, node)
+                elif all(_is_table_gather(c, i) or is_transposed_gemm(c, i) for c, i in consumers):
+                    counts["tied_table"] += self._tied(graph, names, node)
         for node in graph:
             if node.op_type == "MatMulNBits" and node.domain == MS_DOMAIN:
                 counts["zero_points_packed"] += self._pack_zero_points(graph, names, node)
@@ -102,7 +115,7 @@ class ToMatMulNBits(CountingPass):
                 if self.accuracy_level is not None and _int(node, "accuracy_level", 0) != self.accuracy_level:
                     node.attributes["accuracy_level"] = ir.AttrInt64("accuracy_level", self.accuracy_level)
                     counts["accuracy_level_set"] += 1
-        if counts["matmul_nbits_8bit"] and model.opset_imports.get(MS_DOMAIN) is None:
+        if (counts["matmul_nbits_8bit"] or counts["tied_table"]) and model.opset_imports.get(MS_DOMAIN) is None:
             model.opset_imports[MS_DOMAIN] = 1
         drop_orphaned_initializers(graph, used_before)
         return counts
@@ -169,28 +182,110 @@ class ToMatMulNBits(CountingPass):
         zp_v = None if zp is None or not np.any(zp) else names.add_initializer(
             zp.astype(np.float32).reshape(-1, 1), f"{table.name}_row_zero_point")
         for gather, _ in list(dq.outputs[0].uses()):
-            indices = gather.inputs[1]
-            rows = ir.node("Gather", [table, indices], attributes={"axis": 0}, name=names.fresh(f"{gather.name}_q"))
-            as_float = ir.node("Cast", [rows.outputs[0]], attributes={"to": ir.DataType.FLOAT})
-            new_nodes = [rows, as_float]
-            value = as_float.outputs[0]
-            if zp_v is not None:
+            self._dequantized_rows(graph, names, gather, table, scale_v, zp_v)
+        graph.remove(dq, safe=True)
+        return 1
+
+    @staticmethod
+    def _dequantized_rows(graph: ir.Graph, names: Names, gather: ir.Node, table: ir.Value, scale_v: ir.Value,
+                          zp_v: ir.Value | None, width: int | None = None) -> None:
+        """Replace ``gather`` (of the float table) by a Gather of the quantized ``table``'s rows, Cast, minus the
+        gathered zero point (``zp_v`` [rows, 1]; a scalar is subtracted as it is), times the gathered scale. A
+        ``table`` of MatMulNBits' [rows, blocks, block] is reshaped to [..., blocks * block], then sliced to
+        ``width`` when that is less."""
+        indices = gather.inputs[1]
+        rows = ir.node("Gather", [table, indices], attributes={"axis": 0}, name=names.fresh(f"{gather.name}_q"))
+        new_nodes = [rows]
+        if table.shape is not None and len(table.shape) == 3:
+            flat = names.add_initializer(np.array([0] * len(indices.shape) + [-1]), f"{table.name}_row_shape")
+            new_nodes.append(ir.node("Reshape", [rows.outputs[0], flat]))
+            if width is not None and width < table.shape[1] * table.shape[2]:
+                new_nodes.append(ir.node("Slice", [new_nodes[-1].outputs[0],
+                                                   names.add_initializer(np.array([0]), f"{table.name}_start"),
+                                                   names.add_initializer(np.array([width]), f"{table.name}_width"),
+                                                   names.add_initializer(np.array([-1]), f"{table.name}_axis")]))
+        quantized = list(new_nodes)  # the nodes whose outputs are still the table's 8-bit values
+        as_float = ir.node("Cast", [new_nodes[-1].outputs[0]], attributes={"to": ir.DataType.FLOAT})
+        new_nodes.append(as_float)
+        value = as_float.outputs[0]
+        if zp_v is not None:
+            if zp_v.shape is not None and len(zp_v.shape) == 2:
                 zps = ir.node("Gather", [zp_v, indices], attributes={"axis": 0})
-                sub = ir.node("Sub", [value, zps.outputs[0]])
-                new_nodes += [zps, sub]
-                value = sub.outputs[0]
-            scales = ir.node("Gather", [scale_v, indices], attributes={"axis": 0})
-            mul = ir.node("Mul", [value, scales.outputs[0]])
-            new_nodes += [scales, mul]
-            for i, node in enumerate(new_nodes):
-                node.name = node.name or names.fresh(f"{gather.name}_dq{i}")
-                for out in node.outputs:
-                    out.name = names.fresh(f"{node.name}/out")
-                    out.dtype = table.dtype if node is rows else ir.DataType.FLOAT
-            graph.insert_before(gather, new_nodes)
-            mul.outputs[0].shape = gather.outputs[0].shape
-            bypass(graph, gather.outputs[0], mul.outputs[0])
-            graph.remove(gather, safe=True)
+                new_nodes.append(zps)
+                zp_v = zps.outputs[0]
+            sub = ir.node("Sub", [value, zp_v])
+            new_nodes.append(sub)
+            value = sub.outputs[0]
+        scales = ir.node("Gather", [scale_v, indices], attributes={"axis": 0})
+        mul = ir.node("Mul", [value, scales.outputs[0]])
+        new_nodes += [scales, mul]
+        for i, node in enumerate(new_nodes):
+            node.name = node.name or names.fresh(f"{gather.name}_dq{i}")
+            for out in node.outputs:
+                out.name = names.fresh(f"{node.name}/out")
+                out.dtype = table.dtype if node in quantized else ir.DataType.FLOAT
+        graph.insert_before(gather, new_nodes)
+        mul.outputs[0].shape = gather.outputs[0].shape
+        bypass(graph, gather.outputs[0], mul.outputs[0])
+        graph.remove(gather, safe=True)
+
+    def _tied(self, graph: ir.Graph, names: Names, dq: ir.Node) -> int:
+        """One 8-bit table for the Gathers and the lm_head Gemm(transB=1) that read it (see the module doc)."""
+        parts = _dq_parts(dq)
+        if parts is None:
+            self.near_miss("dq-tied", dq, "DequantizeLinear inputs are not all constants")
+            return 0
+        q, scale, zp = parts
+        if q.ndim != 2 or q.dtype not in (np.int8, np.uint8):
+            self.near_miss("dq-tied", dq, f"table is {q.dtype} of rank {q.ndim}, not a 2-D 8-bit matrix")
+            return 0
+        n, k = q.shape
+        if any(c.op_type == "Gather" and c.inputs[1].shape is None for c, _ in dq.outputs[0].uses()):
+            self.near_miss("dq-tied", dq, "the rank of a Gather's indices is unknown (run infer-shapes first)")
+            return 0
+        if scale.size == 1:
+            scale, zp = np.full(n, scale.item(), np.float32), None if zp is None else np.full(n, zp.item(), zp.dtype)
+        elif _int(dq, "axis", 1) % 2 != 0 or scale.size != n:
+            self.near_miss("dq-tied", dq, f"scales of a [{n}, {k}] table are not one per row", score=1)
+            return 0
+        if q.dtype == np.int8:
+            if zp is not None and np.any(zp):
+                self.near_miss("dq-tied", dq, "int8 table with non-zero zero points")
+                return 0
+            u, zp_u8 = (q.astype(np.int16) + 128).astype(np.uint8), None
+        else:
+            u, zp_u8 = q, (None if zp is None else zp.astype(np.uint8).reshape(n))
+        if k % 16 == 0:
+            block = k & -k  # the largest power of two dividing k
+            blocks = k // block
+        else:
+            block, blocks = block_size_for(k), 1
+            fill = np.full((n, block - k), 128, np.uint8) if zp_u8 is None else np.repeat(zp_u8[:, None], block - k, 1)
+            u = np.concatenate([u, fill], axis=1)  # padded columns dequantize to exactly 0
+        base = dq.inputs[0].name or "table"
+        b = names.add_initializer(u.reshape(n, blocks, block), f"{base}_nbits")
+        nbits_inputs = [b, names.add_initializer(np.repeat(scale.astype(np.float32)[:, None], blocks, 1),
+                                                 f"{base}_nbits_scale")]
+        if zp_u8 is not None:
+            nbits_inputs.append(names.add_initializer(np.repeat(zp_u8[:, None], blocks, 1), f"{base}_nbits_zero_point"))
+        scale_v = names.add_initializer(scale.astype(np.float32).reshape(-1, 1), f"{base}_row_scale")
+        zp_v = (names.add_initializer(np.array(128, np.float32), f"{base}_zero_point") if zp_u8 is None else
+                names.add_initializer(zp_u8.astype(np.float32).reshape(-1, 1), f"{base}_row_zero_point"))
+        for consumer, _ in list(dq.outputs[0].uses()):
+            if consumer.op_type == "Gather":
+                self._dequantized_rows(graph, names, consumer, b, scale_v, zp_v, k)
+                continue
+            attrs = {"K": k, "N": n, "bits": 8, "block_size": block}
+            if self.accuracy_level is not None:
+                attrs["accuracy_level"] = self.accuracy_level
+            new = ir.node("MatMulNBits", [consumer.inputs[0], *nbits_inputs], attributes=attrs, domain=MS_DOMAIN,
+                          name=consumer.name)
+            graph.insert_before(consumer, new)
+            new.outputs[0].dtype, new.outputs[0].shape = ir.DataType.FLOAT, consumer.outputs[0].shape
+            name = consumer.outputs[0].name
+            bypass(graph, consumer.outputs[0], new.outputs[0])
+            new.outputs[0].name = name
+            graph.remove(consumer, safe=True)
         graph.remove(dq, safe=True)
         return 1
 

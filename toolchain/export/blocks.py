@@ -40,6 +40,22 @@ def matmul_weight(g: GraphBuilder, x: ir.Value, weight: np.ndarray, name: str, b
     return y
 
 
+def tied_lm_head(g: GraphBuilder, x: ir.Value, table: ir.Value, vocab: int) -> ir.Value:
+    """x @ table.T with the [vocab, hidden] embedding table itself (tied embeddings), so the table is stored once.
+
+    Gemm(transB=1) on x flattened to 2-D reads the table as it is: ORT's Gemm runs transB at MatMul's speed with
+    no transposed copy (a MatMul of Transpose(table) is constant-folded into one, in ORT's session and in the
+    artifact its offline optimisation saves), OpenVINO turns it into a FullyConnected on the [out, in] weight
+    it stores anyway, and NNCF and the quantize passes take the table's per-row scales as the Gemm's per
+    output channel ones.
+    """
+    with g.scope("lm_head"):
+        flat = g.op("Reshape", x, g.const([-1, table.shape[1]]))
+        logits = g.op("Gemm", flat, table, transB=1)
+        lead = g.op("Slice", g.op("Shape", x), g.const([0]), g.const([-1]))
+        return g.op("Reshape", logits, g.op("Concat", lead, g.const([vocab]), axis=0))
+
+
 def rms_norm(g: GraphBuilder, x: ir.Value, module: torch.nn.Module, name: str) -> ir.Value:
     """weight * x / sqrt(mean(x^2) + eps), the order transformers' RMSNorm computes in."""
     with g.scope(name):

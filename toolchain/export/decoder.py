@@ -3,6 +3,7 @@
 Graph interface (optimum's names): inputs input_ids, attention_mask, position_ids, past_key_values.N.key/.value;
 outputs logits, present.N.key/.value. Batch and sequence axes are dynamic, so one graph serves prefill (empty
 past) and decode. An architecture module supplies the attention and MLP of a layer; everything else is here.
+With tied embeddings (tie_word_embeddings) the lm_head reads the embedding table itself: one copy is stored.
 """
 
 from __future__ import annotations
@@ -50,6 +51,11 @@ class Architecture(Protocol):
     def mlp(self, g: GraphBuilder, mlp: torch.nn.Module, h: ir.Value) -> ir.Value: ...
 
 
+def tied_embeddings(model: torch.nn.Module) -> bool:
+    """Whether lm_head reads the embedding table itself (tie_word_embeddings: one tensor in PyTorch)."""
+    return model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+
+
 def build_decoder(model: torch.nn.Module, arch: Architecture,
                   on_layer: Callable[[int, int], None] | None = None) -> ir.Model:
     """The whole graph; on_layer(i, n) is called as each of the n layers is built (progress on large models)."""
@@ -64,8 +70,8 @@ def build_decoder(model: torch.nn.Module, arch: Architecture,
     present_dims = {"key": key_dim, "value": value_dim}
 
     decoder = model.model
-    h = g.op("Gather", g.weight("embed_tokens.weight", blocks.to_numpy(decoder.embed_tokens.weight)), input_ids,
-             axis=0)
+    table = g.weight("embed_tokens.weight", blocks.to_numpy(decoder.embed_tokens.weight))
+    h = g.op("Gather", table, input_ids, axis=0)
     cos, sin = blocks.rope_tables(g, position_ids, decoder.rotary_emb)
     mask = blocks.attention_mask(g, input_ids, mask_2d)
     presents = []
@@ -88,7 +94,10 @@ def build_decoder(model: torch.nn.Module, arch: Architecture,
             on_layer(i + 1, len(decoder.layers))
 
     h = blocks.rms_norm(g, h, decoder.norm, "norm")
-    logits = blocks.matmul_weight(g, h, blocks.to_numpy(model.lm_head.weight), "lm_head")
+    if tied_embeddings(model):
+        logits = blocks.tied_lm_head(g, h, table, config.vocab_size)
+    else:
+        logits = blocks.matmul_weight(g, h, blocks.to_numpy(model.lm_head.weight), "lm_head")
     outputs.append(rename_output(logits, "logits", FLOAT, ["batch_size", "sequence_length", config.vocab_size]))
     for i, kind, value in presents:
         outputs.append(rename_output(value, f"present.{i}.{kind}", FLOAT,
