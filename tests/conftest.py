@@ -1,10 +1,23 @@
-"""Small random checkpoints of every exported architecture, written once per test session."""
+"""Small random checkpoints of every exported architecture, written once per test session; time limits; tests
+isolated in a child process.
+
+``@pytest.mark.subprocess`` runs a test in a fresh ``python -m pytest`` child (spawned, not forked: a fork after
+OpenVINO's, ORT's or OpenBLAS's threads exist can deadlock). A native crash there (OpenVINO's CPU plugin dies with
+SIGFPE on some CPUs, see toolchain/runtime/decoder.py) or a hang fails that test alone, with the signal's name and
+the child's output; the child's fixtures are built again, from the stages the session has cached (``stage_cache``).
+"""
 
 from __future__ import annotations
 
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
 import pytest
-import torch
-from transformers import AutoModelForCausalLM, DeepseekV2Config, DeepseekV3Config, LlamaConfig, Qwen2Config
 
 COMMON = dict(vocab_size=97, hidden_size=64, num_hidden_layers=3, num_attention_heads=4, intermediate_size=96,
               max_position_embeddings=256)
@@ -13,6 +26,9 @@ MLA = dict(num_key_value_heads=4, kv_lora_rank=32, qk_rope_head_dim=8, qk_nope_h
 
 
 def tiny_configs() -> dict:
+    # transformers and torch are imported where used: every isolated test's child process loads this file
+    from transformers import DeepseekV2Config, DeepseekV3Config, LlamaConfig, Qwen2Config
+
     return {
         "llama": LlamaConfig(**COMMON, num_key_value_heads=2, rope_parameters={
             "rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
@@ -32,6 +48,9 @@ def tiny_configs() -> dict:
 
 
 def make_checkpoint(config, path):
+    import torch
+    from transformers import AutoModelForCausalLM
+
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config)
     with torch.no_grad():
@@ -46,3 +65,95 @@ def make_checkpoint(config, path):
 def tiny_checkpoints(tmp_path_factory):
     root = tmp_path_factory.mktemp("tiny")
     return {name: make_checkpoint(cfg, root / name) for name, cfg in tiny_configs().items()}
+
+
+# -- time limits and isolated tests ------------------------------------------------------------------------------
+
+SLOW_TIMEOUT = 2400  # seconds per slow-marked test; the fast ones get pyproject's ``timeout``
+CHILD_ENV = "DSTC_TEST_CHILD_REPORT"  # set in an isolated test's child: the file its reports go to
+STAGE_CACHE_ENV = "DSTC_TEST_STAGE_CACHE"
+CHILD_STARTUP = 120  # seconds the parent's own limit allows beyond the child's, to start and stop it
+BUDGET = pytest.StashKey[float]()
+
+
+def _limit(item) -> float:
+    marker = item.get_closest_marker("timeout")
+    if marker is not None:
+        return float(marker.args[0] if marker.args else marker.kwargs["timeout"])
+    return float(item.config.getoption("timeout") or item.config.getini("timeout") or 0)
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.get_closest_marker("slow") and not item.get_closest_marker("timeout"):
+            item.add_marker(pytest.mark.timeout(SLOW_TIMEOUT))
+        if item.get_closest_marker("subprocess") and CHILD_ENV not in os.environ:
+            # The child gets the test's limit; the parent, which waits for it, a little more, so that a hang in the
+            # child fails this test instead of ending the session.
+            item.stash[BUDGET] = _limit(item)
+            item.add_marker(pytest.mark.timeout(item.stash[BUDGET] + CHILD_STARTUP), append=False)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_pyfunc_call(pyfuncitem):
+    if BUDGET not in pyfuncitem.stash:
+        return None
+    _run_in_child(pyfuncitem, pyfuncitem.stash[BUDGET])
+    return True
+
+
+def pytest_runtest_logreport(report):
+    if CHILD_ENV in os.environ:
+        skip = report.longrepr[2] if report.skipped and isinstance(report.longrepr, tuple) else None
+        with open(os.environ[CHILD_ENV], "a") as out:
+            out.write(json.dumps({"when": report.when, "outcome": report.outcome, "skip": skip,
+                                  "text": report.longreprtext, "sections": report.sections}) + "\n")
+
+
+def _run_in_child(item, budget: float) -> None:
+    with tempfile.TemporaryDirectory(prefix="dstc-child-") as tmp:
+        reports_file = Path(tmp) / "reports.jsonl"
+        command = [sys.executable, "-m", "pytest", item.nodeid, "-q", "-p", "no:cacheprovider", "-m", "",
+                   "--basetemp", str(Path(tmp) / "basetemp")]
+        child = subprocess.Popen(command, cwd=item.config.rootpath, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                 text=True, env={**os.environ, CHILD_ENV: str(reports_file)})
+        try:
+            output, _ = child.communicate(timeout=budget or None)
+            timed_out = False
+        except subprocess.TimeoutExpired:
+            child.send_signal(signal.SIGABRT)  # its faulthandler prints every thread's stack, then it dies
+            output, _ = child.communicate()
+            timed_out = True
+        reports = [json.loads(line) for line in reports_file.read_text().splitlines()] \
+            if reports_file.exists() else []
+    if timed_out:
+        pytest.fail(f"timed out after {budget:.0f} s in its child process:\n{_tail(output)}", pytrace=False)
+    if child.returncode < 0:
+        pytest.fail(f"its child process was killed by {signal.Signals(-child.returncode).name}:\n{_tail(output)}",
+                    pytrace=False)
+    failed = [r for r in reports if r["outcome"] == "failed"]
+    if failed:
+        pytest.fail("\n".join(f"in its child process ({r['when']}):\n{r['text']}" + "".join(
+            f"\n{'-' * 20} {title} {'-' * 20}\n{content}" for title, content in r["sections"]) for r in failed),
+            pytrace=False)
+    skipped = next((r for r in reports if r["outcome"] == "skipped"), None)
+    if skipped:
+        pytest.skip(skipped["skip"])
+    if child.returncode != 0 or not any(r["when"] == "call" and r["outcome"] == "passed" for r in reports):
+        pytest.fail(f"its child process exited with {child.returncode} without a passing run:\n{_tail(output)}",
+                    pytrace=False)
+
+
+def _tail(text: str, limit: int = 20000) -> str:
+    return text if len(text) <= limit else "[...]\n" + text[-limit:]
+
+
+@pytest.fixture(scope="session")
+def stage_cache(tmp_path_factory):
+    """A stage cache (DSTC_CACHE_DIR) shared by the session and its isolated tests' child processes, which then
+    assemble their artifacts from the stages already built instead of building them again."""
+    if STAGE_CACHE_ENV in os.environ:
+        return Path(os.environ[STAGE_CACHE_ENV])
+    path = tmp_path_factory.mktemp("stage-cache")
+    os.environ[STAGE_CACHE_ENV] = str(path)  # inherited by the children
+    return path
