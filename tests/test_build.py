@@ -192,3 +192,15 @@ def test_a_cached_stage_from_a_checkout_that_is_gone_is_still_usable(tmp_path, m
     manifest = build(recipe, tmp_path / "b")
     assert manifest["provenance"]["cached_stages"] == ["export"]
     assert manifest["provenance"]["stage_reports"]["compile/compile.json"]["verification"]["passed"]
+
+
+def test_a_stage_id_hashes_the_code_the_stage_imports_and_nothing_else():
+    from toolchain.manifest import module_closure
+
+    root = Path(__file__).resolve().parent.parent
+    closure = {p.relative_to(root).as_posix() for p in module_closure("toolchain.stages.export")}
+    assert {"toolchain/stages/export.py", "toolchain/export/blocks.py", "toolchain/export/deepseek_v3.py",
+            "toolchain/source.py"} <= closure
+    assert not {"toolchain/report/plots.py", "toolchain/cli.py", "toolchain/evaluate/run.py"} & closure
+    optimize = {p.relative_to(root).as_posix() for p in module_closure("toolchain.stages.optimize")}
+    assert "passes/fusions/mla_attention.py" in optimize  # imported inside a function, through the registry

@@ -42,18 +42,24 @@ class Stage:
     name: str
     config: dict
     run: Callable[[Path | None, Path, Callable[[str], None]], dict]
+    module: str  # the stage's code, whose import closure goes into its id
+
+
 
 
 def plan(recipe: Recipe, source: Path) -> list[Stage]:
     """The recipe's stages in order, each with the configuration that goes into its id. Later stages read the
     checkpoint this build resolved (``source``), not the path an earlier, perhaps cached, stage recorded."""
     stages = [Stage("export", {"model": recipe.model, "trust_remote_code": recipe.trust_remote_code,
-                               **recipe.export.model_dump(mode="json")}, _export(recipe))]
+                               **recipe.export.model_dump(mode="json")}, _export(recipe), "toolchain.stages.export")]
     if recipe.passes:
-        stages.append(Stage("passes", recipe.passes.model_dump(mode="json"), _passes(recipe, source)))
+        stages.append(Stage("passes", recipe.passes.model_dump(mode="json"), _passes(recipe, source),
+                            "toolchain.stages.optimize"))
     if recipe.compress:
-        stages.append(Stage("compress", recipe.compress.model_dump(mode="json"), _compress(recipe, source)))
-    stages.append(Stage("compile", recipe.compile.model_dump(mode="json"), _compile(recipe, source)))
+        stages.append(Stage("compress", recipe.compress.model_dump(mode="json"), _compress(recipe, source),
+                            "toolchain.stages.compress"))
+    stages.append(Stage("compile", recipe.compile.model_dump(mode="json"), _compile(recipe, source),
+                        "toolchain.stages.compile"))
     return stages
 
 
@@ -111,12 +117,12 @@ def build(recipe_path: Path, out_dir: Path | None = None, *, model: str | None =
         raise InputError(f"{recipe_path}: the recipe evaluates its artifact (eval/gates), which needs a tokenizer, "
                          f"and {source.spec} has no tokenizer.json; remove eval and gates or add a tokenizer")
     source_files = file_hashes(source.path)
-    code = code_digest()
     parent, stage_rows, durations, cached_stages, reports = digest(source_files), [], {}, [], {}
     stage_dir = None
     with atomic_output_dir(out_dir) as tmp:
         for stage in plan(recipe, source.path):
-            stage_id = digest({"stage": stage.name, "config": stage.config, "parent": parent, "code": code})
+            stage_id = digest({"stage": stage.name, "config": stage.config, "parent": parent,
+                               "code": code_digest(stage.module)})
             target = cache_root() / f"{stage.name}-{stage_id[:20]}"
             target.parent.mkdir(parents=True, exist_ok=True)
             # One build at a time per cache entry: a second build of the same stage waits, then reuses it.

@@ -83,11 +83,57 @@ def versions() -> dict[str, str]:
     return found
 
 
-def code_digest() -> str:
-    """Hash of the toolchain's own Python code: a stage id changes when the code that runs it changes."""
+# Modules that import a whole package by discovery rather than by name: passes.registry loads every pass module.
+DISCOVERED = {"passes.registry": "passes"}
+
+
+def module_closure(module: str) -> list[Path]:
+    """The source files of ``module`` and of every toolchain/passes module it imports, directly or not, at the
+    top of a file or inside a function (read from the code, nothing is imported)."""
+    import ast
+
     root = Path(__file__).resolve().parent.parent
-    files = sorted([*(root / "toolchain").rglob("*.py"), *(root / "passes").rglob("*.py")])
-    return digest({p.relative_to(root).as_posix(): sha256_file(p) for p in files})
+
+    def file_of(name: str) -> Path | None:
+        if name.split(".")[0] not in ("toolchain", "passes"):
+            return None
+        base = root.joinpath(*name.split("."))
+        for candidate in (base.with_suffix(".py"), base / "__init__.py"):
+            if candidate.is_file():
+                return candidate
+        return None
+
+    seen: dict[Path, None] = {}
+    todo = [module]
+    while todo:
+        name = todo.pop()
+        path = file_of(name)
+        if path is None or path in seen:
+            continue
+        seen[path] = None
+        if name in DISCOVERED:
+            found = root / DISCOVERED[name]
+            todo += [".".join(f.relative_to(root).with_suffix("").parts) for f in found.rglob("*.py")]
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        parts = name.split(".")
+        todo += [".".join(parts[:i]) for i in range(1, len(parts))]  # parent packages run first on import
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                todo += [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                    base = ".".join([*anchor, *([base] if base else [])])
+                todo += [base, *(f"{base}.{alias.name}" for alias in node.names)]
+    return sorted(seen)
+
+
+def code_digest(module: str) -> str:
+    """Hash of the code a stage runs: its module and everything of toolchain/ and passes/ it imports. A stage id
+    changes when that code changes, and not when a report's plot or the CLI does."""
+    root = Path(__file__).resolve().parent.parent
+    return digest({p.relative_to(root).as_posix(): sha256_file(p) for p in module_closure(module)})
 
 
 def git_commit() -> str | None:
