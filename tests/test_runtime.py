@@ -1,9 +1,15 @@
 """toolchain.runtime: artifacts, decoders on both backends against PyTorch, greedy generation, router outputs,
-streamed text."""
+streamed text; the child processes that isolate the OpenVINO tests (tests/conftest.py)."""
 
 from __future__ import annotations
 
+import os
 import shutil
+import signal
+import subprocess
+import sys
+import xml.etree.ElementTree as ET
+from pathlib import Path
 
 import numpy as np
 import onnxruntime as ort
@@ -20,11 +26,13 @@ from toolchain.runtime.decoder import open_decoder
 from toolchain.runtime.generate import greedy_generate, prompt_ids, stream_text
 from toolchain.runtime.routing import router_outputs
 
-BACKENDS = ("onnxruntime", "openvino")
+# OpenVINO runs at the CPU plugin's deployment defaults, which a native crash has taken down: in a child process.
+OPENVINO = pytest.param("openvino", marks=pytest.mark.subprocess)
+BACKENDS = ("onnxruntime", OPENVINO)
 
 
 @pytest.fixture(scope="module")
-def artifact(tmp_path_factory):
+def artifact(tmp_path_factory, stage_cache):
     """artifact(model, backend): an fp32 build of an embedded model, built on first use."""
     root = tmp_path_factory.mktemp("runtime")
     built = {}
@@ -35,7 +43,7 @@ def artifact(tmp_path_factory):
             recipe.write_text(yaml.safe_dump({"name": "t", "model": model, "export": {"parity": []},
                                               "compile": {"backend": backend, "verify": False}}))
             with pytest.MonkeyPatch.context() as mp:
-                mp.setenv("DSTC_CACHE_DIR", str(root / "cache"))
+                mp.setenv("DSTC_CACHE_DIR", str(stage_cache))
                 build(recipe, root / f"{model}-{backend}")
             built[model, backend] = open_artifact(root / f"{model}-{backend}")
         return built[model, backend]
@@ -123,6 +131,7 @@ def test_onnxruntime_logits_match_pytorch_on_a_left_padded_batch(artifact, torch
     assert (tokens == ref_tokens).all()
 
 
+@pytest.mark.subprocess
 def test_openvino_greedy_tokens_match_pytorch_on_heldout_problems(artifact, torch_model):
     """OpenVINO runs with its deployment defaults, which on a CPU with bf16 instructions are bf16 compute and a
     u8 KV cache (read back in runtime_config): its logits are ~5e-2 of the range off PyTorch fp32 here, ~1e-6 at
@@ -141,14 +150,47 @@ def test_openvino_greedy_tokens_match_pytorch_on_heldout_problems(artifact, torc
         assert relative_diff(logits, ref_logits) < 0.1
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_threads_are_applied_and_read_back(artifact, backend):
-    decoder = open_decoder(artifact("r1-distill-qwen-tiny", backend), threads=1)
-    assert decoder.threads == 1 and decoder.backend == backend and decoder.load_seconds > 0
+@pytest.mark.parametrize("backend,threads", [("onnxruntime", 1), pytest.param("openvino", 2,
+                                                                           marks=pytest.mark.subprocess)])
+def test_threads_are_applied_and_read_back(artifact, backend, threads):
+    decoder = open_decoder(artifact("r1-distill-qwen-tiny", backend), threads=threads)
+    assert decoder.threads == threads and decoder.backend == backend and decoder.load_seconds > 0
     key = "INFERENCE_NUM_THREADS" if backend == "openvino" else "intra_op_num_threads"
-    assert decoder.runtime_config[key] == 1
+    assert decoder.runtime_config[key] == threads
     with pytest.raises(InputError):
         open_decoder(artifact("r1-distill-qwen-tiny", backend), threads=0)
+
+
+ONE_CPU = "import os; os.sched_setaffinity(0, {min(os.sched_getaffinity(0))}); "
+COMPILE = ("import openvino as ov, sys; core = ov.Core(); "  # the plugin's own compile, with no guard
+           "core.compile_model(core.read_model(sys.argv[1]), 'CPU', {} if sys.argv[2] == 'None' else "
+           "{'INFERENCE_NUM_THREADS': int(sys.argv[2])})")
+
+
+@pytest.mark.subprocess
+@pytest.mark.parametrize("model,one_cpu,threads", [("r1-distill-qwen-tiny", False, 1), ("deepseek-v3-tiny", False, 1),
+                                                   ("r1-distill-qwen-tiny", True, None),
+                                                   ("r1-distill-qwen-tiny", True, 2)])
+def test_openvino_on_one_thread_is_refused_exactly_where_the_plugin_crashes(artifact, model, one_cpu, threads):
+    """OpenVINO 2026.4's CPU plugin divides by zero compiling a fused MLP with one thread per stream at bf16 on AMX
+    CPUs (toolchain/runtime/decoder.py): asked for one thread, or for the default or two in a process that may use
+    one CPU. The decoder must refuse there, with the way out, and only there: the plugin's own compile in a child
+    process is the reference, so this fails on the day the plugin is fixed, too."""
+    art = artifact(model, "openvino")
+    raw = subprocess.run([sys.executable, "-c", (ONE_CPU if one_cpu else "") + COMPILE,
+                          str(art.path / "openvino_model.xml"), str(threads)], capture_output=True, text=True,
+                         timeout=300)
+    assert raw.returncode in (0, -signal.SIGFPE), raw.stderr
+    if one_cpu:  # this test's own process (a child) takes one CPU before OpenVINO's CPU plugin is loaded
+        os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
+    if raw.returncode == -signal.SIGFPE:
+        with pytest.raises(InputError, match=r"\(SIGFPE\).* one thread .*openvino#28550\); use 2 or more threads, "
+                                             r"or f32 \(--openvino-f32\)$"):
+            open_decoder(art, threads=threads)
+    else:
+        assert open_decoder(art, threads=threads).threads == (1 if one_cpu else threads)
+    decoder = open_decoder(art, threads=threads, openvino_f32=True)  # f32 compute fuses no MLP
+    assert decoder.threads == 1 and decoder.runtime_config["INFERENCE_PRECISION_HINT"] == "f32"
 
 
 # -- greedy generation ------------------------------------------------------------------------------------------
@@ -311,7 +353,7 @@ def test_router_outputs_agree_with_pytorch_routing(artifact, model_name, backend
         assert (ours == theirs).all(-1).mean() >= 0.95, f"layer {layer}"
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", ["onnxruntime", "openvino"])  # reads the graph, compiles nothing
 def test_dense_models_have_no_router_outputs(artifact, backend):
     assert router_outputs(artifact("r1-distill-qwen-tiny", backend)) == {}
 
@@ -356,3 +398,54 @@ def test_stream_text_chat_puts_the_template_in_front(artifact):
     raw = tok("321+654=", add_special_tokens=False)["input_ids"]
     assert fed[0] == [[tok.bos_token_id, user, *raw, assistant]]
     assert prompt_ids(art, "321+654=", chat=False) == [tok.bos_token_id, *raw]
+
+
+# -- tests isolated in a child process --------------------------------------------------------------------------
+
+ISOLATED = """
+import os, signal, time
+import pytest
+
+pytestmark = pytest.mark.subprocess
+
+def test_crashes():
+    os.kill(os.getpid(), signal.SIGFPE)  # as OpenVINO's compile_model does on one thread at bf16 with AMX
+
+def test_fails():
+    assert sum([1, 1]) == 3
+
+@pytest.mark.timeout(10)
+def test_hangs():
+    time.sleep(600)
+
+def test_skips():
+    pytest.skip("not on this machine")
+
+def test_runs_in_a_child():
+    assert os.environ["DSTC_TEST_CHILD_REPORT"] and os.getppid() == int(os.environ["SESSION_PID"])
+"""
+
+
+def test_isolated_tests_fail_alone_on_a_crash_a_hang_or_an_assertion(tmp_path):
+    """One session over the project's conftest and pytest settings: each outcome of an isolated test is reported as
+    that test's, and the session goes on to the next test."""
+    repo = Path(__file__).resolve().parent.parent
+    shutil.copy(repo / "pyproject.toml", tmp_path)
+    shutil.copy(repo / "tests" / "conftest.py", tmp_path)
+    (tmp_path / "test_isolated.py").write_text(ISOLATED + "\n\ndef test_after_them():\n    pass\n")
+    session = subprocess.run([sys.executable, "-c", "import os, sys, pytest; os.environ['SESSION_PID'] = "
+                              "str(os.getpid()); sys.exit(pytest.main(sys.argv[1:]))", "test_isolated.py",
+                              "-p", "no:cacheprovider", "--junitxml", "junit.xml"], cwd=tmp_path,
+                             capture_output=True, text=True, timeout=600)
+    assert session.returncode == 1, session.stdout
+    cases = {case.get("name"): case for case in ET.parse(tmp_path / "junit.xml").iter("testcase")}
+    outcome = {name: next((child.tag for child in case if child.tag in ("failure", "skipped")), "passed")
+               for name, case in cases.items()}
+    assert outcome == {"test_crashes": "failure", "test_fails": "failure", "test_hangs": "failure",
+                       "test_skips": "skipped", "test_runs_in_a_child": "passed", "test_after_them": "passed"}
+    message = {name: case.find("failure").get("message") for name, case in cases.items() if outcome[name] == "failure"}
+    assert "killed by SIGFPE" in message["test_crashes"]
+    assert "assert 2 == 3" in message["test_fails"]
+    assert "timed out after 10 s" in message["test_hangs"]
+    hang = cases["test_hangs"].find("failure").text
+    assert "in test_hangs" in hang  # the child's stack when it was stopped

@@ -136,14 +136,21 @@ class OpenVINODecoder:
         model = core.read_model(str(artifact.path / MODEL_XML))
         if extra_outputs:
             model.add_outputs(list(extra_outputs))
+        read_seconds = time.perf_counter() - started
         # The plugin's defaults, as openvino_genai and optimum-intel deploy the IR (bf16 compute where the CPU has
         # bf16 instructions, a u8 KV cache): what is measured is what users run, and runtime_config says what it was.
         # f32 (on request) separates the weights' error from the plugin's bf16 compute, u8 KV cache and on-the-fly
         # int8 activations, which the deployment defaults add.
         config = {**(F32 if f32 else {}), **({"INFERENCE_NUM_THREADS": threads} if threads else {})}
+        if not f32 and _fused_mlp_divides_by_zero(core, model, config):
+            raise InputError(
+                f"OpenVINO {ov.__version__.split('-')[0]}'s CPU plugin crashes (SIGFPE) compiling {artifact.path} at "
+                "bf16 with one thread on a CPU with AMX: its fused MLP kernel needs two threads per stream "
+                "(openvinotoolkit/openvino#28550); use 2 or more threads, or f32 (--openvino-f32)")
+        started = time.perf_counter()  # the check is dstc's, not part of loading the model
         compiled = core.compile_model(model, "CPU", config)
         self._request = compiled.create_infer_request()
-        self.load_seconds = time.perf_counter() - started
+        self.load_seconds = read_seconds + time.perf_counter() - started
         self.threads = int(compiled.get_property("INFERENCE_NUM_THREADS"))
         self.runtime_config = {"device": "CPU", **{
             name: _plain(compiled.get_property(name)) for name in compiled.get_property("SUPPORTED_PROPERTIES")
@@ -165,6 +172,54 @@ class OpenVINODecoder:
         # Shared outputs are the request's own buffers, overwritten by the next infer: keep copies.
         self.extras = {name: np.array(result[port]) for name, port in self._extra.items()}
         return np.array(result[self._logits], dtype=np.float32)
+
+
+def _fused_mlp_divides_by_zero(core, model, config: dict) -> bool:
+    """Whether compiling ``model`` with ``config`` kills the process with SIGFPE (OpenVINO 2026.4; open upstream as
+    openvinotoolkit/openvino#28550 and #33300).
+
+    On an AMX CPU at bf16 the CPU plugin fuses each gated MLP into its LLMMLP node, whose down projection divides
+    its output blocks among threads / 2 thread pairs: zero pairs with one thread per stream (INFERENCE_NUM_THREADS=1,
+    or a process that may use one CPU whatever the setting). Measured on a Xeon with AMX: fp32 weights crash at 1
+    thread and compile at 2 or 3; INT4/INT8 weights are not fused and compile at 1; f32 compute is not fused. No
+    property keeps bf16 and avoids it (streams, pinning, hyper-threading, TBB partitioner, core type and dynamic
+    quantization crash alike), so the decoder refuses rather than measure another precision than users deploy.
+    """
+    if "amx_bf16" not in _cpu_flags() or not any(_is_fusable_mlp(op) for op in model.get_ordered_ops()):
+        return False
+    import openvino as ov
+    import openvino.opset13 as opset
+
+    # Threads, streams and precision as the plugin resolves them from the config and the CPUs this process may use,
+    # read back from a one-op model (~30 ms).
+    x = opset.parameter([1], ov.Type.f32)
+    probe = core.compile_model(ov.Model([opset.relu(x)], [x], "probe"), "CPU", config)
+    per_stream = int(probe.get_property("INFERENCE_NUM_THREADS")) // int(probe.get_property("NUM_STREAMS"))
+    return per_stream == 1 and probe.get_property("INFERENCE_PRECISION_HINT") == ov.Type.bf16
+
+
+def _cpu_flags() -> set[str]:
+    """The CPU's feature flags as Linux reports them (none elsewhere)."""
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            return next((set(line.split(":", 1)[1].split()) for line in cpuinfo if line.startswith("flags")), set())
+    except OSError:
+        return set()
+
+
+def _is_fusable_mlp(op) -> bool:
+    """A down projection as the plugin's MLP fusion matches it, or more (gate and up are not checked): a MatMul by a
+    float Constant, or a Convert of one, whose rank-3 input is a Multiply by a Swish or a Gelu."""
+    if op.get_type_name() != "MatMul":
+        return False
+    weight = op.input_value(1).get_node()
+    if weight.get_type_name() == "Convert":
+        weight = weight.input_value(0).get_node()
+    product = op.input_value(0)
+    rank = product.get_partial_shape().rank
+    return weight.get_type_name() == "Constant" and weight.get_element_type().is_real() \
+        and product.get_node().get_type_name() == "Multiply" and rank.is_static and rank.get_length() == 3 \
+        and any(v.get_node().get_type_name() in ("Swish", "Gelu") for v in product.get_node().input_values())
 
 
 def _plain(value):
