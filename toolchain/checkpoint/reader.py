@@ -1,0 +1,318 @@
+"""dstc's own checkpoint reader: a Hugging Face safetensors checkpoint, tensor by tensor, never all at once.
+
+A real checkpoint (DeepSeek-V3/R1: 671B parameters in FP8, 163 shards) cannot be loaded whole on a 24 GiB machine,
+so the streaming exporter asks for one weight at a time by its name and lets it go before asking for the next.
+``open_checkpoint`` reads only the headers (names, shapes, dtypes); each ``tensor()`` call reads that tensor from
+its memory-mapped shard and returns a new tensor that nothing here keeps. At most one shard is open at a time.
+
+Names are the hub's (``model.layers.L.mlp.experts.E.gate_proj.weight`` per expert, as transformers 5.5 also
+saves them). What the reader hides:
+
+- FP8 (DeepSeek-V3's hub format, ``quantization_config`` ``quant_method: fp8``, ``fmt: e4m3``): an e4m3 weight
+  with a float32 ``<name>_scale_inv`` of one scale per ``weight_block_size`` block (128 x 128; the blocks on the
+  right and bottom edges are partial) is returned dequantized, W = q * s per block, computed in float32 as
+  DeepSeek's ``inference/kernel.py`` ``weight_dequant`` and llama.cpp's ``convert_hf_to_gguf.py`` do. The scales
+  are part of their weight and not listed as names of their own.
+- transformers' fused experts (``mlp.experts.gate_up_proj`` [E, 2I, H], gate rows first, and
+  ``mlp.experts.down_proj`` [E, H, I]) are listed and read as the per-expert hub names.
+- layers at index ``num_hidden_layers`` and beyond (DeepSeek-V3's multi-token-prediction layer) are not part of
+  the causal LM: they are left out and their indices listed in ``skipped_layers``.
+- tied embeddings (``tie_word_embeddings`` with no ``lm_head.weight`` stored): ``lm_head.weight`` is the
+  embedding table, and ``tied`` is True.
+
+A malformed checkpoint is an InputError with one line, raised when it is opened where the headers show it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors import safe_open
+
+from toolchain.errors import InputError
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+SCALE_SUFFIX = "_scale_inv"
+EMBEDDING, LM_HEAD = "model.embed_tokens.weight", "lm_head.weight"
+DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "F8_E4M3": torch.float8_e4m3fn}
+FP8 = torch.float8_e4m3fn
+_LAYER = re.compile(r"model\.layers\.(\d+)\.")
+_FUSED = re.compile(r"(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)")
+
+
+@dataclass(frozen=True)
+class _Stored:
+    """A tensor as a shard's header describes it."""
+
+    file: str
+    key: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+@dataclass(frozen=True)
+class _Entry:
+    """Where a named tensor's values are: all of ``stored``, or rows [start, stop) of one expert of a fused
+    [E, rows, cols] tensor; with its FP8 scales when it has them."""
+
+    stored: _Stored
+    scale: _Stored | None = None
+    expert: int | None = None
+    rows: tuple[int, int] | None = None
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        if self.expert is None:
+            return self.stored.shape
+        start, stop = self.rows
+        return (stop - start, self.stored.shape[-1])
+
+
+def read_config(path: Path) -> dict:
+    """config.json of a checkpoint directory."""
+    config_file = Path(path) / "config.json"
+    try:
+        config = json.loads(config_file.read_text())
+    except FileNotFoundError:
+        raise InputError(f"{path} is not a model directory: no config.json") from None
+    except (OSError, ValueError) as e:
+        raise InputError(f"{config_file} is not readable JSON: {e}") from None
+    if not isinstance(config, dict):
+        raise InputError(f"{config_file} is not a JSON object")
+    return config
+
+
+def open_checkpoint(path: str | Path) -> CheckpointReader:
+    return CheckpointReader(Path(path))
+
+
+class CheckpointReader:
+    """The tensors of one checkpoint directory, by name; see the module docstring. Use it as a context manager
+    (or call ``close``) to release the shard it has open."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.config = read_config(path)
+        self.block_size = _block_size(self.config, path)
+        self._handle = None
+        self._open_file: str | None = None
+        layers = self.config.get("num_hidden_layers")
+        stored, skipped = {}, set()
+        for key, file in self._weight_map().items():
+            match = _LAYER.match(key)
+            if isinstance(layers, int) and match and int(match.group(1)) >= layers:
+                skipped.add(int(match.group(1)))
+            else:
+                stored[key] = file
+        self.skipped_layers: tuple[int, ...] = tuple(sorted(skipped))
+        self._entries = self._index(self._headers(stored))
+        self.tied = bool(self.config.get("tie_word_embeddings")) and LM_HEAD not in self._entries \
+            and EMBEDDING in self._entries
+        if self.tied:
+            self._entries[LM_HEAD] = self._entries[EMBEDDING]
+
+    # -- what the checkpoint holds ------------------------------------------------------------------------------
+
+    def names(self) -> list[str]:
+        return list(self._entries)
+
+    def has(self, name: str) -> bool:
+        return name in self._entries
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self._entry(name).shape
+
+    def stored_dtype(self, name: str) -> torch.dtype:
+        return self._entry(name).stored.dtype
+
+    # -- reading ------------------------------------------------------------------------------------------------
+
+    def tensor(self, name: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The tensor in ``dtype`` (float32 or bfloat16), read now; FP8 weights dequantized."""
+        if dtype not in (torch.float32, torch.bfloat16):
+            raise ValueError(f"tensor(): dtype must be torch.float32 or torch.bfloat16, not {dtype}")
+        entry = self._entry(name)
+        if entry.scale is not None:
+            return self._dequantize(entry, dtype)
+        return self._read(entry.stored, entry.expert, entry.rows).to(dtype)
+
+    def array(self, name: str) -> np.ndarray:
+        return self.tensor(name).numpy()
+
+    def close(self) -> None:
+        if self._handle is not None:
+            self._handle.__exit__(None, None, None)
+            self._handle, self._open_file = None, None
+
+    def __enter__(self) -> CheckpointReader:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # -- internals ----------------------------------------------------------------------------------------------
+
+    def _entry(self, name: str) -> _Entry:
+        try:
+            return self._entries[name]
+        except KeyError:
+            raise InputError(f"{self.path}: the checkpoint has no tensor {name}") from None
+
+    def _weight_map(self) -> dict[str, str]:
+        """Tensor name -> shard file name, from the index or the single file's header."""
+        if (self.path / SINGLE_FILE).is_file():  # transformers' order of preference
+            with self._open(SINGLE_FILE) as f:
+                return {key: SINGLE_FILE for key in f.keys()}
+        index_file = self.path / INDEX_FILE
+        if not index_file.is_file():
+            raise InputError(f"{self.path}: no {SINGLE_FILE} or {INDEX_FILE}")
+        try:
+            weight_map = json.loads(index_file.read_text()).get("weight_map")
+        except (OSError, ValueError, AttributeError) as e:
+            raise InputError(f"{index_file} is not a readable index: {e}") from None
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+            raise InputError(f"{index_file} has no weight_map of tensor names to shard files")
+        for file in set(weight_map.values()):
+            if Path(file).name != file or file in ("", ".", ".."):
+                raise InputError(f"{index_file} names a shard outside the checkpoint directory: {file!r}")
+        return weight_map
+
+    def _headers(self, weight_map: dict[str, str]) -> dict[str, _Stored]:
+        """Shape and dtype of each tensor from its shard's header (shards opened one at a time)."""
+        by_file: dict[str, list[str]] = {}
+        for key, file in weight_map.items():
+            by_file.setdefault(file, []).append(key)
+        stored = {}
+        for file, keys in by_file.items():
+            if not (self.path / file).is_file():
+                raise InputError(f"{self.path / INDEX_FILE} names a shard that is missing: {self.path / file}")
+            with self._open(file) as f:
+                present = set(f.keys())
+                for key in keys:
+                    if key not in present:
+                        raise InputError(f"{self.path / INDEX_FILE} places {key} in {file}, which does not hold it")
+                    info = f.get_slice(key)
+                    dtype = DTYPES.get(info.get_dtype())
+                    if dtype is None:
+                        raise InputError(f"{self.path / file}: {key} is {info.get_dtype()}; dstc reads "
+                                         f"{', '.join(DTYPES)}")
+                    stored[key] = _Stored(file, key, tuple(info.get_shape()), dtype)
+        return {key: stored[key] for key in weight_map}  # in the index's order
+
+    def _index(self, stored: dict[str, _Stored]) -> dict[str, _Entry]:
+        """Canonical name -> entry: scales attached to their weights, fused experts split."""
+        scales = {key[:-len(SCALE_SUFFIX)]: s for key, s in stored.items() if key.endswith(SCALE_SUFFIX)}
+        entries = {}
+        for key, s in stored.items():
+            if key.endswith(SCALE_SUFFIX):
+                if key[:-len(SCALE_SUFFIX)] not in stored:
+                    raise InputError(f"{self.path}: {key} is the scale of {key[:-len(SCALE_SUFFIX)]}, "
+                                     f"which the checkpoint does not hold")
+                continue
+            scale = scales.get(key)
+            self._check_scale(s, scale)
+            fused = _FUSED.fullmatch(key)
+            if fused is None:
+                entries[key] = _Entry(s, scale)
+                continue
+            if len(s.shape) != 3:
+                raise InputError(f"{self.path}: fused experts {key} must be [experts, rows, cols], not "
+                                 f"{list(s.shape)}")
+            prefix, kind = fused.groups()
+            experts, rows, _ = s.shape
+            if kind == "down_proj":
+                parts = {"down_proj": (0, rows)}
+            else:
+                half = rows // 2
+                if rows % 2 or (scale is not None and half % self.block_size[0]):
+                    raise InputError(f"{self.path}: {key} {list(s.shape)} does not split into gate and up "
+                                     f"halves" + (" on FP8 block rows" if rows % 2 == 0 else ""))
+                parts = {"gate_proj": (0, half), "up_proj": (half, rows)}
+            for e in range(experts):
+                for proj, span in parts.items():
+                    entries[f"{prefix}.{e}.{proj}.weight"] = _Entry(s, scale, e, span)
+        return entries
+
+    def _check_scale(self, weight: _Stored, scale: _Stored | None) -> None:
+        where = self.path / weight.file
+        if weight.dtype != FP8:
+            if scale is not None:
+                raise InputError(f"{where}: {weight.key} has a {SCALE_SUFFIX} but is {weight.dtype}, not FP8")
+            return
+        if self.block_size is None:
+            raise InputError(f"{where}: {weight.key} is FP8 but config.json has no quantization_config")
+        if scale is None:
+            raise InputError(f"{where}: FP8 weight {weight.key} has no {weight.key}{SCALE_SUFFIX}")
+        if len(weight.shape) not in (2, 3):
+            raise InputError(f"{where}: FP8 weight {weight.key} must be a matrix, not {list(weight.shape)}")
+        *lead, rows, cols = weight.shape
+        grid = [*lead, math.ceil(rows / self.block_size[0]), math.ceil(cols / self.block_size[1])]
+        if list(scale.shape) != grid:
+            raise InputError(f"{self.path / scale.file}: {scale.key} is {list(scale.shape)}; {list(weight.shape)} "
+                             f"in {self.block_size[0]}x{self.block_size[1]} blocks needs {grid}")
+        if scale.dtype == FP8:
+            raise InputError(f"{self.path / scale.file}: {scale.key} must be a float32 scale, not FP8")
+
+    def _open(self, file: str):
+        try:
+            return safe_open(str(self.path / file), framework="pt")
+        except Exception as e:  # safetensors raises several types for a damaged header
+            message = str(e).splitlines()[0] if str(e) else type(e).__name__
+            raise InputError(f"{self.path / file} is not a readable safetensors file: {message}") from None
+
+    def _shard(self, file: str):
+        """The open handle of ``file``; the shard open before it is closed first."""
+        if self._open_file != file:
+            self.close()
+            self._handle = self._open(file)
+            self._open_file = file
+        return self._handle
+
+    def _read(self, stored: _Stored, expert: int | None = None, rows: tuple[int, int] | None = None) -> torch.Tensor:
+        handle = self._shard(stored.file)
+        if expert is None and rows is None:
+            return handle.get_tensor(stored.key)
+        index = () if expert is None else (expert,)
+        return handle.get_slice(stored.key)[index if rows is None else (*index, slice(*rows))]
+
+    def _dequantize(self, entry: _Entry, dtype: torch.dtype) -> torch.Tensor:
+        """W = q * s in float32 per block, one block row at a time: besides the output, only one block row of q
+        and its float32 product exist at once."""
+        block_rows, block_cols = self.block_size
+        scale = self._read(entry.scale, entry.expert).to(torch.float32)  # [row blocks, col blocks], small
+        first, stop = entry.rows or (0, entry.stored.shape[-2])
+        rows, cols = entry.shape
+        out = torch.empty((rows, cols), dtype=dtype)
+        for start in range(first, stop, block_rows):
+            end = min(start + block_rows, stop)
+            q = self._read(entry.stored, entry.expert, (start, end))
+            s = scale[start // block_rows].repeat_interleave(block_cols)[:cols]
+            torch.mul(q.to(torch.float32), s, out=out[start - first:end - first])
+        return out
+
+
+def _block_size(config: dict, path: Path) -> tuple[int, int] | None:
+    """The FP8 block shape from ``quantization_config`` (None without one); other quantizations are refused."""
+    quant = config.get("quantization_config")
+    if quant is None:
+        return None
+    where = f"{path / 'config.json'}: quantization_config"
+    if not isinstance(quant, dict):
+        raise InputError(f"{where} is not an object")
+    if quant.get("quant_method") != "fp8":
+        raise InputError(f"{where} has quant_method {quant.get('quant_method')!r}; dstc reads 'fp8' (DeepSeek's "
+                         f"block-scaled e4m3) only")
+    if quant.get("fmt", "e4m3") != "e4m3":
+        raise InputError(f"{where} has fmt {quant.get('fmt')!r}; dstc reads FP8 in 'e4m3' only")
+    block = quant.get("weight_block_size", [128, 128])  # transformers' FineGrainedFP8Config default
+    if not (isinstance(block, list) and len(block) == 2
+            and all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block)):
+        raise InputError(f"{where} has weight_block_size {block!r}; it must be two positive integers")
+    return tuple(block)
