@@ -1,0 +1,176 @@
+"""A DeepSeek-V3 checkpoint written in the hub's FP8 layout, for tests and for memory benchmarks at real width.
+
+The layout is deepseek-ai/DeepSeek-V3's (its README_WEIGHTS.md and inference/model.py, where every ``Linear``
+of an attention or MLP block is created in float8 with a ``scale`` of ceil-divided 128 x 128 blocks, while the
+embedding, the head, the norms and the router's ``Gate`` are not; vLLM's ``deepseek_mtp.py`` for the MTP layer):
+
+- e4m3 (``torch.float8_e4m3fn``) with a float32 ``<name>_scale_inv`` of ceil(rows/128) x ceil(cols/128) blocks:
+  every projection weight of a layer's ``self_attn`` and ``mlp`` (q_a/q_b or q, kv_a_proj_with_mqa, kv_b, o; the
+  dense MLP's, the shared and the routed experts' gate/up/down);
+- bfloat16: ``model.embed_tokens``, ``lm_head``, every norm and the router ``mlp.gate.weight``; float32: the
+  router's ``e_score_correction_bias``;
+- with ``mtp_layers``, layers from index ``num_hidden_layers`` on: a decoder layer (FP8 as above) with the MTP
+  module's own bfloat16 tensors ``embed_tokens``, ``enorm``, ``hnorm``, ``eh_proj`` [H, 2H] (an unquantized
+  ``nn.Linear`` in vLLM) and ``shared_head.norm`` / ``shared_head.head``; config.json's
+  ``num_nextn_predict_layers`` counts them;
+- config.json's ``quantization_config`` as the hub's, shards ``model-0000N-of-0000M.safetensors`` (the hub's own
+  V3 shards are named ``-of-000163``) and ``model.safetensors.index.json``.
+
+Quantization follows DeepSeek's ``act_quant_kernel`` (inference/kernel.py; the weight quantizer itself is not
+published): s = max(amax(block), 1e-4) / 448, q = e4m3(x / s). Zero-padding an edge block to 128 x 128 for its
+scale, as README_WEIGHTS.md describes, leaves its amax unchanged.
+
+Shards are streamed: each file's header is computed from the shapes first, then its tensors are written one at a
+time, so memory holds one source tensor (in float32 while it is quantized) and its output.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import shutil
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import BinaryIO, Callable
+
+import torch
+
+from toolchain.atomic import atomic_output_dir
+from toolchain.checkpoint.reader import EMBEDDING, FP8, INDEX_FILE, LM_HEAD, SCALE_SUFFIX, open_checkpoint
+from toolchain.errors import InputError
+
+BLOCK = (128, 128)
+FP8_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
+MIN_AMAX = 1e-4  # DeepSeek's clamp: an all-zero block gets a finite scale
+QUANTIZATION_CONFIG = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
+                       "weight_block_size": list(BLOCK)}
+_QUANTIZED = re.compile(r"model\.layers\.\d+\.(self_attn|mlp)\..*_proj(_with_mqa)?\.weight")
+_SAFETENSORS_DTYPE = {FP8: "F8_E4M3", torch.bfloat16: "BF16", torch.float32: "F32"}
+
+
+def quantize_fp8(weight: torch.Tensor, block: tuple[int, int] = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+    """(e4m3 weight, float32 scales of its ceil-divided blocks), one block row at a time."""
+    rows, cols = weight.shape
+    block_rows, block_cols = block
+    q = torch.empty((rows, cols), dtype=FP8)
+    scales = torch.empty((math.ceil(rows / block_rows), math.ceil(cols / block_cols)), dtype=torch.float32)
+    for i, start in enumerate(range(0, rows, block_rows)):
+        band = weight[start:start + block_rows].to(torch.float32)
+        padded = torch.nn.functional.pad(band.abs(), (0, -cols % block_cols))
+        amax = padded.view(band.shape[0], -1, block_cols).amax(dim=(0, 2))
+        scales[i] = amax.clamp(min=MIN_AMAX) / FP8_MAX
+        per_column = scales[i].repeat_interleave(block_cols)[:cols]
+        q[start:start + block_rows] = (band / per_column).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    return q, scales
+
+
+@dataclass
+class _Group:
+    """Tensors written together (an FP8 weight and its scales): (name, dtype, shape) each, and what makes them."""
+
+    specs: list[tuple[str, torch.dtype, tuple[int, ...]]]
+    make: Callable[[], list[torch.Tensor]]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(math.prod(shape) * dtype.itemsize for _, dtype, shape in self.specs)
+
+
+def write_fp8_checkpoint(src_dir: str | Path, dst_dir: str | Path, shard_bytes: int = 5 * 10**9,
+                         mtp_layers: int = 0, seed: int = 0) -> Path:
+    """Write the bf16/fp32 DeepSeek-V3 checkpoint ``src_dir`` to ``dst_dir`` in the hub's FP8 layout (module
+    docstring). MTP layers copy the last decoder layer's weights; their eh_proj is seeded random."""
+    with open_checkpoint(src_dir) as reader:
+        config = dict(reader.config)
+        if config.get("model_type") != "deepseek_v3":
+            raise InputError(f"{src_dir}: the FP8 hub layout is DeepSeek-V3's, not {config.get('model_type')!r}")
+        groups = _groups(reader, config, mtp_layers, torch.Generator().manual_seed(seed))
+        shards = _plan(groups, shard_bytes)
+        config.update(quantization_config=QUANTIZATION_CONFIG, num_nextn_predict_layers=mtp_layers, dtype="bfloat16")
+        with atomic_output_dir(Path(dst_dir)) as tmp:
+            weight_map = {}
+            for i, shard in enumerate(shards):
+                file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+                _write_shard(tmp / file, shard)
+                weight_map.update({name: file for group in shard for name, _, _ in group.specs})
+            index = {"metadata": {"total_size": sum(g.nbytes for g in groups)},
+                     "weight_map": dict(sorted(weight_map.items()))}
+            (tmp / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
+            (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+            for extra in Path(src_dir).iterdir():  # tokenizer and generation config
+                if extra.is_file() and not extra.name.startswith(".") and extra.suffix != ".safetensors" \
+                        and extra.name not in ("config.json", INDEX_FILE):
+                    shutil.copyfile(extra, tmp / extra.name)
+    return Path(dst_dir)
+
+
+def _groups(reader, config: dict, mtp_layers: int, generator: torch.Generator) -> list[_Group]:
+    def stored(name: str, source: str | None = None) -> _Group:
+        source = source or name
+        shape = reader.shape(source)
+        if _QUANTIZED.fullmatch(name) and len(shape) == 2:
+            grid = (math.ceil(shape[0] / BLOCK[0]), math.ceil(shape[1] / BLOCK[1]))
+            return _Group([(name, FP8, shape), (name + SCALE_SUFFIX, torch.float32, grid)],
+                          lambda: list(quantize_fp8(reader.tensor(source))))
+        dtype = torch.float32 if name.endswith("e_score_correction_bias") else torch.bfloat16
+        return _Group([(name, dtype, shape)], lambda: [reader.tensor(source, dtype=dtype)])
+
+    def made(name: str, shape: tuple[int, ...], fill: Callable[[], torch.Tensor]) -> _Group:
+        return _Group([(name, torch.bfloat16, shape)], lambda: [fill().to(torch.bfloat16)])
+
+    groups = [stored(name) for name in reader.names() if not (reader.tied and name == LM_HEAD)]
+    layers, hidden = config["num_hidden_layers"], config["hidden_size"]
+    last = f"model.layers.{layers - 1}."
+    std = config.get("initializer_range", 0.02)
+    for index in range(layers, layers + mtp_layers):
+        prefix = f"model.layers.{index}."
+        groups += [stored(prefix + name[len(last):], name) for name in reader.names() if name.startswith(last)]
+        groups += [
+            stored(prefix + "embed_tokens.weight", EMBEDDING),
+            made(prefix + "enorm.weight", (hidden,), lambda: torch.ones(hidden)),
+            made(prefix + "hnorm.weight", (hidden,), lambda: torch.ones(hidden)),
+            made(prefix + "eh_proj.weight", (hidden, 2 * hidden),
+                 lambda: torch.randn(hidden, 2 * hidden, generator=generator) * std),
+            stored(prefix + "shared_head.norm.weight", "model.norm.weight"),
+            stored(prefix + "shared_head.head.weight", LM_HEAD),
+        ]
+    return groups
+
+
+def _plan(groups: list[_Group], shard_bytes: int) -> list[list[_Group]]:
+    """Groups in order into shards of at most ``shard_bytes`` (a larger group gets a shard of its own)."""
+    shards, size = [[]], 0
+    for group in groups:
+        if shards[-1] and size + group.nbytes > shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(group)
+        size += group.nbytes
+    return shards
+
+
+def _write_shard(path: Path, groups: list[_Group]) -> None:
+    """A safetensors file written tensor by tensor: the header (8-byte length, JSON padded to 8 bytes) from the
+    planned shapes, then each group's data as it is made."""
+    header, offset = {"__metadata__": {"format": "pt"}}, 0
+    for group in groups:
+        for name, dtype, shape in group.specs:
+            size = math.prod(shape) * dtype.itemsize
+            header[name] = {"dtype": _SAFETENSORS_DTYPE[dtype], "shape": list(shape),
+                            "data_offsets": [offset, offset + size]}
+            offset += size
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)))
+        f.write(raw)
+        for group in groups:
+            for (name, dtype, shape), tensor in zip(group.specs, group.make(), strict=True):
+                assert tensor.dtype == dtype and tuple(tensor.shape) == shape, name
+                _write_tensor(f, tensor)
+
+
+def _write_tensor(f: BinaryIO, tensor: torch.Tensor) -> None:
+    f.write(tensor.contiguous().view(torch.uint8).numpy().data)
