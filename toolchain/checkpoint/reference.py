@@ -1,0 +1,146 @@
+"""The PyTorch reference of a checkpoint, built one decoder layer at a time from a CheckpointReader.
+
+``toolchain.source.load`` builds the whole model in fp32, which a 7B, 16B or 671B checkpoint does not fit in. Here
+each piece is transformers' own module (e.g. ``DeepseekV3DecoderLayer``, the model's rotary embedding and norm),
+created on the meta device and given its weights from the reader with ``load_state_dict(assign=True)``, so that
+only one layer's weights exist at a time; ``logits`` runs a prompt through them with transformers' own mask code,
+the way the model's forward does, and agrees with the whole model loaded by ``from_pretrained``.
+"""
+
+from __future__ import annotations
+
+import importlib
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+from torch import nn
+
+from toolchain.checkpoint.reader import EMBEDDING, CheckpointReader, open_checkpoint, read_config
+from toolchain.errors import InputError
+from toolchain.export.architectures import architecture_for
+
+# model_type -> the prefix of its transformers module classes
+_CLASSES = {"llama": "Llama", "qwen2": "Qwen2", "deepseek_v2": "DeepseekV2", "deepseek_v3": "DeepseekV3"}
+
+
+def reference_config(path: str | Path):
+    """The transformers config of the checkpoint as the reference runs it: fp32, eager attention, without its
+    quantization_config (the reader dequantizes)."""
+    from transformers import AutoConfig
+
+    from toolchain.source import quiet_transformers
+
+    raw = {k: v for k, v in read_config(Path(path)).items() if k != "quantization_config"}
+    architecture_for(raw.get("model_type"))  # UnsupportedModelError for any other model_type
+    try:
+        with quiet_transformers():
+            config = AutoConfig.for_model(**raw)
+    except Exception as e:  # transformers raises several types for a field of the wrong type or value
+        raise InputError(f"{Path(path) / 'config.json'}: {str(e).splitlines()[0] if str(e) else type(e).__name__}") \
+            from None
+    config.dtype = torch.float32
+    config._attn_implementation = "eager"
+    # What from_pretrained picks for experts that have a choice of implementation (DeepSeek's); dense models
+    # have none and ignore it.
+    config._experts_implementation = "grouped_mm"
+    return config
+
+
+def _module_class(config, name: str) -> type:
+    model_type = config.model_type
+    module = importlib.import_module(f"transformers.models.{model_type}.modeling_{model_type}")
+    return getattr(module, _CLASSES[model_type] + name)
+
+
+def _load(module: nn.Module, reader: CheckpointReader, prefix: str) -> nn.Module:
+    """Give a meta-device module its weights: ``prefix + key`` for each of its state-dict keys, transformers'
+    fused experts assembled from the per-expert tensors one expert at a time."""
+    state = {}
+    for key, meta in module.state_dict().items():
+        experts, _, fused = key.rpartition(".")
+        if experts.endswith("mlp.experts") and fused in _FUSED_PARTS:
+            state[key] = _fused_experts(reader, prefix + experts, _FUSED_PARTS[fused], tuple(meta.shape))
+        else:
+            _check_shape(reader, prefix + key, tuple(meta.shape))
+            state[key] = reader.tensor(prefix + key)
+    module.load_state_dict(state, strict=True, assign=True)
+    return module.eval()
+
+
+# transformers' fused expert tensors: [E, 2I, H] gate_up_proj (gate rows first) and [E, H, I] down_proj
+_FUSED_PARTS = {"gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}
+
+
+def _fused_experts(reader: CheckpointReader, prefix: str, parts: tuple[str, ...], shape: tuple[int, ...]):
+    fused = torch.empty(shape)
+    rows = shape[1] // len(parts)
+    for e in range(shape[0]):
+        for j, proj in enumerate(parts):
+            name = f"{prefix}.{e}.{proj}.weight"
+            _check_shape(reader, name, (rows, shape[2]))
+            fused[e, j * rows:(j + 1) * rows] = reader.tensor(name)
+    return fused
+
+
+def _check_shape(reader: CheckpointReader, name: str, expected: tuple[int, ...]) -> None:
+    if reader.shape(name) != expected:
+        raise InputError(f"{reader.path}: the weights do not fit its config.json: {name} is "
+                         f"{list(reader.shape(name))} in the checkpoint, the config implies {list(expected)}")
+
+
+def embeddings(reader: CheckpointReader) -> nn.Embedding:
+    return nn.Embedding.from_pretrained(reader.tensor(EMBEDDING), freeze=True)
+
+
+def rotary_embedding(config) -> nn.Module:
+    """The model's rotary module (cos/sin, or V2's complex frequencies, from position ids)."""
+    return _module_class(config, "RotaryEmbedding")(config=config).eval()
+
+
+def decoder_layer(config, reader: CheckpointReader, i: int) -> nn.Module:
+    """Decoder layer ``i`` with its weights, fixed where transformers 5.5's own forward is broken (as
+    ``toolchain.source.load`` fixes the whole model)."""
+    with torch.device("meta"):
+        layer = _module_class(config, "DecoderLayer")(config, i)
+    _load(layer, reader, f"model.layers.{i}.")
+    architecture_for(config.model_type).fix_reference(SimpleNamespace(config=config,
+                                                                      model=SimpleNamespace(layers=[layer])))
+    return layer
+
+
+def final_norm_and_head(config, reader: CheckpointReader) -> tuple[nn.Module, nn.Linear]:
+    with torch.device("meta"):
+        norm = _module_class(config, "RMSNorm")(config.hidden_size, eps=config.rms_norm_eps)
+        head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+    return _load(norm, reader, "model.norm."), _load(head, reader, "lm_head.")
+
+
+@torch.no_grad()
+def logits(path: str | Path, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+           on_layer=None) -> torch.Tensor:
+    """The fp32 logits [batch, sequence, vocab] of a prompt (no KV cache), one layer in memory at a time, as the
+    model's forward computes them: position ids 0..n-1, transformers' causal mask over ``attention_mask``.
+    ``on_layer(i, n)`` is called after each of the n layers."""
+    from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+
+    config = reference_config(path)
+    with open_checkpoint(path) as reader:
+        hidden = embeddings(reader)(input_ids)
+        position_ids = torch.arange(input_ids.shape[1]).unsqueeze(0)
+        mask_args = dict(config=config, inputs_embeds=hidden, attention_mask=attention_mask, past_key_values=None,
+                         position_ids=position_ids)
+        layer_types = getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers
+        masks = {"full_attention": create_causal_mask(**mask_args)}
+        if "sliding_attention" in layer_types:  # Qwen2 with use_sliding_window
+            masks["sliding_attention"] = create_sliding_window_causal_mask(**mask_args)
+        position_embeddings = rotary_embedding(config)(hidden, position_ids)
+        for i in range(config.num_hidden_layers):
+            layer = decoder_layer(config, reader, i)
+            hidden = layer(hidden, attention_mask=masks[layer_types[i]], position_ids=position_ids,
+                           position_embeddings=position_embeddings)
+            del layer  # its weights go before the next layer's are read
+            if on_layer:
+                on_layer(i + 1, config.num_hidden_layers)
+        norm, head = final_norm_and_head(config, reader)
+        return head(norm(hidden))
