@@ -47,3 +47,16 @@ class OptimizeError(DstcError):
 
 class OutputError(InputError):
     """An output that cannot be written: a full disk, a read-only or denied path. Nothing is left half-written."""
+
+
+class RuntimeCrashError(DstcError):
+    """The compiled artifact crashed (killed by a signal), hung, failed or produced non-finite logits when run at
+    its runtime's deployment defaults, in the compile stage's smoke inference (toolchain/compile/smoke.py). The
+    message names the signal or error and the step (prompt length, batch); nothing is written."""
+
+    exit_code = 5
+
+    def __init__(self, message: str, signal: str | None = None, where: str | None = None) -> None:
+        super().__init__(message)
+        self.signal = signal
+        self.where = where

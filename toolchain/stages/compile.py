@@ -10,6 +10,12 @@ compile.json. Unless ``verify=False``, the compiled artifact then runs the expor
 long, a left-padded batch of two) through prefill and greedy decode against PyTorch fp32 on the source
 checkpoint: the greedy tokens must be identical and the logits within the export's tolerance for that
 runtime, or a ParityError is raised (the artifact is kept for inspection).
+
+Before that, unless ``smoke=False``, the artifact runs at its runtime's deployment defaults (OpenVINO's bf16 and
+u8 KV cache where the CPU has them, which the f32 verification does not exercise) in a child process
+(toolchain/compile/smoke.py): prompts of 1, 2, 7 and 16 tokens and a left-padded batch of two, prefill and a
+few decode steps, every logit finite. A crash, a hang or non-finite logits raise RuntimeCrashError naming the
+signal and the prompt, and nothing is written. compile.json records the result under ``smoke``.
 """
 
 from __future__ import annotations
@@ -22,7 +28,7 @@ from typing import Callable
 
 from toolchain import __version__
 from toolchain.atomic import atomic_output_dir
-from toolchain.compile import copy_checkpoint_files, onnxruntime_artifact, openvino_ir
+from toolchain.compile import copy_checkpoint_files, onnxruntime_artifact, openvino_ir, smoke as smoke_test
 from toolchain.errors import InputError, ParityError
 from toolchain.stages.inputs import read_export, read_json
 
@@ -64,7 +70,7 @@ def _verify(backend: str, artifact: Path, input_dir: Path, source: Path, past_sp
     return {**result, "reference": reference, "new_tokens": new_tokens}
 
 
-def compile_artifact(export_dir: Path, out_dir: Path, backend: str, *, verify: bool = True,
+def compile_artifact(export_dir: Path, out_dir: Path, backend: str, *, verify: bool = True, smoke: bool = True,
                      new_tokens: int = VERIFY_TOKENS, source: Path | None = None,
                      log: Callable[[str], None] = lambda _: None) -> dict:
     export_dir, out_dir = Path(export_dir), Path(out_dir)
@@ -88,6 +94,11 @@ def compile_artifact(export_dir: Path, out_dir: Path, backend: str, *, verify: b
         past_specs = details.pop("past_specs", None)
         files = details.pop("files") + copy_checkpoint_files(source, tmp)
         timings["compile_s"] = time.perf_counter() - t0
+        smoke_result = None
+        if smoke:  # first: a crash in the in-process verification would take this process down with it
+            t0 = time.perf_counter()
+            smoke_result = smoke_test.run_smoke(tmp, backend, log)
+            timings["smoke_s"] = time.perf_counter() - t0
         verification = None
         if verify:
             t0 = time.perf_counter()
@@ -101,6 +112,7 @@ def compile_artifact(export_dir: Path, out_dir: Path, backend: str, *, verify: b
             "tokenizer": has_tokenizer,
             "files": sorted(files + ["compile.json"]),
             backend: details,
+            "smoke": smoke_result,
             "verification": verification,
             "timings": {k: round(v, 3) for k, v in timings.items()},
         }
