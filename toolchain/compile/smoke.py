@@ -7,9 +7,9 @@ plugin's own thread count), which take other kernels. Those crashed: on a 3-head
 as verified. So the stage also runs the artifact as deployed, through dstc's runtime decoders
 (``toolchain.runtime.decoder``: OpenVINO's stateful request with no properties set, ONNX Runtime's session with
 its defaults and IO binding), one request for all: a prefill of a left-padded batch of two and of each of
-``PROMPT_LENGTHS`` at batch 1, each followed by ``DECODE_STEPS`` greedy steps, every logit finite. A crash kills the process it happens in,
-so this runs in a fresh child (``python -m toolchain.compile.smoke``, not a fork of a process that has loaded
-torch and the runtimes); the parent reads which step the child had started from its progress lines and raises
+``PROMPT_LENGTHS`` at batch 1, each followed by ``DECODE_STEPS`` greedy steps, every logit finite. A crash kills
+the process it happens in, so this runs in a fresh child (``python -m toolchain.compile.smoke``, not a fork of a
+process that has loaded torch and the runtimes); the parent reads which step the child had started from its progress lines and raises
 :class:`RuntimeCrashError` naming the signal and the prompt. ONNX Runtime runs fp32 with the kernels the
 verification runs too, so there it mostly guards the parent (the in-process verification comes after it); it
 costs a process start and 25 small steps, so both backends get it.
