@@ -19,6 +19,12 @@ from pathlib import Path
 
 import pytest
 
+# openvino_telemetry, which ov.convert_model reports to, forks a process (multiprocessing's default start method) from
+# a background thread for every event; a fork runs OpenBLAS's atfork handler, which stops its thread pool under a
+# matmul running in the main thread: the session that hung 50 minutes in exec_blas. Every user of it (OpenVINO's
+# converter, NNCF) falls back to a stub when it does not import.
+sys.modules["openvino_telemetry"] = None
+
 COMMON = dict(vocab_size=97, hidden_size=64, num_hidden_layers=3, num_attention_heads=4, intermediate_size=96,
               max_position_embeddings=256)
 MLA = dict(num_key_value_heads=4, kv_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=12,
@@ -113,6 +119,7 @@ def pytest_runtest_logreport(report):
 def _run_in_child(item, budget: float) -> None:
     with tempfile.TemporaryDirectory(prefix="dstc-child-") as tmp:
         reports_file = Path(tmp) / "reports.jsonl"
+        # -m "" undoes addopts' -m 'not slow': the node id alone selects the test
         command = [sys.executable, "-m", "pytest", item.nodeid, "-q", "-p", "no:cacheprovider", "-m", "",
                    "--basetemp", str(Path(tmp) / "basetemp")]
         child = subprocess.Popen(command, cwd=item.config.rootpath, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
