@@ -21,8 +21,8 @@ import pytest
 
 # openvino_telemetry, which ov.convert_model reports to, forks a process (multiprocessing's default start method) from
 # a background thread for every event; a fork runs OpenBLAS's atfork handler, which stops its thread pool under a
-# matmul running in the main thread: the session that hung 50 minutes in exec_blas. Every user of it (OpenVINO's
-# converter, NNCF) falls back to a stub when it does not import.
+# matmul running in the main thread (reproduced; likely the session that hung 50 minutes in exec_blas). Every user
+# of it (OpenVINO's converter, NNCF) falls back to a stub when it does not import.
 sys.modules["openvino_telemetry"] = None
 
 COMMON = dict(vocab_size=97, hidden_size=64, num_hidden_layers=3, num_attention_heads=4, intermediate_size=96,
