@@ -23,7 +23,7 @@ import numpy as np
 import onnx_ir as ir
 
 from passes.graph import constant_array
-from passes.quantize._weights import dequantize_linear, matmul_nbits_weight, relative_error
+from passes.quantize._weights import dequantize_linear, matmul_nbits_weight
 from toolchain.compress.engine import Weight, external_data_dir
 
 MAX_ROWS = 2048  # activation rows kept per weight
@@ -188,11 +188,37 @@ def restored_openvino(model, weights: list[Weight]) -> dict[str, Restored]:
 # -- errors -----------------------------------------------------------------------------------------------------
 
 
+# No numpy BLAS here: numpy's bundled OpenBLAS has hung a test run for 50 minutes in its thread dispatch
+# (exec_blas) under a float64 ``x @ W``, and it also threads large dot products (norms). Products run in float32 on
+# torch (MKL on its own threads); sums of squares are numpy element-wise reductions in float64.
+
+
+def relative_error(reference: np.ndarray, approx: np.ndarray) -> float:
+    """||reference - approx|| / ||reference|| (Frobenius); 0 for an all-zero reference matched exactly."""
+    reference = np.asarray(reference, np.float64)
+    return _ratio(_norm(reference - np.asarray(approx, np.float64)), _norm(reference))
+
+
 def output_error(x: np.ndarray | None, w: np.ndarray, w_hat: np.ndarray) -> float | None:
+    """||X W - X Ŵ|| / ||X W||, with the numerator computed as ||X (W - Ŵ)||: the difference of two float32 products
+    would cancel to the products' rounding, while W - Ŵ is exact or nearly so in float32."""
     if x is None or not len(x):
         return None
-    x = x.astype(np.float64)
-    return relative_error(x @ w, x @ w_hat)
+    import torch
+
+    x32 = torch.from_numpy(np.ascontiguousarray(x, np.float32))
+    w32 = np.asarray(w, np.float32)
+    reference = (x32 @ torch.from_numpy(np.ascontiguousarray(w32))).numpy()
+    error = (x32 @ torch.from_numpy(np.ascontiguousarray(w32 - np.asarray(w_hat, np.float32)))).numpy()
+    return _ratio(_norm(error), _norm(reference))
+
+
+def _norm(a: np.ndarray) -> float:
+    return float(np.sqrt(np.square(a, dtype=np.float64).sum()))
+
+
+def _ratio(diff: float, norm: float) -> float:
+    return diff / norm if norm else (0.0 if diff == 0 else float("inf"))
 
 
 def head_errors(x: np.ndarray | None, w: np.ndarray, w_hat: np.ndarray, side: str, width: int) -> list[dict]:
