@@ -57,7 +57,7 @@ def test_missing_and_corrupt_safetensors(monkeypatch, capsys, tiny_checkpoints, 
     weights = model / "model.safetensors"
     data = weights.read_bytes()
     weights.unlink()
-    assert_one_line_error(*run_cli(monkeypatch, capsys, "export", model, "-o", out), "no *.safetensors")
+    assert_one_line_error(*run_cli(monkeypatch, capsys, "export", model, "-o", out), "no model.safetensors")
     weights.write_bytes(b"\xff" * 8 + data[8:])  # header length field destroyed
     assert_one_line_error(*run_cli(monkeypatch, capsys, "export", model, "-o", out), "not a readable safetensors")
     weights.write_bytes(data[: len(data) // 2])  # truncated

@@ -123,6 +123,73 @@ def check_weights(source: Source) -> list[Path]:
     return files
 
 
+def transformers_config(source: Source):
+    """The transformers config of the checkpoint, as the fp32 eager reference runs it: a quantization_config (the
+    FP8 hub format) describes how the weights are stored, which the checkpoint reader undoes, not the model."""
+    from transformers import AutoConfig
+
+    try:
+        with quiet_transformers():
+            config = AutoConfig.from_pretrained(source.path)
+    except (OSError, ValueError, TypeError) as e:
+        raise InputError(f"cannot read the config of {source.spec}: {str(e).splitlines()[0]}") from None
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    return config
+
+
+def skeleton(source: Source, reader):
+    """The transformers model of the checkpoint on the meta device (structure and attributes, no weights), checked
+    against the tensors ``reader`` holds: every weight present with the shape the config implies."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from toolchain.export.architectures import architecture_for
+
+    arch = architecture_for(source.config["model_type"])
+    config = transformers_config(source)
+    try:
+        with torch.device("meta"), quiet_transformers():
+            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="eager")
+    except (ValueError, RuntimeError, TypeError) as e:
+        raise InputError(f"cannot build {source.spec} from its config.json: {str(e).splitlines()[0]}") from None
+    _check_tensors(source, model, reader)
+    arch.fix_reference(model)
+    return model.eval()
+
+
+def _expected_tensors(model) -> dict[str, tuple[int, ...]]:
+    """Checkpoint name -> shape of every weight the model needs (fused experts as the hub's per-expert names)."""
+    expected = {}
+    for name, t in model.state_dict(keep_vars=True).items():
+        prefix, _, leaf = name.rpartition(".")
+        if leaf in ("gate_up_proj", "down_proj") and prefix.endswith(".experts") and t.dim() == 3:
+            experts, rows, cols = t.shape
+            for e in range(experts):
+                if leaf == "gate_up_proj":
+                    expected[f"{prefix}.{e}.gate_proj.weight"] = expected[f"{prefix}.{e}.up_proj.weight"] = \
+                        (rows // 2, cols)
+                else:
+                    expected[f"{prefix}.{e}.down_proj.weight"] = (rows, cols)
+        else:
+            expected[name] = tuple(t.shape)
+    return expected
+
+
+def _check_tensors(source: Source, model, reader) -> None:
+    expected = _expected_tensors(model)
+    missing = sorted(n for n in expected if not reader.has(n))
+    if missing:
+        raise InputError(f"{source.spec}: weights missing from the checkpoint: {', '.join(missing[:5])}"
+                         + (" ..." if len(missing) > 5 else ""))
+    wrong = sorted(n for n, shape in expected.items() if tuple(reader.shape(n)) != shape)
+    if wrong:
+        name = wrong[0]
+        raise InputError(f"{source.spec}: the weights do not fit its config.json: {name} is "
+                         f"{list(reader.shape(name))} in the checkpoint, the config implies {list(expected[name])}"
+                         + (f" (and {len(wrong) - 1} more)" if len(wrong) > 1 else ""))
+
+
 @contextmanager
 def quiet_transformers() -> Iterator[None]:
     """transformers' load report, warnings and progress bar off: they repeat, in 10-15 lines on stderr, what a

@@ -134,14 +134,32 @@ class CheckpointReader:
 
     # -- reading ------------------------------------------------------------------------------------------------
 
-    def tensor(self, name: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """The tensor in ``dtype`` (float32 or bfloat16), read now; FP8 weights dequantized."""
+    def natural_dtype(self, name: str) -> torch.dtype:
+        """The dtype that holds the tensor's values exactly with the least memory: bfloat16 for bf16 and for FP8
+        weights (dequantized to bf16, as DeepSeek's own fp8_cast_bf16 does), float32 otherwise."""
+        stored = self.stored_dtype(name)
+        return torch.bfloat16 if stored in (torch.bfloat16, FP8) else torch.float32
+
+    def tensor(self, name: str, dtype: torch.dtype = torch.float32,
+               rows: tuple[int, int] | None = None) -> torch.Tensor:
+        """The tensor in ``dtype`` (float32 or bfloat16), read now; FP8 weights dequantized. ``rows``: only rows
+        [start, stop) of its first axis.
+
+        The shard is closed after each read, which unmaps the pages read: a shard is several GB, and its mapped
+        pages would otherwise stay in the process's resident set until the next shard is opened."""
         if dtype not in (torch.float32, torch.bfloat16):
             raise ValueError(f"tensor(): dtype must be torch.float32 or torch.bfloat16, not {dtype}")
         entry = self._entry(name)
-        if entry.scale is not None:
-            return self._dequantize(entry, dtype)
-        return self._read(entry.stored, entry.expert, entry.rows).to(dtype)
+        span = entry.rows
+        if rows is not None:
+            first = span[0] if span else 0
+            span = (first + rows[0], first + rows[1])
+        try:
+            if entry.scale is not None:
+                return self._dequantize(entry, dtype, span)
+            return self._read(entry.stored, entry.expert, span).to(dtype)
+        finally:
+            self.close()
 
     def array(self, name: str) -> np.ndarray:
         return self.tensor(name).numpy()
@@ -282,19 +300,21 @@ class CheckpointReader:
         index = () if expert is None else (expert,)
         return handle.get_slice(stored.key)[index if rows is None else (*index, slice(*rows))]
 
-    def _dequantize(self, entry: _Entry, dtype: torch.dtype) -> torch.Tensor:
+    def _dequantize(self, entry: _Entry, dtype: torch.dtype, span: tuple[int, int] | None) -> torch.Tensor:
         """W = q * s in float32 per block, one block row at a time: besides the output, only one block row of q
-        and its float32 product exist at once."""
+        and its float32 product exist at once. ``span``: the stored rows to read (all by default)."""
         block_rows, block_cols = self.block_size
         scale = self._read(entry.scale, entry.expert).to(torch.float32)  # [row blocks, col blocks], small
-        first, stop = entry.rows or (0, entry.stored.shape[-2])
-        rows, cols = entry.shape
-        out = torch.empty((rows, cols), dtype=dtype)
-        for start in range(first, stop, block_rows):
-            end = min(start + block_rows, stop)
+        first, stop = span or (0, entry.stored.shape[-2])
+        cols = entry.shape[-1]
+        out = torch.empty((stop - first, cols), dtype=dtype)
+        start = first
+        while start < stop:
+            end = min((start // block_rows + 1) * block_rows, stop)  # up to the end of this block row
             q = self._read(entry.stored, entry.expert, (start, end))
             s = scale[start // block_rows].repeat_interleave(block_cols)[:cols]
             torch.mul(q.to(torch.float32), s, out=out[start - first:end - first])
+            start = end
         return out
 
 

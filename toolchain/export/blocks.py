@@ -11,27 +11,26 @@ import onnx_ir as ir
 import torch
 
 from toolchain.export.graph import GraphBuilder
+from toolchain.export.weights import LazyArray, to_numpy
+
+Array = np.ndarray | LazyArray
 
 # Additive mask value for disallowed positions: transformers' eager attention uses the dtype minimum; a fully
 # masked row (a left-padding query position) then softmaxes to uniform weights instead of NaN.
 MASK_MIN = float(np.finfo(np.float32).min)
 
 
-def to_numpy(t: torch.Tensor) -> np.ndarray:
-    return t.detach().to(torch.float32).cpu().numpy()
-
-
 def linear(g: GraphBuilder, x: ir.Value, module: torch.nn.Linear, name: str, rows: np.ndarray | None = None):
     """x @ W.T (+ b). ``rows`` optionally reorders the output features (used to de-interleave RoPE dims)."""
-    weight = to_numpy(module.weight)
-    bias = None if module.bias is None else to_numpy(module.bias)
+    weight = g.params.array(module.weight)
+    bias = None if module.bias is None else g.params.array(module.bias)
     if rows is not None:
         weight = weight[rows]
         bias = None if bias is None else bias[rows]
     return matmul_weight(g, x, weight, name, bias)
 
 
-def matmul_weight(g: GraphBuilder, x: ir.Value, weight: np.ndarray, name: str, bias: np.ndarray | None = None):
+def matmul_weight(g: GraphBuilder, x: ir.Value, weight: Array, name: str, bias: Array | None = None):
     """x @ weight.T for a [out, in] weight, stored transposed as MatMul's constant right operand."""
     with g.scope(name):
         y = g.op("MatMul", x, g.weight("weight", weight.T))
@@ -61,7 +60,7 @@ def rms_norm(g: GraphBuilder, x: ir.Value, module: torch.nn.Module, name: str) -
     with g.scope(name):
         var = g.op("ReduceMean", g.op("Pow", x, g.const(2.0, np.float32)), g.const([-1]), keepdims=1)
         denom = g.op("Sqrt", g.op("Add", var, g.const(module.variance_epsilon, np.float32)))
-        return g.op("Mul", g.weight("weight", to_numpy(module.weight)), g.op("Div", x, denom))
+        return g.op("Mul", g.weight("weight", g.params.array(module.weight)), g.op("Div", x, denom))
 
 
 def rope_tables(g: GraphBuilder, position_ids: ir.Value, rotary: torch.nn.Module):
@@ -70,7 +69,7 @@ def rope_tables(g: GraphBuilder, position_ids: ir.Value, rotary: torch.nn.Module
     Taking inv_freq and attention_scaling from the loaded module covers every static RoPE variant
     (default, llama3, yarn) without re-deriving their formulas.
     """
-    inv_freq = to_numpy(rotary.inv_freq)
+    inv_freq = to_numpy(rotary.inv_freq)  # a real buffer: the rotary module is rebuilt from the config
     scaling = float(rotary.attention_scaling)
     with g.scope("rope"):
         pos = g.op("Unsqueeze", g.op("Cast", position_ids, to=ir.DataType.FLOAT), g.const([-1]))
@@ -142,7 +141,7 @@ def _repeat_kv(g: GraphBuilder, x: ir.Value, n_rep: int, num_heads: int, dim: in
     return g.op("Reshape", expanded, g.const([0, num_heads, -1, dim]))
 
 
-def gated_mlp(g: GraphBuilder, x: ir.Value, gate: np.ndarray, up: np.ndarray, down: np.ndarray,
+def gated_mlp(g: GraphBuilder, x: ir.Value, gate: Array, up: Array, down: Array,
               biases: tuple | None = None) -> ir.Value:
     """down(silu(gate(x)) * up(x)) for [out, in] weight matrices."""
     gb, ub, db = biases or (None, None, None)
@@ -154,13 +153,13 @@ def gated_mlp(g: GraphBuilder, x: ir.Value, gate: np.ndarray, up: np.ndarray, do
 def mlp_module(g: GraphBuilder, x: ir.Value, module: torch.nn.Module, name: str) -> ir.Value:
     """A transformers gate/up/down MLP module (silu, which the architecture check guarantees)."""
     parts = [module.gate_proj, module.up_proj, module.down_proj]
-    biases = tuple(None if p.bias is None else to_numpy(p.bias) for p in parts)
+    biases = tuple(None if p.bias is None else g.params.array(p.bias) for p in parts)
     with g.scope(name):
-        return gated_mlp(g, x, *(to_numpy(p.weight) for p in parts), biases=biases)
+        return gated_mlp(g, x, *(g.params.array(p.weight) for p in parts), biases=biases)
 
 
 def moe_dispatch(g: GraphBuilder, x2d: ir.Value, topk_idx: ir.Value, topk_w: ir.Value,
-                 gate_up: torch.Tensor, down: torch.Tensor) -> ir.Value:
+                 experts: torch.nn.Module) -> ir.Value:
     """Routed experts, sparse and routed at run time: each expert runs only on the tokens sent to it.
 
     For expert e: tokens = NonZero(any(topk_idx == e)); y = expert_e(x[tokens]) * weight; ScatterND-add into the
@@ -169,10 +168,9 @@ def moe_dispatch(g: GraphBuilder, x2d: ir.Value, topk_idx: ir.Value, topk_w: ir.
     routing decision is frozen at export (unlike tracing its eager loop). Experts accumulate in index order, as
     transformers' index_add_ does. Each expert keeps plain 2-D MatMul weights, the form weight compression handles.
 
-    gate_up: [experts, 2*inter, hidden] (gate rows first), down: [experts, hidden, inter].
+    ``experts``: transformers' fused-experts module; each expert's weights come from ``g.params.expert``.
     """
-    num_experts, two_inter, _ = gate_up.shape
-    inter = two_inter // 2
+    num_experts = experts.gate_up_proj.shape[0]
     with g.scope("experts"):
         out = g.op("ConstantOfShape", g.op("Shape", x2d), value=ir.tensor(np.zeros(1, np.float32)))
         for e in range(num_experts):
@@ -181,8 +179,8 @@ def moe_dispatch(g: GraphBuilder, x2d: ir.Value, topk_idx: ir.Value, topk_w: ir.
                 tokens = g.op("Squeeze", g.op("NonZero", g.op("ReduceSum", chosen, g.const([1]), keepdims=0)),
                               g.const([0]))
                 weight = g.op("ReduceSum", g.op("Mul", chosen, topk_w), g.const([1]), keepdims=0)
-                w_e = to_numpy(gate_up[e])
-                y = gated_mlp(g, g.op("Gather", x2d, tokens, axis=0), w_e[:inter], w_e[inter:], to_numpy(down[e]))
+                gate, up, down = g.params.expert(experts, e)
+                y = gated_mlp(g, g.op("Gather", x2d, tokens, axis=0), gate, up, down)
                 y = g.op("Mul", y, g.op("Unsqueeze", g.op("Gather", weight, tokens, axis=0), g.const([1])))
                 out = g.op("ScatterND", out, g.op("Unsqueeze", tokens, g.const([1])), y, reduction="add")
         return out

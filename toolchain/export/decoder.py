@@ -16,6 +16,7 @@ import torch
 
 from toolchain.export import blocks
 from toolchain.export.graph import GraphBuilder, rename_output, tensor_input
+from toolchain.export.weights import Params
 
 FLOAT, INT64 = ir.DataType.FLOAT, ir.DataType.INT64
 
@@ -52,17 +53,28 @@ class Architecture(Protocol):
 
 
 def tied_embeddings(model: torch.nn.Module) -> bool:
-    """Whether lm_head reads the embedding table itself (tie_word_embeddings: one tensor in PyTorch)."""
-    return model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+    """Whether lm_head reads the embedding table itself (tie_word_embeddings: one Parameter in PyTorch)."""
+    return model.lm_head.weight is model.model.embed_tokens.weight
 
 
-def build_decoder(model: torch.nn.Module, arch: Architecture,
+def rotary_module(model: torch.nn.Module) -> torch.nn.Module:
+    """The model's rotary embedding with real inv_freq: a meta-device skeleton's is rebuilt from its config (it
+    holds no checkpoint weights, only what the config and RoPE scaling define)."""
+    rotary = model.model.rotary_emb
+    if rotary.inv_freq.device.type != "meta":
+        return rotary
+    return type(rotary)(config=model.config, device="cpu")
+
+
+def build_decoder(model: torch.nn.Module, arch: Architecture, reader=None,
                   on_layer: Callable[[int, int], None] | None = None) -> ir.Model:
-    """The whole graph; on_layer(i, n) is called as each of the n layers is built (progress on large models)."""
+    """The whole graph of ``model``: a transformers model with its weights, or a meta-device skeleton whose
+    weights ``reader`` (toolchain/checkpoint/reader.py) reads when the graph is saved. on_layer(i, n) is called
+    as each of the n layers is built (progress on large models)."""
     config = model.config
     arch.check(config)
     cached_heads, key_dim, value_dim = arch.cache_dims(config)
-    g = GraphBuilder()
+    g = GraphBuilder(Params(model, reader))
     input_ids = tensor_input("input_ids", INT64, ["batch_size", "sequence_length"])
     mask_2d = tensor_input("attention_mask", INT64, ["batch_size", "total_sequence_length"])
     position_ids = tensor_input("position_ids", INT64, ["batch_size", "sequence_length"])
@@ -70,9 +82,9 @@ def build_decoder(model: torch.nn.Module, arch: Architecture,
     present_dims = {"key": key_dim, "value": value_dim}
 
     decoder = model.model
-    table = g.weight("embed_tokens.weight", blocks.to_numpy(decoder.embed_tokens.weight))
+    table = g.weight("embed_tokens.weight", g.params.array(decoder.embed_tokens.weight))
     h = g.op("Gather", table, input_ids, axis=0)
-    cos, sin = blocks.rope_tables(g, position_ids, decoder.rotary_emb)
+    cos, sin = blocks.rope_tables(g, position_ids, rotary_module(model))
     mask = blocks.attention_mask(g, input_ids, mask_2d)
     presents = []
     for i, layer in enumerate(decoder.layers):
@@ -97,7 +109,7 @@ def build_decoder(model: torch.nn.Module, arch: Architecture,
     if tied_embeddings(model):
         logits = blocks.tied_lm_head(g, h, table, config.vocab_size)
     else:
-        logits = blocks.matmul_weight(g, h, blocks.to_numpy(model.lm_head.weight), "lm_head")
+        logits = blocks.matmul_weight(g, h, g.params.array(model.lm_head.weight), "lm_head")
     outputs.append(rename_output(logits, "logits", FLOAT, ["batch_size", "sequence_length", config.vocab_size]))
     for i, kind, value in presents:
         outputs.append(rename_output(value, f"present.{i}.{kind}", FLOAT,

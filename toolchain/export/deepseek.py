@@ -73,17 +73,17 @@ class DeepseekArchitecture:
         """Return (top-k expert indices [tokens, k] int64, their weights [tokens, k])."""
         raise NotImplementedError
 
-    def router_weight(self, moe) -> np.ndarray:
-        return blocks.to_numpy(moe.gate.weight)
+    def router_weight(self, g: GraphBuilder, moe):
+        return g.params.array(moe.gate.weight)
 
     def mlp(self, g: GraphBuilder, mlp, h):
         if not hasattr(mlp, "experts"):
             return blocks.mlp_module(g, h, mlp, "dense")
         x2d = g.op("Reshape", h, g.const([-1, mlp.config.hidden_size]))
         with g.scope("router"):
-            logits = blocks.matmul_weight(g, x2d, self.router_weight(mlp), "gate")
+            logits = blocks.matmul_weight(g, x2d, self.router_weight(g, mlp), "gate")
             topk_idx, topk_w = self.route(g, mlp, logits)
-        routed = blocks.moe_dispatch(g, x2d, topk_idx, topk_w, mlp.experts.gate_up_proj, mlp.experts.down_proj)
+        routed = blocks.moe_dispatch(g, x2d, topk_idx, topk_w, mlp.experts)
         routed = g.op("Reshape", routed, g.op("Shape", h))
         return g.op("Add", routed, blocks.mlp_module(g, h, mlp.shared_experts, "shared_experts"))
 

@@ -18,7 +18,7 @@ class DeepseekV3Architecture(DeepseekArchitecture):
     def route(self, g: GraphBuilder, moe, logits):
         scores = g.op("Sigmoid", logits)
         biased = g.op("Add", scores, g.weight("e_score_correction_bias",
-                                              blocks.to_numpy(moe.gate.e_score_correction_bias)))
+                                              g.params.array(moe.gate.e_score_correction_bias)))
         top2, _ = g.op("TopK", grouped(g, biased, moe.n_group), g.const([2]), axis=-1, outputs=2)
         group_scores = g.op("ReduceSum", top2, g.const([-1]), keepdims=0)
         choice = limit_to_top_groups(g, biased, group_scores, moe.topk_group, moe.n_group, moe.n_routed_experts)

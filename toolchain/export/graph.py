@@ -14,11 +14,14 @@ from typing import Iterator, Sequence
 import numpy as np
 import onnx_ir as ir
 
+from toolchain.export.weights import ChunkedTensor, LazyArray, Params
+
 OPSET = 18
 
 
 class GraphBuilder:
-    def __init__(self) -> None:
+    def __init__(self, params: Params) -> None:
+        self.params = params  # the model's tensors: g.params.array(module.weight) for a weight's values
         self.tape = ir.tape.Tape()
         self._scope: list[str] = []
         self._consts: dict[tuple, ir.Value] = {}
@@ -47,11 +50,15 @@ class GraphBuilder:
             value.name = f"{name}/out{i}" if outputs > 1 else f"{name}/out"
         return values[0] if outputs == 1 else tuple(values)
 
-    def weight(self, name: str, array: np.ndarray) -> ir.Value:
-        """An initializer. A non-contiguous view (a transposed torch weight) is copied only when saved, one
-        tensor at a time, so a large model never holds a second full copy of its weights in memory."""
+    def weight(self, name: str, array: np.ndarray | LazyArray) -> ir.Value:
+        """An initializer. A weight still in the checkpoint (LazyArray) or a non-contiguous view (a transposed
+        torch weight) is read or copied only when saved, one tensor at a time, so a large model never holds its
+        weights in memory."""
         full = self._path(name)
-        if array.flags.c_contiguous:
+        if isinstance(array, LazyArray):
+            tensor = ir.LazyTensor(lambda a=array, n=full: ChunkedTensor(a, n), dtype=ir.DataType.FLOAT,
+                                   shape=ir.Shape(array.shape), name=full)
+        elif array.flags.c_contiguous:
             tensor = ir.tensor(array, name=full)
         else:
             tensor = ir.LazyTensor(lambda a=array: ir.tensor(np.ascontiguousarray(a)),

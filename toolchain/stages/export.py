@@ -1,4 +1,10 @@
-"""Stage 1: checkpoint -> DIR/model.onnx (+ external data when large) and DIR/export.json with parity figures."""
+"""Stage 1: checkpoint -> DIR/model.onnx (+ external data when large) and DIR/export.json with parity figures.
+
+The graph is built from a meta-device skeleton of the transformers model and the checkpoint reader
+(toolchain/checkpoint/reader.py): each weight is read from the checkpoint when the graph is saved and written
+to model.onnx.data at once, so exporting holds a few tensors, not the model. The fp32 PyTorch reference is loaded
+whole only for the end-to-end parity check, and only for models whose fp32 weights fit FULL_PARITY_BYTES.
+"""
 
 from __future__ import annotations
 
@@ -9,7 +15,7 @@ from pathlib import Path
 from typing import Callable
 
 from toolchain import __version__
-from toolchain.atomic import atomic_output_dir
+from toolchain.atomic import atomic_output_dir, check_writable_target
 from toolchain.errors import ParityError
 from toolchain.export.architectures import architecture_for
 from toolchain.export.decoder import build_decoder
@@ -18,36 +24,53 @@ from toolchain.export.parity import compare, parity_cases
 from toolchain import source as sources
 
 PARITY_BACKENDS = ("onnxruntime", "openvino")
+# The end-to-end check holds the fp32 PyTorch model and one runtime's copy of the graph at once (about 8 bytes per
+# parameter); above this many bytes of fp32 weights it is not run.
+FULL_PARITY_BYTES = 1 << 30
 
 
 def export(spec: str, out_dir: Path, *, trust_remote_code: bool = False, parity: tuple[str, ...] = PARITY_BACKENDS,
            new_tokens: int = 16, revision: str | None = None, log: Callable[[str], None] = lambda _: None) -> dict:
+    from toolchain.checkpoint.reader import open_checkpoint
+
     source = sources.resolve(spec, revision)
     arch = architecture_for(source.config["model_type"])
+    check_writable_target(out_dir)
     timings = {}
     t0 = time.perf_counter()
-    log(f"loading {source.spec} ({source.config['model_type']}) from {source.path}")
-    model = sources.load(source, trust_remote_code)
+    log(f"reading {source.spec} ({source.config['model_type']}) from {source.path}")
+    reader = open_checkpoint(source.path)
+    skeleton = sources.skeleton(source, reader)
+    parameters = sum(p.numel() for p in skeleton.parameters())
     timings["load_s"] = time.perf_counter() - t0
     with atomic_output_dir(out_dir) as tmp:
         t0 = time.perf_counter()
         log("building the ONNX graph")
-        graph = build_decoder(model, arch, on_layer=lambda i, n: log(f"built layer {i}/{n}") if n > 8 else None)
+        graph = build_decoder(skeleton, arch, reader,
+                              on_layer=lambda i, n: log(f"built layer {i}/{n}") if n > 8 else None)
+        log(f"writing {parameters:,} parameters, one tensor at a time")
         files = save_graph(graph, tmp / "model.onnx")
         graph_info = {"files": files, "opset": graph.opset_imports[""], "nodes": len(graph.graph),
                       "inputs": [v.name for v in graph.graph.inputs],
                       "outputs": [v.name for v in graph.graph.outputs],
                       "kv_cache": graph.metadata_props["dstc.kv_cache"],
                       "size_bytes": sum((tmp / f).stat().st_size for f in files)}
-        del graph  # its weight copies; the backends load the saved file
+        del graph
         timings["build_s"] = time.perf_counter() - t0
-        cached_heads, key_dim, value_dim = arch.cache_dims(model.config)
+        config = skeleton.config
+        cached_heads, key_dim, value_dim = arch.cache_dims(config)
         past_specs = {name: (cached_heads, key_dim if name.endswith(".key") else value_dim)
                       for name in graph_info["inputs"] if name.startswith("past_key_values.")}
-        cases = parity_cases(source.path, model.config.vocab_size)
-        pad_id = model.config.pad_token_id or 0
+        cases = parity_cases(source.path, config.vocab_size)
+        pad_id = config.pad_token_id or 0
         results = {}
-        for backend in parity:
+        model = None
+        if parity and parameters * 4 > FULL_PARITY_BYTES:
+            log(f"parity skipped: the fp32 reference ({parameters * 4 / 2**30:.1f} GiB) is above the end-to-end "
+                f"check's budget of {FULL_PARITY_BYTES / 2**30:.1f} GiB")
+        elif parity:
+            model = sources.load(source, trust_remote_code)
+        for backend in parity if model is not None else ():
             t0 = time.perf_counter()
             log(f"parity: {backend} vs PyTorch fp32, {len(cases)} cases, prefill + {new_tokens} greedy tokens")
             results[backend] = compare(model, tmp / "model.onnx", backend, cases, past_specs, new_tokens, pad_id)
@@ -55,8 +78,8 @@ def export(spec: str, out_dir: Path, *, trust_remote_code: bool = False, parity:
         report = {
             "dstc_version": __version__,
             "source": {"spec": source.spec, "kind": source.kind, "path": str(source.path),
-                       "model_type": model.config.model_type,
-                       "parameters": sum(p.numel() for p in model.parameters())},
+                       "model_type": config.model_type, "parameters": parameters,
+                       "skipped_layers": list(reader.skipped_layers), "tied_embeddings": bool(reader.tied)},
             "graph": graph_info,
             "parity": results,
             "timings": {k: round(v, 3) for k, v in timings.items()},
