@@ -165,11 +165,14 @@ def optimize_cmd(in_dir: Path, out_dir: Path, target: str, pass_list: str | None
 @click.option("--router", type=click.Choice(["fp32", "int8", "scheme"]), default="fp32", show_default=True,
               help="MoE router weights.")
 @click.option("--shared-experts", type=click.Choice(["scheme", "int8", "fp32"]), default="scheme", show_default=True)
+@click.option("--streaming", type=click.Choice(["auto", "always", "never"]), default="auto", show_default=True,
+              help="Compress one weight at a time in bounded memory (auto: above 1 GiB of float weights; "
+                   "data-free schemes only), or with NNCF's whole-model call.")
 @click.option("--json", "as_json", is_flag=True, help="Print compression.json to stdout instead of the summary.")
 def compress_cmd(in_dir: Path, out_dir: Path, target: str, scheme: str, group_size: str, sym: bool, ratio: float,
                  backup: str, awq: bool, scale_estimation: bool, gptq: bool, dataset: str, ignored: tuple[str, ...],
                  accuracy_level: int, embeddings: str, lm_head: str, router: str, shared_experts: str,
-                 as_json: bool) -> None:
+                 streaming: str, as_json: bool) -> None:
     """Compress the weights of IN (an export or optimize output) through NNCF; errors measured where they
     happen (per layer, per head, MoE routing agreement) go to OUT/compression.json."""
     from toolchain.stages.compress import compress
@@ -178,13 +181,16 @@ def compress_cmd(in_dir: Path, out_dir: Path, target: str, scheme: str, group_si
                       ratio=ratio, backup=backup, awq=awq, scale_estimation=scale_estimation, gptq=gptq,
                       dataset=dataset, ignored_scope=list(ignored), accuracy_level=accuracy_level,
                       embeddings=embeddings, lm_head=lm_head, router=router, shared_experts=shared_experts,
-                      log=_logger("compress"))
+                      streaming=streaming, log=_logger("compress"))
     if as_json:
         click.echo(json.dumps(report, indent=2))
         return
     weights, model = report["weights"], report["model"]
     click.echo(f"{scheme} for {target} -> {out_dir}: {report['input_size_bytes'] / 1e6:.1f} MB -> "
                f"{report['size_bytes'] / 1e6:.1f} MB, {weights['bits_per_weight']:.2f} bits/weight")
+    if model["top1_agreement"] is None:
+        click.echo(f"weight errors measured per weight; {model.get('note', 'the model was not run')}")
+        return
     click.echo(f"vs uncompressed on {model['tokens']} calibration tokens: top-1 agreement "
                f"{model['top1_agreement']:.3f}, mean KL {model['kl_mean']:.2e}"
                + (f", min MoE routing agreement {report['routing_agreement_min']:.3f}"
@@ -213,7 +219,9 @@ def compile_cmd(export_dir: Path, out_dir: Path, backend: str, no_verify: bool, 
         return
     click.echo(f"{backend} artifact for {manifest['model_type']} -> {out_dir} ({len(manifest['files'])} files)")
     verification = manifest.get("verification")
-    if verification:
+    if verification and verification.get("skipped"):
+        click.echo(f"verification skipped: {verification['skipped']}")
+    elif verification:
         click.echo(f"verified against {verification['reference']}: {'PASS' if verification['passed'] else 'FAIL'}, "
                    f"max relative logit diff {verification['max_relative_diff']:.1e}, greedy tokens "
                    f"{'identical' if verification['tokens_identical'] else 'DIFFER'}")
@@ -262,19 +270,29 @@ def _parity_line(results: dict) -> str:
 def _stage_check(name: str, reports: dict) -> str:
     """One line of what a stage checked, from its report."""
     if name == "export" and "export/export.json" in reports:
-        return "parity " + _parity_line(reports["export/export.json"]["parity"])
+        report = reports["export/export.json"]
+        if report.get("parity_skipped"):
+            return "parity skipped (model above the end-to-end budget)"
+        return "parity " + _parity_line(report["parity"])
     if name == "compress" and "compress/compression.json" in reports:
         report = reports["compress/compression.json"]
         routing = report.get("routing_agreement_min")
-        return (f"{report['weights']['bits_per_weight']:.2f} bits/w, top-1 {report['model']['top1_agreement']:.3f}, "
+        bits = f"{report['weights']['bits_per_weight']:.2f} bits/w"
+        if report["model"]["top1_agreement"] is None:
+            return f"{bits}, streamed (weight errors only)"
+        return (f"{bits}, top-1 {report['model']['top1_agreement']:.3f}, "
                 f"KL {report['model']['kl_mean']:.1e}" + (f", routing {routing:.3f}" if routing is not None else ""))
     if name == "passes" and "passes/passes.json" in reports:
         report = reports["passes/passes.json"]
         fused = ", ".join(f"{k} {v}" for counts in report["counts"].values() for k, v in counts.items()
                           if k != "values_annotated")
+        if report.get("parity_skipped"):
+            return f"{fused or 'no fusions'}; parity skipped (model above the end-to-end budget)"
         return f"{fused or 'no fusions'}; parity " + _parity_line(report.get("parity") or {})
     if name == "compile" and (reports.get("compile/compile.json") or {}).get("verification"):
         v = reports["compile/compile.json"]["verification"]
+        if v.get("skipped"):
+            return "verification skipped (model above the end-to-end budget)"
         return f"greedy vs {v['reference']} {'identical' if v['passed'] else 'DIFFER'}"
     return ""
 

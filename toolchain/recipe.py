@@ -52,6 +52,8 @@ class CompressSection(Section):
     lm_head: Literal["int8", "int4", "fp32"] = "int8"
     router: Literal["fp32", "int8", "scheme"] = "fp32"
     shared_experts: Literal["scheme", "int8", "fp32"] = "scheme"
+    # one weight at a time (bounded memory): "auto" above 1 GiB of float weights (toolchain/stages/compress.py)
+    streaming: Literal["auto", "always", "never"] = "auto"
 
     def problem(self, target: str) -> str | None:
         """What is wrong with these options together for ``target``, or None: rules that span fields, checked

@@ -129,6 +129,10 @@ class CheckpointReader:
     def shape(self, name: str) -> tuple[int, ...]:
         return self._entry(name).shape
 
+    def parameters(self) -> int:
+        """How many values the checkpoint holds (a tied table once), from the headers alone."""
+        return sum(math.prod(self.shape(n)) for n in self._entries if not (self.tied and n == LM_HEAD))
+
     def stored_dtype(self, name: str) -> torch.dtype:
         return self._entry(name).stored.dtype
 

@@ -59,9 +59,10 @@ class Weight:
     array: np.ndarray | None = None  # the fp32 value
 
 
-def graph_weights(model: ir.Model) -> list[Weight]:
+def graph_weights(model: ir.Model, with_arrays: bool = True) -> list[Weight]:
     """Every float constant weight: 2-D and 3-D MatMul right operands and axis-0 Gather tables. An unnamed
-    consumer is given a name first: NNCF's ignored scopes and OpenVINO address nodes by name."""
+    consumer is given a name first: NNCF's ignored scopes and OpenVINO address nodes by name. ``with_arrays``
+    False leaves the values where they are (the streaming path reads each when it compresses it)."""
     out = []
     taken = {node.name for node in model.graph}
     for i, node in enumerate(model.graph):
@@ -81,7 +82,7 @@ def graph_weights(model: ir.Model) -> list[Weight]:
                 (node.op_type == "Gather" and len(shape) != 2):
             continue
         out.append(Weight(value.name, node.name, node.outputs[0].name, node.op_type.lower(), shape,
-                          value.const_value.numpy()))
+                          value.const_value.numpy() if with_arrays else None))
     return out
 
 

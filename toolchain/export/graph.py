@@ -109,5 +109,8 @@ def save_graph(model: ir.Model, path: Path) -> list[str]:
     if weight_bytes > EXTERNAL_DATA_BYTES:
         ir.save(model, path, external_data=path.name + ".data")
         return [path.name, path.name + ".data"]
+    # Weights still in the input's external data file (a stage that read a large graph and made it small, e.g.
+    # by compressing it) would be written as references to that file: they are read in, to be inlined.
+    ir.external_data.load_to_model(model)
     ir.save(model, path)
     return [path.name]

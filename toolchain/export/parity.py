@@ -24,6 +24,22 @@ OPENVINO_TOLERANCE = 1e-3
 
 TOLERANCES = {"onnxruntime": ORT_TOLERANCE, "openvino": OPENVINO_TOLERANCE}
 
+# An end-to-end check holds the fp32 PyTorch model and one runtime's copy of the graph at once (about 8 bytes per
+# parameter); above this many bytes of fp32 weights it is skipped (a streaming build's memory is the point).
+FULL_PARITY_BYTES = 1 << 30
+
+
+def too_large_for_end_to_end(source_path: Path) -> str | None:
+    """Why the end-to-end check against the whole fp32 model is not run on this checkpoint, or None."""
+    from toolchain.checkpoint.reader import open_checkpoint
+
+    with open_checkpoint(source_path) as reader:
+        size = reader.parameters() * 4
+    if size <= FULL_PARITY_BYTES:
+        return None
+    return (f"the fp32 reference ({size / 2**30:.1f} GiB) is above the end-to-end check's budget of "
+            f"{FULL_PARITY_BYTES / 2**30:.1f} GiB")
+
 Step = Callable[[np.ndarray, np.ndarray, np.ndarray], np.ndarray]
 """(input_ids, attention_mask, position_ids) -> logits [batch, seq, vocab]; keeps its own KV cache."""
 

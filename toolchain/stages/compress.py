@@ -39,6 +39,8 @@ from toolchain.errors import InputError
 
 TARGETS = ("onnxruntime", "openvino")
 CALIBRATION_SEQUENCES = 16
+# Above this many bytes of float weights, compression runs one weight at a time ("auto").
+STREAMING_BYTES = 1 << 30
 OPENVINO_XML = "openvino_model.xml"
 
 
@@ -136,8 +138,12 @@ def compress(in_dir: Path, out_dir: Path, *, target: str = "onnxruntime", scheme
              dataset: str | Path = "embedded", ignored_scope: list[str] | tuple[str, ...] = (),
              accuracy_level: int | None = 4, embeddings: str = "int8", lm_head: str = "int8",
              router: str = "fp32", shared_experts: str = "scheme", ignore: list[str] | tuple[str, ...] = (),
-             source: Path | None = None, log: Callable[[str], None] = lambda _: None) -> dict:
+             streaming: str = "auto", source: Path | None = None,
+             log: Callable[[str], None] = lambda _: None) -> dict:
     """Compress IN's model.onnx into OUT (see the module doc); returns compression.json's content.
+
+    ``streaming``: "auto" compresses one weight at a time (toolchain/compress/streaming.py) when the export's
+    float weights exceed STREAMING_BYTES, "always" / "never" choose that form or NNCF's whole-model call.
 
     ``ignored_scope`` (``ignore``, the recipe's name for it, adds to it): weights or nodes kept in fp32, by exact
     name or regular expression. ``embeddings`` / ``lm_head``: "int8" | "int4" | "fp32"; ``router``: "fp32" |
@@ -161,6 +167,14 @@ def compress(in_dir: Path, out_dir: Path, *, target: str = "onnxruntime", scheme
 
     t0 = time.perf_counter()
     model = ir.load(in_dir / "model.onnx")
+    weight_bytes = sum(v.const_value.nbytes for v in model.graph.initializers.values() if v.const_value is not None)
+    if streaming == "always" or (streaming == "auto" and weight_bytes > STREAMING_BYTES):
+        if options.data_aware:
+            raise InputError(f"{in_dir} has {weight_bytes / 2**30:.1f} GiB of float weights: data-aware compression "
+                             f"(awq, scale estimation, gptq, ratio < 1) runs on the whole model and is not available "
+                             f"in bounded memory; use the data-free scheme")
+        return _compress_streaming(model, in_dir, out_dir, target, scheme, options, policy, report, dataset,
+                                   accuracy_level, timings, t0, log)
     weights = engine.graph_weights(model)
     plan = policy.plan((w.name, w.node) for w in weights)
     specs = calibration.past_specs((v.name, v.shape) for v in model.graph.inputs)
@@ -210,29 +224,92 @@ def compress(in_dir: Path, out_dir: Path, *, target: str = "onnxruntime", scheme
         timings["measure_s"] = time.perf_counter() - t0
         shutil.copyfile(in_dir / "export.json", tmp / "export.json")
         files.append("export.json")
-        params = sum(int(np.prod(r["shape"])) for r in weight_rows)
-        stored_bits = sum(r["bits_per_weight"] * int(np.prod(r["shape"])) for r in weight_rows)
-        size = sum((tmp / f).stat().st_size for f in files if f != "export.json")
         summary = {
-            "dstc_version": __version__,
-            "target": target,
-            "scheme": scheme,
-            "options": {"group_size": group_size, "sym": sym, "ratio": ratio, "backup": backup, "awq": awq,
-                        "scale_estimation": scale_estimation, "gptq": gptq, "dataset": str(dataset),
-                        "accuracy_level": accuracy_level if target == "onnxruntime" else None},
-            "policy": policy.as_dict(),
-            "source": {"export": str(in_dir), **report["source"]},
-            "files": sorted(files + ["compression.json"]),
-            "size_bytes": size,
-            "file_sizes": {f: (tmp / f).stat().st_size for f in files if f != "export.json"},
-            "input_size_bytes": report.get("graph", {}).get("size_bytes"),
-            "weights": {"parameters": params, "bits_per_weight": stored_bits / params if params else None,
-                        "precisions": dict(Counter(r["precision"] for r in weight_rows))},
+            **_head(target, scheme, options, dataset, accuracy_level, policy, report, in_dir, tmp, files,
+                    weight_rows),
+            "streaming": False,
             "calibration": {"sequences": len(feed_list), "tokens": int(sum(len(s) for s in sequences)),
                             "tokenization": tokenization},
             "model": model_metrics,
             "routing": routing,
             "routing_agreement_min": min((r["agreement"] for r in routing), default=None),
+            "layers": _layer_summary(weight_rows),
+            "per_weight": weight_rows,
+            "details": details,
+            "timings": {k: round(v, 3) for k, v in timings.items()},
+        }
+        (tmp / "compression.json").write_text(json.dumps(summary, indent=1, default=_jsonable) + "\n")
+    return summary
+
+
+def _head(target, scheme, options, dataset, accuracy_level, policy, report, in_dir, tmp, files,
+          weight_rows) -> dict:
+    """The fields of compression.json both forms of compression write alike."""
+    params = sum(int(np.prod(r["shape"])) for r in weight_rows)
+    stored_bits = sum(r["bits_per_weight"] * int(np.prod(r["shape"])) for r in weight_rows)
+    return {
+        "dstc_version": __version__,
+        "target": target,
+        "scheme": scheme,
+        "options": {"group_size": options.group_size, "sym": options.sym, "ratio": options.ratio,
+                    "backup": options.backup, "awq": options.awq, "scale_estimation": options.scale_estimation,
+                    "gptq": options.gptq, "dataset": str(dataset),
+                    "accuracy_level": accuracy_level if target == "onnxruntime" else None},
+        "policy": policy.as_dict(),
+        "source": {"export": str(in_dir), **report["source"]},
+        "files": sorted(files + ["compression.json"]),
+        "size_bytes": sum((tmp / f).stat().st_size for f in files if f != "export.json"),
+        "file_sizes": {f: (tmp / f).stat().st_size for f in files if f != "export.json"},
+        "input_size_bytes": report.get("graph", {}).get("size_bytes"),
+        "weights": {"parameters": params, "bits_per_weight": stored_bits / params if params else None,
+                    "precisions": dict(Counter(r["precision"] for r in weight_rows))},
+    }
+
+
+def _compress_streaming(model, in_dir, out_dir, target, scheme, options, policy, report, dataset, accuracy_level,
+                        timings, t0, log) -> dict:
+    """One weight at a time (toolchain/compress/streaming.py): the weight errors are measured as each weight is
+    compressed; what needs the whole model run on calibration text (activations, next-token agreement,
+    routing) is not measured, and compression.json says so."""
+    from toolchain.compress import streaming as stream
+    from toolchain.export.graph import save_graph
+
+    weights = engine.graph_weights(model, with_arrays=False)
+    plan = policy.plan((w.name, w.node) for w in weights)
+    specs = stream.plan_specs(weights, plan, options, target)
+    jobs = stream.compress_streaming(model, specs, log, keep=target == "onnxruntime")
+    details = {"demoted_3d": [], "per_head": {}}
+    if target == "onnxruntime":
+        details["ort_rewrites"] = engine.to_ort_kernels(model, accuracy_level)
+    timings["plan_s"] = time.perf_counter() - t0
+    with atomic_output_dir(out_dir) as tmp:
+        t0 = time.perf_counter()
+        files = save_graph(model, tmp / "model.onnx")
+        del model
+        timings["compress_s"] = time.perf_counter() - t0
+        shutil.copyfile(in_dir / "export.json", tmp / "export.json")
+        files.append("export.json")
+        by_name = {s.weight.name: s for s in specs}
+        weight_rows = []
+        for w in weights:
+            spec = by_name.get(w.name)
+            size = int(np.prod(w.shape))
+            weight_rows.append({
+                "weight": w.name, "node": w.node, "role": role_of(w.name), "layer": layer_of(w.name),
+                "shape": list(w.shape), "planned": plan[w.name],
+                "precision": spec.precision if spec else "fp32",
+                "bits_per_weight": round(stream.stored_bits(spec) / size, 4) if spec else 32.0,
+                "weight_error": jobs[w.name].stats["weight_error"] if spec else 0.0,
+                "output_error": None})
+        unmeasured = "not measured: the model is compressed one weight at a time, without running it"
+        summary = {
+            **_head(target, scheme, options, dataset, accuracy_level, policy, report, in_dir, tmp, files,
+                    weight_rows),
+            "streaming": True,
+            "calibration": None,
+            "model": {"tokens": 0, "top1_agreement": None, "kl_mean": None, "kl_max": None, "note": unmeasured},
+            "routing": [],
+            "routing_agreement_min": None,
             "layers": _layer_summary(weight_rows),
             "per_weight": weight_rows,
             "details": details,

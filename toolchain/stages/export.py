@@ -3,7 +3,8 @@
 The graph is built from a meta-device skeleton of the transformers model and the checkpoint reader
 (toolchain/checkpoint/reader.py): each weight is read from the checkpoint when the graph is saved and written
 to model.onnx.data at once, so exporting holds a few tensors, not the model. The fp32 PyTorch reference is loaded
-whole only for the end-to-end parity check, and only for models whose fp32 weights fit FULL_PARITY_BYTES.
+whole only for the end-to-end parity check, and only for models whose fp32 weights fit its budget
+(parity.FULL_PARITY_BYTES).
 """
 
 from __future__ import annotations
@@ -20,13 +21,10 @@ from toolchain.errors import ParityError
 from toolchain.export.architectures import architecture_for
 from toolchain.export.decoder import build_decoder
 from toolchain.export.graph import save_graph
-from toolchain.export.parity import compare, parity_cases
+from toolchain.export.parity import compare, parity_cases, too_large_for_end_to_end
 from toolchain import source as sources
 
 PARITY_BACKENDS = ("onnxruntime", "openvino")
-# The end-to-end check holds the fp32 PyTorch model and one runtime's copy of the graph at once (about 8 bytes per
-# parameter); above this many bytes of fp32 weights it is not run.
-FULL_PARITY_BYTES = 1 << 30
 
 
 def export(spec: str, out_dir: Path, *, trust_remote_code: bool = False, parity: tuple[str, ...] = PARITY_BACKENDS,
@@ -65,9 +63,9 @@ def export(spec: str, out_dir: Path, *, trust_remote_code: bool = False, parity:
         pad_id = config.pad_token_id or 0
         results = {}
         model = None
-        if parity and parameters * 4 > FULL_PARITY_BYTES:
-            log(f"parity skipped: the fp32 reference ({parameters * 4 / 2**30:.1f} GiB) is above the end-to-end "
-                f"check's budget of {FULL_PARITY_BYTES / 2**30:.1f} GiB")
+        skipped = too_large_for_end_to_end(source.path) if parity else None
+        if skipped:
+            log(f"parity skipped: {skipped}")
         elif parity:
             model = sources.load(source, trust_remote_code)
         for backend in parity if model is not None else ():
@@ -82,6 +80,7 @@ def export(spec: str, out_dir: Path, *, trust_remote_code: bool = False, parity:
                        "skipped_layers": list(reader.skipped_layers), "tied_embeddings": bool(reader.tied)},
             "graph": graph_info,
             "parity": results,
+            "parity_skipped": skipped,
             "timings": {k: round(v, 3) for k, v in timings.items()},
         }
         (tmp / "export.json").write_text(json.dumps(report, indent=2) + "\n")

@@ -111,6 +111,7 @@ def optimize(in_dir: Path, out_dir: Path, target: str, passes: list[str] | None 
     ParityError when the optimised graph disagrees with PyTorch (the output is kept for inspection).
     """
     from toolchain.export.graph import save_graph
+    from toolchain.export.parity import too_large_for_end_to_end
     from toolchain.stages.inputs import read_export
 
     in_dir, out_dir = Path(in_dir), Path(out_dir)
@@ -152,12 +153,16 @@ def optimize(in_dir: Path, out_dir: Path, target: str, passes: list[str] | None 
             "passes": [stat.to_dict() for stat in stats],
             "counts": {name: dict(c) for name, c in fusions.items() if c},
         }
-        if target == "openvino":
+        skipped = too_large_for_end_to_end(source)
+        if target == "openvino" and not skipped:
             t0 = time.perf_counter()
             log("compiling with OpenVINO to count its SDPA / RoPE / RMS fusions")
             report["openvino_fusions"] = openvino_fusions(tmp / "model.onnx")
             timings["openvino_fusions_s"] = time.perf_counter() - t0
-        if parity:
+        if skipped and (parity or target == "openvino"):
+            log(f"parity and OpenVINO's fusion count skipped: {skipped}")
+            report["parity_skipped"] = skipped
+        elif parity:
             t0 = time.perf_counter()
             report["parity"] = {target: _parity(source, tmp / "model.onnx", target, past_specs, new_tokens, log)}
             timings[f"parity_{target}_s"] = time.perf_counter() - t0

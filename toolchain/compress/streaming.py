@@ -1,0 +1,277 @@
+"""Weight compression one weight at a time, for exports whose float weights do not fit in memory.
+
+``nncf.compress_weights`` takes a whole model: on ONNX a ModelProto that holds every weight (and that NNCF
+serializes again), on OpenVINO an ov.Model whose constants, converted from the export, touch every page of it.
+At real size (R1-Distill-Qwen-7B: 30 GB of float32) neither fits. This module applies NNCF's own per-weight
+quantization (``weight_lowering.compress_weight``, the function NNCF's ONNX backend calls in ``transform_model``)
+and writes its result in the forms that backend writes, with its names:
+
+* grouped INT4 below opset 21 (the onnxruntime target): ``MatMulNBits`` with B packed by NNCF's
+  ``pack_int4_to_uint8``, scales [N, blocks], zero points [N, blocks] one per byte (to-matmul-nbits repairs them
+  for ORT, as it does NNCF's own output);
+* grouped INT4 at opset 21 (the openvino target): ``DequantizeLinear`` with ``block_size`` on axis 0, uint4/int4
+  weights and zero points, which OpenVINO's ONNX frontend turns into its compressed-weight pattern (u4 constant,
+  Convert, Subtract, Multiply) and its CPU plugin runs as a compressed FullyConnected;
+* INT8 per output channel: ``DequantizeLinear`` on axis 1 of a [K, N] MatMul weight, axis 0 (per row) of an
+  embedding table.
+
+Each quantized tensor is an ``ir.LazyTensor``: the weight is read from the export's external data (a memory map)
+in column (or row) chunks, each chunk quantized independently (a group lies along one column, a table's scale
+along one row, so chunking changes nothing), when the first of the weight's tensors is saved, and dropped once
+the last one is. So the whole compression holds one weight's quantized form, and onnx-ir's save writes each
+tensor as it comes. The relative weight error ||W - Ŵ|| / ||W|| is accumulated chunk by chunk on the way.
+
+Data-aware methods (AWQ, scale estimation, GPTQ, mixed precision with ratio < 1) need activations through the
+whole model and stay on the whole-model path.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+import onnx_ir as ir
+
+from passes.quantize._weights import MS_DOMAIN
+from toolchain.compress.engine import MIN_ADJUSTED_GROUP_SIZE, Options, Weight
+from toolchain.errors import InputError
+
+CHUNK_BYTES = 64 << 20  # float32 bytes of a weight read and quantized per step
+DQ_OPSET = 21  # DequantizeLinear's block_size and 4-bit types
+
+
+def adjusted_group(k: int, group: int) -> int | None:
+    """NNCF's GroupSizeFallbackMode.ADJUST: the group size, or the largest power of two below it that divides K
+    and is at least MIN_ADJUSTED_GROUP_SIZE; None when there is none (the weight goes to the backup precision)."""
+    size = group
+    while size >= MIN_ADJUSTED_GROUP_SIZE:
+        if k % size == 0:
+            return size
+        size //= 2
+    return None
+
+
+@dataclass
+class Spec:
+    """How one weight is compressed: bits, group (None: per channel), symmetric, and the form it is written in."""
+
+    weight: Weight
+    bits: int
+    group: int | None
+    sym: bool
+    form: str  # "nbits" (MatMulNBits) | "dq-blocked" | "dq-channel" (MatMul weight) | "dq-rows" (Gather table)
+
+    @property
+    def precision(self) -> str:
+        return f"int{self.bits}-{'sym' if self.sym else 'asym'}-" + (f"g{self.group}" if self.group else "per-channel")
+
+
+@dataclass
+class Job:
+    """One weight's quantization, computed when the first of its tensors is saved and released after the last."""
+
+    spec: Spec
+    source: ir.Value
+    pending: set[str] = field(default_factory=set)
+    result: dict[str, np.ndarray] | None = None
+    stats: dict = field(default_factory=dict)
+
+    def take(self, key: str) -> np.ndarray:
+        if self.result is None:
+            self.result = self._compute()
+        array = self.result[key]
+        self.pending.discard(key)
+        if not self.pending:
+            self.result = None
+        return array
+
+    def _compute(self) -> dict[str, np.ndarray]:
+        import nncf
+        from nncf.onnx.graph.onnx_helper import pack_int4_to_uint8
+        from nncf.quantization.algorithms.weight_compression.config import WeightCompressionConfig
+        from nncf.quantization.algorithms.weight_compression.weight_lowering import (compress_weight,
+                                                                                     do_integer_dequantization)
+        from nncf.tensor import Tensor
+
+        spec, tensor = self.spec, self.source.const_value
+        mode = getattr(nncf.CompressWeightsMode, f"INT{spec.bits}_{'SYM' if spec.sym else 'ASYM'}")
+        config = WeightCompressionConfig(mode=mode, group_size=spec.group or -1)
+        weight = tensor.numpy()  # a memory map of the export's external data: nothing is read yet
+        rows_axis = spec.form == "dq-rows"  # a table's scale is per row: chunks of rows, else of columns
+        axis = 1 if rows_axis else 0  # the reduction axis
+        length = weight.shape[0] if rows_axis else weight.shape[1]
+        step = max(1, CHUNK_BYTES // (4 * weight.shape[1 if rows_axis else 0]))
+        qs, scales, zps = [], [], []
+        err = norm = 0.0
+        for start in range(0, length, step):
+            part = weight[start:start + step] if rows_axis else weight[:, start:start + step]
+            part = np.array(part, dtype=np.float32, order="C")  # a copy: no view of the map outlives the loop
+            compressed = compress_weight(Tensor(part), (axis,), config)
+            restored = do_integer_dequantization(compressed).data.reshape(part.shape)
+            err += float(np.square(part - restored, dtype=np.float32).sum(dtype=np.float64))
+            norm += float(np.square(part, dtype=np.float32).sum(dtype=np.float64))
+            qs.append(compressed.tensor.data.reshape(part.shape))
+            scales.append(compressed.scale.data)
+            zps.append(None if compressed.zero_point is None else compressed.zero_point.data)
+        del weight, part, compressed, restored
+        if isinstance(tensor, ir.ExternalTensor):
+            tensor.release()  # unmaps the export's pages of this weight
+        q = np.concatenate(qs, axis=0 if rows_axis else 1)
+        scale = np.concatenate(scales, axis=0 if rows_axis else -1).astype(np.float32)
+        zp = None if zps[0] is None else np.concatenate(zps, axis=0 if rows_axis else -1)
+        self.stats = {"weight_error": float(np.sqrt(err / norm)) if norm else 0.0}
+        if spec.group:  # [K/g, 1, N] -> [K/g, N]
+            scale = scale.squeeze(1)
+            zp = None if zp is None else zp.squeeze(1)
+        else:  # per channel: [1, N] (columns) or [V, 1] (rows) -> [N] / [V]
+            scale = scale.reshape(-1)
+            zp = None if zp is None else zp.reshape(-1)
+        out = {"scale": scale}
+        if spec.form == "nbits":
+            out["quantized"] = pack_int4_to_uint8(q, spec.group, signed=spec.sym)
+            out["scale"] = np.ascontiguousarray(scale.T)
+            if zp is not None:
+                out["zero_point"] = np.ascontiguousarray(zp.T).astype(np.uint8)
+        else:
+            out["quantized"] = q
+            if zp is not None:
+                out["zero_point"] = zp.astype(q.dtype)
+        return out
+
+
+def stored_bits(spec: Spec) -> int:
+    """Bits the compressed weight takes in the artifact: values, float32 scales and packed zero points."""
+    k, n = spec.weight.shape
+    if spec.group:
+        blocks = -(-k // spec.group) * n
+        values = blocks * spec.group * spec.bits
+    else:
+        blocks, values = (k if spec.form == "dq-rows" else n), k * n * spec.bits
+    return values + 32 * blocks + (0 if spec.sym else spec.bits * blocks)
+
+
+def _dtype(spec: Spec, key: str) -> ir.DataType:
+    if key == "scale":
+        return ir.DataType.FLOAT
+    if spec.form == "nbits":
+        return ir.DataType.UINT8
+    if spec.bits == 4:
+        return ir.DataType.INT4 if spec.sym else ir.DataType.UINT4
+    return ir.DataType.INT8 if spec.sym else ir.DataType.UINT8
+
+
+def _shapes(spec: Spec, shape: tuple[int, ...]) -> dict[str, tuple[int, ...]]:
+    first, second = shape
+    if spec.form == "nbits":  # [K, N] -> B [N, blocks, group / 2], scales and zero points [N, blocks]
+        blocks = -(-first // spec.group)
+        shapes = {"quantized": (second, blocks, spec.group // 2), "scale": (second, blocks)}
+        return shapes | ({} if spec.sym else {"zero_point": (second, blocks)})
+    if spec.form == "dq-blocked":
+        side = (first // spec.group, second)
+    else:
+        side = (first,) if spec.form == "dq-rows" else (second,)
+    return {"quantized": shape, "scale": side} | ({} if spec.sym else {"zero_point": side})
+
+
+def plan_specs(weights: list[Weight], plan: dict[str, str], options: Options, target: str) -> list[Spec]:
+    """What to do with each weight the plan compresses (fp32 ones are left out); raises InputError for what the
+    streaming form does not do."""
+    specs = []
+    for w in weights:
+        precision = plan[w.name]
+        if precision == "fp32":
+            continue
+        if precision not in ("int4", "int8") or len(w.shape) != 2:
+            raise InputError(f"{w.name}: {precision} of a {len(w.shape)}-D weight is not available in bounded "
+                             f"memory; use int4-grouped or int8-per-channel")
+        if w.kind == "gather":
+            if precision == "int4":
+                raise InputError(f"{w.name}: INT4 embeddings are not available in bounded memory; use int8")
+            specs.append(Spec(w, 8, None, options.sym, "dq-rows"))
+            continue
+        group = adjusted_group(w.shape[0], options.group_size) if precision == "int4" else None
+        if precision == "int4" and group is not None:
+            specs.append(Spec(w, 4, group, options.sym, "nbits" if target == "onnxruntime" else "dq-blocked"))
+        elif precision == "int8" or options.backup == "int8":
+            specs.append(Spec(w, 8, None, options.sym, "dq-channel"))
+    return specs
+
+
+def compress_streaming(model: ir.Model, specs: list[Spec], log: Callable[[str], None],
+                       keep: bool = False) -> dict[str, Job]:
+    """Rewrite ``model`` in place with each spec's compressed form (lazy tensors); returns the jobs by weight
+    name, whose ``stats`` are filled as the tensors are evaluated. ``keep``: each quantized tensor stays in
+    memory once evaluated (for a pass that reads them more than once, as to-matmul-nbits does); else it is
+    computed when saved and dropped."""
+    producers = {v.name: node for node in model.graph for v in node.outputs}
+    values = model.graph.initializers
+    jobs: dict[str, Job] = {}
+    for spec in specs:
+        w = spec.weight
+        source = values[w.name]
+        job = Job(spec, source)
+        shapes = _shapes(spec, w.shape)
+        job.pending = set(shapes)
+        tensors = {}
+        for key, shape in shapes.items():
+            name = f"{w.name}_{key}"
+            lazy = ir.LazyTensor(lambda job=job, key=key, dtype=_dtype(spec, key): ir.tensor(job.take(key), dtype=dtype),
+                                 dtype=_dtype(spec, key), shape=ir.Shape(shape), name=name, cache=keep)
+            tensors[key] = ir.Value(name=name, shape=ir.Shape(shape), type=ir.TensorType(_dtype(spec, key)),
+                                    const_value=lazy)
+            model.graph.register_initializer(tensors[key])
+        consumer = producers[w.output]
+        if spec.form == "nbits":
+            _to_matmul_nbits(model, consumer, source, tensors, spec)
+        else:
+            _to_dequantize(model, consumer, source, tensors, spec)
+        del values[w.name]
+        jobs[w.name] = job
+    if any(s.form == "nbits" for s in specs):
+        model.opset_imports.setdefault(MS_DOMAIN, 1)
+    if any(s.form == "dq-blocked" for s in specs):
+        _raise_opset(model)
+    log(f"streaming compression of {len(specs)} weights, one at a time as they are written")
+    return jobs
+
+
+def _to_matmul_nbits(model: ir.Model, matmul: ir.Node, source: ir.Value, tensors: dict, spec: Spec) -> None:
+    """NNCF's MatMulNBits (accuracy_level 0, zero points one per byte); to-matmul-nbits sets the level and packs
+    the zero points, as on NNCF's own output."""
+    k, n = spec.weight.shape
+    x = next(v for v in matmul.inputs if v is not source)
+    inputs = [x, tensors["quantized"], tensors["scale"]] + ([tensors["zero_point"]] if "zero_point" in tensors else [])
+    node = ir.node("MatMulNBits", inputs, attributes={"K": k, "N": n, "bits": spec.bits, "block_size": spec.group,
+                                                    "accuracy_level": 0},
+                   domain=MS_DOMAIN, name=f"{matmul.name}_compressed_matmul", num_outputs=1)
+    output = matmul.outputs[0]
+    model.graph.insert_before(matmul, node)
+    output.replace_all_uses_with(node.outputs[0], replace_graph_outputs=True)
+    node.outputs[0].name = output.name
+    if output.dtype is not None:  # exported intermediate values carry no type until shapes are inferred
+        node.outputs[0].dtype, node.outputs[0].shape = output.dtype, output.shape
+    model.graph.remove(matmul, safe=True)
+
+
+def _to_dequantize(model: ir.Model, consumer: ir.Node, source: ir.Value, tensors: dict, spec: Spec) -> None:
+    axis = 0 if spec.form in ("dq-blocked", "dq-rows") else 1
+    attributes = {"axis": axis} | ({"block_size": spec.group} if spec.form == "dq-blocked" else {})
+    inputs = [tensors["quantized"], tensors["scale"]] + ([tensors["zero_point"]] if "zero_point" in tensors else [])
+    dq = ir.node("DequantizeLinear", inputs, attributes=attributes, name=f"{source.name}_DequantizeLinear",
+                 num_outputs=1)
+    dq.outputs[0].name = f"{source.name}_dequantized"
+    dq.outputs[0].dtype, dq.outputs[0].shape = ir.DataType.FLOAT, ir.Shape(spec.weight.shape)
+    users = [node for node, _ in source.uses()]
+    first = next(node for node in model.graph if node in users)
+    model.graph.insert_before(first, dq)
+    source.replace_all_uses_with(dq.outputs[0])
+
+
+def _raise_opset(model: ir.Model) -> None:
+    from passes.fusions.mla_attention import opset_blocker
+
+    blocker = opset_blocker(model, DQ_OPSET)
+    if blocker:
+        raise InputError(f"grouped INT4 for OpenVINO needs DequantizeLinear at opset {DQ_OPSET}: {blocker}")
+    model.opset_imports[""] = max(model.opset_imports.get("", DQ_OPSET), DQ_OPSET)
