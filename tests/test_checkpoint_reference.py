@@ -30,9 +30,16 @@ def prompt(vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def whole_model_logits(path, ids, mask) -> torch.Tensor:
-    model = sources.load(sources.resolve(str(path)))  # from_pretrained in fp32, eager, with arch.fix_reference
+    """transformers' own from_pretrained in fp32, eager, with the exporter's fix_reference: independent of the
+    checkpoint reader that both the layer-by-layer reference and sources.load use."""
+    from transformers import AutoModelForCausalLM
+
+    from toolchain.export.architectures import architecture_for
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager")
+    architecture_for(model.config.model_type).fix_reference(model)
     with torch.no_grad():
-        return model(input_ids=ids, attention_mask=mask).logits
+        return model.eval()(input_ids=ids, attention_mask=mask).logits
 
 
 def check_layer_by_layer(path) -> None:
@@ -64,13 +71,15 @@ def test_tied_embeddings_layer_by_layer(tmp_path):
 
 
 def test_fp8_checkpoint_layer_by_layer(tmp_path):
-    """The FP8 hub layout with an MTP layer gives the logits of its dequantized weights loaded whole."""
+    """The FP8 hub layout with an MTP layer gives the logits of its weights dequantized to bf16 (as DeepSeek's own
+    fp8_cast_bf16 writes them) and loaded whole."""
     source = make_checkpoint(wide_v3_config(), tmp_path / "source")
     fp8 = write_fp8_checkpoint(source, tmp_path / "fp8", shard_bytes=300_000, mtp_layers=1)
     dequantized = tmp_path / "dequantized"
     dequantized.mkdir()
     with open_checkpoint(fp8) as reader:
-        save_file({name: reader.tensor(name) for name in reader.names()}, dequantized / "model.safetensors",
+        save_file({name: reader.tensor(name, reader.natural_dtype(name)) for name in reader.names()},
+                  dequantized / "model.safetensors",
                   metadata={"format": "pt"})
     config = json.loads((fp8 / "config.json").read_text())
     del config["quantization_config"]

@@ -123,21 +123,6 @@ def check_weights(source: Source) -> list[Path]:
     return files
 
 
-def transformers_config(source: Source):
-    """The transformers config of the checkpoint, as the fp32 eager reference runs it: a quantization_config (the
-    FP8 hub format) describes how the weights are stored, which the checkpoint reader undoes, not the model."""
-    from transformers import AutoConfig
-
-    try:
-        with quiet_transformers():
-            config = AutoConfig.from_pretrained(source.path)
-    except (OSError, ValueError, TypeError) as e:
-        raise InputError(f"cannot read the config of {source.spec}: {str(e).splitlines()[0]}") from None
-    if hasattr(config, "quantization_config"):
-        del config.quantization_config
-    return config
-
-
 def skeleton(source: Source, reader):
     """The transformers model of the checkpoint on the meta device (structure and attributes, no weights), checked
     against the tensors ``reader`` holds: every weight present with the shape the config implies."""
@@ -146,8 +131,10 @@ def skeleton(source: Source, reader):
 
     from toolchain.export.architectures import architecture_for
 
+    from toolchain.checkpoint.reference import reference_config
+
     arch = architecture_for(source.config["model_type"])
-    config = transformers_config(source)
+    config = reference_config(source.path)
     try:
         with torch.device("meta"), quiet_transformers():
             model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="eager")
@@ -207,33 +194,20 @@ def quiet_transformers() -> Iterator[None]:
 
 
 def load(source: Source, trust_remote_code: bool = False):
-    """The model in fp32 with eager attention (the reference the exported graph is compared with)."""
-    import torch
-    from transformers import AutoModelForCausalLM
+    """The whole model in fp32 with eager attention, the reference the exported graph is compared with: the
+    skeleton given every weight by dstc's checkpoint reader, exactly the values the exporter writes (FP8 weights
+    dequantized to bf16, as DeepSeek's own cast does; transformers cannot load the FP8 hub format on a CPU).
+    Transformers' own implementation of the architecture is used, never code shipped with the checkpoint;
+    ``trust_remote_code`` is accepted for the command line's sake and changes nothing."""
+    from toolchain.checkpoint.reader import open_checkpoint
+    from toolchain.checkpoint.reference import load_weights, rotary_embedding
 
-    from toolchain.export.architectures import architecture_for
-
-    arch = architecture_for(source.config["model_type"])
-    check_weights(source)
-    try:
-        with quiet_transformers():
-            model, info = AutoModelForCausalLM.from_pretrained(
-                source.path, dtype=torch.float32, attn_implementation="eager", trust_remote_code=trust_remote_code,
-                output_loading_info=True, ignore_mismatched_sizes=True)
-    except (OSError, ValueError, RuntimeError, TypeError) as e:
-        raise InputError(f"cannot load {source.spec}: {str(e).splitlines()[0]}") from None
-    mismatched = sorted(info.get("mismatched_keys", ()))
-    if mismatched:
-        name, found, expected = mismatched[0]
-        raise InputError(f"{source.spec}: the weights do not fit its config.json: {name} is {list(found)} in the "
-                         f"checkpoint, the config implies {list(expected)}"
-                         + (f" (and {len(mismatched) - 1} more)" if len(mismatched) > 1 else ""))
-    missing = [k for k in info.get("missing_keys", ()) if k != "lm_head.weight" or not model.config.tie_word_embeddings]
-    if missing:
-        raise InputError(f"{source.spec}: weights missing from the checkpoint: {', '.join(sorted(missing)[:5])}"
-                         + (" ..." if len(missing) > 5 else ""))
-    if not type(model).__module__.startswith("transformers.models."):
-        raise UnsupportedModelError(f"{source.spec}: the graph builder needs transformers' own implementation "
-                                    f"of {source.config['model_type']}, not remote code")
-    arch.fix_reference(model)
+    del trust_remote_code
+    with open_checkpoint(source.path) as reader:
+        model = skeleton(source, reader)
+        load_weights(model, reader, "")
+    model.model.rotary_emb = rotary_embedding(model.config)  # its buffers are computed, not stored
+    left = [name for name, t in [*model.named_parameters(), *model.named_buffers()] if t.device.type == "meta"]
+    if left:
+        raise RuntimeError(f"tensors left without values after loading {source.spec}: {', '.join(left[:3])}")
     return model.eval()

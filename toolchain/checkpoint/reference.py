@@ -41,9 +41,10 @@ def reference_config(path: str | Path):
             from None
     config.dtype = torch.float32
     config._attn_implementation = "eager"
-    # What from_pretrained picks for experts that have a choice of implementation (DeepSeek's); dense models
-    # have none and ignore it.
-    config._experts_implementation = "grouped_mm"
+    # What from_pretrained picks for experts that have a choice of implementation (DeepSeek's); a dense model's
+    # class refuses the setting.
+    if getattr(config, "n_routed_experts", None):
+        config._experts_implementation = "grouped_mm"
     return config
 
 
@@ -53,9 +54,11 @@ def _module_class(config, name: str) -> type:
     return getattr(module, _CLASSES[model_type] + name)
 
 
-def _load(module: nn.Module, reader: CheckpointReader, prefix: str) -> nn.Module:
+def load_weights(module: nn.Module, reader: CheckpointReader, prefix: str) -> nn.Module:
     """Give a meta-device module its weights: ``prefix + key`` for each of its state-dict keys, transformers'
-    fused experts assembled from the per-expert tensors one expert at a time."""
+    fused experts assembled from the per-expert tensors one expert at a time. Each tensor is read in the dtype
+    that holds it exactly (bf16 for bf16 and FP8 checkpoints) and widened to fp32: the values the exporter
+    writes."""
     state = {}
     for key, meta in module.state_dict().items():
         experts, _, fused = key.rpartition(".")
@@ -63,7 +66,7 @@ def _load(module: nn.Module, reader: CheckpointReader, prefix: str) -> nn.Module
             state[key] = _fused_experts(reader, prefix + experts, _FUSED_PARTS[fused], tuple(meta.shape))
         else:
             _check_shape(reader, prefix + key, tuple(meta.shape))
-            state[key] = reader.tensor(prefix + key)
+            state[key] = _read(reader, prefix + key)
     module.load_state_dict(state, strict=True, assign=True)
     return module.eval()
 
@@ -79,8 +82,12 @@ def _fused_experts(reader: CheckpointReader, prefix: str, parts: tuple[str, ...]
         for j, proj in enumerate(parts):
             name = f"{prefix}.{e}.{proj}.weight"
             _check_shape(reader, name, (rows, shape[2]))
-            fused[e, j * rows:(j + 1) * rows] = reader.tensor(name)
+            fused[e, j * rows:(j + 1) * rows] = _read(reader, name)
     return fused
+
+
+def _read(reader: CheckpointReader, name: str) -> torch.Tensor:
+    return reader.tensor(name, reader.natural_dtype(name)).to(torch.float32)
 
 
 def _check_shape(reader: CheckpointReader, name: str, expected: tuple[int, ...]) -> None:
@@ -90,7 +97,7 @@ def _check_shape(reader: CheckpointReader, name: str, expected: tuple[int, ...])
 
 
 def embeddings(reader: CheckpointReader) -> nn.Embedding:
-    return nn.Embedding.from_pretrained(reader.tensor(EMBEDDING), freeze=True)
+    return nn.Embedding.from_pretrained(_read(reader, EMBEDDING), freeze=True)
 
 
 def rotary_embedding(config) -> nn.Module:
@@ -103,7 +110,7 @@ def decoder_layer(config, reader: CheckpointReader, i: int) -> nn.Module:
     ``toolchain.source.load`` fixes the whole model)."""
     with torch.device("meta"):
         layer = _module_class(config, "DecoderLayer")(config, i)
-    _load(layer, reader, f"model.layers.{i}.")
+    load_weights(layer, reader, f"model.layers.{i}.")
     architecture_for(config.model_type).fix_reference(SimpleNamespace(config=config,
                                                                       model=SimpleNamespace(layers=[layer])))
     return layer
@@ -113,7 +120,7 @@ def final_norm_and_head(config, reader: CheckpointReader) -> tuple[nn.Module, nn
     with torch.device("meta"):
         norm = _module_class(config, "RMSNorm")(config.hidden_size, eps=config.rms_norm_eps)
         head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-    return _load(norm, reader, "model.norm."), _load(head, reader, "lm_head.")
+    return load_weights(norm, reader, "model.norm."), load_weights(head, reader, "lm_head.")
 
 
 @torch.no_grad()

@@ -107,7 +107,8 @@ def save_graph(model: ir.Model, path: Path) -> list[str]:
     """Write the model; returns the files written (model.onnx, and model.onnx.data for large weights)."""
     weight_bytes = sum(v.const_value.nbytes for v in model.graph.initializers.values())
     if weight_bytes > EXTERNAL_DATA_BYTES:
-        ir.save(model, path, external_data=path.name + ".data")
+        # small tensors (norms' scales, shape constants) stay in the graph file, as ORT's optimizer writes them
+        ir.save(model, path, external_data=path.name + ".data", size_threshold_bytes=1024)
         return [path.name, path.name + ".data"]
     # Weights still in the input's external data file (a stage that read a large graph and made it small, e.g.
     # by compressing it) would be written as references to that file: they are read in, to be inlined.
