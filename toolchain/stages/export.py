@@ -4,7 +4,8 @@ The graph is built from a meta-device skeleton of the transformers model and the
 (toolchain/checkpoint/reader.py): each weight is read from the checkpoint when the graph is saved and written
 to model.onnx.data at once, so exporting holds a few tensors, not the model. The fp32 PyTorch reference is loaded
 whole only for the end-to-end parity check, and only for models whose fp32 weights fit its budget
-(parity.FULL_PARITY_BYTES).
+(parity.FULL_PARITY_BYTES); above it, each layer is checked against its transformers module
+(toolchain/export/layer_parity.py).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from toolchain.errors import ParityError
 from toolchain.export.architectures import architecture_for
 from toolchain.export.decoder import build_decoder
 from toolchain.export.graph import save_graph
+from toolchain.export.layer_parity import compare_layers
 from toolchain.export.parity import compare, parity_cases, too_large_for_end_to_end
 from toolchain import source as sources
 
@@ -63,15 +65,21 @@ def export(spec: str, out_dir: Path, *, trust_remote_code: bool = False, parity:
         pad_id = config.pad_token_id or 0
         results = {}
         model = None
-        skipped = too_large_for_end_to_end(source.path) if parity else None
-        if skipped:
-            log(f"parity skipped: {skipped}")
+        too_large = too_large_for_end_to_end(source.path) if parity else None
+        if too_large:
+            log(f"parity layer by layer: {too_large}")
         elif parity:
             model = sources.load(source, trust_remote_code)
-        for backend in parity if model is not None else ():
+        for backend in parity:
             t0 = time.perf_counter()
-            log(f"parity: {backend} vs PyTorch fp32, {len(cases)} cases, prefill + {new_tokens} greedy tokens")
-            results[backend] = compare(model, tmp / "model.onnx", backend, cases, past_specs, new_tokens, pad_id)
+            if model is not None:
+                log(f"parity: {backend} vs PyTorch fp32, {len(cases)} cases, prefill + {new_tokens} greedy tokens")
+                results[backend] = compare(model, tmp / "model.onnx", backend, cases, past_specs, new_tokens, pad_id)
+            else:
+                log(f"parity: {backend}, each layer vs its PyTorch module, {len(cases)} cases, prefill + "
+                    f"{new_tokens} steps")
+                results[backend] = compare_layers(tmp / "model.onnx", source.path, backend, cases, new_tokens, pad_id,
+                                                  log)
             timings[f"parity_{backend}_s"] = time.perf_counter() - t0
         report = {
             "dstc_version": __version__,
@@ -80,7 +88,7 @@ def export(spec: str, out_dir: Path, *, trust_remote_code: bool = False, parity:
                        "skipped_layers": list(reader.skipped_layers), "tied_embeddings": bool(reader.tied)},
             "graph": graph_info,
             "parity": results,
-            "parity_skipped": skipped,
+            "parity_mode": "layer by layer" if too_large else "end-to-end",
             "timings": {k: round(v, 3) for k, v in timings.items()},
         }
         (tmp / "export.json").write_text(json.dumps(report, indent=2) + "\n")

@@ -1,0 +1,201 @@
+"""Parity layer by layer: each exported decoder layer against transformers' own layer module, on the same inputs,
+for models whose whole fp32 reference does not fit in memory.
+
+The saved graph is cut into pieces by the exporter's scope names (toolchain/export/graph.py): the prologue
+(embedding, RoPE tables, attention mask), ``layers.N/...`` for each layer and the epilogue (final norm, lm_head).
+Each piece is a small ONNX file beside model.onnx whose initializers still point into model.onnx.data, so a
+runtime reads that piece's weights only. The reference is built one layer at a time from the checkpoint reader
+(toolchain/checkpoint/reference.py), so the check holds one layer of each, whatever the model's size.
+
+Each case (the export's parity prompts) is a prefill of the prompt and then ``steps`` single-token steps through
+the KV cache. The tokens of those steps are fixed in advance (the prompt's own, cycled) rather than chosen
+greedily, so that the layers can be checked one after another: layer N of the graph gets the hidden states the
+reference's layer N got, at every step, and keeps its own KV cache (the exporter reorders MLA's RoPE dims, so the
+reference's cache is not its). A piece passes when its outputs at every step and real position are within the
+runtime's tolerance of the reference's range, as the end-to-end check judges logits.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import onnx
+import torch
+
+from toolchain.export.parity import RUNNERS, TOLERANCES, Case, left_pad
+
+PIECE_PREFIX = ".parity-piece-"
+EMBEDDING = "embed_tokens.weight"
+
+
+@dataclass
+class Piece:
+    scope: str
+    nodes: list = field(default_factory=list)
+    inputs: list[str] = field(default_factory=list)  # values it reads from other pieces or the graph inputs
+    outputs: list[str] = field(default_factory=list)  # values other pieces read, and graph outputs
+
+
+def _scope(node: onnx.NodeProto) -> str:
+    head = node.name.split("/", 1)[0]
+    if head.startswith("layers."):
+        return head
+    return "epilogue" if head in ("norm", "lm_head") else "prologue"
+
+
+def cut(graph: onnx.GraphProto) -> dict[str, Piece]:
+    """The pieces of a graph the exporter wrote, by scope, each with its boundary values."""
+    initializers = {t.name for t in graph.initializer}
+    pieces: dict[str, Piece] = {}
+    for node in graph.node:
+        pieces.setdefault(_scope(node), Piece(_scope(node))).nodes.append(node)
+    produced_in = {out: scope for scope, p in pieces.items() for n in p.nodes for out in n.output}
+    for scope, piece in pieces.items():
+        for node in piece.nodes:
+            for name in node.input:
+                if name and name not in initializers and produced_in.get(name) != scope and name not in piece.inputs:
+                    piece.inputs.append(name)
+                    if name in produced_in:
+                        source = pieces[produced_in[name]]
+                        if name not in source.outputs:
+                            source.outputs.append(name)
+    for output in graph.output:
+        pieces[produced_in[output.name]].outputs.append(output.name)
+    return pieces
+
+
+def _write(model: onnx.ModelProto, piece: Piece, directory: Path) -> Path:
+    """The piece as an ONNX file in the graph's directory (its external weights resolve to model.onnx.data)."""
+    used = {name for node in piece.nodes for name in node.input}
+    types = {v.name: v.type for v in [*model.graph.input, *model.graph.output, *model.graph.value_info]}
+
+    def info(name: str) -> onnx.ValueInfoProto:
+        value = onnx.ValueInfoProto(name=name)
+        if name in types:
+            value.type.CopyFrom(types[name])
+        else:  # an intermediate value: every value between pieces is float
+            value.type.tensor_type.elem_type = onnx.TensorProto.FLOAT
+        return value
+
+    graph = onnx.helper.make_graph(piece.nodes, piece.scope, [info(n) for n in piece.inputs],
+                                   [info(n) for n in piece.outputs],
+                                   [t for t in model.graph.initializer if t.name in used])
+    path = directory / f"{PIECE_PREFIX}{piece.scope}.onnx"
+    onnx.save(onnx.helper.make_model(graph, opset_imports=model.opset_import, ir_version=model.ir_version), str(path))
+    return path
+
+
+def _schedule(case: Case, steps: int, pad_id: int) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    """(ids, mask, position ids) of the prefill and of each single-token step of a case, tokens fixed in advance."""
+    ids, mask = left_pad(case.prompts, pad_id)
+    out = [(ids, mask, np.clip(mask.cumsum(-1) - 1, 0, None))]
+    for k in range(steps):
+        mask = np.concatenate([mask, np.ones((len(mask), 1), np.int64)], axis=1)
+        token = np.array([[p[k % len(p)]] for p in case.prompts], np.int64)
+        out.append((token, mask, np.clip(mask.cumsum(-1) - 1, 0, None)[:, -1:]))
+    return out
+
+
+def _additive_mask(mask: np.ndarray, new: int) -> torch.Tensor:
+    """[B, 1, new, total] additive mask as transformers' eager attention takes it: causal and padding."""
+    total = mask.shape[1]
+    query = torch.arange(total - new, total)[:, None]
+    allowed = (torch.arange(total)[None, :] <= query)[None, None] & torch.from_numpy(mask.astype(bool))[:, None, None]
+    return torch.where(allowed, 0.0, torch.finfo(torch.float32).min)
+
+
+def _relative(reference: np.ndarray, candidate: np.ndarray, real: np.ndarray) -> float:
+    """Largest |difference| over real (non-padding) positions, relative to the reference's range there."""
+    ref, cand = reference[real], candidate[real]
+    span = float(ref.max() - ref.min())
+    return float(np.abs(ref - cand).max()) / span if span else 0.0
+
+
+@dataclass
+class _Step:
+    hidden: torch.Tensor  # the reference's hidden states entering the current layer
+    rope: tuple  # the reference's position embeddings
+    mask: torch.Tensor  # the reference's additive mask
+    positions: torch.Tensor
+    real: np.ndarray  # [batch, new] True at real (non-padding) positions
+    shared: dict  # the graph prologue's outputs the layers read (RoPE tables, mask)
+
+
+@torch.no_grad()
+def compare_layers(graph_path: Path, source_path: Path, backend: str, cases: list[Case], steps: int, pad_id: int,
+                   log: Callable[[str], None] = lambda _: None) -> dict:
+    """Every piece of the graph at ``graph_path`` on ``backend`` against the reference built from the checkpoint
+    at ``source_path``; the result has the keys export.json's parity entries have."""
+    from transformers import DynamicCache
+
+    from toolchain.checkpoint import reference as ref
+    from toolchain.checkpoint.reader import open_checkpoint
+
+    # shapes of the values between pieces (OpenVINO needs their ranks); the weights stay on disk
+    model = onnx.shape_inference.infer_shapes(onnx.load(str(graph_path), load_external_data=False))
+    pieces = cut(model.graph)
+    layers = sorted((s for s in pieces if s.startswith("layers.")), key=lambda s: int(s.split(".")[1]))
+    past_dims = {i.name: (i.type.tensor_type.shape.dim[1].dim_value, i.type.tensor_type.shape.dim[3].dim_value)
+                 for i in model.graph.input if i.name.startswith("past_key_values.")}
+    embedded = next(n.output[0] for n in pieces["prologue"].nodes if n.op_type == "Gather" and n.input[0] == EMBEDDING)
+    config = ref.reference_config(source_path)
+    worst: dict[str, float] = {}
+    written = [_write(model, piece, graph_path.parent) for piece in pieces.values()]
+    try:
+        paths = dict(zip(pieces, written))
+        with open_checkpoint(source_path) as reader:
+            runs = []  # per case, its steps
+            prologue, rotary, embed = RUNNERS[backend](paths["prologue"]), ref.rotary_embedding(config), \
+                ref.embeddings(reader)
+            worst["prologue"] = 0.0
+            for case in cases:
+                runs.append([])
+                for ids, mask, positions in _schedule(case, steps, pad_id):
+                    out = prologue({"input_ids": ids, "attention_mask": mask, "position_ids": positions})
+                    hidden, pos = embed(torch.from_numpy(ids)), torch.from_numpy(positions)
+                    real = mask[:, -ids.shape[1]:].astype(bool)
+                    worst["prologue"] = max(worst["prologue"], _relative(hidden.numpy(), out[embedded], real))
+                    runs[-1].append(_Step(hidden, rotary(hidden, pos), _additive_mask(mask, ids.shape[1]), pos, real,
+                                          {k: v for k, v in out.items() if k != embedded}))
+            del prologue, embed  # the embedding table, twice: before any layer is loaded
+            hidden_in = embedded
+            for scope in layers:
+                layer, piece = ref.decoder_layer(config, reader, int(scope.split(".")[1])), pieces[scope]
+                run = RUNNERS[backend](paths[scope])
+                past_names = [n for n in piece.inputs if n in past_dims]
+                hidden_out = next(n for n in piece.outputs if not n.startswith("present."))
+                worst[scope] = 0.0
+                for case_steps in runs:
+                    cache = DynamicCache(config=config)
+                    batch = len(case_steps[0].hidden)
+                    past = {n: np.zeros((batch, past_dims[n][0], 0, past_dims[n][1]), np.float32) for n in past_names}
+                    for step in case_steps:
+                        feeds = {n: step.shared[n] for n in piece.inputs if n in step.shared}
+                        out = run({**feeds, **past, hidden_in: step.hidden.numpy()})
+                        past = {n: out["present." + n[len("past_key_values."):]] for n in past_names}
+                        result = layer(step.hidden, attention_mask=step.mask, position_ids=step.positions,
+                                       past_key_values=cache, position_embeddings=step.rope, use_cache=True)
+                        result = result[0] if isinstance(result, tuple) else result
+                        worst[scope] = max(worst[scope], _relative(result.numpy(), out[hidden_out], step.real))
+                        step.hidden = result  # the next layer gets the reference's states
+                log(f"{scope}: max relative diff {worst[scope]:.1e}")
+                hidden_in = hidden_out
+                del layer, run
+            norm, head = ref.final_norm_and_head(config, reader)
+            epilogue, worst["epilogue"] = RUNNERS[backend](paths["epilogue"]), 0.0
+            for case_steps in runs:
+                for step in case_steps:
+                    logits = epilogue({hidden_in: step.hidden.numpy()})["logits"]
+                    worst["epilogue"] = max(worst["epilogue"], _relative(head(norm(step.hidden)).numpy(), logits,
+                                                                          step.real))
+    finally:
+        for path in written:
+            path.unlink(missing_ok=True)
+    tolerance = TOLERANCES[backend]
+    return {"mode": "layer by layer", "passed": all(v <= tolerance for v in worst.values()),
+            "tolerance_relative_to_logits_range": tolerance, "max_relative_diff": max(worst.values()),
+            "max_abs_diff": None, "tokens_identical": None, "pieces": worst,
+            "cases": [{"name": c.name, "batch": len(c.prompts), "steps": steps} for c in cases]}
