@@ -206,10 +206,10 @@ def output_error(x: np.ndarray | None, w: np.ndarray, w_hat: np.ndarray) -> floa
         return None
     import torch
 
-    x32 = torch.from_numpy(np.ascontiguousarray(x, np.float32))
-    w32 = np.asarray(w, np.float32)
-    reference = (x32 @ torch.from_numpy(np.ascontiguousarray(w32))).numpy()
-    error = (x32 @ torch.from_numpy(np.ascontiguousarray(w32 - np.asarray(w_hat, np.float32)))).numpy()
+    x32 = torch.from_numpy(np.array(x, np.float32))  # copies: torch takes no read-only arrays (a graph's weights)
+    w32 = np.array(w, np.float32)
+    reference = (x32 @ torch.from_numpy(w32)).numpy()
+    error = (x32 @ torch.from_numpy(w32 - np.asarray(w_hat, np.float32))).numpy()
     return _ratio(_norm(error), _norm(reference))
 
 
