@@ -1,0 +1,356 @@
+"""Continuous batching: sequences that join and leave a running batch between decode steps.
+
+ONNX Runtime. dstc's graph takes a left-padded batch (``attention_mask`` [B, past + S], position ids from it) and a KV
+cache of ``[B, heads, past, dim]`` per layer, and returns the cache grown by the new positions. Two layouts of that
+cache over a changing set of sequences are implemented, told apart by ``layout``:
+
+- ``"batch"`` (the default): the running batch keeps one cache tensor per layer for all its rows, as ORT returned
+  it; a decode step binds last step's ``present.*`` OrtValues as this step's ``past_key_values.*`` with no copy.
+  The cache is rebuilt (copied once) only when sequences join: they are prefilled as a batch of their own and
+  then concatenated to it (the shorter side left-padded, masked out). A sequence that leaves stays as a dead row,
+  fed padding, until that rebuild drops it (or until half the rows are dead); the columns that only padding
+  occupies are then cut off.
+- ``"gather"``: every sequence keeps its own cache; each step left-pads and concatenates them into a batch, runs
+  it, and slices each row's cache back out of the result (per-sequence caches gathered every step: what a paged
+  layout costs with a graph that takes a contiguous cache).
+
+``benchmarks/serve_load.py layouts`` measures both; "batch" was the faster one at every batch size and context
+measured (the numbers are in that script's docstring), so the server uses it.
+
+OpenVINO. openvino_genai's ContinuousBatchingPipeline does this itself (paged attention over KV-cache blocks,
+chunked prefill, prefix caching): ``openvino_pipeline`` builds one over a dstc artifact's stateful IR, which the
+pipeline converts to paged attention when it loads it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Hashable, Iterable
+from dataclasses import dataclass
+
+import numpy as np
+
+from toolchain.compile.openvino_ir import F32, PAST_PREFIX, PRESENT_PREFIX
+from toolchain.errors import InputError
+from toolchain.export.parity import left_pad
+from toolchain.runtime.artifact import Artifact
+from toolchain.runtime.decoder import positions
+
+LAYOUTS = ("batch", "gather")
+_DTYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16}
+
+
+class BatchedDecoder:
+    """A running batch of sequences, each named by a key, on an ONNX Runtime decoder's session.
+
+    ``join(prompts)`` prefills new sequences and returns the logits [vocab] of each one's last prompt position;
+    ``step(tokens)`` feeds one token to every running sequence and returns each one's next-token logits;
+    ``leave(keys)`` drops sequences (their cache is freed). Calls come from one thread.
+    """
+
+    layout = ""
+
+    def __init__(self, decoder, pad_id: int) -> None:
+        if getattr(decoder, "backend", None) != "onnxruntime":
+            raise InputError("batched decoding over dstc's own runner is for ONNX Runtime artifacts; OpenVINO "
+                             "artifacts use openvino_genai's continuous-batching pipeline (openvino_pipeline)")
+        self.session = decoder.session
+        self.pad_id = pad_id
+        self._past = {i.name: (i.shape[1], i.shape[3], _DTYPES[i.type]) for i in self.session.get_inputs()
+                      if i.name.startswith(PAST_PREFIX)}
+        self._present = {name: PRESENT_PREFIX + name[len(PAST_PREFIX):] for name in self._past}
+        self._outputs = ["logits", *self._present.values()]
+
+    # -- what every layout provides ----------------------------------------------------------------------------
+
+    @property
+    def keys(self) -> list[Hashable]:
+        raise NotImplementedError
+
+    def tokens_held(self) -> int:
+        """Positions held in the KV cache over all running sequences (padding not counted)."""
+        raise NotImplementedError
+
+    def join(self, prompts: dict[Hashable, list[int]]) -> dict[Hashable, np.ndarray]:
+        raise NotImplementedError
+
+    def step(self, tokens: dict[Hashable, int]) -> dict[Hashable, np.ndarray]:
+        raise NotImplementedError
+
+    def leave(self, keys: Iterable[Hashable]) -> None:
+        raise NotImplementedError
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    # -- shared ------------------------------------------------------------------------------------------------
+
+    def _check_join(self, prompts: dict[Hashable, list[int]]) -> None:
+        if not prompts or not all(prompts.values()):
+            raise InputError("every joining sequence needs at least one prompt token")
+        twice = set(prompts) & set(self.keys)
+        if twice:
+            raise ValueError(f"sequences already running: {sorted(map(str, twice))}")
+
+    def _check_step(self, tokens: dict[Hashable, int]) -> None:
+        if set(tokens) != set(self.keys):
+            raise ValueError("a step feeds one token to every running sequence, and to no other")
+
+    def _run(self, ids: np.ndarray, mask: np.ndarray, past: dict) -> tuple[np.ndarray, dict]:
+        """Logits [B, S, vocab] (numpy) and the presents as OrtValues (ORT's own buffers, not copied)."""
+        from onnxruntime import OrtValue
+
+        ids = np.ascontiguousarray(ids, np.int64)
+        mask = np.ascontiguousarray(mask, np.int64)
+        pos = np.ascontiguousarray(positions(mask, ids.shape[1]))
+        feeds = {"input_ids": OrtValue.ortvalue_from_numpy(ids), "attention_mask": OrtValue.ortvalue_from_numpy(mask),
+                 "position_ids": OrtValue.ortvalue_from_numpy(pos), **past}
+        values = dict(zip(self._outputs, self.session.run_with_ort_values(self._outputs, feeds)))
+        return values["logits"].numpy(), {name: values[present] for name, present in self._present.items()}
+
+    def _empty(self, batch: int) -> dict:
+        from onnxruntime import OrtValue
+
+        return {name: OrtValue.ortvalue_from_shape_and_type([batch, heads, 0, dim], dtype, "cpu", 0)
+                for name, (heads, dim, dtype) in self._past.items()}
+
+
+class PersistentBatch(BatchedDecoder):
+    """One cache tensor per layer for the whole running batch, rebuilt only when sequences join.
+
+    A sequence that leaves becomes a dead row, fed padding, until the next join rebuilds the cache anyway (or until
+    half the rows are dead): a leave costs no copy of the cache, a join one.
+    """
+
+    layout = "batch"
+
+    def __init__(self, decoder, pad_id: int) -> None:
+        super().__init__(decoder, pad_id)
+        self._rows: list[Hashable | None] = []  # None: a dead row
+        self._mask = np.zeros((0, 0), np.int64)
+        self._cache: dict = {}
+        self._held: list[np.ndarray] = []  # numpy buffers the cache's OrtValues share, kept alive with them
+
+    @property
+    def keys(self) -> list[Hashable]:
+        return [key for key in self._rows if key is not None]
+
+    @property
+    def rows(self) -> int:
+        """Rows the graph runs on, dead ones included."""
+        return len(self._rows)
+
+    def tokens_held(self) -> int:
+        live = [row for row, key in enumerate(self._rows) if key is not None]
+        return int(self._mask[live].sum()) if live else 0
+
+    def padded_positions(self) -> int:
+        """Positions the batch's cache tensors hold, padding and dead rows included (rows x columns)."""
+        return int(self._mask.size)
+
+    def join(self, prompts: dict[Hashable, list[int]]) -> dict[Hashable, np.ndarray]:
+        self._check_join(prompts)
+        keys = list(prompts)
+        ids, mask = left_pad([list(prompts[k]) for k in keys], self.pad_id)
+        logits, present = self._run(ids, mask, self._empty(len(keys)))
+        if not self.keys:
+            self._rows, self._mask, self._cache, self._held = keys, mask, present, []
+        else:
+            self._rebuild(keys, mask, present)
+        return {key: logits[row, -1] for row, key in enumerate(keys)}
+
+    def _rebuild(self, keys: list[Hashable], mask: np.ndarray | None = None, present: dict | None = None) -> None:
+        """The cache of the live rows, then of the joining ones (if any), in new buffers, one copy each: dead rows
+        dropped, the columns that only padding occupies cut off, the shorter side left-padded."""
+        from onnxruntime import OrtValue
+
+        live = [row for row, key in enumerate(self._rows) if key is not None]
+        old_mask = self._mask[live]
+        first = int(np.argmax(old_mask.any(axis=0)))
+        old_width = old_mask.shape[1] - first
+        new_width = 0 if mask is None else mask.shape[1]
+        width = max(old_width, new_width)
+        rows = len(live) + (0 if mask is None else len(mask))
+        merged_mask = np.zeros((rows, width), np.int64)
+        merged_mask[:len(live), width - old_width:] = old_mask[:, first:]
+        if mask is not None:
+            merged_mask[len(live):, width - new_width:] = mask
+        cache, held = {}, []
+        for name, (heads, dim, dtype) in self._past.items():
+            merged = np.zeros((rows, heads, width, dim), dtype)
+            merged[:len(live), :, width - old_width:] = self._cache[name].numpy()[live, :, first:]
+            if present is not None:
+                merged[len(live):, :, width - new_width:] = present[name].numpy()
+            held.append(merged)
+            cache[name] = OrtValue.ortvalue_from_numpy(merged)
+        self._rows = [self._rows[row] for row in live] + keys
+        self._mask, self._cache, self._held = merged_mask, cache, held
+
+    def step(self, tokens: dict[Hashable, int]) -> dict[Hashable, np.ndarray]:
+        self._check_step(tokens)
+        ids = np.array([[self.pad_id if key is None else tokens[key]] for key in self._rows], np.int64)
+        mask = np.concatenate([self._mask, np.ones((len(self._rows), 1), np.int64)], axis=1)
+        logits, present = self._run(ids, mask, self._cache)
+        # the presents are ORT's buffers: bound as they are as the next step's past (no copy)
+        self._mask, self._cache, self._held = mask, present, []
+        return {key: logits[row, -1] for row, key in enumerate(self._rows) if key is not None}
+
+    def leave(self, keys: Iterable[Hashable]) -> None:
+        drop = set(keys)
+        self._rows = [None if key in drop else key for key in self._rows]
+        if not self.keys:
+            self._rows, self._mask, self._cache, self._held = [], np.zeros((0, 0), np.int64), {}, []
+        elif 2 * self._rows.count(None) >= len(self._rows):
+            self._rebuild([])
+
+
+@dataclass
+class _Sequence:
+    length: int
+    cache: dict  # past name -> np.ndarray [heads, length, dim] (a view into the step's present)
+
+
+class GatheredBatch(BatchedDecoder):
+    """A cache per sequence; every step gathers them into a left-padded batch and slices the rows back out."""
+
+    layout = "gather"
+
+    def __init__(self, decoder, pad_id: int) -> None:
+        super().__init__(decoder, pad_id)
+        self._seqs: dict[Hashable, _Sequence] = {}
+
+    @property
+    def keys(self) -> list[Hashable]:
+        return list(self._seqs)
+
+    def tokens_held(self) -> int:
+        return sum(s.length for s in self._seqs.values())
+
+    def _split(self, keys: list[Hashable], lengths: list[int], present: dict) -> None:
+        arrays = {name: value.numpy() for name, value in present.items()}
+        width = next(iter(arrays.values())).shape[2]
+        for row, (key, length) in enumerate(zip(keys, lengths)):
+            self._seqs[key] = _Sequence(length, {name: a[row, :, width - length:] for name, a in arrays.items()})
+
+    def join(self, prompts: dict[Hashable, list[int]]) -> dict[Hashable, np.ndarray]:
+        self._check_join(prompts)
+        keys = list(prompts)
+        ids, mask = left_pad([list(prompts[k]) for k in keys], self.pad_id)
+        logits, present = self._run(ids, mask, self._empty(len(keys)))
+        self._split(keys, [len(prompts[k]) for k in keys], present)
+        return {key: logits[row, -1] for row, key in enumerate(keys)}
+
+    def step(self, tokens: dict[Hashable, int]) -> dict[Hashable, np.ndarray]:
+        from onnxruntime import OrtValue
+
+        self._check_step(tokens)
+        keys = list(self._seqs)
+        width = max(s.length for s in self._seqs.values())
+        mask = np.zeros((len(keys), width + 1), np.int64)
+        past, held = {}, []
+        for name, (heads, dim, dtype) in self._past.items():
+            batch = np.zeros((len(keys), heads, width, dim), dtype)
+            for row, key in enumerate(keys):
+                seq = self._seqs[key]
+                batch[row, :, width - seq.length:] = seq.cache[name]
+            held.append(batch)
+            past[name] = OrtValue.ortvalue_from_numpy(batch)
+        for row, key in enumerate(keys):
+            mask[row, width - self._seqs[key].length:] = 1
+        ids = np.array([[tokens[k]] for k in keys], np.int64)
+        logits, present = self._run(ids, mask, past)
+        self._split(keys, [self._seqs[k].length + 1 for k in keys], present)
+        return {key: logits[row, -1] for row, key in enumerate(keys)}
+
+    def leave(self, keys: Iterable[Hashable]) -> None:
+        for key in keys:
+            self._seqs.pop(key, None)
+
+
+def batched_decoder(decoder, pad_id: int, layout: str = "batch") -> BatchedDecoder:
+    """A BatchedDecoder over an ONNX Runtime Decoder (toolchain.runtime.decoder.open_decoder) in one of LAYOUTS."""
+    if layout not in LAYOUTS:
+        raise InputError(f"unknown KV-cache layout {layout!r} (one of {', '.join(LAYOUTS)})")
+    return (PersistentBatch if layout == "batch" else GatheredBatch)(decoder, pad_id)
+
+
+# -- OpenVINO: openvino_genai's continuous-batching pipeline ------------------------------------------------------
+
+KV_BLOCK_TOKENS = 32  # the CPU plugin's paged-attention block size (openvino_genai 2026.4)
+
+
+@dataclass(frozen=True)
+class PipelineSettings:
+    threads: int | None = None  # INFERENCE_NUM_THREADS; None: the plugin's choice
+    max_batch: int = 16  # sequences decoded together (SchedulerConfig.max_num_seqs)
+    max_context: int = 1024  # prompt + generated tokens per sequence, to size the KV cache
+    max_batched_tokens: int = 256  # tokens per step; longer prompts are prefilled in chunks (dynamic split-fuse)
+    prefix_caching: bool = True  # reuse the KV blocks of a prompt prefix seen before
+    f32: bool = False  # f32 compute and KV cache instead of the CPU plugin's default compute precision
+    # None: the compute precision (bf16 where the CPU has it). The plugin's own default, u8, is wrong under batching
+    # in OpenVINO 2026.4 (see kv_cache_precision); "u8" asks for it anyway.
+    kv_cache_precision: str | None = None
+
+
+def kv_cache_precision(settings: PipelineSettings) -> str:
+    """The KV-cache precision the pipeline is given: the inference precision the CPU plugin picks (bf16 on CPUs
+    with bf16 instructions, else f32), unless asked otherwise.
+
+    Not the plugin's default u8: measured with OpenVINO 2026.4 on a Xeon with AMX, the paged-attention kernel with a
+    u8 KV cache returns other tokens for a sequence decoded beside others than for the same sequence alone, from
+    the first tokens on (16 concurrent greedy requests of the embedded DeepSeek-V3 model: 16 of 16 differ, most
+    of them garbage; at f32 compute with a u8 cache as well), while bf16 and f16 caches give the batch-1 tokens
+    for all 16. It looks tied to MLA's key and value widths differing (48 and 24 there): the embedded qwen2 model
+    (equal widths) gives the batch-1 tokens at u8 too; bf16 is used for every model all the same, at twice u8's
+    cache memory. The plugin accepts bf16 compute only with a bf16 (or u8) cache, and f32 compute with f32.
+    """
+    if settings.f32:
+        return "f32"
+    if settings.kv_cache_precision:
+        return settings.kv_cache_precision
+    import openvino as ov
+
+    hint = ov.Core().get_property("CPU", "INFERENCE_PRECISION_HINT")
+    name = hint.get_type_name() if hasattr(hint, "get_type_name") else str(hint)
+    return {"bf16": "bf16", "f16": "f16"}.get(name, "f32")
+
+
+def openvino_pipeline(artifact: Artifact, settings: PipelineSettings):
+    """(openvino_genai.ContinuousBatchingPipeline over the artifact, the properties it was given, its
+    SchedulerConfig). The KV cache is sized for ``max_batch`` sequences of ``max_context`` tokens."""
+    if artifact.backend != "openvino":
+        raise InputError(f"{artifact.path} is an {artifact.backend} artifact, not an OpenVINO one")
+    import openvino_genai
+
+    scheduler = openvino_genai.SchedulerConfig()
+    scheduler.max_num_seqs = settings.max_batch
+    scheduler.max_num_batched_tokens = max(settings.max_batched_tokens, settings.max_batch)
+    scheduler.dynamic_split_fuse = True
+    scheduler.enable_prefix_caching = settings.prefix_caching
+    scheduler.cache_size = 0
+    blocks_per_sequence = math.ceil(settings.max_context / KV_BLOCK_TOKENS)
+    scheduler.num_kv_blocks = settings.max_batch * (blocks_per_sequence + 1)
+    properties = {**(F32 if settings.f32 else {}), "KV_CACHE_PRECISION": kv_cache_precision(settings),
+                  **({"INFERENCE_NUM_THREADS": settings.threads} if settings.threads else {})}
+    pipeline = openvino_genai.ContinuousBatchingPipeline(str(artifact.path), scheduler, "CPU", properties)
+    return pipeline, properties, scheduler
+
+
+def openvino_generation_config(*, max_new_tokens: int, stop_ids: Iterable[int], temperature: float, top_p: float,
+                               seed: int | None, ignore_eos: bool = False):
+    """An openvino_genai.GenerationConfig for one request given token ids (no chat template: the caller applied
+    it): greedy at temperature 0, else multinomial sampling with temperature and top-p."""
+    import openvino_genai
+
+    config = openvino_genai.GenerationConfig()
+    config.max_new_tokens = max_new_tokens
+    config.apply_chat_template = False
+    config.stop_token_ids = set(int(i) for i in stop_ids)
+    config.ignore_eos = ignore_eos
+    if temperature > 0:
+        config.do_sample = True
+        config.temperature = float(temperature)
+        config.top_p = float(top_p)
+        if seed is not None:
+            config.rng_seed = int(seed)
+    return config
