@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Callable
 
 from toolchain import source as sources
-from toolchain.atomic import MARKER, atomic_output_dir, lock_file
+from toolchain.atomic import MARKER, atomic_output_dir, link_or_copy, lock_file
 from toolchain.errors import InputError
 from toolchain.gates import GateFailed
 from toolchain.manifest import REPORT_FILES, code_digest, digest, file_hashes, git_commit, versions, write_manifest
@@ -146,7 +146,12 @@ def build(recipe_path: Path, out_dir: Path | None = None, *, model: str | None =
             parent, stage_dir = stage_id, target
         for item in sorted(stage_dir.iterdir()):
             if item.name not in STAGE_REPORTS and item.name != MARKER:
-                (shutil.copytree if item.is_dir() else shutil.copyfile)(item, tmp / item.name)
+                # hard links where possible: an artifact's weights can be GBs, and no dstc writer changes a file in
+                # place (a user who does is caught by the cache entry's hashes at the next build)
+                if item.is_dir():
+                    shutil.copytree(item, tmp / item.name, copy_function=link_or_copy)
+                else:
+                    link_or_copy(item, tmp / item.name)
         fields = {
             "dstc_version": versions()["dstc"],
             "git_commit": git_commit(),

@@ -116,6 +116,12 @@ def decoder_layer(config, reader: CheckpointReader, i: int) -> nn.Module:
     return layer
 
 
+def final_norm(config, reader: CheckpointReader) -> nn.Module:
+    with torch.device("meta"):
+        norm = _module_class(config, "RMSNorm")(config.hidden_size, eps=config.rms_norm_eps)
+    return load_weights(norm, reader, "model.norm.")
+
+
 def final_norm_and_head(config, reader: CheckpointReader) -> tuple[nn.Module, nn.Linear]:
     with torch.device("meta"):
         norm = _module_class(config, "RMSNorm")(config.hidden_size, eps=config.rms_norm_eps)

@@ -28,7 +28,7 @@ import torch
 from toolchain.export.parity import RUNNERS, TOLERANCES, Case, left_pad
 
 PIECE_PREFIX = ".parity-piece-"
-EMBEDDING = "embed_tokens.weight"
+GRAPH_TABLE = "embed_tokens.weight"  # the exporter's name for the embedding table
 
 
 @dataclass
@@ -114,6 +114,12 @@ def _relative(reference: np.ndarray, candidate: np.ndarray, real: np.ndarray) ->
     return float(np.abs(ref - cand).max()) / span if span else 0.0
 
 
+def _logits(hidden: torch.Tensor, head: torch.Tensor, rows: int = 8192) -> np.ndarray:
+    """hidden @ head.T in fp32, the [vocab, hidden] head widened a block of rows at a time."""
+    return torch.cat([hidden @ head[start:start + rows].float().T for start in range(0, len(head), rows)],
+                     dim=-1).numpy()
+
+
 @dataclass
 class _Step:
     hidden: torch.Tensor  # the reference's hidden states entering the current layer
@@ -132,7 +138,7 @@ def compare_layers(graph_path: Path, source_path: Path, backend: str, cases: lis
     from transformers import DynamicCache
 
     from toolchain.checkpoint import reference as ref
-    from toolchain.checkpoint.reader import open_checkpoint
+    from toolchain.checkpoint.reader import EMBEDDING, open_checkpoint
 
     # shapes of the values between pieces (OpenVINO needs their ranks); the weights stay on disk
     model = onnx.shape_inference.infer_shapes(onnx.load(str(graph_path), load_external_data=False))
@@ -140,7 +146,7 @@ def compare_layers(graph_path: Path, source_path: Path, backend: str, cases: lis
     layers = sorted((s for s in pieces if s.startswith("layers.")), key=lambda s: int(s.split(".")[1]))
     past_dims = {i.name: (i.type.tensor_type.shape.dim[1].dim_value, i.type.tensor_type.shape.dim[3].dim_value)
                  for i in model.graph.input if i.name.startswith("past_key_values.")}
-    embedded = next(n.output[0] for n in pieces["prologue"].nodes if n.op_type == "Gather" and n.input[0] == EMBEDDING)
+    embedded = next(n.output[0] for n in pieces["prologue"].nodes if n.op_type == "Gather" and n.input[0] == GRAPH_TABLE)
     config = ref.reference_config(source_path)
     worst: dict[str, float] = {}
     written = [_write(model, piece, graph_path.parent) for piece in pieces.values()]
@@ -148,19 +154,25 @@ def compare_layers(graph_path: Path, source_path: Path, backend: str, cases: lis
         paths = dict(zip(pieces, written))
         with open_checkpoint(source_path) as reader:
             runs = []  # per case, its steps
-            prologue, rotary, embed = RUNNERS[backend](paths["prologue"]), ref.rotary_embedding(config), \
-                ref.embeddings(reader)
-            worst["prologue"] = 0.0
+            rotary = ref.rotary_embedding(config)
+            # the table in the dtype that holds it exactly (bf16 for bf16/FP8 checkpoints): rows gathered, then
+            # widened, are the fp32 reference's rows, at half its memory
+            table = reader.tensor(EMBEDDING, reader.natural_dtype(EMBEDDING))
             for case in cases:
                 runs.append([])
                 for ids, mask, positions in _schedule(case, steps, pad_id):
+                    hidden, pos = table[torch.from_numpy(ids)].float(), torch.from_numpy(positions)
+                    runs[-1].append(_Step(hidden, rotary(hidden, pos), _additive_mask(mask, ids.shape[1]), pos,
+                                          mask[:, -ids.shape[1]:].astype(bool), {}))
+            del table
+            prologue, worst["prologue"] = RUNNERS[backend](paths["prologue"]), 0.0
+            for case, case_steps in zip(cases, runs):
+                for (ids, mask, positions), step in zip(_schedule(case, steps, pad_id), case_steps):
                     out = prologue({"input_ids": ids, "attention_mask": mask, "position_ids": positions})
-                    hidden, pos = embed(torch.from_numpy(ids)), torch.from_numpy(positions)
-                    real = mask[:, -ids.shape[1]:].astype(bool)
-                    worst["prologue"] = max(worst["prologue"], _relative(hidden.numpy(), out[embedded], real))
-                    runs[-1].append(_Step(hidden, rotary(hidden, pos), _additive_mask(mask, ids.shape[1]), pos, real,
-                                          {k: v for k, v in out.items() if k != embedded}))
-            del prologue, embed  # the embedding table, twice: before any layer is loaded
+                    worst["prologue"] = max(worst["prologue"], _relative(step.hidden.numpy(), out[embedded],
+                                                                          step.real))
+                    step.shared = {k: v for k, v in out.items() if k != embedded}
+            del prologue  # the graph's copy of the table, before any layer is loaded
             hidden_in = embedded
             for scope in layers:
                 layer, piece = ref.decoder_layer(config, reader, int(scope.split(".")[1])), pieces[scope]
@@ -184,13 +196,15 @@ def compare_layers(graph_path: Path, source_path: Path, backend: str, cases: lis
                 log(f"{scope}: max relative diff {worst[scope]:.1e}")
                 hidden_in = hidden_out
                 del layer, run
-            norm, head = ref.final_norm_and_head(config, reader)
+            norm, head = ref.final_norm(config, reader), reader.tensor("lm_head.weight",
+                                                                        reader.natural_dtype("lm_head.weight"))
+            reference_logits = [[_logits(norm(step.hidden), head) for step in case_steps] for case_steps in runs]
+            del head
             epilogue, worst["epilogue"] = RUNNERS[backend](paths["epilogue"]), 0.0
-            for case_steps in runs:
-                for step in case_steps:
-                    logits = epilogue({hidden_in: step.hidden.numpy()})["logits"]
-                    worst["epilogue"] = max(worst["epilogue"], _relative(head(norm(step.hidden)).numpy(), logits,
-                                                                          step.real))
+            for case_steps, case_logits in zip(runs, reference_logits):
+                for step, logits in zip(case_steps, case_logits):
+                    got = epilogue({hidden_in: step.hidden.numpy()})["logits"]
+                    worst["epilogue"] = max(worst["epilogue"], _relative(logits, got, step.real))
     finally:
         for path in written:
             path.unlink(missing_ok=True)
