@@ -625,6 +625,36 @@ def passes_list(target: str | None, as_json: bool) -> None:
         click.echo(f"{row['name']:<28} {','.join(row['targets']):<22} {row['description']}")
 
 
+@cli.command("serve")
+@click.argument("artifact", type=click.Path(path_type=Path))
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
+@click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True,
+              help="Port to listen on (0: any free port, printed at startup).")
+@click.option("--threads", type=click.IntRange(1), default=None, help="Runtime threads (default: the runtime's choice).")
+@click.option("--max-batch", type=click.IntRange(1), default=16, show_default=True,
+              help="Requests decoded together in the running batch.")
+@click.option("--max-context", type=click.IntRange(2), default=None,
+              help="Prompt + generated tokens per request (default: the model's context, at most 4096).")
+@click.option("--max-queue", type=click.IntRange(0), default=64, show_default=True,
+              help="Requests that may wait for a slot; more are refused with 429 and Retry-After.")
+@click.option("--threshold", "thresholds", multiple=True, metavar="METRIC:warn=X[,ok=Y][,alert=Z]",
+              help="A /health threshold (repeat), e.g. ttft_p99_ms:warn=350,ok=250; replaces the recipe's and the "
+                   "default for that metric.")
+@click.option("--openvino-f32", is_flag=True,
+              help="OpenVINO at f32 compute and KV cache instead of the CPU plugin's defaults (bf16, u8 KV cache).")
+@click.option("--no-prefix-caching", is_flag=True, help="OpenVINO: do not reuse the KV cache of repeated prompt prefixes.")
+def serve_cmd(artifact: Path, host: str, port: int, threads: int | None, max_batch: int, max_context: int | None,
+              max_queue: int, thresholds: tuple[str, ...], openvino_f32: bool, no_prefix_caching: bool) -> None:
+    """Serve ARTIFACT over HTTP with OpenAI's API (/v1/completions, /v1/chat/completions, /v1/models; streaming
+    as server-sent events), continuous batching, /health and Prometheus /metrics, until interrupted."""
+    from toolchain.serve.server import ServeSettings, serve
+
+    serve(artifact, ServeSettings(threads=threads, max_batch=max_batch, max_context=max_context, max_queue=max_queue,
+                                  thresholds=thresholds, openvino_f32=openvino_f32,
+                                  prefix_caching=not no_prefix_caching),
+          host=host, port=port, log=lambda m: click.echo(m, err=True))
+
+
 def main() -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never download: checkpoints come from disk or the HF cache
     try:

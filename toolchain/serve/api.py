@@ -1,0 +1,363 @@
+"""The HTTP API: OpenAI's /v1/completions, /v1/chat/completions and /v1/models, plus /health and /metrics.
+
+Every request body is read here, not by FastAPI: bytes that are not UTF-8, text that is not JSON, a field of the
+wrong type or range, an unknown model, a prompt longer than the context, ``max_tokens`` below 1 or past the context
+all get a 400 with OpenAI's error body (``{"error": {"message", "type", "param", "code"}}``); more requests waiting
+than ``--max-queue`` a 429 with ``Retry-After``; a request before the model is loaded a 503. Streams are
+server-sent events (``data: {chunk}`` ... ``data: [DONE]``); a client that disconnects has its request cancelled
+in the engine before its next step. No request can take the server down: anything unexpected is a 500 for that
+request (or an error event in its stream) and the engine goes on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import secrets
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import anyio
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from toolchain.serve import schemas
+from toolchain.serve.engine import Event, NotReady, QueueFull, Request as EngineRequest
+from toolchain.serve.metrics import CONTENT_TYPE, render
+from toolchain.serve.text import IncrementalText, StopText
+
+DISCONNECT_POLL_S = 0.5  # how often a non-streaming request checks that its client is still there
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None, headers: dict | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+        self.headers = headers or {}
+
+    def response(self) -> JSONResponse:
+        body = schemas.ErrorBody(error=schemas.ErrorDetail(message=self.message, type=self.type, param=self.param,
+                                                           code=self.code))
+        return JSONResponse(body.model_dump(), status_code=self.status, headers=self.headers)
+
+
+class GenerationFailed(Exception):
+    pass
+
+
+def create_app(service) -> FastAPI:
+    """The FastAPI app over a toolchain.serve.server.Service (its engine starts loading at startup)."""
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        service.engine.start()
+        try:
+            yield
+        finally:
+            service.engine.stop()
+
+    app = FastAPI(title="dstc serve", version="1", lifespan=lifespan, docs_url=None, redoc_url=None)
+
+    @app.exception_handler(ApiError)
+    async def _api_error(request: Request, e: ApiError):
+        if e.status == 400:
+            service.metrics.reject("invalid_request")
+        return e.response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, e: StarletteHTTPException):
+        kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
+        return ApiError(e.status_code, str(e.detail), type=kind).response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, e: RequestValidationError):
+        return ApiError(400, str(e.errors()[:1])).response()
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, e: Exception):
+        return ApiError(500, f"internal error: {type(e).__name__}: {e}", type="server_error").response()
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        engine = service.engine
+        body = {"state": engine.state, "model": service.model_name, "backend": service.artifact.backend}
+        if engine.state == "ready":
+            body.update(service.health.report())
+            body.update(load_seconds=engine.load_seconds, running=engine.running, queue_depth=engine.queue_depth)
+            return JSONResponse(body)
+        if engine.load_error:
+            body["error"] = engine.load_error
+        return JSONResponse(body, status_code=503)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(render(service.metrics), media_type=CONTENT_TYPE)
+
+    @app.get("/v1/models")
+    async def models() -> JSONResponse:
+        card = schemas.ModelCard(id=service.model_name, created=service.created, max_model_len=service.context,
+                                 backend=service.artifact.backend)
+        return JSONResponse(schemas.ModelList(data=[card]).model_dump())
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        params = _parse(await _body(request), schemas.CompletionRequest)
+        service.check_model(params.model)
+        prompt = service.completion_prompt(params.prompt)
+        max_tokens = service.budget(len(prompt), params.max_tokens, default=16, param="prompt")
+        return await _respond(request, params, prompt, max_tokens, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        params = _parse(await _body(request), schemas.ChatCompletionRequest)
+        service.check_model(params.model)
+        prompt = service.chat_prompt([{"role": m.role, "content": m.text()} for m in params.messages])
+        max_tokens = service.budget(len(prompt), params.max_tokens, default=None, param="messages")
+        return await _respond(request, params, prompt, max_tokens, chat=True)
+
+    async def _respond(request: Request, params, prompt: list[int], max_tokens: int, chat: bool):
+        generation = Generation(service, prompt, max_tokens, params)  # 429 / 503 here, before any byte is sent
+        ident = ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12)
+        created = int(time.time())
+        if params.stream:
+            include_usage = bool(params.stream_options and params.stream_options.include_usage)
+            events = _chat_events if chat else _completion_events
+            return EventStream(events(generation, ident, created, service.model_name, include_usage),
+                               on_close=generation.close)
+        try:
+            text, finish = await generation.collect(request)
+        except GenerationFailed as e:
+            raise ApiError(500, str(e), type="server_error") from None
+        finally:
+            generation.close()
+        if finish is None:  # the client went away
+            return Response(status_code=499)
+        usage = generation.usage()
+        if chat:
+            body = schemas.ChatCompletion(id=ident, created=created, model=service.model_name, usage=usage, choices=[
+                schemas.ChatChoice(message=schemas.AssistantMessage(content=text), finish_reason=finish)])
+        else:
+            body = schemas.Completion(id=ident, created=created, model=service.model_name, usage=usage, choices=[
+                schemas.CompletionChoice(text=text, finish_reason=finish)])
+        return JSONResponse(body.model_dump())
+
+    return app
+
+
+# -- request bodies ---------------------------------------------------------------------------------------------
+
+
+async def _body(request: Request) -> dict:
+    raw = await request.body()
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ApiError(400, f"the request body is not valid UTF-8 (byte {e.start})", code="invalid_utf8") from None
+    try:
+        body = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ApiError(400, f"the request body is not valid JSON: {e}", code="invalid_json") from None
+    if not isinstance(body, dict):
+        raise ApiError(400, "the request body must be a JSON object", code="invalid_json")
+    try:  # JSON's \ud800-style escapes can spell lone surrogates, which are not text
+        json.dumps(body, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        raise ApiError(400, "the request contains a string that is not valid UTF-8 (a lone surrogate escape)",
+                       code="invalid_utf8") from None
+    return body
+
+
+def _parse(body: dict, model: type[BaseModel]):
+    try:
+        params = model.model_validate(body)
+    except ValidationError as e:
+        first = e.errors()[0]
+        param = ".".join(str(p) for p in first["loc"]) or None
+        raise ApiError(400, f"{param}: {first['msg']}" if param else first["msg"], param=param,
+                       code="invalid_value") from None
+    unsupported = params.unsupported()
+    if unsupported:
+        raise ApiError(400, unsupported[1], param=unsupported[0], code="unsupported_parameter")
+    return params
+
+
+# -- generation -------------------------------------------------------------------------------------------------
+
+
+class Generation:
+    """One request in the engine, seen from the event loop: its events arrive on an asyncio queue."""
+
+    def __init__(self, service, prompt: list[int], max_tokens: int, params) -> None:
+        self.service = service
+        self.prompt = prompt
+        self.completion_tokens = 0
+        self.done = False
+        self._closed = False
+        self._queue: asyncio.Queue[Event] = asyncio.Queue()
+        loop = asyncio.get_running_loop()
+
+        def sink(event: Event) -> None:  # the engine's thread
+            try:
+                loop.call_soon_threadsafe(self._queue.put_nowait, event)
+            except RuntimeError:  # the event loop has closed (shutdown)
+                pass
+
+        self.request = EngineRequest(prompt=prompt, max_tokens=max_tokens, sampling=service.sampling(params),
+                                     stop_ids=frozenset(service.artifact.eos_token_ids), sink=sink,
+                                     ignore_eos=params.ignore_eos)
+        self._stops = StopText(params.stop or [])
+        self._text = IncrementalText(service.tokenizer)
+        try:
+            self.id = service.engine.submit(self.request)
+        except QueueFull as e:
+            service.metrics.reject("queue_full")
+            raise ApiError(429, f"the server is busy: {e}; retry after {e.retry_after_s} s", type="rate_limit_error",
+                           code="queue_full", headers={"Retry-After": str(e.retry_after_s)}) from None
+        except NotReady as e:
+            service.metrics.reject("not_ready")
+            raise ApiError(503, f"the model is not ready: {e}", type="server_error", code="not_ready",
+                           headers={"Retry-After": "1"}) from None
+
+    async def pieces(self) -> AsyncIterator[tuple[str, str | None]]:
+        """(text, finish reason or None) as tokens arrive; GenerationFailed on an engine error."""
+        while not self.done:
+            event = await self._queue.get()
+            self.completion_tokens += len(event.tokens)
+            text = self._text.add(event.tokens) if event.tokens else ""
+            if event.finish is not None:
+                text += self._text.flush()
+            out = self._stops.feed(text)
+            if self._stops.stopped:
+                self.close()  # the engine stops generating for it before its next step
+                self.done = True
+                yield out, "stop"
+                return
+            if event.finish is not None:
+                self.done = True
+                if event.finish == "error":
+                    raise GenerationFailed(event.error or "generation failed")
+                if event.finish == "cancelled":
+                    raise GenerationFailed("the server is shutting down")
+                yield out + self._stops.flush(), event.finish
+                return
+            if out:
+                yield out, None
+
+    async def collect(self, request: Request) -> tuple[str, str | None]:
+        """The whole text and finish reason; (partial text, None) when the client disconnects first."""
+        parts: list[str] = []
+        pieces = self.pieces()
+        while True:
+            task = asyncio.ensure_future(pieces.__anext__())
+            while True:
+                done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+                if done:
+                    break
+                if await request.is_disconnected():
+                    task.cancel()
+                    return "".join(parts), None
+            try:
+                text, finish = task.result()
+            except StopAsyncIteration:
+                return "".join(parts), None
+            parts.append(text)
+            if finish is not None:
+                return "".join(parts), finish
+
+    def usage(self) -> schemas.Usage:
+        return schemas.Usage(prompt_tokens=len(self.prompt), completion_tokens=self.completion_tokens,
+                             total_tokens=len(self.prompt) + self.completion_tokens)
+
+    def close(self) -> None:
+        """Cancel the request in the engine unless it finished (a client gone, a stop sequence met); once."""
+        if self._closed:
+            return
+        self._closed = True
+        if not self.request.finished:
+            self.service.engine.cancel(self.id)
+        if self.request.last_token_at is not None:
+            self.service.metrics.request_done(self.request.last_token_at - self.request.arrived)
+
+
+def _sse(body) -> str:
+    data = body.model_dump(exclude_none=False) if isinstance(body, BaseModel) else body
+    return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
+
+
+def _error_event(message: str) -> str:
+    return _sse({"error": {"message": message, "type": "server_error", "param": None, "code": None}})
+
+
+async def _completion_events(generation: Generation, ident: str, created: int, model: str,
+                             include_usage: bool) -> AsyncIterator[str]:
+    try:
+        async for text, finish in generation.pieces():
+            if text or finish:
+                yield _sse(schemas.Completion(id=ident, created=created, model=model, choices=[
+                    schemas.CompletionChoice(text=text, finish_reason=finish)]))
+    except GenerationFailed as e:
+        yield _error_event(str(e))
+        return
+    if include_usage:
+        yield _sse(schemas.Completion(id=ident, created=created, model=model, choices=[], usage=generation.usage()))
+    yield "data: [DONE]\n\n"
+
+
+async def _chat_events(generation: Generation, ident: str, created: int, model: str,
+                       include_usage: bool) -> AsyncIterator[str]:
+    def chunk(delta: schemas.Delta, finish=None, usage=None, choices=True):
+        return _sse(schemas.ChatCompletionChunk(id=ident, created=created, model=model, usage=usage, choices=[
+            schemas.ChunkChoice(delta=delta, finish_reason=finish)] if choices else []))
+
+    yield chunk(schemas.Delta(role="assistant", content=""))
+    try:
+        async for text, finish in generation.pieces():
+            if text:
+                yield chunk(schemas.Delta(content=text))
+            if finish:
+                yield chunk(schemas.Delta(), finish)
+    except GenerationFailed as e:
+        yield _error_event(str(e))
+        return
+    if include_usage:
+        yield chunk(schemas.Delta(), usage=generation.usage(), choices=False)
+    yield "data: [DONE]\n\n"
+
+
+class EventStream(StreamingResponse):
+    """Server-sent events that end as soon as the client disconnects, whatever the ASGI server's version: sending
+    and listening for the disconnect run side by side, and ``on_close`` runs however the stream ends."""
+
+    def __init__(self, content, on_close) -> None:
+        super().__init__(content, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self.on_close = on_close
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            async with anyio.create_task_group() as group:
+                async def stream() -> None:
+                    try:
+                        await self.stream_response(send)
+                    except OSError:  # the client has gone
+                        pass
+                    group.cancel_scope.cancel()
+
+                async def listen() -> None:
+                    await self.listen_for_disconnect(receive)
+                    group.cancel_scope.cancel()
+
+                group.start_soon(stream)
+                group.start_soon(listen)
+        finally:
+            self.on_close()
+            try:
+                await self.body_iterator.aclose()
+            except Exception:
+                pass
+

@@ -1,0 +1,256 @@
+"""The scheduling loop both backends share: admission with bounds, a thread that runs decode steps, requests that
+join and leave the running batch between steps, cancellation, and the per-token timings the metrics need.
+
+A backend (engine_openvino.py, engine_onnxruntime.py) provides ``load()``, ``add(requests)`` (start them; may
+already return their first tokens), ``drop(requests)`` (free them at once), ``step()`` (one decode step of every
+running request: ``[(request, new tokens, finish reason or None)]``; a request reported finished is already freed),
+``reset()`` (forget every request, after an error), ``kv_cache_usage()`` (0..1) and ``close()``. Every call to it
+comes from the engine's thread.
+
+Each request's events go to its ``sink`` from that thread: ``Event(tokens, finish, error)``; the API layer hands
+them to the event loop. A finish reason is ``"stop"`` (a stop token), ``"length"`` (max tokens or the context),
+``"cancelled"`` or ``"error"``.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from toolchain.runtime.sampling import Sampling
+
+
+class QueueFull(Exception):
+    """More requests are waiting for a slot than the server's bound allows."""
+
+    def __init__(self, waiting: int, retry_after_s: int) -> None:
+        super().__init__(f"{waiting} requests are already waiting for a slot")
+        self.retry_after_s = retry_after_s
+
+
+class NotReady(Exception):
+    """The model is still loading (or failed to load)."""
+
+
+@dataclass(frozen=True)
+class Event:
+    tokens: list[int]
+    finish: str | None = None
+    error: str | None = None
+
+
+@dataclass(eq=False)
+class Request:
+    prompt: list[int]
+    max_tokens: int
+    sampling: Sampling
+    stop_ids: frozenset[int]
+    sink: Callable[[Event], None]
+    ignore_eos: bool = False
+    id: int = 0
+    arrived: float = field(default_factory=time.perf_counter)
+    # set by the engine
+    generated: int = 0
+    first_token_at: float | None = None
+    last_token_at: float | None = None
+    cancelled: bool = False
+    finished: bool = False
+    error: str | None = None  # why a backend finished it with "error"
+    state: object = None  # the backend's own (a handle, a random generator, the last token)
+
+
+class Observer:
+    """What the engine reports as it runs (toolchain/serve/metrics.py implements it)."""
+
+    def first_token(self, seconds: float) -> None: ...
+    def inter_token(self, seconds: float, tokens: int) -> None: ...
+    def tokens(self, prompt: int, generated: int) -> None: ...
+    def finished(self, reason: str) -> None: ...
+    def step(self, seconds: float, batch: int) -> None: ...
+
+
+class Engine:
+    """Runs a backend in a thread of its own; ``submit`` and ``cancel`` are safe from any thread."""
+
+    def __init__(self, backend, *, max_batch: int, max_queue: int, observer: Observer | None = None) -> None:
+        self.backend = backend
+        self.max_batch = max_batch
+        self.max_queue = max_queue
+        self.observer = observer or Observer()
+        self.state = "loading"  # loading | ready | failed | stopped
+        self.load_error: str | None = None
+        self.load_seconds: float | None = None
+        self._ids = itertools.count(1)
+        self._cv = threading.Condition()
+        self._pending: collections.deque[Request] = collections.deque()
+        self._running: list[Request] = []
+        self._cancelled: set[int] = set()
+        self._stop = False
+        self._thread = threading.Thread(target=self._main, name="dstc-engine", daemon=True)
+        self._durations: collections.deque[float] = collections.deque(maxlen=64)  # seconds per finished request
+
+    # -- from any thread ---------------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def submit(self, request: Request) -> int:
+        """Queue a request (its id is returned); QueueFull when the bound is reached, NotReady while loading."""
+        with self._cv:
+            if self.state != "ready":
+                raise NotReady(self.load_error or f"the model is {self.state}")
+            in_flight = len(self._pending) + len(self._running)
+            if in_flight >= self.max_batch + self.max_queue:
+                raise QueueFull(len(self._pending), self._retry_after(in_flight))
+            request.id = next(self._ids)
+            self._pending.append(request)
+            self._cv.notify()
+        return request.id
+
+    def cancel(self, request_id: int) -> None:
+        """Free the request's slot before the next step (a client that went away); nothing more is sent to it."""
+        with self._cv:
+            self._cancelled.add(request_id)
+            self._cv.notify()
+
+    @property
+    def queue_depth(self) -> int:
+        return len(self._pending)
+
+    @property
+    def running(self) -> int:
+        return len(self._running)
+
+    def kv_cache_usage(self) -> float:
+        try:
+            return float(self.backend.kv_cache_usage()) if self.state == "ready" else 0.0
+        except Exception:  # a scrape must not fail because the backend is between states
+            return 0.0
+
+    def stop(self, timeout: float = 10.0) -> None:
+        with self._cv:
+            self._stop = True
+            self._cv.notify()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    def wait_ready(self, timeout: float | None = None) -> bool:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.state == "loading":
+            if deadline is not None and time.monotonic() > deadline:
+                return False
+            time.sleep(0.02)
+        return self.state == "ready"
+
+    def _retry_after(self, in_flight: int) -> int:
+        """Seconds until a slot is likely free: the mean request duration so far times the requests ahead per slot."""
+        mean = sum(self._durations) / len(self._durations) if self._durations else 1.0
+        return max(1, min(60, round(mean * (in_flight - self.max_batch + 1) / self.max_batch + 0.5)))
+
+    # -- the engine's thread -----------------------------------------------------------------------------------
+
+    def _main(self) -> None:
+        started = time.perf_counter()
+        try:
+            self.backend.load()
+        except Exception as e:  # reported by /health and the CLI; the server does not serve without a model
+            self.load_error = f"{type(e).__name__}: {e}"
+            self.state = "failed"
+            return
+        self.load_seconds = time.perf_counter() - started
+        self.state = "ready"
+        try:
+            while self._iteration():
+                pass
+        finally:
+            with self._cv:
+                self.state = "stopped"
+                leftovers = list(self._pending) + self._running
+                self._pending.clear()
+                self._running = []
+            for request in leftovers:
+                self._finish(request, "cancelled", notify=True)
+            try:
+                self.backend.close()
+            except Exception:
+                pass
+
+    def _iteration(self) -> bool:
+        with self._cv:
+            while not self._stop and not self._pending and not self._running and not self._cancelled:
+                self._cv.wait()
+            if self._stop:
+                return False
+            cancelled, self._cancelled = self._cancelled, set()
+            gone = [r for r in self._running if r.id in cancelled]
+            self._running = [r for r in self._running if r.id not in cancelled]
+            for request in [r for r in self._pending if r.id in cancelled]:
+                self._pending.remove(request)
+                gone.append(request)
+            admitted = []
+            while self._pending and len(self._running) + len(admitted) < self.max_batch:
+                admitted.append(self._pending.popleft())
+            self._running += admitted
+        for request in gone:
+            self._finish(request, "cancelled", notify=False)
+        for request in admitted:
+            self.observer.tokens(len(request.prompt), 0)
+        try:
+            if gone:
+                self.backend.drop([r for r in gone if r.state is not None])
+            if admitted:
+                self._deliver(self.backend.add(admitted))
+            if self._running:
+                started = time.perf_counter()
+                results = self.backend.step()
+                self.observer.step(time.perf_counter() - started, len(self._running))
+                self._deliver(results)
+        except Exception as e:  # the server never dies on a request: fail the batch, start again clean
+            with self._cv:
+                failed, self._running = self._running, []
+            try:
+                self.backend.drop([r for r in failed if r.state is not None])
+            except Exception:
+                self.backend.reset()
+            for request in failed:
+                self._finish(request, "error", notify=True, error=f"{type(e).__name__}: {e}")
+        return True
+
+    def _deliver(self, results) -> None:
+        now = time.perf_counter()
+        done = []
+        for request, tokens, finish in results:
+            if request.finished:
+                continue
+            if tokens:
+                if request.first_token_at is None:
+                    request.first_token_at = now
+                    self.observer.first_token(now - request.arrived)
+                    if len(tokens) > 1:
+                        self.observer.inter_token(0.0, len(tokens) - 1)
+                else:
+                    self.observer.inter_token((now - request.last_token_at) / len(tokens), len(tokens))
+                request.last_token_at = now
+                request.generated += len(tokens)
+                self.observer.tokens(0, len(tokens))
+            if finish is not None:
+                done.append(request)
+                request.finished = True
+                request.sink(Event(list(tokens), finish, request.error))
+                self._finish(request, finish, notify=False)
+            elif tokens:
+                request.sink(Event(list(tokens)))
+        if done:
+            with self._cv:
+                self._running = [r for r in self._running if not r.finished]
+
+    def _finish(self, request: Request, reason: str, *, notify: bool, error: str | None = None) -> None:
+        request.finished = True
+        self._durations.append(time.perf_counter() - request.arrived)
+        self.observer.finished(reason)
+        if notify:
+            request.sink(Event([], reason, error))

@@ -1,0 +1,108 @@
+"""The ONNX Runtime backend of the engine: dstc's own runner, batched (toolchain/runtime/batching.py).
+
+Requests that arrive together are prefilled as one left-padded batch and join the running batch; every engine
+iteration is then one decode step of all running sequences. Tokens are chosen here (toolchain/runtime/sampling.py):
+greedy at temperature 0, else sampling with a generator per request, seeded by its ``seed``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from toolchain.runtime.artifact import Artifact
+from toolchain.runtime.sampling import next_token
+from toolchain.serve.engine import Request
+
+
+@dataclass
+class _State:
+    rng: np.random.Generator | None
+    last: int = -1
+    count: int = 0
+
+
+class OnnxRuntimeBackend:
+    name = "onnxruntime"
+
+    def __init__(self, artifact: Artifact, *, threads: int | None, max_batch: int, max_context: int,
+                 layout: str = "batch") -> None:
+        self.artifact = artifact
+        self.threads = threads
+        self.max_batch = max_batch
+        self.max_context = max_context
+        self.layout = layout
+        self.decoder = None
+        self.batch = None
+        self._live: dict[int, Request] = {}
+
+    def load(self) -> None:
+        from toolchain.runtime.batching import batched_decoder
+        from toolchain.runtime.decoder import open_decoder
+
+        self.decoder = open_decoder(self.artifact, threads=self.threads)
+        self.batch = batched_decoder(self.decoder, self.artifact.pad_token_id, self.layout)
+
+    @property
+    def runtime_config(self) -> dict:
+        return {**(self.decoder.runtime_config if self.decoder else {}), "kv_cache_layout": self.layout}
+
+    def add(self, requests: list[Request]):
+        for request in requests:
+            request.state = _State(None if request.sampling.greedy else request.sampling.generator())
+            self._live[request.id] = request
+        logits = self.batch.join({r.id: r.prompt for r in requests})
+        return self._choose(requests, logits)
+
+    def step(self):
+        live = list(self._live.values())
+        if not live:
+            return []
+        logits = self.batch.step({r.id: r.state.last for r in live})
+        return self._choose(live, logits)
+
+    def _choose(self, requests: list[Request], logits: dict[int, np.ndarray]):
+        results, leaving = [], []
+        for request in requests:
+            row, state = logits[request.id], request.state
+            if not np.isfinite(row).all():
+                request.error = "the model returned non-finite logits"
+                results.append((request, [], "error"))
+                leaving.append(request.id)
+                continue
+            token = next_token(row, request.sampling, state.rng)
+            if token in request.stop_ids and not request.ignore_eos:
+                results.append((request, [], "stop"))
+                leaving.append(request.id)
+                continue
+            state.last = token
+            state.count += 1
+            if state.count >= request.max_tokens:
+                results.append((request, [token], "length"))
+                leaving.append(request.id)
+            else:
+                results.append((request, [token], None))
+        if leaving:
+            self.batch.leave(leaving)
+            for key in leaving:
+                self._live.pop(key, None)
+        return results
+
+    def drop(self, requests: list[Request]) -> None:
+        keys = [r.id for r in requests if r.id in self._live]
+        self.batch.leave(keys)
+        for key in keys:
+            del self._live[key]
+
+    def reset(self) -> None:
+        from toolchain.runtime.batching import batched_decoder
+
+        self._live = {}
+        self.batch = batched_decoder(self.decoder, self.artifact.pad_token_id, self.layout)
+
+    def kv_cache_usage(self) -> float:
+        return self.batch.tokens_held() / (self.max_batch * self.max_context) if self.batch else 0.0
+
+    def close(self) -> None:
+        self._live = {}

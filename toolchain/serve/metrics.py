@@ -1,0 +1,192 @@
+"""/metrics: the server's Prometheus metrics, in a registry of its own (prometheus_client).
+
+- histograms (P50/P90/P99 derivable with histogram_quantile): ``dstc_time_to_first_token_seconds``,
+  ``dstc_inter_token_latency_seconds``, ``dstc_decode_step_seconds``, ``dstc_request_duration_seconds``;
+- counters: ``dstc_prompt_tokens_total``, ``dstc_generation_tokens_total``, ``dstc_requests_total{finish_reason}``,
+  ``dstc_rejected_requests_total{reason}`` (queue_full, invalid_request, not_ready);
+- gauges read when scraped: ``dstc_queue_depth``, ``dstc_running_batch_size``, ``dstc_kv_cache_usage_ratio``,
+  ``dstc_generation_tokens_per_second`` (over the last 10 s), ``dstc_ready``, ``dstc_health_status`` (0 ok, 1 warn,
+  2 alert) and ``dstc_health_check_status{metric}``;
+- the artifact: ``dstc_artifact_info{model,backend,scheme}`` and the compression stage's error summary from
+  compression.json (``dstc_quantization_*``: bits per weight, KL and top-1 agreement against the uncompressed
+  model, MoE routing agreement, and per layer the largest weight and output errors).
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+
+from toolchain.serve.engine import Observer
+from toolchain.serve.health import STATUSES, HealthMonitor
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+TTFT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.25, 0.3, 0.35, 0.5, 0.75, 1.0,
+                1.5, 2.5, 5.0, 10.0, 30.0)
+ITL_BUCKETS = (0.0005, 0.001, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.25,
+               0.5, 1.0, 2.5)
+DURATION_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+RATE_WINDOW_S = 10.0
+
+
+class ServerMetrics(Observer):
+    """The engine's Observer: each event goes to the Prometheus metrics and to the health monitor."""
+
+    def __init__(self, health: HealthMonitor) -> None:
+        self.health = health
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.ttft = Histogram("dstc_time_to_first_token_seconds", "Request arrival to its first generated token.",
+                              buckets=TTFT_BUCKETS, registry=r)
+        self.itl = Histogram("dstc_inter_token_latency_seconds", "Time between two tokens of one request.",
+                             buckets=ITL_BUCKETS, registry=r)
+        self.step_seconds = Histogram("dstc_decode_step_seconds", "One engine step of the running batch.",
+                                      buckets=ITL_BUCKETS, registry=r)
+        self.duration = Histogram("dstc_request_duration_seconds", "Request arrival to its last token.",
+                                  buckets=DURATION_BUCKETS, registry=r)
+        self.prompt_tokens = Counter("dstc_prompt_tokens", "Prompt tokens admitted to the running batch.", registry=r)
+        self.generation_tokens = Counter("dstc_generation_tokens", "Tokens generated.", registry=r)
+        self.requests = Counter("dstc_requests", "Requests finished, by finish reason.", ["finish_reason"], registry=r)
+        self.rejected = Counter("dstc_rejected_requests", "Requests refused, by reason.", ["reason"], registry=r)
+        for reason in ("queue_full", "invalid_request", "not_ready"):
+            self.rejected.labels(reason)
+        self._lock = threading.Lock()
+        self._recent: collections.deque[tuple[float, int]] = collections.deque()
+        self.engine = None
+
+    # -- Observer (the engine's thread) ------------------------------------------------------------------------
+
+    def first_token(self, seconds: float) -> None:
+        self.ttft.observe(seconds)
+        self.health.observe_ttft(seconds)
+
+    def inter_token(self, seconds: float, tokens: int) -> None:
+        for _ in range(tokens):
+            self.itl.observe(seconds)
+        self.health.observe_itl(seconds, tokens)
+
+    def tokens(self, prompt: int, generated: int) -> None:
+        if prompt:
+            self.prompt_tokens.inc(prompt)
+        if generated:
+            self.generation_tokens.inc(generated)
+            with self._lock:
+                self._recent.append((time.monotonic(), generated))
+
+    def finished(self, reason: str) -> None:
+        self.requests.labels(reason).inc()
+
+    def step(self, seconds: float, batch: int) -> None:
+        self.step_seconds.observe(seconds)
+
+    # -- the API layer ------------------------------------------------------------------------------------------
+
+    def reject(self, reason: str) -> None:
+        self.rejected.labels(reason).inc()
+        if reason == "queue_full":
+            self.health.observe_rejected()
+
+    def request_done(self, seconds: float) -> None:
+        self.duration.observe(seconds)
+
+    def tokens_per_second(self) -> float:
+        now = time.monotonic()
+        with self._lock:
+            while self._recent and now - self._recent[0][0] > RATE_WINDOW_S:
+                self._recent.popleft()
+            return sum(n for _, n in self._recent) / RATE_WINDOW_S
+
+    def attach(self, engine, artifact, model_name: str) -> None:
+        """The live gauges read from ``engine``; the artifact's description and quantization error summary."""
+        self.engine = engine
+        self.registry.register(_LiveGauges(self))
+        compression = (artifact.manifest.get("provenance") or {}).get("stage_reports", {}) \
+            .get("compress/compression.json") or {}
+        info = Gauge("dstc_artifact_info", "The artifact served (value 1).", ["model", "backend", "scheme"],
+                     registry=self.registry)
+        info.labels(model_name, artifact.backend, str(compression.get("scheme") or "none")).set(1)
+        _quantization_gauges(self.registry, compression)
+
+
+class _LiveGauges:
+    """Gauges computed when /metrics is scraped."""
+
+    def __init__(self, metrics: ServerMetrics) -> None:
+        self.metrics = metrics
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        engine, health = self.metrics.engine, self.metrics.health
+        ready = engine.state == "ready"
+        yield GaugeMetricFamily("dstc_ready", "1 when the model is loaded and requests are served.", float(ready))
+        yield GaugeMetricFamily("dstc_queue_depth", "Requests waiting for a slot in the running batch.",
+                                engine.queue_depth)
+        yield GaugeMetricFamily("dstc_running_batch_size", "Requests in the running batch.", engine.running)
+        yield GaugeMetricFamily("dstc_max_batch_size", "Slots in the running batch.", engine.max_batch)
+        yield GaugeMetricFamily("dstc_kv_cache_usage_ratio", "Share of the KV cache in use (0..1).",
+                                engine.kv_cache_usage())
+        yield GaugeMetricFamily("dstc_generation_tokens_per_second",
+                                f"Tokens generated per second over the last {RATE_WINDOW_S:g} s.",
+                                self.metrics.tokens_per_second())
+        report = health.report()
+        yield GaugeMetricFamily("dstc_health_status", "Health: 0 ok, 1 warn, 2 alert.",
+                                STATUSES.index(report["status"]))
+        checks = GaugeMetricFamily("dstc_health_check_status", "Each threshold's status: 0 ok, 1 warn, 2 alert.",
+                                   labels=["metric"])
+        for check in report["checks"]:
+            checks.add_metric([check["metric"]], STATUSES.index(check["status"]))
+        yield checks
+
+
+def _quantization_gauges(registry: CollectorRegistry, compression: dict) -> None:
+    if not compression:
+        return
+    weights, model = compression.get("weights") or {}, compression.get("model") or {}
+    scalars = {
+        "dstc_quantization_bits_per_weight": ("Mean bits per weight of the compressed model.",
+                                              weights.get("bits_per_weight")),
+        "dstc_quantization_size_bytes": ("Size of the compressed model files.", compression.get("size_bytes")),
+        "dstc_quantization_input_size_bytes": ("Size of the model before compression.",
+                                               compression.get("input_size_bytes")),
+        "dstc_quantization_top1_agreement": ("Top-1 agreement with the uncompressed model on calibration text.",
+                                             model.get("top1_agreement")),
+        "dstc_quantization_kl_mean_nats": ("Mean next-token KL(uncompressed || compressed) on calibration text.",
+                                           model.get("kl_mean")),
+        "dstc_quantization_kl_max_nats": ("Largest next-token KL on calibration text.", model.get("kl_max")),
+        "dstc_quantization_routing_agreement_min": ("Lowest MoE routing agreement over layers.",
+                                                    compression.get("routing_agreement_min")),
+    }
+    for name, (doc, value) in scalars.items():
+        if isinstance(value, (int, float)):
+            Gauge(name, doc, registry=registry).set(value)
+    per_layer = {
+        "dstc_quantization_weight_error_max": ("Largest relative weight error ||W - Q(W)|| / ||W|| in the layer.",
+                                               "weight_error_max"),
+        "dstc_quantization_output_error_max": ("Largest relative output error ||XW - XQ(W)|| / ||XW|| in the layer.",
+                                               "output_error_max"),
+        "dstc_quantization_output_error_mean": ("Mean relative output error over the layer's weights.",
+                                                "output_error_mean"),
+    }
+    for name, (doc, key) in per_layer.items():
+        gauge = None
+        for row in compression.get("layers") or []:
+            value = row.get(key)
+            if isinstance(value, (int, float)):
+                gauge = gauge or Gauge(name, doc, ["layer"], registry=registry)
+                gauge.labels(str(row.get("layer"))).set(value)
+    routing = compression.get("routing") or []
+    if routing:
+        gauge = Gauge("dstc_quantization_routing_agreement", "MoE routing agreement per layer.", ["layer"],
+                      registry=registry)
+        for row in routing:
+            gauge.labels(str(row["layer"])).set(row["agreement"])
+
+
+def render(metrics: ServerMetrics) -> bytes:
+    return generate_latest(metrics.registry)

@@ -1,0 +1,227 @@
+"""``dstc serve``: an artifact behind an OpenAI-compatible HTTP server (uvicorn), with continuous batching.
+
+``Service`` ties the parts together: the artifact and its tokenizer (prompts and chat templates are tokenized
+here, with the tokenizer ``dstc generate`` uses), the engine over the artifact's backend, the metrics and the
+health monitor. ``serve`` binds the socket first (so a port in use is an error before anything loads), starts
+answering ``/health`` with ``loading`` at once, and loads the model in the engine's thread.
+"""
+
+from __future__ import annotations
+
+import socket
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from toolchain.errors import InputError
+from toolchain.runtime.artifact import Artifact
+from toolchain.runtime.sampling import Sampling
+from toolchain.serve.engine import Engine
+from toolchain.serve.health import DEFAULT_THRESHOLDS, HealthMonitor, merge_thresholds, parse_threshold, \
+    recipe_thresholds
+from toolchain.serve.metrics import ServerMetrics
+
+DEFAULT_MAX_CONTEXT = 4096  # when the model's own is longer: the OpenVINO KV cache is allocated for it
+
+
+@dataclass(frozen=True)
+class ServeSettings:
+    threads: int | None = None
+    max_batch: int = 16
+    max_context: int | None = None  # None: the model's context, at most DEFAULT_MAX_CONTEXT
+    max_queue: int = 64
+    thresholds: tuple[str, ...] = ()  # --threshold METRIC:warn=X[,ok=Y][,alert=Z]
+    health_window_s: float = 60.0
+    openvino_f32: bool = False
+    prefix_caching: bool = True  # OpenVINO
+    kv_layout: str = "batch"  # ONNX Runtime: see toolchain/runtime/batching.py
+
+
+class Service:
+    def __init__(self, artifact: Artifact, settings: ServeSettings = ServeSettings()) -> None:
+        if settings.max_batch < 1 or settings.max_queue < 0:
+            raise InputError("--max-batch must be at least 1 and --max-queue at least 0")
+        self.artifact = artifact
+        self.settings = settings
+        self.model_name = artifact.path.resolve().name
+        self.created = int(time.time())
+        model_context = artifact.context_length
+        if settings.max_context is not None:
+            if model_context is not None and settings.max_context > model_context:
+                raise InputError(f"--max-context {settings.max_context} exceeds the model's context of "
+                                 f"{model_context} tokens")
+            self.context = settings.max_context
+        else:
+            self.context = min(model_context or DEFAULT_MAX_CONTEXT, DEFAULT_MAX_CONTEXT)
+        if self.context < 2:
+            raise InputError(f"a context of {self.context} tokens leaves no room for a prompt and an answer")
+        self.tokenizer = artifact.tokenizer()
+        thresholds = merge_thresholds(DEFAULT_THRESHOLDS, recipe_thresholds(artifact.manifest),
+                                      [parse_threshold(t) for t in settings.thresholds])
+        self.engine: Engine | None = None
+        self.health = HealthMonitor(thresholds, window_s=settings.health_window_s, gauges=self._gauges)
+        self.metrics = ServerMetrics(self.health)
+        self.engine = Engine(self._backend(), max_batch=settings.max_batch, max_queue=settings.max_queue,
+                             observer=self.metrics)
+        self.metrics.attach(self.engine, artifact, self.model_name)
+        generation = artifact.generation
+        self._default_temperature = float(generation.get("temperature", 1.0)) if generation.get("do_sample") else 0.0
+        self._default_top_p = float(generation.get("top_p", 1.0)) if generation.get("do_sample") else 1.0
+
+    def _backend(self):
+        s = self.settings
+        if self.artifact.backend == "openvino":
+            from toolchain.runtime.batching import PipelineSettings
+            from toolchain.serve.engine_openvino import OpenVINOBackend
+
+            return OpenVINOBackend(self.artifact, PipelineSettings(
+                threads=s.threads, max_batch=s.max_batch, max_context=self.context,
+                prefix_caching=s.prefix_caching, f32=s.openvino_f32))
+        from toolchain.serve.engine_onnxruntime import OnnxRuntimeBackend
+
+        return OnnxRuntimeBackend(self.artifact, threads=s.threads, max_batch=s.max_batch, max_context=self.context,
+                                  layout=s.kv_layout)
+
+    def _gauges(self) -> dict[str, float]:
+        engine = self.engine
+        if engine is None:
+            return {}
+        return {"queue_depth": engine.queue_depth, "running_batch": engine.running,
+                "kv_cache_usage": engine.kv_cache_usage()}
+
+    # -- what the API layer asks -------------------------------------------------------------------------------
+
+    def check_model(self, model: str) -> None:
+        from toolchain.serve.api import ApiError
+
+        if model != self.model_name:
+            raise ApiError(400, f"the model {model!r} is not served here; this server serves {self.model_name!r} "
+                                f"(GET /v1/models)", param="model", code="model_not_found")
+
+    def completion_prompt(self, prompt) -> list[int]:
+        """Token ids of a completion's prompt: text encoded as ``dstc generate --raw`` does, or token ids."""
+        from toolchain.serve.api import ApiError
+
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+            prompt = prompt[0]
+        if isinstance(prompt, str):
+            from toolchain.runtime.generate import prompt_ids
+
+            try:
+                ids = prompt_ids(self.artifact, prompt, chat=False)
+            except InputError as e:
+                raise ApiError(400, str(e), param="prompt", code="invalid_utf8") from None
+        elif isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+            vocab = int(self.artifact.config.get("vocab_size") or 0)
+            bad = [t for t in prompt if t < 0 or (vocab and t >= vocab)]
+            if bad:
+                raise ApiError(400, f"token id {bad[0]} is outside the vocabulary (0..{vocab - 1})", param="prompt",
+                               code="invalid_value")
+            ids = list(prompt)
+        else:
+            raise ApiError(400, "one prompt per request (a string or a list of token ids)", param="prompt",
+                           code="invalid_value")
+        if not ids:
+            raise ApiError(400, "the prompt is empty", param="prompt", code="invalid_value")
+        return ids
+
+    def chat_prompt(self, messages: list[dict]) -> list[int]:
+        """Token ids of a conversation through the artifact tokenizer's chat template, with the assistant's
+        generation prompt (as ``dstc generate`` without --raw, for one user message)."""
+        from toolchain.serve.api import ApiError
+
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise ApiError(400, "the artifact's tokenizer has no chat template; use /v1/completions",
+                           param="messages", code="no_chat_template")
+        try:
+            encoded = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                         return_dict=True)
+        except Exception as e:  # a template that refuses the conversation (e.g. roles out of order)
+            raise ApiError(400, f"the chat template refused the messages: {e}", param="messages",
+                           code="invalid_value") from None
+        return list(encoded["input_ids"])
+
+    def budget(self, prompt_tokens: int, requested: int | None, *, default: int | None, param: str) -> int:
+        """max_tokens for a request: ``requested`` when it fits the context, else a 400 with the numbers; when not
+        given, ``default`` (None: the rest of the context), cut to the room the context leaves."""
+        from toolchain.serve.api import ApiError
+
+        room = self.context - prompt_tokens
+        if room < 1:
+            raise ApiError(400, f"the prompt is {prompt_tokens} tokens; this server's context is {self.context} "
+                                f"tokens, which leaves no room for an answer", param=param,
+                           code="context_length_exceeded")
+        if requested is None:
+            return room if default is None else min(default, room)
+        if requested < 1:
+            raise ApiError(400, f"max_tokens must be at least 1, not {requested}", param="max_tokens",
+                           code="invalid_value")
+        if requested > room:
+            raise ApiError(400, f"the prompt is {prompt_tokens} tokens and max_tokens is {requested}: "
+                                f"{prompt_tokens + requested} exceeds this server's context of {self.context} tokens",
+                           param="max_tokens", code="context_length_exceeded")
+        return requested
+
+    def sampling(self, params) -> Sampling:
+        temperature = self._default_temperature if params.temperature is None else float(params.temperature)
+        top_p = self._default_top_p if params.top_p is None else float(params.top_p)
+        return Sampling(temperature=temperature, top_p=top_p, seed=params.seed)
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """A listening socket, bound before the model loads (port 0: any free port)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise InputError(f"cannot listen on {host}:{port}: {e.strerror}") from None
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock
+
+
+def serve(artifact_path, settings: ServeSettings, *, host: str = "127.0.0.1", port: int = 8000,
+          log: Callable[[str], None] = lambda m: print(m, file=sys.stderr, flush=True)) -> None:
+    """Serve until interrupted (SIGINT / SIGTERM). InputError for a bad artifact, settings or address, and when
+    the model fails to load."""
+    import asyncio
+
+    import uvicorn
+
+    from toolchain.runtime.artifact import open_artifact
+    from toolchain.serve.api import create_app
+
+    artifact = open_artifact(artifact_path)
+    service = Service(artifact, settings)
+    sock = bind(host, port)
+    bound_host, bound_port = sock.getsockname()[:2]
+    url_host = f"[{bound_host}]" if ":" in bound_host else bound_host
+    app = create_app(service)
+    config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5, lifespan="on")
+    server = uvicorn.Server(config)
+
+    async def watch() -> None:
+        while service.engine.state == "loading":
+            await asyncio.sleep(0.05)
+        if service.engine.state == "ready":
+            log(f"dstc serve: ready in {service.engine.load_seconds:.1f} s (max batch {settings.max_batch}, "
+                f"context {service.context} tokens)")
+        else:
+            server.should_exit = True
+
+    async def main() -> None:
+        log(f"dstc serve: {service.model_name} ({artifact.backend}) listening on http://{url_host}:{bound_port}/v1 "
+            f"- loading the model")
+        watcher = asyncio.create_task(watch())
+        try:
+            await server.serve(sockets=[sock])
+        finally:
+            watcher.cancel()
+
+    asyncio.run(main())
+    if service.engine.state == "failed":
+        raise InputError(f"the model failed to load: {service.engine.load_error}")
