@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import numpy as np
 import onnx_ir as ir
 
@@ -32,6 +34,23 @@ def known_rank(value: ir.Value | None) -> int | None:
         return value.shape.rank()
     array = constant_array(value)
     return None if array is None else array.ndim
+
+
+def remove_dead(graph: ir.Graph, nodes: Iterable[ir.Node]) -> int:
+    """Remove those of ``nodes`` whose outputs nothing reads any more (repeatedly: a removal can free others)."""
+    pending = [n for n in dict.fromkeys(nodes) if n.graph is graph]
+    removed = 0
+    changed = True
+    while changed:
+        changed = False
+        for node in list(pending):
+            if any(out.uses() or out.is_graph_output() for out in node.outputs):
+                continue
+            graph.remove(node, safe=True)
+            pending.remove(node)
+            removed += 1
+            changed = True
+    return removed
 
 
 def initializers_in_use(graph: ir.Graph) -> set[str]:

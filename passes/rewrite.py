@@ -3,46 +3,250 @@
 onnxscript's ``RewritePass`` reports only ``modified``; this wraps each rule's replacement function to count
 applications per rule name, and on request replays the rules with onnxscript's ``MatchingTracer`` (a dry run,
 on a clone because the tracer still updates opset imports) to report the closest failed match per rule.
+
+:class:`FusionRule` is the base of the LLM fusions (rotary embeddings, attention, rotate_half): rules whose
+rewrites share values (one cos/sin cache for all layers), leave nodes outside their match unused (the cos/sin
+tables every layer reads), and name their nodes after their place in the graph.
 """
 
 from __future__ import annotations
 
 import collections
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
+import numpy as np
 import onnx_ir as ir
 from onnxscript.rewriter import MatchingTracer, MatchResult, MatchStatus, RewriteRule, RewriteRuleSet
 from onnxscript.rewriter import RewriteRuleClassBase
 
 from passes.base import CountingPass, NearMiss, node_label
-from passes.graph import drop_orphaned_initializers, initializers_in_use
+from passes.graph import Names, bypass, drop_orphaned_initializers, initializers_in_use, remove_dead
 
 
-def _counted_rule(rule: RewriteRuleClassBase, tally: collections.Counter) -> RewriteRule:
-    """``rule.rule()``, with the replacement counting its successful applications in ``tally[rule.name]``."""
+class GraphEdit:
+    """What the fusion rules of one pass did to the main graph during one sweep of the rule set.
+
+    ``shared`` holds what all rewrites of the graph share (e.g. the cos/sin caches); ``dead`` the nodes that
+    may be unused once the rewrites are done; ``outputs`` the values each rewrite returned, with the name,
+    type and shape the rule gave them; ``replaced`` the (old, new) values a rewrite replaces besides its
+    pattern's outputs (see :meth:`replace`).
+    """
+
+    def __init__(self, model: ir.Model) -> None:
+        self.model = model
+        self.graph = model.graph
+        self.names = Names(self.graph)
+        self.used_before = initializers_in_use(self.graph)
+        self.consts: dict[tuple, ir.Value] = {}
+        self.shared: dict[object, object] = {}
+        self.dead: list[ir.Node] = []
+        self.outputs: list[tuple[ir.Value, str | None, ir.TypeProtocol | None, ir.Shape | None]] = []
+        self.replaced: list[tuple[ir.Value, ir.Value]] = []
+        self.rules: list[FusionRule] = []  # those that rewrote something, in order
+
+    def replace(self, old: ir.Value, new: ir.Value) -> None:
+        """Make ``new`` take the place of ``old`` after the sweep, graph output name included: for a value of the
+        match that is no output of its pattern (onnxscript finds a pattern's outputs after the first from the
+        whole graph when they are reached only through an ``OrValue``, as the KV cache Concats of an attention
+        are, which is slow on large graphs)."""
+        self.replaced.append((old, new))
+
+    def finish(self) -> None:
+        """After the sweep: the returned values get back what their rule gave them (the rewriter names a value
+        that replaces another after it, and copies its type and shape; a graph output keeps its name), the
+        :meth:`replace` d values are replaced, the rules' own finishing steps run, the nodes left unused go with
+        the initializers only they read, and the graph is sorted."""
+        if not self.rules:
+            return
+        for value, name, type_, shape in self.outputs:
+            if not value.is_graph_output():
+                value.name = name
+            value.type, value.shape, value.const_value = type_, shape, None
+        for old, new in self.replaced:
+            bypass(self.graph, old, new)
+        for rule in self.rules:
+            rule.finish(self)
+        remove_dead(self.graph, self.dead)
+        drop_orphaned_initializers(self.graph, self.used_before)
+        self.graph.sort()
+
+
+class Emitter:
+    """Creates the nodes of one replacement through the rewriter's builder ``op``, named
+    ``<scope><name or op type>`` (outputs ``<node>/out``, ``<node>/out<i>``) with names the graph does not use,
+    and small constants as initializers ``fusion/<name>`` shared by every rewrite of the graph."""
+
+    def __init__(self, op, edit: GraphEdit, scope: str) -> None:
+        self._op, self._edit, self._scope = op, edit, scope
+
+    def node(
+        self,
+        op_type: str,
+        inputs: Sequence[ir.Value | None],
+        attributes: Mapping[str, object] | None = None,
+        *,
+        domain: str = "",
+        num_outputs: int = 1,
+        name: str | None = None,
+    ) -> ir.Node:
+        names = self._edit.names
+        base = names.fresh(f"{self._scope}{name or op_type}")
+        outputs = [names.fresh(f"{base}/out{i}" if num_outputs > 1 else f"{base}/out") for i in range(num_outputs)]
+        values = self._op.op(op_type, *inputs, _domain=domain, _outputs=outputs, _name=base, **dict(attributes or {}))
+        return (values if num_outputs == 1 else values[0]).producer()
+
+    def op(self, op_type: str, *inputs: ir.Value | None, domain: str = "", name: str | None = None,
+           **attributes) -> ir.Value:
+        """One-output shorthand for :meth:`node`."""
+        return self.node(op_type, inputs, attributes, domain=domain, name=name).outputs[0]
+
+    def const(self, value, dtype=np.int64, name: str = "const") -> ir.Value:
+        array = np.asarray(value, dtype=dtype)
+        key = (array.dtype.str, array.shape, array.tobytes())
+        if key not in self._edit.consts:
+            tensor = ir.tensor(np.ascontiguousarray(array).reshape(array.shape),
+                               name=self._edit.names.fresh(f"fusion/{name}"))
+            self._edit.consts[key] = self._op.initializer(tensor)
+        return self._edit.consts[key]
+
+
+def scope_of(node: ir.Node) -> str:
+    """The name prefix of ``node`` (its name up to the last '/'), for naming the nodes that replace it."""
+    name = node.name or ""
+    return name.rsplit("/", 1)[0] + "/" if "/" in name else ""
+
+
+class _Session:
+    """The state the fusion rules of one pass share while a rule set sweeps the model."""
+
+    def __init__(self, *, dry_run: bool) -> None:
+        self.dry_run = dry_run
+        self.depth = 0  # graph visits in progress (every compiled rule's setup counts one)
+        self.edit: GraphEdit | None = None
+        self.declined: set[tuple[ir.Node, str]] = set()
+        self.anchors: dict[tuple[ir.Node, str], ir.Node] = {}  # the node a failed check's near-miss names
+
+    def open(self) -> None:
+        self.depth += 1
+
+    def close(self) -> None:
+        self.depth -= 1
+        if self.depth == 0 and self.edit is not None:
+            if not self.dry_run:
+                self.edit.finish()
+            self.edit = None
+
+
+class FusionRule(RewriteRuleClassBase):
+    """An onnxscript rewrite rule for a fusion: ``pattern`` finds the candidates, ``check`` decides (a failed
+    check is a near-miss with its reason; :meth:`decline` says a match is no candidate after all), ``rewrite``
+    builds the replacement with :meth:`emit`. Around the rewriter, :class:`RewriteRulesPass`:
+
+    * leaves the matched nodes in place (``remove_nodes=False``) and, after the sweep, removes those of them and
+      of ``self.edit.dead`` that nothing reads any more, with the initializers only they read: a pattern may
+      take in nodes other matches share (its check says which must have no other use), and the cos/sin tables
+      every layer reads go with the last layer's rotation;
+    * gives every rewrite of the main graph one :class:`GraphEdit` (``self.edit``) for the values they share;
+    * names what a rewrite makes after the scope of ``self.anchor`` (by default the match's root), and keeps the
+      names it gave the values that replace others (the rewriter would rename them after the replaced ones);
+      the new nodes carry no rule-name metadata;
+    * counts each rewrite under ``self.counted`` (by default the rule's name; ``rewrite`` sets it when a rule
+      makes more than one kind), and sorts the graph after a sweep that rewrote something.
+
+    A near-miss names ``self.where`` (by default the root). Only the main graph is rewritten: the initializers
+    replacements add cannot live in functions.
+    """
+
+    def __init__(self, name: str) -> None:
+        super().__init__(name, remove_nodes=False)
+        self.session: _Session | None = None
+        self.edit: GraphEdit | None = None
+        self.root: ir.Node | None = None
+        self.anchor: ir.Node | None = None
+        self.where: ir.Node | None = None
+        self.matched: list[ir.Node] = []
+        self.counted: tuple[str, ...] = ()
+
+    def setup(self) -> None:
+        self.session.open()
+
+    def cleanup(self) -> None:
+        self.session.close()
+
+    def enter(self, context) -> MatchResult:
+        """Before ``check``: binds ``self.edit``, ``self.root`` (= ``self.anchor`` = ``self.where``) and
+        ``self.matched``."""
+        self.root = self.anchor = self.where = context.root
+        self.matched, self.counted = list(context.nodes), (self.name,)
+        if context.graph_or_function is not context.model.graph:
+            return MatchResult().fail("fusions rewrite the main graph only")
+        if self.session.edit is None:
+            self.session.edit = GraphEdit(context.model)
+        self.edit = self.session.edit
+        return MatchResult()
+
+    def decline(self, reason: str) -> MatchResult:
+        """A failed check that is no near-miss: the match is not a candidate (``reason`` says why)."""
+        self.session.declined.add((self.root, reason))
+        return MatchResult().fail(reason)
+
+    def emit(self, op) -> Emitter:
+        return Emitter(op, self.edit, scope_of(self.anchor))
+
+    def finish(self, edit: GraphEdit) -> None:
+        """Once per sweep that rewrote something, before the dead nodes go (e.g. opset changes)."""
+
+
+def _variant_rules(rule: RewriteRuleClassBase, tally: collections.Counter, commute: bool) -> list[RewriteRule]:
+    """``rule.rule()``, commuted when asked, with the replacement counting its successful applications in
+    ``tally`` (under ``rule.name``, or ``rule.counted`` for a :class:`FusionRule`)."""
+    fusion = isinstance(rule, FusionRule)
+
+    def check(context, **bindings):
+        if not fusion:
+            return rule.check(context, **bindings)
+        result = rule.enter(context)
+        if result:
+            result = rule.check(context, **bindings)
+        if not result and rule.session.dry_run:
+            rule.session.anchors[(context.root, getattr(result, "reason", ""))] = rule.where
+        return result
 
     def rewrite(op, *args, **kwargs):
         replacement = rule.rewrite(op, *args, **kwargs)
-        if replacement is not None and replacement is not False and not isinstance(replacement, MatchResult):
+        if replacement is None or replacement is False or isinstance(replacement, MatchResult):
+            return replacement
+        if fusion:
+            edit = rule.edit
+            values = list(replacement) if isinstance(replacement, Sequence) else [replacement]
+            edit.outputs += [(v, v.name, v.type, v.shape) for v in values]
+            edit.dead += rule.matched
+            if rule not in edit.rules:
+                edit.rules.append(rule)
+            tally.update(rule.counted)
+        else:
             tally[rule.name] += 1
         return replacement
 
-    return RewriteRule(
+    rewrite_rule = RewriteRule(
         rule.pattern,
         rewrite,
-        rule.check,
-        name=rule.name,
+        check,
+        name=None if fusion else rule.name,  # a name would be written into every new node's metadata
         remove_nodes=rule.remove_nodes,
         graph_pre_visitor=rule.setup,
         graph_post_visitor=rule.cleanup,
         as_function=rule.as_function,
     )
+    return list(rewrite_rule.commute()) if commute else [rewrite_rule]
 
 
 class RewriteRulesPass(CountingPass):
     """Apply rewrite rules until none fires (at most ``max_rounds`` sweeps); counts are keyed by rule name.
 
     Initializers that only the rewritten nodes used are dropped, so a fusion leaves no orphaned weights.
+    Rules may be :class:`FusionRule` s (see there); a rule with ``variants`` (a sequence of settings) is
+    compiled once per setting, its ``variant`` attribute set to it while its ``pattern`` is built.
     """
 
     max_rounds = 8
@@ -54,12 +258,28 @@ class RewriteRulesPass(CountingPass):
         self.rules = list(rules)
         self.commute = commute
 
-    def _rule_set(self, tally: collections.Counter) -> RewriteRuleSet:
-        return RewriteRuleSet([_counted_rule(rule, tally) for rule in self.rules], commute=self.commute)
+    def _rule_set(self, tally: collections.Counter, *, dry_run: bool = False) -> tuple[RewriteRuleSet, dict]:
+        session = _Session(dry_run=dry_run)
+        compiled, labels, fusion = [], {}, set()
+        for rule in self.rules:
+            if isinstance(rule, FusionRule):
+                rule.session = session
+            for variant in getattr(rule, "variants", (None,)):
+                rule.variant = variant
+                for rewrite_rule in _variant_rules(rule, tally, self.commute):
+                    compiled.append(rewrite_rule)
+                    labels[rewrite_rule] = rule.name
+                    if isinstance(rule, FusionRule):
+                        fusion.add(rewrite_rule)
+        rule_set = RewriteRuleSet(compiled)
+        # Fusion rules keep matched nodes (remove_nodes=False) and remove those left unused themselves; the rule
+        # set must not sweep unused nodes from the whole model after them.
+        rule_set.remove_unused_nodes = False
+        return rule_set, {"labels": labels, "fusion": fusion, "session": session}
 
     def apply(self, model: ir.Model) -> collections.Counter:
         tally: collections.Counter = collections.Counter()
-        rule_set = self._rule_set(tally)
+        rule_set, _ = self._rule_set(tally)
         used_before = initializers_in_use(model.graph)
         for _ in range(self.max_rounds):
             if not rule_set.apply_to_model(model):
@@ -68,16 +288,26 @@ class RewriteRulesPass(CountingPass):
         return tally
 
     def near_misses(self, model: ir.Model) -> list[NearMiss]:
-        """The best-scoring failed match of each rule on ``model`` (left untouched), closest first."""
+        """The best-scoring failed match of each rule on ``model`` (left untouched), closest first.
+
+        For fusion rules only matches their check rejected count: their patterns are the candidates."""
         tracer = MatchingTracer()
-        self._rule_set(collections.Counter()).apply_to_model(model.clone(), tracer=tracer)
+        rule_set, info = self._rule_set(collections.Counter(), dry_run=True)
+        rule_set.apply_to_model(model.clone(), tracer=tracer)
+        declined, anchors = info["session"].declined, info["session"].anchors
         found = {(m.rule, m.where, m.reason): m for m in super().near_misses(model)}
         for rule, infos in tracer.best_matches_map.items():
-            for info in infos:  # commuted variants of a rule report the same miss: keep one
-                if info.status is not MatchStatus.SUCCESS:
-                    reason = _reason(info.match_result, info.root_node)
-                    miss = NearMiss(str(rule), node_label(info.root_node), reason, info.score())
-                    found.setdefault((miss.rule, miss.where, miss.reason), miss)
+            fusion = rule in info["fusion"]
+            for match in infos:  # commuted variants of a rule report the same miss: keep one
+                if match.status is MatchStatus.SUCCESS:
+                    continue
+                if fusion and (match.status is MatchStatus.NO_MATCH
+                               or (match.root_node, match.match_result.reason) in declined):
+                    continue
+                reason = _reason(match.match_result, match.root_node)
+                where = anchors.get((match.root_node, match.match_result.reason), match.root_node)
+                miss = NearMiss(info["labels"][rule], node_label(where), reason, match.score())
+                found.setdefault((miss.rule, miss.where, miss.reason), miss)
         return sorted(found.values(), key=lambda m: -m.score)
 
 
