@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import onnx_ir as ir
 import openvino as ov
 import pytest
 from passes_helpers import check_pass, op_counts, to_bytes
@@ -39,6 +40,14 @@ def test_forms_openvino_already_matches_are_left_alone(halves):
     model = rope_model(halves=halves, tables_from_inputs=True)
     assert check_pass(model, "rotate-half-split", feeds=feeds(model)).counts == {}
     assert openvino_ropes(model) == 1
+
+
+def test_halves_not_on_the_last_axis_are_a_near_miss():
+    model = rope_model(tables_from_inputs=True)
+    next(n for n in model.graph if n.op_type == "Split").attributes["axis"] = ir.AttrInt64("axis", 2)
+    assert RotateHalfSplit()(model).counts == {}
+    assert [str(m) for m in RotateHalfSplit().near_misses(model)] == [
+        "rotate_half_split at Add 'q_out': the Split is not on the last axis"]
 
 
 def test_no_rewrite_of_a_concat_that_is_not_rotate_half():

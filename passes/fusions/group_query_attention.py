@@ -27,97 +27,119 @@ results (logits within 5e-6). With kv heads < heads (Llama/Qwen2) the two measur
   context needs batch 1 (chunked prefill of a batch). Only padding query rows, whose every key is masked, can
   come out differently (the unfused graph averages all keys there, GQA only the causal ones); nothing reads
   them: they are masked as keys for every real token, and excluded from parity.
+
+One rule in two variants: its pattern ends at the merge Reshape (the fused op's 3-D output replaces it) or at
+the attention MatMul, which declines when the merged variant applies. The sequence lengths are built once per
+mask, by the first rewrite, and shared through the pass's ``GraphEdit``.
 """
 
 from __future__ import annotations
 
 import onnx_ir as ir
+from onnxscript.rewriter import MatchResult
 
-from passes.fusions._attention import match_sdpa, output_3d, shared_key_part, take_over_caches, to_3d
-from passes.fusions._common import MS_DOMAIN, Emitter, FusionPass, Miss, dims, static_dim
-from passes.graph import bypass
+from passes.fusions._attention import attention, merged, merged_pattern, plan_3d, sdpa, shared_key_part
+from passes.fusions._attention import take_over_caches, to_3d
+from passes.fusions._common import MS_DOMAIN, dims, static_dim
 from passes.registry import register
+from passes.rewrite import FusionRule, RewriteRulesPass
 
 
-@register("fuse-group-query-attention", targets=("onnxruntime",),
-          description="Attention over a Concat KV cache (GQA repeat_kv or MHA) -> ORT GroupQueryAttention.")
-class FuseGroupQueryAttention(FusionPass):
-    """Counts: ``gqa`` (GroupQueryAttention nodes with kv heads < heads), ``mha`` (kv heads == heads)."""
+class _GroupQueryAttention(FusionRule):
+    """Variants: the pattern ends at the merge to [B, S, hidden] (True) or at the attention (False)."""
 
-    rule, domain = "gqa", MS_DOMAIN
+    variants = (True, False)
 
-    def start(self, model: ir.Model) -> None:
-        self.lengths: dict[ir.Value, tuple[ir.Value, ir.Value, ir.Value]] = {}
+    def pattern(self, op, q, past_k, new_k, past_v, new_v, mask, scale, k_axes, k_reps, k_shape, v_axes, v_reps,
+                v_shape, merge_shape):
+        out = attention(op, q, past_k, new_k, past_v, new_v, mask, scale, k_axes, k_reps, k_shape, v_axes, v_reps,
+                        v_shape)
+        return merged_pattern(op, out, merge_shape) if self.variant else out
 
-    def match(self, node: ir.Node):
-        match = match_sdpa(node)
-        if match is None or isinstance(match, str):
-            return None if match is None else Miss(match)
-        shape = self._heads(match)
-        return Miss(shape, 2) if isinstance(shape, str) else (match, shape)
+    def check(self, context, **b) -> MatchResult:
+        result = MatchResult()
+        out = b["attention"]
+        if context.root is not (merged(out) or out.producer()):  # the other variant fuses it
+            return self.decline("the merge to [B, S, hidden] decides the variant")
+        is_merged = context.root is not out.producer()
+        self.anchor = self.where = out.producer()
+        match = sdpa(b)
+        if isinstance(match, str):
+            return result.fail(match)
+        shape = _heads(match)
+        if isinstance(shape, str):
+            return result.fail(shape)
+        heads, kv_heads, head_dim = shape
+        plans = [plan_3d(context, x4, n, head_dim)
+                 for x4, n in ((match.q, heads), (match.key.new, kv_heads), (match.value.new, kv_heads))]
+        self.found = match, shape, plans, is_merged
+        return result
 
-    def rewrite(self, found) -> tuple[str, list[ir.Node]]:
-        (match, (heads, kv_heads, head_dim)), emit, graph = found, self.emit, self.emit.graph
-        anchor = match.root
-        q3, q_nodes = to_3d(emit, anchor, match.q, heads, head_dim)
-        k3, k_nodes = to_3d(emit, anchor, match.key.new, kv_heads, head_dim)
-        v3, v_nodes = to_3d(emit, anchor, match.value.new, kv_heads, head_dim)
-        if match.mask not in self.lengths:
-            self.lengths[match.mask] = self._lengths(emit, anchor, match.mask, q3)
-        seqlens_k, total, query_seqlens = self.lengths[match.mask]
+    def rewrite(self, op, **_):
+        (match, (heads, kv_heads, head_dim), plans, is_merged), emit = self.found, self.emit(op)
+        q3, k3, v3 = (to_3d(emit, plan) for plan in plans)
+        for plan in plans:
+            self.edit.dead += plan.nodes
+        key = ("gqa_lengths", match.mask)
+        if key not in self.edit.shared:
+            self.edit.shared[key] = _lengths(emit, match.mask, q3)
+        seqlens_k, total, query_seqlens = self.edit.shared[key]
         inputs = [q3, k3, v3, match.key.past, match.value.past, seqlens_k, total, None, None, None, match.mask,
                   None, None, None, None, None, query_seqlens]
-        gqa = emit.node(anchor, "GroupQueryAttention", inputs,
+        gqa = emit.node("GroupQueryAttention", inputs,
                         {"num_heads": heads, "kv_num_heads": kv_heads, "scale": match.scale},
                         domain=MS_DOMAIN, num_outputs=3)
         out, present_k, present_v = gqa.outputs
         q_dims = dims(q3)
         out.dtype, out.shape = q3.dtype, ir.Shape([q_dims[0], q_dims[1], heads * head_dim]) if q_dims else None
-        take_over_caches(graph, match, present_k, present_v)
-        dead = match.nodes + match.key.nodes + match.value.nodes + q_nodes + k_nodes + v_nodes
-        merged = output_3d(match)
-        if merged is not None:
-            bypass(graph, merged, out)
-            dead += [merged.producer(), merged.producer().inputs[0].producer()]
-        else:  # keep the [B, H, S, D] result the rest of the graph reads
-            split = emit.op(anchor, "Reshape", out, emit.const([0, 0, heads, head_dim]))
-            bypass(graph, match.root.outputs[0], emit.op(anchor, "Transpose", split, perm=[0, 2, 1, 3]))
-        return ("gqa" if kv_heads < heads else "mha"), dead
+        take_over_caches(self.edit, match, present_k, present_v)
+        self.counted = ("gqa" if kv_heads < heads else "mha",)
+        if not is_merged:  # keep the [B, H, S, D] result the rest of the graph reads
+            split = emit.op("Reshape", out, emit.const([0, 0, heads, head_dim]))
+            out = emit.op("Transpose", split, perm=[0, 2, 1, 3])
+        return out
 
-    @staticmethod
-    def _heads(match) -> tuple[int, int, int] | str:
-        """(heads, kv_heads, head_dim), checked against what GroupQueryAttention supports."""
-        heads, head_dim = static_dim(match.q, 1), static_dim(match.q, 3)
-        kv_heads = static_dim(match.key.past, 1) or static_dim(match.key.new, 1)
-        dims_kv = {static_dim(v, 3) for v in (match.key.past, match.key.new, match.value.past, match.value.new)}
-        if heads is None or head_dim is None or kv_heads is None:
-            return "head counts or head size unknown (run infer-shapes first)"
-        if dims_kv - {None} != {head_dim}:
-            sizes = sorted(d for d in dims_kv if d)
-            return f"K/V head sizes {sizes} differ from q's {head_dim} (MLA: fuse-mla-attention)"
-        if shared_key_part(match.key):
-            return "K has a part shared by every head, MLA's RoPE key (MLA: fuse-mla-attention, faster on ORT)"
-        if head_dim % 8:
-            return f"head size {head_dim} is not a multiple of 8, which ORT's GroupQueryAttention requires"
-        if heads % kv_heads or heads // kv_heads != match.key.n_rep:
-            return f"{heads} query heads over {kv_heads} kv heads, but K/V are repeated {match.key.n_rep} times"
-        mask = dims(match.mask)
-        if mask is not None and (len(mask) != 4 or mask[1] not in (1, heads, None)):
-            return f"mask of shape {mask} is not [B, 1 or heads, S, T]"
-        return heads, kv_heads, head_dim
 
-    @staticmethod
-    def _lengths(emit: Emitter, anchor: ir.Node, mask: ir.Value, q3: ir.Value):
-        """seqlens_k = T - 1 and query_seqlens = S for every row, total_sequence_length = T (int32, T from the
-        mask's last axis, B and S from q)."""
-        int32 = ir.DataType.INT32
-        total = emit.op(anchor, "Gather", emit.op(anchor, "Shape", mask), emit.const(3), axis=0,
-                        name="gqa_lengths/Gather")
-        q_shape = emit.op(anchor, "Shape", q3)
-        batch = emit.op(anchor, "Gather", q_shape, emit.const([0]), axis=0)
-        seq = emit.op(anchor, "Gather", q_shape, emit.const(1), axis=0)
-        seqlens_k = emit.op(anchor, "Cast", emit.op(anchor, "Expand", emit.op(anchor, "Sub", total, emit.const(1)),
-                                                    batch), to=int32)
-        query_seqlens = emit.op(anchor, "Cast", emit.op(anchor, "Expand", seq, batch), to=int32)
-        total = emit.op(anchor, "Cast", total, to=int32)
-        return seqlens_k, total, query_seqlens
+def _heads(match) -> tuple[int, int, int] | str:
+    """(heads, kv_heads, head_dim), checked against what GroupQueryAttention supports."""
+    heads, head_dim = static_dim(match.q, 1), static_dim(match.q, 3)
+    kv_heads = static_dim(match.key.past, 1) or static_dim(match.key.new, 1)
+    dims_kv = {static_dim(v, 3) for v in (match.key.past, match.key.new, match.value.past, match.value.new)}
+    if heads is None or head_dim is None or kv_heads is None:
+        return "head counts or head size unknown (run infer-shapes first)"
+    if dims_kv - {None} != {head_dim}:
+        sizes = sorted(d for d in dims_kv if d)
+        return f"K/V head sizes {sizes} differ from q's {head_dim} (MLA: fuse-mla-attention)"
+    if shared_key_part(match.key):
+        return "K has a part shared by every head, MLA's RoPE key (MLA: fuse-mla-attention, faster on ORT)"
+    if head_dim % 8:
+        return f"head size {head_dim} is not a multiple of 8, which ORT's GroupQueryAttention requires"
+    if heads % kv_heads or heads // kv_heads != match.key.n_rep:
+        return f"{heads} query heads over {kv_heads} kv heads, but K/V are repeated {match.key.n_rep} times"
+    mask = dims(match.mask)
+    if mask is not None and (len(mask) != 4 or mask[1] not in (1, heads, None)):
+        return f"mask of shape {mask} is not [B, 1 or heads, S, T]"
+    return heads, kv_heads, head_dim
+
+
+def _lengths(emit, mask: ir.Value, q3: ir.Value):
+    """seqlens_k = T - 1 and query_seqlens = S for every row, total_sequence_length = T (int32, T from the
+    mask's last axis, B and S from q)."""
+    int32 = ir.DataType.INT32
+    total = emit.op("Gather", emit.op("Shape", mask), emit.const(3), axis=0, name="gqa_lengths/Gather")
+    q_shape = emit.op("Shape", q3)
+    batch = emit.op("Gather", q_shape, emit.const([0]), axis=0)
+    seq = emit.op("Gather", q_shape, emit.const(1), axis=0)
+    seqlens_k = emit.op("Cast", emit.op("Expand", emit.op("Sub", total, emit.const(1)), batch), to=int32)
+    query_seqlens = emit.op("Cast", emit.op("Expand", seq, batch), to=int32)
+    total = emit.op("Cast", total, to=int32)
+    return seqlens_k, total, query_seqlens
+
+
+@register("fuse-group-query-attention", targets=("onnxruntime",),
+          description="Attention over a Concat KV cache (GQA repeat_kv or MHA) -> ORT GroupQueryAttention.")
+class FuseGroupQueryAttention(RewriteRulesPass):
+    """Counts: ``gqa`` (GroupQueryAttention nodes with kv heads < heads), ``mha`` (kv heads == heads)."""
+
+    def __init__(self) -> None:
+        super().__init__([_GroupQueryAttention("gqa")])

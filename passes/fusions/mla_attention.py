@@ -18,25 +18,26 @@ Which ONNX Runtime op fits, as found on ORT 1.32 (CPU, fp32; the tests pin each 
   DFT did; the others only gained types or attributes with compatible defaults). That is checked, and the pass
   refuses otherwise.
 
-Matched (``passes.fusions._attention``): q [B, H, S, Dk], present_k = Concat(past_k, k, axis=2) [B, kvH, T, Dk],
-present_v likewise with Dv, optional repeat_kv (ONNX Attention takes kv heads < H in 4-D natively), softmax(q K^T
-* scale + mask) V. Replaced by ``Y, present_k, present_v = Attention(q, k, v, mask, past_k, past_v, scale=...)``;
-Y [B, H, S, Dv] takes the place of the MatMul's output; present_* take over the Concat outputs (graph output
-names included). The mask keeps left padding exact; only padding query rows (every key masked) can come out
-differently, and nothing reads them. Runs after ``fuse-group-query-attention``, so it only sees the attention
-GQA cannot take or declines (MLA: K/V head sizes differ, or a K part shared by every head) or that GQA was not
-run on.
+Matched (``passes.fusions._attention``'s patterns): q [B, H, S, Dk], present_k = Concat(past_k, k, axis=2)
+[B, kvH, T, Dk], present_v likewise with Dv, optional repeat_kv (ONNX Attention takes kv heads < H in 4-D
+natively), softmax(q K^T * scale + mask) V. Replaced by ``Y, present_k, present_v = Attention(q, k, v, mask,
+past_k, past_v, scale=...)``; Y [B, H, S, Dv] takes the place of the MatMul's output; present_* take over the
+Concat outputs (graph output names included). The mask keeps left padding exact; only padding query rows (every
+key masked) can come out differently, and nothing reads them. Runs after ``fuse-group-query-attention``, so it
+only sees the attention GQA cannot take or declines (MLA: K/V head sizes differ, or a K part shared by every
+head) or that GQA was not run on.
 """
 
 from __future__ import annotations
 
 import onnx_ir as ir
 from onnx import defs
+from onnxscript.rewriter import MatchResult
 
-from passes.fusions._attention import match_sdpa, shared_key_part, take_over_caches
-from passes.fusions._common import FusionPass, Miss, dims, static_dim
-from passes.graph import bypass
+from passes.fusions._attention import attention, sdpa, shared_key_part, take_over_caches
+from passes.fusions._common import dims, static_dim
 from passes.registry import register
+from passes.rewrite import FusionRule, RewriteRulesPass
 
 ATTENTION_OPSET = 23
 # Default-domain ops whose definition changed in meaning (not only in types) between opsets 18 and 23.
@@ -63,55 +64,66 @@ def opset_blocker(model: ir.Model, target: int = ATTENTION_OPSET) -> str | None:
     return None
 
 
-@register("fuse-mla-attention", targets=("onnxruntime",),
-          description="MLA attention (K/V head sizes differ) over a Concat KV cache -> ONNX Attention (opset 23).")
-class FuseMlaAttention(FusionPass):
-    """Counts: ``mla`` (K and V head sizes differ, or K has MLA's RoPE part shared by every head), else ``mha`` /
-    ``gqa`` (kv heads == / < heads)."""
+class _Attention(FusionRule):
+    def pattern(self, op, q, past_k, new_k, past_v, new_v, mask, scale, k_axes, k_reps, k_shape, v_axes, v_reps,
+                v_shape):
+        return attention(op, q, past_k, new_k, past_v, new_v, mask, scale, k_axes, k_reps, k_shape, v_axes, v_reps,
+                         v_shape)
 
-    rule = "attention"
-
-    def start(self, model: ir.Model) -> None:
-        self.blocker = opset_blocker(model)
-
-    def match(self, node: ir.Node):
-        match = match_sdpa(node)
-        if match is None or isinstance(match, str):
-            return None if match is None else Miss(match)
-        shape = self._check(match)
+    def check(self, context, **b) -> MatchResult:
+        result = MatchResult()
+        match = sdpa(b)
+        if isinstance(match, str):
+            return result.fail(match)
+        shape = _check(match)
         if isinstance(shape, str):
-            return Miss(shape, 2)
-        return Miss(self.blocker, 3) if self.blocker else (match, shape)
+            return result.fail(shape)
+        if "opset_blocker" not in self.edit.shared:
+            self.edit.shared["opset_blocker"] = opset_blocker(context.model)
+        blocker = self.edit.shared["opset_blocker"]
+        if blocker:
+            return result.fail(blocker)
+        self.found = match, shape
+        return result
 
-    def rewrite(self, found) -> tuple[str, list[ir.Node]]:
-        match, (heads, kv_heads, k_dim, v_dim) = found
+    def rewrite(self, op, **_):
+        match, (heads, kv_heads, k_dim, v_dim) = self.found
         inputs = [match.q, match.key.new, match.value.new, match.mask, match.key.past, match.value.past]
-        attention = self.emit.node(match.root, "Attention", inputs, {"scale": match.scale}, num_outputs=3)
-        y, present_k, present_v = attention.outputs
+        y, present_k, present_v = self.emit(op).node("Attention", inputs, {"scale": match.scale}, num_outputs=3).outputs
         out = match.root.outputs[0]
         y.dtype, y.shape = out.dtype, out.shape
-        take_over_caches(self.emit.graph, match, present_k, present_v)
-        bypass(self.emit.graph, out, y)
+        take_over_caches(self.edit, match, present_k, present_v)
         mla = k_dim != v_dim or shared_key_part(match.key)
-        kind = "mla" if mla else ("gqa" if kv_heads < heads else "mha")
-        return kind, match.nodes + match.key.nodes + match.value.nodes
+        self.counted = ("mla" if mla else ("gqa" if kv_heads < heads else "mha"),)
+        return y
 
-    def finish(self, model: ir.Model) -> None:
+    def finish(self, edit) -> None:
+        model = edit.model
         model.opset_imports[""] = max(model.opset_imports.get("", 1), ATTENTION_OPSET)
         model.ir_version = max(model.ir_version or 0, 11)  # opset 23 came with IR version 11
 
-    @staticmethod
-    def _check(match) -> tuple[int, int, int, int] | str:
-        q, k, v = dims(match.q), dims(match.key.new), dims(match.value.new)
-        if any(d is None or len(d) != 4 for d in (q, k, v)):
-            return f"q/k/v are not 4-D [B, heads, S, D] (shapes {q}, {k}, {v}; run infer-shapes first)"
-        heads, kv_heads = static_dim(match.q, 1), static_dim(match.key.new, 1) or static_dim(match.key.past, 1)
-        k_dim, v_dim = static_dim(match.q, 3), static_dim(match.value.new, 3) or static_dim(match.value.past, 3)
-        if None in (heads, kv_heads, k_dim, v_dim):
-            return "head counts or head sizes unknown (run infer-shapes first)"
-        if heads % kv_heads or heads // kv_heads != match.key.n_rep:
-            return f"{heads} query heads over {kv_heads} kv heads, but K/V are repeated {match.key.n_rep} times"
-        mask = dims(match.mask)
-        if mask is not None and (len(mask) > 4 or (len(mask) == 4 and mask[1] not in (1, heads, None))):
-            return f"mask of shape {mask} does not broadcast to [B, heads, S, T]"
-        return heads, kv_heads, k_dim, v_dim
+
+def _check(match) -> tuple[int, int, int, int] | str:
+    q, k, v = dims(match.q), dims(match.key.new), dims(match.value.new)
+    if any(d is None or len(d) != 4 for d in (q, k, v)):
+        return f"q/k/v are not 4-D [B, heads, S, D] (shapes {q}, {k}, {v}; run infer-shapes first)"
+    heads, kv_heads = static_dim(match.q, 1), static_dim(match.key.new, 1) or static_dim(match.key.past, 1)
+    k_dim, v_dim = static_dim(match.q, 3), static_dim(match.value.new, 3) or static_dim(match.value.past, 3)
+    if None in (heads, kv_heads, k_dim, v_dim):
+        return "head counts or head sizes unknown (run infer-shapes first)"
+    if heads % kv_heads or heads // kv_heads != match.key.n_rep:
+        return f"{heads} query heads over {kv_heads} kv heads, but K/V are repeated {match.key.n_rep} times"
+    mask = dims(match.mask)
+    if mask is not None and (len(mask) > 4 or (len(mask) == 4 and mask[1] not in (1, heads, None))):
+        return f"mask of shape {mask} does not broadcast to [B, heads, S, T]"
+    return heads, kv_heads, k_dim, v_dim
+
+
+@register("fuse-mla-attention", targets=("onnxruntime",),
+          description="MLA attention (K/V head sizes differ) over a Concat KV cache -> ONNX Attention (opset 23).")
+class FuseMlaAttention(RewriteRulesPass):
+    """Counts: ``mla`` (K and V head sizes differ, or K has MLA's RoPE part shared by every head), else ``mha`` /
+    ``gqa`` (kv heads == / < heads)."""
+
+    def __init__(self) -> None:
+        super().__init__([_Attention("attention")])

@@ -16,78 +16,79 @@ with the unfused graph to rounding. Computing the caches costs P * D/2 cos and s
 layer, where the unfused graph computed B * S * D of each.
 
 x stays 4-D [B, heads, S, D] (ORT's 4-D input form); the attention fusions move it to the 3-D [B, S, hidden]
-form where they consume it.
+form where they consume it. One rule, its pattern the rotation (commuted: every operand order of the Add and
+Muls); its check matches the tables with the patterns of ``_rope`` and gives the near-miss reasons; the caches
+are built once per graph, by the first rewrite, and shared through the pass's ``GraphEdit``.
 """
 
 from __future__ import annotations
 
-from collections import Counter
-
 import numpy as np
 import onnx_ir as ir
+from onnxscript.rewriter import MatchResult
 
-from passes.fusions._common import MS_DOMAIN, FusionPass, Miss, dims, is_op
-from passes.fusions._rope import match_rotate_half, match_tables
-from passes.graph import bypass
+from passes.fusions._common import MS_DOMAIN, dims
+from passes.fusions._rope import match_tables, rotation, rotation_pattern
 from passes.registry import register
+from passes.rewrite import FusionRule, RewriteRulesPass
+
+
+class _RotaryEmbedding(FusionRule):
+    def pattern(self, op, x, cos, sin):
+        return rotation_pattern(op, x, cos, sin)
+
+    def check(self, context, **b) -> MatchResult:
+        result = MatchResult()
+        found = rotation(context.root, b)
+        if isinstance(found, str):
+            return result.fail(found)
+        x_dims = dims(found.x)
+        if x_dims is None or len(x_dims) != 4:
+            return result.fail(f"x has shape {x_dims}, not [B, heads, S, D]")
+        tables = match_tables(context, found.cos, found.sin)
+        if isinstance(tables, str):
+            return result.fail(tables)
+        half = tables.inv_freq.size
+        if found.half not in (None, half) or (isinstance(x_dims[3], int) and x_dims[3] != 2 * half):
+            return result.fail(f"x's last dim {x_dims[3]} is not twice inv_freq's {half}")
+        self.found = found, tables
+        return result
+
+    def rewrite(self, op, **_):
+        (found, tables), emit = self.found, self.emit(op)
+        key = ("rope_caches", tables.position_ids, tables.inv_freq.tobytes(), tables.scaling)
+        if key not in self.edit.shared:
+            self.edit.shared[key] = _caches(emit, tables)
+            self.counted = ("rotary_embedding", "cos_sin_caches")
+        cos_cache, sin_cache = self.edit.shared[key]
+        rope = emit.node("RotaryEmbedding", [found.x, tables.position_ids, cos_cache, sin_cache], {"interleaved": 0},
+                         domain=MS_DOMAIN)
+        out = rope.outputs[0]
+        out.dtype, out.shape = found.root.outputs[0].dtype, found.x.shape
+        self.edit.dead += tables.nodes
+        return out
+
+
+def _caches(emit, tables) -> tuple[ir.Value, ir.Value]:
+    pos = tables.position_ids
+    last = emit.op("ReduceMax", pos, keepdims=0, name="rope_cache/ReduceMax")
+    rows = emit.op("Range", emit.const(0), emit.op("Add", last, emit.const(1)), emit.const(1))
+    rows = emit.op("Unsqueeze", emit.op("Cast", rows, to=ir.DataType.FLOAT), emit.const([-1]))
+    angles = emit.op("Mul", rows, emit.const(tables.inv_freq, np.float32, "inv_freq"))
+    cos, sin = emit.op("Cos", angles), emit.op("Sin", angles)
+    if tables.scaling != 1.0:
+        scaling = emit.const(tables.scaling, np.float32, "attention_scaling")
+        cos, sin = emit.op("Mul", cos, scaling), emit.op("Mul", sin, scaling)
+    half = tables.inv_freq.size
+    for value in (cos, sin):
+        value.dtype, value.shape = ir.DataType.FLOAT, ir.Shape([None, half])
+    return cos, sin
 
 
 @register("fuse-rotary-embedding", targets=("onnxruntime",),
           description="x*cos + rotate_half(x)*sin from position_ids -> ORT RotaryEmbedding with in-graph caches.")
-class FuseRotaryEmbedding(FusionPass):
+class FuseRotaryEmbedding(RewriteRulesPass):
     """Counts: ``rotary_embedding`` (RotaryEmbedding nodes created), ``cos_sin_caches`` (cache pairs built)."""
 
-    rule, domain = "rotary_embedding", MS_DOMAIN
-
-    def start(self, model: ir.Model) -> None:
-        self.caches: dict[tuple, tuple[ir.Value, ir.Value]] = {}
-
-    def match(self, add: ir.Node):
-        match = match_rotate_half(add) if is_op(add, "Add") else None
-        if match is None or isinstance(match, str):
-            return None if match is None else Miss(match)
-        x_dims = dims(match.x)
-        if x_dims is None or len(x_dims) != 4:
-            return Miss(f"x has shape {x_dims}, not [B, heads, S, D]", 2)
-        tables = match_tables(match.cos, match.sin)
-        if isinstance(tables, str):
-            return Miss(tables, 3)
-        half = tables.inv_freq.size
-        if match.half not in (None, half) or (isinstance(x_dims[3], int) and x_dims[3] != 2 * half):
-            return Miss(f"x's last dim {x_dims[3]} is not twice inv_freq's {half}", 4)
-        return match, tables
-
-    def rewrite(self, found) -> tuple[str, list[ir.Node]]:
-        match, tables = found
-        add = match.root
-        key = (tables.position_ids, tables.inv_freq.tobytes(), tables.scaling)
-        if key not in self.caches:
-            self.caches[key] = self._caches(add, tables)
-        cos_cache, sin_cache = self.caches[key]
-        rope = self.emit.node(add, "RotaryEmbedding", [match.x, tables.position_ids, cos_cache, sin_cache],
-                              {"interleaved": 0}, domain=MS_DOMAIN)
-        out = rope.outputs[0]
-        out.dtype, out.shape = add.outputs[0].dtype, match.x.shape
-        bypass(self.emit.graph, add.outputs[0], out)
-        return "rotary_embedding", match.nodes + tables.nodes
-
-    def apply(self, model: ir.Model) -> Counter:
-        counts = super().apply(model)
-        if counts:
-            counts["cos_sin_caches"] = len(self.caches)
-        return counts
-
-    def _caches(self, anchor: ir.Node, tables) -> tuple[ir.Value, ir.Value]:
-        emit, pos = self.emit, tables.position_ids
-        last = emit.op(anchor, "ReduceMax", pos, keepdims=0, name="rope_cache/ReduceMax")
-        rows = emit.op(anchor, "Range", emit.const(0), emit.op(anchor, "Add", last, emit.const(1)), emit.const(1))
-        rows = emit.op(anchor, "Unsqueeze", emit.op(anchor, "Cast", rows, to=ir.DataType.FLOAT), emit.const([-1]))
-        angles = emit.op(anchor, "Mul", rows, emit.const(tables.inv_freq, np.float32, "inv_freq"))
-        cos, sin = emit.op(anchor, "Cos", angles), emit.op(anchor, "Sin", angles)
-        if tables.scaling != 1.0:
-            scaling = emit.const(tables.scaling, np.float32, "attention_scaling")
-            cos, sin = emit.op(anchor, "Mul", cos, scaling), emit.op(anchor, "Mul", sin, scaling)
-        half = tables.inv_freq.size
-        for value in (cos, sin):
-            value.dtype, value.shape = ir.DataType.FLOAT, ir.Shape([None, half])
-        return cos, sin
+    def __init__(self) -> None:
+        super().__init__([_RotaryEmbedding("rotary_embedding")], commute=True)
