@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import ast
+from pathlib import Path
+
 import onnx_ir as ir
 import pytest
 from passes_helpers import make_model, node
@@ -64,3 +67,18 @@ def test_every_registered_pass_is_in_place_and_counts():
         assert pass_.in_place, name
         result = pass_(model)
         assert isinstance(result, CountedResult) and result.model is model, name
+
+
+def test_passes_import_only_public_onnxscript_apis_and_never_toolchain():
+    """Private onnxscript modules (a path segment starting with '_') change without notice between versions."""
+    root = Path(__file__).resolve().parent.parent / "passes"
+    bad = []
+    for path in sorted(root.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            modules = [a.name for a in node.names] if isinstance(node, ast.Import) else (
+                [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            for module in modules:
+                parts = module.split(".")
+                if parts[0] == "toolchain" or (parts[0] == "onnxscript" and any(p.startswith("_") for p in parts)):
+                    bad.append(f"{path.relative_to(root.parent)}:{node.lineno}: {module}")
+    assert bad == []

@@ -12,8 +12,9 @@ folds into a linear op exactly when axis 1 of the op's output is the axis its co
 
 An optional constant bias Add between MatMul and BN folds too. Weights, biases and BN parameters must be
 constant, and the intermediate value must have no other consumer (the matcher's removability check).
-Conv/ConvTranspose/Gemm reuse onnxscript's rules, adding the checks they lack (inference mode, dtypes);
-onnxscript has no MatMul rule, hence ours.
+Conv/ConvTranspose/Gemm are onnxscript's rules (its ``rules.common`` exports them only as built rules, so they
+are written here with the public rewriter API, their arithmetic unchanged) with the checks they lack
+(inference mode, dtypes); onnxscript has no MatMul rule, hence ours.
 """
 
 from __future__ import annotations
@@ -21,11 +22,6 @@ from __future__ import annotations
 import numpy as np
 import onnx_ir as ir
 from onnxscript.rewriter import MatchResult, RewriteRuleClassBase
-from onnxscript.rewriter.rules.common._fuse_batchnorm import (
-    FuseBatchNormIntoConv,
-    FuseBatchNormIntoConvTranspose,
-    FuseBatchNormIntoGemm,
-)
 
 from passes.graph import Names, constant_array, known_rank
 from passes.registry import register
@@ -46,26 +42,65 @@ def _check_inference_batchnorm(bn: ir.Node, weight_dtype: ir.DataType | None) ->
     return result
 
 
-class _InferenceOnly:
-    """Adds to onnxscript's BN fusion checks the ones it lacks: inference mode, matching dtypes."""
+class _BatchNormInto(RewriteRuleClassBase):
+    """BatchNormalization(op_type(x, W[, B])) -> op_type(x, W * s, (beta_gemm * B - mean) * s + beta), as
+    onnxscript's FuseBatchNormInto{Conv,ConvTranspose,Gemm}, with s = gamma / sqrt(var + eps) along the axis of
+    W that makes the output channels."""
+
+    def __init__(self, name: str, op_type: str) -> None:
+        super().__init__(name)
+        self.op_type = op_type
+
+    def pattern(self, op, x):
+        inbound = getattr(op, self.op_type)(x, _allow_other_inputs=True, _outputs=["inbound_out"])
+        return op.BatchNormalization(inbound, _allow_other_inputs=True, _outputs=["batchnorm_out"])
 
     def check(self, context, x, inbound_out: ir.Value, batchnorm_out: ir.Value) -> MatchResult:
-        result = super().check(context, x, inbound_out, batchnorm_out)
-        if not result:
-            return result
-        return _check_inference_batchnorm(batchnorm_out.producer(), inbound_out.producer().inputs[1].dtype)
+        result = MatchResult()
+        inbound, bn = inbound_out.producer(), batchnorm_out.producer()
+        parameters = [inbound.inputs[1], *bn.inputs[1:], *inbound.inputs[2:3]]
+        for value in parameters:
+            if value is None or not value.is_initializer() or value.const_value is None:
+                return result.fail(f"{value.name if value is not None else 'an input'} is not a constant initializer.")
+            if value.is_graph_input():
+                return result.fail(f"{value.name} is a graph input.")
+        for value in inbound.inputs[1:3]:  # the fused weight and bias take their names
+            for user, _ in value.uses():
+                if user not in (inbound, bn):
+                    return result.fail(f"Initializer '{value.name}' is used by another node '{user.name}' "
+                                       "outside the matched pattern.")
+        if self.op_type == "ConvTranspose":
+            in_channels = inbound.inputs[1].const_value.numpy().shape[0]
+            group = inbound.attributes.get_int("group", 1)
+            if in_channels % group:
+                return result.fail(f"ConvTranspose in_channels ({in_channels}) is not divisible by group ({group}).")
+        return _check_inference_batchnorm(bn, inbound.inputs[1].dtype)
 
+    def _scaled(self, weights: np.ndarray, scale: np.ndarray, inbound: ir.Node) -> np.ndarray:
+        if self.op_type == "ConvTranspose":  # W [in, out / group, *kernel]: scale the out channels of each group
+            group = inbound.attributes.get_int("group", 1)
+            in_channels, out_per_group, kernel = weights.shape[0], weights.shape[1], weights.shape[2:]
+            w = weights.reshape(group, in_channels // group, out_per_group, *kernel)
+            s = scale.reshape((group, out_per_group) + (1,) * len(kernel))[:, None, ...]
+            return (w * s).reshape(weights.shape)
+        axis = 1 if self.op_type == "Gemm" and not inbound.attributes.get_int("transB", 0) else 0
+        return weights * np.reshape(scale, [-1 if i == axis else 1 for i in range(weights.ndim)])
 
-class ConvBatchNorm(_InferenceOnly, FuseBatchNormIntoConv):
-    pass
-
-
-class ConvTransposeBatchNorm(_InferenceOnly, FuseBatchNormIntoConvTranspose):
-    pass
-
-
-class GemmBatchNorm(_InferenceOnly, FuseBatchNormIntoGemm):
-    pass
+    def rewrite(self, op, x: ir.Value, inbound_out: ir.Value, batchnorm_out: ir.Value):
+        bn, inbound = batchnorm_out.producer(), inbound_out.producer()
+        gamma, beta, mean, var = (value.const_value.numpy() for value in bn.inputs[1:])
+        scale = gamma / np.sqrt(var + bn.attributes.get_float("epsilon", 1e-5))
+        weights = inbound.inputs[1].const_value.numpy()
+        attributes = dict(inbound.attributes)
+        gemm_beta = attributes.pop("beta").as_float() if "beta" in attributes else 1.0  # folded into the bias
+        if len(inbound.inputs) > 2:
+            bias, bias_name = inbound.inputs[2].const_value.numpy(), inbound.inputs[2].name
+        else:
+            bias, bias_name = np.zeros_like(mean), inbound.inputs[1].name + "_bias"
+        fused_weights = ir.tensor(self._scaled(weights, scale, inbound))
+        fused_bias = ir.tensor((gemm_beta * bias - mean) * scale + beta)
+        return op.op(self.op_type, x, op.initializer(fused_weights, name=inbound.inputs[1].name),
+                     op.initializer(fused_bias, name=bias_name), **attributes)
 
 
 class _MatMulBatchNorm(RewriteRuleClassBase):
@@ -165,9 +200,9 @@ class FoldBatchNorm(RewriteRulesPass):
     def __init__(self) -> None:
         super().__init__(
             [
-                ConvBatchNorm("conv"),
-                ConvTransposeBatchNorm("conv_transpose"),
-                GemmBatchNorm("gemm"),
+                _BatchNormInto("conv", "Conv"),
+                _BatchNormInto("conv_transpose", "ConvTranspose"),
+                _BatchNormInto("gemm", "Gemm"),
                 MatMulAddBatchNorm("matmul_add"),
                 MatMulBatchNorm("matmul"),
             ],

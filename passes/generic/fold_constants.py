@@ -1,13 +1,10 @@
-"""fold-constants: onnxscript's constant folder (with node-level shape inference), counted."""
+"""fold-constants: onnxscript's constant folder (``onnxscript.optimizer.fold_constants``, with node-level shape
+inference), counted."""
 
 from __future__ import annotations
 
 import onnx_ir as ir
-from onnxscript.optimizer._constant_folding import (
-    DEFAULT_CONSTANT_FOLD_INPUT_SIZE_LIMIT,
-    DEFAULT_CONSTANT_FOLD_OUTPUT_SIZE_LIMIT,
-    FoldConstantsPass,
-)
+import onnxscript.optimizer
 
 from passes.base import CountedResult
 from passes.registry import register
@@ -15,40 +12,24 @@ from passes.registry import register
 
 @register("fold-constants", description="Evaluate nodes whose inputs are all constant (onnxscript's folder).")
 class FoldConstants(ir.passes.InPlacePass):
-    """Counts ``nodes_replaced``: nodes the folder replaced by a constant or a simpler node (e.g. a Reshape to
-    the input's own static shape by Identity), and ``inputs_rewired``. Constant nodes it leaves unused are for
-    ``remove-unused``."""
+    """Counts ``nodes_replaced``: nodes of the input the folder replaced by a constant or a simpler node (e.g. a
+    Reshape to the input's own static shape by Identity), and ``inputs_rewired``. Constant nodes it leaves unused
+    are for ``remove-unused``. The size limits default to onnxscript's."""
 
-    def __init__(
-        self,
-        input_size_limit: int = DEFAULT_CONSTANT_FOLD_INPUT_SIZE_LIMIT,
-        output_size_limit: int = DEFAULT_CONSTANT_FOLD_OUTPUT_SIZE_LIMIT,
-    ) -> None:
+    def __init__(self, input_size_limit: int | None = None, output_size_limit: int | None = None) -> None:
         super().__init__()
-        self.input_size_limit = input_size_limit
-        self.output_size_limit = output_size_limit
+        self.limits = {key: value for key, value in (("input_size_limit", input_size_limit),
+                                                      ("output_size_limit", output_size_limit)) if value is not None}
 
     def call(self, model: ir.Model) -> CountedResult:
         inputs_before = {node: tuple(node.inputs) for node in ir.traversal.RecursiveGraphIterator(model.graph)}
-        folder = _CountingFolder(
-            shape_inference=True, input_size_limit=self.input_size_limit, output_size_limit=self.output_size_limit
-        )
-        result = folder(model)
+        result = onnxscript.optimizer.fold_constants(model, onnx_shape_inference=True, **self.limits)
+        after = set(ir.traversal.RecursiveGraphIterator(model.graph))
         rewired = sum(  # inputs forwarded past nodes that stay (e.g. Relu(Identity(x)) -> Relu(x)), not replaced ones
             new is not old and old is not None and old.producer() is not None and old.producer().graph is not None
-            for node in ir.traversal.RecursiveGraphIterator(model.graph)
+            for node in after
             if node in inputs_before
             for new, old in zip(node.inputs, inputs_before[node])
         )
-        counts = {"nodes_replaced": folder.replaced, "inputs_rewired": rewired}
-        return CountedResult(model, result.modified, counts)
-
-
-class _CountingFolder(FoldConstantsPass):
-    """onnxscript's folder reports only ``modified``; count its node replacements."""
-
-    replaced = 0
-
-    def replace_node(self, node, replacement, root) -> None:
-        super().replace_node(node, replacement, root)
-        self.replaced += 1
+        replaced = sum(node not in after for node in inputs_before)
+        return CountedResult(model, result.modified, {"nodes_replaced": replaced, "inputs_rewired": rewired})

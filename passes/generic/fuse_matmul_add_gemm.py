@@ -1,27 +1,31 @@
 """fuse-matmul-add-gemm: Add(MatMul(A, W), bias) -> Gemm(A, W, bias), also absorbing [1, 0] Transposes of A/W.
 
-Reuses onnxscript's four MatMul+Add->Gemm rules with a stricter check: theirs only asks for rank-2 A and W,
-while a dstc Gemm also needs W constant and a bias that broadcasts to [N] (shape [], [1], [N], [1, 1] or
-[1, N]), so the fused Gemm computes exactly what the Add did. 3-D (batched) inputs never match.
+onnxscript's four MatMul+Add->Gemm rules (its ``rules.common`` exports them only as built rules, so they are
+written here with the public rewriter API) with a stricter check: theirs only asks for rank-2 A and W, while a
+dstc Gemm also needs W constant and a bias that broadcasts to [N] (shape [], [1], [N], [1, 1] or [1, N]), so
+the fused Gemm computes exactly what the Add did. 3-D (batched) inputs never match.
 """
 
 from __future__ import annotations
 
-from onnxscript.rewriter import MatchResult
-from onnxscript.rewriter.rules.common._matmul_add_to_gemm import (
-    MatMulAddToGemm,
-    TransABMatMulAddToGemm,
-    TransAMatMulAddToGemm,
-    TransBMatMulAddToGemm,
-)
+from onnxscript.rewriter import MatchResult, RewriteRuleClassBase
 
 from passes.graph import constant_array, known_rank
 from passes.registry import register
 from passes.rewrite import RewriteRulesPass
 
 
-class _GemmCompatible:
-    """Check for onnxscript's MatMul+Add->Gemm rules: 2-D A, constant 2-D weight, bias broadcastable to [N]."""
+class _MatMulAddGemm(RewriteRuleClassBase):
+    """Add(MatMul(A, W), C) -> Gemm(A, W, C), A and/or W through a [1, 0] Transpose for ``trans_a``/``trans_b``."""
+
+    def __init__(self, name: str, *, trans_a: bool = False, trans_b: bool = False) -> None:
+        super().__init__(name)
+        self.trans_a, self.trans_b = trans_a, trans_b
+
+    def pattern(self, op, input_a, input_b, input_c):
+        a = op.Transpose(input_a, perm=[1, 0]) if self.trans_a else input_a
+        b = op.Transpose(input_b, perm=[1, 0]) if self.trans_b else input_b
+        return op.Add(op.MatMul(a, b), input_c)
 
     def check(self, context, input_a, input_b, input_c, **_) -> MatchResult:
         result = MatchResult()
@@ -42,21 +46,11 @@ class _GemmCompatible:
             return result.fail(f"bias of shape {dims} does not broadcast to [{n}]")
         return result
 
-
-class GemmFromMatMulAdd(_GemmCompatible, MatMulAddToGemm):
-    pass
-
-
-class GemmFromTransposedAMatMulAdd(_GemmCompatible, TransAMatMulAddToGemm):
-    pass
-
-
-class GemmFromTransposedBMatMulAdd(_GemmCompatible, TransBMatMulAddToGemm):
-    pass
-
-
-class GemmFromTransposedABMatMulAdd(_GemmCompatible, TransABMatMulAddToGemm):
-    pass
+    def rewrite(self, op, input_a, input_b, input_c, **_):
+        attributes = {"transA": 1} if self.trans_a else {}
+        if self.trans_b:
+            attributes["transB"] = 1
+        return op.Gemm(input_a, input_b, input_c, **attributes)
 
 
 @register("fuse-matmul-add-gemm", description="Fuse 2-D MatMul with a constant weight and a bias Add into Gemm.")
@@ -66,10 +60,10 @@ class FuseMatMulAddGemm(RewriteRulesPass):
     def __init__(self) -> None:
         super().__init__(
             [
-                GemmFromTransposedABMatMulAdd("gemm_trans_ab"),
-                GemmFromTransposedAMatMulAdd("gemm_trans_a"),
-                GemmFromTransposedBMatMulAdd("gemm_trans_b"),
-                GemmFromMatMulAdd("gemm"),
+                _MatMulAddGemm("gemm_trans_ab", trans_a=True, trans_b=True),
+                _MatMulAddGemm("gemm_trans_a", trans_a=True),
+                _MatMulAddGemm("gemm_trans_b", trans_b=True),
+                _MatMulAddGemm("gemm"),
             ],
             commute=True,
         )
