@@ -1,9 +1,14 @@
 """Per-runtime pipelines: which passes run for ONNX Runtime and for OpenVINO, and what they must achieve.
 
-* ``onnxruntime``: generic cleanups, then every fusion into the kernels ORT only runs when the graph names them
+Both start with the same generic part (:data:`GENERIC`): shapes, constant folding, BatchNormalization folding,
+Transpose elimination, dead-code removal and common subexpressions, then shapes again. BN folding and Transpose
+elimination change nothing on the exported decoders (they have neither BatchNormalization nor removable
+Transposes); they are there for graphs that do.
+
+* ``onnxruntime``: the generic part, then every fusion into the kernels ORT only runs when the graph names them
   (SimplifiedLayerNormalization, SkipSimplifiedLayerNormalization, RotaryEmbedding, GroupQueryAttention, ONNX
   Attention for MLA, QuickGelu), MatMul+Add -> Gemm where 2-D, cleanups.
-* ``openvino``: generic cleanups and standard ops only; OpenVINO fuses SDPA, RMSNorm and RoPE itself when it
+* ``openvino``: the generic part and standard ops only; OpenVINO fuses SDPA, RMSNorm and RoPE itself when it
   compiles, so the graph is only reshaped where its fusions would miss: ``rotate-half-split`` for RoPE. Its
   SDPA fusion fires on the exported attention as is (in the stateful IR the compile stage makes: the CPU plugin
   keeps SDPA only in stateful models), and so does its RMS fusion.
@@ -19,16 +24,17 @@ import onnx_ir as ir
 
 from passes.errors import PassError
 
-CLEANUP = ["fold-constants", "remove-unused", "cse"]
+GENERIC = ["infer-shapes", "fold-constants", "fold-batchnorm", "eliminate-transposes", "remove-unused", "cse",
+           "infer-shapes"]
 
 PIPELINES: dict[str, list[str]] = {
     "onnxruntime": [
-        "infer-shapes", *CLEANUP, "infer-shapes",
+        *GENERIC,
         "fuse-rms-norm", "fuse-skip-rms-norm", "fuse-rotary-embedding",
         "fuse-group-query-attention", "fuse-mla-attention", "fuse-silu", "fuse-matmul-add-gemm",
         "cse", "remove-unused",
     ],
-    "openvino": ["infer-shapes", *CLEANUP, "infer-shapes", "rotate-half-split", "remove-unused"],
+    "openvino": [*GENERIC, "rotate-half-split", "remove-unused"],
 }
 
 GQA_MODELS = ("llama", "qwen2")

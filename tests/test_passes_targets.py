@@ -6,7 +6,7 @@ import pytest
 from attention_helpers import attention_model
 
 from passes import PassError, get_pass
-from passes.targets import PIPELINES, default_expectations, expectations_for, model_info, pipeline
+from passes.targets import GENERIC, PIPELINES, default_expectations, expectations_for, model_info, pipeline
 
 
 @pytest.mark.parametrize("target", sorted(PIPELINES))
@@ -14,6 +14,12 @@ def test_pipelines_use_registered_passes_for_their_target(target):
     for name in pipeline(target):
         targets = get_pass(name).targets
         assert target in targets or "any" in targets, f"{name} is for {targets}"
+
+
+@pytest.mark.parametrize("target", sorted(PIPELINES))
+def test_every_pipeline_starts_with_the_generic_part(target):
+    assert pipeline(target)[:len(GENERIC)] == GENERIC
+    assert {"fold-constants", "fold-batchnorm", "eliminate-transposes", "cse", "remove-unused"} <= set(GENERIC)
 
 
 def test_openvino_pipeline_keeps_standard_ops_only():
