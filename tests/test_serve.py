@@ -519,3 +519,29 @@ def test_loading_state_and_an_engine_failure_do_not_take_the_server_down(artifac
         ok = client.post("/v1/completions", json=body)
         assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 3
         assert "dstc_requests_total{finish_reason=\"error\"} 1.0" in client.get("/metrics").text
+
+
+def test_a_crashed_engine_process_fails_its_requests_and_is_restarted(servers):
+    import os
+
+    server = servers["onnxruntime"]
+    client = server.client()
+    health = httpx.get(server.base + "/health").json()
+    stream = client.completions.create(model=server.name, prompt="321+654=", max_tokens=1000, temperature=0,
+                                       stream=True, extra_body={"ignore_eos": True})
+    next(iter(stream))
+    os.kill(health["engine_pid"], signal.SIGKILL)  # what a native crash of the runtime does
+    with pytest.raises(openai.APIError, match="the engine process died \\(killed by SIGKILL\\)"):
+        for _ in stream:
+            pass
+    deadline = time.monotonic() + 60
+    while True:
+        again = httpx.get(server.base + "/health")
+        if again.status_code == 200:
+            break
+        assert again.json()["state"] == "loading" and time.monotonic() < deadline
+        time.sleep(0.05)
+    assert again.json()["engine_restarts"] == health["engine_restarts"] + 1
+    assert again.json()["engine_pid"] != health["engine_pid"]
+    ok = client.completions.create(model=server.name, prompt="321+654=", max_tokens=4, temperature=0)
+    assert ok.choices[0].text == "9750" and server.process.poll() is None

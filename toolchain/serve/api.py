@@ -55,6 +55,15 @@ def create_app(service) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
+        loop = asyncio.get_running_loop()
+
+        def dispatch(deliver) -> None:  # from the engine's thread: one wake-up of the loop per step
+            try:
+                loop.call_soon_threadsafe(deliver)
+            except RuntimeError:  # the loop has closed (shutdown)
+                pass
+
+        service.engine.dispatch = dispatch
         service.engine.start()
         try:
             yield
@@ -88,7 +97,8 @@ def create_app(service) -> FastAPI:
         body = {"state": engine.state, "model": service.model_name, "backend": service.artifact.backend}
         if engine.state == "ready":
             body.update(service.health.report())
-            body.update(load_seconds=engine.load_seconds, running=engine.running, queue_depth=engine.queue_depth)
+            body.update(load_seconds=engine.load_seconds, running=engine.running, queue_depth=engine.queue_depth,
+                        engine_pid=getattr(engine, "pid", None), engine_restarts=getattr(engine, "restarts", 0))
             return JSONResponse(body)
         if engine.load_error:
             body["error"] = engine.load_error
@@ -199,16 +209,9 @@ class Generation:
         self.done = False
         self._closed = False
         self._queue: asyncio.Queue[Event] = asyncio.Queue()
-        loop = asyncio.get_running_loop()
-
-        def sink(event: Event) -> None:  # the engine's thread
-            try:
-                loop.call_soon_threadsafe(self._queue.put_nowait, event)
-            except RuntimeError:  # the event loop has closed (shutdown)
-                pass
-
+        # the engine's dispatch (set at startup) calls sinks on the event loop
         self.request = EngineRequest(prompt=prompt, max_tokens=max_tokens, sampling=service.sampling(params),
-                                     stop_ids=frozenset(service.artifact.eos_token_ids), sink=sink,
+                                     stop_ids=frozenset(service.artifact.eos_token_ids), sink=self._queue.put_nowait,
                                      ignore_eos=params.ignore_eos)
         self._stops = StopText(params.stop or [])
         self._text = IncrementalText(service.tokenizer)

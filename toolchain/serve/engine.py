@@ -7,9 +7,11 @@ running request: ``[(request, new tokens, finish reason or None)]``; a request r
 ``reset()`` (forget every request, after an error), ``kv_cache_usage()`` (0..1) and ``close()``. Every call to it
 comes from the engine's thread.
 
-Each request's events go to its ``sink`` from that thread: ``Event(tokens, finish, error)``; the API layer hands
-them to the event loop. A finish reason is ``"stop"`` (a stop token), ``"length"`` (max tokens or the context),
-``"cancelled"`` or ``"error"``.
+Each request's events go to its ``sink``: ``Event(tokens, finish, error)``, all of one step's through one call of
+``dispatch`` (the API layer sets it to schedule them on its event loop: one wake-up per step, not per token). A finish
+reason is ``"stop"`` (a stop token), ``"length"`` (max tokens or the context), ``"cancelled"`` or ``"error"``.
+``after_iteration``, when set, runs on the engine's thread after each iteration (engine_process.py sends the step's
+events and figures to the server process there).
 """
 
 from __future__ import annotations
@@ -92,6 +94,8 @@ class Engine:
         self._stop = False
         self._thread = threading.Thread(target=self._main, name="dstc-engine", daemon=True)
         self._durations: collections.deque[float] = collections.deque(maxlen=64)  # seconds per finished request
+        self.dispatch: Callable[[Callable[[], None]], None] = lambda deliver: deliver()
+        self.after_iteration: Callable[[], None] | None = None
 
     # -- from any thread ---------------------------------------------------------------------------------------
 
@@ -106,7 +110,8 @@ class Engine:
             in_flight = len(self._pending) + len(self._running)
             if in_flight >= self.max_batch + self.max_queue:
                 raise QueueFull(len(self._pending), self._retry_after(in_flight))
-            request.id = next(self._ids)
+            if not request.id:
+                request.id = next(self._ids)
             self._pending.append(request)
             self._cv.notify()
         return request.id
@@ -165,7 +170,8 @@ class Engine:
         self.state = "ready"
         try:
             while self._iteration():
-                pass
+                if self.after_iteration is not None:
+                    self.after_iteration()
         finally:
             with self._cv:
                 self.state = "stopped"
@@ -174,6 +180,8 @@ class Engine:
                 self._running = []
             for request in leftovers:
                 self._finish(request, "cancelled", notify=True)
+            if self.after_iteration is not None:
+                self.after_iteration()
             try:
                 self.backend.close()
             except Exception:
@@ -195,8 +203,8 @@ class Engine:
             while self._pending and len(self._running) + len(admitted) < self.max_batch:
                 admitted.append(self._pending.popleft())
             self._running += admitted
-        for request in gone:
-            self._finish(request, "cancelled", notify=False)
+        for request in gone:  # told too: a RemoteEngine counts its requests in flight by their last event
+            self._finish(request, "cancelled", notify=True)
         for request in admitted:
             self.observer.tokens(len(request.prompt), 0)
         try:
@@ -220,9 +228,13 @@ class Engine:
                 self._finish(request, "error", notify=True, error=f"{type(e).__name__}: {e}")
         return True
 
+    def _send(self, events: list[tuple[Request, Event]]) -> None:
+        if events:
+            self.dispatch(lambda: [request.sink(event) for request, event in events])
+
     def _deliver(self, results) -> None:
         now = time.perf_counter()
-        done = []
+        done, events = [], []
         for request, tokens, finish in results:
             if request.finished:
                 continue
@@ -240,10 +252,11 @@ class Engine:
             if finish is not None:
                 done.append(request)
                 request.finished = True
-                request.sink(Event(list(tokens), finish, request.error))
+                events.append((request, Event(list(tokens), finish, request.error)))
                 self._finish(request, finish, notify=False)
             elif tokens:
-                request.sink(Event(list(tokens)))
+                events.append((request, Event(list(tokens))))
+        self._send(events)
         if done:
             with self._cv:
                 self._running = [r for r in self._running if not r.finished]
@@ -253,4 +266,4 @@ class Engine:
         self._durations.append(time.perf_counter() - request.arrived)
         self.observer.finished(reason)
         if notify:
-            request.sink(Event([], reason, error))
+            self._send([(request, Event([], reason, error))])

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from toolchain.errors import InputError
 from toolchain.runtime.artifact import Artifact
 from toolchain.runtime.sampling import Sampling
-from toolchain.serve.engine import Engine
+from toolchain.serve.engine_process import RemoteEngine
 from toolchain.serve.health import DEFAULT_THRESHOLDS, HealthMonitor, merge_thresholds, parse_threshold, \
     recipe_thresholds
 from toolchain.serve.metrics import ServerMetrics
@@ -59,29 +59,26 @@ class Service:
         self.tokenizer = artifact.tokenizer()
         thresholds = merge_thresholds(DEFAULT_THRESHOLDS, recipe_thresholds(artifact.manifest),
                                       [parse_threshold(t) for t in settings.thresholds])
-        self.engine: Engine | None = None
+        self.engine: RemoteEngine | None = None
         self.health = HealthMonitor(thresholds, window_s=settings.health_window_s, gauges=self._gauges)
         self.metrics = ServerMetrics(self.health)
-        self.engine = Engine(self._backend(), max_batch=settings.max_batch, max_queue=settings.max_queue,
-                             observer=self.metrics)
+        self.engine = self._engine()
         self.metrics.attach(self.engine, artifact, self.model_name)
         generation = artifact.generation
         self._default_temperature = float(generation.get("temperature", 1.0)) if generation.get("do_sample") else 0.0
         self._default_top_p = float(generation.get("top_p", 1.0)) if generation.get("do_sample") else 1.0
 
-    def _backend(self):
+    def _engine(self) -> RemoteEngine:
+        """The engine, in a process of its own (engine_process.py), over the artifact's backend."""
         s = self.settings
         if self.artifact.backend == "openvino":
-            from toolchain.runtime.batching import PipelineSettings
-            from toolchain.serve.engine_openvino import OpenVINOBackend
-
-            return OpenVINOBackend(self.artifact, PipelineSettings(
-                threads=s.threads, max_batch=s.max_batch, max_context=self.context,
-                prefix_caching=s.prefix_caching, f32=s.openvino_f32))
-        from toolchain.serve.engine_onnxruntime import OnnxRuntimeBackend
-
-        return OnnxRuntimeBackend(self.artifact, threads=s.threads, max_batch=s.max_batch, max_context=self.context,
-                                  layout=s.kv_layout)
+            options = {"threads": s.threads, "max_batch": s.max_batch, "max_context": self.context,
+                       "prefix_caching": s.prefix_caching, "f32": s.openvino_f32}
+        else:
+            options = {"threads": s.threads, "max_batch": s.max_batch, "max_context": self.context,
+                       "layout": s.kv_layout}
+        return RemoteEngine(self.artifact.backend, str(self.artifact.path), options, max_batch=s.max_batch,
+                            max_queue=s.max_queue, observer=self.metrics)
 
     def _gauges(self) -> dict[str, float]:
         engine = self.engine
@@ -172,7 +169,10 @@ class Service:
 def bind(host: str, port: int) -> socket.socket:
     """A listening socket, bound before the model loads (port 0: any free port)."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    # proto given, not left 0: asyncio turns Nagle's algorithm off (TCP_NODELAY) only on sockets whose proto is TCP,
+    # and accepted connections inherit it. With Nagle on, each small SSE chunk after the first waited for the
+    # client's delayed ACK: a 16-token stream arrived whole, 40 ms late.
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((host, port))
