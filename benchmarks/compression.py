@@ -34,7 +34,9 @@ import numpy as np
 import onnx_ir as ir
 
 from toolchain.compress import metrics
-from toolchain.export.parity import graph_step, greedy, onnxruntime_runner
+from toolchain.export.parity import graph_decoder
+from toolchain.runtime.engines import ort_options, ort_session, openvino_compile
+from toolchain.runtime.generate import greedy_logits
 from toolchain.models.registry import EMBEDDED, embedded_path
 from toolchain.stages.compress import compress
 from toolchain.stages.export import export
@@ -86,30 +88,17 @@ def checkpoints(root: Path, names: list[str] | None) -> dict[str, tuple[Path, bo
 
 
 class Graph:
-    """Prefill/decode steps of an exported or compressed graph on its runtime (batch, KV cache from the graph)."""
+    """Prefill/decode steps of an exported or compressed graph on its runtime at exact numerics (batch, KV cache
+    from the graph), as a Decoder of the runtime layer."""
 
     def __init__(self, directory: Path) -> None:
-        if (directory / "openvino_model.xml").is_file():
-            import openvino as ov
-
-            compiled = ov.Core().compile_model(str(directory / "openvino_model.xml"), "CPU",
-                                               {"INFERENCE_PRECISION_HINT": "f32"})
-            request = compiled.create_infer_request()
-            names = [o.get_any_name() for o in compiled.outputs]
-            self.run = lambda feeds: {n: np.array(v) for n, v in zip(names, request.infer(feeds).values())}
-            inputs = [(p.get_any_name(), p.get_partial_shape()) for p in compiled.inputs]
-            self.past = {n: (s[1].get_length(), s[3].get_length()) for n, s in inputs if n.startswith("past_")}
-        else:
-            import onnx
-
-            self.run = onnxruntime_runner(directory / "model.onnx")
-            graph = onnx.load(str(directory / "model.onnx"), load_external_data=False).graph
-            self.past = {v.name: (v.type.tensor_type.shape.dim[1].dim_value, v.type.tensor_type.shape.dim[3].dim_value)
-                         for v in graph.input if v.name.startswith("past_key_values.")}
+        xml = directory / "openvino_model.xml"
+        self.decoder = graph_decoder(xml, "openvino") if xml.is_file() else \
+            graph_decoder(directory / "model.onnx", "onnxruntime")
 
     def logits(self, ids: list[int]) -> np.ndarray:
-        step = graph_step(self.run, self.past)
-        return step(np.asarray([ids]), np.ones((1, len(ids)), np.int64), np.arange(len(ids))[None])[0]
+        self.decoder.reset()
+        return self.decoder.forward(np.asarray([ids]), np.ones((1, len(ids)), np.int64))[0]
 
     def generate(self, tokenizer, prompts: list[str]) -> list[str]:
         stop = {tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids(tokenizer.tokenize(END_OF_LINE))[0]}
@@ -119,8 +108,7 @@ class Graph:
             by_length.setdefault(len(ids), []).append(i)
         out = [""] * len(prompts)
         for indices in by_length.values():
-            ids = np.asarray([encoded[i] for i in indices])
-            tokens, _ = greedy(graph_step(self.run, self.past), ids, np.ones_like(ids), NEW_TOKENS)
+            tokens, _ = greedy_logits(self.decoder, [encoded[i] for i in indices], NEW_TOKENS, 0)
             for i, row in zip(indices, tokens.tolist()):
                 end = next((j for j, t in enumerate(row) if t in stop), len(row))  # the line ends at a stop token
                 out[i] = tokenizer.decode(row[:end])
@@ -226,12 +214,10 @@ def kernel_speed(k: int = 2048, n: int = 2048, repeats: int = 200) -> list[dict]
     rows = []
     for name, model in forms.items():
         for opt in ("default", "disabled"):
-            options = ort.SessionOptions()
-            options.intra_op_num_threads = 2
+            options = ort_options(threads=2, level="all" if opt == "default" else None)
             if opt == "disabled":
                 options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-            session = ort.InferenceSession(ir.serde.serialize_model(model).SerializeToString(), options,
-                                           providers=["CPUExecutionProvider"])
+            session = ort_session(ir.serde.serialize_model(model).SerializeToString(), options)
             for _ in range(20):
                 session.run(None, {"x": x})
             samples = []
@@ -256,11 +242,9 @@ def peer(checkpoint: Path, work: Path, tokenizer, texts, reference, ours: dict) 
     if done.returncode != 0:
         result["error"] = (done.stderr or done.stdout).strip().splitlines()[-5:]
         return result
-    import openvino as ov
-
     log = done.stdout + done.stderr
     result["nncf_log"] = [line for line in log.splitlines() if "│" in line or "int4" in line.lower()][:12]
-    compiled = ov.Core().compile_model(str(out / "openvino_model.xml"), "CPU", {"INFERENCE_PRECISION_HINT": "f32"})
+    compiled = openvino_compile(out / "openvino_model.xml", "exact")
     logits = []
     for ids in texts:
         request = compiled.create_infer_request()

@@ -44,6 +44,7 @@ import onnx
 import onnxruntime as ort
 
 from toolchain.models.registry import EMBEDDED, embedded_path
+from toolchain.runtime.engines import ort_session
 from toolchain.models.shape_faithful import make_shape_faithful
 from toolchain.stages.export import export
 from toolchain.stages.optimize import optimize
@@ -98,7 +99,7 @@ class Runner:
     its config, whose names must be ours), and it holds at most ``context_length`` positions."""
 
     def __init__(self, path: Path) -> None:
-        self.session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+        self.session = ort_session(path)
         self.names = [o.name for o in self.session.get_outputs()]
         inputs = {value.name: value.shape for value in self.session.get_inputs()}
         self.positions = "position_ids" in inputs

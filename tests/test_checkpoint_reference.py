@@ -13,7 +13,6 @@ from safetensors.torch import save_file
 
 from conftest import COMMON, make_checkpoint, tiny_configs
 from test_checkpoint_reader import wide_v3_config
-from toolchain import source as sources
 from toolchain.checkpoint import open_checkpoint, reference
 from toolchain.checkpoint.fp8 import write_fp8_checkpoint
 from toolchain.models.registry import EMBEDDED, embedded_path

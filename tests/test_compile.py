@@ -14,16 +14,18 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DeepseekV3Config, PreTrainedTokenizerFast, Qwen2Config
 
 from toolchain.atomic import MARKER
-from toolchain.compile import onnxruntime_artifact, openvino_ir
+from toolchain.compile import onnxruntime_artifact
 from toolchain.errors import InputError
-from toolchain.export.parity import greedy, left_pad, torch_step
+from toolchain.runtime.engines import NUMERICS, openvino_compile
+from toolchain.runtime.generate import greedy_logits
+from toolchain.runtime.torch_reference import TorchDecoder
 from toolchain.models.registry import EMBEDDED, embedded_path
 from toolchain.stages.compile import compile_artifact
 from toolchain.stages.export import export
 
 from conftest import COMMON, MLA, make_checkpoint
 
-F32 = openvino_ir.F32
+F32 = NUMERICS["exact"]
 NEW_TOKENS = 8
 BOS, EOS, PAD = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜▁pad▁｜>"
 USER, ASSISTANT = "<｜User｜>", "<｜Assistant｜>"
@@ -99,8 +101,7 @@ def reference_chat_tokens(source: Path, new_tokens: int = NEW_TOKENS) -> tuple[l
     tok = AutoTokenizer.from_pretrained(source)
     model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).eval()
     prompt = tok.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
-    ids, mask = left_pad([prompt], model.config.pad_token_id or 0)
-    tokens, _ = greedy(torch_step(model), ids, mask, new_tokens)
+    tokens, _ = greedy_logits(TorchDecoder.over(model), [prompt], new_tokens, model.config.pad_token_id or 0)
     return prompt, tokens[0].tolist()
 
 
@@ -188,7 +189,7 @@ def test_openvino_ir_is_stateful_and_decodes_like_pytorch(exports, tmp_path, nam
 
 def test_openvino_beam_idx_reorders_the_cache(exports, tmp_path):
     compile_artifact(exports["deepseek_v3"], tmp_path / "ov", "openvino", verify=False)
-    compiled = openvino_ir.compile_ir(tmp_path / "ov" / "openvino_model.xml")
+    compiled = openvino_compile(tmp_path / "ov" / "openvino_model.xml", "exact")
     ids = np.array([[5, 17, 33, 2], [40, 41, 9, 60]], np.int64)
     mask, pos = np.ones_like(ids), np.tile(np.arange(4), (2, 1))
     nxt = np.array([[7], [7]], np.int64)
@@ -262,7 +263,7 @@ def test_onnxruntime_artifact_keeps_optimum_names_and_decodes_like_pytorch(expor
         # the random checkpoint has no special token ids (left out of genai_config.json); genai still loads it
         model = AutoModelForCausalLM.from_pretrained(source_of(exports[name])).eval()
         prompt = [5, 17, 33, 2, 9, 41, 12]
-        expected, _ = greedy(torch_step(model), *left_pad([prompt], 0), NEW_TOKENS)
+        expected, _ = greedy_logits(TorchDecoder.over(model), [prompt], NEW_TOKENS, 0)
         assert genai_greedy(out, prompt) == expected[0].tolist()
 
 

@@ -13,6 +13,7 @@ import onnxruntime as ort
 import pytest
 
 from toolchain.atomic import MARKER
+from toolchain.runtime.engines import openvino_compile
 from toolchain.compress import engine
 from toolchain.compress.policy import Policy, role_of
 from toolchain.errors import InputError
@@ -240,9 +241,10 @@ def test_openvino_output_is_what_the_compile_stage_makes_stateful(runs):
     model = ov.Core().read_model(out / "openvino_model.xml")
     openvino_ir.fuse_beam_reorder(model)
     assert openvino_ir.make_stateful(model) == 2 * 3
-    compiled = ov.Core().compile_model(model, "CPU", openvino_ir.F32)
-    step = openvino_ir.stateful_step(compiled)
-    logits = step(np.array([[5, 6, 7]]), np.ones((1, 3), np.int64), np.arange(3)[None])
+    compiled = openvino_compile(model, "exact")
+    logits = np.array(compiled.create_infer_request().infer(
+        {"input_ids": np.array([[5, 6, 7]]), "attention_mask": np.ones((1, 3), np.int64),
+         "position_ids": np.arange(3)[None], "beam_idx": np.zeros(1, np.int32)})[compiled.output("logits")])
     assert logits.shape == (1, 3, 97) and np.isfinite(logits).all()
 
 
@@ -273,7 +275,7 @@ def test_measuring_runs_a_graph_whose_weights_are_external(tmp_path, monkeypatch
     as bytes, which must still find them (it did not, for R1-Distill-Qwen-1.5B)."""
     from onnx import helper, numpy_helper
 
-    from toolchain.compress import metrics
+    from toolchain.runtime.engines import GraphRunner
 
     w = np.arange(12, dtype=np.float32).reshape(3, 4)
     graph = helper.make_graph([helper.make_node("MatMul", ["x", "w"], ["h"]), helper.make_node("Relu", ["h"], ["logits"])],
@@ -285,6 +287,6 @@ def test_measuring_runs_a_graph_whose_weights_are_external(tmp_path, monkeypatch
     monkeypatch.chdir(tmp_path.parent)  # ORT would otherwise look for the weights in the working directory
     model = ir.load(tmp_path / "model.onnx")
     x = np.ones((1, 3), np.float32)
-    out = metrics.ort_runner(model, {"h": ir.DataType.FLOAT})({"x": x})
+    out = GraphRunner(model, "onnxruntime", extra_outputs=["h"])({"x": x})
     np.testing.assert_allclose(out["h"], x @ w)
     np.testing.assert_allclose(out["logits"], np.maximum(x @ w, 0))

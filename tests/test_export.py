@@ -12,6 +12,7 @@ import pytest
 from toolchain.export.architectures import architecture_for
 from toolchain.export.decoder import build_decoder
 from toolchain.export.parity import Case, compare
+from toolchain.runtime.torch_reference import TorchDecoder
 from toolchain.models.registry import EMBEDDED
 from toolchain.source import load, resolve
 from toolchain.export.graph import save_graph
@@ -113,21 +114,19 @@ def test_routing_is_decided_at_run_time(tiny_checkpoints, tmp_path, name):
     model = load(source)
     arch = architecture_for(model.config.model_type)
     save_graph(build_decoder(model, arch), tmp_path / "model.onnx")
-    heads, key_dim, value_dim = arch.cache_dims(model.config)
-    past = {f"past_key_values.{i}.{kind}": (heads, key_dim if kind == "key" else value_dim)
-            for i in range(model.config.num_hidden_layers) for kind in ("key", "value")}
     # The graph is built from weights, with no example inputs; a short prompt stands for the inputs an
     # exporter would have traced with, and reaches only a few experts.
     example = Case("example", [parity_cases(source.path, model.config.vocab_size)[0].prompts[0][:3]])
     with recorded_routing(model) as seen_at_export:
-        first = compare(model, tmp_path / "model.onnx", "onnxruntime", [example], past, new_tokens=2, pad_id=0)
+        first = compare(TorchDecoder.over(model), tmp_path / "model.onnx", "onnxruntime", [example], new_tokens=2,
+                        pad_id=0)
     assert first["passed"]
     assert all(len(seen) < model.config.n_routed_experts for seen in seen_at_export.values())
 
     rng = np.random.default_rng(1)
     prompts = [rng.integers(0, model.config.vocab_size, 24).tolist() for _ in range(4)]
     with recorded_routing(model) as seen_now:
-        result = compare(model, tmp_path / "model.onnx", "onnxruntime", [Case("unseen", prompts)], past,
+        result = compare(TorchDecoder.over(model), tmp_path / "model.onnx", "onnxruntime", [Case("unseen", prompts)],
                          new_tokens=4, pad_id=0)
     for layer, experts in seen_now.items():
         assert experts - seen_at_export[layer], f"layer {layer}: no expert outside the export-time set"

@@ -14,12 +14,16 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 import pytest
+import torch
 import yaml
+from transformers import DynamicCache
 
 from toolchain import source as sources
 from toolchain.build import build
 from toolchain.errors import InputError
-from toolchain.export.parity import PROMPTS, graph_step, greedy, left_pad, onnxruntime_runner, torch_step
+from toolchain.export.parity import PROMPTS, graph_decoder
+from toolchain.runtime.generate import greedy_logits, left_pad
+from toolchain.runtime.torch_reference import TorchDecoder
 from toolchain.models.corpus import task_examples
 from toolchain.runtime.artifact import open_artifact
 from toolchain.runtime.decoder import open_decoder
@@ -53,19 +57,8 @@ def artifact(tmp_path_factory, stage_cache):
 
 @pytest.fixture(scope="module")
 def torch_model():
-    loaded = {}
-
-    def get(name: str):
-        if name not in loaded:
-            loaded[name] = sources.load(sources.resolve(name), False)
-        return loaded[name]
-
-    return get
-
-
-def decoder_step(decoder):
-    """A parity Step over a Decoder (which derives the position ids from the mask itself)."""
-    return lambda ids, mask, _positions: decoder.forward(ids, mask)
+    """torch_model(name): the fp32 PyTorch reference of an embedded model, as a Decoder."""
+    return lambda name: TorchDecoder(sources.resolve(name))
 
 
 def relative_diff(logits, reference) -> float:
@@ -122,11 +115,11 @@ def test_artifact_fields_for_a_build_and_a_compile_only_directory(tmp_path, arti
 def test_onnxruntime_logits_match_pytorch_on_a_left_padded_batch(artifact, torch_model):
     art = artifact("deepseek-v3-tiny", "onnxruntime")
     tok = art.tokenizer()
-    ids, mask = left_pad([tok(PROMPTS[1])["input_ids"], tok(PROMPTS[0])["input_ids"]], art.pad_token_id)
-    assert mask[1, 0] == 0  # the second row is padded
+    prompts = [tok(PROMPTS[1])["input_ids"], tok(PROMPTS[0])["input_ids"]]
+    assert left_pad(prompts, art.pad_token_id)[1][1, 0] == 0  # the second row is padded
     decoder = open_decoder(art)
-    tokens, logits = greedy(decoder_step(decoder), ids, mask, 9)  # prefill + 8 decode steps
-    ref_tokens, ref_logits = greedy(torch_step(torch_model("deepseek-v3-tiny")), ids, mask, 9)
+    tokens, logits = greedy_logits(decoder, prompts, 9, art.pad_token_id)  # prefill + 8 decode steps
+    ref_tokens, ref_logits = greedy_logits(torch_model("deepseek-v3-tiny"), prompts, 9, art.pad_token_id)
     assert relative_diff(logits, ref_logits) <= 1e-3
     assert (tokens == ref_tokens).all()
 
@@ -142,10 +135,8 @@ def test_openvino_greedy_tokens_match_pytorch_on_heldout_problems(artifact, torc
     assert {"INFERENCE_PRECISION_HINT", "KV_CACHE_PRECISION", "INFERENCE_NUM_THREADS"} <= set(decoder.runtime_config)
     model = torch_model("deepseek-v3-tiny")
     for prompts in arithmetic_pairs(art.tokenizer(), 5):
-        ids, mask = left_pad(prompts, art.pad_token_id)
-        decoder.reset()
-        tokens, logits = greedy(decoder_step(decoder), ids, mask, 9)
-        ref_tokens, ref_logits = greedy(torch_step(model), ids, mask, 9)
+        tokens, logits = greedy_logits(decoder, prompts, 9, art.pad_token_id)
+        ref_tokens, ref_logits = greedy_logits(model, prompts, 9, art.pad_token_id)
         assert (tokens == ref_tokens).all()
         assert relative_diff(logits, ref_logits) < 0.1
 
@@ -287,14 +278,12 @@ def test_onnxruntime_cache_stays_in_ortvalues_between_steps(artifact, monkeypatc
 
 
 def test_onnxruntime_binding_decodes_like_the_numpy_feed_path(artifact):
-    from toolchain.compile.onnxruntime_artifact import cache_dims
-
     art = artifact("deepseek-v3-tiny", "onnxruntime")
     tok = art.tokenizer()
-    ids, mask = left_pad([tok(PROMPTS[2])["input_ids"], tok(PROMPTS[0])["input_ids"]], art.pad_token_id)
-    path = art.path / "model.onnx"
-    reference, ref_logits = greedy(graph_step(onnxruntime_runner(path), cache_dims(path)), ids, mask, 20)
-    tokens, logits = greedy(decoder_step(open_decoder(art)), ids, mask, 20)
+    prompts = [tok(PROMPTS[2])["input_ids"], tok(PROMPTS[0])["input_ids"]]
+    stateless = graph_decoder(art.path / "model.onnx", "onnxruntime")
+    reference, ref_logits = greedy_logits(stateless, prompts, 20, art.pad_token_id)
+    tokens, logits = greedy_logits(open_decoder(art), prompts, 20, art.pad_token_id)
     assert (tokens == reference).all()
     assert relative_diff(logits, ref_logits) <= 1e-5
 
@@ -326,11 +315,22 @@ def test_router_outputs_agree_with_pytorch_routing(artifact, model_name, backend
     routers = router_outputs(art)
     assert sorted(routers) == list(range(config["first_k_dense_replace"], config["num_hidden_layers"]))
     tok = art.tokenizer()
-    ids, mask = left_pad([tok(PROMPTS[1])["input_ids"], tok(PROMPTS[2])["input_ids"]], art.pad_token_id)
-    model = sources.load(sources.resolve(model_name), False)  # a fresh model: its router methods get wrapped
+    prompts = [tok(PROMPTS[1])["input_ids"], tok(PROMPTS[2])["input_ids"]]
+    ids, mask = left_pad(prompts, art.pad_token_id)
+    model = sources.load(sources.resolve(model_name))  # a fresh model: its router methods get wrapped
     captured = torch_routing(model)
     steps = 4
-    ref_tokens, _ = greedy(torch_step(model), ids, mask, steps)
+    ref_tokens, feed, feed_mask = [], ids, mask
+    with torch.no_grad():  # PyTorch's own greedy tokens, computed on the wrapped model
+        cache = DynamicCache(config=model.config)
+        for _ in range(steps):
+            positions = np.clip(feed_mask.cumsum(-1) - 1, 0, None)[:, -feed.shape[1]:]
+            logits = model(input_ids=torch.from_numpy(feed), attention_mask=torch.from_numpy(feed_mask),
+                           position_ids=torch.from_numpy(positions), past_key_values=cache).logits
+            feed = logits[:, -1].argmax(-1, keepdim=True).numpy()
+            ref_tokens.append(feed[:, 0])
+            feed_mask = np.concatenate([feed_mask, np.ones((2, 1), np.int64)], axis=1)
+    ref_tokens = np.stack(ref_tokens, axis=1)
 
     # The same input on the artifact: prefill, then PyTorch's tokens (so that the inputs stay identical).
     decoder = open_decoder(art, extra_outputs=list(routers.values()))

@@ -198,12 +198,3 @@ def write_file_atomically(path: Path, text: str) -> None:
     except OSError as e:
         tmp.unlink(missing_ok=True)
         raise write_error(path, e) from None
-
-
-def link_or_copy(source: Path, target: Path) -> None:
-    """A hard link where the file system allows one, else a copy: for files no writer changes in place (an
-    artifact's GBs of weights taken from the stage cache)."""
-    try:
-        os.link(source, target)
-    except OSError:
-        shutil.copyfile(source, target)

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Callable
 
 from toolchain import source as sources
-from toolchain.atomic import MARKER, atomic_output_dir, link_or_copy, lock_file
+from toolchain.atomic import MARKER, atomic_output_dir, lock_file
 from toolchain.errors import InputError
 from toolchain.gates import GateFailed
 from toolchain.manifest import REPORT_FILES, code_digest, digest, file_hashes, git_commit, versions, write_manifest
@@ -50,8 +50,8 @@ class Stage:
 def plan(recipe: Recipe, source: Path) -> list[Stage]:
     """The recipe's stages in order, each with the configuration that goes into its id. Later stages read the
     checkpoint this build resolved (``source``), not the path an earlier, perhaps cached, stage recorded."""
-    stages = [Stage("export", {"model": recipe.model, "trust_remote_code": recipe.trust_remote_code,
-                               **recipe.export.model_dump(mode="json")}, _export(recipe), "toolchain.stages.export")]
+    stages = [Stage("export", {"model": recipe.model, **recipe.export.model_dump(mode="json")}, _export(recipe),
+                    "toolchain.stages.export")]
     if recipe.passes:
         stages.append(Stage("passes", recipe.passes.model_dump(mode="json"), _passes(recipe, source),
                             "toolchain.stages.optimize"))
@@ -66,8 +66,7 @@ def plan(recipe: Recipe, source: Path) -> list[Stage]:
 def _export(recipe: Recipe):
     from toolchain.stages.export import export
 
-    return lambda _in, out, log: export(recipe.model, out, trust_remote_code=recipe.trust_remote_code,
-                                        parity=tuple(recipe.export.parity), new_tokens=recipe.export.new_tokens,
+    return lambda _in, out, log: export(recipe.model, out, parity=tuple(recipe.export.parity), new_tokens=recipe.export.new_tokens,
                                         revision=recipe.revision, log=log)
 
 
@@ -146,12 +145,9 @@ def build(recipe_path: Path, out_dir: Path | None = None, *, model: str | None =
             parent, stage_dir = stage_id, target
         for item in sorted(stage_dir.iterdir()):
             if item.name not in STAGE_REPORTS and item.name != MARKER:
-                # hard links where possible: an artifact's weights can be GBs, and no dstc writer changes a file in
-                # place (a user who does is caught by the cache entry's hashes at the next build)
-                if item.is_dir():
-                    shutil.copytree(item, tmp / item.name, copy_function=link_or_copy)
-                else:
-                    link_or_copy(item, tmp / item.name)
+                # copies, not hard links: onnx and onnx-ir refuse external data with more than one link
+                # ("potential hardlink attack"), so a linked model.onnx.data would not load there
+                (shutil.copytree if item.is_dir() else shutil.copyfile)(item, tmp / item.name)
         fields = {
             "dstc_version": versions()["dstc"],
             "git_commit": git_commit(),

@@ -72,13 +72,12 @@ def models_shape_faithful(reference: str, out_dir: Path, layers: int, experts: i
 @click.argument("model")
 @click.option("-o", "--out", "out_dir", type=click.Path(path_type=Path), required=True,
               help="Output directory (created; replaced atomically if it holds an earlier dstc output).")
-@click.option("--trust-remote-code", is_flag=True, help="Allow transformers to run Python code shipped with the checkpoint.")
 @click.option("--parity", "parity", default="onnxruntime,openvino", show_default=True,
               help="Backends to check against PyTorch fp32 (comma-separated; 'none' to skip).")
 @click.option("--new-tokens", type=click.IntRange(1), default=16, show_default=True,
               help="Greedy decode steps in the parity check.")
 @click.option("--json", "as_json", is_flag=True, help="Print export.json to stdout instead of the summary.")
-def export_cmd(model: str, out_dir: Path, trust_remote_code: bool, parity: str, new_tokens: int, as_json: bool) -> None:
+def export_cmd(model: str, out_dir: Path, parity: str, new_tokens: int, as_json: bool) -> None:
     """Export MODEL to OUT/model.onnx with a KV cache, and check it against PyTorch (written to OUT/export.json).
 
     Exit codes: 0 parity passed; 2 bad input (nothing written); 3 parity failed (output kept for inspection).
@@ -89,8 +88,7 @@ def export_cmd(model: str, out_dir: Path, trust_remote_code: bool, parity: str, 
     unknown = set(backends) - {"onnxruntime", "openvino"}
     if unknown:
         raise click.BadParameter(f"unknown backend(s): {', '.join(sorted(unknown))}", param_hint="--parity")
-    report = export(model, out_dir, trust_remote_code=trust_remote_code, parity=backends, new_tokens=new_tokens,
-                    log=_logger("export"))
+    report = export(model, out_dir, parity=backends, new_tokens=new_tokens, log=_logger("export"))
     if as_json:
         click.echo(json.dumps(report, indent=2))
         return

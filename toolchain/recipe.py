@@ -82,7 +82,6 @@ class Recipe(Section):
     description: str = ""
     model: str
     revision: str | None = None  # a real checkpoint's pinned commit, checked against the local copy
-    trust_remote_code: bool = False
     export: ExportSection = Field(default_factory=ExportSection)
     passes: PassesSection | None = None
     compress: CompressSection | None = None

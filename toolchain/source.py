@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
-from toolchain.errors import InputError, UnsupportedModelError
+from toolchain.errors import InputError
 
 
 @dataclass(frozen=True)
@@ -193,16 +193,14 @@ def quiet_transformers() -> Iterator[None]:
         hf_logging.enable_progress_bar()
 
 
-def load(source: Source, trust_remote_code: bool = False):
+def load(source: Source):
     """The whole model in fp32 with eager attention, the reference the exported graph is compared with: the
     skeleton given every weight by dstc's checkpoint reader, exactly the values the exporter writes (FP8 weights
     dequantized to bf16, as DeepSeek's own cast does; transformers cannot load the FP8 hub format on a CPU).
-    Transformers' own implementation of the architecture is used, never code shipped with the checkpoint;
-    ``trust_remote_code`` is accepted for the command line's sake and changes nothing."""
+    Transformers' own implementation of the architecture is used, never code shipped with the checkpoint."""
     from toolchain.checkpoint.reader import open_checkpoint
     from toolchain.checkpoint.reference import load_weights, rotary_embedding
 
-    del trust_remote_code
     with open_checkpoint(source.path) as reader:
         model = skeleton(source, reader)
         load_weights(model, reader, "")

@@ -38,15 +38,10 @@ GENAI_TYPES = {"llama": "llama", "qwen2": "qwen2"}
 
 def optimize(src: Path, dst: Path) -> None:
     """Apply ORT's basic-level graph optimisations to src and save the result as dst + external weights."""
-    import onnxruntime as ort
+    from toolchain.runtime.engines import ort_options, ort_session
 
-    options = ort.SessionOptions()
-    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
-    options.optimized_model_filepath = str(dst)
-    options.add_session_config_entry("session.optimized_model_external_initializers_file_name", WEIGHTS)
-    options.add_session_config_entry("session.optimized_model_external_initializers_min_size_in_bytes",
-                                     str(INLINE_MAX_BYTES))
-    ort.InferenceSession(str(src), options, providers=["CPUExecutionProvider"])
+    ort_session(src, ort_options(level="basic", optimized_path=dst, optimized_external=WEIGHTS,
+                                 external_min_bytes=INLINE_MAX_BYTES))
 
 
 def cache_dims(onnx_path: Path) -> dict[str, tuple[int, int]]:
@@ -140,4 +135,4 @@ def write(onnx_path: Path, out_dir: Path, config: dict, generation: dict, log: C
     else:
         log(f"no {GENAI_CONFIG}: {reason}")
     return {"files": files, "optimization_level": "basic", "genai_config": reason is None,
-            "genai_unsupported_reason": reason, "past_specs": dims}
+            "genai_unsupported_reason": reason}

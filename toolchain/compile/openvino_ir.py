@@ -29,14 +29,9 @@ DETOKENIZER_XML = "openvino_detokenizer.xml"
 PAST_PREFIX = "past_key_values."
 PRESENT_PREFIX = "present."
 BATCH_AXIS = 0  # of input_ids and of every cache tensor [batch, heads, seq, dim]
-# What a caller passes to compile the IR with the numerics of the export's parity check. OpenVINO's CPU defaults
-# are bf16 inference where the CPU has bf16 instructions and, for a stateful model, a KV cache stored as u8
-# (quantised per token); the artifact keeps those defaults (they are the runtime's speed/memory choice, and the
-# CPU plugin ignores an inference precision stored in the IR's rt_info anyway), and these properties turn both
-# back to f32. For compressed weights the plugin also quantises activations on the fly, and does so differently in
-# the stateful and stateless forms of one graph (2e-3 of the logit range apart on an INT8 DeepSeek-V3): group
-# size 0 turns that off, so that a check compares the graphs and not the plugin's kernel choice.
-F32 = {"INFERENCE_PRECISION_HINT": "f32", "KV_CACHE_PRECISION": "f32", "DYNAMIC_QUANTIZATION_GROUP_SIZE": "0"}
+# The artifact keeps OpenVINO's CPU defaults (bf16 inference where the CPU has bf16 instructions, a u8 KV cache):
+# they are the runtime's speed/memory choice, and the CPU plugin ignores an inference precision stored in the IR's
+# rt_info anyway. Checks compile it at toolchain/runtime/engines.py's "exact" numerics instead.
 
 
 def _names(ports) -> list[str]:
@@ -157,24 +152,3 @@ def write(onnx_path: Path, source: Path, out_dir: Path, versions: dict[str, str]
         files += convert_tokenizers(source, out_dir)
     return {"files": files, "inputs": _names(model.inputs), "outputs": _names(model.outputs),
             "variables": len(model.get_sinks())}
-
-
-def compile_ir(path: Path, config: dict | None = None):
-    """The IR compiled for CPU with f32 inference and KV cache precision (plus config)."""
-    import openvino as ov
-
-    return ov.Core().compile_model(str(path), "CPU", {**F32, **(config or {})})
-
-
-def stateful_step(compiled):
-    """A parity Step over a compiled stateful IR, with a fresh infer request: the KV cache of one sequence
-    batch stays in the request's variables between calls."""
-    request = compiled.create_infer_request()
-    logits = compiled.output("logits")
-
-    def step(ids, mask, positions):
-        result = request.infer({"input_ids": ids, "attention_mask": mask, "position_ids": positions,
-                                "beam_idx": np.arange(len(ids), dtype=np.int32)})
-        return np.array(result[logits])
-
-    return step

@@ -1,6 +1,6 @@
 """Smoke inference of a compiled artifact at its runtime's deployment defaults, in a child process.
 
-The compile stage's verification runs OpenVINO at f32 (``openvino_ir.F32``), to compare numbers with PyTorch;
+The compile stage's verification runs OpenVINO at exact numerics (``engines.NUMERICS``), to compare numbers with PyTorch;
 users run the CPU plugin's defaults (bf16 compute where the CPU has bf16 instructions, a u8 KV cache, the
 plugin's own thread count), which take other kernels. Those crashed: on a 3-head, hidden-96 DeepSeek-V2 the
 2026.4 CPU plugin segfaulted at bf16 for prompts of 1 to 16 tokens, and an f32-only check shipped that artifact

@@ -16,7 +16,7 @@ ONNX, and for OpenVINO by compiling each weight's constant subgraph (its decompr
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import numpy as np
@@ -24,7 +24,8 @@ import onnx_ir as ir
 
 from passes.graph import constant_array
 from passes.quantize._weights import dequantize_linear, matmul_nbits_weight
-from toolchain.compress.engine import Weight, external_data_dir
+from toolchain.compress.engine import Weight
+from toolchain.runtime.engines import GraphRunner, openvino_compile
 
 MAX_ROWS = 2048  # activation rows kept per weight
 
@@ -52,58 +53,12 @@ def router_indices(model: ir.Model) -> dict[int, str]:
     return out
 
 
-def _with_outputs(model: ir.Model, names: dict[str, ir.DataType]) -> bytes:
-    """A serialized copy of ``model`` that also outputs the named values."""
-    copy = ir.serde.deserialize_model(ir.serde.serialize_model(model))
-    values = {v.name: v for node in copy.graph for v in node.outputs}
-    values.update({v.name: v for v in copy.graph.inputs})
-    present = {v.name for v in copy.graph.outputs}
-    for name, dtype in names.items():
-        value = values[name]
-        if name in present or value.is_graph_input():
-            continue
-        value.dtype = value.dtype or dtype
-        copy.graph.outputs.append(value)
-    return ir.serde.serialize_model(copy).SerializeToString()
-
-
-def ort_runner(model: ir.Model, extra: dict[str, ir.DataType]) -> Callable[[dict], dict]:
-    import onnxruntime as ort
-
-    options = ort.SessionOptions()
-    data_dir = external_data_dir(model)
-    if data_dir:  # the graph goes as bytes, so ORT is told where its external weights are
-        options.add_session_config_entry("session.model_external_initializers_file_folder_path", data_dir)
-    session = ort.InferenceSession(_with_outputs(model, extra), options, providers=["CPUExecutionProvider"])
-    names = ["logits", *extra]
-    return lambda feeds: dict(zip(names, session.run(names, feeds)))
-
-
-def openvino_runner(model, extra: Iterable[str]) -> Callable[[dict], dict]:
-    import openvino as ov
-
-    copy = model.clone()
-    have = {name for out in copy.outputs for name in out.get_names()}
-    copy.add_outputs([name for name in extra if name not in have])
-    compiled = ov.Core().compile_model(copy, "CPU", {"INFERENCE_PRECISION_HINT": "f32"})
-    request = compiled.create_infer_request()
-    wanted = ["logits", *extra]
-    ports = {name: next(o for o in compiled.outputs if name in o.get_names()) for name in wanted}
-
-    def run(feeds):
-        result = request.infer(feeds)
-        return {name: np.array(result[port]) for name, port in ports.items()}
-
-    return run
-
-
 def capture(model: ir.Model, weights: list[Weight], feed_list: list[dict], routers: dict[int, str]):
     """fp32 run: activations reaching each MatMul weight, logits and router indices per sequence."""
     producers = {v.name: node for node in model.graph for v in node.outputs}
     activation_of = {w.name: producers[w.output].inputs[0].name for w in weights if w.kind == "matmul"}
-    extra = {name: ir.DataType.FLOAT for name in set(activation_of.values())}
-    extra.update({name: ir.DataType.INT64 for name in routers.values()})
-    run = ort_runner(model, extra)
+    extra = sorted(set(activation_of.values())) + list(routers.values())
+    run = GraphRunner(model, "onnxruntime", extra_outputs=extra)
     acts: dict[str, list[np.ndarray]] = {name: [] for name in extra}
     logits, routing = [], {layer: [] for layer in routers}
     for feeds in feed_list:
@@ -166,7 +121,7 @@ def restored_openvino(model, weights: list[Weight]) -> dict[str, Restored]:
     ports = [op.input_value(1 if op.get_type_name() == "MatMul" else 0) for _, op in found]
     if not ports:
         return {}
-    compiled = ov.Core().compile_model(ov.Model(ports, [], "weights"), "CPU", {"INFERENCE_PRECISION_HINT": "f32"})
+    compiled = openvino_compile(ov.Model(ports, [], "weights"), "exact")
     values = list(compiled.create_infer_request().infer({}).values())
     out = {}
     for (w, op), port, value in zip(found, ports, values):

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import numpy as np
 
-from toolchain.export import blocks
 from toolchain.export.deepseek import DeepseekArchitecture, grouped, limit_to_top_groups
 from toolchain.export.graph import GraphBuilder
 

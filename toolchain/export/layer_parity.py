@@ -25,7 +25,9 @@ import numpy as np
 import onnx
 import torch
 
-from toolchain.export.parity import RUNNERS, TOLERANCES, Case, left_pad
+from toolchain.export.parity import TOLERANCES, Case
+from toolchain.runtime.engines import GraphRunner
+from toolchain.runtime.generate import left_pad
 
 PIECE_PREFIX = ".parity-piece-"
 GRAPH_TABLE = "embed_tokens.weight"  # the exporter's name for the embedding table
@@ -165,7 +167,7 @@ def compare_layers(graph_path: Path, source_path: Path, backend: str, cases: lis
                     runs[-1].append(_Step(hidden, rotary(hidden, pos), _additive_mask(mask, ids.shape[1]), pos,
                                           mask[:, -ids.shape[1]:].astype(bool), {}))
             del table
-            prologue, worst["prologue"] = RUNNERS[backend](paths["prologue"]), 0.0
+            prologue, worst["prologue"] = GraphRunner(paths["prologue"], backend), 0.0
             for case, case_steps in zip(cases, runs):
                 for (ids, mask, positions), step in zip(_schedule(case, steps, pad_id), case_steps):
                     out = prologue({"input_ids": ids, "attention_mask": mask, "position_ids": positions})
@@ -176,7 +178,7 @@ def compare_layers(graph_path: Path, source_path: Path, backend: str, cases: lis
             hidden_in = embedded
             for scope in layers:
                 layer, piece = ref.decoder_layer(config, reader, int(scope.split(".")[1])), pieces[scope]
-                run = RUNNERS[backend](paths[scope])
+                run = GraphRunner(paths[scope], backend)
                 past_names = [n for n in piece.inputs if n in past_dims]
                 hidden_out = next(n for n in piece.outputs if not n.startswith("present."))
                 worst[scope] = 0.0
@@ -200,7 +202,7 @@ def compare_layers(graph_path: Path, source_path: Path, backend: str, cases: lis
                                                                         reader.natural_dtype("lm_head.weight"))
             reference_logits = [[_logits(norm(step.hidden), head) for step in case_steps] for case_steps in runs]
             del head
-            epilogue, worst["epilogue"] = RUNNERS[backend](paths["epilogue"]), 0.0
+            epilogue, worst["epilogue"] = GraphRunner(paths["epilogue"], backend), 0.0
             for case_steps, case_logits in zip(runs, reference_logits):
                 for step, logits in zip(case_steps, case_logits):
                     got = epilogue({hidden_in: step.hidden.numpy()})["logits"]

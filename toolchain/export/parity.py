@@ -1,18 +1,20 @@
 """Parity of an exported graph with the PyTorch model: prefill then greedy decode through the KV cache.
 
-Each backend runs its own greedy loop (feeding back its own tokens and its own present.* tensors) on the same
-prompts; logits are compared at every step on the positions that are real tokens (left padding excluded), and
-the greedy token sequences must be identical.
+Both sides are Decoders (toolchain/runtime) run by the runtime's one greedy loop, each feeding back its own tokens
+and its own KV cache, on the same prompts; logits are compared at every step on the positions that are real tokens
+(left padding excluded), and the greedy token sequences must be identical.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
-import torch
+
+from toolchain.runtime.decoder import Decoder, StatelessDecoder
+from toolchain.runtime.engines import GraphRunner
+from toolchain.runtime.generate import greedy_logits
 
 # ONNX Runtime runs the graph with fp32 kernels close to PyTorch's: the issue's bound, 1e-4 of the logits' range.
 ORT_TOLERANCE = 1e-4
@@ -40,9 +42,6 @@ def too_large_for_end_to_end(source_path: Path) -> str | None:
     return (f"the fp32 reference ({size / 2**30:.1f} GiB) is above the end-to-end check's budget of "
             f"{FULL_PARITY_BYTES / 2**30:.1f} GiB")
 
-Step = Callable[[np.ndarray, np.ndarray, np.ndarray], np.ndarray]
-"""(input_ids, attention_mask, position_ids) -> logits [batch, seq, vocab]; keeps its own KV cache."""
-
 
 @dataclass
 class Case:
@@ -66,101 +65,14 @@ class CaseResult:
         return self.max_abs_diff / self.logits_range if self.logits_range else float("inf")
 
 
-def left_pad(prompts: list[list[int]], pad_id: int) -> tuple[np.ndarray, np.ndarray]:
-    width = max(len(p) for p in prompts)
-    ids = np.full((len(prompts), width), pad_id, dtype=np.int64)
-    mask = np.zeros((len(prompts), width), dtype=np.int64)
-    for row, p in enumerate(prompts):
-        ids[row, width - len(p):] = p
-        mask[row, width - len(p):] = 1
-    return ids, mask
-
-
-def greedy(step: Step, ids: np.ndarray, mask: np.ndarray, new_tokens: int) -> tuple[np.ndarray, list[np.ndarray]]:
-    """Prefill then new_tokens greedy steps. Returns (generated [batch, new_tokens], logits of real positions per step)."""
-    positions = np.clip(mask.cumsum(-1) - 1, 0, None)
-    logits = step(ids, mask, positions)
-    collected = [logits[mask.astype(bool)]]
-    generated = []
-    for i in range(new_tokens):
-        token = logits[:, -1].argmax(-1)
-        generated.append(token)
-        if i == new_tokens - 1:
-            break
-        positions = positions[:, -1:] + 1
-        mask = np.concatenate([mask, np.ones((len(mask), 1), np.int64)], axis=1)
-        logits = step(token[:, None], mask, positions)
-        collected.append(logits[:, -1])
-    return np.stack(generated, axis=1), collected
-
-
-def torch_step(model: torch.nn.Module) -> Step:
-    from transformers import DynamicCache
-
-    cache = DynamicCache(config=model.config)
-
-    def step(ids, mask, positions):
-        with torch.no_grad():
-            out = model(input_ids=torch.from_numpy(ids), attention_mask=torch.from_numpy(mask),
-                        position_ids=torch.from_numpy(positions), past_key_values=cache, use_cache=True)
-        return out.logits.float().numpy()
-
-    return step
-
-
-def graph_step(run: Callable[[dict], dict], past_specs: dict[str, tuple]) -> Step:
-    """A Step over a compiled graph. past_specs: input name -> (heads, dim) for every past_key_values.* input."""
-    state: dict[str, np.ndarray] = {}
-
-    def step(ids, mask, positions):
-        feeds = {"input_ids": ids, "attention_mask": mask, "position_ids": positions}
-        for name, (heads, dim) in past_specs.items():
-            feeds[name] = state.get(name, np.zeros((len(ids), heads, 0, dim), np.float32))
-        outputs = run(feeds)
-        for name in past_specs:
-            state[name] = outputs[name.replace("past_key_values.", "present.")]
-        return outputs["logits"]
-
-    return step
-
-
-def onnxruntime_runner(path: Path) -> Callable[[dict], dict]:
-    import onnxruntime as ort
-
-    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
-    names = [o.name for o in session.get_outputs()]
-    return lambda feeds: dict(zip(names, session.run(names, feeds)))
-
-
-def openvino_runner(path: Path) -> Callable[[dict], dict]:
-    import openvino as ov
-
-    core = ov.Core()
-    model = core.read_model(str(path)) if Path(path).suffix == ".xml" else ov.convert_model(str(path))
-    # f32 compute, and no on-the-fly activation quantisation for compressed weights (see openvino_ir.F32)
-    compiled = core.compile_model(model, "CPU",
-                                  {"INFERENCE_PRECISION_HINT": "f32", "DYNAMIC_QUANTIZATION_GROUP_SIZE": "0"})
-    request = compiled.create_infer_request()
-    names = [o.get_any_name() for o in compiled.outputs]
-
-    def run(feeds):
-        result = request.infer(feeds)
-        return {name: np.array(result[compiled.output(name)]) for name in names}
-
-    return run
-
-
-RUNNERS = {"onnxruntime": onnxruntime_runner, "openvino": openvino_runner}
-
-
-def compare_steps(new_reference: Callable[[], Step], new_step: Callable[[], Step], cases: list[Case],
-                  new_tokens: int, pad_id: int, tolerance: float) -> dict:
-    """Greedy runs of a reference and a candidate on every case (a fresh Step, i.e. an empty cache, per case)."""
+def compare_decoders(reference: Decoder, candidate: Decoder, cases: list[Case], new_tokens: int, pad_id: int,
+                     tolerance: float) -> dict:
+    """Greedy runs of a reference and a candidate decoder on every case (each case starts from an empty cache),
+    compared at every step and real position."""
     results = []
     for case in cases:
-        ids, mask = left_pad(case.prompts, pad_id)
-        ref_tokens, ref_logits = greedy(new_reference(), ids, mask, new_tokens)
-        tokens, logits = greedy(new_step(), ids, mask, new_tokens)
+        ref_tokens, ref_logits = greedy_logits(reference, case.prompts, new_tokens, pad_id)
+        tokens, logits = greedy_logits(candidate, case.prompts, new_tokens, pad_id)
         diff = max(float(np.abs(a - b).max()) for a, b in zip(logits, ref_logits))
         span = max(float(r.max() - r.min()) for r in ref_logits)
         results.append(CaseResult(case.name, len(case.prompts), [len(p) for p in case.prompts], new_tokens, diff,
@@ -176,12 +88,27 @@ def compare_steps(new_reference: Callable[[], Step], new_step: Callable[[], Step
     }
 
 
-def compare(model: torch.nn.Module, path: Path, backend: str, cases: list[Case], past_specs: dict[str, tuple],
-            new_tokens: int, pad_id: int) -> dict:
-    """A graph file on one backend against the PyTorch model."""
-    run = RUNNERS[backend](path)
-    return compare_steps(lambda: torch_step(model), lambda: graph_step(run, past_specs), cases, new_tokens, pad_id,
-                         TOLERANCES[backend])
+def cache_specs(path: Path) -> dict[str, tuple[int, int]]:
+    """{past_key_values.* input: (heads, head dim)} of a stateless graph (ONNX, or an OpenVINO IR)."""
+    if Path(path).suffix == ".xml":
+        from toolchain.compile.openvino_ir import cache_dims
+
+        return cache_dims(path)
+    import onnx
+
+    graph = onnx.load(str(path), load_external_data=False).graph
+    return {i.name: (i.type.tensor_type.shape.dim[1].dim_value, i.type.tensor_type.shape.dim[3].dim_value)
+            for i in graph.input if i.name.startswith("past_key_values.")}
+
+
+def graph_decoder(path: Path, backend: str) -> StatelessDecoder:
+    """A graph file run stateless at exact numerics, as a Decoder."""
+    return StatelessDecoder(GraphRunner(path, backend), cache_specs(path))
+
+
+def compare(reference: Decoder, path: Path, backend: str, cases: list[Case], new_tokens: int, pad_id: int) -> dict:
+    """A graph file on one backend against the PyTorch reference (a TorchDecoder)."""
+    return compare_decoders(reference, graph_decoder(path, backend), cases, new_tokens, pad_id, TOLERANCES[backend])
 
 
 PROMPTS = (

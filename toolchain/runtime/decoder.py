@@ -1,9 +1,14 @@
-"""One decoding session over an artifact: a KV cache that forward() appends to, on OpenVINO or ONNX Runtime.
+"""One decoding session: a KV cache that forward() appends to, on OpenVINO, ONNX Runtime or a stateless graph.
 
-Both backends take the same calls: ``forward(input_ids [B, S], attention_mask [B, past + S])`` returns the logits
-of the S new positions and keeps their keys and values; position ids come from the attention mask (cumsum - 1,
-clipped at 0), so a left-padded batch decodes as the padding were not there. Each is configured as a user
-deploys it (the runtime's defaults plus a thread count), and ``runtime_config`` reads back what was applied.
+Every decoder takes the same calls: ``forward(input_ids [B, S], attention_mask [B, past + S])`` returns the logits
+of the S new positions and keeps their keys and values; position ids come from the attention mask (``positions``:
+cumsum - 1, clipped at 0), so a left-padded batch decodes as the padding were not there.
+
+* :class:`OnnxRuntimeDecoder`: an ORT graph with IO binding, the cache kept in ORT's OrtValues;
+* :class:`OpenVINODecoder`: a stateful IR, the cache in its infer request's variables, at ``deployment`` numerics
+  (what users run; ``runtime_config`` reads back what was applied) or ``exact`` ones (toolchain/runtime/engines.py);
+* :class:`StatelessDecoder`: any graph with past_key_values.* inputs and present.* outputs, run by a GraphRunner,
+  the cache kept as arrays (export parity, compile verification).
 """
 
 from __future__ import annotations
@@ -11,13 +16,15 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Protocol
 
 import numpy as np
 
 from toolchain.compile.onnxruntime_artifact import MODEL as ONNX_MODEL
-from toolchain.compile.openvino_ir import F32, MODEL_XML, PAST_PREFIX, PRESENT_PREFIX
+from toolchain.compile.openvino_ir import MODEL_XML, PAST_PREFIX, PRESENT_PREFIX
 from toolchain.errors import InputError
+from toolchain.runtime import engines
 from toolchain.runtime.artifact import Artifact
 
 
@@ -42,20 +49,15 @@ def positions(attention_mask: np.ndarray, new: int) -> np.ndarray:
 class OnnxRuntimeDecoder:
     backend = "onnxruntime"
 
-    def __init__(self, artifact: Artifact, threads: int | None, extra_outputs: Sequence[str]) -> None:
-        import onnxruntime as ort
-
+    def __init__(self, path: Path, threads: int | None, extra_outputs: Sequence[str]) -> None:
         started = time.perf_counter()
-        options = ort.SessionOptions()
-        options.intra_op_num_threads = threads or os.cpu_count() or 1
-        model: str | bytes = str(artifact.path / ONNX_MODEL)
+        model: Path | bytes = Path(path)
+        # A model given as bytes (with extra outputs) finds its external weights in its directory.
+        options = engines.ort_options(threads=threads or os.cpu_count() or 1,
+                                      external_dir=Path(path).parent if extra_outputs else None)
         if extra_outputs:
-            model = _onnx_with_outputs(artifact.path / ONNX_MODEL, extra_outputs)
-            # A model given as bytes finds its external weights here (ORT refuses external data that resolves
-            # outside the model's directory, so a copy of model.onnx elsewhere next to a symlink does not load).
-            options.add_session_config_entry("session.model_external_initializers_file_folder_path",
-                                             str(artifact.path.resolve()))
-        self.session = ort.InferenceSession(model, options, providers=["CPUExecutionProvider"])
+            model = engines.with_extra_outputs(path, extra_outputs)
+        self.session = engines.ort_session(model, options)
         self.load_seconds = time.perf_counter() - started
         applied = self.session.get_session_options()
         self.threads = applied.intra_op_num_threads
@@ -109,46 +111,29 @@ class OnnxRuntimeDecoder:
                 for name, (heads, dim, dtype) in self._past.items()}
 
 
-def _onnx_with_outputs(path, names: Sequence[str]) -> bytes:
-    """model.onnx (without loading its external weights) with the named values as extra graph outputs; ORT
-    infers their types."""
-    import onnx
-
-    model = onnx.load(str(path), load_external_data=False)
-    known = {v for node in model.graph.node for v in node.output}
-    present = {o.name for o in model.graph.output}
-    for name in names:
-        if name not in known:
-            raise ValueError(f"{path} has no value named {name!r}")
-        if name not in present:
-            model.graph.output.append(onnx.ValueInfoProto(name=name))
-    return model.SerializeToString()
-
-
 class OpenVINODecoder:
     backend = "openvino"
 
-    def __init__(self, artifact: Artifact, threads: int | None, extra_outputs: Sequence[str], f32: bool) -> None:
+    def __init__(self, path: Path, threads: int | None, extra_outputs: Sequence[str], numerics: str) -> None:
         import openvino as ov
 
         started = time.perf_counter()
-        core = ov.Core()
-        model = core.read_model(str(artifact.path / MODEL_XML))
+        model = engines.openvino_read(path)
         if extra_outputs:
             model.add_outputs(list(extra_outputs))
         read_seconds = time.perf_counter() - started
         # The plugin's defaults, as openvino_genai and optimum-intel deploy the IR (bf16 compute where the CPU has
         # bf16 instructions, a u8 KV cache): what is measured is what users run, and runtime_config says what it was.
-        # f32 (on request) separates the weights' error from the plugin's bf16 compute, u8 KV cache and on-the-fly
-        # int8 activations, which the deployment defaults add.
-        config = {**(F32 if f32 else {}), **({"INFERENCE_NUM_THREADS": threads} if threads else {})}
-        if not f32 and _fused_mlp_divides_by_zero(core, model, config):
+        # "exact" (on request) separates the weights' error from the plugin's bf16 compute, u8 KV cache and
+        # on-the-fly int8 activations, which the deployment defaults add.
+        config = {**engines.NUMERICS[numerics], **({"INFERENCE_NUM_THREADS": threads} if threads else {})}
+        if numerics == "deployment" and _fused_mlp_divides_by_zero(model, config):
             raise InputError(
-                f"OpenVINO {ov.__version__.split('-')[0]}'s CPU plugin crashes (SIGFPE) compiling {artifact.path} at "
+                f"OpenVINO {ov.__version__.split('-')[0]}'s CPU plugin crashes (SIGFPE) compiling {path} at "
                 "bf16 with one thread on a CPU with AMX: its fused MLP kernel needs two threads per stream "
                 "(openvinotoolkit/openvino#28550); use 2 or more threads, or f32 (--openvino-f32)")
         started = time.perf_counter()  # the check is dstc's, not part of loading the model
-        compiled = core.compile_model(model, "CPU", config)
+        compiled = engines.openvino_compile(model, "deployment", config=config)
         self._request = compiled.create_infer_request()
         self.load_seconds = read_seconds + time.perf_counter() - started
         self.threads = int(compiled.get_property("INFERENCE_NUM_THREADS"))
@@ -174,7 +159,7 @@ class OpenVINODecoder:
         return np.array(result[self._logits], dtype=np.float32)
 
 
-def _fused_mlp_divides_by_zero(core, model, config: dict) -> bool:
+def _fused_mlp_divides_by_zero(model, config: dict) -> bool:
     """Whether compiling ``model`` with ``config`` kills the process with SIGFPE (OpenVINO 2026.4; open upstream as
     openvinotoolkit/openvino#28550 and #33300).
 
@@ -193,7 +178,7 @@ def _fused_mlp_divides_by_zero(core, model, config: dict) -> bool:
     # Threads, streams and precision as the plugin resolves them from the config and the CPUs this process may use,
     # read back from a one-op model (~30 ms).
     x = opset.parameter([1], ov.Type.f32)
-    probe = core.compile_model(ov.Model([opset.relu(x)], [x], "probe"), "CPU", config)
+    probe = engines.openvino_compile(ov.Model([opset.relu(x)], [x], "probe"), "deployment", config=config)
     per_stream = int(probe.get_property("INFERENCE_NUM_THREADS")) // int(probe.get_property("NUM_STREAMS"))
     return per_stream == 1 and probe.get_property("INFERENCE_PRECISION_HINT") == ov.Type.bf16
 
@@ -241,5 +226,32 @@ def open_decoder(artifact: Artifact, *, threads: int | None = None, extra_output
     if threads is not None and threads < 1:
         raise InputError(f"threads must be at least 1, not {threads}")
     if artifact.backend == "openvino":
-        return OpenVINODecoder(artifact, threads, tuple(extra_outputs), openvino_f32)
-    return OnnxRuntimeDecoder(artifact, threads, tuple(extra_outputs))
+        return OpenVINODecoder(artifact.path / MODEL_XML, threads, tuple(extra_outputs),
+                               "exact" if openvino_f32 else "deployment")
+    return OnnxRuntimeDecoder(artifact.path / ONNX_MODEL, threads, tuple(extra_outputs))
+
+
+class StatelessDecoder:
+    """A graph with past_key_values.* inputs and present.* outputs behind the Decoder calls: the cache is the last
+    call's present.* arrays, fed back as the next call's past."""
+
+    threads, load_seconds, runtime_config = 0, 0.0, {}
+
+    def __init__(self, runner: engines.GraphRunner, past_specs: dict[str, tuple[int, int]]) -> None:
+        self.backend = runner.backend
+        self._run, self._past_specs = runner, past_specs  # past_key_values.* -> (heads, head dim)
+        self.extras: dict[str, np.ndarray] = {}
+        self.reset()
+
+    def reset(self) -> None:
+        self._past: dict[str, np.ndarray] = {}
+
+    def forward(self, input_ids: np.ndarray, attention_mask: np.ndarray) -> np.ndarray:
+        feeds = {"input_ids": np.ascontiguousarray(input_ids, np.int64),
+                 "attention_mask": np.ascontiguousarray(attention_mask, np.int64),
+                 "position_ids": np.ascontiguousarray(positions(attention_mask, input_ids.shape[1]))}
+        for name, (heads, dim) in self._past_specs.items():
+            feeds[name] = self._past.get(name, np.zeros((len(input_ids), heads, 0, dim), np.float32))
+        outputs = self._run(feeds)
+        self._past = {name: outputs[PRESENT_PREFIX + name[len(PAST_PREFIX):]] for name in self._past_specs}
+        return outputs["logits"]

@@ -11,9 +11,19 @@ from dataclasses import dataclass
 import numpy as np
 
 from toolchain.errors import InputError
-from toolchain.export.parity import left_pad
 from toolchain.runtime.artifact import Artifact
 from toolchain.runtime.decoder import Decoder
+
+
+def left_pad(prompts: list[list[int]], pad_id: int) -> tuple[np.ndarray, np.ndarray]:
+    """input_ids and attention_mask [B, longest] of prompts padded on the left."""
+    width = max(len(p) for p in prompts)
+    ids = np.full((len(prompts), width), pad_id, dtype=np.int64)
+    mask = np.zeros((len(prompts), width), dtype=np.int64)
+    for row, p in enumerate(prompts):
+        ids[row, width - len(p):] = p
+        mask[row, width - len(p):] = 1
+    return ids, mask
 
 
 @dataclass
@@ -24,10 +34,11 @@ class Generation:
     prompt_tokens: list[int]  # per row, the prompt's length in tokens
 
 
-def greedy_steps(decoder: Decoder, prompts: list[list[int]], stop_ids: set[int], pad_id: int,
-                 ignore_stop: bool = False) -> Iterator[np.ndarray]:
-    """Greedy tokens [B] of a left-padded batch, one array per step, -1 where a row has stopped (its stop token
-    and after). Ends when every row has stopped; with ignore_stop, never (the caller takes what it needs)."""
+def greedy_loop(decoder: Decoder, prompts: list[list[int]], stop_ids: set[int], pad_id: int,
+                ignore_stop: bool = False) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    """The one greedy loop: per step, (tokens [B] with -1 where a row has stopped (its stop token and after),
+    the step's logits [B, S, vocab], the attention mask the step ran with). Ends when every row has stopped; with
+    ignore_stop, never (the caller takes what it needs)."""
     if not prompts or not all(prompts):
         raise InputError("every prompt needs at least one token")
     decoder.reset()
@@ -35,15 +46,37 @@ def greedy_steps(decoder: Decoder, prompts: list[list[int]], stop_ids: set[int],
     live = np.ones(len(prompts), bool)
     stops = np.array(sorted(stop_ids), np.int64)
     while True:
-        token = decoder.forward(ids, mask)[:, -1].argmax(-1)
+        logits = decoder.forward(ids, mask)
+        token = logits[:, -1].argmax(-1)
         if not ignore_stop:
             live &= ~np.isin(token, stops)
-        yield np.where(live, token, -1)
+        yield np.where(live, token, -1), logits, mask
         if not live.any():
             return
         # A stopped row is still fed (pad), as the batch moves together; nothing of it is read any more.
         ids = np.where(live, token, pad_id)[:, None]
         mask = np.concatenate([mask, np.ones((len(mask), 1), np.int64)], axis=1)
+
+
+def greedy_steps(decoder: Decoder, prompts: list[list[int]], stop_ids: set[int], pad_id: int,
+                 ignore_stop: bool = False) -> Iterator[np.ndarray]:
+    """The greedy loop's tokens [B], one array per step (see greedy_loop)."""
+    for tokens, _logits, _mask in greedy_loop(decoder, prompts, stop_ids, pad_id, ignore_stop):
+        yield tokens
+
+
+def greedy_logits(decoder: Decoder, prompts: list[list[int]], new_tokens: int,
+                  pad_id: int) -> tuple[np.ndarray, list[np.ndarray]]:
+    """Exactly ``new_tokens`` greedy tokens [B, new_tokens] of a left-padded batch (stop tokens ignored), and the
+    logits the loop decided them on: the prefill's at every real (non-padding) position, then each step's new
+    position's. What parity compares between a runtime and the PyTorch reference."""
+    tokens, collected = [], []
+    for step, (token, logits, mask) in enumerate(greedy_loop(decoder, prompts, set(), pad_id, ignore_stop=True)):
+        collected.append(logits[mask.astype(bool)] if step == 0 else logits[:, -1])
+        tokens.append(token)
+        if step == new_tokens - 1:
+            break
+    return np.stack(tokens, axis=1), collected
 
 
 def greedy_generate(decoder: Decoder, prompts: list[list[int]], max_new_tokens: int, stop_ids: set[int],

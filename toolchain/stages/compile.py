@@ -36,44 +36,41 @@ BACKENDS = ("openvino", "onnxruntime")
 VERIFY_TOKENS = 8
 
 
-def _verify(backend: str, artifact: Path, input_dir: Path, source: Path, past_specs: dict, new_tokens: int,
+def _verify(backend: str, artifact: Path, input_dir: Path, source: Path, new_tokens: int,
             log: Callable[[str], None]) -> dict:
-    """Greedy tokens and logits of the compiled artifact against a reference, on the export's parity prompts.
+    """Greedy tokens and logits of the compiled artifact (its runtime's decoder, at exact numerics) against a
+    reference, on the export's parity prompts.
 
     The reference is PyTorch fp32 on the source checkpoint, except for a compressed input: its weights differ
     from the checkpoint's by design (compression.json measures by how much), so compiling is checked against
     the compressed graph itself, run stateless on the same runtime.
     """
     from toolchain import source as sources
-    from toolchain.export.parity import (TOLERANCES, compare_steps, graph_step, onnxruntime_runner,
-                                         openvino_runner, parity_cases, too_large_for_end_to_end, torch_step)
+    from toolchain.export.parity import (TOLERANCES, compare_decoders, graph_decoder, parity_cases,
+                                         too_large_for_end_to_end)
+    from toolchain.runtime.decoder import OnnxRuntimeDecoder, OpenVINODecoder
+    from toolchain.runtime.torch_reference import TorchDecoder
 
     config = read_json(source / "config.json")
     cases = parity_cases(source, config["vocab_size"])
-    compressed = (input_dir / "compression.json").is_file()
-    if compressed:
+    if (input_dir / "compression.json").is_file():
         input_graph = input_dir / openvino_ir.MODEL_XML
         if backend == "onnxruntime" or not input_graph.is_file():  # compressed in ONNX (ORT, or streamed)
             input_graph = input_dir / "model.onnx"
-        run = (onnxruntime_runner if backend == "onnxruntime" else openvino_runner)(input_graph)
-        past_specs = past_specs or openvino_ir.cache_dims(input_graph)
-        reference, new_reference = "compressed input graph", lambda: graph_step(run, past_specs)  # noqa: E731
+        reference, ref_decoder = "compressed input graph", graph_decoder(input_graph, backend)
     else:
         skipped = too_large_for_end_to_end(source)
         if skipped:
             log(f"verification skipped: {skipped}")
             return {"passed": True, "skipped": skipped, "reference": "none", "new_tokens": 0}
-        model = sources.load(sources.resolve(str(source)), False)
-        reference, new_reference = "pytorch fp32", lambda: torch_step(model)  # noqa: E731
+        reference, ref_decoder = "pytorch fp32", TorchDecoder(sources.resolve(str(source)))
     log(f"verifying the {backend} artifact against {reference}: {len(cases)} cases, {new_tokens} greedy tokens")
     if backend == "openvino":
-        compiled = openvino_ir.compile_ir(artifact / openvino_ir.MODEL_XML)
-        new_step = lambda: openvino_ir.stateful_step(compiled)  # noqa: E731
+        decoder = OpenVINODecoder(artifact / openvino_ir.MODEL_XML, None, (), "exact")
     else:
-        artifact_run = onnxruntime_runner(artifact / onnxruntime_artifact.MODEL)
-        new_step = lambda: graph_step(artifact_run, past_specs)  # noqa: E731
-    result = compare_steps(new_reference, new_step, cases, new_tokens, config.get("pad_token_id") or 0,
-                           TOLERANCES[backend])
+        decoder = OnnxRuntimeDecoder(artifact / onnxruntime_artifact.MODEL, None, ())
+    result = compare_decoders(ref_decoder, decoder, cases, new_tokens, config.get("pad_token_id") or 0,
+                              TOLERANCES[backend])
     return {**result, "reference": reference, "new_tokens": new_tokens}
 
 
@@ -98,7 +95,6 @@ def compile_artifact(export_dir: Path, out_dir: Path, backend: str, *, verify: b
                                         versions, has_tokenizer, log)
         else:
             details = onnxruntime_artifact.write(export_dir / "model.onnx", tmp, config, generation, log)
-        past_specs = details.pop("past_specs", None)
         files = details.pop("files") + copy_checkpoint_files(source, tmp)
         timings["compile_s"] = time.perf_counter() - t0
         smoke_result = None
@@ -109,7 +105,7 @@ def compile_artifact(export_dir: Path, out_dir: Path, backend: str, *, verify: b
         verification = None
         if verify:
             t0 = time.perf_counter()
-            verification = _verify(backend, tmp, export_dir, source, past_specs, new_tokens, log)
+            verification = _verify(backend, tmp, export_dir, source, new_tokens, log)
             timings["verify_s"] = time.perf_counter() - t0
         manifest = {
             "dstc_version": __version__,

@@ -34,8 +34,11 @@ import onnx_ir as ir
 from toolchain import __version__
 from toolchain.atomic import atomic_output_dir
 from toolchain.compress import calibration, engine, metrics
+from toolchain.compress import moe as fused_moe
+from toolchain.compress.streaming import blocked_dq_to_nbits
 from toolchain.compress.policy import Policy, layer_of, role_of
 from toolchain.errors import InputError
+from toolchain.runtime.engines import GraphRunner, ort_kernels
 
 TARGETS = ("onnxruntime", "openvino")
 CALIBRATION_SEQUENCES = 16
@@ -72,22 +75,6 @@ def _check(target: str, **options) -> None:
     problem = section.problem(target)
     if problem:
         raise InputError(problem)
-
-
-def ort_kernels(path: Path, feeds: dict) -> dict[str, int]:
-    """Node kernels ONNX Runtime ran for one call (its profiler), with its default optimisation level."""
-    import onnxruntime as ort
-
-    options = ort.SessionOptions()
-    options.enable_profiling = True
-    options.profile_file_prefix = str(path.parent / "ort-profile")
-    session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
-    session.run(["logits"], feeds)
-    profile = Path(session.end_profiling())
-    events = json.loads(profile.read_text())
-    profile.unlink()
-    return dict(Counter(e["args"]["op_name"] for e in events
-                        if e.get("cat") == "Node" and e.get("name", "").endswith("_kernel_time")).most_common())
 
 
 def _weight_rows(weights, plan, restored, rows, layout) -> list[dict]:
@@ -167,6 +154,8 @@ def compress(in_dir: Path, out_dir: Path, *, target: str = "onnxruntime", scheme
 
     t0 = time.perf_counter()
     model = ir.load(in_dir / "model.onnx")
+    fused = fused_moe.fused_layers(model)  # experts of a fused MoE lowering, which NNCF does not see
+    fused_moe.check(fused, target, options)
     weight_bytes = sum(v.const_value.nbytes for v in model.graph.initializers.values() if v.const_value is not None)
     if streaming == "always" or (streaming == "auto" and weight_bytes > STREAMING_BYTES):
         if options.data_aware:
@@ -174,16 +163,21 @@ def compress(in_dir: Path, out_dir: Path, *, target: str = "onnxruntime", scheme
                              f"(awq, scale estimation, gptq, ratio < 1) runs on the whole model and is not available "
                              f"in bounded memory; use the data-free scheme")
         return _compress_streaming(model, in_dir, out_dir, target, scheme, options, policy, report, dataset,
-                                   accuracy_level, timings, t0, log)
+                                   accuracy_level, timings, t0, log, fused)
     weights = engine.graph_weights(model)
     plan = policy.plan((w.name, w.node) for w in weights)
     specs = calibration.past_specs((v.name, v.shape) for v in model.graph.inputs)
     texts = calibration.load_texts(dataset, CALIBRATION_SEQUENCES)
     sequences, tokenization = calibration.token_sequences(texts, source, config["vocab_size"])
     feed_list = [calibration.feeds(ids, specs) for ids in sequences]
-    routers = metrics.router_indices(model)
+    routers = metrics.router_indices(model) | fused_moe.router_indices(fused)
     log(f"fp32 reference on {len(feed_list)} calibration sequences ({tokenization})")
     rows, ref_logits, ref_routing = metrics.capture(model, weights, feed_list, routers)
+    activations = None
+    if fused:
+        run = GraphRunner(model, "onnxruntime", extra_outputs=fused_moe.capture_names(fused))
+        activations = fused_moe.calibration_activations(fused, [run(feeds) for feeds in feed_list])
+    expert_jobs = fused_moe.compress_experts(model, fused, policy.precision, options, accuracy_level, activations)
     timings["reference_s"] = time.perf_counter() - t0
 
     with atomic_output_dir(out_dir) as tmp:
@@ -192,7 +186,8 @@ def compress(in_dir: Path, out_dir: Path, *, target: str = "onnxruntime", scheme
         if target == "onnxruntime":
             compressed, details = engine.compress_onnx(model, plan, options, nncf_dataset, log)
             restored = metrics.restored_onnx(compressed, weights)
-            details["ort_rewrites"] = engine.to_ort_kernels(compressed, accuracy_level)
+            details["ort_rewrites"] = {"blocked_dq_to_matmul_nbits": blocked_dq_to_nbits(compressed),
+                                       **engine.to_ort_kernels(compressed, accuracy_level)}
             if not accuracy_level:
                 # measured (benchmarks/compression.py): ORT 1.32 has no fast fp32-compute path for MatMulNBits;
                 # a 2048x2048 weight takes 9.5 ms at 8 bits and 0.58 ms at 4 bits vs 0.36 ms in fp32
@@ -202,7 +197,7 @@ def compress(in_dir: Path, out_dir: Path, *, target: str = "onnxruntime", scheme
             files = save_graph(compressed, tmp / "model.onnx")
             timings["compress_s"] = time.perf_counter() - t0
             details["onnxruntime_kernels"] = ort_kernels(tmp / "model.onnx", feed_list[0])
-            run = metrics.ort_runner(compressed, {name: ir.DataType.INT64 for name in routers.values()})
+            run = GraphRunner(compressed, "onnxruntime", extra_outputs=list(routers.values()))
         else:
             import openvino as ov
 
@@ -211,11 +206,12 @@ def compress(in_dir: Path, out_dir: Path, *, target: str = "onnxruntime", scheme
             ov.save_model(compressed, tmp / OPENVINO_XML, compress_to_fp16=False)
             files = [OPENVINO_XML, OPENVINO_XML.replace(".xml", ".bin")]
             timings["compress_s"] = time.perf_counter() - t0
-            run = metrics.openvino_runner(compressed, list(routers.values()))
+            run = GraphRunner(compressed, "openvino", extra_outputs=list(routers.values()))
         t0 = time.perf_counter()
         log("measuring the error: weights, heads, routing, next-token distributions")
         outputs = [run(feeds) for feeds in feed_list]
-        weight_rows = _weight_rows(weights, plan, restored, rows, layout)
+        weight_rows = _weight_rows(weights, plan, restored, rows, layout) + \
+            fused_moe.weight_rows(expert_jobs, fused, policy.precision)
         routing = []
         for layer, name in sorted(routers.items()):
             agreement, tokens = metrics.routing_agreement(ref_routing[layer], [o[name] for o in outputs])
@@ -267,7 +263,7 @@ def _head(target, scheme, options, dataset, accuracy_level, policy, report, in_d
 
 
 def _compress_streaming(model, in_dir, out_dir, target, scheme, options, policy, report, dataset, accuracy_level,
-                        timings, t0, log) -> dict:
+                        timings, t0, log, fused) -> dict:
     """One weight at a time (toolchain/compress/streaming.py): the weight errors are measured as each weight is
     compressed; what needs the whole model run on calibration text (activations, next-token agreement,
     routing) is not measured, and compression.json says so."""
@@ -278,6 +274,7 @@ def _compress_streaming(model, in_dir, out_dir, target, scheme, options, policy,
     plan = policy.plan((w.name, w.node) for w in weights)
     specs = stream.plan_specs(weights, plan, options, target)
     jobs = stream.compress_streaming(model, specs, log, keep=target == "onnxruntime")
+    expert_jobs = fused_moe.compress_experts(model, fused, policy.precision, options, accuracy_level)
     details = {"demoted_3d": [], "per_head": {}}
     if target == "onnxruntime":
         details["ort_rewrites"] = engine.to_ort_kernels(model, accuracy_level)
@@ -301,6 +298,7 @@ def _compress_streaming(model, in_dir, out_dir, target, scheme, options, policy,
                 "bits_per_weight": round(stream.stored_bits(spec) / size, 4) if spec else 32.0,
                 "weight_error": jobs[w.name].stats["weight_error"] if spec else 0.0,
                 "output_error": None})
+        weight_rows += fused_moe.weight_rows(expert_jobs, fused, policy.precision)
         unmeasured = "not measured: the model is compressed one weight at a time, without running it"
         summary = {
             **_head(target, scheme, options, dataset, accuracy_level, policy, report, in_dir, tmp, files,

@@ -10,7 +10,6 @@ whole only for the end-to-end parity check, and only for models whose fp32 weigh
 
 from __future__ import annotations
 
-import gc
 import json
 import time
 from pathlib import Path
@@ -24,6 +23,7 @@ from toolchain.export.decoder import build_decoder
 from toolchain.export.graph import save_graph
 from toolchain.export.layer_parity import compare_layers
 from toolchain.export.parity import compare, parity_cases, too_large_for_end_to_end
+from toolchain.runtime.torch_reference import TorchDecoder
 from toolchain import source as sources
 
 PARITY_BACKENDS = ("onnxruntime", "openvino")
@@ -32,7 +32,7 @@ PARITY_BACKENDS = ("onnxruntime", "openvino")
 LAYER_STEPS = 4
 
 
-def export(spec: str, out_dir: Path, *, trust_remote_code: bool = False, parity: tuple[str, ...] = PARITY_BACKENDS,
+def export(spec: str, out_dir: Path, *, parity: tuple[str, ...] = PARITY_BACKENDS,
            new_tokens: int = 16, revision: str | None = None, log: Callable[[str], None] = lambda _: None) -> dict:
     from toolchain.checkpoint.reader import open_checkpoint
 
@@ -61,9 +61,6 @@ def export(spec: str, out_dir: Path, *, trust_remote_code: bool = False, parity:
         del graph
         timings["build_s"] = time.perf_counter() - t0
         config = skeleton.config
-        cached_heads, key_dim, value_dim = arch.cache_dims(config)
-        past_specs = {name: (cached_heads, key_dim if name.endswith(".key") else value_dim)
-                      for name in graph_info["inputs"] if name.startswith("past_key_values.")}
         cases = parity_cases(source.path, config.vocab_size)
         pad_id = config.pad_token_id or 0
         results = {}
@@ -72,12 +69,12 @@ def export(spec: str, out_dir: Path, *, trust_remote_code: bool = False, parity:
         if too_large:
             log(f"parity layer by layer: {too_large}")
         elif parity:
-            model = sources.load(source, trust_remote_code)
+            model = TorchDecoder(source)
         for backend in parity:
             t0 = time.perf_counter()
             if model is not None:
                 log(f"parity: {backend} vs PyTorch fp32, {len(cases)} cases, prefill + {new_tokens} greedy tokens")
-                results[backend] = compare(model, tmp / "model.onnx", backend, cases, past_specs, new_tokens, pad_id)
+                results[backend] = compare(model, tmp / "model.onnx", backend, cases, new_tokens, pad_id)
             else:
                 steps = min(new_tokens, LAYER_STEPS)
                 log(f"parity: {backend}, each layer vs its PyTorch module, {len(cases)} cases, prefill + "
@@ -95,8 +92,6 @@ def export(spec: str, out_dir: Path, *, trust_remote_code: bool = False, parity:
             "timings": {k: round(v, 3) for k, v in timings.items()},
         }
         (tmp / "export.json").write_text(json.dumps(report, indent=2) + "\n")
-    del model
-    gc.collect()  # transformers models hold reference cycles; the next stage may load another full copy
     failed = [b for b, r in results.items() if not r["passed"]]
     if failed:
         worst = {b: f"{results[b]['max_relative_diff']:.2e}" for b in failed}

@@ -78,9 +78,10 @@ def openvino_fusions(onnx_path: Path) -> dict[str, dict[str, int]]:
     import openvino as ov
 
     from toolchain.compile import openvino_ir
+    from toolchain.runtime.engines import openvino_compile
 
     def layer_types(model) -> dict[str, int]:
-        compiled = ov.Core().compile_model(model, "CPU", dict(openvino_ir.F32))
+        compiled = openvino_compile(model, "exact")
         counts = Counter(op.get_rt_info()["layerType"].astype(str) for op in compiled.get_runtime_model().get_ops())
         return {name: counts.get(name, 0) for name in OPENVINO_FUSIONS}
 
@@ -92,11 +93,13 @@ def _parity(source: Path, onnx_path: Path, backend: str, past_specs: dict, new_t
             log: Callable[[str], None]) -> dict:
     from toolchain import source as sources
     from toolchain.export.parity import compare, parity_cases
+    from toolchain.runtime.torch_reference import TorchDecoder
 
-    model = sources.load(sources.resolve(str(source)), False)
-    cases = parity_cases(source, model.config.vocab_size)
+    reference = TorchDecoder(sources.resolve(str(source)))
+    config = reference.model.config
+    cases = parity_cases(source, config.vocab_size)
     log(f"parity: optimised graph on {backend} vs PyTorch fp32, {len(cases)} cases, prefill + {new_tokens} tokens")
-    return compare(model, onnx_path, backend, cases, past_specs, new_tokens, model.config.pad_token_id or 0)
+    return compare(reference, onnx_path, backend, cases, new_tokens, config.pad_token_id or 0)
 
 
 def optimize(in_dir: Path, out_dir: Path, target: str, passes: list[str] | None = None,

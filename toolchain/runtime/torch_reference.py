@@ -1,0 +1,106 @@
+"""The fp32 PyTorch reference: transformers' eager model behind the Decoder calls, so that it decodes with exactly
+the loop and stop rules the artifacts do (toolchain/runtime/generate.py), and records which experts each MoE layer
+selected.
+
+The model is loaded once per process and source checkpoint (``reference_model``): a build's export, passes,
+compile and eval stages check against the same reference, and loading it is what costs (the whole model in
+fp32). ``release_reference`` drops it.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import torch
+
+from toolchain import source as sources
+from toolchain.runtime.decoder import positions
+
+_loaded: dict[str, object] = {}  # source path -> the loaded model (one at a time)
+
+
+def reference_model(source: sources.Source):
+    key = str(source.path.resolve())
+    if key not in _loaded:
+        release_reference()
+        _loaded[key] = sources.load(source)
+    return _loaded[key]
+
+
+def release_reference() -> None:
+    import gc
+
+    _loaded.clear()
+    gc.collect()  # transformers models hold reference cycles
+
+
+class TorchDecoder:
+    """transformers' eager model with a DynamicCache, behind the runtime Decoder interface."""
+
+    backend = "pytorch"
+
+    def __init__(self, source: sources.Source, threads: int | None = None, choice: dict | None = None) -> None:
+        t0 = time.perf_counter()
+        self.source = source
+        self.choice = choice or {}  # how the reference was chosen (resolve_reference), recorded in the report
+        self.model = reference_model(source)
+        self.load_seconds = time.perf_counter() - t0
+        self.threads = threads or torch.get_num_threads()
+        self.runtime_config = {"dtype": "float32", "attn_implementation": "eager", "threads": self.threads}
+        self.extras: dict[str, np.ndarray] = {}
+        self._routers = self._capture_routing()
+        self.reset()
+
+    @classmethod
+    def over(cls, model, threads: int | None = None) -> "TorchDecoder":
+        """A decoder over a transformers model already loaded (tests, callers that built it themselves)."""
+        decoder = cls.__new__(cls)
+        decoder.source, decoder.choice, decoder.model, decoder.load_seconds = None, {}, model, 0.0
+        decoder.threads = threads or torch.get_num_threads()
+        decoder.runtime_config = {"dtype": "float32", "attn_implementation": "eager", "threads": decoder.threads}
+        decoder.extras = {}
+        decoder._routers = decoder._capture_routing()
+        decoder.reset()
+        return decoder
+
+    def _capture_routing(self) -> dict[int, str]:
+        """Wrap each MoE layer's route_tokens_to_experts (transformers 5.5 DeepSeek-V2/V3), once per model, to keep
+        its indices in the model's routing record, which each forward reads into ``extras``."""
+        names = {}
+        record = getattr(self.model, "_dstc_routing", None)
+        for name, module in self.model.named_modules():
+            if not hasattr(module, "route_tokens_to_experts"):
+                continue
+            layer = int(name.split("layers.")[1].split(".")[0])
+            names[layer] = key = f"router.{layer}"
+            if record is not None:
+                continue  # wrapped by an earlier decoder over this (cached) model
+            original = module.route_tokens_to_experts
+
+            def wrapped(router_logits, _original=original, _key=key, _model=self.model):
+                indices, weights = _original(router_logits)
+                _model._dstc_routing[_key] = indices.numpy().astype(np.int64)
+                return indices, weights
+
+            module.route_tokens_to_experts = wrapped
+        if record is None:
+            self.model._dstc_routing = {}
+        return names
+
+    def router_outputs(self) -> dict[int, str]:
+        return dict(self._routers)
+
+    def reset(self) -> None:
+        from transformers import DynamicCache
+
+        self.cache = DynamicCache(config=self.model.config)
+
+    def forward(self, input_ids: np.ndarray, attention_mask: np.ndarray) -> np.ndarray:
+        ids, mask = np.ascontiguousarray(input_ids, np.int64), np.ascontiguousarray(attention_mask, np.int64)
+        with torch.no_grad():
+            out = self.model(input_ids=torch.from_numpy(ids), attention_mask=torch.from_numpy(mask),
+                             position_ids=torch.from_numpy(np.ascontiguousarray(positions(mask, ids.shape[1]))),
+                             past_key_values=self.cache, use_cache=True)
+        self.extras = dict(self.model._dstc_routing)
+        return out.logits.float().numpy()
