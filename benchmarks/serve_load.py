@@ -139,15 +139,17 @@ async def _client(http, url: str, body: dict, run: Run, per_client: int, deadlin
                     if not line.startswith("data: ") or line == "data: [DONE]":
                         continue
                     chunk = json.loads(line[6:])
-                    if chunk.get("usage"):
-                        count = chunk["usage"]["completion_tokens"]
-                    if not chunk.get("choices") or not chunk["choices"][0]["text"]:
+                    # continuous usage stats: a chunk per step that generated tokens, with the count so far
+                    new = (chunk.get("usage") or {}).get("completion_tokens", count) - count
+                    if new <= 0:
                         continue
+                    count += new
                     now = time.perf_counter()
-                    if last is None:
+                    if last is None:  # the first token; others in the same chunk came with it
                         run.ttft.append(now - sent)
+                        run.itl.extend([0.0] * (new - 1))
                     else:
-                        run.itl.append(now - last)
+                        run.itl.extend([(now - last) / new] * new)
                     last = now
         except Exception:
             run.errors += 1
@@ -162,7 +164,7 @@ def server_level(base: str, model: str, prompt: list[int], clients: int, per_cli
 
     run = Run(backend, "server", clients)
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
-            "stream_options": {"include_usage": True}, "ignore_eos": True}
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True}, "ignore_eos": True}
 
     async def main() -> None:
         limits = httpx.Limits(max_connections=clients + 4, max_keepalive_connections=clients + 4)

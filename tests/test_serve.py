@@ -545,3 +545,12 @@ def test_a_crashed_engine_process_fails_its_requests_and_is_restarted(servers):
     assert again.json()["engine_pid"] != health["engine_pid"]
     ok = client.completions.create(model=server.name, prompt="321+654=", max_tokens=4, temperature=0)
     assert ok.choices[0].text == "9750" and server.process.poll() is None
+
+
+def test_continuous_usage_stats_stream_a_chunk_per_token(servers):
+    server = servers["openvino"]
+    chunks = list(server.client().completions.create(
+        model=server.name, prompt="321+654=", max_tokens=6, temperature=0, stream=True,
+        stream_options={"include_usage": True, "continuous_usage_stats": True}))
+    counts = [c.usage.completion_tokens for c in chunks if c.choices]
+    assert counts == [1, 2, 3, 4, 5, 6] and chunks[-1].usage.total_tokens == chunks[-1].usage.prompt_tokens + 6

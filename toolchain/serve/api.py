@@ -135,9 +135,10 @@ def create_app(service) -> FastAPI:
         ident = ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12)
         created = int(time.time())
         if params.stream:
-            include_usage = bool(params.stream_options and params.stream_options.include_usage)
+            options = params.stream_options or schemas.StreamOptions()
             events = _chat_events if chat else _completion_events
-            return EventStream(events(generation, ident, created, service.model_name, include_usage),
+            return EventStream(events(generation, ident, created, service.model_name, options.include_usage,
+                                      options.continuous_usage_stats),
                                on_close=generation.close)
         try:
             text, finish = await generation.collect(request)
@@ -226,8 +227,9 @@ class Generation:
             raise ApiError(503, f"the model is not ready: {e}", type="server_error", code="not_ready",
                            headers={"Retry-After": "1"}) from None
 
-    async def pieces(self) -> AsyncIterator[tuple[str, str | None]]:
-        """(text, finish reason or None) as tokens arrive; GenerationFailed on an engine error."""
+    async def pieces(self, every_event: bool = False) -> AsyncIterator[tuple[str, str | None]]:
+        """(text, finish reason or None) as tokens arrive (with ``every_event``, also text-less increments);
+        GenerationFailed on an engine error."""
         while not self.done:
             event = await self._queue.get()
             self.completion_tokens += len(event.tokens)
@@ -248,7 +250,7 @@ class Generation:
                     raise GenerationFailed("the server is shutting down")
                 yield out + self._stops.flush(), event.finish
                 return
-            if out:
+            if out or every_event:
                 yield out, None
 
     async def collect(self, request: Request) -> tuple[str, str | None]:
@@ -296,13 +298,14 @@ def _error_event(message: str) -> str:
     return _sse({"error": {"message": message, "type": "server_error", "param": None, "code": None}})
 
 
-async def _completion_events(generation: Generation, ident: str, created: int, model: str,
-                             include_usage: bool) -> AsyncIterator[str]:
+async def _completion_events(generation: Generation, ident: str, created: int, model: str, include_usage: bool,
+                             continuous: bool) -> AsyncIterator[str]:
     try:
-        async for text, finish in generation.pieces():
-            if text or finish:
+        async for text, finish in generation.pieces(every_event=continuous):
+            if text or finish or continuous:
                 yield _sse(schemas.Completion(id=ident, created=created, model=model, choices=[
-                    schemas.CompletionChoice(text=text, finish_reason=finish)]))
+                    schemas.CompletionChoice(text=text, finish_reason=finish)],
+                    usage=generation.usage() if continuous else None))
     except GenerationFailed as e:
         yield _error_event(str(e))
         return
@@ -311,19 +314,20 @@ async def _completion_events(generation: Generation, ident: str, created: int, m
     yield "data: [DONE]\n\n"
 
 
-async def _chat_events(generation: Generation, ident: str, created: int, model: str,
-                       include_usage: bool) -> AsyncIterator[str]:
+async def _chat_events(generation: Generation, ident: str, created: int, model: str, include_usage: bool,
+                       continuous: bool) -> AsyncIterator[str]:
     def chunk(delta: schemas.Delta, finish=None, usage=None, choices=True):
         return _sse(schemas.ChatCompletionChunk(id=ident, created=created, model=model, usage=usage, choices=[
             schemas.ChunkChoice(delta=delta, finish_reason=finish)] if choices else []))
 
     yield chunk(schemas.Delta(role="assistant", content=""))
     try:
-        async for text, finish in generation.pieces():
-            if text:
-                yield chunk(schemas.Delta(content=text))
+        async for text, finish in generation.pieces(every_event=continuous):
+            usage = generation.usage() if continuous else None
+            if text or (continuous and not finish):
+                yield chunk(schemas.Delta(content=text), usage=usage)
             if finish:
-                yield chunk(schemas.Delta(), finish)
+                yield chunk(schemas.Delta(), finish, usage=usage)
     except GenerationFailed as e:
         yield _error_event(str(e))
         return

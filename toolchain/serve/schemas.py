@@ -21,6 +21,9 @@ class _Body(BaseModel):
 
 class StreamOptions(_Body):
     include_usage: StrictBool = False
+    # as in vLLM: usage so far in every chunk, and a chunk for every engine step that generated a token, also one
+    # that adds no text (a byte of a character still incomplete, a token the tokenizer decodes to nothing)
+    continuous_usage_stats: StrictBool = False
 
 
 class _Sampling(_Body):
