@@ -231,7 +231,7 @@ def compress_streaming(model: ir.Model, specs: list[Spec], log: Callable[[str], 
     if any(s.form == "nbits" for s in specs):
         model.opset_imports.setdefault(MS_DOMAIN, 1)
     if any(s.form == "dq-blocked" for s in specs):
-        _raise_opset(model)
+        raise_opset(model)
     log(f"streaming compression of {len(specs)} weights, one at a time as they are written")
     return jobs
 
@@ -268,10 +268,64 @@ def _to_dequantize(model: ir.Model, consumer: ir.Node, source: ir.Value, tensors
     source.replace_all_uses_with(dq.outputs[0])
 
 
-def _raise_opset(model: ir.Model) -> None:
+def raise_opset(model: ir.Model) -> None:
     from passes.fusions.mla_attention import opset_blocker
 
     blocker = opset_blocker(model, DQ_OPSET)
     if blocker:
         raise InputError(f"grouped INT4 for OpenVINO needs DequantizeLinear at opset {DQ_OPSET}: {blocker}")
     model.opset_imports[""] = max(model.opset_imports.get("", DQ_OPSET), DQ_OPSET)
+
+
+def blocked_dq_to_nbits(model: ir.Model) -> int:
+    """NNCF's grouped INT4 written as ``DequantizeLinear(block_size) -> MatMul`` -> MatMulNBits, the form this
+    module writes for the onnxruntime target (same values, repacked); returns how many weights were rewritten.
+
+    NNCF 3.4's ONNX backend writes MatMulNBits only when the model's *first* opset import is below 21
+    (``opset_version = model.opset_import[0].version`` in weight_compression/onnx_backend.py) and the blocked
+    DequantizeLinear otherwise. The onnxruntime passes stage raises the opset to 23 (fuse-mla-attention's
+    Attention), so an INT4 build with passes got DequantizeLinear -> MatMul, which to-matmul-nbits (8-bit only) and
+    the compile stage's basic-level optimisation keep. ORT 1.32 fuses it into MatMulNBits only in a session at its
+    extended level or above, with the accuracy level of its own session option, and runs it as a whole-weight
+    dequantization and an fp32 MatMul at every call otherwise (measured on deepseek-v3-tiny: 120 DequantizeLinear
+    kernels at basic, 0 at extended); here the artifact states the kernel and its accuracy level itself.
+    """
+    from nncf.onnx.graph.onnx_helper import pack_int4_to_uint8
+
+    count = 0
+    for dq in list(model.graph):
+        block = dq.attributes.get("block_size")
+        if dq.op_type != "DequantizeLinear" or dq.domain not in ("", "ai.onnx") or block is None or not block.as_int():
+            continue
+        q = dq.inputs[0]
+        zp = dq.inputs[2] if len(dq.inputs) > 2 else None
+        users = list(dq.outputs[0].uses())
+        if q.const_value is None or q.const_value.dtype not in (ir.DataType.INT4, ir.DataType.UINT4) \
+                or len(q.shape) != 2 or dq.attributes.get_int("axis", 1) != 0 or not users \
+                or any(node.op_type != "MatMul" or index != 1 for node, index in users):
+            continue
+        k, n = q.shape
+        sym = zp is None
+        spec = Spec(Weight(q.name, "", "", "matmul", (k, n)), 4, block.as_int(), sym, "nbits")
+        arrays = {"quantized": pack_int4_to_uint8(q.const_value.numpy().astype(np.int8 if sym else np.uint8),
+                                                  spec.group, signed=sym),
+                  "scale": np.ascontiguousarray(dq.inputs[1].const_value.numpy().T)}
+        if not sym:
+            arrays["zero_point"] = np.ascontiguousarray(zp.const_value.numpy().astype(np.uint8).T)
+        tensors = {}
+        for key, array in arrays.items():
+            tensors[key] = ir.Value(name=f"{q.name}_nbits_{key}", shape=ir.Shape(array.shape),
+                                    type=ir.TensorType(ir.DataType.from_numpy(array.dtype)),
+                                    const_value=ir.tensor(array, name=f"{q.name}_nbits_{key}"))
+            model.graph.register_initializer(tensors[key])
+        for matmul, _ in users:
+            _to_matmul_nbits(model, matmul, dq.outputs[0], tensors, spec)
+        inputs = [v for v in dq.inputs if v is not None]
+        model.graph.remove(dq, safe=True)
+        for value in inputs:
+            if not value.uses():
+                del model.graph.initializers[value.name]
+        count += 1
+    if count:
+        model.opset_imports.setdefault(MS_DOMAIN, 1)
+    return count

@@ -1,7 +1,8 @@
 """What DeepSeek-V2 and V3 share: MLA attention (per-head KV cache) and the MoE layer around the router.
 
-The subclasses in deepseek_v2.py / deepseek_v3.py supply their routing. Later work replaces `attention` here
-with a latent-cache form and `blocks.moe_dispatch` with other lowerings, without touching the rest.
+The subclasses in deepseek_v2.py / deepseek_v3.py supply their routing; ``moe_lowering`` chooses how the routed
+experts run (toolchain/export/moe.py). Later work replaces `attention` here with a latent-cache form without
+touching the rest.
 """
 
 from __future__ import annotations
@@ -10,13 +11,14 @@ import numpy as np
 import onnx_ir as ir
 
 from toolchain.errors import UnsupportedModelError
-from toolchain.export import blocks
+from toolchain.export import blocks, moe
 from toolchain.export.decoder import LayerInputs
 from toolchain.export.graph import GraphBuilder
 
 
 class DeepseekArchitecture:
     model_types: tuple[str, ...] = ()
+    moe_lowering = "dispatch"  # moe.with_lowering gives a copy with another
 
     def check(self, config) -> None:
         if config.hidden_act != "silu":
@@ -83,7 +85,7 @@ class DeepseekArchitecture:
         with g.scope("router"):
             logits = blocks.matmul_weight(g, x2d, self.router_weight(g, mlp), "gate")
             topk_idx, topk_w = self.route(g, mlp, logits)
-        routed = blocks.moe_dispatch(g, x2d, topk_idx, topk_w, mlp.experts)
+        routed = moe.routed_experts(g, self.moe_lowering, x2d, topk_idx, topk_w, mlp.experts, mlp.top_k)
         routed = g.op("Reshape", routed, g.op("Shape", h))
         return g.op("Add", routed, blocks.mlp_module(g, h, mlp.shared_experts, "shared_experts"))
 

@@ -75,12 +75,14 @@ class GraphBuilder:
         return self._consts[key]
 
     def model(self, inputs: Sequence[ir.Value], outputs: Sequence[ir.Value], doc: str) -> ir.Model:
+        # contrib domains (com.microsoft's MoE, version 1) are imported only by graphs that use them
+        contrib = sorted({n.domain for n in self.tape.nodes} - {"", "ai.onnx"})
         graph = ir.Graph(
             inputs=inputs,
             outputs=outputs,
             nodes=self.tape.nodes,
             initializers=self.tape.initializers,
-            opset_imports={"": OPSET},
+            opset_imports={"": OPSET, **{domain: 1 for domain in contrib}},
             name="main_graph",
         )
         return ir.Model(graph, ir_version=9, producer_name="dstc", doc_string=doc)

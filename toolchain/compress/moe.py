@@ -1,0 +1,396 @@
+"""Weight compression of fused MoE experts (toolchain/export/moe.py), where NNCF does not see them.
+
+In a fused lowering each MoE layer's experts are stacked [E, out, in] initializers read by one com.microsoft.MoE
+node (fused-onnxruntime) or by the tiled block's FusedMatMuls (fused-openvino); NNCF's whole-model
+call and engine.graph_weights look for 2-D MatMul / Gather weights and pass them by. Here each expert's matrix is
+quantized on its own with NNCF's own ``compress_weight`` (what NNCF's backends call per weight; a [out, in]
+matrix reduced along ``in`` gives NNCF's groups of the [in, out] MatMul weight exactly), following the same plan
+as every other weight (toolchain/compress/policy.py: routed experts take the scheme, ``ignore`` keeps them fp32)
+and written in the form the target's fused kernel reads:
+
+* onnxruntime: the MoE node becomes ``com.microsoft.QMoE`` with the same router input (it takes the top k of
+  router_probs and softmaxes them, which the exporter's log-weights make w / sum(w) as for MoE; see
+  onnxruntime/contrib_ops/cpu/moe/moe_quantization_cpu.cc): ``expert_weight_bits`` 4 with ``block_size`` the
+  group (one that divides both the hidden and the intermediate width, as QMoE requires) or 8 per output row,
+  weights packed two 4-bit values per byte along ``in`` (low nibble first, MatMulNBits' order), scales
+  [E, out, blocks], zero points packed along blocks (none when symmetric: QMoE's default is 8 / 128), and
+  ``accuracy_level`` (4: int8 activations; 8-bit experts use int8 activations at every level in ORT 1.32);
+* openvino: each stacked weight becomes a blocked ``DequantizeLinear`` (opset 21, axis 2; 8-bit per channel as
+  one block of ``in``), which OpenVINO's ONNX frontend turns into its compressed-weight pattern and its CPU
+  plugin into GatherMatmulCompressed.
+
+A layer's experts share one precision (one QMoE bit width, one stacked constant): a plan that splits them is an
+InputError. Each quantized tensor is computed when saved, one stacked weight at a time, from the export's
+weights (a memory map for external data); per expert and projection the relative weight error is recorded and,
+given calibration activations, the output error on the tokens routed to that expert.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+import onnx_ir as ir
+
+from toolchain.compress import metrics
+from toolchain.compress.engine import Options
+from toolchain.compress.streaming import adjusted_group, raise_opset
+from toolchain.errors import InputError
+from toolchain.export.moe import MS_DOMAIN
+
+_LAYER = re.compile(r"^layers\.(\d+)/")
+
+
+@dataclass
+class Stacked:
+    """One stacked expert weight [E, out, in]: its initializer, the projections its rows hold (two: gate and up
+    interleaved row by row) and the node that reads it."""
+
+    value: ir.Value
+    projections: tuple[str, ...]
+    node: str
+
+
+@dataclass
+class FusedLayer:
+    layer: int
+    form: str  # "onnxruntime" (com.microsoft.MoE) | "openvino" (tiled block)
+    scope: str  # layers.N/mlp/experts
+    x: str  # the experts' input [tokens, hidden]
+    topk_idx: str  # the router's choice [tokens, k]
+    weights: list[Stacked]
+    node: ir.Node | None = None  # the MoE node (onnxruntime form)
+
+    @property
+    def num_experts(self) -> int:
+        return self.weights[0].value.shape[0]
+
+    def names(self, stacked: Stacked) -> list[tuple[int, str, str]]:
+        """(expert, projection, weight name) of each matrix in ``stacked``, named as the dispatch lowering names
+        the expert's MatMul weight, so that policy patterns and compression.json read alike."""
+        return [(e, p, f"{self.scope}/{e}/{p}/weight") for e in range(self.num_experts) for p in stacked.projections]
+
+
+def fused_layers(model: ir.Model) -> list[FusedLayer]:
+    """The fused MoE layers of an export, in graph order."""
+    layers = []
+    for node in model.graph:
+        scope = node.name.rsplit("/", 1)[0]
+        match = _LAYER.match(node.name)
+        if node.op_type == "MoE" and node.domain == MS_DOMAIN:
+            scatter = node.inputs[1].producer()
+            layers.append(FusedLayer(int(match.group(1)), "onnxruntime", scope, node.inputs[0].name,
+                                     scatter.inputs[1].name, [Stacked(node.inputs[2], ("gate_proj", "up_proj"), node.name),
+                                                              Stacked(node.inputs[4], ("down_proj",), node.name)], node))
+        elif node.op_type == "Tile" and match and scope.endswith("/mlp/experts"):
+            nodes = [n for n in model.graph if n.name.startswith(scope + "/")]
+            scatter = next(n for n in nodes if n.op_type == "ScatterElements")
+            weights = [Stacked(n.inputs[1], (n.inputs[1].name.rsplit("/", 1)[-1],), n.name) for n in nodes
+                       if n.op_type == "FusedMatMul" and n.inputs[1].is_initializer()]
+            layers.append(FusedLayer(int(match.group(1)), "openvino", scope, node.inputs[0].name,
+                                     scatter.inputs[1].name, weights))
+    return layers
+
+
+def router_indices(layers: list[FusedLayer]) -> dict[int, str]:
+    """MoE layer -> its TopK indices value (the choice the fused node is fed), for routing agreement."""
+    return {f.layer: f.topk_idx for f in layers}
+
+
+def capture_names(layers: list[FusedLayer]) -> list[str]:
+    """The values an fp32 calibration run outputs for :func:`calibration_activations`."""
+    return [name for layer in layers for name in (layer.x, layer.topk_idx)]
+
+
+def calibration_activations(layers: list[FusedLayer], outputs: list[dict]) -> Callable[[FusedLayer, int, str], np.ndarray | None]:
+    """(layer, expert, projection) -> the calibration rows that reach that projection of that expert in the fp32
+    graph (at most metrics.MAX_ROWS): the layer input's rows routed to the expert for gate and up, and
+    silu(x gate^T) * (x up^T) of those rows for down. ``outputs``: per calibration sequence, the fp32 run's values
+    of :func:`capture_names`."""
+    import torch
+
+    def stacked(values: list[dict], name: str) -> np.ndarray:
+        return np.concatenate([v[name].reshape(-1, v[name].shape[-1]) for v in values])
+
+    inputs = {layer.layer: (stacked(outputs, layer.x), stacked(outputs, layer.topk_idx)) for layer in layers}
+
+    def rows(layer: FusedLayer, expert: int, projection: str) -> np.ndarray | None:
+        x, idx = inputs[layer.layer]
+        x = x[(idx == expert).any(-1)][:metrics.MAX_ROWS]
+        if not len(x) or projection != "down_proj":
+            return x if len(x) else None
+        by_projection = {p: s for s in layer.weights for p in s.projections}
+        fc = by_projection["gate_proj"]
+        matrix = fc.value.const_value.numpy()[expert]
+        parts = len(fc.projections)
+        gate = matrix[0::parts] if parts > 1 else matrix
+        up = matrix[1::parts] if parts > 1 else by_projection["up_proj"].value.const_value.numpy()[expert]
+        xt = torch.from_numpy(np.array(x, np.float32))
+        g = xt @ torch.from_numpy(np.array(gate, np.float32)).T
+        return (torch.nn.functional.silu(g) * (xt @ torch.from_numpy(np.array(up, np.float32)).T)).numpy()
+
+    return rows
+
+
+def check(layers: list[FusedLayer], target: str, options: Options) -> None:
+    if not layers:
+        return
+    if layers[0].form != target:
+        raise InputError(f"the export's MoE layers are lowered for {layers[0].form} (fused-{layers[0].form}); "
+                         f"compress it for that target, or export with --moe fused-{target}")
+    if options.data_aware:
+        raise InputError("awq, scale estimation, gptq and ratio < 1 are not available for fused MoE experts "
+                         "(NNCF does not see them); use the data-free scheme, or export with --moe dispatch")
+
+
+@dataclass
+class Spec:
+    bits: int
+    group: int | None  # None: one scale per output row
+    sym: bool
+
+    @property
+    def precision(self) -> str:
+        return f"int{self.bits}-{'sym' if self.sym else 'asym'}-" + (f"g{self.group}" if self.group else "per-channel")
+
+
+def _spec(precision: str, ks: list[int], options: Options) -> Spec | None:
+    """The compressed form of a set of weights planned ``precision`` with input widths ``ks``; None: fp32."""
+    if precision == "fp32":
+        return None
+    if precision == "int4":
+        group = adjusted_group(int(np.gcd.reduce(ks)), options.group_size)
+        if group is not None:
+            return Spec(4, group, options.sym)
+        if options.backup != "int8":
+            return None
+    return Spec(8, None, options.sym)  # int8, int8-per-head (experts have no heads: per channel), int4's backup
+
+
+@dataclass
+class Job:
+    """The quantization of one stacked weight, computed when the first of its tensors is saved."""
+
+    layer: FusedLayer
+    stacked: Stacked
+    spec: Spec
+    activations: Callable[[int, str], np.ndarray | None] | None
+    pending: set[str] = field(default_factory=set)
+    result: dict[str, np.ndarray] | None = None
+    stats: dict[str, dict] = field(default_factory=dict)  # weight name -> errors
+
+    def take(self, key: str) -> np.ndarray:
+        if self.result is None:
+            self.result = self._compute()
+        array = self.result[key]
+        self.pending.discard(key)
+        if not self.pending:
+            self.result = None
+        return array
+
+    def _compute(self) -> dict[str, np.ndarray]:
+        import nncf
+        from nncf.quantization.algorithms.weight_compression.config import WeightCompressionConfig
+        from nncf.quantization.algorithms.weight_compression.weight_lowering import (compress_weight,
+                                                                                     do_integer_dequantization)
+        from nncf.tensor import Tensor
+
+        spec = self.spec
+        mode = getattr(nncf.CompressWeightsMode, f"INT{spec.bits}_{'SYM' if spec.sym else 'ASYM'}")
+        config = WeightCompressionConfig(mode=mode, group_size=spec.group or -1)
+        tensor = self.stacked.value.const_value
+        stacked = tensor.numpy()  # a memory map for external data: read expert by expert
+        names = self.layer.names(self.stacked)
+        parts = len(self.stacked.projections)
+        qs, scales, zps = [], [], []
+        for e in range(stacked.shape[0]):
+            w = np.array(stacked[e], dtype=np.float32)  # [out, in]
+            compressed = compress_weight(Tensor(w), (1,), config)
+            restored = do_integer_dequantization(compressed).data.reshape(w.shape)
+            qs.append(compressed.tensor.data.reshape(w.shape))
+            scales.append(compressed.scale.data.reshape(w.shape[0], -1))
+            if compressed.zero_point is not None:
+                zps.append(compressed.zero_point.data.reshape(w.shape[0], -1))
+            for i, (_, projection, name) in enumerate(names[e * parts:(e + 1) * parts]):
+                rows = slice(i, None, parts)  # interleaved projections: every parts-th row from the i-th
+                # [in, out] as the dispatch lowering's MatMul weight, so that x @ W is the projection
+                original, approx = w[rows].T, restored[rows].T
+                x = self.activations(e, projection) if self.activations else None
+                self.stats[name] = {"weight_error": metrics.relative_error(original, approx),
+                                    "output_error": metrics.output_error(x, original, approx)}
+        del stacked
+        if isinstance(tensor, ir.ExternalTensor):
+            tensor.release()
+        q, scale = np.stack(qs), np.stack(scales).astype(np.float32)
+        zp = np.stack(zps).astype(np.uint8) if zps else None
+        return _ort_arrays(q, scale, zp, spec) if self.layer.form == "onnxruntime" else _dq_arrays(q, scale, zp)
+
+    def tensor(self, key: str, dtype: ir.DataType, shape: tuple[int, ...], name: str) -> ir.Value:
+        lazy = ir.LazyTensor(lambda: ir.tensor(self.take(key), dtype=dtype), dtype=dtype, shape=ir.Shape(shape),
+                             name=name)
+        self.pending.add(key)
+        return ir.Value(name=name, shape=ir.Shape(shape), type=ir.TensorType(dtype), const_value=lazy)
+
+
+def _pack4(values: np.ndarray) -> np.ndarray:
+    """[..., n] 4-bit values -> [..., ceil(n / 2)] uint8, element 2i in the low nibble."""
+    values = values.astype(np.uint8)
+    if values.shape[-1] % 2:
+        values = np.concatenate([values, np.zeros((*values.shape[:-1], 1), np.uint8)], axis=-1)
+    return (values[..., 0::2] & 0x0F) | ((values[..., 1::2] & 0x0F) << 4)
+
+
+def _ort_arrays(q, scale, zp, spec: Spec) -> dict[str, np.ndarray]:
+    """QMoE's tensors: symmetric values offset by its default zero point (8 / 128), 4-bit ones packed."""
+    if spec.sym:
+        q = q.astype(np.int16) + (8 if spec.bits == 4 else 128)
+    q = q.astype(np.uint8)
+    out = {"quantized": _pack4(q) if spec.bits == 4 else q, "scale": scale if spec.group else scale[..., 0]}
+    if zp is not None:
+        zp = zp if spec.group else zp[..., 0]
+        out["zero_point"] = _pack4(zp) if spec.bits == 4 else zp
+    return out
+
+
+def _dq_arrays(q, scale, zp) -> dict[str, np.ndarray]:
+    out = {"quantized": q, "scale": scale}
+    if zp is not None:
+        out["zero_point"] = zp
+    return out
+
+
+def _shapes(layer: FusedLayer, spec: Spec, shape: tuple[int, int, int]) -> dict[str, tuple[int, ...]]:
+    e, n, k = shape
+    blocks = k // spec.group if spec.group else 1
+    if layer.form == "openvino":
+        side = (e, n, blocks)
+        return {"quantized": shape, "scale": side} | ({} if spec.sym else {"zero_point": side})
+    side = (e, n, blocks) if spec.group else (e, n)
+    packed_zp = (e, n, -(-blocks * spec.bits // 8)) if spec.group else (e, -(-n * spec.bits // 8))
+    return {"quantized": (e, n, k * spec.bits // 8), "scale": side} | ({} if spec.sym else {"zero_point": packed_zp})
+
+
+def _dtype(layer: FusedLayer, spec: Spec, key: str) -> ir.DataType:
+    if key == "scale":
+        return ir.DataType.FLOAT
+    if layer.form == "onnxruntime" or spec.bits == 8:
+        return ir.DataType.INT8 if spec.sym and layer.form == "openvino" else ir.DataType.UINT8
+    return ir.DataType.INT4 if spec.sym else ir.DataType.UINT4
+
+
+def stored_bits(form: str, spec: Spec, shape: tuple[int, int]) -> int:
+    """Bits one [out, in] expert matrix takes: values, float32 scales and zero points (QMoE pads each row's
+    packed zero points to a byte)."""
+    n, k = shape
+    per_row = k // spec.group if spec.group else 1
+    zero_points = 0 if spec.sym else n * (8 * -(-per_row * spec.bits // 8) if form == "onnxruntime"
+                                          else per_row * spec.bits)
+    return n * k * spec.bits + 32 * n * per_row + zero_points
+
+
+def compress_experts(model: ir.Model, layers: list[FusedLayer], plan: Callable[[str, str], str], options: Options,
+                     accuracy_level: int | None,
+                     activations: Callable[[FusedLayer, int, str], np.ndarray | None] | None = None) -> list[Job]:
+    """Rewrite ``model``'s fused experts in place as the plan says (``plan(weight name, node name)`` -> precision);
+    returns one Job per compressed stacked weight, whose stats fill as the model is saved. ``activations(layer,
+    expert, projection)``: calibration rows reaching that projection of that expert, for output errors."""
+    jobs = []
+    for layer in layers:
+        planned = {s.value.name: {plan(name, s.node) for _, _, name in layer.names(s)} for s in layer.weights}
+        if layer.form == "onnxruntime":
+            planned = {key: set().union(*planned.values()) for key in planned}  # one QMoE bit width
+        if any(len(p) > 1 for p in planned.values()):
+            raise InputError(f"{layer.scope}: the plan gives its experts {sorted(set().union(*planned.values()))}; "
+                             f"a fused MoE layer's experts share one precision (export with --moe dispatch to "
+                             f"compress experts differently)")
+        ks = [s.value.shape[2] for s in layer.weights]
+        specs = {s.value.name: _spec(planned[s.value.name].pop(), [s.value.shape[2]] if layer.form == "openvino"
+                                     else ks, options) for s in layer.weights}
+        if all(spec is None for spec in specs.values()):
+            continue
+        bound = (lambda e, p, _layer=layer: activations(_layer, e, p)) if activations else None
+        layer_jobs = [Job(layer, s, specs[s.value.name], bound) for s in layer.weights if specs[s.value.name]]
+        if layer.form == "onnxruntime":
+            _to_qmoe(model, layer, layer_jobs, accuracy_level)
+        else:
+            for job in layer_jobs:
+                _to_dequantize(model, layer, job)
+        jobs += layer_jobs
+    if any(job.layer.form == "openvino" for job in jobs):
+        raise_opset(model)
+    return jobs
+
+
+def _inputs(model: ir.Model, job: Job) -> dict[str, ir.Value]:
+    values = {}
+    for key, shape in _shapes(job.layer, job.spec, tuple(job.stacked.value.shape)).items():
+        value = job.tensor(key, _dtype(job.layer, job.spec, key), shape, f"{job.stacked.value.name}_{key}")
+        model.graph.register_initializer(value)
+        values[key] = value
+    return values
+
+
+def _to_qmoe(model: ir.Model, layer: FusedLayer, jobs: list[Job], accuracy_level: int | None) -> None:
+    fc1, fc2 = (_inputs(model, job) for job in jobs)
+    spec = jobs[0].spec
+    moe = layer.node
+    inputs = [moe.inputs[0], moe.inputs[1], fc1["quantized"], fc1["scale"], None, fc2["quantized"], fc2["scale"],
+              None, None, None, None, fc1.get("zero_point"), fc2.get("zero_point")]
+    while inputs[-1] is None:
+        inputs.pop()
+    attributes = {name: attr for name, attr in moe.attributes.items()}
+    attributes["expert_weight_bits"] = ir.AttrInt64("expert_weight_bits", spec.bits)
+    if spec.group:
+        attributes["block_size"] = ir.AttrInt64("block_size", spec.group)
+    if accuracy_level is not None:
+        attributes["accuracy_level"] = ir.AttrInt64("accuracy_level", accuracy_level)
+    qmoe = ir.node("QMoE", inputs, attributes=attributes, domain=MS_DOMAIN, name=moe.name,
+                   num_outputs=1)
+    model.graph.insert_before(moe, qmoe)
+    output = moe.outputs[0]
+    output.replace_all_uses_with(qmoe.outputs[0], replace_graph_outputs=True)
+    qmoe.outputs[0].name = output.name
+    model.graph.remove(moe, safe=True)
+    for job in jobs:
+        del model.graph.initializers[job.stacked.value.name]
+
+
+def _to_dequantize(model: ir.Model, layer: FusedLayer, job: Job) -> None:
+    values = _inputs(model, job)
+    source = job.stacked.value
+    k = source.shape[2]
+    inputs = [values["quantized"], values["scale"]] + ([values["zero_point"]] if "zero_point" in values else [])
+    dq = ir.node("DequantizeLinear", inputs,
+                 attributes={"axis": 2, "block_size": job.spec.group or k}, name=f"{source.name}_DequantizeLinear",
+                 num_outputs=1)
+    dq.outputs[0].name = f"{source.name}_dequantized"
+    dq.outputs[0].dtype, dq.outputs[0].shape = ir.DataType.FLOAT, ir.Shape(source.shape)
+    matmul, _ = next(iter(source.uses()))
+    model.graph.insert_before(matmul, dq)
+    source.replace_all_uses_with(dq.outputs[0])
+    del model.graph.initializers[source.name]
+
+
+def weight_rows(jobs: list[Job], layers: list[FusedLayer], plan: Callable[[str, str], str]) -> list[dict]:
+    """compression.json rows of every expert matrix (fp32 ones too), in the shape of the other weights' rows."""
+    from toolchain.compress.policy import role_of
+
+    by_value = {job.stacked.value.name: job for job in jobs}
+    rows = []
+    for layer in layers:
+        for stacked in layer.weights:
+            job = by_value.get(stacked.value.name)
+            _, out, k = stacked.value.shape
+            shape = [k, out // len(stacked.projections)]  # [in, out] as a MatMul weight
+            for _, _, name in layer.names(stacked):
+                stats = job.stats.get(name, {}) if job else {}
+                rows.append({"weight": name, "node": stacked.node, "role": role_of(name), "layer": layer.layer,
+                             "shape": shape, "planned": plan(name, stacked.node),
+                             "precision": job.spec.precision if job else "fp32",
+                             "bits_per_weight": round(stored_bits(layer.form, job.spec, (shape[1], k)) / (shape[0] * shape[1]), 4)
+                             if job else 32.0,
+                             "weight_error": stats.get("weight_error", 0.0),
+                             "output_error": stats.get("output_error") if job else None})
+    return rows

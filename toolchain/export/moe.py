@@ -1,0 +1,141 @@
+"""Lowerings of a DeepSeek MoE layer's routed experts, chosen at export (``dstc export --moe``, recipe ``export.moe``).
+
+The router runs in the graph in every lowering (toolchain/export/deepseek_v2.py, deepseek_v3.py): its TopK
+indices and weights are computed exactly as transformers computes them, at run time. What differs is how the
+chosen experts run:
+
+* ``dispatch`` (blocks.moe_dispatch): per expert, NonZero picks its tokens and three 2-D MatMuls run on them;
+  ~20 nodes per expert. Any runtime; but every idle expert still costs its nodes at each step and at session
+  creation (measured in benchmarks/moe_decode.py).
+* ``fused-onnxruntime``: one ``com.microsoft.MoE`` node per layer over stacked weights (fc1 [E, 2I, H] with gate
+  and up rows interleaved, as ORT's CPU kernel requires with ``swiglu_fusion=1``; fc2 [E, H, I]). ORT's kernel
+  softmaxes router_probs over all experts, takes the top k and weighs each expert by its softmax value
+  (onnxruntime/contrib_ops/cpu/moe/moe_cpu.cc). It is fed log(w) at the chosen experts and the float32 minimum
+  elsewhere, so it picks exactly the graph's experts with weights w / sum(w); the output is multiplied by sum(w).
+  The compress stage turns the node into ``com.microsoft.QMoE`` (toolchain/compress/moe.py), which takes the
+  same router input (its top k of router_probs, softmaxed over those k). ONNX Runtime only: OpenVINO's ONNX
+  frontend has no MoE.
+* ``fused-openvino``: the "tiled" MoE block OpenVINO's CPU plugin (2026.4) rewrites into GatherMatmul
+  (ConvertTiledMoeBlockTo3GatherMatmuls, run in ConvertToCPUSpecificOpset): the tokens tiled over the experts,
+  three MatMuls with ``transpose_b`` against expert-major [E, out, in] constants (com.microsoft.FusedMatMul
+  transB=1, which OpenVINO's ONNX frontend reads as that MatMul), SiLU and the routing weights scattered into
+  [tokens, E]. GatherMatmul computes the chosen experts only. ONNX Runtime runs the graph exactly too, but densely
+  (every expert on every token), so it is for OpenVINO.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import numpy as np
+import onnx_ir as ir
+import torch
+
+from toolchain.errors import InputError
+from toolchain.export import blocks
+from toolchain.export.graph import GraphBuilder
+from toolchain.export.weights import LazyArray
+
+LOWERINGS = ("dispatch", "fused-onnxruntime", "fused-openvino")
+BACKENDS = ("onnxruntime", "openvino")
+# The runtimes that can run each lowering's graph.
+RUNS_ON = {"dispatch": BACKENDS, "fused-onnxruntime": ("onnxruntime",), "fused-openvino": BACKENDS}
+MS_DOMAIN = "com.microsoft"
+
+
+def with_lowering(arch, lowering: str):
+    """The architecture with its MoE layers lowered as ``lowering``; a dense architecture as it is (it has no
+    MoE layer to lower)."""
+    if lowering not in LOWERINGS:
+        raise InputError(f"unknown MoE lowering {lowering!r}; lowerings: {', '.join(LOWERINGS)}")
+    if not hasattr(arch, "moe_lowering") or lowering == arch.moe_lowering:
+        return arch
+    arch = copy.copy(arch)
+    arch.moe_lowering = lowering
+    return arch
+
+
+def parity_backends(lowering: str, requested: tuple[str, ...] | None) -> tuple[str, ...]:
+    """The backends to check an export of ``lowering`` on: ``requested``, or when None every backend that runs it.
+    A requested backend that cannot run the graph is an InputError."""
+    runs_on = RUNS_ON[lowering]
+    if requested is None:
+        return runs_on
+    refused = [b for b in requested if b not in runs_on]
+    if refused:
+        raise InputError(f"the {lowering} MoE lowering runs on {', '.join(runs_on)} only (com.microsoft.MoE has no "
+                         f"OpenVINO conversion); drop {', '.join(refused)} from the parity backends")
+    return tuple(requested)
+
+
+@dataclass(frozen=True)
+class StackedExperts(LazyArray):
+    """[E, rows, cols] float32 of every expert's matrices, read expert by expert when written. Each entry of
+    ``experts`` holds one expert's [r, cols] sources (numpy or LazyArray); with two, their rows are interleaved
+    (row i of the first, then row i of the second)."""
+
+    experts: tuple = ()
+
+    def chunks(self) -> Iterator[np.ndarray]:
+        for sources in self.experts:
+            parts = [s.materialize() if isinstance(s, LazyArray) else np.asarray(s, np.float32) for s in sources]
+            yield np.stack(parts, axis=1).reshape(-1) if len(parts) > 1 else parts[0].reshape(-1)
+
+
+def _stacked(experts: list[tuple], rows: int, cols: int) -> StackedExperts:
+    return StackedExperts((len(experts), rows, cols), read=None, experts=tuple(experts))
+
+
+def routed_experts(g: GraphBuilder, lowering: str, x2d: ir.Value, topk_idx: ir.Value, topk_w: ir.Value,
+                   experts: torch.nn.Module, top_k: int) -> ir.Value:
+    """The routed experts' weighted sum [tokens, hidden] for the router's choice (topk_idx, topk_w: [tokens, k])."""
+    if lowering == "dispatch":
+        return blocks.moe_dispatch(g, x2d, topk_idx, topk_w, experts)
+    weights = [g.params.expert(experts, e) for e in range(experts.gate_up_proj.shape[0])]
+    inter, hidden = experts.gate_up_proj.shape[1] // 2, experts.gate_up_proj.shape[2]
+    with g.scope("experts"):
+        if lowering == "fused-onnxruntime":
+            return _ort_moe(g, x2d, topk_idx, topk_w, weights, inter, hidden, top_k)
+        return _openvino_tiled(g, x2d, topk_idx, topk_w, weights, inter, hidden)
+
+
+def _ort_moe(g, x2d, topk_idx, topk_w, weights, inter, hidden, top_k):
+    num_experts = len(weights)
+    fill = g.op("ConstantOfShape", g.op("Concat", g.op("Shape", topk_w, end=1), g.const([num_experts]), axis=0),
+                value=ir.tensor(np.array([blocks.MASK_MIN], np.float32)))
+    probs = g.op("ScatterElements", fill, topk_idx, g.op("Log", topk_w), axis=1)
+    fc1 = g.weight("gate_up_proj", _stacked([(gate, up) for gate, up, _ in weights], 2 * inter, hidden))
+    fc2 = g.weight("down_proj", _stacked([(down,) for _, _, down in weights], hidden, inter))
+    y = g.op("MoE", x2d, probs, fc1, None, fc2, domain=MS_DOMAIN, k=top_k, activation_type="swiglu",
+             swiglu_fusion=1, activation_alpha=1.0, activation_beta=0.0, normalize_routing_weights=0)
+    # ONNX's shape inference has no com.microsoft schemas: the type is stated so that it flows on to later nodes
+    # (the passes stage's fusions need the shapes)
+    y.dtype, y.shape = ir.DataType.FLOAT, ir.Shape([None, hidden])
+    return g.op("Mul", y, g.op("ReduceSum", topk_w, g.const([1]), keepdims=1))
+
+
+def _openvino_tiled(g, x2d, topk_idx, topk_w, weights, inter, hidden):
+    num_experts = len(weights)
+    by_expert = g.const([num_experts, -1, hidden])
+    xe = g.op("Reshape", g.op("Tile", x2d, g.const([num_experts, 1])), by_expert)
+
+    def project(x, name, parts, rows, cols):
+        # transB: OpenVINO's pattern wants MatMul(transpose_b); a Transpose of the constant would be folded away
+        # by constant folding (onnxscript folds any Transpose of a single-use constant), and with it the fusion
+        y = g.op("FusedMatMul", x, g.weight(name, _stacked([(p,) for p in parts], rows, cols)), domain=MS_DOMAIN,
+                 transB=1)
+        y.dtype, y.shape = ir.DataType.FLOAT, ir.Shape([num_experts, None, rows])  # see the MoE node's
+        return y
+
+    gate = project(xe, "gate_proj", [w[0] for w in weights], inter, hidden)
+    up = project(xe, "up_proj", [w[1] for w in weights], inter, hidden)
+    act = g.op("Mul", g.op("Mul", gate, g.op("Sigmoid", gate)), up)
+    down = g.op("Reshape", project(act, "down_proj", [w[2] for w in weights], hidden, inter), by_expert)
+    zeros = g.op("ConstantOfShape", g.op("Concat", g.op("Shape", topk_w, end=1), g.const([num_experts]), axis=0),
+                 value=ir.tensor(np.zeros(1, np.float32)))
+    dense = g.op("ScatterElements", zeros, topk_idx, topk_w, axis=1)  # [tokens, E], zero for idle experts
+    per_expert = g.op("Unsqueeze", g.op("Reshape", g.op("Transpose", dense, perm=[1, 0]), g.const([num_experts, -1])),
+                      g.const([-1]))
+    return g.op("ReduceSum", g.op("Mul", down, per_expert), g.const([0]), keepdims=0)
