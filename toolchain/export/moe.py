@@ -45,6 +45,13 @@ RUNS_ON = {"dispatch": BACKENDS, "fused-onnxruntime": ("onnxruntime",), "fused-o
 MS_DOMAIN = "com.microsoft"
 
 
+def lower(arch, lowering: str, parity: tuple[str, ...] | None) -> tuple[object, tuple[str, ...]]:
+    """For an export: the architecture lowered as ``lowering`` and the backends to check it on (``parity``, or when
+    None every backend that runs the graph; a dense model's graph runs on both)."""
+    arch = with_lowering(arch, lowering)
+    return arch, parity_backends(lowering if hasattr(arch, "moe_lowering") else "dispatch", parity)
+
+
 def with_lowering(arch, lowering: str):
     """The architecture with its MoE layers lowered as ``lowering``; a dense architecture as it is (it has no
     MoE layer to lower)."""
