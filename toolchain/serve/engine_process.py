@@ -274,7 +274,10 @@ def worker(fd: int) -> None:
     stop or the server goes away."""
     from toolchain.runtime.sampling import Sampling
 
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group: the server stops us
+    # Ctrl-C, and a SIGTERM sent to the process group, reach this process too: the server stops it (and when the
+    # server is gone, the socket's end of file does)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     conn = Connection(fd)
     spec = conn.recv()
     send_lock = threading.Lock()
