@@ -554,3 +554,13 @@ def test_continuous_usage_stats_stream_a_chunk_per_token(servers):
         stream_options={"include_usage": True, "continuous_usage_stats": True}))
     counts = [c.usage.completion_tokens for c in chunks if c.choices]
     assert counts == [1, 2, 3, 4, 5, 6] and chunks[-1].usage.total_tokens == chunks[-1].usage.prompt_tokens + 6
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_sampling_follows_the_seed(servers, backend):
+    server = servers[backend]
+    client = server.client()
+    kw = dict(model=server.name, prompt="The", max_tokens=24, temperature=1.0, extra_body={"ignore_eos": True})
+    seeded = [client.completions.create(seed=11, **kw).choices[0].text for _ in range(2)]
+    unseeded = {client.completions.create(**kw).choices[0].text for _ in range(4)}
+    assert seeded[0] == seeded[1] and len(unseeded) > 1

@@ -26,6 +26,7 @@ pipeline converts to paged attention when it loads it.
 from __future__ import annotations
 
 import math
+import secrets
 from collections.abc import Hashable, Iterable
 from dataclasses import dataclass
 
@@ -353,6 +354,6 @@ def openvino_generation_config(*, max_new_tokens: int, stop_ids: Iterable[int], 
         config.do_sample = True
         config.temperature = float(temperature)
         config.top_p = float(top_p)
-        if seed is not None:
-            config.rng_seed = int(seed)
+        # genai's rng_seed defaults to 0 for every request: without a seed, each would draw the same numbers
+        config.rng_seed = int(seed) if seed is not None else secrets.randbits(32)
     return config
