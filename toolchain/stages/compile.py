@@ -20,7 +20,6 @@ signal and the prompt, and nothing is written. compile.json records the result u
 
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 from typing import Callable
@@ -28,6 +27,7 @@ from typing import Callable
 
 from toolchain import __version__
 from toolchain.atomic import atomic_output_dir
+from toolchain.stages.reports import CompileReport
 from toolchain.compile import copy_checkpoint_files, onnxruntime_artifact, openvino_ir, smoke as smoke_test
 from toolchain.errors import InputError, ParityError
 from toolchain.stages.inputs import read_export, read_json
@@ -107,19 +107,13 @@ def compile_artifact(export_dir: Path, out_dir: Path, backend: str, *, verify: b
             t0 = time.perf_counter()
             verification = _verify(backend, tmp, export_dir, source, new_tokens, log)
             timings["verify_s"] = time.perf_counter() - t0
-        manifest = {
-            "dstc_version": __version__,
-            "backend": backend,
-            "export": {"dir": str(export_dir), "source": report["source"]},
-            "model_type": config["model_type"],
-            "tokenizer": has_tokenizer,
-            "files": sorted(files + ["compile.json"]),
-            backend: details,
-            "smoke": smoke_result,
-            "verification": verification,
-            "timings": {k: round(v, 3) for k, v in timings.items()},
-        }
-        (tmp / "compile.json").write_text(json.dumps(manifest, indent=2) + "\n")
+        typed = CompileReport(dstc_version=__version__, backend=backend,
+                              export={"dir": str(export_dir), "source": report["source"]},
+                              model_type=config["model_type"], tokenizer=has_tokenizer,
+                              files=sorted(files + ["compile.json"]), smoke=smoke_result, verification=verification,
+                              timings={k: round(v, 3) for k, v in timings.items()}, **{backend: details})
+        typed.write(tmp / "compile.json")
+        manifest = typed.dump()
     if verification is not None and not verification["passed"]:
         raise ParityError(f"the {backend} artifact disagrees with {verification['reference']} (relative diff "
                           f"{verification['max_relative_diff']:.2e}, tokens identical: "

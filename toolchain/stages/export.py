@@ -10,7 +10,6 @@ whole only for the end-to-end parity check, and only for models whose fp32 weigh
 
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 from typing import Callable
@@ -18,26 +17,29 @@ from typing import Callable
 from toolchain import __version__
 from toolchain.atomic import atomic_output_dir, check_writable_target
 from toolchain.errors import ParityError
+from toolchain.export import moe as moe_lowering
 from toolchain.export.architectures import architecture_for
 from toolchain.export.decoder import build_decoder
 from toolchain.export.graph import save_graph
 from toolchain.export.layer_parity import compare_layers
 from toolchain.export.parity import compare, parity_cases, too_large_for_end_to_end
 from toolchain.runtime.torch_reference import TorchDecoder
+from toolchain.stages.reports import ExportReport, ExportSource
 from toolchain import source as sources
 
-PARITY_BACKENDS = ("onnxruntime", "openvino")
 # Decode steps of the layer-by-layer check: each step of each layer is checked on the reference's inputs (errors do
 # not compound as they do over greedy steps end to end), and 4 go through a growing KV cache as 16 do.
 LAYER_STEPS = 4
 
 
-def export(spec: str, out_dir: Path, *, parity: tuple[str, ...] = PARITY_BACKENDS,
-           new_tokens: int = 16, revision: str | None = None, log: Callable[[str], None] = lambda _: None) -> dict:
+def export(spec: str, out_dir: Path, *, parity: tuple[str, ...] | None = None, new_tokens: int = 16,
+           revision: str | None = None, moe: str = "dispatch", log: Callable[[str], None] = lambda _: None) -> dict:
+    """``moe``: how MoE layers' routed experts are lowered (toolchain/export/moe.py); ``parity``: the backends to
+    check the graph on, None for every backend that runs it."""
     from toolchain.checkpoint.reader import open_checkpoint
 
     source = sources.resolve(spec, revision)
-    arch = architecture_for(source.config["model_type"])
+    arch, parity = moe_lowering.lower(architecture_for(source.config["model_type"]), moe, parity)
     check_writable_target(out_dir)
     timings = {}
     t0 = time.perf_counter()
@@ -81,17 +83,15 @@ def export(spec: str, out_dir: Path, *, parity: tuple[str, ...] = PARITY_BACKEND
                     f"{steps} steps")
                 results[backend] = compare_layers(tmp / "model.onnx", source.path, backend, cases, steps, pad_id, log)
             timings[f"parity_{backend}_s"] = time.perf_counter() - t0
-        report = {
-            "dstc_version": __version__,
-            "source": {"spec": source.spec, "kind": source.kind, "path": str(source.path),
-                       "model_type": config.model_type, "parameters": parameters,
-                       "skipped_layers": list(reader.skipped_layers), "tied_embeddings": bool(reader.tied)},
-            "graph": graph_info,
-            "parity": results,
-            "parity_mode": "layer by layer" if too_large else "end-to-end",
-            "timings": {k: round(v, 3) for k, v in timings.items()},
-        }
-        (tmp / "export.json").write_text(json.dumps(report, indent=2) + "\n")
+        typed = ExportReport(
+            dstc_version=__version__,
+            source=ExportSource(spec=source.spec, kind=source.kind, path=str(source.path),
+                                model_type=config.model_type, parameters=parameters,
+                                skipped_layers=list(reader.skipped_layers), tied_embeddings=bool(reader.tied)),
+            graph=graph_info, parity=results, parity_mode="layer by layer" if too_large else "end-to-end",
+            timings={k: round(v, 3) for k, v in timings.items()})
+        typed.write(tmp / "export.json")
+        report = typed.dump()
     failed = [b for b, r in results.items() if not r["passed"]]
     if failed:
         worst = {b: f"{results[b]['max_relative_diff']:.2e}" for b in failed}

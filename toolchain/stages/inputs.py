@@ -7,6 +7,7 @@ from pathlib import Path
 
 from toolchain.compile.openvino_ir import MODEL_XML
 from toolchain.errors import InputError
+from toolchain.stages.reports import ExportReport
 
 REQUIRED_INPUTS = ("input_ids", "attention_mask", "position_ids")
 
@@ -32,13 +33,11 @@ def read_export(export_dir: Path, source: Path | None = None) -> tuple[dict, Pat
         raise InputError(f"{export_dir} has no model.onnx: run dstc export first")
     if not (export_dir / "export.json").is_file():
         raise InputError(f"{export_dir} has no export.json: not a dstc export")
-    report = read_json(export_dir / "export.json")
-    try:
-        source = Path(source or report["source"]["path"])
-        inputs = report["graph"]["inputs"]
-    except (KeyError, TypeError):
-        raise InputError(f"{export_dir / 'export.json'} lacks source.path or graph.inputs") from None
-    failed = [b for b, r in (report.get("parity") or {}).items() if isinstance(r, dict) and not r.get("passed", True)]
+    typed = ExportReport.read(export_dir / "export.json")
+    report = typed.dump()
+    source = Path(source or typed.source.path)
+    inputs = typed.graph.inputs
+    failed = [backend for backend, result in typed.parity.items() if not result.passed]
     if failed:
         raise InputError(f"{export_dir} failed its parity check on {', '.join(failed)} (see its export.json); "
                          f"fix the export before compiling it")

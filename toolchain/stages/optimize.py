@@ -26,6 +26,7 @@ from passes import PassError, get_pass, run_pipeline
 from passes.targets import PIPELINES, expectations_for, pipeline
 from toolchain import __version__
 from toolchain.atomic import atomic_output_dir
+from toolchain.stages.reports import PassesReport
 from toolchain.errors import InputError, ParityError
 from toolchain.pass_errors import to_dstc_error
 
@@ -56,18 +57,6 @@ def _pass_names(target: str, passes: list[str] | None) -> list[str]:
     return names
 
 
-def _past_specs(model: ir.Model) -> dict[str, tuple[int, int]]:
-    """past_key_values.* input -> (heads, head dim), from the graph's input shapes."""
-    specs = {}
-    for value in model.graph.inputs:
-        if value.name.startswith("past_key_values."):
-            dims = list(value.shape)
-            if not (isinstance(dims[1], int) and isinstance(dims[3], int)):
-                raise InputError(f"{value.name} has no static heads/head size: {value.shape}")
-            specs[value.name] = (dims[1], dims[3])
-    return specs
-
-
 def openvino_fusions(onnx_path: Path) -> dict[str, dict[str, int]]:
     """How many SDPA, RoPE and RMS layers OpenVINO's CPU plugin makes of the graph (f32 inference precision).
 
@@ -89,8 +78,7 @@ def openvino_fusions(onnx_path: Path) -> dict[str, dict[str, int]]:
             "stateless": layer_types(ov.convert_model(str(onnx_path)))}
 
 
-def _parity(source: Path, onnx_path: Path, backend: str, past_specs: dict, new_tokens: int,
-            log: Callable[[str], None]) -> dict:
+def _parity(source: Path, onnx_path: Path, backend: str, new_tokens: int, log: Callable[[str], None]) -> dict:
     from toolchain import source as sources
     from toolchain.export.parity import compare, parity_cases
     from toolchain.runtime.torch_reference import TorchDecoder
@@ -123,7 +111,6 @@ def optimize(in_dir: Path, out_dir: Path, target: str, passes: list[str] | None 
     timings = {}
     t0 = time.perf_counter()
     model = ir.load(in_dir / "model.onnx")
-    past_specs = _past_specs(model)
     if expectations is None:
         expectations = expectations_for(model, target, names)
     before = {"nodes": len(model.graph), "op_types": op_type_counts(model)}
@@ -167,11 +154,12 @@ def optimize(in_dir: Path, out_dir: Path, target: str, passes: list[str] | None 
             report["parity_skipped"] = skipped
         elif parity:
             t0 = time.perf_counter()
-            report["parity"] = {target: _parity(source, tmp / "model.onnx", target, past_specs, new_tokens, log)}
+            report["parity"] = {target: _parity(source, tmp / "model.onnx", target, new_tokens, log)}
             timings[f"parity_{target}_s"] = time.perf_counter() - t0
         report["timings"] = {k: round(v, 3) for k, v in timings.items()}
+        report = PassesReport(**report).dump()
         (tmp / "passes.json").write_text(json.dumps(report, indent=2) + "\n")
-    result = report.get("parity", {}).get(target)
+    result = (report.get("parity") or {}).get(target)
     if result is not None and not result["passed"]:
         raise ParityError(f"the graph optimised for {target} disagrees with PyTorch (relative diff "
                           f"{result['max_relative_diff']:.2e}); details in {out_dir / 'passes.json'}")
