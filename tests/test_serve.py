@@ -56,6 +56,14 @@ def artifacts(tmp_path_factory, stage_cache):
     return out
 
 
+def _die_with_parent() -> None:
+    """In the server's child before exec: SIGTERM when the test process dies (a killed or timed-out run leaves no
+    server behind; the server stops its engine process)."""
+    import ctypes
+
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
 class Server:
     """``python -m toolchain serve`` on a free port, ready (GET /health 200) when returned."""
 
@@ -63,7 +71,8 @@ class Server:
         self.name = artifact.path.name
         self.process = subprocess.Popen(
             [sys.executable, "-m", "toolchain", "serve", str(artifact.path), "--port", "0", "--threads", "2", *args],
-            cwd=ROOT, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+            cwd=ROOT, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+            preexec_fn=_die_with_parent)
         self.log: list[str] = []
         self._port = threading.Event()
         threading.Thread(target=self._read, daemon=True).start()
@@ -134,7 +143,7 @@ def servers(artifacts):
 
     class Lazy(dict):
         def __missing__(self, backend):
-            started[backend] = Server(artifacts[backend])
+            self[backend] = started[backend] = Server(artifacts[backend])
             return started[backend]
 
     yield Lazy()

@@ -63,6 +63,9 @@ class BatchedDecoder:
                       if i.name.startswith(PAST_PREFIX)}
         self._present = {name: PRESENT_PREFIX + name[len(PAST_PREFIX):] for name in self._past}
         self._outputs = ["logits", *self._present.values()]
+        # A runner that adds a logits_to_keep input to the graph (toolchain/runtime/last_logits.py) gets 1: only the
+        # last position's logits are read, so a prefill computes the lm_head for one position, not the whole prompt.
+        self._keep_last = any(i.name == "logits_to_keep" for i in self.session.get_inputs())
 
     # -- what every layout provides ----------------------------------------------------------------------------
 
@@ -100,7 +103,8 @@ class BatchedDecoder:
             raise ValueError("a step feeds one token to every running sequence, and to no other")
 
     def _run(self, ids: np.ndarray, mask: np.ndarray, past: dict) -> tuple[np.ndarray, dict]:
-        """Logits [B, S, vocab] (numpy) and the presents as OrtValues (ORT's own buffers, not copied)."""
+        """Logits [B, S or 1, vocab] (numpy; the last position is what callers read) and the presents as OrtValues
+        (ORT's own buffers, not copied)."""
         from onnxruntime import OrtValue
 
         ids = np.ascontiguousarray(ids, np.int64)
@@ -108,6 +112,9 @@ class BatchedDecoder:
         pos = np.ascontiguousarray(positions(mask, ids.shape[1]))
         feeds = {"input_ids": OrtValue.ortvalue_from_numpy(ids), "attention_mask": OrtValue.ortvalue_from_numpy(mask),
                  "position_ids": OrtValue.ortvalue_from_numpy(pos), **past}
+        if self._keep_last:
+            keep = np.array(1, np.int64)
+            feeds["logits_to_keep"] = OrtValue.ortvalue_from_numpy(keep)
         values = dict(zip(self._outputs, self.session.run_with_ort_values(self._outputs, feeds)))
         return values["logits"].numpy(), {name: values[present] for name, present in self._present.items()}
 
