@@ -199,7 +199,7 @@ class ScriptedDecoder:
     def reset(self) -> None:
         self.step, self.fed = 0, []
 
-    def forward(self, input_ids, attention_mask):
+    def forward(self, input_ids, attention_mask, logits_to_keep=0):
         self.fed.append((input_ids.copy(), attention_mask.copy()))
         logits = np.zeros((*input_ids.shape, self.vocab), np.float32)
         for row, script in enumerate(self.script):
@@ -388,9 +388,9 @@ def test_stream_text_chat_puts_the_template_in_front(artifact):
     fed = []
     forward = decoder.forward
 
-    def recording(ids, mask):
+    def recording(ids, mask, logits_to_keep=0):
         fed.append(ids.tolist())
-        return forward(ids, mask)
+        return forward(ids, mask, logits_to_keep)
 
     decoder.forward = recording
     list(stream_text(art, decoder, "321+654=", max_new_tokens=3, chat=True))

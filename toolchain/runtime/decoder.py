@@ -26,6 +26,7 @@ from toolchain.compile.openvino_ir import MODEL_XML, PAST_PREFIX, PRESENT_PREFIX
 from toolchain.errors import InputError
 from toolchain.runtime import engines
 from toolchain.runtime.artifact import Artifact
+from toolchain.runtime.last_logits import INPUT as LOGITS_TO_KEEP, openvino_with_logits_to_keep
 
 
 class Decoder(Protocol):
@@ -38,8 +39,9 @@ class Decoder(Protocol):
     def reset(self) -> None:
         """Empty the KV cache: the next forward starts a new batch of sequences."""
 
-    def forward(self, input_ids: np.ndarray, attention_mask: np.ndarray) -> np.ndarray:
-        """float32 logits [B, S, vocab] of the new positions; their keys and values join the cache."""
+    def forward(self, input_ids: np.ndarray, attention_mask: np.ndarray, logits_to_keep: int = 0) -> np.ndarray:
+        """float32 logits [B, S, vocab] of the new positions (of the last ``logits_to_keep`` of them, 0: all);
+        their keys and values join the cache."""
 
 
 def positions(attention_mask: np.ndarray, new: int) -> np.ndarray:
@@ -50,14 +52,17 @@ class OnnxRuntimeDecoder:
     backend = "onnxruntime"
 
     def __init__(self, path: Path, threads: int | None, extra_outputs: Sequence[str]) -> None:
+        import onnx
+
+        from toolchain.runtime.last_logits import onnx_with_logits_to_keep
+
         started = time.perf_counter()
-        model: Path | bytes = Path(path)
-        # A model given as bytes (with extra outputs) finds its external weights in its directory.
-        options = engines.ort_options(threads=threads or os.cpu_count() or 1,
-                                      external_dir=Path(path).parent if extra_outputs else None)
-        if extra_outputs:
-            model = engines.with_extra_outputs(path, extra_outputs)
-        self.session = engines.ort_session(model, options)
+        # The graph goes as bytes (with logits_to_keep, and any extra outputs): it finds its external weights in
+        # its directory.
+        proto = onnx.load_from_string(engines.with_extra_outputs(path, extra_outputs))
+        onnx_with_logits_to_keep(proto)
+        options = engines.ort_options(threads=threads or os.cpu_count() or 1, external_dir=Path(path).parent)
+        self.session = engines.ort_session(proto.SerializeToString(), options)
         self.load_seconds = time.perf_counter() - started
         applied = self.session.get_session_options()
         self.threads = applied.intra_op_num_threads
@@ -82,12 +87,13 @@ class OnnxRuntimeDecoder:
     def reset(self) -> None:
         self.cache = {}
 
-    def forward(self, input_ids: np.ndarray, attention_mask: np.ndarray) -> np.ndarray:
+    def forward(self, input_ids: np.ndarray, attention_mask: np.ndarray, logits_to_keep: int = 0) -> np.ndarray:
         ids = np.ascontiguousarray(input_ids, np.int64)
         mask = np.ascontiguousarray(attention_mask, np.int64)
         binding = self._binding
         binding.bind_cpu_input("input_ids", ids)
         binding.bind_cpu_input("attention_mask", mask)
+        binding.bind_cpu_input(LOGITS_TO_KEEP, np.array(logits_to_keep, np.int64))
         binding.bind_cpu_input("position_ids", np.ascontiguousarray(positions(mask, ids.shape[1])))
         for name, value in (self.cache or self._empty_cache(len(ids))).items():
             binding.bind_ortvalue_input(name, value)
@@ -121,6 +127,7 @@ class OpenVINODecoder:
         model = engines.openvino_read(path)
         if extra_outputs:
             model.add_outputs(list(extra_outputs))
+        openvino_with_logits_to_keep(model)
         read_seconds = time.perf_counter() - started
         # The plugin's defaults, as openvino_genai and optimum-intel deploy the IR (bf16 compute where the CPU has
         # bf16 instructions, a u8 KV cache): what is measured is what users run, and runtime_config says what it was.
@@ -147,12 +154,13 @@ class OpenVINODecoder:
     def reset(self) -> None:
         self._request.reset_state()
 
-    def forward(self, input_ids: np.ndarray, attention_mask: np.ndarray) -> np.ndarray:
+    def forward(self, input_ids: np.ndarray, attention_mask: np.ndarray, logits_to_keep: int = 0) -> np.ndarray:
         ids = np.ascontiguousarray(input_ids, np.int64)
         mask = np.ascontiguousarray(attention_mask, np.int64)
         result = self._request.infer({"input_ids": ids, "attention_mask": mask,
                                       "position_ids": np.ascontiguousarray(positions(mask, ids.shape[1])),
-                                      "beam_idx": np.arange(len(ids), dtype=np.int32)},
+                                      "beam_idx": np.arange(len(ids), dtype=np.int32),
+                                      LOGITS_TO_KEEP: np.array(logits_to_keep, np.int64)},
                                      share_inputs=True, share_outputs=True)
         # Shared outputs are the request's own buffers, overwritten by the next infer: keep copies.
         self.extras = {name: np.array(result[port]) for name, port in self._extra.items()}
@@ -246,7 +254,8 @@ class StatelessDecoder:
     def reset(self) -> None:
         self._past: dict[str, np.ndarray] = {}
 
-    def forward(self, input_ids: np.ndarray, attention_mask: np.ndarray) -> np.ndarray:
+    def forward(self, input_ids: np.ndarray, attention_mask: np.ndarray, logits_to_keep: int = 0) -> np.ndarray:
+        del logits_to_keep  # a stateless graph (a check's) computes every position; the caller reads the last
         feeds = {"input_ids": np.ascontiguousarray(input_ids, np.int64),
                  "attention_mask": np.ascontiguousarray(attention_mask, np.int64),
                  "position_ids": np.ascontiguousarray(positions(attention_mask, input_ids.shape[1]))}

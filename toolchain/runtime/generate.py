@@ -35,18 +35,22 @@ class Generation:
 
 
 def greedy_loop(decoder: Decoder, prompts: list[list[int]], stop_ids: set[int], pad_id: int,
-                ignore_stop: bool = False) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+                ignore_stop: bool = False, all_prefill_logits: bool = False
+                ) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray]]:
     """The one greedy loop: per step, (tokens [B] with -1 where a row has stopped (its stop token and after),
-    the step's logits [B, S, vocab], the attention mask the step ran with). Ends when every row has stopped; with
-    ignore_stop, never (the caller takes what it needs)."""
+    the step's logits [B, S, vocab] (S = 1: the last position only, unless ``all_prefill_logits`` asks for every
+    prefill position), the attention mask the step ran with). Ends when every row has stopped; with ignore_stop,
+    never (the caller takes what it needs)."""
     if not prompts or not all(prompts):
         raise InputError("every prompt needs at least one token")
     decoder.reset()
     ids, mask = left_pad(prompts, pad_id)
     live = np.ones(len(prompts), bool)
     stops = np.array(sorted(stop_ids), np.int64)
+    keep = 0 if all_prefill_logits else 1
     while True:
-        logits = decoder.forward(ids, mask)
+        logits = decoder.forward(ids, mask, keep)
+        keep = 1
         token = logits[:, -1].argmax(-1)
         if not ignore_stop:
             live &= ~np.isin(token, stops)
@@ -71,7 +75,8 @@ def greedy_logits(decoder: Decoder, prompts: list[list[int]], new_tokens: int,
     logits the loop decided them on: the prefill's at every real (non-padding) position, then each step's new
     position's. What parity compares between a runtime and the PyTorch reference."""
     tokens, collected = [], []
-    for step, (token, logits, mask) in enumerate(greedy_loop(decoder, prompts, set(), pad_id, ignore_stop=True)):
+    for step, (token, logits, mask) in enumerate(greedy_loop(decoder, prompts, set(), pad_id, ignore_stop=True,
+                                                             all_prefill_logits=True)):
         collected.append(logits[mask.astype(bool)] if step == 0 else logits[:, -1])
         tokens.append(token)
         if step == new_tokens - 1:

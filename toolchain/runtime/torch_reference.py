@@ -96,7 +96,8 @@ class TorchDecoder:
 
         self.cache = DynamicCache(config=self.model.config)
 
-    def forward(self, input_ids: np.ndarray, attention_mask: np.ndarray) -> np.ndarray:
+    def forward(self, input_ids: np.ndarray, attention_mask: np.ndarray, logits_to_keep: int = 0) -> np.ndarray:
+        del logits_to_keep  # the reference computes every position (transformers' own default)
         ids, mask = np.ascontiguousarray(input_ids, np.int64), np.ascontiguousarray(attention_mask, np.int64)
         with torch.no_grad():
             out = self.model(input_ids=torch.from_numpy(ids), attention_mask=torch.from_numpy(mask),
