@@ -13,9 +13,9 @@ Transposes); they are there for graphs that do.
   SDPA fusion fires on the exported attention as is (in the stateful IR the compile stage makes: the CPU plugin
   keeps SDPA only in stateful models), and so does its RMS fusion.
 
-:func:`default_expectations` gives each fusion's expected count for a model type and depth (from the
-``dstc.model_type`` / ``dstc.num_layers`` metadata the exporter writes), so a fusion that misses a layer fails
-the pipeline with the pass's closest near-miss.
+:func:`default_expectations` gives each fusion's expected count for an attention kind and depth (from the
+``dstc.attention`` / ``dstc.num_layers`` metadata the exporter writes from the architecture module), so a fusion
+that misses a layer fails the pipeline with the pass's closest near-miss.
 """
 
 from __future__ import annotations
@@ -37,8 +37,7 @@ PIPELINES: dict[str, list[str]] = {
     "openvino": [*GENERIC, "rotate-half-split", "remove-unused"],
 }
 
-GQA_MODELS = ("llama", "qwen2")
-MLA_MODELS = ("deepseek_v2", "deepseek_v3")
+ATTENTION_KINDS = ("gqa", "mla")  # what the exporter's architecture module says its attention is
 
 
 def pipeline(target: str) -> list[str]:
@@ -48,16 +47,18 @@ def pipeline(target: str) -> list[str]:
 
 
 def model_info(model: ir.Model) -> tuple[str | None, int | None]:
-    """(model_type, num_layers) from the metadata dstc's exporter writes; None where absent."""
+    """(attention kind, num_layers) from the metadata dstc's exporter writes (``dstc.attention``, from the
+    architecture module); None where absent."""
     props = model.metadata_props
     layers = props.get("dstc.num_layers")
-    return props.get("dstc.model_type"), int(layers) if layers and layers.isdigit() else None
+    return props.get("dstc.attention"), int(layers) if layers and layers.isdigit() else None
 
 
-def default_expectations(target: str, model_type: str | None, num_layers: int | None) -> dict[str, dict]:
-    """Expected counts per pass for a decoder of ``num_layers`` layers (none for an unknown model)."""
+def default_expectations(target: str, attention: str | None, num_layers: int | None) -> dict[str, dict]:
+    """Expected counts per pass for a decoder of ``num_layers`` layers whose attention is ``attention`` ("gqa"
+    or "mla"; none for a graph of unknown kind)."""
     pipeline(target)
-    if model_type not in GQA_MODELS + MLA_MODELS or not num_layers:
+    if attention not in ATTENTION_KINDS or not num_layers:
         return {}
     layers = num_layers
     rotations = {"min": 2 * layers, "max": 2 * layers}  # q and k in every layer
@@ -71,7 +72,7 @@ def default_expectations(target: str, model_type: str | None, num_layers: int | 
         "fuse-rotary-embedding": {"min": 2 * layers, "max": 2 * layers, "count": "rotary_embedding"},
         "fuse-silu": {"min": layers},
     }
-    if model_type in GQA_MODELS:
+    if attention == "gqa":
         expectations["fuse-group-query-attention"] = {"min": layers, "max": layers}
     else:  # GQA declines MLA (also where K and V head sizes are equal), which fuse-mla-attention then takes
         expectations["fuse-group-query-attention"] = {"max": 0}

@@ -131,3 +131,28 @@ def test_routing_is_decided_at_run_time(tiny_checkpoints, tmp_path, name):
     for layer, experts in seen_now.items():
         assert experts - seen_at_export[layer], f"layer {layer}: no expert outside the export-time set"
     assert result["passed"] and result["max_relative_diff"] < 1e-5
+
+
+@pytest.mark.parametrize("name", ["deepseek_v3", "qwen2"])
+def test_the_architecture_module_s_facts_are_written_into_the_graph(tiny_checkpoints, tmp_path, name):
+    """Passes, compression, compile and the runtime read these instead of tables keyed by model_type."""
+    import json
+
+    import onnx_ir as ir
+
+    from toolchain.compress.engine import graph_weights
+    from toolchain.compress.policy import role_of
+
+    export(str(tiny_checkpoints[name]), tmp_path / "out", parity=())
+    model = ir.load(tmp_path / "out" / "model.onnx")
+    props = model.metadata_props
+    mla = name.startswith("deepseek")
+    assert props["dstc.attention"] == ("mla" if mla else "gqa")
+    assert json.loads(props["dstc.moe_layers"]) == ([1, 2] if mla else [])
+    assert props["dstc.genai_model_type"] == ("" if mla else "qwen2")
+    layout = json.loads(props["dstc.head_layout"])
+    assert layout["o_proj"] == ["in", 12 if mla else 16]
+    weights = graph_weights(model, with_arrays=False)
+    assert all(w.role is not None for w in weights)
+    assert all(w.role == role_of(w.name) for w in weights)  # the exporter's roles, as its names say
+    assert {w.layer for w in weights if w.role == "attention"} == {0, 1, 2}

@@ -32,21 +32,21 @@ def test_unknown_target():
 
 
 def test_expectations_scale_with_depth_and_attention_kind():
-    llama = default_expectations("onnxruntime", "llama", 3)
+    llama = default_expectations("onnxruntime", "gqa", 3)
     assert llama["fuse-group-query-attention"] == {"min": 3, "max": 3}
     assert llama["fuse-rotary-embedding"]["min"] == 6 and llama["fuse-skip-rms-norm"] == {"min": 6, "max": 6}
     assert "fuse-mla-attention" not in llama
-    v3 = default_expectations("onnxruntime", "deepseek_v3", 5)
+    v3 = default_expectations("onnxruntime", "mla", 5)
     assert v3["fuse-mla-attention"] == {"min": 5, "max": 5, "count": "mla"}
     assert v3["fuse-group-query-attention"] == {"max": 0}  # GQA declines MLA, also with equal K/V head sizes
-    assert default_expectations("openvino", "qwen2", 2) == {"rotate-half-split": {"min": 4, "max": 4}}
-    assert default_expectations("onnxruntime", "gpt2", 12) == {}
+    assert default_expectations("openvino", "gqa", 2) == {"rotate-half-split": {"min": 4, "max": 4}}
+    assert default_expectations("onnxruntime", None, 12) == {}
 
 
 def test_expectations_for_reads_the_exporters_metadata_and_the_pass_list():
     model = attention_model()
     assert model_info(model) == (None, None) and expectations_for(model, "onnxruntime") == {}
-    model.metadata_props.update({"dstc.model_type": "qwen2", "dstc.num_layers": "2"})
-    assert model_info(model) == ("qwen2", 2)
+    model.metadata_props.update({"dstc.attention": "gqa", "dstc.num_layers": "2"})
+    assert model_info(model) == ("gqa", 2)
     only = expectations_for(model, "onnxruntime", ["infer-shapes", "fuse-group-query-attention"])
     assert only == {"fuse-group-query-attention": {"min": 2, "max": 2}}

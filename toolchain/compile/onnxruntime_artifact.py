@@ -31,9 +31,6 @@ WEIGHTS = "model.onnx.data"
 GENAI_CONFIG = "genai_config.json"
 # Initialisers smaller than this stay inside model.onnx (shapes, axes, scalars); the weights go to WEIGHTS.
 INLINE_MAX_BYTES = 1024
-# model_type -> onnxruntime-genai model type (its decoder-only models with a plain [batch, kv_heads, seq,
-# head_size] cache and optimum's names).
-GENAI_TYPES = {"llama": "llama", "qwen2": "qwen2"}
 
 
 def optimize(src: Path, dst: Path) -> None:
@@ -57,19 +54,28 @@ def cache_dims(onnx_path: Path) -> dict[str, tuple[int, int]]:
     return dims
 
 
-def genai_unsupported_reason(model_type: str, dims: dict[str, tuple[int, int]]) -> str | None:
+def genai_model_type(onnx_path: Path) -> str | None:
+    """onnxruntime-genai's model type, as the exporter wrote it from the architecture module (``dstc.genai_model_type``
+    in the graph's metadata; empty where genai's config cannot describe the model)."""
+    import onnx
+
+    props = {p.key: p.value for p in onnx.load(str(onnx_path), load_external_data=False).metadata_props}
+    return props.get("dstc.genai_model_type") or None
+
+
+def genai_unsupported_reason(model_type: str, genai_type: str | None, dims: dict[str, tuple[int, int]]) -> str | None:
     mismatched = sorted({(dims[k][1], dims[k.replace(".key", ".value")][1])
                          for k in dims if k.endswith(".key") and dims[k] != dims[k.replace(".key", ".value")]})
     if mismatched:
         k, v = mismatched[0]
         return (f"the KV cache has keys of head dim {k} and values of head dim {v} (MLA); onnxruntime-genai's "
                 f"config has one head_size for both, and its KV cache gives the value tensors the key's shape")
-    if model_type not in GENAI_TYPES:
+    if genai_type is None:
         return f"onnxruntime-genai has no model type for {model_type!r}"
     return None
 
 
-def genai_config(config: dict, generation: dict, dims: dict[str, tuple[int, int]]) -> dict:
+def genai_config(config: dict, generation: dict, dims: dict[str, tuple[int, int]], genai_type: str) -> dict:
     heads, head_size = next(iter(dims.values()))
     eos = generation.get("eos_token_id", config.get("eos_token_id"))
     pad = config.get("pad_token_id")
@@ -81,7 +87,7 @@ def genai_config(config: dict, generation: dict, dims: dict[str, tuple[int, int]
                  "eos_token_id": eos, "pad_token_id": pad}
     return {
         "model": {
-            "type": GENAI_TYPES[config["model_type"]],
+            "type": genai_type,
             **{key: value for key, value in token_ids.items() if value is not None},
             "vocab_size": config["vocab_size"],
             "context_length": context,
@@ -128,9 +134,11 @@ def write(onnx_path: Path, out_dir: Path, config: dict, generation: dict, log: C
     optimize(onnx_path, out_dir / MODEL)
     files = [MODEL] + ([WEIGHTS] if (out_dir / WEIGHTS).exists() else [])
     dims = cache_dims(out_dir / MODEL)
-    reason = genai_unsupported_reason(config["model_type"], dims)
+    genai_type = genai_model_type(onnx_path)
+    reason = genai_unsupported_reason(config["model_type"], genai_type, dims)
     if reason is None:
-        (out_dir / GENAI_CONFIG).write_text(json.dumps(genai_config(config, generation, dims), indent=2) + "\n")
+        (out_dir / GENAI_CONFIG).write_text(json.dumps(genai_config(config, generation, dims, genai_type), indent=2)
+                                            + "\n")
         files.append(GENAI_CONFIG)
     else:
         log(f"no {GENAI_CONFIG}: {reason}")

@@ -57,6 +57,8 @@ class Weight:
     kind: str  # "matmul" | "gather"
     shape: tuple[int, ...]
     array: np.ndarray | None = None  # the fp32 value
+    role: str | None = None  # what the exporter wrote on the initializer (toolchain/compress/policy.py)
+    layer: int | None = None
 
 
 def graph_weights(model: ir.Model, with_arrays: bool = True) -> list[Weight]:
@@ -81,8 +83,11 @@ def graph_weights(model: ir.Model, with_arrays: bool = True) -> list[Weight]:
         if value.const_value.dtype != ir.DataType.FLOAT or len(shape) not in (2, 3) or \
                 (node.op_type == "Gather" and len(shape) != 2):
             continue
+        props = value.const_value.metadata_props
+        layer = props.get("dstc.layer")
         out.append(Weight(value.name, node.name, node.outputs[0].name, node.op_type.lower(), shape,
-                          value.const_value.numpy() if with_arrays else None))
+                          value.const_value.numpy() if with_arrays else None, props.get("dstc.role"),
+                          int(layer) if layer and layer.isdigit() else None))
     return out
 
 

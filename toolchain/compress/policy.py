@@ -1,10 +1,10 @@
 """Which precision each weight gets: the scheme's precision for the body of the model, and a stated policy for
 the weights that are more sensitive than their size suggests.
 
-Roles, from the exporter's scope names (toolchain/export/blocks.py): ``embeddings`` (the Gather on
-embed_tokens.weight), ``lm_head``, ``router`` (layers.N/mlp/router/gate), ``shared_expert``
-(layers.N/mlp/shared_experts/*), ``routed_expert`` (layers.N/mlp/experts/E/*), ``attention`` (layers.N/self_attn/*)
-and ``mlp`` (dense layers).
+Roles: ``embeddings``, ``lm_head``, ``router``, ``shared_expert``, ``routed_expert``, ``attention`` and ``mlp``
+(dense layers), as the exporter wrote them on each initializer (``dstc.role`` / ``dstc.layer``, from
+``GraphBuilder.role``); a graph that carries none (not exported by dstc) is read by the exporter's scope names
+(``role_of``, ``layer_of``).
 
 Defaults, and why (numbers in benchmarks/compression.py):
 
@@ -90,11 +90,11 @@ class Policy:
         return any(p in (weight_name, node_name) or re.search(p, weight_name) or re.search(p, node_name)
                    for p in self.ignored_scope)
 
-    def precision(self, weight_name: str, node_name: str = "") -> str:
+    def precision(self, weight_name: str, node_name: str = "", role: str | None = None) -> str:
         body = SCHEME_PRECISION[self.scheme]
         if self.ignored(weight_name, node_name):
             return "fp32"
-        role = role_of(weight_name)
+        role = role or role_of(weight_name)
         choice = {"embeddings": self.embeddings, "lm_head": self.lm_head, "router": self.router,
                   "shared_expert": self.shared_experts}.get(role, "scheme")
         if choice == "scheme":
@@ -103,9 +103,10 @@ class Policy:
             return "int8-per-head"  # the pass quantizes weights without heads per channel (tables per row)
         return choice
 
-    def plan(self, weights: Iterable[tuple[str, str]]) -> dict[str, str]:
-        """(weight name, consumer node name) pairs -> weight name -> precision."""
-        return {w: self.precision(w, n) for w, n in weights}
+    def plan(self, weights: Iterable) -> dict[str, str]:
+        """Weights (``name``, consumer ``node``, ``role``; toolchain/compress/engine.py) -> weight name ->
+        precision."""
+        return {w.name: self.precision(w.name, w.node, w.role) for w in weights}
 
     def as_dict(self) -> dict:
         return {"embeddings": self.embeddings, "lm_head": self.lm_head, "router": self.router,

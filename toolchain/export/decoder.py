@@ -33,9 +33,15 @@ class LayerInputs:
 
 
 class Architecture(Protocol):
-    """One module per model family implements this (registered in toolchain/export/architectures.py)."""
+    """One module per model family implements this (registered in toolchain/export/architectures.py); it is the
+    one place that knows the family. What later stages need of it (attention kind, head layout, MoE layers, the
+    onnxruntime-genai model type, each weight's role) the exporter writes into the graph's metadata
+    (``architecture_metadata``, ``GraphBuilder.role``), and passes, compression, compile and the runtime read it
+    from there."""
 
     model_types: tuple[str, ...]
+    attention_kind: str  # "gqa" (the fusion passes expect GroupQueryAttention) or "mla" (ONNX Attention)
+    genai_model_type: str | None  # onnxruntime-genai's model type; None where its config cannot describe the model
 
     def check(self, config) -> None:
         """Raise UnsupportedModelError for a config variant the builder does not reproduce exactly."""
@@ -45,6 +51,13 @@ class Architecture(Protocol):
 
     def cache_dims(self, config) -> tuple[int, int, int]:
         """(cached heads, key dim, value dim) of one layer's KV cache."""
+
+    def head_layout(self, config) -> dict[str, tuple[str, int]]:
+        """projection -> ("out", head width) for projections whose output channels are heads, ("in", width) for
+        the output projection, whose input rows are (per-head quantization and its errors)."""
+
+    def moe_layers(self, config) -> list[int]:
+        """Indices of the layers whose MLP is a mixture of experts."""
 
     def attention(self, g: GraphBuilder, attn: torch.nn.Module, h: ir.Value, inputs: LayerInputs):
         """Return (output, present key, present value)."""
@@ -82,7 +95,8 @@ def build_decoder(model: torch.nn.Module, arch: Architecture, reader=None,
     present_dims = {"key": key_dim, "value": value_dim}
 
     decoder = model.model
-    table = g.weight("embed_tokens.weight", g.params.array(decoder.embed_tokens.weight))
+    with g.role("embeddings"):
+        table = g.weight("embed_tokens.weight", g.params.array(decoder.embed_tokens.weight))
     h = g.op("Gather", table, input_ids, axis=0)
     cos, sin = blocks.rope_tables(g, position_ids, rotary_module(model))
     mask = blocks.attention_mask(g, input_ids, mask_2d)
@@ -94,12 +108,12 @@ def build_decoder(model: torch.nn.Module, arch: Architecture, reader=None,
         inputs += [past["key"], past["value"]]
         with g.scope(f"layers.{i}"):
             normed = blocks.rms_norm(g, h, layer.input_layernorm, "input_layernorm")
-            with g.scope("self_attn"):
+            with g.scope("self_attn"), g.role("attention"):
                 attn, key, value = arch.attention(
                     g, layer.self_attn, normed, LayerInputs(cos, sin, mask, past["key"], past["value"]))
             h = g.op("Add", h, attn)
             normed = blocks.rms_norm(g, h, layer.post_attention_layernorm, "post_attention_layernorm")
-            with g.scope("mlp"):
+            with g.scope("mlp"), g.role("mlp"):
                 h = g.op("Add", h, arch.mlp(g, layer.mlp, normed))
         presents += [(i, "key", key), (i, "value", value)]
         if on_layer:
@@ -109,7 +123,8 @@ def build_decoder(model: torch.nn.Module, arch: Architecture, reader=None,
     if tied_embeddings(model):
         logits = blocks.tied_lm_head(g, h, table, config.vocab_size)
     else:
-        logits = blocks.matmul_weight(g, h, g.params.array(model.lm_head.weight), "lm_head")
+        with g.role("lm_head"):
+            logits = blocks.matmul_weight(g, h, g.params.array(model.lm_head.weight), "lm_head")
     outputs.append(rename_output(logits, "logits", FLOAT, ["batch_size", "sequence_length", config.vocab_size]))
     for i, kind, value in presents:
         outputs.append(rename_output(value, f"present.{i}.{kind}", FLOAT,
@@ -119,5 +134,15 @@ def build_decoder(model: torch.nn.Module, arch: Architecture, reader=None,
         "dstc.model_type": config.model_type,
         "dstc.num_layers": str(len(decoder.layers)),
         "dstc.kv_cache": "per-head",
+        **architecture_metadata(arch, config),
     })
     return ir_model
+
+
+def architecture_metadata(arch: Architecture, config) -> dict[str, str]:
+    """The architecture's facts as graph metadata (JSON values), for the stages that read the graph."""
+    import json
+
+    return {"dstc.attention": arch.attention_kind, "dstc.head_layout": json.dumps(arch.head_layout(config)),
+            "dstc.moe_layers": json.dumps(arch.moe_layers(config)),
+            "dstc.genai_model_type": arch.genai_model_type or ""}

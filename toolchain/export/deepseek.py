@@ -18,6 +18,10 @@ from toolchain.export.graph import GraphBuilder
 
 class DeepseekArchitecture:
     model_types: tuple[str, ...] = ()
+    attention_kind = "mla"
+    # onnxruntime-genai's config has one head_size for keys and values; MLA's differ (toolchain/compile/
+    # onnxruntime_artifact.py writes no genai_config.json, and says why)
+    genai_model_type: str | None = None
     moe_lowering = "dispatch"  # moe.with_lowering gives a copy with another
 
     def check(self, config) -> None:
@@ -37,6 +41,17 @@ class DeepseekArchitecture:
 
     def cache_dims(self, config) -> tuple[int, int, int]:
         return config.num_attention_heads, config.qk_nope_head_dim + config.qk_rope_head_dim, config.v_head_dim
+
+    def head_layout(self, config) -> dict[str, tuple[str, int]]:
+        nope, rope, v = config.qk_nope_head_dim, config.qk_rope_head_dim, config.v_head_dim
+        return {"q_proj": ("out", nope + rope), "q_b_proj": ("out", nope + rope), "kv_b_proj": ("out", nope + v),
+                "o_proj": ("in", v)}
+
+    def moe_layers(self, config) -> list[int]:
+        """transformers' rule for DeepSeek-V2/V3: every layer from first_k_dense_replace on."""
+        if not _get(config, "n_routed_experts"):
+            return []
+        return list(range(_get(config, "first_k_dense_replace") or 0, _get(config, "num_hidden_layers")))
 
     def rope_interleaved(self, config) -> bool:
         raise NotImplementedError
@@ -82,12 +97,20 @@ class DeepseekArchitecture:
         if not hasattr(mlp, "experts"):
             return blocks.mlp_module(g, h, mlp, "dense")
         x2d = g.op("Reshape", h, g.const([-1, mlp.config.hidden_size]))
-        with g.scope("router"):
+        with g.scope("router"), g.role("router"):
             logits = blocks.matmul_weight(g, x2d, self.router_weight(g, mlp), "gate")
             topk_idx, topk_w = self.route(g, mlp, logits)
-        routed = moe.routed_experts(g, self.moe_lowering, x2d, topk_idx, topk_w, mlp.experts, mlp.top_k)
+        with g.role("routed_expert"):
+            routed = moe.routed_experts(g, self.moe_lowering, x2d, topk_idx, topk_w, mlp.experts, mlp.top_k)
         routed = g.op("Reshape", routed, g.op("Shape", h))
-        return g.op("Add", routed, blocks.mlp_module(g, h, mlp.shared_experts, "shared_experts"))
+        with g.role("shared_expert"):
+            shared = blocks.mlp_module(g, h, mlp.shared_experts, "shared_experts")
+        return g.op("Add", routed, shared)
+
+
+def _get(config, name: str):
+    """A config field of a transformers config or of its config.json (a runtime reads the artifact's file)."""
+    return config.get(name) if isinstance(config, dict) else getattr(config, name, None)
 
 
 def limit_to_top_groups(g: GraphBuilder, scores, group_scores, topk_group: int, num_groups: int, num_experts: int):

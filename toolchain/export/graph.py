@@ -24,6 +24,7 @@ class GraphBuilder:
         self.params = params  # the model's tensors: g.params.array(module.weight) for a weight's values
         self.tape = ir.tape.Tape()
         self._scope: list[str] = []
+        self._roles: list[str] = []
         self._consts: dict[tuple, ir.Value] = {}
         self._count = 0
 
@@ -34,6 +35,24 @@ class GraphBuilder:
             yield
         finally:
             self._scope.pop()
+
+    @contextmanager
+    def role(self, name: str) -> Iterator[None]:
+        """What the weights made inside are to the model ("embeddings", "lm_head", "attention", "mlp", "router",
+        "shared_expert", "routed_expert"): written on each initializer (``dstc.role``, with ``dstc.layer``), where
+        compression's policy reads it instead of parsing names."""
+        self._roles.append(name)
+        try:
+            yield
+        finally:
+            self._roles.pop()
+
+    def _annotate(self, tensor) -> None:
+        if self._roles:
+            tensor.metadata_props["dstc.role"] = self._roles[-1]
+        layer = next((part[len("layers."):] for part in self._scope if part.startswith("layers.")), None)
+        if layer is not None:
+            tensor.metadata_props["dstc.layer"] = layer
 
     def _path(self, name: str) -> str:
         return "/".join([*self._scope, name])
@@ -63,6 +82,7 @@ class GraphBuilder:
         else:
             tensor = ir.LazyTensor(lambda a=array: ir.tensor(np.ascontiguousarray(a)),
                                    dtype=ir.DataType.from_numpy(array.dtype), shape=ir.Shape(array.shape), name=full)
+        self._annotate(tensor)
         return self.tape.initializer(tensor, name=full)
 
     def const(self, value, dtype=np.int64) -> ir.Value:

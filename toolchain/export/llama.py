@@ -10,6 +10,8 @@ from toolchain.export.graph import GraphBuilder
 
 class LlamaArchitecture:
     model_types: tuple[str, ...] = ("llama",)
+    attention_kind = "gqa"
+    genai_model_type: str | None = "llama"
 
     def check(self, config) -> None:
         if config.hidden_act != "silu":
@@ -25,6 +27,13 @@ class LlamaArchitecture:
     def cache_dims(self, config) -> tuple[int, int, int]:
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         return config.num_key_value_heads, head_dim, head_dim
+
+    def head_layout(self, config) -> dict[str, tuple[str, int]]:
+        head_dim = self.cache_dims(config)[1]
+        return {p: ("out", head_dim) for p in ("q_proj", "k_proj", "v_proj")} | {"o_proj": ("in", head_dim)}
+
+    def moe_layers(self, config) -> list[int]:
+        return []
 
     def attention(self, g: GraphBuilder, attn, h, inputs: LayerInputs):
         config = attn.config

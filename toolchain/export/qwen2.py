@@ -8,6 +8,7 @@ from toolchain.export.llama import LlamaArchitecture
 
 class Qwen2Architecture(LlamaArchitecture):
     model_types = ("qwen2",)
+    genai_model_type = "qwen2"
 
     def check(self, config) -> None:
         super().check(config)

@@ -18,15 +18,11 @@ from toolchain.compile.onnxruntime_artifact import MODEL as ONNX_MODEL
 from toolchain.compile.openvino_ir import MODEL_XML
 from toolchain.runtime.artifact import Artifact
 
-MOE_MODEL_TYPES = ("deepseek_v2", "deepseek_v3")
-
-
 def moe_layers(config: dict) -> list[int]:
-    """Indices of the MoE layers, by transformers' rule for DeepSeek-V2/V3 (every layer from
-    first_k_dense_replace on)."""
-    if config.get("model_type") not in MOE_MODEL_TYPES or not config.get("n_routed_experts"):
-        return []
-    return list(range(config.get("first_k_dense_replace", 0), config["num_hidden_layers"]))
+    """Indices of the MoE layers of the artifact's config.json, by its architecture module's rule."""
+    from toolchain.export.architectures import architecture_for
+
+    return architecture_for(config.get("model_type")).moe_layers(config)
 
 
 def router_outputs(artifact: Artifact) -> dict[int, str]:

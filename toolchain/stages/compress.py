@@ -47,16 +47,12 @@ STREAMING_BYTES = 1 << 30
 OPENVINO_XML = "openvino_model.xml"
 
 
-def head_layout(config: dict) -> dict[str, tuple[str, int]]:
-    """projection -> ("out", head width) for projections whose output channels are heads, ("in", width) for
-    o_proj, whose input rows are; from the checkpoint's config."""
-    heads = config["num_attention_heads"]
-    if config["model_type"] in ("deepseek_v2", "deepseek_v3"):
-        nope, rope, v = config["qk_nope_head_dim"], config["qk_rope_head_dim"], config["v_head_dim"]
-        return {"q_proj": ("out", nope + rope), "q_b_proj": ("out", nope + rope), "kv_b_proj": ("out", nope + v),
-                "o_proj": ("in", v)}
-    head_dim = config.get("head_dim") or config["hidden_size"] // heads
-    return {p: ("out", head_dim) for p in ("q_proj", "k_proj", "v_proj")} | {"o_proj": ("in", head_dim)}
+def head_layout(model: ir.Model) -> dict[str, tuple[str, int]]:
+    """projection -> ("out", head width) for projections whose output channels are heads, ("in", width) for the
+    output projection, whose input rows are: what the exporter's architecture module wrote into the graph
+    (``dstc.head_layout``); {} for a graph without it (no per-head treatment)."""
+    layout = json.loads(model.metadata_props.get("dstc.head_layout") or "{}")
+    return {projection: (side, int(width)) for projection, (side, width) in layout.items()}
 
 
 def _check(target: str, **options) -> None:
@@ -87,7 +83,8 @@ def _weight_rows(weights, plan, restored, rows, layout) -> list[dict]:
         x = rows.get(w.name)
         if w.kind == "gather":  # rows of the table the calibration tokens read
             x = None
-        row = {"weight": w.name, "node": w.node, "role": role_of(w.name), "layer": layer_of(w.name),
+        row = {"weight": w.name, "node": w.node, "role": w.role or role_of(w.name),
+               "layer": w.layer if w.role else layer_of(w.name),
                "shape": list(w.shape), "planned": plan[w.name], "precision": r.precision,
                "bits_per_weight": round(8 * r.nbytes / original.size, 4),
                "weight_error": metrics.relative_error(original, r.array),
@@ -147,13 +144,13 @@ def compress(in_dir: Path, out_dir: Path, *, target: str = "onnxruntime", scheme
            embeddings=embeddings, lm_head=lm_head, router=router, shared_experts=shared_experts)
     report, source = read_export(in_dir, source)
     config = json.loads((source / "config.json").read_text())
-    layout = head_layout(config)
-    options = engine.Options(scheme, group_size, sym, ratio, backup, awq, scale_estimation, gptq, accuracy_level,
-                             head_blocks={p: w for p, (side, w) in layout.items() if side == "out"})
     timings = {}
 
     t0 = time.perf_counter()
     model = ir.load(in_dir / "model.onnx")
+    layout = head_layout(model)
+    options = engine.Options(scheme, group_size, sym, ratio, backup, awq, scale_estimation, gptq, accuracy_level,
+                             head_blocks={p: w for p, (side, w) in layout.items() if side == "out"})
     fused = fused_moe.fused_layers(model)  # experts of a fused MoE lowering, which NNCF does not see
     fused_moe.check(fused, target, options)
     weight_bytes = sum(v.const_value.nbytes for v in model.graph.initializers.values() if v.const_value is not None)
@@ -165,7 +162,7 @@ def compress(in_dir: Path, out_dir: Path, *, target: str = "onnxruntime", scheme
         return _compress_streaming(model, in_dir, out_dir, target, scheme, options, policy, report, dataset,
                                    accuracy_level, timings, t0, log, fused)
     weights = engine.graph_weights(model)
-    plan = policy.plan((w.name, w.node) for w in weights)
+    plan = policy.plan(weights)
     specs = calibration.past_specs((v.name, v.shape) for v in model.graph.inputs)
     texts = calibration.load_texts(dataset, CALIBRATION_SEQUENCES)
     sequences, tokenization = calibration.token_sequences(texts, source, config["vocab_size"])
@@ -271,7 +268,7 @@ def _compress_streaming(model, in_dir, out_dir, target, scheme, options, policy,
     from toolchain.export.graph import save_graph
 
     weights = engine.graph_weights(model, with_arrays=False)
-    plan = policy.plan((w.name, w.node) for w in weights)
+    plan = policy.plan(weights)
     specs = stream.plan_specs(weights, plan, options, target)
     jobs = stream.compress_streaming(model, specs, log, keep=target == "onnxruntime")
     expert_jobs = fused_moe.compress_experts(model, fused, policy.precision, options, accuracy_level)
@@ -292,7 +289,8 @@ def _compress_streaming(model, in_dir, out_dir, target, scheme, options, policy,
             spec = by_name.get(w.name)
             size = int(np.prod(w.shape))
             weight_rows.append({
-                "weight": w.name, "node": w.node, "role": role_of(w.name), "layer": layer_of(w.name),
+                "weight": w.name, "node": w.node, "role": w.role or role_of(w.name),
+                "layer": w.layer if w.role else layer_of(w.name),
                 "shape": list(w.shape), "planned": plan[w.name],
                 "precision": spec.precision if spec else "fp32",
                 "bits_per_weight": round(stream.stored_bits(spec) / size, 4) if spec else 32.0,
