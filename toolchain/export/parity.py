@@ -7,6 +7,7 @@ and its own KV cache, on the same prompts; logits are compared at every step on 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -65,14 +66,15 @@ class CaseResult:
         return self.max_abs_diff / self.logits_range if self.logits_range else float("inf")
 
 
-def compare_decoders(reference: Decoder, candidate: Decoder, cases: list[Case], new_tokens: int, pad_id: int,
-                     tolerance: float) -> dict:
+def compare_decoders(reference: Decoder | Callable[[], Decoder], candidate: Decoder | Callable[[], Decoder],
+                     cases: list[Case], new_tokens: int, pad_id: int, tolerance: float) -> dict:
     """Greedy runs of a reference and a candidate decoder on every case (each case starts from an empty cache),
-    compared at every step and real position."""
+    compared at every step and real position. Given as factories, the reference runs every case and is let go
+    before the candidate is made, so that two large models are never loaded at once."""
+    ref_runs = _runs(reference, cases, new_tokens, pad_id)
+    runs = _runs(candidate, cases, new_tokens, pad_id)
     results = []
-    for case in cases:
-        ref_tokens, ref_logits = greedy_logits(reference, case.prompts, new_tokens, pad_id)
-        tokens, logits = greedy_logits(candidate, case.prompts, new_tokens, pad_id)
+    for case, (ref_tokens, ref_logits), (tokens, logits) in zip(cases, ref_runs, runs):
         diff = max(float(np.abs(a - b).max()) for a, b in zip(logits, ref_logits))
         span = max(float(r.max() - r.min()) for r in ref_logits)
         results.append(CaseResult(case.name, len(case.prompts), [len(p) for p in case.prompts], new_tokens, diff,
@@ -86,6 +88,11 @@ def compare_decoders(reference: Decoder, candidate: Decoder, cases: list[Case], 
         "tokens_identical": all(r.tokens_identical for r in results),
         "cases": [dict(vars(r), relative_diff=r.relative_diff) for r in results],
     }
+
+
+def _runs(decoder: Decoder | Callable[[], Decoder], cases: list[Case], new_tokens: int, pad_id: int) -> list:
+    made = decoder() if callable(decoder) and not hasattr(decoder, "forward") else decoder
+    return [greedy_logits(made, case.prompts, new_tokens, pad_id) for case in cases]
 
 
 def cache_specs(path: Path) -> dict[str, tuple[int, int]]:
@@ -108,7 +115,8 @@ def graph_decoder(path: Path, backend: str) -> StatelessDecoder:
 
 def compare(reference: Decoder, path: Path, backend: str, cases: list[Case], new_tokens: int, pad_id: int) -> dict:
     """A graph file on one backend against the PyTorch reference (a TorchDecoder)."""
-    return compare_decoders(reference, graph_decoder(path, backend), cases, new_tokens, pad_id, TOLERANCES[backend])
+    return compare_decoders(reference, lambda: graph_decoder(path, backend), cases, new_tokens, pad_id,
+                            TOLERANCES[backend])
 
 
 PROMPTS = (

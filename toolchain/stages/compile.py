@@ -57,7 +57,7 @@ def _verify(backend: str, artifact: Path, input_dir: Path, source: Path, new_tok
         input_graph = input_dir / openvino_ir.MODEL_XML
         if backend == "onnxruntime" or not input_graph.is_file():  # compressed in ONNX (ORT, or streamed)
             input_graph = input_dir / "model.onnx"
-        reference, ref_decoder = "compressed input graph", graph_decoder(input_graph, backend)
+        reference, ref_decoder = "compressed input graph", lambda: graph_decoder(input_graph, backend)
     else:
         skipped = too_large_for_end_to_end(source)
         if skipped:
@@ -66,9 +66,9 @@ def _verify(backend: str, artifact: Path, input_dir: Path, source: Path, new_tok
         reference, ref_decoder = "pytorch fp32", TorchDecoder(sources.resolve(str(source)))
     log(f"verifying the {backend} artifact against {reference}: {len(cases)} cases, {new_tokens} greedy tokens")
     if backend == "openvino":
-        decoder = OpenVINODecoder(artifact / openvino_ir.MODEL_XML, None, (), "exact")
+        decoder = lambda: OpenVINODecoder(artifact / openvino_ir.MODEL_XML, None, (), "exact")  # noqa: E731
     else:
-        decoder = OnnxRuntimeDecoder(artifact / onnxruntime_artifact.MODEL, None, ())
+        decoder = lambda: OnnxRuntimeDecoder(artifact / onnxruntime_artifact.MODEL, None, ())  # noqa: E731
     result = compare_decoders(ref_decoder, decoder, cases, new_tokens, config.get("pad_token_id") or 0,
                               TOLERANCES[backend])
     return {**result, "reference": reference, "new_tokens": new_tokens}
