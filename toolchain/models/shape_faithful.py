@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
+
+import numpy as np
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig, PreTrainedConfig
@@ -16,6 +19,7 @@ from toolchain.models.registry import embedded_path, reference_config
 _CHUNK = 1 << 24
 # The real checkpoints' dtype; V3 ships fp8 weights, whose dequantised form is bf16.
 _DTYPE = torch.bfloat16
+SHARD_BYTES = 2 * 10**9
 
 
 def reference_to_config(raw: dict, num_layers: int | None = None, num_experts: int | None = None) -> PreTrainedConfig:
@@ -73,6 +77,70 @@ def _fill_random(tensor: torch.Tensor, name: str, generator: torch.Generator, st
         chunk.copy_(torch.randn(chunk.numel(), generator=generator, dtype=torch.float32) * std)
 
 
+def _shapes(model, tied: bool) -> list[tuple[str, tuple[int, ...], str, int | None, int | None]]:
+    """(hub name, shape, state-dict name, expert, half) of every saved tensor, in state-dict order: transformers'
+    fused experts as the hub's per-expert tensors (as save_pretrained writes them), a tied lm_head left out."""
+    out = []
+    for name, meta in model.state_dict().items():
+        prefix, _, leaf = name.rpartition(".")
+        if tied and name == "lm_head.weight":
+            continue
+        if prefix.endswith(".experts") and leaf in ("gate_up_proj", "down_proj") and meta.dim() == 3:
+            experts, rows, cols = meta.shape
+            for e in range(experts):
+                if leaf == "gate_up_proj":
+                    out.append((f"{prefix}.{e}.gate_proj.weight", (rows // 2, cols), name, e, 0))
+                    out.append((f"{prefix}.{e}.up_proj.weight", (rows // 2, cols), name, e, 1))
+                else:
+                    out.append((f"{prefix}.{e}.down_proj.weight", (rows, cols), name, e, None))
+        else:
+            out.append((name, tuple(meta.shape), name, None, None))
+    return out
+
+
+def _write_shards(model, config, directory: Path, generator: torch.Generator) -> None:
+    """The weights as safetensors shards of about SHARD_BYTES, each tensor drawn when its shard is written, with
+    model.safetensors.index.json when there is more than one: memory holds one shard, not the model."""
+    from safetensors.torch import save_file
+
+    shapes = _shapes(model, bool(config.tie_word_embeddings))
+    shards: list[list[tuple]] = [[]]
+    size = 0
+    for entry in shapes:
+        nbytes = int(np.prod(entry[1])) * 2
+        if shards[-1] and size + nbytes > SHARD_BYTES:
+            shards.append([])
+            size = 0
+        shards[-1].append(entry)
+        size += nbytes
+    names = ["model.safetensors"] if len(shards) == 1 else \
+        [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    weight_map, total = {}, 0
+    fused: dict[tuple[str, int], torch.Tensor] = {}
+    for file, shard in zip(names, shards):
+        tensors = {}
+        for hub_name, shape, state_name, expert, half in shard:
+            if half is None:
+                tensor = torch.empty(shape, dtype=_DTYPE)
+                _fill_random(tensor, state_name, generator, config.initializer_range)
+            else:  # gate and up rows of one expert are drawn together, as one row block of the fused tensor
+                key = (state_name, expert)
+                if key not in fused:
+                    fused[key] = torch.empty((2 * shape[0], shape[1]), dtype=_DTYPE)
+                    _fill_random(fused[key], state_name, generator, config.initializer_range)
+                tensor = fused[key][half * shape[0]:(half + 1) * shape[0]].clone()
+                if half == 1:
+                    del fused[key]
+            tensors[hub_name] = tensor
+            weight_map[hub_name] = file
+            total += tensor.numel() * 2
+        save_file(tensors, str(directory / file), metadata={"format": "pt"})
+        del tensors
+    if len(names) > 1:
+        (directory / "model.safetensors.index.json").write_text(json.dumps(
+            {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2) + "\n")
+
+
 def make_shape_faithful(reference: str, out_dir: Path, num_layers: int = 4, num_experts: int | None = None,
                         seed: int = 0) -> Path:
     """Write a seeded random checkpoint of ``reference`` in Hugging Face layout to ``out_dir``.
@@ -80,21 +148,20 @@ def make_shape_faithful(reference: str, out_dir: Path, num_layers: int = 4, num_
     Weights are N(0, initializer_range) drawn in fp32 and stored in bf16, norms are ones; the router's
     e_score_correction_bias gets random values too so its path matters. The vocabulary keeps its real size:
     the embedded tokenizer, copied for text I/O, uses only the lowest ids, and ids above it are valid inputs.
+    Tensors are drawn and written a shard at a time (R1-Distill-Qwen-7B at 28 layers is 15 GB of bf16).
     """
     config = reference_to_config(reference_config(reference), num_layers, num_experts)
-    check_writable_target(out_dir)  # before filling a model that may take minutes
+    check_writable_target(out_dir)  # before drawing a model that may take minutes
     config.dtype = _DTYPE
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=_DTYPE)
-    # Only the saved tensors are filled: non-persistent buffers (RoPE tables) are rebuilt when the checkpoint loads.
-    model.to_empty(device="cpu")
     generator = torch.Generator().manual_seed(seed)
-    for name, tensor in model.state_dict().items():
-        _fill_random(tensor, name, generator, config.initializer_range)
     # Written beside the target and renamed into place: an existing checkpoint there is replaced only if dstc
     # wrote it, and never left half-overwritten.
     with atomic_output_dir(Path(out_dir)) as tmp:
-        model.save_pretrained(tmp)
+        _write_shards(model, config, tmp, generator)
+        config.architectures = [type(model).__name__]  # as save_pretrained records it (optimum-cli reads it)
+        config.save_pretrained(tmp)
         GenerationConfig(bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id).save_pretrained(tmp)
         tokenizer_dir = embedded_path("r1-distill-qwen-tiny")
         for file in ("tokenizer.json", "tokenizer_config.json"):
