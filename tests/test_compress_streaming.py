@@ -71,6 +71,56 @@ def test_openvino_streaming_is_a_compressed_ir_that_verifies(exports, tmp_path):
         assert row["weight_error"] <= errors[row["weight"]] * 1.01 + 1e-6, row["weight"]
 
 
+def quantized_tensors(path: Path) -> dict[str, np.ndarray]:
+    """Every integer initializer (MatMulNBits B and zero points, DequantizeLinear values) and scale by name."""
+    model = ir.load(path)
+    return {name: v.const_value.numpy() for name, v in model.graph.initializers.items()
+            if v.const_value.dtype in (ir.DataType.UINT8, ir.DataType.INT8) or name.endswith("_scale")}
+
+
+@pytest.mark.parametrize("arch", ["deepseek_v3", "qwen2"])
+def test_int8_per_head_streaming_writes_the_passes_own_tensors(exports, tmp_path, arch):
+    whole = compress(exports[arch], tmp_path / "whole", target="onnxruntime", scheme="int8-per-head",
+                     streaming="never")
+    streamed = compress(exports[arch], tmp_path / "streamed", target="onnxruntime", scheme="int8-per-head",
+                        streaming="always")
+    a = quantized_tensors(tmp_path / "whole" / "model.onnx")
+    b = quantized_tensors(tmp_path / "streamed" / "model.onnx")
+    assert a.keys() == b.keys() and len(a) > 20
+    for name in a:
+        assert a[name].dtype == b[name].dtype and np.array_equal(a[name], b[name]), name
+    errors = {r["weight"]: r["weight_error"] for r in whole["per_weight"]}
+    precisions = {r["weight"]: r["precision"] for r in streamed["per_weight"]}
+    for row in streamed["per_weight"]:
+        assert row["weight_error"] == pytest.approx(errors[row["weight"]], rel=1e-4, abs=1e-7), row["weight"]
+    heads = [w for w, p in precisions.items() if p.endswith("per-head")]
+    # one scale per head on the projections with heads, and only there
+    assert heads and all(w.split("/")[-2] in ("q_proj", "k_proj", "v_proj", "q_b_proj", "kv_b_proj") for w in heads)
+    assert_scale_per_head(tmp_path / "streamed" / "model.onnx", heads)
+
+
+def assert_scale_per_head(path: Path, heads: list[str]) -> None:
+    """Each head's scales are one value, and heads differ (per-axis DequantizeLinear scales [N], or
+    MatMulNBits(bits=8) ones [N, 1] after to-matmul-nbits)."""
+    model = ir.load(path)
+    layout = json.loads(model.metadata_props["dstc.head_layout"])
+    for weight in heads:
+        names = [f"{weight}_scale", f"{weight}_quantized_nbits_scale"]
+        scale = next(model.graph.initializers[n].const_value.numpy() for n in names if n in model.graph.initializers)
+        blocks = scale.reshape(-1, layout[weight.split("/")[-2]][1])
+        assert np.all(blocks == blocks[:, :1]) and len(np.unique(blocks[:, 0])) > 1, weight
+
+
+def test_int8_per_head_streaming_compiles_and_verifies_for_openvino(exports, tmp_path):
+    summary = compress(exports["deepseek_v3"], tmp_path / "streamed", target="openvino", scheme="int8-per-head",
+             streaming="always")
+    heads = [r["weight"] for r in summary["per_weight"] if r["precision"].endswith("per-head")]
+    assert len(heads) >= 4
+    assert_scale_per_head(tmp_path / "streamed" / "model.onnx", heads)
+    manifest = compile_artifact(tmp_path / "streamed", tmp_path / "art", "openvino")
+    assert manifest["verification"]["passed"]
+
+
 def test_data_aware_options_are_refused_in_streaming_form(exports, tmp_path):
     with pytest.raises(InputError, match="not available in bounded memory"):
         compress(exports["qwen2"], tmp_path / "o", target="openvino", awq=True, streaming="always")

@@ -14,6 +14,10 @@ and writes its result in the forms that backend writes, with its names:
   Convert, Subtract, Multiply) and its CPU plugin runs as a compressed FullyConnected;
 * INT8 per output channel: ``DequantizeLinear`` on axis 1 of a [K, N] MatMul weight, axis 0 (per row) of an
   embedding table.
+* the int8-per-head scheme: the same per-axis ``DequantizeLinear``, its values from the int8-per-head pass's own
+  quantization (``passes.quantize._weights.quantize_int8``), one scale per head's block of output channels on the
+  projections with heads (widths from the graph's ``dstc.head_layout``), per channel or per row elsewhere: the
+  tensors the pass writes on the whole model, with its names.
 
 Each quantized tensor is an ``ir.LazyTensor``: the weight is read from the export's external data (a memory map)
 in column (or row) chunks, each chunk quantized independently (a group lies along one column, a table's scale
@@ -61,10 +65,14 @@ class Spec:
     group: int | None
     sym: bool
     form: str  # "nbits" (MatMulNBits) | "dq-blocked" | "dq-channel" (MatMul weight) | "dq-rows" (Gather table)
+    # None: NNCF's quantization; a width: the int8-per-head pass's, one scale per this many output channels
+    channels_per_scale: int | None = None
 
     @property
     def precision(self) -> str:
-        return f"int{self.bits}-{'sym' if self.sym else 'asym'}-" + (f"g{self.group}" if self.group else "per-channel")
+        kind = f"g{self.group}" if self.group else \
+            "per-head" if (self.channels_per_scale or 1) > 1 else "per-channel"
+        return f"int{self.bits}-{'sym' if self.sym else 'asym'}-{kind}"
 
 
 @dataclass
@@ -87,6 +95,8 @@ class Job:
         return array
 
     def _compute(self) -> dict[str, np.ndarray]:
+        if self.spec.channels_per_scale is not None:
+            return self._compute_int8_per_head()
         import nncf
         from nncf.onnx.graph.onnx_helper import pack_int4_to_uint8
         from nncf.quantization.algorithms.weight_compression.config import WeightCompressionConfig
@@ -139,6 +149,37 @@ class Job:
                 out["zero_point"] = zp.astype(q.dtype)
         return out
 
+    def _compute_int8_per_head(self) -> dict[str, np.ndarray]:
+        from passes.quantize._weights import quantize_int8
+
+        spec, tensor = self.spec, self.source.const_value
+        weight = tensor.numpy()
+        rows_axis = spec.form == "dq-rows"  # a table's channels are its rows
+        width = spec.channels_per_scale
+        length = weight.shape[0] if rows_axis else weight.shape[1]
+        step = max(1, CHUNK_BYTES // (4 * weight.shape[1 if rows_axis else 0]))
+        step = max(width, step // width * width)  # a head's channels never split between two chunks
+        qs, scales, zps = [], [], []
+        err = norm = 0.0
+        for start in range(0, length, step):
+            part = weight[start:start + step] if rows_axis else weight[:, start:start + step]
+            part = np.array(part, dtype=np.float32, order="C")
+            quantized = quantize_int8(part.T if rows_axis else part, width, sym=spec.sym)
+            restored = quantized.dequantize()
+            err += float(np.square((part.T if rows_axis else part) - restored, dtype=np.float32).sum(dtype=np.float64))
+            norm += float(np.square(part, dtype=np.float32).sum(dtype=np.float64))
+            qs.append(quantized.q.T if rows_axis else quantized.q)
+            scales.append(quantized.scale)
+            zps.append(quantized.zero_point)
+        del weight, part, quantized, restored
+        if isinstance(tensor, ir.ExternalTensor):
+            tensor.release()
+        self.stats = {"weight_error": float(np.sqrt(err / norm)) if norm else 0.0}
+        out = {"quantized": np.concatenate(qs, axis=0 if rows_axis else 1), "scale": np.concatenate(scales)}
+        if zps[0] is not None:
+            out["zero_point"] = np.concatenate(zps)
+        return out
+
 
 def stored_bits(spec: Spec) -> int:
     """Bits the compressed weight takes in the artifact: values, float32 scales and packed zero points."""
@@ -177,14 +218,22 @@ def _shapes(spec: Spec, shape: tuple[int, ...]) -> dict[str, tuple[int, ...]]:
 def plan_specs(weights: list[Weight], plan: dict[str, str], options: Options, target: str) -> list[Spec]:
     """What to do with each weight the plan compresses (fp32 ones are left out); raises InputError for what the
     streaming form does not do."""
+    from passes.quantize.int8_per_head import HEAD_PROJECTIONS, projection_of
+
     specs = []
     for w in weights:
         precision = plan[w.name]
         if precision == "fp32":
             continue
+        if precision == "int8-per-head" and len(w.shape) == 2:
+            width = options.head_blocks.get(projection_of(w.name)) if w.kind == "matmul" and \
+                projection_of(w.name) in HEAD_PROJECTIONS else None
+            width = width if width and w.shape[1] % width == 0 else 1
+            specs.append(Spec(w, 8, None, options.sym, "dq-rows" if w.kind == "gather" else "dq-channel", width))
+            continue
         if precision not in ("int4", "int8") or len(w.shape) != 2:
             raise InputError(f"{w.name}: {precision} of a {len(w.shape)}-D weight is not available in bounded "
-                             f"memory; use int4-grouped or int8-per-channel")
+                             f"memory; use int4-grouped, int8-per-channel or int8-per-head")
         if w.kind == "gather":
             if precision == "int4":
                 raise InputError(f"{w.name}: INT4 embeddings are not available in bounded memory; use int8")
