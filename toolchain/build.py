@@ -67,7 +67,7 @@ def _export(recipe: Recipe):
     from toolchain.stages.export import export
 
     return lambda _in, out, log: export(recipe.model, out, parity=tuple(recipe.export.parity), new_tokens=recipe.export.new_tokens,
-                                        revision=recipe.revision, log=log)
+                                        revision=recipe.revision, moe=recipe.export.moe, log=log)
 
 
 def _passes(recipe: Recipe, source: Path):

@@ -72,23 +72,28 @@ def models_shape_faithful(reference: str, out_dir: Path, layers: int, experts: i
 @click.argument("model")
 @click.option("-o", "--out", "out_dir", type=click.Path(path_type=Path), required=True,
               help="Output directory (created; replaced atomically if it holds an earlier dstc output).")
-@click.option("--parity", "parity", default="onnxruntime,openvino", show_default=True,
-              help="Backends to check against PyTorch fp32 (comma-separated; 'none' to skip).")
+@click.option("--parity", "parity", default=None,
+              help="Backends to check against PyTorch fp32 (comma-separated; 'none' to skip)  [default: every "
+                   "backend that runs the graph]")
 @click.option("--new-tokens", type=click.IntRange(1), default=16, show_default=True,
               help="Greedy decode steps in the parity check.")
+@click.option("--moe", type=click.Choice(["dispatch", "fused-onnxruntime", "fused-openvino"]), default="dispatch",
+              show_default=True,
+              help="MoE routed experts: per-expert sparse dispatch (any runtime), one com.microsoft.MoE node per "
+                   "layer (ONNX Runtime only), or the tiled block OpenVINO's CPU plugin runs as GatherMatmul.")
 @click.option("--json", "as_json", is_flag=True, help="Print export.json to stdout instead of the summary.")
-def export_cmd(model: str, out_dir: Path, parity: str, new_tokens: int, as_json: bool) -> None:
+def export_cmd(model: str, out_dir: Path, parity: str | None, new_tokens: int, moe: str, as_json: bool) -> None:
     """Export MODEL to OUT/model.onnx with a KV cache, and check it against PyTorch (written to OUT/export.json).
 
     Exit codes: 0 parity passed; 2 bad input (nothing written); 3 parity failed (output kept for inspection).
     """
     from toolchain.stages.export import export
 
-    backends = tuple(b for b in parity.split(",") if b and b != "none")
-    unknown = set(backends) - {"onnxruntime", "openvino"}
+    backends = None if parity is None else tuple(b for b in parity.split(",") if b and b != "none")
+    unknown = set(backends or ()) - {"onnxruntime", "openvino"}
     if unknown:
         raise click.BadParameter(f"unknown backend(s): {', '.join(sorted(unknown))}", param_hint="--parity")
-    report = export(model, out_dir, parity=backends, new_tokens=new_tokens, log=_logger("export"))
+    report = export(model, out_dir, parity=backends, new_tokens=new_tokens, moe=moe, log=_logger("export"))
     if as_json:
         click.echo(json.dumps(report, indent=2))
         return

@@ -28,6 +28,22 @@ class Section(BaseModel):
 class ExportSection(Section):
     parity: list[Backend] = Field(default_factory=lambda: ["onnxruntime", "openvino"])
     new_tokens: int = Field(16, ge=1)
+    # how MoE layers' routed experts are lowered (toolchain/export/moe.py LOWERINGS)
+    moe: Literal["dispatch", "fused-onnxruntime", "fused-openvino"] = "dispatch"
+
+    @model_validator(mode="after")
+    def _parity_runs_the_lowering(self) -> "ExportSection":
+        """Unless given, parity runs on every backend that runs the lowering's graph; a given one it cannot run
+        on is an error."""
+        from toolchain.errors import InputError
+        from toolchain.export.moe import parity_backends
+
+        try:
+            self.parity = list(parity_backends(self.moe, tuple(self.parity) if "parity" in self.model_fields_set
+                                               else None))
+        except InputError as e:
+            raise ValueError(str(e)) from None
+        return self
 
 
 class PassesSection(Section):

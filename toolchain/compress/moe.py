@@ -20,9 +20,10 @@ and written in the form the target's fused kernel reads:
   plugin into GatherMatmulCompressed.
 
 A layer's experts share one precision (one QMoE bit width, one stacked constant): a plan that splits them is an
-InputError. Each quantized tensor is computed when saved, one stacked weight at a time, from the export's
-weights (a memory map for external data); per expert and projection the relative weight error is recorded and,
-given calibration activations, the output error on the tokens routed to that expert.
+InputError, and so is fp32 for fused-openvino experts (NNCF's whole-model call would compress them unasked).
+Each quantized tensor is computed when saved, one stacked weight at a time, from the export's weights (a memory
+map for external data); per expert and projection the relative weight error is recorded and, given calibration
+activations, the output error on the tokens routed to that expert.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ import onnx_ir as ir
 
 from toolchain.compress import metrics
 from toolchain.compress.engine import Options
+from toolchain.compress.policy import role_of
 from toolchain.compress.streaming import adjusted_group, raise_opset
 from toolchain.errors import InputError
 from toolchain.export.moe import MS_DOMAIN
@@ -51,6 +53,11 @@ class Stacked:
     value: ir.Value
     projections: tuple[str, ...]
     node: str
+
+    @property
+    def role(self) -> str | None:
+        """What the exporter wrote on the initializer (GraphBuilder.role): routed_expert."""
+        return self.value.const_value.metadata_props.get("dstc.role")
 
 
 @dataclass
@@ -81,9 +88,10 @@ def fused_layers(model: ir.Model) -> list[FusedLayer]:
         match = _LAYER.match(node.name)
         if node.op_type == "MoE" and node.domain == MS_DOMAIN:
             scatter = node.inputs[1].producer()
+            weights = [Stacked(node.inputs[2], ("gate_proj", "up_proj"), node.name),
+                       Stacked(node.inputs[4], ("down_proj",), node.name)]
             layers.append(FusedLayer(int(match.group(1)), "onnxruntime", scope, node.inputs[0].name,
-                                     scatter.inputs[1].name, [Stacked(node.inputs[2], ("gate_proj", "up_proj"), node.name),
-                                                              Stacked(node.inputs[4], ("down_proj",), node.name)], node))
+                                     scatter.inputs[1].name, weights, node))
         elif node.op_type == "Tile" and match and scope.endswith("/mlp/experts"):
             nodes = [n for n in model.graph if n.name.startswith(scope + "/")]
             scatter = next(n for n in nodes if n.op_type == "ScatterElements")
@@ -104,7 +112,8 @@ def capture_names(layers: list[FusedLayer]) -> list[str]:
     return [name for layer in layers for name in (layer.x, layer.topk_idx)]
 
 
-def calibration_activations(layers: list[FusedLayer], outputs: list[dict]) -> Callable[[FusedLayer, int, str], np.ndarray | None]:
+def calibration_activations(layers: list[FusedLayer],
+                            outputs: list[dict]) -> Callable[[FusedLayer, int, str], np.ndarray | None]:
     """(layer, expert, projection) -> the calibration rows that reach that projection of that expert in the fp32
     graph (at most metrics.MAX_ROWS): the layer input's rows routed to the expert for gate and up, and
     silu(x gate^T) * (x up^T) of those rows for down. ``outputs``: per calibration sequence, the fp32 run's values
@@ -193,8 +202,10 @@ class Job:
     def _compute(self) -> dict[str, np.ndarray]:
         import nncf
         from nncf.quantization.algorithms.weight_compression.config import WeightCompressionConfig
-        from nncf.quantization.algorithms.weight_compression.weight_lowering import (compress_weight,
-                                                                                     do_integer_dequantization)
+        from nncf.quantization.algorithms.weight_compression.weight_lowering import (
+            compress_weight,
+            do_integer_dequantization,
+        )
         from nncf.tensor import Tensor
 
         spec = self.spec
@@ -290,15 +301,16 @@ def stored_bits(form: str, spec: Spec, shape: tuple[int, int]) -> int:
     return n * k * spec.bits + 32 * n * per_row + zero_points
 
 
-def compress_experts(model: ir.Model, layers: list[FusedLayer], plan: Callable[[str, str], str], options: Options,
+def compress_experts(model: ir.Model, layers: list[FusedLayer], plan: Callable[..., str], options: Options,
                      accuracy_level: int | None,
                      activations: Callable[[FusedLayer, int, str], np.ndarray | None] | None = None) -> list[Job]:
-    """Rewrite ``model``'s fused experts in place as the plan says (``plan(weight name, node name)`` -> precision);
-    returns one Job per compressed stacked weight, whose stats fill as the model is saved. ``activations(layer,
-    expert, projection)``: calibration rows reaching that projection of that expert, for output errors."""
+    """Rewrite ``model``'s fused experts in place as the plan says (``plan(weight name, node name, role)`` ->
+    precision, i.e. Policy.precision); returns one Job per compressed stacked weight, whose stats fill as the
+    model is saved. ``activations(layer, expert, projection)``: calibration rows reaching that projection of that
+    expert, for output errors."""
     jobs = []
     for layer in layers:
-        planned = {s.value.name: {plan(name, s.node) for _, _, name in layer.names(s)} for s in layer.weights}
+        planned = {s.value.name: {plan(name, s.node, s.role) for _, _, name in layer.names(s)} for s in layer.weights}
         if layer.form == "onnxruntime":
             planned = {key: set().union(*planned.values()) for key in planned}  # one QMoE bit width
         if any(len(p) > 1 for p in planned.values()):
@@ -308,6 +320,10 @@ def compress_experts(model: ir.Model, layers: list[FusedLayer], plan: Callable[[
         ks = [s.value.shape[2] for s in layer.weights]
         specs = {s.value.name: _spec(planned[s.value.name].pop(), [s.value.shape[2]] if layer.form == "openvino"
                                      else ks, options) for s in layer.weights}
+        if layer.form == "openvino" and None in specs.values():
+            raise InputError(f"{layer.scope}: fused-openvino experts cannot stay fp32 (NNCF's OpenVINO backend "
+                             f"compresses every MatMul its ignored scope does not name, and that scope lists 2-D "
+                             f"weights only); export with --moe dispatch to keep experts fp32")
         if all(spec is None for spec in specs.values()):
             continue
         bound = (lambda e, p, _layer=layer: activations(_layer, e, p)) if activations else None
@@ -373,10 +389,8 @@ def _to_dequantize(model: ir.Model, layer: FusedLayer, job: Job) -> None:
     del model.graph.initializers[source.name]
 
 
-def weight_rows(jobs: list[Job], layers: list[FusedLayer], plan: Callable[[str, str], str]) -> list[dict]:
+def weight_rows(jobs: list[Job], layers: list[FusedLayer], plan: Callable[..., str]) -> list[dict]:
     """compression.json rows of every expert matrix (fp32 ones too), in the shape of the other weights' rows."""
-    from toolchain.compress.policy import role_of
-
     by_value = {job.stacked.value.name: job for job in jobs}
     rows = []
     for layer in layers:
@@ -384,13 +398,12 @@ def weight_rows(jobs: list[Job], layers: list[FusedLayer], plan: Callable[[str, 
             job = by_value.get(stacked.value.name)
             _, out, k = stacked.value.shape
             shape = [k, out // len(stacked.projections)]  # [in, out] as a MatMul weight
+            bits = round(stored_bits(layer.form, job.spec, (shape[1], k)) / (shape[0] * shape[1]), 4) if job else 32.0
             for _, _, name in layer.names(stacked):
                 stats = job.stats.get(name, {}) if job else {}
-                rows.append({"weight": name, "node": stacked.node, "role": role_of(name), "layer": layer.layer,
-                             "shape": shape, "planned": plan(name, stacked.node),
-                             "precision": job.spec.precision if job else "fp32",
-                             "bits_per_weight": round(stored_bits(layer.form, job.spec, (shape[1], k)) / (shape[0] * shape[1]), 4)
-                             if job else 32.0,
+                rows.append({"weight": name, "node": stacked.node, "role": stacked.role or role_of(name),
+                             "layer": layer.layer, "shape": shape, "planned": plan(name, stacked.node, stacked.role),
+                             "precision": job.spec.precision if job else "fp32", "bits_per_weight": bits,
                              "weight_error": stats.get("weight_error", 0.0),
                              "output_error": stats.get("output_error") if job else None})
     return rows
