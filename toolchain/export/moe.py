@@ -112,6 +112,7 @@ def _ort_moe(g, x2d, topk_idx, topk_w, weights, inter, hidden, top_k):
     num_experts = len(weights)
     fill = g.op("ConstantOfShape", g.op("Concat", g.op("Shape", topk_w, end=1), g.const([num_experts]), axis=0),
                 value=ir.tensor(np.array([blocks.MASK_MIN], np.float32)))
+    # exp(float32 min - max) is 0: the idle experts get no weight in MoE's softmax and lose QMoE's top k
     probs = g.op("ScatterElements", fill, topk_idx, g.op("Log", topk_w), axis=1)
     fc1 = g.weight("gate_up_proj", _stacked([(gate, up) for gate, up, _ in weights], 2 * inter, hidden))
     fc2 = g.weight("down_proj", _stacked([(down,) for _, _, down in weights], hidden, inter))
@@ -139,6 +140,7 @@ def _openvino_tiled(g, x2d, topk_idx, topk_w, weights, inter, hidden):
     gate = project(xe, "gate_proj", [w[0] for w in weights], inter, hidden)
     up = project(xe, "up_proj", [w[1] for w in weights], inter, hidden)
     act = g.op("Mul", g.op("Mul", gate, g.op("Sigmoid", gate)), up)
+    # a no-op Reshape, but the pattern's: it ends the experts' branch before the routing weights' Multiply
     down = g.op("Reshape", project(act, "down_proj", [w[2] for w in weights], hidden, inter), by_expert)
     zeros = g.op("ConstantOfShape", g.op("Concat", g.op("Shape", topk_w, end=1), g.const([num_experts]), axis=0),
                  value=ir.tensor(np.zeros(1, np.float32)))
