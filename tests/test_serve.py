@@ -414,6 +414,34 @@ def test_thresholds_parse_and_judge_with_hysteresis():
     assert recipe_thresholds({}) == []
 
 
+def test_recipe_serve_section_reaches_the_server_and_no_stage_id(tmp_path):
+    from toolchain.build import plan
+    from toolchain.errors import RecipeError
+    from toolchain.recipe import load_recipe
+    from toolchain.serve.health import recipe_thresholds
+
+    base = {"name": "r", "model": "deepseek-v3-tiny", "compile": {"backend": "openvino"}}
+    plain, served = tmp_path / "plain.yaml", tmp_path / "served.yaml"
+    plain.write_text(yaml.safe_dump(base))
+    served.write_text(yaml.safe_dump({**base, "serve": {"thresholds": {"ttft_p99_ms": {"warn": 300, "ok": 200},
+                                                                       "queue_depth": {"warn": 8}}}}))
+    recipe = load_recipe(served)
+    thresholds = recipe_thresholds({"recipe": recipe.model_dump(mode="json")})  # as manifest.json holds it
+    assert sorted((t.metric, t.warn, t.clear, t.alert) for t in thresholds) == [("queue_depth", 8, 8, None),
+                                                                                ("ttft_p99_ms", 300, 200, None)]
+    assert recipe_thresholds({"recipe": load_recipe(plain).model_dump(mode="json")}) == []
+    source = Path("unused")
+    assert [(s.name, s.config) for s in plan(recipe, source)] == \
+        [(s.name, s.config) for s in plan(load_recipe(plain), source)]
+    for bad, message in (({"nope_ms": {"warn": 1}}, "unknown health metric"),
+                         ({"itl_p50_ms": {"warn": 5, "ok": 6}}, "above warn"),
+                         ({"itl_p50_ms": {"ok": 6}}, "serve.thresholds.itl_p50_ms.warn"),
+                         ({"itl_p50_ms": {"warn": 5, "clear": 1}}, "unknown key")):
+        served.write_text(yaml.safe_dump({**base, "serve": {"thresholds": bad}}))
+        with pytest.raises(RecipeError, match=message):
+            load_recipe(served)
+
+
 def test_sampling_is_greedy_at_zero_and_reproducible_with_a_seed():
     from toolchain.runtime.sampling import Sampling, next_token
 

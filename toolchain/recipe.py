@@ -93,6 +93,31 @@ class CompileSection(Section):
     verify: bool = True
 
 
+class ServeThreshold(Section):
+    warn: float
+    ok: float | None = None  # back to ok below this (default: warn)
+    alert: float | None = None
+
+
+class ServeSection(Section):
+    """What ``dstc serve`` reads from the artifact's manifest: /health thresholds by metric
+    (toolchain/serve/health.py METRICS); ``--threshold`` replaces one at serve time. Not part of any stage id."""
+
+    thresholds: dict[str, ServeThreshold] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _known_metrics(self) -> "ServeSection":
+        from toolchain.errors import InputError
+        from toolchain.serve.health import Threshold
+
+        for metric, limits in self.thresholds.items():
+            try:
+                Threshold(metric, limits.warn, limits.ok, limits.alert)
+            except InputError as e:
+                raise ValueError(str(e)) from None
+        return self
+
+
 class Recipe(Section):
     name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
     description: str = ""
@@ -104,6 +129,7 @@ class Recipe(Section):
     compile: CompileSection
     eval: EvalSettings | None = None  # evaluate the artifact after building it (report files inside it)
     gates: GateLimits | None = None  # fail the build (exit 1, report kept) when a gate fails; implies eval
+    serve: ServeSection | None = None
 
     @model_validator(mode="after")
     def _compression_fits_the_backend(self) -> "Recipe":

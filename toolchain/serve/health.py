@@ -98,7 +98,7 @@ def recipe_thresholds(manifest: dict) -> list[Threshold]:
     for metric, limits in section.items():
         if not isinstance(limits, dict) or set(limits) - {"warn", "ok", "alert"} or "warn" not in limits:
             raise InputError(f"the recipe's serve.thresholds.{metric} needs warn (and optionally ok, alert)")
-        out.append(Threshold(metric, **{k: float(v) for k, v in limits.items()}))
+        out.append(Threshold(metric, **{k: float(v) for k, v in limits.items() if v is not None}))
     return out
 
 
