@@ -1,13 +1,22 @@
 """Peak memory and wall time of an INT4 build at real widths, dstc beside optimum-cli, measured in one run.
 
 For each width (shape-faithful random checkpoints from ``dstc models shape-faithful``: R1-Distill-Qwen-1.5B and 7B,
-DeepSeek-V3 with few experts) and each layer count, every contender builds the same checkpoint from scratch
-(fresh stage cache) under a sampler that sums the resident set of the whole process tree every 50 ms (a build's
-children — smoke inference, converters — count too); ``/usr/bin/time``'s figure (the largest single process) is
-recorded beside it. Then, per width and contender, peak = a + b * layers is fitted by least squares and projected
-to the real layer counts (7B: 28, V2-Lite: 27, V3: 61) and to what fits in 16 / 32 / 64 GB.
+DeepSeek-V3 with few experts, and ``v3-real-1moe``: DeepSeek-V3's real widths with all 256 experts in the hub's FP8
+layout, whose 4 layers are 3 dense and 1 MoE) and each layer count, every contender builds the same checkpoint
+from scratch (fresh stage cache) under a sampler that sums the resident set of the whole process tree every 50 ms
+(a build's children — smoke inference, converters — count too); ``/usr/bin/time``'s figure (the largest single
+process) is recorded beside it, and so are each dstc stage's peak, wall time and output size and the most disk
+the run held at once (checkpoint, stage cache and artifact). Then, per width and contender, peak = a + b * layers
+is fitted by least squares and projected to the real layer counts (7B: 28, V2-Lite: 27, V3: 61) and to what fits
+in 16 / 32 / 64 GB.
 
     .venv/bin/python benchmarks/build_memory.py --widths qwen-1.5b --layers 2,4,8 --json out.json
+    .venv/bin/python benchmarks/build_memory.py --widths v3-real-1moe --layers 4 --contenders dstc-openvino \
+        --no-checks --no-passes --prune
+
+``--prune`` deletes what no later stage reads while the build runs (a stage's output once the next one has
+finished; the checkpoint's safetensors once the export has, when no later stage opens them): at V3's real widths
+the checkpoint (17 GB FP8), the bf16 export (30 GB) and the INT4 output (9 GB) do not fit on the disk together.
 
 The targets of issue #11 are checked and printed: slope b <= 1.5 x one layer's bf16 bytes, intercept a <= 2 x the
 bf16 bytes of the embeddings and lm_head + 1 GiB, and at 1.5B x 4 layers dstc's peak RSS and wall time <= optimum's.
@@ -32,16 +41,20 @@ import numpy as np
 import psutil
 import yaml
 
+from toolchain.hardware import describe_cpu
+
 REPO = Path(__file__).resolve().parent.parent
 DSTC = [sys.executable, "-m", "toolchain"]
 WIDTHS = {  # name -> (reference model, extra shape-faithful options)
     "qwen-1.5b": ("deepseek-r1-distill-qwen-1.5b", []),
     "qwen-7b": ("deepseek-r1-distill-qwen-7b", []),
     "v3-8-experts": ("deepseek-v3", ["--experts", "8"]),
+    "v3-real-1moe": ("deepseek-v3", ["--fp8"]),
 }
 REAL_LAYERS = {"qwen-7b": ("R1-Distill-Qwen-7B", 28), "v3-8-experts": ("DeepSeek-V3 (experts scaled)", 61),
-               "qwen-1.5b": ("R1-Distill-Qwen-1.5B", 28)}
+               "qwen-1.5b": ("R1-Distill-Qwen-1.5B", 28), "v3-real-1moe": ("DeepSeek-V3", 61)}
 GiB = 1 << 30
+STAGES = ("export", "passes", "compress", "compile")
 
 
 def tree_rss(pid: int) -> int:
@@ -59,16 +72,65 @@ def tree_rss(pid: int) -> int:
     return total
 
 
-def measure(command: list[str], env: dict) -> dict:
-    """Run ``command`` under /usr/bin/time -v, sampling its process tree's summed RSS."""
+def tree_bytes(path: Path) -> int:
+    """Bytes of the files under ``path`` (blocks allocated: what the disk holds)."""
+    total = 0
+    for root, _, files in os.walk(path):
+        for name in files:
+            try:
+                total += os.lstat(os.path.join(root, name)).st_blocks * 512
+            except FileNotFoundError:
+                pass
+    return total
+
+
+class StageWatch:
+    """Follows a dstc build's stage cache: when each stage finishes (its stage.json appears), its output's size;
+    with ``prune``, deletes what no later stage reads (module docstring)."""
+
+    def __init__(self, cache: Path, stages: list[str], checkpoint: Path, prune: bool, checkpoint_read_later: bool):
+        self.cache, self.stages, self.checkpoint = cache / "stages", stages, checkpoint
+        self.prune, self.checkpoint_read_later = prune, checkpoint_read_later
+        self.finished: dict[str, dict] = {}
+
+    def poll(self, now: float) -> None:
+        for stage in self.stages:
+            if stage in self.finished:
+                continue
+            done = [d for d in self.cache.glob(f"{stage}-*") if (d / "stage.json").is_file()]
+            if not done:
+                continue
+            self.finished[stage] = {"finished_s": now, "output_bytes": tree_bytes(done[0])}
+            if not self.prune:
+                continue
+            index = self.stages.index(stage)
+            if index:
+                for d in self.cache.glob(f"{self.stages[index - 1]}-*"):
+                    shutil.rmtree(d, ignore_errors=True)
+            if stage == "export" and not self.checkpoint_read_later:
+                for shard in self.checkpoint.glob("*.safetensors"):
+                    shard.unlink()
+
+
+def measure(command: list[str], env: dict, watch: StageWatch | None = None, disk: Path | None = None) -> dict:
+    """Run ``command`` under /usr/bin/time -v, sampling its process tree's summed RSS (and, given ``watch``, which
+    stage each sample belongs to; given ``disk``, the bytes under that directory once a second)."""
     started = time.perf_counter()
     proc = subprocess.Popen(["/usr/bin/time", "-v", *command], env=env, cwd=REPO, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
-    peak = [0]
+    peak, samples, disk_peak = [0], [], [0]
 
     def sample() -> None:
+        last_disk = 0.0
         while proc.poll() is None:
-            peak[0] = max(peak[0], tree_rss(proc.pid))
+            now = time.perf_counter() - started
+            rss = tree_rss(proc.pid)
+            peak[0] = max(peak[0], rss)
+            samples.append((now, rss))
+            if watch is not None:
+                watch.poll(now)
+            if disk is not None and now - last_disk >= 1.0:
+                disk_peak[0], last_disk = max(disk_peak[0], tree_bytes(disk)), now
             time.sleep(0.05)
 
     sampler = threading.Thread(target=sample, daemon=True)
@@ -77,35 +139,60 @@ def measure(command: list[str], env: dict) -> dict:
     sampler.join()
     wall = time.perf_counter() - started
     largest = re.search(r"Maximum resident set size \(kbytes\): (\d+)", err)
-    return {"returncode": proc.returncode, "wall_s": round(wall, 1), "tree_peak_bytes": peak[0],
-            "largest_process_bytes": int(largest.group(1)) * 1024 if largest else None,
-            "tail": (err.strip().splitlines() or [""])[-3:] if proc.returncode else []}
+    row = {"returncode": proc.returncode, "wall_s": round(wall, 1), "tree_peak_bytes": peak[0],
+           "largest_process_bytes": int(largest.group(1)) * 1024 if largest else None,
+           "tail": (err.strip().splitlines() or [""])[-3:] if proc.returncode else []}
+    if disk is not None:
+        row["disk_peak_bytes"] = disk_peak[0]
+    if watch is not None:
+        row["stages"], begin = {}, 0.0
+        for stage in watch.stages:  # the samples up to each stage's end are that stage's
+            end = watch.finished.get(stage, {}).get("finished_s", wall)
+            row["stages"][stage] = {"peak_bytes": max((r for t, r in samples if begin <= t <= end), default=0),
+                                    **{k: v for k, v in watch.finished.get(stage, {}).items()},
+                                    "seconds": round(end - begin, 1)}
+            begin = end
+    return row
 
 
 def checkpoint_bytes(path: Path) -> int:
     return sum(f.stat().st_size for f in path.glob("*.safetensors"))
 
 
-def make_checkpoint(width: str, layers: int, work: Path) -> Path:
+def make_checkpoint(width: str, layers: int, work: Path) -> tuple[Path, float]:
+    """The shape-faithful checkpoint and the seconds it took to write (0 when it was there already)."""
     reference, extra = WIDTHS[width]
     path = work / f"{width}-{layers}"
-    if not (path / "config.json").is_file():
+    started = time.perf_counter()
+    if not (path / "config.json").is_file() or not any(path.glob("*.safetensors")):  # --prune deletes the shards
         subprocess.run([*DSTC, "models", "shape-faithful", reference, "-o", str(path), "--layers", str(layers),
                         *extra], cwd=REPO, check=True, capture_output=True)
-    return path
+    return path, round(time.perf_counter() - started, 1)
 
 
-def dstc_build(checkpoint: Path, backend: str, out: Path, work: Path, checks: bool) -> dict:
+def dstc_build(checkpoint: Path, backend: str, out: Path, work: Path, checks: bool, passes: bool = True,
+               weights: str = "auto", prune: bool = False) -> dict:
     """The INT4 recipe for one backend; ``checks`` False leaves out the export's parity and the compile stage's
-    verification (what optimum-cli does not do either; the smoke inference stays)."""
+    verification (what optimum-cli does not do either; the smoke inference stays); ``passes`` False the passes
+    stage; ``weights``: the export's weight storage."""
     recipe = work / f"recipe-{backend}.yaml"
-    recipe.write_text(yaml.safe_dump({"name": "build-memory", "model": str(checkpoint), "passes": {"target": backend},
+    stages = ["export", *(["passes"] if passes else []), "compress", "compile"]
+    recipe.write_text(yaml.safe_dump({"name": "build-memory", "model": str(checkpoint),
+                                      **({"passes": {"target": backend}} if passes else {}),
                                       "compress": {"scheme": "int4-grouped"},
-                                      "export": {} if checks else {"parity": []},
+                                      "export": {"weights": weights, **({} if checks else {"parity": []})},
                                       "compile": {"backend": backend, "verify": checks}}))
     env = {**os.environ, "DSTC_CACHE_DIR": str(work / "cache")}
     shutil.rmtree(work / "cache", ignore_errors=True)
-    return measure([*DSTC, "build", str(recipe), "-o", str(out), "--no-cache"], env)
+    # the passes stage and the compile stage's verification open the checkpoint (its size decides their checks)
+    watch = StageWatch(work / "cache", stages, checkpoint, prune, checkpoint_read_later=passes or checks)
+    row = measure([*DSTC, "build", str(recipe), "-o", str(out), "--no-cache"], env, watch, disk=work)
+    manifest = out / "manifest.json"
+    if manifest.is_file():
+        export_report = json.loads(manifest.read_text())["provenance"]["stage_reports"]["export/export.json"]
+        row["export_weights"] = export_report["graph"].get("weights", "float32")
+        row["artifact_bytes"] = tree_bytes(out)
+    return row
 
 
 def optimum_build(checkpoint: Path, out: Path, work: Path) -> dict:
@@ -131,6 +218,11 @@ def main() -> None:
     parser.add_argument("--work", type=Path, default=None, help="Scratch directory (default: a new temp dir).")
     parser.add_argument("--no-checks", action="store_true",
                         help="dstc without its parity check and compile verification, like for like with optimum")
+    parser.add_argument("--no-passes", action="store_true", help="dstc recipes without the passes stage")
+    parser.add_argument("--weights", default="auto", choices=["auto", "float32", "bfloat16"],
+                        help="the export's weight storage (recipe export.weights)")
+    parser.add_argument("--prune", action="store_true",
+                        help="delete what no later stage reads while a dstc build runs (disk, not memory)")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
     work = args.work or Path(tempfile.mkdtemp(prefix="dstc-build-memory-"))
@@ -141,22 +233,31 @@ def main() -> None:
     sizes: dict[str, dict[int, int]] = {}
     for width in args.widths.split(","):
         for layers in layer_counts:
-            checkpoint = make_checkpoint(width, layers, work)
-            sizes.setdefault(width, {})[layers] = checkpoint_bytes(checkpoint)
             for contender in contenders:
                 if contender == "optimum" and not width.startswith("qwen"):
                     continue  # optimum-intel 2.1 refuses DeepSeek-V2/V3 (shared/peer-baselines.md)
+                checkpoint, made_s = make_checkpoint(width, layers, work)
+                sizes.setdefault(width, {})[layers] = checkpoint_bytes(checkpoint)
                 out = work / "out"
                 shutil.rmtree(out, ignore_errors=True)
                 if contender == "optimum":
                     row = optimum_build(checkpoint, out, work)
                 else:
-                    row = dstc_build(checkpoint, contender.split("-", 1)[1], out, work, not args.no_checks)
-                row.update(width=width, layers=layers, contender=contender)
+                    row = dstc_build(checkpoint, contender.split("-", 1)[1], out, work, not args.no_checks,
+                                     passes=not args.no_passes, weights=args.weights, prune=args.prune)
+                row.update(width=width, layers=layers, contender=contender, checkpoint_bytes=sizes[width][layers],
+                           checkpoint_s=made_s)
                 results.append(row)
                 print(f"{width:>13} {layers:>2} layers {contender:<17} rc {row['returncode']}  {row['wall_s']:>7.1f} s  "
                       f"tree {row['tree_peak_bytes'] / GiB:6.2f} GiB  largest "
                       f"{(row['largest_process_bytes'] or 0) / GiB:6.2f} GiB", flush=True)
+                if "stages" in row:
+                    print(f"{'':>13} checkpoint {sizes[width][layers] / 1e9:.1f} GB ({made_s:.0f} s), weights "
+                          f"{row.get('export_weights')}, artifact {row.get('artifact_bytes', 0) / 1e9:.1f} GB, disk "
+                          f"peak {row['disk_peak_bytes'] / 1e9:.1f} GB" + (" (pruned)" if args.prune else ""))
+                    for stage, s in row["stages"].items():
+                        print(f"{'':>13} {stage:<9} {s['seconds']:>7.1f} s  peak {s['peak_bytes'] / GiB:6.2f} GiB  "
+                              f"output {s.get('output_bytes', 0) / 1e9:6.1f} GB")
                 shutil.rmtree(out, ignore_errors=True)
                 shutil.rmtree(work / "cache", ignore_errors=True)
             shutil.rmtree(checkpoint, ignore_errors=True)
@@ -195,15 +296,8 @@ def main() -> None:
             print(f"  {contender:<17} {r['wall_s']:7.1f} s ({r['wall_s'] / o['wall_s']:.2f}x)  "
                   f"{r['tree_peak_bytes'] / GiB:.2f} GiB ({r['tree_peak_bytes'] / o['tree_peak_bytes']:.2f}x)")
     if args.json:
-        args.json.write_text(json.dumps({"cpu": _cpu(), "checks": not args.no_checks, "results": results,
+        args.json.write_text(json.dumps({"cpu": describe_cpu(), "checks": not args.no_checks, "results": results,
                                          "fits": fits}, indent=1))
-
-
-def _cpu() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return "unknown"
 
 
 if __name__ == "__main__":

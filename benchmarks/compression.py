@@ -208,7 +208,7 @@ def kernel_speed(k: int = 2048, n: int = 2048, repeats: int = 200) -> list[dict]
         Int8PerHead(granularity="channel")(m)
         ToMatMulNBits(level)(m)
         forms[f"int8 MatMulNBits acc{level}"] = m
-        m4, _ = engine.compress_onnx(graph(), {"w": "int4"}, engine.Options("int4-grouped"), None, lambda _: None)
+        m4, _ = engine.compress_onnx(graph(), {"w": "int4"}, engine.Options(scheme="int4-grouped"), None, lambda _: None)
         ToMatMulNBits(level)(m4)
         forms[f"int4 g128 MatMulNBits acc{level}"] = m4
     rows = []

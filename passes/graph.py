@@ -27,6 +27,28 @@ def constant_array(value: ir.Value | None) -> np.ndarray | None:
         return None
 
 
+def stored_weight(value: ir.Value | None) -> ir.Value | None:
+    """The bf16 initializer that ``value`` widens, when ``value`` is the output of a Cast to float32 of one: how
+    large bf16 weights are stored in an export (the same float32 values, half the bytes); else None."""
+    node = value.producer() if value is not None else None
+    if node is None or node.op_type != "Cast" or node.domain not in ("", "ai.onnx") \
+            or node.attributes.get_int("to") != ir.DataType.FLOAT:
+        return None
+    source = node.inputs[0]
+    if source is None or not source.is_initializer() or source.is_graph_input() or source.const_value is None:
+        return None
+    return source if source.const_value.dtype == ir.DataType.BFLOAT16 else None
+
+
+def constant_shape(value: ir.Value | None) -> tuple[int, ...] | None:
+    """The shape of a constant, or of the bf16-stored weight that ``value`` widens (:func:`stored_weight`)."""
+    stored = stored_weight(value)
+    if stored is not None:
+        return tuple(stored.const_value.shape)
+    array = constant_array(value)
+    return None if array is None else array.shape
+
+
 def known_rank(value: ir.Value | None) -> int | None:
     if value is None:
         return None

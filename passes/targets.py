@@ -7,15 +7,15 @@ Transposes); they are there for graphs that do.
 
 * ``onnxruntime``: the generic part, then every fusion into the kernels ORT only runs when the graph names them
   (SimplifiedLayerNormalization, SkipSimplifiedLayerNormalization, RotaryEmbedding, GroupQueryAttention, ONNX
-  Attention for MLA, QuickGelu), MatMul+Add -> Gemm where 2-D, cleanups.
+  Attention for MLA over its per-head cache, QuickGelu), MatMul+Add -> Gemm where 2-D, cleanups.
 * ``openvino``: the generic part and standard ops only; OpenVINO fuses SDPA, RMSNorm and RoPE itself when it
   compiles, so the graph is only reshaped where its fusions would miss: ``rotate-half-split`` for RoPE. Its
   SDPA fusion fires on the exported attention as is (in the stateful IR the compile stage makes: the CPU plugin
   keeps SDPA only in stateful models), and so does its RMS fusion.
 
 :func:`default_expectations` gives each fusion's expected count for an attention kind and depth (from the
-``dstc.attention`` / ``dstc.num_layers`` metadata the exporter writes from the architecture module), so a fusion
-that misses a layer fails the pipeline with the pass's closest near-miss.
+``dstc.attention`` / ``dstc.num_layers`` / ``dstc.kv_cache`` metadata the exporter writes from the architecture
+module), so a fusion that misses a layer fails the pipeline with the pass's closest near-miss.
 """
 
 from __future__ import annotations
@@ -54,9 +54,10 @@ def model_info(model: ir.Model) -> tuple[str | None, int | None]:
     return props.get("dstc.attention"), int(layers) if layers and layers.isdigit() else None
 
 
-def default_expectations(target: str, attention: str | None, num_layers: int | None) -> dict[str, dict]:
+def default_expectations(target: str, attention: str | None, num_layers: int | None,
+                         kv_cache: str | None = None) -> dict[str, dict]:
     """Expected counts per pass for a decoder of ``num_layers`` layers whose attention is ``attention`` ("gqa"
-    or "mla"; none for a graph of unknown kind)."""
+    or "mla"; none for a graph of unknown kind) over a ``kv_cache`` ("per-head", or MLA's "latent")."""
     pipeline(target)
     if attention not in ATTENTION_KINDS or not num_layers:
         return {}
@@ -74,6 +75,11 @@ def default_expectations(target: str, attention: str | None, num_layers: int | N
     }
     if attention == "gqa":
         expectations["fuse-group-query-attention"] = {"min": layers, "max": layers}
+    elif kv_cache == "latent":
+        # scores over the latent cache are two products (q_lat latent^T + q_rot k_rot^T) that no attention op
+        # takes; the graph stays as it is, to ORT's own MatMul fusions
+        expectations["fuse-group-query-attention"] = {"max": 0}
+        expectations["fuse-mla-attention"] = {"max": 0}
     else:  # GQA declines MLA (also where K and V head sizes are equal), which fuse-mla-attention then takes
         expectations["fuse-group-query-attention"] = {"max": 0}
         expectations["fuse-mla-attention"] = {"min": layers, "max": layers, "count": "mla"}
@@ -82,7 +88,7 @@ def default_expectations(target: str, attention: str | None, num_layers: int | N
 
 def expectations_for(model: ir.Model, target: str, pass_names: list[str] | None = None) -> dict[str, dict]:
     """:func:`default_expectations` for ``model``, restricted to the passes in ``pass_names`` when given."""
-    expectations = default_expectations(target, *model_info(model))
+    expectations = default_expectations(target, *model_info(model), kv_cache=model.metadata_props.get("dstc.kv_cache"))
     if pass_names is not None:
         expectations = {name: spec for name, spec in expectations.items() if name in pass_names}
     return expectations

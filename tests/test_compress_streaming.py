@@ -159,7 +159,7 @@ MEASURE = textwrap.dedent("""
                     WeightCompressionConfig(nncf.CompressWeightsMode.INT4_ASYM, 128))
     model = ir.load(root / "in.onnx")
     weights = engine.graph_weights(model, with_arrays=False)
-    options = engine.Options("int4-grouped")
+    options = engine.Options(scheme="int4-grouped")
     specs = streaming.plan_specs(weights, {w.name: "int4" for w in weights}, options, sys.argv[3])
     before = hwm()
     streaming.compress_streaming(model, specs, lambda m: None)

@@ -92,7 +92,8 @@ def test_eval_writes_three_report_files_with_every_metric(healthy, cache):
     assert all(len(c.ttft_ms) == 2 and len(c.itl_ms) == 2 * 3 for c in report.latency)
     assert len(report.series.kl_per_position) > 10
     assert report.settings["warmup"] == 0 and report.settings["repetitions"] == 2
-    assert report.environment["threads"] >= 1
+    assert report.environment.threads >= 1
+    assert report.environment.cpu.architecture and report.environment.cpu.logical_cores
     assert dstc("verify", healthy, env=cache).returncode == 0  # report files are not covered by the hashes
 
 

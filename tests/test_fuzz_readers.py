@@ -111,8 +111,21 @@ def test_report_reader(tmp_path, report_doc, data):
 
 @pytest.fixture(scope="module")
 def manifest_doc():
-    return {"schema_version": 1, "files": {"model.onnx": "0" * 64}, "recipe": {"name": "r"},
-            "source": {"model": "m", "files": {}}, "provenance": {}, "digest": "x"}
+    from toolchain.manifest import self_digest
+    from toolchain.manifest_schema import Manifest
+    from toolchain.stages.reports import CompileReport
+
+    compiled = CompileReport(dstc_version="0", backend="onnxruntime", export={}, model_type="qwen2", tokenizer=True,
+                             files=["model.onnx"])
+    doc = Manifest(schema_version=1, dstc_version="0", git_commit=None, recipe=VALID_RECIPE, recipe_sha256="0" * 64,
+                   source={"model": "m", "revision": None, "kind": "embedded", "files": {"config.json": "0" * 64}},
+                   stages=[{"name": "compile", "id": "1", "parent": "0", "config": {"backend": "onnxruntime"}}],
+                   versions={"dstc": "0"}, seeds={"parity_prompts": 0}, nondeterministic={},
+                   files={"model.onnx": "0" * 64},
+                   provenance={"built_at": "", "host": "", "output": "", "durations_s": {"compile": 1.0},
+                               "cached_stages": [], "stage_reports": {"compile/compile.json": compiled}},
+                   digest="").dump()
+    return {**doc, "digest": self_digest(doc)}
 
 
 @FUZZ

@@ -98,3 +98,11 @@ def test_the_example_ci_workflow_names_shipped_recipes_with_committed_baselines(
         assert (REPO / "recipes" / f"{name}.yaml").is_file()
         baseline = load_report(REPO / "baselines" / f"{name}.json")
         assert baseline.artifact["recipe"] == name and baseline.value("perplexity") is not None
+
+
+def test_a_report_of_the_previous_schema_is_read_upgraded(tmp_path):
+    data = report().dump()
+    data["schema"], data["environment"] = "dstc.report/1", {"cpu": "x86_64", "threads": 2}
+    (tmp_path / "old.json").write_text(json.dumps(data))
+    old = load_report(tmp_path / "old.json")
+    assert old.schema_ == SCHEMA and old.environment.cpu.architecture == "x86_64" and old.environment.threads == 2

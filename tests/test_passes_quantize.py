@@ -15,7 +15,7 @@ import pytest
 from passes import create_pass, get_pass
 from passes.quantize._weights import dequantize_linear, group_bounds, matmul_nbits_weight, quantize_int8
 from passes.quantize.int8_per_head import Int8PerHead, projection_of
-from passes.quantize.matmul_nbits import ToMatMulNBits, block_size_for, pack_nibbles
+from passes.quantize.matmul_nbits import ToMatMulNBits, nbits_layout, pack_nibbles
 from passes_helpers import make_model, node, op_counts, run_ort, to_bytes
 
 from conftest import make_checkpoint, tiny_configs
@@ -100,8 +100,8 @@ def test_per_head_uses_given_head_widths_over_the_graph():
 
 
 @pytest.mark.parametrize("sym", [False, True])
-@pytest.mark.parametrize("k", [64, 96])  # 96: B padded to a 128 block
-def test_to_matmul_nbits_is_exact_for_8_bit_weights(sym, k):
+@pytest.mark.parametrize("k, block", [(64, 64), (96, 32), (40, 64)])  # one block, 3 unpadded blocks, one padded
+def test_to_matmul_nbits_is_exact_for_8_bit_weights(sym, k, block):
     rng = np.random.default_rng(k)
     w = rng.normal(size=(k, 40)).astype(np.float32)
     table = rng.normal(size=(50, 40)).astype(np.float32)
@@ -116,10 +116,19 @@ def test_to_matmul_nbits_is_exact_for_8_bit_weights(sym, k):
     assert counts == {"matmul_nbits_8bit": 2, "gather_dequantize": 1}
     assert op_counts(model)["MatMulNBits"] == 2 and "DequantizeLinear" not in op_counts(model)
     nbits = next(n for n in model.graph if n.op_type == "MatMulNBits" and n.attributes["K"].as_int() == k)
-    assert nbits.attributes["block_size"].as_int() == block_size_for(k) >= k
+    assert nbits.attributes["block_size"].as_int() == block
+    assert nbits.inputs[1].const_value.size == 40 * max(k, block)  # padded only where k has no divisor to block by
     for got, want in zip(run_ort(model, feeds), expected):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
     assert np.abs(matmul_nbits_weight(nbits) - w).max() < np.abs(w).max() / 100
+
+
+def test_nbits_layout_takes_the_fewest_bytes():
+    assert nbits_layout(1536, 5) == (512, 3)  # R1-Distill-Qwen's lm_head: 3 blocks, where one padded was 2048
+    assert nbits_layout(8960, 5) == (256, 35)
+    assert nbits_layout(2048, 4) == (2048, 1)
+    assert nbits_layout(40, 5) == (64, 1)  # no power-of-two divisor >= 16
+    assert nbits_layout(16 * 111, 5) == (2048, 1)  # 111 blocks of 16 cost more than padding to 2048
 
 
 def test_pack_nibbles_low_first():

@@ -18,8 +18,9 @@ import yaml
 
 from test_export_errors import assert_one_line_error, run_cli
 from toolchain.atomic import MARKER
-from toolchain.build import build, cache_root
+from toolchain.build import build
 from toolchain.manifest import MANIFEST, SIGNATURE, verify_artifact
+from toolchain.stages.runner import cache_root
 
 REPO = Path(__file__).resolve().parent.parent
 EVAL_SMALL = ["--texts", "8", "--problems", "4", "--no-latency"]
@@ -382,7 +383,7 @@ def test_a_full_disk_is_one_line_and_leaves_nothing(monkeypatch, capsys, tmp_pat
 
     monkeypatch.setattr(export_stage, "save_graph", full)
     code, err = run_cli(monkeypatch, capsys, "export", "r1-distill-qwen-tiny", "-o", tmp_path / "o", "--parity",
-                        "none")
+                        "none", "--no-cache")  # the export itself, not a copy of the one cached earlier
     assert_one_line_error(code, err, "No space left on device")
     assert list(tmp_path.iterdir()) == []
 

@@ -12,7 +12,8 @@ from toolchain.report.comparison import (comparison_rows, render_comparison_html
 from toolchain.report.html import render_html
 from toolchain.report.markdown import fmt, percentile, render_markdown, render_summary
 from toolchain.report.plots import PLOTS, all_plots
-from toolchain.report.schema import GateResult, HeadError, LatencyCase, LayerError, Metric, Report, Series
+from toolchain.report.schema import (Environment, GateResult, HeadError, LatencyCase, LayerError, Metric, Report,
+                                     Series)
 
 ACCURACY = {  # name: (unit, direction, onnxruntime value, openvino value, reference)
     "perplexity": ("", "lower", 3.79, 3.81, 3.75),
@@ -71,7 +72,9 @@ def make_report(backend: str, *, empty: bool = False, gates_pass: bool = True) -
                   "backend": backend, "model": "deepseek-v3-tiny", "model_type": "deepseek_v3",
                   "manifest_sha256": "ab" * 32, "size_bytes": 12_300_000},
         reference={"model": "deepseek-v3-tiny", "runtime": "pytorch eager fp32"},
-        environment={"threads": 4, "cpu": "Test CPU @ 3 GHz", "host": "ci", "versions": {"onnxruntime": "1.32.0"}},
+        environment={"threads": 4, "cpu": {"model": "Test CPU @ 3 GHz", "architecture": "x86_64",
+                                           "isa": ["avx512_vnni", "amx_int8"]},
+                     "host": "ci", "versions": {"onnxruntime": "1.32.0"}},
         settings={"texts": 32, "problems": 500, "prompt_lengths": [128, 512], "batches": [1, 4], "new_tokens": 16,
                   "warmup": 2, "repetitions": 10, "seed": 0},
         metrics=metrics, latency=latency, series=series, gates=gates)
@@ -109,6 +112,7 @@ def test_markdown_has_every_metric_and_table(ort: Report) -> None:
     md = render_markdown(ort)
     assert md.startswith("# deepseek-v3-tiny-onnxruntime-int4: deepseek-v3-tiny on onnxruntime")
     assert "threads 4" in md and "warmup 2" in md and "repetitions 10" in md
+    assert "cpu Test CPU @ 3 GHz (x86_64; avx512_vnni, amx_int8)" in md  # the machine's CPU and ISA
     for name, metric in ort.metrics.items():
         row = next(line for line in md.splitlines() if line.startswith(f"| {name} |"))
         assert f"| {fmt(metric.value, metric.unit)} |" in row
@@ -165,7 +169,7 @@ def test_empty_report_renders() -> None:
     assert "<svg" not in page and "badge" not in page.split("</style>")[1]
     assert "## Latency per case" not in render_markdown(report)
     assert render_summary(report)
-    bare = report.model_copy(update={"metrics": {}, "settings": {}, "environment": {}, "artifact": {}})
+    bare = report.model_copy(update={"metrics": {}, "settings": {}, "environment": Environment(), "artifact": {}})
     for render in (render_html, render_markdown, render_summary):
         assert render(bare)
     for plot in PLOTS:

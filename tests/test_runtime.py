@@ -24,6 +24,7 @@ from toolchain.errors import InputError
 from toolchain.export.parity import PROMPTS, graph_decoder
 from toolchain.runtime.generate import greedy_logits, left_pad
 from toolchain.runtime.torch_reference import TorchDecoder
+from toolchain.stages.reports import CompileReport
 from toolchain.models.corpus import task_examples
 from toolchain.runtime.artifact import open_artifact
 from toolchain.runtime.decoder import open_decoder
@@ -92,7 +93,7 @@ def test_open_artifact_rejects_what_is_not_an_artifact(tmp_path, artifact):
 
 def test_artifact_fields_for_a_build_and_a_compile_only_directory(tmp_path, artifact):
     ort_art = artifact("deepseek-v3-tiny", "onnxruntime")
-    assert ort_art.backend == "onnxruntime" and ort_art.manifest["recipe"]["compile"]["backend"] == "onnxruntime"
+    assert ort_art.backend == "onnxruntime" and ort_art.manifest.recipe.compile.backend == "onnxruntime"
     assert ort_art.eos_token_ids == [1] and ort_art.pad_token_id == 2
     assert [p.name for p in ort_art.model_files] == ["model.onnx", "model.onnx.data"]
     assert ort_art.size_bytes == sum(p.stat().st_size for p in ort_art.model_files) > 4_000_000
@@ -104,9 +105,11 @@ def test_artifact_fields_for_a_build_and_a_compile_only_directory(tmp_path, arti
 
     compiled = tmp_path / "compiled"
     shutil.copytree(ov_art.path, compiled)
-    (compiled / "manifest.json").rename(compiled / "compile.json")
+    (compiled / "manifest.json").unlink()  # what `dstc compile` writes instead: compile.json
+    CompileReport(dstc_version="test", backend="openvino", export={}, model_type="deepseek_v3", tokenizer=True,
+                  files=sorted(p.name for p in compiled.iterdir())).write(compiled / "compile.json")
     opened = open_artifact(compiled)
-    assert opened.backend == "openvino" and opened.manifest == {} and opened.config == ov_art.config
+    assert opened.backend == "openvino" and opened.manifest is None and opened.config == ov_art.config
 
 
 # -- decoders against PyTorch -----------------------------------------------------------------------------------

@@ -407,17 +407,19 @@ def test_thresholds_parse_and_judge_with_hysteresis():
                 "itl_p50_ms:warn=5,ok=6", "itl_p50_ms:warn=5,alert=4"):
         with pytest.raises(InputError):
             parse_threshold(bad)
-    manifest = {"recipe": {"serve": {"thresholds": {"itl_p99_ms": {"warn": 50, "ok": 40}}}}}
-    merged = merge_thresholds([parse_threshold("itl_p99_ms:warn=1")], recipe_thresholds(manifest),
+    from toolchain.recipe import ServeSection
+
+    serve = ServeSection.model_validate({"thresholds": {"itl_p99_ms": {"warn": 50, "ok": 40}}})
+    merged = merge_thresholds([parse_threshold("itl_p99_ms:warn=1")], recipe_thresholds(serve),
                               [parse_threshold("queue_depth:warn=3")])
     assert [(m.metric, m.warn, m.clear) for m in merged] == [("itl_p99_ms", 50, 40), ("queue_depth", 3, 3)]
-    assert recipe_thresholds({}) == []
+    assert recipe_thresholds(None) == []
 
 
 def test_recipe_serve_section_reaches_the_server_and_no_stage_id(tmp_path):
     from toolchain.build import plan
     from toolchain.errors import RecipeError
-    from toolchain.recipe import load_recipe
+    from toolchain.recipe import Recipe, load_recipe
     from toolchain.serve.health import recipe_thresholds
 
     base = {"name": "r", "model": "deepseek-v3-tiny", "compile": {"backend": "openvino"}}
@@ -426,10 +428,11 @@ def test_recipe_serve_section_reaches_the_server_and_no_stage_id(tmp_path):
     served.write_text(yaml.safe_dump({**base, "serve": {"thresholds": {"ttft_p99_ms": {"warn": 300, "ok": 200},
                                                                        "queue_depth": {"warn": 8}}}}))
     recipe = load_recipe(served)
-    thresholds = recipe_thresholds({"recipe": recipe.model_dump(mode="json")})  # as manifest.json holds it
+    as_held = Recipe.model_validate(recipe.model_dump(mode="json"))  # as manifest.json holds it
+    thresholds = recipe_thresholds(as_held.serve)
     assert sorted((t.metric, t.warn, t.clear, t.alert) for t in thresholds) == [("queue_depth", 8, 8, None),
                                                                                 ("ttft_p99_ms", 300, 200, None)]
-    assert recipe_thresholds({"recipe": load_recipe(plain).model_dump(mode="json")}) == []
+    assert recipe_thresholds(load_recipe(plain).serve) == []
     source = Path("unused")
     assert [(s.name, s.config) for s in plan(recipe, source)] == \
         [(s.name, s.config) for s in plan(load_recipe(plain), source)]

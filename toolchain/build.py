@@ -1,97 +1,43 @@
 """`dstc build`: run a recipe's stages into a verified, reproducible artifact.
 
-Stages chain through directories (export -> passes -> compress -> compile). Each stage's id hashes its parent's
-id, its configuration and the toolchain's code, the first parent being the source checkpoint's file hashes (as
-Olive chains pass ids); a finished stage is kept in the stage cache under its id and reused by any build that
-reaches the same id. The artifact is the compile stage's deployable files plus manifest.json, assembled in a
-temporary directory beside the target and renamed into place at the end.
+Stages chain through directories (export -> passes -> compress -> compile), each run by the stage runner
+(toolchain/stages/runner.py) into the stage cache under its id, which hashes its parent's id, its configuration
+and its code, the first parent being the source checkpoint's file hashes; a finished stage is reused by any build
+or single-stage command that reaches the same id. The artifact is the compile stage's deployable files plus
+manifest.json, assembled in a temporary directory beside the target and renamed into place at the end.
 """
 
 from __future__ import annotations
 
-import json
-import os
 import platform
-import shutil
 import time
-from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Callable
 
 from toolchain import source as sources
-from toolchain.atomic import MARKER, atomic_output_dir, lock_file
+from toolchain.atomic import atomic_output_dir
 from toolchain.errors import InputError
 from toolchain.gates import GateFailed
-from toolchain.manifest import REPORT_FILES, code_digest, digest, file_hashes, git_commit, versions, write_manifest
+from toolchain.manifest import REPORT_FILES, digest, file_hashes, git_commit, versions, write_manifest
 from toolchain.recipe import Recipe, load_recipe
+from toolchain.stages.reports import STAGE_REPORTS
+from toolchain.stages.runner import (STAGE_RECORD, Stage, compile_stage, compress_stage, copy_stage_files,
+                                     export_stage, passes_stage, run_cached)
 
-# Stage reports: they hold timings and absolute paths, so they go to the manifest's provenance, not the artifact.
-STAGE_RECORD = "stage.json"
-STAGE_REPORTS = ("export.json", "passes.json", "compression.json", "compile.json", STAGE_RECORD)
 # Seeds of everything random on the way to an artifact (the parity prompts for checkpoints without a tokenizer).
 SEEDS = {"parity_prompts": 0}
-
-
-def cache_root() -> Path:
-    return Path(os.environ.get("DSTC_CACHE_DIR") or Path.home() / ".cache" / "dstc") / "stages"
-
-
-@dataclass
-class Stage:
-    name: str
-    config: dict
-    run: Callable[[Path | None, Path, Callable[[str], None]], dict]
-    module: str  # the stage's code, whose import closure goes into its id
-
-
 
 
 def plan(recipe: Recipe, source: Path) -> list[Stage]:
     """The recipe's stages in order, each with the configuration that goes into its id. Later stages read the
     checkpoint this build resolved (``source``), not the path an earlier, perhaps cached, stage recorded."""
-    stages = [Stage("export", {"model": recipe.model, **recipe.export.model_dump(mode="json")}, _export(recipe),
-                    "toolchain.stages.export")]
+    stages = [export_stage(recipe.model, recipe.export, recipe.revision)]
     if recipe.passes:
-        stages.append(Stage("passes", recipe.passes.model_dump(mode="json"), _passes(recipe, source),
-                            "toolchain.stages.optimize"))
+        stages.append(passes_stage(recipe.passes, source))
     if recipe.compress:
-        stages.append(Stage("compress", recipe.compress.model_dump(mode="json"), _compress(recipe, source),
-                            "toolchain.stages.compress"))
-    stages.append(Stage("compile", recipe.compile.model_dump(mode="json"), _compile(recipe, source),
-                        "toolchain.stages.compile"))
+        stages.append(compress_stage(recipe.compress, recipe.compile.backend, source))
+    stages.append(compile_stage(recipe.compile, source))
     return stages
-
-
-def _export(recipe: Recipe):
-    from toolchain.stages.export import export
-
-    return lambda _in, out, log: export(recipe.model, out, parity=tuple(recipe.export.parity), new_tokens=recipe.export.new_tokens,
-                                        revision=recipe.revision, moe=recipe.export.moe, log=log)
-
-
-def _passes(recipe: Recipe, source: Path):
-    from toolchain.stages.optimize import optimize
-
-    cfg = recipe.passes
-    return lambda inp, out, log: optimize(inp, out, cfg.target, passes=cfg.passes, expectations=cfg.expect,
-                                          source=source, log=log)
-
-
-def _compress(recipe: Recipe, source: Path):
-    from toolchain.stages.compress import compress
-
-    cfg = recipe.compress.model_dump()
-    return lambda inp, out, log: compress(inp, out, target=recipe.compile.backend, source=source, log=log,
-                                          **cfg)
-
-
-def _compile(recipe: Recipe, source: Path):
-    from toolchain.stages.compile import compile_artifact
-
-    cfg = recipe.compile
-    return lambda inp, out, log: compile_artifact(inp, out, cfg.backend, verify=cfg.verify, source=source,
-                                                    log=log)
 
 
 class Events:
@@ -120,38 +66,24 @@ def build(recipe_path: Path, out_dir: Path | None = None, *, model: str | None =
     stage_dir = None
     with atomic_output_dir(out_dir) as tmp:
         for stage in plan(recipe, source.path):
-            stage_id = digest({"stage": stage.name, "config": stage.config, "parent": parent,
-                               "code": code_digest(stage.module)})
-            target = cache_root() / f"{stage.name}-{stage_id[:20]}"
-            target.parent.mkdir(parents=True, exist_ok=True)
-            # One build at a time per cache entry: a second build of the same stage waits, then reuses it.
-            with lock_file(target.parent / f".{target.name}.build.lock", wait=True, what=target):
-                damage = cache_damage(target) if use_cache else None
-                cached = use_cache and not damage
-                if damage and damage != "absent":
-                    events.log(f"the stage cache entry {target} does not match what was recorded when it was "
-                               f"written ({damage}); running the {stage.name} stage again")
-                events.stage_started(stage.name, stage_id, cached)
-                t0 = time.perf_counter()
-                if not cached:
-                    _run_stage(stage, stage_dir, target, stage_id, parent, events.log)
-                else:
-                    cached_stages.append(stage.name)
+            t0 = time.perf_counter()
+            target, stage_id, cached = run_cached(
+                stage, stage_dir, parent, use_cache=use_cache, log=events.log,
+                started=lambda stage_id, cached: events.stage_started(stage.name, stage_id, cached))
+            if cached:
+                cached_stages.append(stage.name)
             durations[stage.name] = round(time.perf_counter() - t0, 3)
             events.stage_finished(stage.name, durations[stage.name], cached)
             stage_rows.append({"name": stage.name, "id": stage_id, "parent": parent, "config": stage.config})
-            reports.update({f"{stage.name}/{r}": _read_report(target / r) for r in STAGE_REPORTS[:-1]
-                            if (target / r).is_file()})
+            # they hold timings and absolute paths: the manifest's provenance, not the artifact
+            reports.update({f"{stage.name}/{name}": kind.read(target / name) for name, kind in STAGE_REPORTS.items()
+                            if (target / name).is_file()})
             parent, stage_dir = stage_id, target
-        for item in sorted(stage_dir.iterdir()):
-            if item.name not in STAGE_REPORTS and item.name != MARKER:
-                # copies, not hard links: onnx and onnx-ir refuse external data with more than one link
-                # ("potential hardlink attack"), so a linked model.onnx.data would not load there
-                (shutil.copytree if item.is_dir() else shutil.copyfile)(item, tmp / item.name)
+        copy_stage_files(stage_dir, tmp, skip=(*STAGE_REPORTS, STAGE_RECORD))
         fields = {
             "dstc_version": versions()["dstc"],
             "git_commit": git_commit(),
-            "recipe": recipe.model_dump(mode="json"),
+            "recipe": recipe,
             "recipe_sha256": recipe.digest(),
             "source": {"model": recipe.model, "revision": recipe.revision, "kind": source.kind,
                        "files": source_files},
@@ -204,37 +136,3 @@ def _evaluate(recipe: Recipe, baseline, artifact: Path, final: Path, events: Eve
     write_report(report, artifact)
     events.stage_finished("eval", time.perf_counter() - t0, False)
     return results
-
-
-def cache_damage(target: Path) -> str | None:
-    """None when the cache entry is complete and every file has the hash recorded when it was written; else
-    what is wrong ("absent" when there is no finished entry)."""
-    record = target / STAGE_RECORD
-    if not record.is_file():
-        return "absent"
-    try:
-        recorded = json.loads(record.read_text())["files"]
-        if not isinstance(recorded, dict):
-            raise TypeError
-    except (OSError, ValueError, KeyError, TypeError, RecursionError):
-        return f"unreadable {STAGE_RECORD}"
-    actual = file_hashes(target, exclude=(STAGE_RECORD, MARKER))
-    changed = [f"changed {n}" for n in sorted(recorded) if n in actual and actual[n] != recorded[n]]
-    changed += [f"missing {n}" for n in sorted(set(recorded) - set(actual))]
-    changed += [f"extra {n}" for n in sorted(set(actual) - set(recorded))]
-    return ", ".join(changed[:3]) + (" ..." if len(changed) > 3 else "") if changed else None
-
-
-def _run_stage(stage: Stage, input_dir: Path | None, target: Path, stage_id: str, parent: str, log) -> None:
-    """Run a stage into the cache. The stage writes its own directory atomically; stage.json, written last,
-    marks the entry complete and records the sha256 of every file, which is checked before any reuse."""
-    (target / STAGE_RECORD).unlink(missing_ok=True)
-    stage.run(input_dir, target, log)
-    (target / STAGE_RECORD).write_text(json.dumps({"name": stage.name, "id": stage_id, "parent": parent,
-                                                   "config": stage.config,
-                                                   "files": file_hashes(target, exclude=(STAGE_RECORD, MARKER))},
-                                                  indent=2) + "\n")
-
-
-def _read_report(path: Path) -> dict:
-    return json.loads(path.read_text())

@@ -10,7 +10,9 @@ from pathlib import Path
 import click
 
 from toolchain import __version__
+from toolchain.cli_options import given_section, section_options
 from toolchain.errors import DstcError
+from toolchain.recipe import CompileSection, CompressSection, ExportSection, PassesSection
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -60,173 +62,215 @@ def models_make(names: tuple[str, ...], out_root: Path | None) -> None:
 @click.option("--layers", type=int, default=4, show_default=True, help="Number of decoder layers to keep.")
 @click.option("--experts", type=int, default=None, help="Routed experts to keep (MoE models; default: all).")
 @click.option("--seed", type=int, default=0, show_default=True)
-def models_shape_faithful(reference: str, out_dir: Path, layers: int, experts: int | None, seed: int) -> None:
+@click.option("--fp8", is_flag=True, help="DeepSeek-V3 in the hub's FP8 layout (e4m3 projections with 128x128 block "
+                                          "scales), as the real checkpoint ships.")
+def models_shape_faithful(reference: str, out_dir: Path, layers: int, experts: int | None, seed: int,
+                          fp8: bool) -> None:
     """Write a random-weight checkpoint with a real model's widths (REFERENCE: see `dstc models list`)."""
     from toolchain.models.shape_faithful import make_shape_faithful
 
-    path = make_shape_faithful(reference, out_dir, num_layers=layers, num_experts=experts, seed=seed)
+    path = make_shape_faithful(reference, out_dir, num_layers=layers, num_experts=experts, seed=seed, fp8=fp8)
     click.echo(str(path))
+
+
+# Help of each stage option, by section field: the options themselves come from the sections
+# (toolchain/cli_options.py), so that they are a recipe's keys with its types, choices, bounds and defaults.
+EXPORT_HELP = {
+    "parity": "Backends to check against PyTorch fp32 (default: every backend that runs the graph).",
+    "new_tokens": "Greedy decode steps in the parity check.",
+    "moe": "MoE routed experts: per-expert sparse dispatch (any runtime), one com.microsoft.MoE node per layer (ONNX "
+           "Runtime only), or the tiled block OpenVINO's CPU plugin runs as GatherMatmul.",
+    "mla_cache": "What MLA attention (DeepSeek-V2/V3) caches per token: the normalized latent and the rotary key, with "
+                 "kv_b_proj absorbed, or transformers' per-head keys and values  [default: per-head; refused for models "
+                 "without MLA]",
+    "weights": "Weight storage: bfloat16 keeps a bf16 or FP8 checkpoint's values as bf16 initializers widened by a "
+               "Cast in the graph (the same float32 values, half the bytes); auto does so above 1 GiB of float32 "
+               "weights.",
+}
+PASSES_HELP = {
+    "target": "onnxruntime: fuse into ORT's contrib kernels; openvino: standard ops shaped for OpenVINO's fusions.",
+    "passes": "Pass names to run instead of the target's pipeline (see `dstc passes list`).",
+}
+# a mapping of pass -> expected counts: a recipe's passes.expect, not a command-line value
+PASSES_EXCLUDED = ("expect",)
+COMPRESS_HELP = {
+    "scheme": "INT4 in groups (NNCF), INT8 per output channel (NNCF), or INT8 with one scale per attention head.",
+    "group_size": "Input channels per INT4 scale (int4-grouped).",
+    "sym": "Symmetric (no zero point) or asymmetric.",
+    "ratio": "Share of INT4 weights kept in INT4 (the rest in the backup precision); int4 only.",
+    "backup": "Precision of the INT4 weights left out at ratio < 1.",
+    "awq": "Activation-aware scaling (int4, needs calibration text).",
+    "scale_estimation": "Scale estimation (int4, needs calibration text).",
+    "gptq": "GPTQ (int4, openvino target only).",
+    "dataset": "Calibration text: 'embedded' (the project's corpus), a JSONL file with a \"text\" field, a text file "
+               "or a directory of them. Never downloaded.",
+    "ignore": "Keep matching weights/nodes in fp32 (name or regex).",
+    "accuracy_level": "MatMulNBits compute precision on onnxruntime (4: int8 activations, fastest).",
+    "embeddings": "Precision of the token embeddings.",
+    "lm_head": "Precision of the output projection.",
+    "router": "MoE router weights ('scheme': the scheme's precision).",
+    "shared_experts": "MoE shared experts' weights.",
+    "streaming": "Compress one weight at a time in bounded memory (auto: above 1 GiB of float weights; data-free "
+                 "schemes only), or with NNCF's whole-model call.",
+}
+COMPRESS_SPELLINGS = {"sym": "--sym/--asym"}
+COMPILE_HELP = {
+    "backend": "The runtime the artifact is for.",
+    "verify": "Check the artifact's greedy decoding against PyTorch (or the compressed input graph).",
+}
+
+
+def _stage_command(report_file: str):
+    """The options every single-stage command has besides its section's: output, cache, JSON."""
+
+    def decorate(command):
+        command = click.option("--json", "as_json", is_flag=True,
+                               help=f"Print {report_file} to stdout instead of the summary.")(command)
+        command = click.option("--no-cache", is_flag=True,
+                               help="Run the stage again instead of reusing the same stage (same input, options and "
+                                    "code) from the stage cache (DSTC_CACHE_DIR, default ~/.cache/dstc).")(command)
+        return command
+
+    return decorate
+
+
+_OUT = click.option("-o", "--out", "out_dir", type=click.Path(path_type=Path), required=True,
+                    help="Output directory (created; replaced atomically if it holds an earlier dstc output).")
 
 
 @cli.command("export")
 @click.argument("model")
-@click.option("-o", "--out", "out_dir", type=click.Path(path_type=Path), required=True,
-              help="Output directory (created; replaced atomically if it holds an earlier dstc output).")
-@click.option("--parity", "parity", default=None,
-              help="Backends to check against PyTorch fp32 (comma-separated; 'none' to skip)  [default: every "
-                   "backend that runs the graph]")
-@click.option("--new-tokens", type=click.IntRange(1), default=16, show_default=True,
-              help="Greedy decode steps in the parity check.")
-@click.option("--moe", type=click.Choice(["dispatch", "fused-onnxruntime", "fused-openvino"]), default="dispatch",
-              show_default=True,
-              help="MoE routed experts: per-expert sparse dispatch (any runtime), one com.microsoft.MoE node per "
-                   "layer (ONNX Runtime only), or the tiled block OpenVINO's CPU plugin runs as GatherMatmul.")
-@click.option("--json", "as_json", is_flag=True, help="Print export.json to stdout instead of the summary.")
-def export_cmd(model: str, out_dir: Path, parity: str | None, new_tokens: int, moe: str, as_json: bool) -> None:
+@_OUT
+@section_options(ExportSection, EXPORT_HELP)
+@_stage_command("export.json")
+def export_cmd(model: str, out_dir: Path, no_cache: bool, as_json: bool, **options) -> None:
     """Export MODEL to OUT/model.onnx with a KV cache, and check it against PyTorch (written to OUT/export.json).
 
     Exit codes: 0 parity passed; 2 bad input (nothing written); 3 parity failed (output kept for inspection).
-    """
-    from toolchain.stages.export import export
 
-    backends = None if parity is None else tuple(b for b in parity.split(",") if b and b != "none")
-    unknown = set(backends or ()) - {"onnxruntime", "openvino"}
-    if unknown:
-        raise click.BadParameter(f"unknown backend(s): {', '.join(sorted(unknown))}", param_hint="--parity")
-    report = export(model, out_dir, parity=backends, new_tokens=new_tokens, moe=moe, log=_logger("export"))
+    Runs as a stage of `dstc build`: the options are a recipe's export: keys, checked by the same rules; the same
+    stage (same input, options and code) is reused from the stage cache unless --no-cache; OUT/stage.json records
+    the stage's id, parent and configuration.
+    """
+    from toolchain.stages.runner import run_export
+
+    report, _ = run_export(model, given_section(ExportSection, options), out_dir, use_cache=not no_cache,
+                           log=_logger("export"))
     if as_json:
-        click.echo(json.dumps(report, indent=2))
+        click.echo(json.dumps(report.dump(), indent=2))
         return
-    src, graph = report["source"], report["graph"]
-    click.echo(f"{src['spec']} ({src['model_type']}, {src['parameters']:,} parameters) -> "
-               f"{out_dir / 'model.onnx'}  [{graph['nodes']} nodes, {graph['size_bytes'] / 1e6:.1f} MB]")
-    for backend, r in report["parity"].items():
-        if r.get("mode") == "layer by layer":
-            click.echo(f"parity {backend:<11} {'PASS' if r['passed'] else 'FAIL'}  layer by layer: max diff "
-                       f"{r['max_relative_diff']:.2e} of the reference's range (limit "
-                       f"{r['tolerance_relative_to_logits_range']:.0e}) over {len(r['pieces'])} pieces")
+    src, graph = report.source, report.graph
+    click.echo(f"{src.spec} ({src.model_type}, {src.parameters:,} parameters) -> {out_dir / 'model.onnx'}  "
+               f"[{graph.nodes} nodes, {graph.size_bytes / 1e6:.1f} MB, {graph.weights} weights]")
+    for backend, r in report.parity.items():
+        if r.mode == "layer by layer":
+            click.echo(f"parity {backend:<11} {'PASS' if r.passed else 'FAIL'}  layer by layer: max diff "
+                       f"{r.max_relative_diff:.2e} of the reference's range (limit "
+                       f"{r.tolerance_relative_to_logits_range:.0e}) over {len(r.pieces or {})} pieces")
             continue
-        cases = ", ".join(f"{c['name']} {c['relative_diff']:.1e}" for c in r["cases"])
-        click.echo(f"parity {backend:<11} {'PASS' if r['passed'] else 'FAIL'}  max |diff| {r['max_abs_diff']:.2e} "
-                   f"= {r['max_relative_diff']:.2e} of logits range (limit {r['tolerance_relative_to_logits_range']:.0e}); "
-                   f"greedy tokens {'identical' if r['tokens_identical'] else 'DIFFER'}  [{cases}]")
+        cases = ", ".join(f"{c['name']} {c['relative_diff']:.1e}" for c in r.cases)
+        click.echo(f"parity {backend:<11} {'PASS' if r.passed else 'FAIL'}  max |diff| {r.max_abs_diff:.2e} "
+                   f"= {r.max_relative_diff:.2e} of logits range (limit {r.tolerance_relative_to_logits_range:.0e}); "
+                   f"greedy tokens {'identical' if r.tokens_identical else 'DIFFER'}  [{cases}]")
 
 
 @cli.command("optimize")
 @click.argument("in_dir", metavar="IN", type=click.Path(path_type=Path))
-@click.option("-o", "--out", "out_dir", type=click.Path(path_type=Path), required=True, help="Output directory.")
-@click.option("--target", type=click.Choice(["onnxruntime", "openvino"]), required=True,
-              help="onnxruntime: fuse into ORT's contrib kernels; openvino: standard ops shaped for OpenVINO's fusions.")
-@click.option("--passes", "pass_list", default=None,
-              help="Comma-separated pass names to run instead of the target's pipeline (see `dstc passes list`).")
+@_OUT
+@section_options(PassesSection, PASSES_HELP, comma=("passes",), exclude=PASSES_EXCLUDED)
 @click.option("--no-parity", is_flag=True, help="Skip the parity check of the optimised graph against PyTorch.")
-@click.option("--json", "as_json", is_flag=True, help="Print passes.json to stdout instead of the summary.")
-def optimize_cmd(in_dir: Path, out_dir: Path, target: str, pass_list: str | None, no_parity: bool,
-                 as_json: bool) -> None:
+@_stage_command("passes.json")
+def optimize_cmd(in_dir: Path, out_dir: Path, no_parity: bool, no_cache: bool, as_json: bool, **options) -> None:
     """Rewrite the output of `dstc export` (IN) for a runtime; per-pass statistics go to OUT/passes.json.
 
     Exit codes: 0 done; 2 bad input; 3 the optimised graph disagrees with PyTorch; 4 a pass failed or fused
     less than the target expects (the message names the pass and its closest near-miss).
-    """
-    from toolchain.stages.optimize import optimize
 
-    names = [n.strip() for n in pass_list.split(",") if n.strip()] if pass_list else None
-    report = optimize(in_dir, out_dir, target, names, parity=not no_parity,
-                      log=_logger("optimize"))
+    Runs as a stage of `dstc build`: the options are a recipe's passes: keys, checked by the same rules; the same
+    stage (same input, options and code) is reused from the stage cache unless --no-cache; OUT/stage.json records
+    the stage's id, parent and configuration.
+    """
+    from toolchain.stages.runner import run_passes
+
+    section = given_section(PassesSection, options)
+    report, _ = run_passes(in_dir, section, out_dir, parity=not no_parity, use_cache=not no_cache,
+                           log=_logger("optimize"))
     if as_json:
-        click.echo(json.dumps(report, indent=2))
+        click.echo(json.dumps(report.dump(), indent=2))
         return
-    click.echo(f"{target}: {report['input']['nodes']} -> {report['output']['nodes']} nodes -> {out_dir / 'model.onnx'}")
-    for stat in report["passes"]:
+    click.echo(f"{report.target}: {report.input['nodes']} -> {report.output['nodes']} nodes -> "
+               f"{out_dir / 'model.onnx'}")
+    for stat in report.passes:
         counts = ", ".join(f"{k} {v}" for k, v in stat["counts"].items())
         click.echo(f"  {stat['name']:<28} {stat['nodes_before']:>6} -> {stat['nodes_after']:<6} {counts}")
-    for fusion, count in (report.get("openvino_fusions") or {}).items():
+    for fusion, count in (report.openvino_fusions or {}).items():
         click.echo(f"  OpenVINO runtime {fusion}: {count}")
-    for backend, r in (report.get("parity") or {}).items():
-        click.echo(f"parity {backend}: {'PASS' if r['passed'] else 'FAIL'}, max relative logit diff "
-                   f"{r['max_relative_diff']:.1e}, greedy tokens {'identical' if r['tokens_identical'] else 'DIFFER'}")
+    for backend, r in (report.parity or {}).items():
+        click.echo(f"parity {backend}: {'PASS' if r.passed else 'FAIL'}, max relative logit diff "
+                   f"{r.max_relative_diff:.1e}, greedy tokens {'identical' if r.tokens_identical else 'DIFFER'}")
 
 
 @cli.command("compress")
 @click.argument("in_dir", metavar="IN", type=click.Path(path_type=Path))
-@click.option("-o", "--out", "out_dir", type=click.Path(path_type=Path), required=True, help="Output directory.")
+@_OUT
 @click.option("--target", type=click.Choice(["onnxruntime", "openvino"]), default="onnxruntime", show_default=True,
-              help="onnxruntime: MatMulNBits in model.onnx; openvino: compressed openvino_model.xml.")
-@click.option("--scheme", type=click.Choice(["int4-grouped", "int8-per-channel", "int8-per-head"]),
-              default="int4-grouped", show_default=True)
-@click.option("--group-size", type=click.Choice(["32", "64", "128"]), default="128", show_default=True)
-@click.option("--sym/--asym", default=False, show_default=True, help="Symmetric (no zero point) or asymmetric.")
-@click.option("--ratio", type=click.FloatRange(0, 1, min_open=True), default=1.0, show_default=True,
-              help="Share of INT4 weights kept in INT4 (the rest in --backup); int4 only.")
-@click.option("--backup", type=click.Choice(["int8", "none"]), default="int8", show_default=True)
-@click.option("--awq", is_flag=True, help="Activation-aware scaling (int4, needs calibration text).")
-@click.option("--scale-estimation", is_flag=True, help="Scale estimation (int4, needs calibration text).")
-@click.option("--gptq", is_flag=True, help="GPTQ (int4, openvino target only).")
-@click.option("--dataset", default="embedded", show_default=True,
-              help="Calibration text: 'embedded' (the project's corpus), a JSONL file with a \"text\" field, "
-                   "a text file or a directory of them. Never downloaded.")
-@click.option("--ignore", "ignored", multiple=True, help="Keep matching weights/nodes in fp32 (name or regex; repeat).")
-@click.option("--accuracy-level", type=click.IntRange(0, 4), default=4, show_default=True,
-              help="MatMulNBits compute precision on onnxruntime (4: int8 activations, fastest).")
-@click.option("--embeddings", type=click.Choice(["int8", "int4", "fp32"]), default="int8", show_default=True)
-@click.option("--lm-head", type=click.Choice(["int8", "int4", "fp32"]), default="int8", show_default=True)
-@click.option("--router", type=click.Choice(["fp32", "int8", "scheme"]), default="fp32", show_default=True,
-              help="MoE router weights.")
-@click.option("--shared-experts", type=click.Choice(["scheme", "int8", "fp32"]), default="scheme", show_default=True)
-@click.option("--streaming", type=click.Choice(["auto", "always", "never"]), default="auto", show_default=True,
-              help="Compress one weight at a time in bounded memory (auto: above 1 GiB of float weights; "
-                   "data-free schemes only), or with NNCF's whole-model call.")
-@click.option("--json", "as_json", is_flag=True, help="Print compression.json to stdout instead of the summary.")
-def compress_cmd(in_dir: Path, out_dir: Path, target: str, scheme: str, group_size: str, sym: bool, ratio: float,
-                 backup: str, awq: bool, scale_estimation: bool, gptq: bool, dataset: str, ignored: tuple[str, ...],
-                 accuracy_level: int, embeddings: str, lm_head: str, router: str, shared_experts: str,
-                 streaming: str, as_json: bool) -> None:
+              help="onnxruntime: MatMulNBits in model.onnx; openvino: compressed openvino_model.xml (a recipe's "
+                   "compile.backend).")
+@section_options(CompressSection, COMPRESS_HELP, spellings=COMPRESS_SPELLINGS, defaults={"scheme": "int4-grouped"})
+@_stage_command("compression.json")
+def compress_cmd(in_dir: Path, out_dir: Path, target: str, no_cache: bool, as_json: bool, **options) -> None:
     """Compress the weights of IN (an export or optimize output) through NNCF; errors measured where they
-    happen (per layer, per head, MoE routing agreement) go to OUT/compression.json."""
-    from toolchain.stages.compress import compress
+    happen (per layer, per head, MoE routing agreement) go to OUT/compression.json.
 
-    report = compress(in_dir, out_dir, target=target, scheme=scheme, group_size=int(group_size), sym=sym,
-                      ratio=ratio, backup=backup, awq=awq, scale_estimation=scale_estimation, gptq=gptq,
-                      dataset=dataset, ignored_scope=list(ignored), accuracy_level=accuracy_level,
-                      embeddings=embeddings, lm_head=lm_head, router=router, shared_experts=shared_experts,
-                      streaming=streaming, log=_logger("compress"))
+    Exit codes: 0 done; 2 bad input or options a recipe would refuse (nothing written).
+
+    Runs as a stage of `dstc build`: the options are a recipe's compress: keys, checked by the same rules; the same
+    stage (same input, options and code) is reused from the stage cache unless --no-cache; OUT/stage.json records
+    the stage's id, parent and configuration.
+    """
+    from toolchain.stages.runner import run_compress
+
+    section = given_section(CompressSection, options, COMPRESS_SPELLINGS)
+    report, _ = run_compress(in_dir, section, target, out_dir, use_cache=not no_cache, log=_logger("compress"))
     if as_json:
-        click.echo(json.dumps(report, indent=2))
+        click.echo(json.dumps(report.dump(), indent=2))
         return
-    weights, model = report["weights"], report["model"]
-    click.echo(f"{scheme} for {target} -> {out_dir}: {report['input_size_bytes'] / 1e6:.1f} MB -> "
-               f"{report['size_bytes'] / 1e6:.1f} MB, {weights['bits_per_weight']:.2f} bits/weight")
-    if model["top1_agreement"] is None:
-        click.echo(f"weight errors measured per weight; {model.get('note', 'the model was not run')}")
+    click.echo(f"{report.scheme} for {target} -> {out_dir}: {report.input_size_bytes / 1e6:.1f} MB -> "
+               f"{report.size_bytes / 1e6:.1f} MB, {report.weights.bits_per_weight:.2f} bits/weight")
+    model = report.model
+    if model.top1_agreement is None:
+        click.echo(f"weight errors measured per weight; {model.note or 'the model was not run'}")
         return
-    click.echo(f"vs uncompressed on {model['tokens']} calibration tokens: top-1 agreement "
-               f"{model['top1_agreement']:.3f}, mean KL {model['kl_mean']:.2e}"
-               + (f", min MoE routing agreement {report['routing_agreement_min']:.3f}"
-                  if report.get("routing_agreement_min") is not None else ""))
+    click.echo(f"vs uncompressed on {model.tokens} calibration tokens: top-1 agreement {model.top1_agreement:.3f}, "
+               f"mean KL {model.kl_mean:.2e}" + (f", min MoE routing agreement {report.routing_agreement_min:.3f}"
+                                                 if report.routing_agreement_min is not None else ""))
 
 
 @cli.command("compile")
 @click.argument("export_dir", metavar="IN", type=click.Path(path_type=Path))
 @click.option("-o", "--out", "out_dir", type=click.Path(path_type=Path), required=True, help="Artifact directory.")
-@click.option("--backend", type=click.Choice(["openvino", "onnxruntime"]), required=True)
-@click.option("--no-verify", is_flag=True, help="Skip the greedy-decoding check of the artifact against PyTorch.")
-@click.option("--json", "as_json", is_flag=True, help="Print compile.json to stdout instead of the summary.")
-def compile_cmd(export_dir: Path, out_dir: Path, backend: str, no_verify: bool, as_json: bool) -> None:
+@section_options(CompileSection, COMPILE_HELP)
+@_stage_command("compile.json")
+def compile_cmd(export_dir: Path, out_dir: Path, no_cache: bool, as_json: bool, **options) -> None:
     """Compile the output of `dstc export` (IN) into an artifact for one runtime.
 
     openvino: stateful IR (KV cache in ReadValue/Assign, beam_idx) with tokenizer IR, for openvino_genai's
     LLMPipeline and optimum-intel's OVModelForCausalLM. onnxruntime: the graph with external weights and a
     genai_config.json for onnxruntime-genai where its config can describe the model.
-    """
-    from toolchain.stages.compile import compile_artifact
 
-    manifest = compile_artifact(export_dir, out_dir, backend, verify=not no_verify,
-                                log=_logger("compile"))
+    Runs as a stage of `dstc build`: the options are a recipe's compile: keys, checked by the same rules; the same
+    stage (same input, options and code) is reused from the stage cache unless --no-cache; OUT/stage.json records
+    the stage's id, parent and configuration.
+    """
+    from toolchain.stages.runner import run_compile
+
+    section = given_section(CompileSection, options)
+    report, _ = run_compile(export_dir, section, out_dir, use_cache=not no_cache, log=_logger("compile"))
     if as_json:
-        click.echo(json.dumps(manifest, indent=2))
+        click.echo(json.dumps(report.dump(), indent=2))
         return
-    click.echo(f"{backend} artifact for {manifest['model_type']} -> {out_dir} ({len(manifest['files'])} files)")
-    verification = manifest.get("verification")
+    click.echo(f"{report.backend} artifact for {report.model_type} -> {out_dir} ({len(report.files)} files)")
+    verification = report.verification
     if verification and verification.get("skipped"):
         click.echo(f"verification skipped: {verification['skipped']}")
     elif verification:
@@ -272,55 +316,54 @@ class _BuildDisplay:
 
 
 def _parity_line(results: dict) -> str:
-    return "; ".join(f"{b} {r['max_relative_diff']:.1e} {'ok' if r['passed'] else 'FAIL'}" for b, r in results.items())
+    return "; ".join(f"{b} {r.max_relative_diff:.1e} {'ok' if r.passed else 'FAIL'}" for b, r in results.items())
 
 
-def _stage_check(name: str, reports: dict) -> str:
-    """One line of what a stage checked, from its report."""
-    if name == "export" and "export/export.json" in reports:
-        report = reports["export/export.json"]
-        layers = " layer by layer" if report.get("parity_mode") == "layer by layer" else ""
-        return f"parity{layers} " + _parity_line(report["parity"])
-    if name == "compress" and "compress/compression.json" in reports:
-        report = reports["compress/compression.json"]
-        routing = report.get("routing_agreement_min")
-        bits = f"{report['weights']['bits_per_weight']:.2f} bits/w"
-        if report["model"]["top1_agreement"] is None:
+def _stage_check(name: str, provenance) -> str:
+    """One line of what a stage checked, from its report in the manifest's provenance."""
+    from toolchain.stages.reports import CompileReport, CompressionReport, ExportReport, PassesReport
+
+    if name == "export" and (export := provenance.report("export", ExportReport)):
+        layers = " layer by layer" if export.parity_mode == "layer by layer" else ""
+        return f"parity{layers} " + _parity_line(export.parity)
+    if name == "compress" and (compression := provenance.report("compress", CompressionReport)):
+        routing, model = compression.routing_agreement_min, compression.model
+        bits = f"{compression.weights.bits_per_weight:.2f} bits/w"
+        if model.top1_agreement is None:
             return f"{bits}, streamed (weight errors only)"
-        return (f"{bits}, top-1 {report['model']['top1_agreement']:.3f}, "
-                f"KL {report['model']['kl_mean']:.1e}" + (f", routing {routing:.3f}" if routing is not None else ""))
-    if name == "passes" and "passes/passes.json" in reports:
-        report = reports["passes/passes.json"]
-        fused = ", ".join(f"{k} {v}" for counts in report["counts"].values() for k, v in counts.items()
+        return (f"{bits}, top-1 {model.top1_agreement:.3f}, "
+                f"KL {model.kl_mean:.1e}" + (f", routing {routing:.3f}" if routing is not None else ""))
+    if name == "passes" and (passes := provenance.report("passes", PassesReport)):
+        fused = ", ".join(f"{k} {v}" for counts in passes.counts.values() for k, v in counts.items()
                           if k != "values_annotated")
-        if report.get("parity_skipped"):
+        if passes.parity_skipped:
             return f"{fused or 'no fusions'}; parity skipped (model above the end-to-end budget)"
-        return f"{fused or 'no fusions'}; parity " + _parity_line(report.get("parity") or {})
-    if name == "compile" and (reports.get("compile/compile.json") or {}).get("verification"):
-        v = reports["compile/compile.json"]["verification"]
+        return f"{fused or 'no fusions'}; parity " + _parity_line(passes.parity or {})
+    compiled = provenance.report("compile", CompileReport) if name == "compile" else None
+    if compiled and compiled.verification:
+        v = compiled.verification
         if v.get("skipped"):
             return "verification skipped (model above the end-to-end budget)"
         return f"greedy vs {v['reference']} {'identical' if v['passed'] else 'DIFFER'}"
     return ""
 
 
-def _print_build_summary(manifest: dict, out_dir: Path) -> None:
+def _print_build_summary(manifest, out_dir: Path) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    recipe, prov = manifest["recipe"], manifest["provenance"]
-    table = Table(title=f"{recipe['name']}: {recipe['model']} -> {recipe['compile']['backend']}", title_justify="left")
+    recipe, prov = manifest.recipe, manifest.provenance
+    table = Table(title=f"{recipe.name}: {recipe.model} -> {recipe.compile.backend}", title_justify="left")
     for column in ("stage", "id", "time", "check"):
         table.add_column(column)
-    for stage in manifest["stages"]:
-        name = stage["name"]
-        cached = "cached" if name in prov["cached_stages"] else f"{prov['durations_s'][name]:.1f} s"
-        table.add_row(name, stage["id"][:12], cached, _stage_check(name, prov["stage_reports"]))
+    for stage in manifest.stages:
+        cached = "cached" if stage.name in prov.cached_stages else f"{prov.durations_s[stage.name]:.1f} s"
+        table.add_row(stage.name, stage.id[:12], cached, _stage_check(stage.name, prov))
     console = Console()
     console.print(table)
-    size = sum((out_dir / f).stat().st_size for f in manifest["files"])
-    console.print(f"artifact {out_dir}  ({len(manifest['files'])} files, {size / 1e6:.1f} MB, "
-                  f"built in {prov['durations_s']['total']:.1f} s)")
+    size = sum((out_dir / f).stat().st_size for f in manifest.files)
+    console.print(f"artifact {out_dir}  ({len(manifest.files)} files, {size / 1e6:.1f} MB, "
+                  f"built in {prov.durations_s['total']:.1f} s)")
     if (out_dir / "report.json").is_file():
         from toolchain.report.markdown import render_summary
         from toolchain.report.schema import load_report
@@ -351,6 +394,8 @@ def build_cmd(recipe: Path, out_dir: Path | None, model: str | None, no_cache: b
     """
     from toolchain.build import build
     from toolchain.gates import GateFailed
+    from toolchain.manifest import read_manifest
+    from toolchain.manifest_schema import Manifest
     from toolchain.recipe import load_recipe
 
     display = _BuildDisplay()
@@ -361,15 +406,15 @@ def build_cmd(recipe: Path, out_dir: Path | None, model: str | None, no_cache: b
         display.close()
         if not as_json:
             final = out_dir or Path("artifacts") / load_recipe(recipe, model).name
-            _print_build_summary(json.loads((final / "manifest.json").read_text()), final)
+            _print_build_summary(read_manifest(final), final)
         raise
     finally:
         display.close()
-    final = Path(manifest["provenance"]["output"])
     if as_json:
         click.echo(json.dumps(manifest, indent=2))
     else:
-        _print_build_summary(manifest, final)
+        typed = Manifest.parse(manifest)
+        _print_build_summary(typed, Path(typed.provenance.output))
 
 
 @cli.command("verify")
@@ -478,7 +523,7 @@ def eval_cmd(artifact: Path, reference: str | None, texts: int, problems: int, n
     Accuracy: held-out perplexity, exact match on the embedded task, KL and top-1 agreement of next-token
     distributions, greedy-continuation match, MoE routing agreement. Latency (in a fresh process): load time,
     time to first token P50/P90/P99, inter-token latency P50/P90, tokens/s, peak RSS, for every prompt length
-    x batch. Writes report.json (schema dstc.report/1), report.md and report.html.
+    x batch. Writes report.json (schema dstc.report/2), report.md and report.html.
     """
     from toolchain.evaluate.run import evaluate_artifact, write_report
     from toolchain.report.markdown import render_summary

@@ -18,11 +18,16 @@ import json
 import platform
 import subprocess
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from toolchain import __version__
 
 from toolchain.atomic import MARKER
 from toolchain.errors import InputError
+from toolchain.stages.reports import read_json_file
+
+if TYPE_CHECKING:
+    from toolchain.manifest_schema import Manifest
 
 MANIFEST = "manifest.json"
 SIGNATURE = "manifest.json.sig"
@@ -56,21 +61,6 @@ def digest(data) -> str:
 def self_digest(document: dict) -> str:
     """sha256 of a JSON document without its own ``digest`` field."""
     return digest({k: v for k, v in document.items() if k != "digest"})
-
-
-def read_json_file(path: Path, what: str) -> dict:
-    """A JSON object from a file; InputError (one line) for anything unreadable, however malformed."""
-    try:
-        data = json.loads(Path(path).read_text())
-    except OSError as e:
-        raise InputError(f"cannot read {what} {path}: {e.strerror}") from None
-    except (ValueError, UnicodeDecodeError) as e:
-        raise InputError(f"{path} is not valid JSON: {str(e).splitlines()[0]}") from None
-    except RecursionError:
-        raise InputError(f"{path} is nested too deeply to be a {what}") from None
-    if not isinstance(data, dict):
-        raise InputError(f"{path} is not a JSON object")
-    return data
 
 
 def versions() -> dict[str, str]:
@@ -146,24 +136,42 @@ def git_commit() -> str | None:
 
 
 def write_manifest(artifact: Path, fields: dict, provenance: dict) -> dict:
-    manifest = {"schema_version": SCHEMA_VERSION, **fields,
-                "files": file_hashes(artifact, exclude=UNHASHED), "provenance": provenance}
+    """Write manifest.json from the build's fields (those of toolchain/manifest_schema.py Manifest but files,
+    provenance and digest); returns its content."""
+    from toolchain.manifest_schema import Manifest
+
+    manifest = Manifest(schema_version=SCHEMA_VERSION, **fields, files=file_hashes(artifact, exclude=UNHASHED),
+                        provenance=provenance, digest="").dump()
     manifest["digest"] = self_digest(manifest)
     (artifact / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
     return manifest
 
 
-def read_manifest(artifact: Path) -> dict:
-    """An artifact's manifest.json, checked against its own digest (InputError if unreadable or edited)."""
+def _manifest_data(path: Path) -> dict:
+    """manifest.json's JSON, refused in one line when it is not a manifest this dstc reads."""
+    from toolchain.manifest_schema import Manifest
+
+    data = read_json_file(path, "manifest")
+    if "schema" not in data and data.get("schema_version") == SCHEMA_VERSION:
+        raise InputError(f"{path} was written by an earlier dstc, before manifests had a schema (this one reads "
+                         f"{Manifest.SCHEMA}): build the artifact again")
+    if data.get("schema") != Manifest.SCHEMA:
+        raise InputError(f"{path} is not a dstc manifest ({Manifest.SCHEMA}; schema: {str(data.get('schema'))[:40]!r})")
+    return data
+
+
+def read_manifest(artifact: Path) -> Manifest:
+    """An artifact's manifest.json (toolchain/manifest_schema.py Manifest), checked against its own digest
+    (InputError if unreadable, of another version or edited)."""
+    from toolchain.manifest_schema import Manifest
+
     path = Path(artifact) / MANIFEST
     if not path.is_file():
         raise InputError(f"{artifact} has no {MANIFEST}: not a dstc artifact")
-    manifest = read_json_file(path, "manifest")
-    if not isinstance(manifest.get("files"), dict):
-        raise InputError(f"{path} lists no files: not a dstc manifest")
-    if manifest.get("digest") != self_digest(manifest):
+    data = _manifest_data(path)
+    if data.get("digest") != self_digest(data):
         raise InputError(f"{path} was changed after dstc wrote it (its content does not match its digest)")
-    return manifest
+    return Manifest.parse(data, str(path))
 
 
 def manifest_sha256(artifact: Path) -> str:
@@ -184,20 +192,24 @@ def verify_artifact(artifact: Path, public_key: Path | None = None) -> list[str]
     """Problems found checking the artifact: manifest.json against its digest (and signature, given a public
     key), every file against the manifest (changed, missing, extra), and the report files against report.json
     and report.json against the manifest."""
+    from toolchain.manifest_schema import Manifest
     from toolchain.report.schema import read_report_data
     from toolchain.signing import verify_signature
 
     artifact = Path(artifact)
-    try:
-        manifest = read_manifest(artifact)
-        problems = []
-    except InputError as e:
-        if "its digest" not in str(e):
-            raise
+    if not (artifact / MANIFEST).is_file():
+        raise InputError(f"{artifact} has no {MANIFEST}: not a dstc artifact")
+    data = _manifest_data(artifact / MANIFEST)
+    problems = []
+    if data.get("digest") != self_digest(data):
         # an edited manifest is a finding like a changed file; what it still lists is checked too
-        manifest = read_json_file(artifact / MANIFEST, "manifest")
-        problems = [f"changed: {MANIFEST} (its content does not match its digest)"]
-    expected = manifest["files"]
+        problems.append(f"changed: {MANIFEST} (its content does not match its digest)")
+    try:
+        expected = Manifest.parse(data, MANIFEST).files
+    except InputError as e:
+        if not problems:
+            raise
+        return problems + [str(e)]
     if public_key is not None:
         problems += verify_signature(artifact / MANIFEST, artifact / SIGNATURE, public_key)
     actual = file_hashes(artifact, exclude=UNHASHED)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 from pathlib import Path
-from typing import Literal
+from typing import Callable, Literal, Self
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -24,12 +24,31 @@ Backend = Literal["openvino", "onnxruntime"]
 class Section(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
+    @classmethod
+    def check(cls, fields: dict, where: Callable[[tuple], str] = lambda loc: ".".join(map(str, loc))) -> Self:
+        """The section from a command's or a function's options, as a recipe would hold it; an InputError with the
+        recipe's message for the first bad one (``where``: how to name a field's location there, e.g. as its
+        command-line option)."""
+        from toolchain.errors import InputError
+
+        try:
+            return cls(**fields)
+        except ValidationError as e:
+            first = e.errors()[0]
+            problem = first["msg"].removeprefix("Value error, ")
+            raise InputError(f"{where(first['loc'])}: {problem}" if first["loc"] else problem) from None
+
 
 class ExportSection(Section):
     parity: list[Backend] = Field(default_factory=lambda: ["onnxruntime", "openvino"])
     new_tokens: int = Field(16, ge=1)
     # how MoE layers' routed experts are lowered (toolchain/export/moe.py LOWERINGS)
     moe: Literal["dispatch", "fused-onnxruntime", "fused-openvino"] = "dispatch"
+    # what MLA's KV cache holds (toolchain/export/deepseek.py MLA_CACHES); None: the architecture's default
+    # (per-head). An MLA-free model refuses a layout at export, when its architecture is known
+    mla_cache: Literal["latent", "per-head"] | None = None
+    # how the weights are stored (toolchain/export/weights.py STORAGES): bf16 values as bf16 + Cast, or float32
+    weights: Literal["auto", "float32", "bfloat16"] = "auto"
 
     @model_validator(mode="after")
     def _parity_runs_the_lowering(self) -> "ExportSection":
@@ -70,6 +89,11 @@ class CompressSection(Section):
     shared_experts: Literal["scheme", "int8", "fp32"] = "scheme"
     # one weight at a time (bounded memory): "auto" above 1 GiB of float weights (toolchain/stages/compress.py)
     streaming: Literal["auto", "always", "never"] = "auto"
+
+    @property
+    def data_aware(self) -> bool:
+        """Options that need calibration activations, so the whole model run on calibration text."""
+        return self.awq or self.scale_estimation or self.gptq or self.ratio < 1.0
 
     def problem(self, target: str) -> str | None:
         """What is wrong with these options together for ``target``, or None: rules that span fields, checked
@@ -183,6 +207,6 @@ def load_recipe(path: Path, model_override: str | None = None) -> Recipe:
     except ValidationError as e:
         first = e.errors()[0]
         key = ".".join(str(p) for p in first["loc"]) or "(top level)"
-        problem = "unknown key" if first["type"] == "extra_forbidden" else first["msg"]
+        problem = "unknown key" if first["type"] == "extra_forbidden" else first["msg"].removeprefix("Value error, ")
         more = f" (and {e.error_count() - 1} more)" if e.error_count() > 1 else ""
         raise RecipeError(f"{path}: {key}: {problem}{more}") from None

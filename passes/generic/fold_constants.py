@@ -1,5 +1,10 @@
 """fold-constants: onnxscript's constant folder (``onnxscript.optimizer.fold_constants``, with node-level shape
-inference), counted."""
+inference), counted.
+
+A Cast to float32 of a bf16 initializer is never folded, whatever the size limits: it is how an export stores its
+large weights (passes.graph.stored_weight), and folding it would write them back as float32, twice the bytes.
+onnxscript's defaults would decline it anyway above 8192 elements (its input_size_limit; only Transpose is folded
+past the limits), but smaller ones and larger limits would fold it."""
 
 from __future__ import annotations
 
@@ -7,6 +12,7 @@ import onnx_ir as ir
 import onnxscript.optimizer
 
 from passes.base import CountedResult
+from passes.graph import stored_weight
 from passes.registry import register
 
 
@@ -23,7 +29,8 @@ class FoldConstants(ir.passes.InPlacePass):
 
     def call(self, model: ir.Model) -> CountedResult:
         inputs_before = {node: tuple(node.inputs) for node in ir.traversal.RecursiveGraphIterator(model.graph)}
-        result = onnxscript.optimizer.fold_constants(model, onnx_shape_inference=True, **self.limits)
+        result = onnxscript.optimizer.fold_constants(model, onnx_shape_inference=True, should_fold=_keep_widening,
+                                                     **self.limits)
         after = set(ir.traversal.RecursiveGraphIterator(model.graph))
         rewired = sum(  # inputs forwarded past nodes that stay (e.g. Relu(Identity(x)) -> Relu(x)), not replaced ones
             new is not old and old is not None and old.producer() is not None and old.producer().graph is not None
@@ -33,3 +40,8 @@ class FoldConstants(ir.passes.InPlacePass):
         )
         replaced = sum(node not in after for node in inputs_before)
         return CountedResult(model, result.modified, {"nodes_replaced": replaced, "inputs_rewired": rewired})
+
+
+def _keep_widening(node: ir.Node) -> bool | None:
+    """False (never fold) for the Cast that widens a bf16-stored weight; None (the folder's rules) otherwise."""
+    return False if node.outputs and stored_weight(node.outputs[0]) is not None else None

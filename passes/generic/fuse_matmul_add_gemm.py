@@ -3,14 +3,15 @@
 onnxscript's four MatMul+Add->Gemm rules (its ``rules.common`` exports them only as built rules, so they are
 written here with the public rewriter API) with a stricter check: theirs only asks for rank-2 A and W, while a
 dstc Gemm also needs W constant and a bias that broadcasts to [N] (shape [], [1], [N], [1, 1] or [1, N]), so
-the fused Gemm computes exactly what the Add did. 3-D (batched) inputs never match.
+the fused Gemm computes exactly what the Add did. 3-D (batched) inputs never match. A weight stored in bf16 and
+widened by a Cast (passes.graph.stored_weight) is constant too: the Gemm reads the Cast's output.
 """
 
 from __future__ import annotations
 
 from onnxscript.rewriter import MatchResult, RewriteRuleClassBase
 
-from passes.graph import constant_array, known_rank
+from passes.graph import constant_array, constant_shape, known_rank
 from passes.registry import register
 from passes.rewrite import RewriteRulesPass
 
@@ -32,10 +33,10 @@ class _MatMulAddGemm(RewriteRuleClassBase):
         rank_a = known_rank(input_a)
         if rank_a != 2:
             return result.fail(f"input A has rank {rank_a if rank_a is not None else 'unknown'}, Gemm needs 2")
-        weight = constant_array(input_b)
-        if weight is None or weight.ndim != 2:
+        weight = constant_shape(input_b)
+        if weight is None or len(weight) != 2:
             return result.fail("the MatMul weight is not a constant 2-D tensor")
-        n = weight.shape[0] if self.trans_b else weight.shape[1]
+        n = weight[0] if self.trans_b else weight[1]
         bias_shape = input_c.shape
         if bias_shape is None and (bias := constant_array(input_c)) is not None:
             bias_shape = bias.shape

@@ -176,6 +176,8 @@ def dequantize_linear(node: ir.Node) -> np.ndarray:
     if block:
         scale, zp = (np.repeat(a, block, axis=axis).take(range(x.shape[axis]), axis=axis) for a in (scale, zp))
         return (x - zp) * scale
+    if 1 < scale.ndim == x.ndim - 1:  # NNCF's INT8 of a 3-D [E, K, N] weight: [E, N], the reduction axis K squeezed
+        return (x - np.expand_dims(zp, -2)) * np.expand_dims(scale, -2)
     shape = [1] * x.ndim
     shape[axis] = -1
     return (x - zp.reshape(shape)) * scale.reshape(shape)

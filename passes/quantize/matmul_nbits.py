@@ -6,9 +6,13 @@ opset 18, neither basic nor extended level): every call dequantizes the whole we
 runs an fp32 MatMul. So:
 
 * per-axis (or per-tensor) 8-bit ``DequantizeLinear`` on the output axis of a [K, N] weight, read by a MatMul,
-  becomes ``com.microsoft.MatMulNBits`` with ``bits=8``: one block per column (``block_size`` the smallest
-  power of two >= K, at least 16; B is padded to it with the zero point), scales [N, 1], zero points [N, 1]
-  (symmetric int8 is stored as uint8 + 128 with no zero-point input, ORT's default zero point for 8 bits);
+  becomes ``com.microsoft.MatMulNBits`` with ``bits=8``. MatMulNBits' block_size must be a power of two >= 16,
+  so a column of K values is stored in the layout of fewer bytes (``nbits_layout``): blocks of the largest
+  power of two dividing K, the column's scale (and zero point) repeated per block, or one block padded to the
+  next power of two with the zero point. R1-Distill-Qwen's lm_head (K = 1536, N = 151936) thus takes 3 blocks
+  of 512, 234 MB, where one padded block of 2048 took 311 MB, read at every token. Scales [N, blocks], zero
+  points [N, blocks] (symmetric int8 is stored as uint8 + 128 with no zero-point input, ORT's default zero
+  point for 8 bits);
 * MatMulNBits written by NNCF 3.4 with ``bits=4`` carries one uint8 per zero point, shaped [N, blocks]; ORT
   1.32 wants them packed two per byte, [N, ceil(blocks / 2)], and refuses the model at load otherwise
   ("zero_points initializer shape {96,8} does not match attribute-derived shape [384] or [96,4]"): they are
@@ -22,9 +26,8 @@ runs an fp32 MatMul. So:
 * a tied embedding table (the exporter's lm_head ``Gemm(x, table, transB=1)`` reads the table the Gathers read,
   and NNCF gives both one ``DequantizeLinear``, axis 0, one scale per row = per lm_head output) stays one
   8-bit tensor: it becomes MatMulNBits' B, [vocab, blocks, block], which the Gathers read rows of as above
-  (reshaped to [..., hidden]). ``block`` is the largest power of two dividing the hidden size (at least 16), so
-  B holds the table's bytes with no padding, the row's scale repeated per block; a hidden size with none is
-  padded to one block as for MatMul, and the gathered rows are sliced back. Without this the shared
+  (reshaped to [..., hidden]), in the layout of a MatMul's weight above (``nbits_layout``: the row's scale
+  repeated per block; where one padded block is chosen, the gathered rows are sliced back). Without this the shared
   DequantizeLinear is left as it is and dequantizes the whole table at every step, for each of its readers;
 * a ``DequantizeLinear`` whose scale has the weight's rank (NNCF's INT8 of a 3-D weight: invalid below opset 21,
   and ORT fails at run time with "scale must be 1D tensor") becomes Cast / Sub / Mul with broadcasting.
@@ -49,6 +52,17 @@ ACCURACY_LEVELS = (0, 1, 2, 3, 4)
 def block_size_for(k: int) -> int:
     """The smallest power of two >= k and >= 16 (MatMulNBits' block_size rule): one block per column."""
     return max(16, 1 << (k - 1).bit_length())
+
+
+def nbits_layout(k: int, scale_bytes: int) -> tuple[int, int]:
+    """(block_size, blocks) storing an 8-bit column of ``k`` values in the fewest bytes, each block costing
+    ``scale_bytes`` of scale and zero point besides its ``block_size`` bytes: blocks of the largest power of two
+    dividing k (no padding) unless one padded block is smaller (k = 16 x an odd number has blocks of 16)."""
+    padded = block_size_for(k)
+    divisor = k & -k
+    if divisor >= 16 and k + k // divisor * scale_bytes <= padded + scale_bytes:
+        return divisor, k // divisor
+    return padded, 1
 
 
 def pack_nibbles(values: np.ndarray) -> np.ndarray:
@@ -144,16 +158,17 @@ class ToMatMulNBits(CountingPass):
             u, zp_u8 = (q.astype(np.int16) + 128).astype(np.uint8), None
         else:
             u, zp_u8 = q, (None if zp is None else zp.astype(np.uint8).reshape(n))
-        block = block_size_for(k)
-        pad = np.full((block - k, n), 128 if zp_u8 is None else 0, np.uint8)
-        b = np.concatenate([u, pad], axis=0).T if block > k else u.T  # [N, K padded]
-        if zp_u8 is not None and block > k:
-            b[:, k:] = zp_u8[:, None]  # padded rows dequantize to exactly 0
+        block, blocks = nbits_layout(k, 4 if zp_u8 is None else 5)
+        b = u.T  # [N, K]
+        if block * blocks > k:
+            b = np.concatenate([b, np.full((n, block - k), 128, np.uint8) if zp_u8 is None else
+                                np.repeat(zp_u8[:, None], block - k, 1)], axis=1)  # dequantizes to exactly 0
         base = dq.inputs[0].name or "weight"
-        inputs = [names.add_initializer(np.ascontiguousarray(b).reshape(n, 1, block), f"{base}_nbits"),
-                  names.add_initializer(scale.astype(np.float32).reshape(n, 1), f"{base}_nbits_scale")]
+        inputs = [names.add_initializer(np.ascontiguousarray(b).reshape(n, blocks, block), f"{base}_nbits"),
+                  names.add_initializer(np.repeat(scale.astype(np.float32).reshape(n, 1), blocks, 1),
+                                        f"{base}_nbits_scale")]
         if zp_u8 is not None:
-            inputs.append(names.add_initializer(zp_u8.reshape(n, 1), f"{base}_nbits_zero_point"))
+            inputs.append(names.add_initializer(np.repeat(zp_u8.reshape(n, 1), blocks, 1), f"{base}_nbits_zero_point"))
         for matmul, _ in list(dq.outputs[0].uses()):
             attrs = {"K": k, "N": n, "bits": 8, "block_size": block}
             if self.accuracy_level is not None:
@@ -255,11 +270,8 @@ class ToMatMulNBits(CountingPass):
             u, zp_u8 = (q.astype(np.int16) + 128).astype(np.uint8), None
         else:
             u, zp_u8 = q, (None if zp is None else zp.astype(np.uint8).reshape(n))
-        if k % 16 == 0:
-            block = k & -k  # the largest power of two dividing k
-            blocks = k // block
-        else:
-            block, blocks = block_size_for(k), 1
+        block, blocks = nbits_layout(k, 4 if zp_u8 is None else 5)
+        if block * blocks > k:
             fill = np.full((n, block - k), 128, np.uint8) if zp_u8 is None else np.repeat(zp_u8[:, None], block - k, 1)
             u = np.concatenate([u, fill], axis=1)  # padded columns dequantize to exactly 0
         base = dq.inputs[0].name or "table"

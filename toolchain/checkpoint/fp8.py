@@ -50,6 +50,11 @@ _QUANTIZED = re.compile(r"model\.layers\.\d+\.(self_attn|mlp)\..*_proj(_with_mqa
 _SAFETENSORS_DTYPE = {FP8: "F8_E4M3", torch.bfloat16: "BF16", torch.float32: "F32"}
 
 
+def quantized_in_hub_layout(name: str, shape: tuple[int, ...]) -> bool:
+    """Whether the hub's FP8 layout stores the tensor ``name`` in e4m3 with block scales (module docstring)."""
+    return bool(_QUANTIZED.fullmatch(name)) and len(shape) == 2
+
+
 def quantize_fp8(weight: torch.Tensor, block: tuple[int, int] = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
     """(e4m3 weight, float32 scales of its ceil-divided blocks), one block row at a time."""
     rows, cols = weight.shape
@@ -110,7 +115,7 @@ def _groups(reader, config: dict, mtp_layers: int, generator: torch.Generator) -
     def stored(name: str, source: str | None = None) -> _Group:
         source = source or name
         shape = reader.shape(source)
-        if _QUANTIZED.fullmatch(name) and len(shape) == 2:
+        if quantized_in_hub_layout(name, shape):
             grid = (math.ceil(shape[0] / BLOCK[0]), math.ceil(shape[1] / BLOCK[1]))
             return _Group([(name, FP8, shape), (name + SCALE_SUFFIX, torch.float32, grid)],
                           lambda: list(quantize_fp8(reader.tensor(source))))

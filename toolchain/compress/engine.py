@@ -9,8 +9,14 @@ policy in policy.py decides those). Three traps of NNCF 3.4 with ORT 1.32, measu
    ``to-matmul-nbits`` pass packs them (two per byte) before the model is saved.
 2. INT4 of a 3-D MatMul weight: below opset 21 NNCF refuses it ("ONNX does not support 3D weights"), at 21+ it
    writes a blocked DequantizeLinear that ORT rejects ("scale must be 1D tensor"). The exporter stores every
-   routed expert as its own 2-D MatMul, so exported graphs have none; a 3-D weight in another graph goes to
-   INT8 per channel instead (``demoted_3d`` in compression.json).
+   routed expert as its own 2-D MatMul; its 3-D weights are MLA's absorbed kv_b_proj, W_uk [H, nope, rank] and
+   W_uv [H, rank, v] of the latent cache (toolchain/export/deepseek.py), read by a batched MatMul. A 3-D weight
+   goes to INT8 per output channel instead (``demoted_3d`` in compression.json), which on [heads, K, N] is a
+   scale per head and channel (also in the int8-per-head scheme). ONNX Runtime has no kernel for a batched
+   MatMul of low-bit weights: the ORT rewrite stores it as Cast / Sub / Mul of the int8 values, which ORT folds
+   into a float32 constant when it loads the graph (measured at V2-Lite widths, [16, 128, 512]: DequantizeLinear
+   -> MatMul took 1.41 ms per call against 0.65 ms in float32), so there it runs at float32 speed with the INT8
+   error; OpenVINO runs NNCF's decompression of it at each call, as fast as float32.
 3. A group size that does not divide a weight's input width (a router's or a LoRA rank's K=64 with g128, every
    weight of a 64-wide test model) makes NNCF raise InvalidGroupSizeError. ``GroupSizeFallbackMode.ADJUST``
    takes the largest power of two below the group size that divides K (at least 32); a weight with none goes
@@ -20,33 +26,25 @@ policy in policy.py decides those). Three traps of NNCF 3.4 with ORT 1.32, measu
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import onnx_ir as ir
+from pydantic import Field
 
+from passes.graph import stored_weight
 from passes.quantize._weights import MS_DOMAIN
 from toolchain.errors import InputError
+from toolchain.recipe import CompressSection
 
 MIN_ADJUSTED_GROUP_SIZE = 32
 
 
-@dataclass
-class Options:
-    scheme: str
-    group_size: int = 128
-    sym: bool = False
-    ratio: float = 1.0
-    backup: str = "int8"
-    awq: bool = False
-    scale_estimation: bool = False
-    gptq: bool = False
-    accuracy_level: int | None = 4
-    head_blocks: dict[str, int] = field(default_factory=dict)
+class Options(CompressSection):
+    """A recipe's compress section and what the graph adds to it: the head width of each projection whose output
+    channels are heads (the graph's ``dstc.head_layout``), for int8-per-head."""
 
-    @property
-    def data_aware(self) -> bool:
-        return self.awq or self.scale_estimation or self.gptq or self.ratio < 1.0
+    head_blocks: dict[str, int] = Field(default_factory=dict)
 
 
 @dataclass
@@ -59,12 +57,14 @@ class Weight:
     array: np.ndarray | None = None  # the fp32 value
     role: str | None = None  # what the exporter wrote on the initializer (toolchain/compress/policy.py)
     layer: int | None = None
+    storage: str = "float32"  # "bfloat16": a bf16 initializer that a Cast widens (toolchain/export/graph.py)
 
 
 def graph_weights(model: ir.Model, with_arrays: bool = True) -> list[Weight]:
-    """Every float constant weight: 2-D and 3-D MatMul right operands and axis-0 Gather tables. An unnamed
-    consumer is given a name first: NNCF's ignored scopes and OpenVINO address nodes by name. ``with_arrays``
-    False leaves the values where they are (the streaming path reads each when it compresses it)."""
+    """Every float constant weight: 2-D and 3-D MatMul right operands and axis-0 Gather tables, a bf16-stored one
+    by its bf16 initializer (the Cast's input, whose name is the weight's). An unnamed consumer is given a name
+    first: NNCF's ignored scopes and OpenVINO address nodes by name. ``with_arrays`` False leaves the values where
+    they are (the streaming path reads each when it compresses it)."""
     out = []
     taken = {node.name for node in model.graph}
     for i, node in enumerate(model.graph):
@@ -77,18 +77,39 @@ def graph_weights(model: ir.Model, with_arrays: bool = True) -> list[Weight]:
                                          and node.attributes["axis"].as_int() != 0):
             continue
         value = node.inputs[1] if node.op_type == "MatMul" else node.inputs[0]
+        stored = stored_weight(value)
+        value = stored or value
         if value is None or value.const_value is None or value.is_graph_input():
             continue
         shape = tuple(value.const_value.shape)
-        if value.const_value.dtype != ir.DataType.FLOAT or len(shape) not in (2, 3) or \
-                (node.op_type == "Gather" and len(shape) != 2):
+        if value.const_value.dtype != (ir.DataType.BFLOAT16 if stored else ir.DataType.FLOAT) or \
+                len(shape) not in (2, 3) or (node.op_type == "Gather" and len(shape) != 2):
             continue
         props = value.const_value.metadata_props
         layer = props.get("dstc.layer")
         out.append(Weight(value.name, node.name, node.outputs[0].name, node.op_type.lower(), shape,
-                          value.const_value.numpy() if with_arrays else None, props.get("dstc.role"),
-                          int(layer) if layer and layer.isdigit() else None))
+                          value.const_value.numpy().astype(np.float32, copy=False) if with_arrays else None,
+                          props.get("dstc.role"), int(layer) if layer and layer.isdigit() else None,
+                          "bfloat16" if stored else "float32"))
     return out
+
+
+def widen_stored_weights(model: ir.Model) -> int:
+    """Each bf16-stored weight and its Cast become a float32 initializer of the weight's name: the graph the float32
+    export of the same checkpoint has, for the whole-model path (NNCF, the int8-per-head pass and the metrics take
+    float32 constants; below the streaming threshold the float32 copies are small). Returns how many."""
+    widened = 0
+    for node in list(model.graph):
+        stored = stored_weight(node.outputs[0]) if node.op_type == "Cast" and node.outputs else None
+        if stored is None:
+            continue
+        tensor = ir.tensor(stored.const_value.numpy().astype(np.float32), name=stored.name)
+        tensor.metadata_props.update(stored.const_value.metadata_props)  # dstc.role, dstc.layer
+        stored.const_value, stored.dtype = tensor, ir.DataType.FLOAT
+        node.outputs[0].replace_all_uses_with(stored, replace_graph_outputs=True)
+        model.graph.remove(node, safe=True)
+        widened += 1
+    return widened
 
 
 def external_data_dir(model: ir.Model) -> str | None:
@@ -141,7 +162,9 @@ def _run_nncf(model, kwargs: dict, backend: str):
 
 
 def _groups(weights: list[Weight], plan: dict[str, str]) -> tuple[dict[str, list[str]], list[str]]:
-    """precision -> consumer node names of its weights (3-D weights out of INT4), and the demoted 3-D weights."""
+    """precision -> consumer node names of its weights (3-D weights out of INT4), and the demoted 3-D weights.
+    A 3-D weight planned int8-per-head goes to NNCF's INT8, whose scales are per head and output channel on a
+    [heads, K, N] weight (the pass takes 2-D weights only)."""
     groups: dict[str, list[str]] = {}
     demoted = []
     for w in weights:
@@ -149,6 +172,8 @@ def _groups(weights: list[Weight], plan: dict[str, str]) -> tuple[dict[str, list
         if precision == "int4" and len(w.shape) == 3:
             precision = "int8"
             demoted.append(w.name)
+        elif precision == "int8-per-head" and len(w.shape) == 3:
+            precision = "int8"
         groups.setdefault(precision, []).append(w.node)
     return groups, demoted
 
@@ -166,7 +191,7 @@ def _per_head(model: ir.Model, weights: list[Weight], plan: dict[str, str], opti
     """Run the int8-per-head pass on the weights planned for it (in place); its counts and near-misses."""
     from passes.quantize.int8_per_head import Int8PerHead
 
-    names = [w.name for w in weights if plan[w.name] == "int8-per-head"]
+    names = [w.name for w in weights if plan[w.name] == "int8-per-head" and len(w.shape) == 2]
     if not names:
         return {"per_head": {}}
     log(f"int8-per-head pass on {len(names)} weights")

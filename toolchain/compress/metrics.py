@@ -4,7 +4,8 @@
   X that reach that weight when the fp32 graph runs the calibration text (a routed expert sees only the tokens
   routed to it; a table, the calibration tokens' rows);
 * per attention head: the same on the head's block of output channels (q/k/v, MLA q_b/kv_b) or, for o_proj, its
-  block of input rows and that head's contribution X_h W_h to the output;
+  block of input rows and that head's contribution X_h W_h to the output; for the 3-D per-head weights of MLA's
+  latent cache (W_uk, W_uv: [heads, K, N]), each head's matrix on that head's activations;
 * per MoE layer: routing agreement, the share of tokens whose set of selected experts is unchanged (the TopK
   indices of each router, exposed as extra outputs of a copy of each graph);
 * for the model: top-1 agreement and mean KL(fp32 || compressed) of the next-token distributions;
@@ -57,6 +58,9 @@ def capture(model: ir.Model, weights: list[Weight], feed_list: list[dict], route
     """fp32 run: activations reaching each MatMul weight, logits and router indices per sequence."""
     producers = {v.name: node for node in model.graph for v in node.outputs}
     activation_of = {w.name: producers[w.output].inputs[0].name for w in weights if w.kind == "matmul"}
+    # a 3-D [heads, K, N] weight (MLA's absorbed kv_b_proj) reads [..., heads, S, K]: its rows are kept per head,
+    # [heads, rows, K], so that each head's rows meet that head's matrix
+    stacked = {activation_of[w.name] for w in weights if w.kind == "matmul" and len(w.shape) == 3}
     extra = sorted(set(activation_of.values())) + list(routers.values())
     run = GraphRunner(model, "onnxruntime", extra_outputs=extra)
     acts: dict[str, list[np.ndarray]] = {name: [] for name in extra}
@@ -65,11 +69,18 @@ def capture(model: ir.Model, weights: list[Weight], feed_list: list[dict], route
         out = run(feeds)
         for name in acts:
             if name in out and len(acts[name]) < MAX_ROWS:
-                acts[name].append(out[name].reshape(-1, out[name].shape[-1]))
+                value = out[name]
+                if name in stacked:
+                    heads, width = value.shape[-3], value.shape[-1]
+                    value = np.moveaxis(value.reshape(-1, *value.shape[-3:]), 1, 0).reshape(heads, -1, width)
+                    acts[name].append(value)
+                else:
+                    acts[name].append(value.reshape(-1, value.shape[-1]))
         logits.append(out["logits"][0])
         for layer, name in routers.items():
             routing[layer].append(out[name])
-    rows = {w: np.concatenate(acts[a])[:MAX_ROWS] if acts[a] else None for w, a in activation_of.items()}
+    rows = {w: None if not acts[a] else np.concatenate(acts[a], axis=1)[:, :MAX_ROWS] if a in stacked
+            else np.concatenate(acts[a])[:MAX_ROWS] for w, a in activation_of.items()}
     return rows, logits, routing
 
 
@@ -177,7 +188,11 @@ def _ratio(diff: float, norm: float) -> float:
 
 
 def head_errors(x: np.ndarray | None, w: np.ndarray, w_hat: np.ndarray, side: str, width: int) -> list[dict]:
-    """Per head: blocks of ``width`` output columns (side "out") or input rows (side "in", o_proj)."""
+    """Per head: blocks of ``width`` output columns (side "out") or input rows (side "in", o_proj), or the index of
+    axis 0 of a [heads, K, N] weight (side "stacked", x [heads, rows, K])."""
+    if side == "stacked":
+        return [{"head": h, "weight_error": relative_error(w[h], w_hat[h]),
+                 "output_error": output_error(None if x is None else x[h], w[h], w_hat[h])} for h in range(len(w))]
     heads = []
     axis_len = w.shape[1] if side == "out" else w.shape[0]
     for h, start in enumerate(range(0, axis_len, width)):

@@ -18,6 +18,10 @@ and writes its result in the forms that backend writes, with its names:
   quantization (``passes.quantize._weights.quantize_int8``), one scale per head's block of output channels on the
   projections with heads (widths from the graph's ``dstc.head_layout``), per channel or per row elsewhere: the
   tensors the pass writes on the whole model, with its names.
+* a 3-D [heads, K, N] MatMul weight (MLA's absorbed kv_b_proj, toolchain/export/deepseek.py), in every scheme:
+  NNCF's INT8 per output channel of each head, written as ``(Cast(q) - zero point) * scale`` with [heads, 1, N]
+  scales: the form the ORT rewrite gives NNCF's own INT8 of it on the whole-model path (toolchain/compress/
+  engine.py), and a compressed-weight pattern to OpenVINO's ONNX frontend.
 
 Each quantized tensor is an ``ir.LazyTensor``: the weight is read from the export's external data (a memory map)
 in column (or row) chunks, each chunk quantized independently (a group lies along one column, a table's scale
@@ -37,6 +41,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import onnx_ir as ir
 
+from passes.graph import stored_weight
 from passes.quantize._weights import MS_DOMAIN
 from toolchain.compress.engine import MIN_ADJUSTED_GROUP_SIZE, Options, Weight
 from toolchain.errors import InputError
@@ -64,7 +69,9 @@ class Spec:
     bits: int
     group: int | None
     sym: bool
-    form: str  # "nbits" (MatMulNBits) | "dq-blocked" | "dq-channel" (MatMul weight) | "dq-rows" (Gather table)
+    # "nbits" (MatMulNBits) | "dq-blocked" | "dq-channel" (MatMul weight) | "dq-rows" (Gather table) | "stacked"
+    # (a 3-D MatMul weight, Cast / Sub / Mul)
+    form: str
     # None: NNCF's quantization; a width: the int8-per-head pass's, one scale per this many output channels
     channels_per_scale: int | None = None
 
@@ -97,6 +104,8 @@ class Job:
     def _compute(self) -> dict[str, np.ndarray]:
         if self.spec.channels_per_scale is not None:
             return self._compute_int8_per_head()
+        if self.spec.form == "stacked":
+            return self._compute_stacked()
         import nncf
         from nncf.onnx.graph.onnx_helper import pack_int4_to_uint8
         from nncf.quantization.algorithms.weight_compression.config import WeightCompressionConfig
@@ -149,6 +158,35 @@ class Job:
                 out["zero_point"] = zp.astype(q.dtype)
         return out
 
+    def _compute_stacked(self) -> dict[str, np.ndarray]:
+        """NNCF's INT8 per output channel of each head's [K, N] matrix, a head at a time."""
+        import nncf
+        from nncf.quantization.algorithms.weight_compression.config import WeightCompressionConfig
+        from nncf.quantization.algorithms.weight_compression.weight_lowering import (compress_weight,
+                                                                                     do_integer_dequantization)
+        from nncf.tensor import Tensor
+
+        spec, tensor = self.spec, self.source.const_value
+        config = WeightCompressionConfig(mode=getattr(nncf.CompressWeightsMode, f"INT8_{'SYM' if spec.sym else 'ASYM'}"))
+        qs, scales, zps = [], [], []
+        err = norm = 0.0
+        for head in tensor.numpy():
+            part = np.array(head, dtype=np.float32, order="C")
+            compressed = compress_weight(Tensor(part), (0,), config)
+            restored = do_integer_dequantization(compressed).data.reshape(part.shape)
+            err += float(np.square(part - restored, dtype=np.float32).sum(dtype=np.float64))
+            norm += float(np.square(part, dtype=np.float32).sum(dtype=np.float64))
+            qs.append(compressed.tensor.data.reshape(part.shape))
+            scales.append(compressed.scale.data.reshape(1, -1))
+            zps.append(None if compressed.zero_point is None else compressed.zero_point.data.reshape(1, -1))
+        if isinstance(tensor, ir.ExternalTensor):
+            tensor.release()
+        self.stats = {"weight_error": float(np.sqrt(err / norm)) if norm else 0.0}
+        out = {"quantized": np.stack(qs), "scale": np.stack(scales).astype(np.float32)}
+        if zps[0] is not None:
+            out["zero_point"] = np.stack(zps).astype(np.float32)
+        return out
+
     def _compute_int8_per_head(self) -> dict[str, np.ndarray]:
         from passes.quantize._weights import quantize_int8
 
@@ -183,6 +221,9 @@ class Job:
 
 def stored_bits(spec: Spec) -> int:
     """Bits the compressed weight takes in the artifact: values, float32 scales and packed zero points."""
+    if spec.form == "stacked":  # float32 scales and zero points per head and output channel
+        heads, k, n = spec.weight.shape
+        return heads * n * (k * spec.bits + 32 * (1 if spec.sym else 2))
     k, n = spec.weight.shape
     if spec.group:
         blocks = -(-k // spec.group) * n
@@ -193,7 +234,7 @@ def stored_bits(spec: Spec) -> int:
 
 
 def _dtype(spec: Spec, key: str) -> ir.DataType:
-    if key == "scale":
+    if key == "scale" or (spec.form == "stacked" and key == "zero_point"):
         return ir.DataType.FLOAT
     if spec.form == "nbits":
         return ir.DataType.UINT8
@@ -203,6 +244,9 @@ def _dtype(spec: Spec, key: str) -> ir.DataType:
 
 
 def _shapes(spec: Spec, shape: tuple[int, ...]) -> dict[str, tuple[int, ...]]:
+    if spec.form == "stacked":  # [heads, K, N]: a scale (and zero point) per head and output channel
+        side = (shape[0], 1, shape[2])
+        return {"quantized": shape, "scale": side} | ({} if spec.sym else {"zero_point": side})
     first, second = shape
     if spec.form == "nbits":  # [K, N] -> B [N, blocks, group / 2], scales and zero points [N, blocks]
         blocks = -(-first // spec.group)
@@ -224,6 +268,9 @@ def plan_specs(weights: list[Weight], plan: dict[str, str], options: Options, ta
     for w in weights:
         precision = plan[w.name]
         if precision == "fp32":
+            continue
+        if len(w.shape) == 3 and w.kind == "matmul":  # INT8 in every scheme, as on the whole-model path
+            specs.append(Spec(w, 8, None, options.sym, "stacked"))
             continue
         if precision == "int8-per-head" and len(w.shape) == 2:
             width = options.head_blocks.get(projection_of(w.name)) if w.kind == "matmul" and \
@@ -271,10 +318,17 @@ def compress_streaming(model: ir.Model, specs: list[Spec], log: Callable[[str], 
                                     const_value=lazy)
             model.graph.register_initializer(tensors[key])
         consumer = producers[w.output]
+        # a bf16-stored weight is read through its Cast, which goes with it; the job reads the bf16 values
+        cast = next((node for node, _ in source.uses() if stored_weight(node.outputs[0]) is source), None)
+        read = source if cast is None else cast.outputs[0]
         if spec.form == "nbits":
-            _to_matmul_nbits(model, consumer, source, tensors, spec)
+            _to_matmul_nbits(model, consumer, read, tensors, spec)
+        elif spec.form == "stacked":
+            _to_cast_mul(model, read, tensors, spec.weight.name)
         else:
-            _to_dequantize(model, consumer, source, tensors, spec)
+            _to_dequantize(model, consumer, read, tensors, spec)
+        if cast is not None:
+            model.graph.remove(cast, safe=True)
         del values[w.name]
         jobs[w.name] = job
     if any(s.form == "nbits" for s in specs):
@@ -303,13 +357,30 @@ def _to_matmul_nbits(model: ir.Model, matmul: ir.Node, source: ir.Value, tensors
     model.graph.remove(matmul, safe=True)
 
 
+def _to_cast_mul(model: ir.Model, source: ir.Value, tensors: dict, name: str) -> None:
+    """(Cast(q) - zero point) * scale in place of a 3-D weight (``name``: the initializer's)."""
+    nodes = [ir.node("Cast", [tensors["quantized"]], attributes={"to": ir.DataType.FLOAT},
+                     name=f"{name}_Cast", num_outputs=1)]
+    if "zero_point" in tensors:
+        nodes.append(ir.node("Sub", [nodes[-1].outputs[0], tensors["zero_point"]], name=f"{name}_Sub",
+                             num_outputs=1))
+    nodes.append(ir.node("Mul", [nodes[-1].outputs[0], tensors["scale"]], name=f"{name}_Mul", num_outputs=1))
+    for node in nodes:
+        node.outputs[0].name = f"{node.name}/out"
+        node.outputs[0].dtype = ir.DataType.FLOAT
+    nodes[-1].outputs[0].name, nodes[-1].outputs[0].shape = f"{name}_dequantized", ir.Shape(source.shape)
+    users = [node for node, _ in source.uses()]
+    model.graph.insert_before(next(node for node in model.graph if node in users), nodes)
+    source.replace_all_uses_with(nodes[-1].outputs[0])
+
+
 def _to_dequantize(model: ir.Model, consumer: ir.Node, source: ir.Value, tensors: dict, spec: Spec) -> None:
     axis = 0 if spec.form in ("dq-blocked", "dq-rows") else 1
     attributes = {"axis": axis} | ({"block_size": spec.group} if spec.form == "dq-blocked" else {})
     inputs = [tensors["quantized"], tensors["scale"]] + ([tensors["zero_point"]] if "zero_point" in tensors else [])
-    dq = ir.node("DequantizeLinear", inputs, attributes=attributes, name=f"{source.name}_DequantizeLinear",
-                 num_outputs=1)
-    dq.outputs[0].name = f"{source.name}_dequantized"
+    name = spec.weight.name  # the initializer's, also when ``source`` is the Cast of a bf16-stored one
+    dq = ir.node("DequantizeLinear", inputs, attributes=attributes, name=f"{name}_DequantizeLinear", num_outputs=1)
+    dq.outputs[0].name = f"{name}_dequantized"
     dq.outputs[0].dtype, dq.outputs[0].shape = ir.DataType.FLOAT, ir.Shape(spec.weight.shape)
     users = [node for node, _ in source.uses()]
     first = next(node for node in model.graph if node in users)

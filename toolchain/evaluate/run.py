@@ -11,13 +11,19 @@ import os
 import platform
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from toolchain.evaluate.accuracy import measure_accuracy
 from toolchain.evaluate.settings import EvalSettings
+from toolchain.hardware import describe_cpu
 from toolchain.manifest import MANIFEST, REPORT_FILES, versions
 from toolchain.report.schema import SCHEMA, HeadError, LatencyCase, LayerError, Metric, Report, Series
+from toolchain.stages.reports import CompressionReport
+
+if TYPE_CHECKING:
+    from toolchain.manifest_schema import Manifest
 
 HEADLINE = (128, 1)  # prompt length and batch of the headline latency metrics
 
@@ -48,16 +54,15 @@ def latency_metrics(cases: list[dict], load_s: float | None, peak_rss_mb: float 
     ])
 
 
-def quantization_series(manifest: dict) -> tuple[list[LayerError], list[HeadError]]:
+def quantization_series(manifest: Manifest | None) -> tuple[list[LayerError], list[HeadError]]:
     """Per-weight and per-head errors the compression stage measured, from the manifest's provenance."""
-    report = (manifest.get("provenance") or {}).get("stage_reports", {}).get("compress/compression.json") or {}
+    report = manifest.provenance.report("compress", CompressionReport) if manifest else None
     layers, heads = [], []
-    for row in report.get("per_weight", []):
-        layers.append(LayerError(weight=row["weight"], layer=row.get("layer"), precision=row["precision"],
-                                 weight_error=row["weight_error"], output_error=row.get("output_error")))
-        heads += [HeadError(weight=row["weight"], layer=row.get("layer"), head=h["head"],
-                            weight_error=h["weight_error"], output_error=h.get("output_error"))
-                  for h in row.get("heads") or []]
+    for row in report.per_weight if report else []:
+        layers.append(LayerError(weight=row.weight, layer=row.layer, precision=row.precision,
+                                 weight_error=row.weight_error, output_error=row.output_error))
+        heads += [HeadError(weight=row.weight, layer=row.layer, head=h.head, weight_error=h.weight_error,
+                            output_error=h.output_error) for h in row.heads or []]
     return layers, heads
 
 
@@ -85,7 +90,7 @@ def evaluate_artifact(path: Path, settings: EvalSettings = EvalSettings(), *, re
     decoder = open_decoder(artifact, threads=settings.threads, extra_outputs=list(routers.values()),
                            openvino_f32=settings.openvino_f32)
     log(f"{artifact.backend} artifact loaded in {decoder.load_seconds:.2f} s ({decoder.threads} threads)")
-    task = (artifact.manifest.get("source") or {}).get("kind") == "embedded"
+    task = artifact.manifest is not None and artifact.manifest.source.kind == "embedded"
     metrics, series = measure_accuracy(decoder, ref, routers, artifact.tokenizer(), eos_ids=artifact.eos_token_ids,
                                        pad_id=artifact.pad_token_id, task=task, settings=settings, log=log)
     threads, runtime_config = decoder.threads, decoder.runtime_config
@@ -106,20 +111,20 @@ def evaluate_artifact(path: Path, settings: EvalSettings = EvalSettings(), *, re
 
     layer_errors, head_errors = quantization_series(artifact.manifest)
     manifest_file = Path(path) / MANIFEST
-    recipe = artifact.manifest.get("recipe") or {}
+    recipe = artifact.manifest.recipe if artifact.manifest else None
     return Report.model_validate({
         "schema": SCHEMA,
-        "artifact": {"path": str(Path(display_path or path).resolve()), "recipe": recipe.get("name"),
-                     "backend": artifact.backend, "model": (artifact.manifest.get("source") or {}).get("model"),
+        "artifact": {"path": str(Path(display_path or path).resolve()), "recipe": recipe.name if recipe else None,
+                     "backend": artifact.backend,
+                     "model": artifact.manifest.source.model if artifact.manifest else None,
                      "model_type": artifact.config.get("model_type"),
-                     "compression": (recipe.get("compress") or {}).get("scheme", "none"),
+                     "compression": recipe.compress.scheme if recipe and recipe.compress else "none",
                      "manifest_sha256": hashlib.sha256(manifest_file.read_bytes()).hexdigest()
                      if manifest_file.is_file() else None,
                      "size_bytes": artifact.size_bytes, "report_files": list(REPORT_FILES)},
         "reference": {"model": source.spec, "path": str(source.path), "runtime": "pytorch eager fp32",
                       **ref_choice},
-        "environment": {"host": platform.node(), "cpu": platform.processor() or platform.machine(),
-                        "cores": os.cpu_count(), "threads": latency.get("threads", threads),
+        "environment": {"host": platform.node(), "cpu": describe_cpu(), "cores": os.cpu_count(), "threads": latency.get("threads", threads),
                         "runtime_config": latency.get("runtime_config", runtime_config), "versions": versions()},
         "settings": {**settings.model_dump(), "task": "embedded arithmetic" if task else None,
                      "latency_skipped": latency.get("skipped", []),

@@ -41,6 +41,7 @@ class Architecture(Protocol):
 
     model_types: tuple[str, ...]
     attention_kind: str  # "gqa" (the fusion passes expect GroupQueryAttention) or "mla" (ONNX Attention)
+    kv_cache: str  # what the cache holds: "per-head" keys and values, or MLA's "latent" (toolchain/export/deepseek.py)
     genai_model_type: str | None  # onnxruntime-genai's model type; None where its config cannot describe the model
 
     def check(self, config) -> None:
@@ -50,11 +51,13 @@ class Architecture(Protocol):
         """Repair the loaded transformers model where its own forward is broken, so it can serve as reference."""
 
     def cache_dims(self, config) -> tuple[int, int, int]:
-        """(cached heads, key dim, value dim) of one layer's KV cache."""
+        """(cached heads, key dim, value dim) of one layer's KV cache (for MLA's latent cache: 1, the rotary key's
+        and the latent's widths)."""
 
     def head_layout(self, config) -> dict[str, tuple[str, int]]:
         """projection -> ("out", head width) for projections whose output channels are heads, ("in", width) for
-        the output projection, whose input rows are (per-head quantization and its errors)."""
+        the output projection, whose input rows are, ("stacked", heads) for 3-D [heads, K, N] weights with a head
+        per index of axis 0 (per-head quantization and its errors)."""
 
     def moe_layers(self, config) -> list[int]:
         """Indices of the layers whose MLP is a mixture of experts."""
@@ -80,14 +83,15 @@ def rotary_module(model: torch.nn.Module) -> torch.nn.Module:
 
 
 def build_decoder(model: torch.nn.Module, arch: Architecture, reader=None,
-                  on_layer: Callable[[int, int], None] | None = None) -> ir.Model:
+                  on_layer: Callable[[int, int], None] | None = None, weights: str = "float32") -> ir.Model:
     """The whole graph of ``model``: a transformers model with its weights, or a meta-device skeleton whose
     weights ``reader`` (toolchain/checkpoint/reader.py) reads when the graph is saved. on_layer(i, n) is called
-    as each of the n layers is built (progress on large models)."""
+    as each of the n layers is built (progress on large models). ``weights``: their storage, "float32" or
+    "bfloat16" (toolchain/export/weights.py storage_for)."""
     config = model.config
     arch.check(config)
     cached_heads, key_dim, value_dim = arch.cache_dims(config)
-    g = GraphBuilder(Params(model, reader))
+    g = GraphBuilder(Params(model, reader), weights)
     input_ids = tensor_input("input_ids", INT64, ["batch_size", "sequence_length"])
     mask_2d = tensor_input("attention_mask", INT64, ["batch_size", "total_sequence_length"])
     position_ids = tensor_input("position_ids", INT64, ["batch_size", "sequence_length"])
@@ -133,7 +137,6 @@ def build_decoder(model: torch.nn.Module, arch: Architecture, reader=None,
     ir_model.metadata_props.update({
         "dstc.model_type": config.model_type,
         "dstc.num_layers": str(len(decoder.layers)),
-        "dstc.kv_cache": "per-head",
         **architecture_metadata(arch, config),
     })
     return ir_model
@@ -143,6 +146,7 @@ def architecture_metadata(arch: Architecture, config) -> dict[str, str]:
     """The architecture's facts as graph metadata (JSON values), for the stages that read the graph."""
     import json
 
-    return {"dstc.attention": arch.attention_kind, "dstc.head_layout": json.dumps(arch.head_layout(config)),
+    return {"dstc.attention": arch.attention_kind, "dstc.kv_cache": arch.kv_cache,
+            "dstc.head_layout": json.dumps(arch.head_layout(config)),
             "dstc.moe_layers": json.dumps(arch.moe_layers(config)),
             "dstc.genai_model_type": arch.genai_model_type or ""}

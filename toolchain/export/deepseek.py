@@ -1,19 +1,72 @@
-"""What DeepSeek-V2 and V3 share: MLA attention (per-head KV cache) and the MoE layer around the router.
+"""What DeepSeek-V2 and V3 share: MLA attention with its KV cache in one of two layouts, and the MoE layer around
+the router.
 
 The subclasses in deepseek_v2.py / deepseek_v3.py supply their routing; ``moe_lowering`` chooses how the routed
-experts run (toolchain/export/moe.py). Later work replaces `attention` here with a latent-cache form without
-touching the rest.
+experts run (toolchain/export/moe.py), ``kv_cache`` what the cache holds (``dstc export --mla-cache``, recipe
+``export.mla_cache``; ``with_mla_cache``):
+
+* ``latent`` (opt-in): per token and layer, the normalized latent (kv_lora_rank values, after
+  kv_a_layernorm) as ``past_key_values.N.value`` [B, 1, T, kv_lora_rank] and the rotary key (qk_rope_head_dim
+  values, after RoPE) as ``past_key_values.N.key`` [B, 1, T, qk_rope_head_dim]: one "head" each, so every consumer
+  of the graph interface sees an ordinary cache. kv_b_proj is absorbed: its key rows W_uk [H, nope, rank] turn
+  the query's nope part into the latent space (q_lat = q_nope @ W_uk), scores = q_lat latent^T + q_rot k_rot^T
+  with the key and the latent shared by every head, and its value rows W_uv [H, rank, v] take the attended latent
+  back to each head's values before o_proj. Both are 3-D per-head constants read by a batched MatMul (the
+  compress stage's rules for them are in toolchain/compress/engine.py). DeepSeek-V3 widths cache 512 + 64 values
+  per token and layer instead of 128 x (192 + 128).
+* ``per-head``: transformers' own form, per-head keys [H, nope + rope] and values [H, v], kv_b_proj applied to
+  the latent of every new token; what ``fuse-mla-attention`` fuses into ONNX Attention for ONNX Runtime. The
+  default: openvino_genai's continuous batching pages only ScaledDotProductAttention, and the latent form has
+  no fused kernel on either backend yet, so its speed over the per-head form is not established.
 """
 
 from __future__ import annotations
 
+import copy
+from dataclasses import replace
+
 import numpy as np
 import onnx_ir as ir
 
-from toolchain.errors import UnsupportedModelError
+from toolchain.errors import InputError, UnsupportedModelError
 from toolchain.export import blocks, moe
 from toolchain.export.decoder import LayerInputs
 from toolchain.export.graph import GraphBuilder
+from toolchain.export.weights import LazyArray
+
+MLA_CACHES = ("latent", "per-head")
+
+
+def with_mla_cache(arch, layout: str | None):
+    """The architecture with its MLA KV cache in ``layout`` (MLA_CACHES); None keeps the architecture's default
+    (per-head). Asking for a layout of an architecture without MLA attention is an InputError."""
+    if layout is None:
+        return arch
+    if layout not in MLA_CACHES:
+        raise InputError(f"unknown MLA cache layout {layout!r}; layouts: {', '.join(MLA_CACHES)}")
+    if arch.attention_kind != "mla":
+        raise InputError(f"the MLA cache layout applies to MLA attention (deepseek_v2, deepseek_v3); "
+                         f"{arch.model_types[0]} has {arch.attention_kind} attention, whose cache is per head: "
+                         f"drop mla_cache / --mla-cache")
+    if arch.kv_cache == layout:
+        return arch
+    arch = copy.copy(arch)
+    arch.kv_cache = layout
+    return arch
+
+
+def absorbed_weights(kv_b, heads: int, nope: int, v_dim: int):
+    """kv_b_proj's [H * (nope + v), rank] weight (numpy, or a LazyArray read when written) as W_uk [H, nope, rank]
+    (q_lat = q_nope @ W_uk) and W_uv [H, rank, v] (a head's values = ctx @ W_uv)."""
+    rank = kv_b.shape[1]
+    if isinstance(kv_b, LazyArray):
+        if kv_b.rows is not None or kv_b.transposed:
+            raise ValueError("kv_b_proj's weight is read as the checkpoint stores it")
+        per_head = lambda: kv_b.read().reshape(heads, nope + v_dim, rank)  # noqa: E731
+        return (replace(kv_b, shape=(heads, nope, rank), read=lambda: per_head()[:, :nope]),
+                replace(kv_b, shape=(heads, rank, v_dim), read=lambda: per_head()[:, nope:].transpose(1, 2)))
+    per_head = kv_b.reshape(heads, nope + v_dim, rank)
+    return np.ascontiguousarray(per_head[:, :nope]), np.ascontiguousarray(per_head[:, nope:].transpose(0, 2, 1))
 
 
 class DeepseekArchitecture:
@@ -23,6 +76,7 @@ class DeepseekArchitecture:
     # onnxruntime_artifact.py writes no genai_config.json, and says why)
     genai_model_type: str | None = None
     moe_lowering = "dispatch"  # moe.with_lowering gives a copy with another
+    kv_cache = "per-head"  # with_mla_cache gives a copy with another (MLA_CACHES)
 
     def check(self, config) -> None:
         if config.hidden_act != "silu":
@@ -40,11 +94,16 @@ class DeepseekArchitecture:
         pass
 
     def cache_dims(self, config) -> tuple[int, int, int]:
+        if self.kv_cache == "latent":  # key: the rotary key, value: the latent, both shared by every head
+            return 1, config.qk_rope_head_dim, config.kv_lora_rank
         return config.num_attention_heads, config.qk_nope_head_dim + config.qk_rope_head_dim, config.v_head_dim
 
     def head_layout(self, config) -> dict[str, tuple[str, int]]:
+        """With the latent cache kv_b_proj's weights are W_uk / W_uv, [heads, K, N]: "stacked", a head per index
+        of axis 0."""
         nope, rope, v = config.qk_nope_head_dim, config.qk_rope_head_dim, config.v_head_dim
-        return {"q_proj": ("out", nope + rope), "q_b_proj": ("out", nope + rope), "kv_b_proj": ("out", nope + v),
+        kv_b = ("stacked", config.num_attention_heads) if self.kv_cache == "latent" else ("out", nope + v)
+        return {"q_proj": ("out", nope + rope), "q_b_proj": ("out", nope + rope), "kv_b_proj": kv_b,
                 "o_proj": ("in", v)}
 
     def moe_layers(self, config) -> list[int]:
@@ -73,8 +132,10 @@ class DeepseekArchitecture:
                              outputs=2)
         latent, k_rot = g.op("Split", blocks.linear(g, h, attn.kv_a_proj_with_mqa, "kv_a_proj_with_mqa", rows=kv_rows),
                              g.const([kv_rank, rope]), axis=-1, outputs=2)
-        kv = blocks.linear(g, blocks.rms_norm(g, latent, attn.kv_a_layernorm, "kv_a_layernorm"), attn.kv_b_proj,
-                           "kv_b_proj")
+        latent = blocks.rms_norm(g, latent, attn.kv_a_layernorm, "kv_a_layernorm")
+        if self.kv_cache == "latent":
+            return self._latent_attention(g, attn, q_nope, q_rot, latent, k_rot, inputs)
+        kv = blocks.linear(g, latent, attn.kv_b_proj, "kv_b_proj")
         k_nope, v = g.op("Split", blocks.heads(g, kv, num_heads, nope + v_dim), g.const([nope, v_dim]), axis=-1,
                          outputs=2)
         q_rot = blocks.apply_rope(g, q_rot, inputs.cos, inputs.sin)
@@ -84,6 +145,33 @@ class DeepseekArchitecture:
         key = g.op("Concat", inputs.past_key, g.op("Concat", k_nope, k_rot, axis=-1), axis=2)
         value = g.op("Concat", inputs.past_value, v, axis=2)
         out = blocks.sdpa(g, q, key, value, inputs.mask, attn.scaling, num_heads)
+        return blocks.linear(g, out, attn.o_proj, "o_proj"), key, value
+
+    def _latent_attention(self, g: GraphBuilder, attn, q_nope, q_rot, latent, k_rot, inputs: LayerInputs):
+        """Attention over the latent cache with kv_b_proj absorbed (module doc). q_nope, q_rot: [B, H, S, *];
+        latent [B, S, rank] (normalized), k_rot [B, S, rope] (before RoPE)."""
+        num_heads = attn.num_heads
+        w_uk, w_uv = absorbed_weights(g.params.array(attn.kv_b_proj.weight), num_heads, attn.qk_nope_head_dim,
+                                      attn.v_head_dim)
+        q_rot = blocks.apply_rope(g, q_rot, inputs.cos, inputs.sin)
+        k_rot = blocks.apply_rope(g, g.op("Unsqueeze", k_rot, g.const([1])), inputs.cos, inputs.sin)
+        with g.scope("kv_b_proj"):
+            q_lat = g.op("MatMul", q_nope, g.weight("k_absorbed", w_uk))  # [B, H, S, rank]
+        key = g.op("Concat", inputs.past_key, k_rot, axis=2)  # [B, 1, T, rope]
+        value = g.op("Concat", inputs.past_value, g.op("Unsqueeze", latent, g.const([1])), axis=2)  # [B, 1, T, rank]
+        with g.scope("mla"):
+            # The heads go into the rows of one product per cached tensor ([B, H, S, d] -> [B, 1, H*S, d]), so each
+            # cached position is read once for all heads rather than once per head.
+            fold, unfold = g.const([0, 1, -1, 0]), g.const([0, num_heads, -1, 0])
+            nope_scores = g.op("MatMul", g.op("Reshape", q_lat, fold), g.op("Transpose", value, perm=[0, 1, 3, 2]))
+            rope_scores = g.op("MatMul", g.op("Reshape", q_rot, fold), g.op("Transpose", key, perm=[0, 1, 3, 2]))
+            scores = g.op("Reshape", g.op("Add", nope_scores, rope_scores), unfold)  # [B, H, S, T]
+            scores = g.op("Mul", scores, g.const(attn.scaling, np.float32))
+            probs = g.op("Softmax", g.op("Add", scores, inputs.mask), axis=-1)
+            ctx = g.op("Reshape", g.op("MatMul", g.op("Reshape", probs, fold), value), unfold)  # [B, H, S, rank]
+        with g.scope("kv_b_proj"):
+            out = g.op("MatMul", ctx, g.weight("v_absorbed", w_uv))  # [B, H, S, v]
+        out = g.op("Reshape", g.op("Transpose", out, perm=[0, 2, 1, 3]), g.const([0, 0, -1]))
         return blocks.linear(g, out, attn.o_proj, "o_proj"), key, value
 
     def route(self, g: GraphBuilder, moe, logits):

@@ -13,6 +13,7 @@ from typing import Iterator, Sequence
 
 import numpy as np
 import onnx_ir as ir
+import torch
 
 from toolchain.export.weights import ChunkedTensor, LazyArray, Params
 
@@ -20,8 +21,9 @@ OPSET = 18
 
 
 class GraphBuilder:
-    def __init__(self, params: Params) -> None:
+    def __init__(self, params: Params, weights: str = "float32") -> None:
         self.params = params  # the model's tensors: g.params.array(module.weight) for a weight's values
+        self.bf16 = weights == "bfloat16"  # matrices with bf16 values stored as bf16 and widened by a Cast
         self.tape = ir.tape.Tape()
         self._scope: list[str] = []
         self._roles: list[str] = []
@@ -72,8 +74,20 @@ class GraphBuilder:
     def weight(self, name: str, array: np.ndarray | LazyArray) -> ir.Value:
         """An initializer. A weight still in the checkpoint (LazyArray) or a non-contiguous view (a transposed
         torch weight) is read or copied only when saved, one tensor at a time, so a large model never holds its
-        weights in memory."""
+        weights in memory.
+
+        With bf16 storage, a matrix whose checkpoint values are bf16 is a bf16 initializer under the weight's name,
+        and what is returned is its Cast to float32 (node ``<name>/Cast``, which takes no node number, so the
+        other nodes are named as in a float32 export): the float32 values are the same bit for bit."""
         full = self._path(name)
+        if self.bf16 and isinstance(array, LazyArray) and array.dtype == torch.bfloat16 and len(array.shape) >= 2:
+            tensor = ir.LazyTensor(lambda a=array, n=full: ChunkedTensor(a, n, torch.bfloat16),
+                                   dtype=ir.DataType.BFLOAT16, shape=ir.Shape(array.shape), name=full)
+            self._annotate(tensor)
+            stored = self.tape.initializer(tensor, name=full)
+            widened = self.tape.op("Cast", [stored], {"to": ir.DataType.FLOAT}, name=f"{full}/Cast")
+            widened.name, widened.dtype, widened.shape = f"{full}/Cast/out", ir.DataType.FLOAT, ir.Shape(array.shape)
+            return widened
         if isinstance(array, LazyArray):
             tensor = ir.LazyTensor(lambda a=array, n=full: ChunkedTensor(a, n), dtype=ir.DataType.FLOAT,
                                    shape=ir.Shape(array.shape), name=full)
@@ -125,10 +139,16 @@ def rename_output(value: ir.Value, name: str, dtype: ir.DataType, dims: Sequence
 EXTERNAL_DATA_BYTES = 1 << 30
 
 
+def float32_bytes(model: ir.Model) -> int:
+    """Bytes of the model's initializers with bf16 ones counted as float32: a model's size whichever storage its
+    export chose (toolchain/export/weights.py), for the size thresholds that should not depend on it."""
+    return sum(v.const_value.size * 4 if v.const_value.dtype == ir.DataType.BFLOAT16 else v.const_value.nbytes
+               for v in model.graph.initializers.values() if v.const_value is not None)
+
+
 def save_graph(model: ir.Model, path: Path) -> list[str]:
     """Write the model; returns the files written (model.onnx, and model.onnx.data for large weights)."""
-    weight_bytes = sum(v.const_value.nbytes for v in model.graph.initializers.values())
-    if weight_bytes > EXTERNAL_DATA_BYTES:
+    if float32_bytes(model) > EXTERNAL_DATA_BYTES:
         # small tensors (norms' scales, shape constants) stay in the graph file, as ORT's optimizer writes them
         ir.save(model, path, external_data=path.name + ".data", size_threshold_bytes=1024)
         return [path.name, path.name + ".data"]

@@ -48,17 +48,34 @@ def _scope(node: onnx.NodeProto) -> str:
     return "epilogue" if head in ("norm", "lm_head") else "prologue"
 
 
+def _widens_initializer(node: onnx.NodeProto, initializers: set[str]) -> bool:
+    """A Cast of an initializer: how a bf16-stored weight is read (toolchain/export/graph.py)."""
+    return node.op_type == "Cast" and node.domain in ("", "ai.onnx") and node.input[0] in initializers
+
+
 def cut(graph: onnx.GraphProto) -> dict[str, Piece]:
-    """The pieces of a graph the exporter wrote, by scope, each with its boundary values."""
+    """The pieces of a graph the exporter wrote, by scope, each with its boundary values. The Cast that widens a
+    bf16-stored weight goes into every piece that reads the weight (a tied embedding table is read by the
+    prologue and the epilogue), so that weights stay initializers of their pieces, never values between them."""
     initializers = {t.name for t in graph.initializer}
     pieces: dict[str, Piece] = {}
+    widened = {node.output[0]: node for node in graph.node if _widens_initializer(node, initializers)}
+    casts: dict[str, set[str]] = {}  # piece -> the widened weights it has its Cast of
     for node in graph.node:
-        pieces.setdefault(_scope(node), Piece(_scope(node))).nodes.append(node)
+        if node.output[0] in widened:
+            continue
+        piece = pieces.setdefault(_scope(node), Piece(_scope(node)))
+        for name in node.input:
+            if name in widened and name not in casts.setdefault(piece.scope, set()):
+                casts[piece.scope].add(name)
+                piece.nodes.append(widened[name])
+        piece.nodes.append(node)
     produced_in = {out: scope for scope, p in pieces.items() for n in p.nodes for out in n.output}
     for scope, piece in pieces.items():
         for node in piece.nodes:
             for name in node.input:
-                if name and name not in initializers and produced_in.get(name) != scope and name not in piece.inputs:
+                if name and name not in initializers and name not in widened and produced_in.get(name) != scope \
+                        and name not in piece.inputs:
                     piece.inputs.append(name)
                     if name in produced_in:
                         source = pieces[produced_in[name]]
@@ -148,7 +165,9 @@ def compare_layers(graph_path: Path, source_path: Path, backend: str, cases: lis
     layers = sorted((s for s in pieces if s.startswith("layers.")), key=lambda s: int(s.split(".")[1]))
     past_dims = {i.name: (i.type.tensor_type.shape.dim[1].dim_value, i.type.tensor_type.shape.dim[3].dim_value)
                  for i in model.graph.input if i.name.startswith("past_key_values.")}
-    embedded = next(n.output[0] for n in pieces["prologue"].nodes if n.op_type == "Gather" and n.input[0] == GRAPH_TABLE)
+    table = {GRAPH_TABLE} | {n.output[0] for n in pieces["prologue"].nodes if n.op_type == "Cast"
+                             and n.input[0] == GRAPH_TABLE}  # the table, or its Cast when stored in bf16
+    embedded = next(n.output[0] for n in pieces["prologue"].nodes if n.op_type == "Gather" and n.input[0] in table)
     config = ref.reference_config(source_path)
     worst: dict[str, float] = {}
     written = [_write(model, piece, graph_path.parent) for piece in pieces.values()]

@@ -11,6 +11,7 @@ from toolchain.export.graph import GraphBuilder
 class LlamaArchitecture:
     model_types: tuple[str, ...] = ("llama",)
     attention_kind = "gqa"
+    kv_cache = "per-head"
     genai_model_type: str | None = "llama"
 
     def check(self, config) -> None:

@@ -81,11 +81,14 @@ def parity_backends(lowering: str, requested: tuple[str, ...] | None) -> tuple[s
 class StackedExperts(LazyArray):
     """[E, rows, cols] float32 of every expert's matrices, read expert by expert when written. Each entry of
     ``experts`` holds one expert's [r, cols] sources (numpy or LazyArray); with two, their rows are interleaved
-    (row i of the first, then row i of the second)."""
+    (row i of the first, then row i of the second). Always float32: bf16 storage (toolchain/export/weights.py) is
+    for the 2-D weights; the compress stage's fused-expert path (toolchain/compress/moe.py) reads float32 ones."""
 
     experts: tuple = ()
 
-    def chunks(self) -> Iterator[np.ndarray]:
+    def chunks(self, dtype: torch.dtype = torch.float32) -> Iterator[np.ndarray]:
+        if dtype != torch.float32:
+            raise ValueError("stacked experts are stored in float32")
         for sources in self.experts:
             parts = [s.materialize() if isinstance(s, LazyArray) else np.asarray(s, np.float32) for s in sources]
             yield np.stack(parts, axis=1).reshape(-1) if len(parts) > 1 else parts[0].reshape(-1)

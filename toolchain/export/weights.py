@@ -4,11 +4,15 @@ The graph builders walk a transformers model for its structure and attributes (h
 settings). That model is a skeleton on the meta device: its parameters have shapes and names but no data. Each
 weight the builders ask for becomes a :class:`LazyArray`, a recipe to read the tensor from the checkpoint and
 transform it (reorder rows, transpose), which the graph keeps as an ``ir.LazyTensor``. onnx-ir's save evaluates
-them one at a time and calls ``tofile`` on each, and :class:`ChunkedTensor` writes its float32 bytes a few MB at
-a time: a weight is held in memory only in its checkpoint dtype (bf16 for bf16 and FP8 checkpoints), never as a
-full float32 copy beside a transposed one, so exporting needs about one weight's bf16 bytes whatever the model.
+them one at a time and calls ``tofile`` on each, and :class:`ChunkedTensor` writes its bytes a few MB at a time:
+a weight is held in memory only in its checkpoint dtype (bf16 for bf16 and FP8 checkpoints), never as a full
+float32 copy beside a transposed one, so exporting needs about one weight's bf16 bytes whatever the model.
 A model loaded with real weights (the embedded models' reference, tests) works the same way, its tensors taken
 as they are.
+
+Storage (``dstc export --weights``, recipe ``export.weights``): weights are written as float32, or, where the
+checkpoint's values are bf16 (bf16 and FP8 checkpoints), as bf16 initializers that the graph widens with a Cast
+to float32 (toolchain/export/graph.py): the same float32 values after the Cast, at half the bytes on disk.
 """
 
 from __future__ import annotations
@@ -16,35 +20,46 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
+import ml_dtypes
 import numpy as np
 import onnx_ir as ir
 import torch
 
+from toolchain.errors import InputError
+
 CHUNK_BYTES = 16 << 20  # float32 bytes written per step
+STORAGES = ("auto", "float32", "bfloat16")
+# "auto" stores bf16 above this many bytes of float32 weights: where the compress stage streams one weight at a time
+# (stages/compress.py STREAMING_BYTES) and parity runs layer by layer (parity.FULL_PARITY_BYTES), which read bf16
+# weights as they are; below it an export stays float32, as the embedded models' artifacts were built.
+BF16_AUTO_BYTES = 1 << 30
 
 
 @dataclass(frozen=True)
 class LazyArray:
-    """A float32 array that is read only when written: ``read()`` gives the source tensor (torch, any float
-    dtype); ``rows`` reorders or selects its first axis; ``transposed`` swaps the two axes of a matrix."""
+    """An array that is read only when written: ``read()`` gives the source tensor (torch, any float dtype);
+    ``rows`` reorders or selects its first axis; ``transposed`` swaps the two axes of a matrix. ``dtype``: the
+    dtype that holds the source's values exactly (bfloat16 for bf16 and FP8 checkpoints), which bounds the
+    storage that keeps them unchanged."""
 
     shape: tuple[int, ...]
     read: Callable[[], torch.Tensor]
     rows: np.ndarray | None = None
     transposed: bool = False
+    dtype: torch.dtype = torch.float32
 
     @property
     def T(self) -> "LazyArray":  # noqa: N802 - numpy's name
         if len(self.shape) != 2:
             raise ValueError(f"only a matrix is transposed lazily, not shape {self.shape}")
-        return LazyArray(self.shape[::-1], self.read, self.rows, not self.transposed)
+        return LazyArray(self.shape[::-1], self.read, self.rows, not self.transposed, self.dtype)
 
     def __getitem__(self, index) -> "LazyArray":
         """Rows of the source (an index array or a slice), before any transpose."""
         if self.transposed or self.rows is not None:
             raise ValueError("a lazy weight takes one row selection, before it is transposed")
         rows = np.arange(self.shape[0])[index]
-        return LazyArray((len(rows), *self.shape[1:]), self.read, rows)
+        return LazyArray((len(rows), *self.shape[1:]), self.read, rows, dtype=self.dtype)
 
     @property
     def nbytes(self) -> int:
@@ -56,33 +71,44 @@ class LazyArray:
             source = source[torch.from_numpy(self.rows)]
         return source
 
-    def chunks(self) -> Iterator[np.ndarray]:
-        """The float32 array in C order, a few MB at a time."""
+    def chunks(self, dtype: torch.dtype = torch.float32) -> Iterator[np.ndarray]:
+        """The array in C order, a few MB at a time, in ``dtype`` (float32, or bfloat16 as ml_dtypes' bfloat16)."""
         source = self._source()
         if not self.transposed:
             flat = source.reshape(-1)
             step = max(1, CHUNK_BYTES // 4)
             for start in range(0, flat.numel(), step):
-                yield flat[start:start + step].to(torch.float32).numpy()
+                yield _numpy(flat[start:start + step], dtype)
             return
         rows, cols = source.shape
         step = max(1, CHUNK_BYTES // (4 * rows))  # output rows are source columns
         for start in range(0, cols, step):
-            yield np.ascontiguousarray(source[:, start:start + step].to(torch.float32).numpy().T)
+            yield np.ascontiguousarray(_numpy(source[:, start:start + step], dtype).T)
 
-    def materialize(self) -> np.ndarray:
-        return np.concatenate([c.reshape(-1) for c in self.chunks()]).reshape(self.shape)
+    def materialize(self, dtype: torch.dtype = torch.float32) -> np.ndarray:
+        return np.concatenate([c.reshape(-1) for c in self.chunks(dtype)]).reshape(self.shape)
+
+
+def _numpy(t: torch.Tensor, dtype: torch.dtype) -> np.ndarray:
+    """``t`` in ``dtype`` as numpy; numpy has no bfloat16, so its bits are viewed as ml_dtypes' (any strides)."""
+    t = t.to(dtype)
+    return t.numpy() if dtype == torch.float32 else t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+
+
+_IR_DTYPES = {torch.float32: ir.DataType.FLOAT, torch.bfloat16: ir.DataType.BFLOAT16}
 
 
 class ChunkedTensor:
-    """An ONNX float32 tensor (onnx-ir's TensorProtocol) whose bytes are produced chunk by chunk when it is written
-    to a file. What onnx-ir's LazyTensor hands the writer when it is evaluated; nothing else holds one."""
+    """An ONNX float32 or bfloat16 tensor (onnx-ir's TensorProtocol) whose bytes are produced chunk by chunk when
+    it is written to a file. What onnx-ir's LazyTensor hands the writer when it is evaluated; nothing else holds
+    one."""
 
-    def __init__(self, array: LazyArray, name: str | None = None) -> None:
+    def __init__(self, array: LazyArray, name: str | None = None, dtype: torch.dtype = torch.float32) -> None:
         self.name = name
         self.doc_string = None
         self.metadata_props: dict[str, str] = {}
         self._array = array
+        self._dtype = dtype
         self._shape = ir.Shape(array.shape, frozen=True)
 
     @property
@@ -91,11 +117,11 @@ class ChunkedTensor:
 
     @property
     def nbytes(self) -> int:
-        return self._array.nbytes
+        return self.size * self._dtype.itemsize
 
     @property
     def dtype(self) -> ir.DataType:
-        return ir.DataType.FLOAT
+        return _IR_DTYPES[self._dtype]
 
     @property
     def shape(self) -> ir.Shape:
@@ -106,7 +132,7 @@ class ChunkedTensor:
         return self._array
 
     def numpy(self) -> np.ndarray:
-        return self._array.materialize()
+        return self._array.materialize(self._dtype)
 
     def __array__(self, dtype=None, copy=None) -> np.ndarray:
         array = self.numpy()
@@ -116,7 +142,7 @@ class ChunkedTensor:
         return self.numpy().tobytes()
 
     def tofile(self, file) -> None:
-        for chunk in self._array.chunks():
+        for chunk in self._array.chunks(self._dtype):
             file.write(chunk.tobytes())
 
 
@@ -140,7 +166,8 @@ class Params:
         reader = self.reader
         if reader is None:
             raise ValueError("a meta-device model needs a checkpoint reader for its weights")
-        return LazyArray(shape, lambda: reader.tensor(name, reader.natural_dtype(name)))
+        dtype = reader.natural_dtype(name)
+        return LazyArray(shape, lambda: reader.tensor(name, dtype), dtype=dtype)
 
     def array(self, t: torch.Tensor) -> np.ndarray | LazyArray:
         if t.device.type != "meta":
@@ -160,3 +187,22 @@ class Params:
         return (self._lazy(f"{prefix}.{e}.gate_proj.weight", (inter, hidden)),
                 self._lazy(f"{prefix}.{e}.up_proj.weight", (inter, hidden)),
                 self._lazy(f"{prefix}.{e}.down_proj.weight", (hidden, inter)))
+
+
+def storage_for(choice: str, reader) -> str:
+    """How an export stores its weights for ``choice`` (STORAGES): "float32", or "bfloat16" for every matrix whose
+    checkpoint values are bf16 (vectors, and matrices of other dtypes, stay float32). "auto" is "bfloat16" for a
+    bf16 or FP8 checkpoint above BF16_AUTO_BYTES of float32 weights; "bfloat16" on a checkpoint without bf16
+    values is an InputError (bf16 would round them)."""
+    if choice not in STORAGES:
+        raise InputError(f"unknown weight storage {choice!r}; storages: {', '.join(STORAGES)}")
+    if choice == "float32" or reader is None:
+        return "float32"
+    exact = any(len(reader.shape(n)) >= 2 and reader.natural_dtype(n) == torch.bfloat16 for n in reader.names())
+    if choice == "bfloat16" and not exact:
+        dtypes = sorted({str(reader.stored_dtype(n)).removeprefix("torch.") for n in reader.names()})
+        raise InputError(f"{reader.path}: bfloat16 weight storage keeps bf16 checkpoint values exactly, and this "
+                         f"checkpoint's are {'/'.join(dtypes)}, which bf16 would round; use float32 or auto")
+    if choice == "auto" and not (exact and reader.parameters() * 4 > BF16_AUTO_BYTES):
+        return "float32"
+    return "bfloat16"

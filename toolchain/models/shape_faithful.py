@@ -98,16 +98,21 @@ def _shapes(model, tied: bool) -> list[tuple[str, tuple[int, ...], str, int | No
     return out
 
 
-def _write_shards(model, config, directory: Path, generator: torch.Generator) -> None:
+def _write_shards(model, config, directory: Path, generator: torch.Generator, fp8: bool = False) -> None:
     """The weights as safetensors shards of about SHARD_BYTES, each tensor drawn when its shard is written, with
-    model.safetensors.index.json when there is more than one: memory holds one shard, not the model."""
+    model.safetensors.index.json when there is more than one: memory holds one shard, not the model. ``fp8``:
+    DeepSeek-V3's hub layout (toolchain/checkpoint/fp8.py), each projection weight quantized from its bf16 draw
+    as write_fp8_checkpoint quantizes a bf16 checkpoint."""
     from safetensors.torch import save_file
+
+    from toolchain.checkpoint.fp8 import quantized_in_hub_layout, quantize_fp8
+    from toolchain.checkpoint.reader import SCALE_SUFFIX
 
     shapes = _shapes(model, bool(config.tie_word_embeddings))
     shards: list[list[tuple]] = [[]]
     size = 0
     for entry in shapes:
-        nbytes = int(np.prod(entry[1])) * 2
+        nbytes = int(np.prod(entry[1])) * (1 if fp8 and quantized_in_hub_layout(entry[0], entry[1]) else 2)
         if shards[-1] and size + nbytes > SHARD_BYTES:
             shards.append([])
             size = 0
@@ -131,9 +136,16 @@ def _write_shards(model, config, directory: Path, generator: torch.Generator) ->
                 tensor = fused[key][half * shape[0]:(half + 1) * shape[0]].clone()
                 if half == 1:
                     del fused[key]
+            if fp8 and quantized_in_hub_layout(hub_name, shape):
+                tensor, scale = quantize_fp8(tensor)
+                tensors[hub_name + SCALE_SUFFIX] = scale
+                weight_map[hub_name + SCALE_SUFFIX] = file
+                total += scale.numel() * 4
+            elif fp8 and hub_name.endswith("e_score_correction_bias"):  # float32 in the hub's files
+                tensor = tensor.float()
             tensors[hub_name] = tensor
             weight_map[hub_name] = file
-            total += tensor.numel() * 2
+            total += tensor.numel() * tensor.element_size()
         save_file(tensors, str(directory / file), metadata={"format": "pt"})
         del tensors
     if len(names) > 1:
@@ -142,15 +154,23 @@ def _write_shards(model, config, directory: Path, generator: torch.Generator) ->
 
 
 def make_shape_faithful(reference: str, out_dir: Path, num_layers: int = 4, num_experts: int | None = None,
-                        seed: int = 0) -> Path:
+                        seed: int = 0, fp8: bool = False) -> Path:
     """Write a seeded random checkpoint of ``reference`` in Hugging Face layout to ``out_dir``.
 
     Weights are N(0, initializer_range) drawn in fp32 and stored in bf16, norms are ones; the router's
     e_score_correction_bias gets random values too so its path matters. The vocabulary keeps its real size:
     the embedded tokenizer, copied for text I/O, uses only the lowest ids, and ids above it are valid inputs.
     Tensors are drawn and written a shard at a time (R1-Distill-Qwen-7B at 28 layers is 15 GB of bf16).
+    ``fp8``: DeepSeek-V3 in its hub's FP8 layout (e4m3 projections with 128 x 128 block scales), the same values
+    as write_fp8_checkpoint makes of the bf16 checkpoint, without writing that first (V3's real widths at 4
+    layers: 17 GB instead of 30 + 17).
     """
-    config = reference_to_config(reference_config(reference), num_layers, num_experts)
+    from toolchain.checkpoint.fp8 import QUANTIZATION_CONFIG
+
+    raw = reference_config(reference)
+    if fp8 and raw.get("model_type") != "deepseek_v3":
+        raise InputError(f"--fp8 writes DeepSeek-V3's hub layout; {reference} is {raw.get('model_type')}")
+    config = reference_to_config(raw, num_layers, num_experts)
     check_writable_target(out_dir)  # before drawing a model that may take minutes
     config.dtype = _DTYPE
     with torch.device("meta"):
@@ -159,7 +179,9 @@ def make_shape_faithful(reference: str, out_dir: Path, num_layers: int = 4, num_
     # Written beside the target and renamed into place: an existing checkpoint there is replaced only if dstc
     # wrote it, and never left half-overwritten.
     with atomic_output_dir(Path(out_dir)) as tmp:
-        _write_shards(model, config, tmp, generator)
+        _write_shards(model, config, tmp, generator, fp8)
+        if fp8:
+            config.quantization_config = dict(QUANTIZATION_CONFIG)
         config.architectures = [type(model).__name__]  # as save_pretrained records it (optimum-cli reads it)
         config.save_pretrained(tmp)
         GenerationConfig(bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id).save_pretrained(tmp)

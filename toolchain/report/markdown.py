@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
+from toolchain.hardware import cpu_line
 from toolchain.report.schema import LatencyCase, Report
 
 # the order readers expect; a metric not listed follows, alphabetically
@@ -136,7 +137,7 @@ def title(report: Report) -> str:
 def settings_items(report: Report) -> list[str]:
     """Threads (the number used, from the environment), then every setting that has a value (warm-up,
     repetitions, prompt lengths, ...) in the report's own order."""
-    threads = report.environment.get("threads", report.settings.get("threads"))
+    threads = report.environment.threads or report.settings.get("threads")
     items = {"threads": threads, **{k: v for k, v in report.settings.items() if k != "threads"}}
     return [f"{k.replace('_', ' ')} {_plain(v)}" for k, v in items.items() if v not in (None, "", [], {})]
 
@@ -151,11 +152,14 @@ def facts(report: Report) -> list[tuple[str, str]]:
     size = f"{a['size_bytes'] / 1e6:,.1f} MB" if isinstance(a.get("size_bytes"), (int, float)) else ""
     sha = str(a.get("manifest_sha256") or "")[:12]
     artifact = (str(a.get("path", "")), size, f"manifest {sha}" if sha else "")
+    cpu = cpu_line(env.cpu.model_dump())
+    machine = (f"host {env.host}" if env.host else "", f"cpu {cpu}" if cpu else "",
+               f"cores {env.cores}" if env.cores else "")
     lines = [("artifact", " · ".join(x for x in artifact if x)),
              ("reference", " · ".join(_plain(v) for v in report.reference.values())),
-             ("machine", " · ".join(f"{k} {_plain(v)}" for k, v in env.items()
-                                    if k != "threads" and v not in (None, "") and not isinstance(v, (dict, list))))]
-    lines += [(k.replace("_", " "), _plain(v)) for k, v in env.items() if v and isinstance(v, (dict, list))]
+             ("machine", " · ".join(x for x in machine if x))]
+    lines += [(k.replace("_", " "), _plain(v)) for k, v in (("runtime_config", env.runtime_config),
+                                                            ("versions", env.versions)) if v]
     return [(label, text) for label, text in lines if text]
 
 
@@ -211,7 +215,7 @@ DERIVED = ("perplexity_increase", "exact_match_drop")
 
 def summary_settings(report: Report) -> list[str]:
     """The settings one needs to read the numbers: threads, data sizes, latency cases and repetitions."""
-    s, threads = report.settings, report.environment.get("threads", report.settings.get("threads"))
+    s, threads = report.settings, report.environment.threads or report.settings.get("threads")
     items = [f"{threads} threads" if threads else "", f"{s['texts']} texts" if s.get("texts") else "",
              f"{s['problems']} problems" if s.get("task") and s.get("problems") else ""]
     if report.latency:

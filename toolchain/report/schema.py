@@ -19,7 +19,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from toolchain.errors import InputError
 from toolchain.manifest import MANIFEST, REPORT_FILES, check_report_binding, read_json_file, self_digest
 
-SCHEMA = "dstc.report/1"
+SCHEMA = "dstc.report/2"
+# Reports of these schemas are read too, upgraded to SCHEMA (_upgrade).
+OLDER_SCHEMAS = ("dstc.report/1",)
 
 Direction = Literal["lower", "higher", "none"]
 
@@ -34,6 +36,25 @@ class Metric(_Strict):
     direction: Direction
     description: str
     reference: float | None = None  # the fp32 PyTorch reference's value, where one exists
+
+
+class Cpu(_Strict):
+    """The CPU latency was measured on (toolchain/hardware.py describe_cpu)."""
+
+    model: str | None = None  # as the OS reports it; a virtual machine may show a generic name
+    vendor: str | None = None
+    architecture: str = ""
+    logical_cores: int | None = None
+    isa: list[str] = Field(default_factory=list)  # of toolchain.hardware.ISA_EXTENSIONS: avx512_vnni, amx_int8 ...
+
+
+class Environment(_Strict):
+    host: str | None = None
+    cpu: Cpu = Field(default_factory=Cpu)
+    cores: int | None = None
+    threads: int | None = None
+    runtime_config: dict = Field(default_factory=dict)  # the runtime's settings as read back from it
+    versions: dict[str, str] = Field(default_factory=dict)
 
 
 class LatencyCase(_Strict):
@@ -110,7 +131,7 @@ class Report(_Strict):
     schema_: str = Field(SCHEMA, alias="schema")
     artifact: dict  # path, recipe, backend, model, model_type, manifest_sha256, size_bytes
     reference: dict  # model, path, runtime ("pytorch eager fp32")
-    environment: dict  # threads, cpu, host, versions, runtime_config
+    environment: Environment = Field(default_factory=Environment)
     settings: dict  # texts, problems, prompt lengths, batches, new tokens, warm-up, repetitions, seeds
     metrics: dict[str, Metric]
     latency: list[LatencyCase] = Field(default_factory=list)
@@ -138,10 +159,20 @@ class Report(_Strict):
 def read_report_data(path: Path) -> dict:
     """report.json as a dict of the right schema whose digest (when it has one) matches its content."""
     data = read_json_file(path, "report")
-    if data.get("schema") != SCHEMA:
+    if data.get("schema") != SCHEMA and data.get("schema") not in OLDER_SCHEMAS:
         raise InputError(f"{path}: not a dstc report of schema {SCHEMA} (schema: {str(data.get('schema'))[:40]!r})")
     if data.get("digest") is not None and data["digest"] != self_digest(data):
         raise InputError(f"{path} was changed after dstc wrote it (its content does not match its digest)")
+    return data
+
+
+def _upgrade(data: dict) -> dict:
+    """A report of an older schema as SCHEMA: dstc.report/1 had the architecture alone as ``environment.cpu``."""
+    if data.get("schema") == "dstc.report/1":
+        environment = dict(data.get("environment") or {})
+        if isinstance(environment.get("cpu"), str):
+            environment["cpu"] = {"architecture": environment["cpu"]}
+        data = {**data, "schema": SCHEMA, "environment": environment}
     return data
 
 
@@ -153,7 +184,7 @@ def load_report(path: Path) -> Report:
         path = path / REPORT_FILES[0]
     data = read_report_data(path)
     try:
-        report = Report.model_validate(data)
+        report = Report.model_validate(_upgrade(data))
     except ValidationError as e:
         first = e.errors()[0]
         key = ".".join(str(p) for p in first["loc"]) or "(top level)"

@@ -10,12 +10,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from toolchain.compile.onnxruntime_artifact import MODEL as ONNX_MODEL, WEIGHTS as ONNX_WEIGHTS
 from toolchain.compile.openvino_ir import MODEL_XML
 from toolchain.errors import InputError
 from toolchain.manifest import MANIFEST, read_manifest
 from toolchain.stages.inputs import read_json
+from toolchain.stages.reports import CompileReport
+
+if TYPE_CHECKING:
+    from toolchain.manifest_schema import Manifest
 
 COMPILE_REPORT = "compile.json"
 
@@ -24,7 +29,7 @@ COMPILE_REPORT = "compile.json"
 class Artifact:
     path: Path
     backend: str  # "openvino" | "onnxruntime"
-    manifest: dict  # manifest.json of a build; {} for a compile-only directory
+    manifest: Manifest | None  # manifest.json of a build; None for a compile-only directory
     config: dict
     generation: dict
 
@@ -96,8 +101,8 @@ def open_artifact(path: Path | str) -> Artifact:
     if not (path / "config.json").is_file():
         raise InputError(f"{path} is not a compiled artifact: no config.json")
     generation = path / "generation_config.json"
-    manifest = read_manifest(path) if (path / MANIFEST).is_file() else {}
-    listed = manifest["files"] if manifest else read_json(path / COMPILE_REPORT).get("files") or []
+    manifest = read_manifest(path) if (path / MANIFEST).is_file() else None
+    listed = manifest.files if manifest else CompileReport.read(path / COMPILE_REPORT).files
     missing = sorted(name for name in listed if not (path / name).is_file())
     if missing:
         raise InputError(f"{path} is incomplete: {', '.join(missing[:3])}{' ...' if len(missing) > 3 else ''} "

@@ -20,7 +20,10 @@ cache over a changing set of sequences are implemented, told apart by ``layout``
 
 OpenVINO. openvino_genai's ContinuousBatchingPipeline does this itself (paged attention over KV-cache blocks,
 chunked prefill, prefix caching): ``openvino_pipeline`` builds one over a dstc artifact's stateful IR, which the
-pipeline converts to paged attention when it loads it.
+pipeline converts to paged attention when it loads it. It finds the attention to convert as ScaledDotProductAttention, which
+MLA's latent cache (toolchain/export/deepseek.py) does not have: such an artifact is refused, and served on ONNX
+Runtime or built with the per-head cache instead. (openvino_genai's LLMPipeline falls back to the stateful IR and
+runs it.)
 """
 
 from __future__ import annotations
@@ -342,7 +345,17 @@ def openvino_pipeline(artifact: Artifact, settings: PipelineSettings):
     scheduler.num_kv_blocks = settings.max_batch * (blocks_per_sequence + 1)
     properties = {**(NUMERICS['exact'] if settings.f32 else {}), "KV_CACHE_PRECISION": kv_cache_precision(settings),
                   **({"INFERENCE_NUM_THREADS": settings.threads} if settings.threads else {})}
-    pipeline = openvino_genai.ContinuousBatchingPipeline(str(artifact.path), scheduler, "CPU", properties)
+    try:
+        pipeline = openvino_genai.ContinuousBatchingPipeline(str(artifact.path), scheduler, "CPU", properties)
+    except RuntimeError as e:
+        if "ScaledDotProductAttention" not in str(e):
+            raise
+        # genai's paged attention replaces the graph's attention and its cache; MLA's latent cache has neither
+        # form (scores are two products over two cached tensors, toolchain/export/deepseek.py)
+        raise InputError(f"{artifact.path}: openvino_genai's continuous batching needs the graph's attention as "
+                         f"ScaledDotProductAttention, to page its KV cache, and this artifact has none (an MLA latent "
+                         f"cache); serve it on ONNX Runtime, or build it with export.mla_cache: per-head "
+                         f"(dstc export --mla-cache per-head)") from None
     return pipeline, properties, scheduler
 
 

@@ -24,6 +24,7 @@ import numpy as np
 from toolchain.compile.onnxruntime_artifact import MODEL as ONNX_MODEL
 from toolchain.compile.openvino_ir import MODEL_XML, PAST_PREFIX, PRESENT_PREFIX
 from toolchain.errors import InputError
+from toolchain.hardware import cpu_flags
 from toolchain.runtime import engines
 from toolchain.runtime.artifact import Artifact
 from toolchain.runtime.last_logits import INPUT as LOGITS_TO_KEEP, openvino_with_logits_to_keep
@@ -178,7 +179,7 @@ def _fused_mlp_divides_by_zero(model, config: dict) -> bool:
     property keeps bf16 and avoids it (streams, pinning, hyper-threading, TBB partitioner, core type and dynamic
     quantization crash alike), so the decoder refuses rather than measure another precision than users deploy.
     """
-    if "amx_bf16" not in _cpu_flags() or not any(_is_fusable_mlp(op) for op in model.get_ordered_ops()):
+    if "amx_bf16" not in cpu_flags() or not any(_is_fusable_mlp(op) for op in model.get_ordered_ops()):
         return False
     import openvino as ov
     import openvino.opset13 as opset
@@ -189,15 +190,6 @@ def _fused_mlp_divides_by_zero(model, config: dict) -> bool:
     probe = engines.openvino_compile(ov.Model([opset.relu(x)], [x], "probe"), "deployment", config=config)
     per_stream = int(probe.get_property("INFERENCE_NUM_THREADS")) // int(probe.get_property("NUM_STREAMS"))
     return per_stream == 1 and probe.get_property("INFERENCE_PRECISION_HINT") == ov.Type.bf16
-
-
-def _cpu_flags() -> set[str]:
-    """The CPU's feature flags as Linux reports them (none elsewhere)."""
-    try:
-        with open("/proc/cpuinfo") as cpuinfo:
-            return next((set(line.split(":", 1)[1].split()) for line in cpuinfo if line.startswith("flags")), set())
-    except OSError:
-        return set()
 
 
 def _is_fusable_mlp(op) -> bool:

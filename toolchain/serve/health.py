@@ -17,10 +17,14 @@ import re
 import threading
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from toolchain.errors import InputError
+
+if TYPE_CHECKING:
+    from toolchain.recipe import ServeSection
 
 LATENCY_METRICS = tuple(f"{kind}_p{q}_ms" for kind in ("ttft", "itl") for q in (50, 90, 99))
 METRICS = (*LATENCY_METRICS, "queue_depth", "running_batch", "kv_cache_usage", "rejected_per_minute")
@@ -88,18 +92,12 @@ def parse_threshold(text: str) -> Threshold:
     return Threshold(match.group(1), **limits)
 
 
-def recipe_thresholds(manifest: dict) -> list[Threshold]:
-    """The thresholds of the recipe the artifact was built from: ``serve: {thresholds: {METRIC: {warn, ok,
-    alert}}}`` in manifest.json's resolved recipe (none when it has no such section)."""
-    section = ((manifest.get("recipe") or {}).get("serve") or {}).get("thresholds") or {}
-    if not isinstance(section, dict):
-        raise InputError("the recipe's serve.thresholds is not a mapping of metric to limits")
-    out = []
-    for metric, limits in section.items():
-        if not isinstance(limits, dict) or set(limits) - {"warn", "ok", "alert"} or "warn" not in limits:
-            raise InputError(f"the recipe's serve.thresholds.{metric} needs warn (and optionally ok, alert)")
-        out.append(Threshold(metric, **{k: float(v) for k, v in limits.items() if v is not None}))
-    return out
+def recipe_thresholds(serve: ServeSection | None) -> list[Threshold]:
+    """The thresholds of the recipe the artifact was built from: its ``serve: {thresholds: {METRIC: {warn, ok,
+    alert}}}`` section, from manifest.json's recipe (none without one), checked when the recipe loaded."""
+    if serve is None:
+        return []
+    return [Threshold(metric, limits.warn, limits.ok, limits.alert) for metric, limits in serve.thresholds.items()]
 
 
 def merge_thresholds(*layers: list[Threshold] | tuple[Threshold, ...]) -> list[Threshold]:

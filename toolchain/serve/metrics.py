@@ -23,6 +23,7 @@ from prometheus_client.core import GaugeMetricFamily
 
 from toolchain.serve.engine import Observer
 from toolchain.serve.health import STATUSES, HealthMonitor
+from toolchain.stages.reports import CompressionReport
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 TTFT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.25, 0.3, 0.35, 0.5, 0.75, 1.0,
@@ -104,11 +105,10 @@ class ServerMetrics(Observer):
         """The live gauges read from ``engine``; the artifact's description and quantization error summary."""
         self.engine = engine
         self.registry.register(_LiveGauges(self))
-        compression = (artifact.manifest.get("provenance") or {}).get("stage_reports", {}) \
-            .get("compress/compression.json") or {}
+        compression = artifact.manifest.provenance.report("compress", CompressionReport) if artifact.manifest else None
         info = Gauge("dstc_artifact_info", "The artifact served (value 1).", ["model", "backend", "scheme"],
                      registry=self.registry)
-        info.labels(model_name, artifact.backend, str(compression.get("scheme") or "none")).set(1)
+        info.labels(model_name, artifact.backend, compression.scheme if compression else "none").set(1)
         _quantization_gauges(self.registry, compression)
 
 
@@ -144,26 +144,26 @@ class _LiveGauges:
         yield checks
 
 
-def _quantization_gauges(registry: CollectorRegistry, compression: dict) -> None:
-    if not compression:
+def _quantization_gauges(registry: CollectorRegistry, compression: CompressionReport | None) -> None:
+    if compression is None:
         return
-    weights, model = compression.get("weights") or {}, compression.get("model") or {}
+    weights, model = compression.weights, compression.model
     scalars = {
         "dstc_quantization_bits_per_weight": ("Mean bits per weight of the compressed model.",
-                                              weights.get("bits_per_weight")),
-        "dstc_quantization_size_bytes": ("Size of the compressed model files.", compression.get("size_bytes")),
+                                              weights.bits_per_weight),
+        "dstc_quantization_size_bytes": ("Size of the compressed model files.", compression.size_bytes),
         "dstc_quantization_input_size_bytes": ("Size of the model before compression.",
-                                               compression.get("input_size_bytes")),
+                                               compression.input_size_bytes),
         "dstc_quantization_top1_agreement": ("Top-1 agreement with the uncompressed model on calibration text.",
-                                             model.get("top1_agreement")),
+                                             model.top1_agreement),
         "dstc_quantization_kl_mean_nats": ("Mean next-token KL(uncompressed || compressed) on calibration text.",
-                                           model.get("kl_mean")),
-        "dstc_quantization_kl_max_nats": ("Largest next-token KL on calibration text.", model.get("kl_max")),
+                                           model.kl_mean),
+        "dstc_quantization_kl_max_nats": ("Largest next-token KL on calibration text.", model.kl_max),
         "dstc_quantization_routing_agreement_min": ("Lowest MoE routing agreement over layers.",
-                                                    compression.get("routing_agreement_min")),
+                                                    compression.routing_agreement_min),
     }
     for name, (doc, value) in scalars.items():
-        if isinstance(value, (int, float)):
+        if value is not None:
             Gauge(name, doc, registry=registry).set(value)
     per_layer = {
         "dstc_quantization_weight_error_max": ("Largest relative weight error ||W - Q(W)|| / ||W|| in the layer.",
@@ -175,17 +175,16 @@ def _quantization_gauges(registry: CollectorRegistry, compression: dict) -> None
     }
     for name, (doc, key) in per_layer.items():
         gauge = None
-        for row in compression.get("layers") or []:
-            value = row.get(key)
-            if isinstance(value, (int, float)):
+        for row in compression.layers:
+            value = getattr(row, key)
+            if value is not None:
                 gauge = gauge or Gauge(name, doc, ["layer"], registry=registry)
-                gauge.labels(str(row.get("layer"))).set(value)
-    routing = compression.get("routing") or []
-    if routing:
+                gauge.labels(str(row.layer)).set(value)
+    if compression.routing:
         gauge = Gauge("dstc_quantization_routing_agreement", "MoE routing agreement per layer.", ["layer"],
                       registry=registry)
-        for row in routing:
-            gauge.labels(str(row["layer"])).set(row["agreement"])
+        for row in compression.routing:
+            gauge.labels(str(row.layer)).set(row.agreement)
 
 
 def render(metrics: ServerMetrics) -> bytes:

@@ -57,7 +57,7 @@ class Service:
         if self.context < 2:
             raise InputError(f"a context of {self.context} tokens leaves no room for a prompt and an answer")
         self.tokenizer = artifact.tokenizer()
-        thresholds = merge_thresholds(DEFAULT_THRESHOLDS, recipe_thresholds(artifact.manifest),
+        thresholds = merge_thresholds(DEFAULT_THRESHOLDS, recipe_thresholds(artifact.manifest.recipe.serve if artifact.manifest else None),
                                       [parse_threshold(t) for t in settings.thresholds])
         self.engine: RemoteEngine | None = None
         self.health = HealthMonitor(thresholds, window_s=settings.health_window_s, gauges=self._gauges)

@@ -38,7 +38,9 @@ from toolchain.compress import moe as fused_moe
 from toolchain.compress.streaming import blocked_dq_to_nbits
 from toolchain.compress.policy import Policy, layer_of, role_of
 from toolchain.errors import InputError
+from toolchain.recipe import CompressSection
 from toolchain.runtime.engines import GraphRunner, ort_kernels
+from toolchain.stages.reports import CompressionReport
 
 TARGETS = ("onnxruntime", "openvino")
 CALIBRATION_SEQUENCES = 16
@@ -55,22 +57,16 @@ def head_layout(model: ir.Model) -> dict[str, tuple[str, int]]:
     return {projection: (side, int(width)) for projection, (side, width) in layout.items()}
 
 
-def _check(target: str, **options) -> None:
-    """The options as a recipe's compress section would hold them, and their cross-field rules for ``target``."""
-    from pydantic import ValidationError
-
-    from toolchain.recipe import CompressSection
-
+def compress_options(target: str, options: dict) -> CompressSection:
+    """The options as a recipe's compress section holds them (``scheme`` int4-grouped unless given), checked with
+    its cross-field rules for ``target``: an InputError before anything is read."""
     if target not in TARGETS:
         raise InputError(f"unknown target {target!r}; targets: {', '.join(TARGETS)}")
-    try:
-        section = CompressSection(**options)
-    except ValidationError as e:
-        first = e.errors()[0]
-        raise InputError(f"{'.'.join(map(str, first['loc']))}: {first['msg']}") from None
+    section = CompressSection.check({"scheme": "int4-grouped", **options})
     problem = section.problem(target)
     if problem:
         raise InputError(problem)
+    return section
 
 
 def _weight_rows(weights, plan, restored, rows, layout) -> list[dict]:
@@ -90,11 +86,13 @@ def _weight_rows(weights, plan, restored, rows, layout) -> list[dict]:
                "weight_error": metrics.relative_error(original, r.array),
                "output_error": metrics.output_error(x, original, r.array) if w.kind == "matmul" else None}
         projection = w.name.split("/")[-2] if "/" in w.name else ""
-        if w.kind == "matmul" and projection in layout and len(w.shape) == 2:
-            side, width = layout[projection]
-            if (w.shape[1] if side == "out" else w.shape[0]) % width == 0:
-                row["head_side"] = "output channels" if side == "out" else "input rows"
-                row["heads"] = metrics.head_errors(x, original, r.array, side, width)
+        side, width = layout.get(projection, ("", 0)) if w.kind == "matmul" else ("", 0)
+        if side == "stacked" and len(w.shape) == 3:  # MLA's absorbed kv_b_proj: a head per index of axis 0
+            row["head_side"] = "stacked"
+            row["heads"] = metrics.head_errors(x, original, r.array, side, 1)
+        elif side and len(w.shape) == 2 and (w.shape[1] if side == "out" else w.shape[0]) % width == 0:
+            row["head_side"] = "output channels" if side == "out" else "input rows"
+            row["heads"] = metrics.head_errors(x, original, r.array, side, width)
         out.append(row)
     return out
 
@@ -116,32 +114,21 @@ def _layer_summary(rows: list[dict]) -> list[dict]:
     return out
 
 
-def compress(in_dir: Path, out_dir: Path, *, target: str = "onnxruntime", scheme: str = "int4-grouped",
-             group_size: int = 128, sym: bool = False, ratio: float = 1.0, backup: str = "int8",
-             awq: bool = False, scale_estimation: bool = False, gptq: bool = False,
-             dataset: str | Path = "embedded", ignored_scope: list[str] | tuple[str, ...] = (),
-             accuracy_level: int | None = 4, embeddings: str = "int8", lm_head: str = "int8",
-             router: str = "fp32", shared_experts: str = "scheme", ignore: list[str] | tuple[str, ...] = (),
-             streaming: str = "auto", source: Path | None = None,
-             log: Callable[[str], None] = lambda _: None) -> dict:
+def compress(in_dir: Path, out_dir: Path, *, target: str = "onnxruntime", source: Path | None = None,
+             log: Callable[[str], None] = lambda _: None, **options) -> dict:
     """Compress IN's model.onnx into OUT (see the module doc); returns compression.json's content.
 
-    ``streaming``: "auto" compresses one weight at a time (toolchain/compress/streaming.py) when the export's
-    float weights exceed STREAMING_BYTES, "always" / "never" choose that form or NNCF's whole-model call.
-
-    ``ignored_scope`` (``ignore``, the recipe's name for it, adds to it): weights or nodes kept in fp32, by exact
-    name or regular expression. ``embeddings`` / ``lm_head``: "int8" | "int4" | "fp32"; ``router``: "fp32" |
-    "int8" | "scheme"; ``shared_experts``: "scheme" | "int8" | "fp32" (toolchain/compress/policy.py).
+    ``options``: the fields of a recipe's compress section (toolchain/recipe.py CompressSection, where each is
+    described), ``scheme`` int4-grouped unless given. ``streaming`` "auto" compresses one weight at a time
+    (toolchain/compress/streaming.py) when the export's float weights exceed STREAMING_BYTES.
     """
-    from toolchain.export.graph import save_graph
+    from toolchain.export.graph import float32_bytes, save_graph
     from toolchain.stages.inputs import read_export
 
     in_dir, out_dir = Path(in_dir), Path(out_dir)
-    policy = Policy(scheme, embeddings=embeddings, lm_head=lm_head, router=router, shared_experts=shared_experts,
-                    ignored_scope=(*ignored_scope, *ignore))
-    _check(target, scheme=scheme, group_size=group_size, sym=sym, ratio=ratio, backup=backup,
-           accuracy_level=accuracy_level, awq=awq, scale_estimation=scale_estimation, gptq=gptq,
-           embeddings=embeddings, lm_head=lm_head, router=router, shared_experts=shared_experts)
+    section = compress_options(target, {k: str(v) if isinstance(v, Path) else v for k, v in options.items()})
+    policy = Policy(section.scheme, embeddings=section.embeddings, lm_head=section.lm_head, router=section.router,
+                    shared_experts=section.shared_experts, ignored_scope=tuple(section.ignore))
     report, source = read_export(in_dir, source)
     config = json.loads((source / "config.json").read_text())
     timings = {}
@@ -149,22 +136,22 @@ def compress(in_dir: Path, out_dir: Path, *, target: str = "onnxruntime", scheme
     t0 = time.perf_counter()
     model = ir.load(in_dir / "model.onnx")
     layout = head_layout(model)
-    options = engine.Options(scheme, group_size, sym, ratio, backup, awq, scale_estimation, gptq, accuracy_level,
+    options = engine.Options(**section.model_dump(),
                              head_blocks={p: w for p, (side, w) in layout.items() if side == "out"})
     fused = fused_moe.fused_layers(model)  # experts of a fused MoE lowering, which NNCF does not see
     fused_moe.check(fused, target, options)
-    weight_bytes = sum(v.const_value.nbytes for v in model.graph.initializers.values() if v.const_value is not None)
-    if streaming == "always" or (streaming == "auto" and weight_bytes > STREAMING_BYTES):
+    weight_bytes = float32_bytes(model)  # bf16-stored weights as float32: the same choice for either storage
+    if options.streaming == "always" or (options.streaming == "auto" and weight_bytes > STREAMING_BYTES):
         if options.data_aware:
             raise InputError(f"{in_dir} has {weight_bytes / 2**30:.1f} GiB of float weights: data-aware compression "
                              f"(awq, scale estimation, gptq, ratio < 1) runs on the whole model and is not available "
                              f"in bounded memory; use the data-free scheme")
-        return _compress_streaming(model, in_dir, out_dir, target, scheme, options, policy, report, dataset,
-                                   accuracy_level, timings, t0, log, fused)
+        return _compress_streaming(model, in_dir, out_dir, target, options, policy, report, timings, t0, log, fused)
+    engine.widen_stored_weights(model)  # NNCF and the metrics take float32 weights
     weights = engine.graph_weights(model)
     plan = policy.plan(weights)
     specs = calibration.past_specs((v.name, v.shape) for v in model.graph.inputs)
-    texts = calibration.load_texts(dataset, CALIBRATION_SEQUENCES)
+    texts = calibration.load_texts(options.dataset, CALIBRATION_SEQUENCES)
     sequences, tokenization = calibration.token_sequences(texts, source, config["vocab_size"])
     feed_list = [calibration.feeds(ids, specs) for ids in sequences]
     routers = metrics.router_indices(model) | fused_moe.router_indices(fused)
@@ -174,7 +161,8 @@ def compress(in_dir: Path, out_dir: Path, *, target: str = "onnxruntime", scheme
     if fused:
         run = GraphRunner(model, "onnxruntime", extra_outputs=fused_moe.capture_names(fused))
         activations = fused_moe.calibration_activations(fused, [run(feeds) for feeds in feed_list])
-    expert_jobs = fused_moe.compress_experts(model, fused, policy.precision, options, accuracy_level, activations)
+    expert_jobs = fused_moe.compress_experts(model, fused, policy.precision, options, options.accuracy_level,
+                                             activations)
     timings["reference_s"] = time.perf_counter() - t0
 
     with atomic_output_dir(out_dir) as tmp:
@@ -184,8 +172,8 @@ def compress(in_dir: Path, out_dir: Path, *, target: str = "onnxruntime", scheme
             compressed, details = engine.compress_onnx(model, plan, options, nncf_dataset, log)
             restored = metrics.restored_onnx(compressed, weights)
             details["ort_rewrites"] = {"blocked_dq_to_matmul_nbits": blocked_dq_to_nbits(compressed),
-                                       **engine.to_ort_kernels(compressed, accuracy_level)}
-            if not accuracy_level:
+                                       **engine.to_ort_kernels(compressed, options.accuracy_level)}
+            if not options.accuracy_level:
                 # measured (benchmarks/compression.py): ORT 1.32 has no fast fp32-compute path for MatMulNBits;
                 # a 2048x2048 weight takes 9.5 ms at 8 bits and 0.58 ms at 4 bits vs 0.36 ms in fp32
                 details["warning"] = ("accuracy_level 0: MatMulNBits computes in fp32 on a slow path, slower "
@@ -217,37 +205,31 @@ def compress(in_dir: Path, out_dir: Path, *, target: str = "onnxruntime", scheme
         timings["measure_s"] = time.perf_counter() - t0
         shutil.copyfile(in_dir / "export.json", tmp / "export.json")
         files.append("export.json")
-        summary = {
-            **_head(target, scheme, options, dataset, accuracy_level, policy, report, in_dir, tmp, files,
-                    weight_rows),
-            "streaming": False,
-            "calibration": {"sequences": len(feed_list), "tokens": int(sum(len(s) for s in sequences)),
-                            "tokenization": tokenization},
-            "model": model_metrics,
-            "routing": routing,
-            "routing_agreement_min": min((r["agreement"] for r in routing), default=None),
-            "layers": _layer_summary(weight_rows),
-            "per_weight": weight_rows,
-            "details": details,
-            "timings": {k: round(v, 3) for k, v in timings.items()},
-        }
-        (tmp / "compression.json").write_text(json.dumps(summary, indent=1, default=_jsonable) + "\n")
-    return summary
+        typed = CompressionReport(
+            **_head(target, options, policy, report, in_dir, tmp, files, weight_rows),
+            streaming=False,
+            calibration={"sequences": len(feed_list), "tokens": int(sum(len(s) for s in sequences)),
+                         "tokenization": tokenization},
+            model=model_metrics, routing=routing,
+            routing_agreement_min=min((r["agreement"] for r in routing), default=None),
+            layers=_layer_summary(weight_rows), per_weight=weight_rows, details=details,
+            timings={k: round(v, 3) for k, v in timings.items()})
+        typed.write(tmp / "compression.json")
+    return typed.dump()
 
 
-def _head(target, scheme, options, dataset, accuracy_level, policy, report, in_dir, tmp, files,
-          weight_rows) -> dict:
+def _head(target, options, policy, report, in_dir, tmp, files, weight_rows) -> dict:
     """The fields of compression.json both forms of compression write alike."""
     params = sum(int(np.prod(r["shape"])) for r in weight_rows)
     stored_bits = sum(r["bits_per_weight"] * int(np.prod(r["shape"])) for r in weight_rows)
     return {
         "dstc_version": __version__,
         "target": target,
-        "scheme": scheme,
+        "scheme": options.scheme,
         "options": {"group_size": options.group_size, "sym": options.sym, "ratio": options.ratio,
                     "backup": options.backup, "awq": options.awq, "scale_estimation": options.scale_estimation,
-                    "gptq": options.gptq, "dataset": str(dataset),
-                    "accuracy_level": accuracy_level if target == "onnxruntime" else None},
+                    "gptq": options.gptq, "dataset": options.dataset,
+                    "accuracy_level": options.accuracy_level if target == "onnxruntime" else None},
         "policy": policy.as_dict(),
         "source": {"export": str(in_dir), **report["source"]},
         "files": sorted(files + ["compression.json"]),
@@ -259,8 +241,7 @@ def _head(target, scheme, options, dataset, accuracy_level, policy, report, in_d
     }
 
 
-def _compress_streaming(model, in_dir, out_dir, target, scheme, options, policy, report, dataset, accuracy_level,
-                        timings, t0, log, fused) -> dict:
+def _compress_streaming(model, in_dir, out_dir, target, options, policy, report, timings, t0, log, fused) -> dict:
     """One weight at a time (toolchain/compress/streaming.py): the weight errors are measured as each weight is
     compressed; what needs the whole model run on calibration text (activations, next-token agreement,
     routing) is not measured, and compression.json says so."""
@@ -271,10 +252,11 @@ def _compress_streaming(model, in_dir, out_dir, target, scheme, options, policy,
     plan = policy.plan(weights)
     specs = stream.plan_specs(weights, plan, options, target)
     jobs = stream.compress_streaming(model, specs, log, keep=target == "onnxruntime")
-    expert_jobs = fused_moe.compress_experts(model, fused, policy.precision, options, accuracy_level)
-    details = {"demoted_3d": [], "per_head": {}}
+    expert_jobs = fused_moe.compress_experts(model, fused, policy.precision, options, options.accuracy_level)
+    details = {"demoted_3d": [s.weight.name for s in specs if s.form == "stacked" and plan[s.weight.name] == "int4"],
+               "per_head": {}}
     if target == "onnxruntime":
-        details["ort_rewrites"] = engine.to_ort_kernels(model, accuracy_level)
+        details["ort_rewrites"] = engine.to_ort_kernels(model, options.accuracy_level)
     timings["plan_s"] = time.perf_counter() - t0
     with atomic_output_dir(out_dir) as tmp:
         t0 = time.perf_counter()
@@ -292,32 +274,19 @@ def _compress_streaming(model, in_dir, out_dir, target, scheme, options, policy,
                 "weight": w.name, "node": w.node, "role": w.role or role_of(w.name),
                 "layer": w.layer if w.role else layer_of(w.name),
                 "shape": list(w.shape), "planned": plan[w.name],
-                "precision": spec.precision if spec else "fp32",
-                "bits_per_weight": round(stream.stored_bits(spec) / size, 4) if spec else 32.0,
+                # a weight left uncompressed keeps its storage: bf16 where the export stored it so
+                "precision": spec.precision if spec else {"bfloat16": "bf16"}.get(w.storage, "fp32"),
+                "bits_per_weight": round(stream.stored_bits(spec) / size, 4) if spec else
+                16.0 if w.storage == "bfloat16" else 32.0,
                 "weight_error": jobs[w.name].stats["weight_error"] if spec else 0.0,
                 "output_error": None})
         weight_rows += fused_moe.weight_rows(expert_jobs, fused, policy.precision)
         unmeasured = "not measured: the model is compressed one weight at a time, without running it"
-        summary = {
-            **_head(target, scheme, options, dataset, accuracy_level, policy, report, in_dir, tmp, files,
-                    weight_rows),
-            "streaming": True,
-            "calibration": None,
-            "model": {"tokens": 0, "top1_agreement": None, "kl_mean": None, "kl_max": None, "note": unmeasured},
-            "routing": [],
-            "routing_agreement_min": None,
-            "layers": _layer_summary(weight_rows),
-            "per_weight": weight_rows,
-            "details": details,
-            "timings": {k: round(v, 3) for k, v in timings.items()},
-        }
-        (tmp / "compression.json").write_text(json.dumps(summary, indent=1, default=_jsonable) + "\n")
-    return summary
-
-
-def _jsonable(value):
-    if isinstance(value, (np.integer, np.floating)):
-        return value.item()
-    if isinstance(value, tuple):
-        return list(value)
-    raise TypeError(f"{type(value).__name__} is not JSON serializable")
+        typed = CompressionReport(
+            **_head(target, options, policy, report, in_dir, tmp, files, weight_rows),
+            streaming=True, calibration=None,
+            model={"tokens": 0, "top1_agreement": None, "kl_mean": None, "kl_max": None, "note": unmeasured},
+            routing=[], routing_agreement_min=None, layers=_layer_summary(weight_rows), per_weight=weight_rows,
+            details=details, timings={k: round(v, 3) for k, v in timings.items()})
+        typed.write(tmp / "compression.json")
+    return typed.dump()

@@ -20,6 +20,7 @@ from toolchain.errors import ParityError
 from toolchain.export import moe as moe_lowering
 from toolchain.export.architectures import architecture_for
 from toolchain.export.decoder import build_decoder
+from toolchain.export.deepseek import with_mla_cache
 from toolchain.export.graph import save_graph
 from toolchain.export.layer_parity import compare_layers
 from toolchain.export.parity import compare, parity_cases, too_large_for_end_to_end
@@ -33,18 +34,24 @@ LAYER_STEPS = 4
 
 
 def export(spec: str, out_dir: Path, *, parity: tuple[str, ...] | None = None, new_tokens: int = 16,
-           revision: str | None = None, moe: str = "dispatch", log: Callable[[str], None] = lambda _: None) -> dict:
-    """``moe``: how MoE layers' routed experts are lowered (toolchain/export/moe.py); ``parity``: the backends to
-    check the graph on, None for every backend that runs it."""
+           revision: str | None = None, moe: str = "dispatch", mla_cache: str | None = None,
+           weights: str = "auto", log: Callable[[str], None] = lambda _: None) -> dict:
+    """``moe``: how MoE layers' routed experts are lowered (toolchain/export/moe.py); ``mla_cache``: what MLA's KV
+    cache holds (toolchain/export/deepseek.py; None: the architecture's default); ``parity``: the backends to
+    check the graph on, None for every backend that runs it; ``weights``: their storage, "auto", "float32" or
+    "bfloat16" (toolchain/export/weights.py storage_for)."""
     from toolchain.checkpoint.reader import open_checkpoint
+    from toolchain.export.weights import storage_for
 
     source = sources.resolve(spec, revision)
     arch, parity = moe_lowering.lower(architecture_for(source.config["model_type"]), moe, parity)
+    arch = with_mla_cache(arch, mla_cache)
     check_writable_target(out_dir)
     timings = {}
     t0 = time.perf_counter()
     log(f"reading {source.spec} ({source.config['model_type']}) from {source.path}")
     reader = open_checkpoint(source.path)
+    storage = storage_for(weights, reader)
     skeleton = sources.skeleton(source, reader)
     parameters = sum(p.numel() for p in skeleton.parameters())
     timings["load_s"] = time.perf_counter() - t0
@@ -52,14 +59,14 @@ def export(spec: str, out_dir: Path, *, parity: tuple[str, ...] | None = None, n
         t0 = time.perf_counter()
         log("building the ONNX graph")
         graph = build_decoder(skeleton, arch, reader,
-                              on_layer=lambda i, n: log(f"built layer {i}/{n}") if n > 8 else None)
-        log(f"writing {parameters:,} parameters, one tensor at a time")
+                              on_layer=lambda i, n: log(f"built layer {i}/{n}") if n > 8 else None, weights=storage)
+        log(f"writing {parameters:,} parameters, one tensor at a time ({storage})")
         files = save_graph(graph, tmp / "model.onnx")
         graph_info = {"files": files, "opset": graph.opset_imports[""], "nodes": len(graph.graph),
                       "inputs": [v.name for v in graph.graph.inputs],
                       "outputs": [v.name for v in graph.graph.outputs],
                       "kv_cache": graph.metadata_props["dstc.kv_cache"],
-                      "size_bytes": sum((tmp / f).stat().st_size for f in files)}
+                      "size_bytes": sum((tmp / f).stat().st_size for f in files), "weights": storage}
         del graph
         timings["build_s"] = time.perf_counter() - t0
         config = skeleton.config

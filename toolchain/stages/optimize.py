@@ -41,7 +41,8 @@ def op_type_counts(model: ir.Model) -> dict[str, int]:
     return dict(sorted(counts.items()))
 
 
-def _pass_names(target: str, passes: list[str] | None) -> list[str]:
+def pass_names(target: str, passes: list[str] | None) -> list[str]:
+    """The passes to run (the target's pipeline unless given), each checked to exist and to be for the target."""
     if target not in TARGETS:
         raise InputError(f"unknown target {target!r}; targets: {', '.join(TARGETS)}")
     names = pipeline(target) if passes is None else list(passes)
@@ -106,7 +107,7 @@ def optimize(in_dir: Path, out_dir: Path, target: str, passes: list[str] | None 
     from toolchain.stages.inputs import read_export
 
     in_dir, out_dir = Path(in_dir), Path(out_dir)
-    names = _pass_names(target, passes)
+    names = pass_names(target, passes)
     export_report, source = read_export(in_dir, source)
     timings = {}
     t0 = time.perf_counter()

@@ -1,6 +1,7 @@
 """What each stage writes about itself: export.json, passes.json, compression.json and compile.json as pydantic
 models with a schema version each (as report.json has), so that a reader gets fields, not string keys, and a
-report from another version or edited by hand is one InputError naming the file and the field.
+report from another version or edited by hand is one InputError naming the file and the field. stage.json, the
+record the stage runner writes beside a stage's output (toolchain/stages/runner.py), is one too.
 
 The free-form parts (per-pass statistics, backend details, per-case parity figures) stay dicts: their shape is
 the producing module's, and nothing reads them by key but the terminal summary.
@@ -16,20 +17,33 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from toolchain.errors import InputError
 
-R = TypeVar("R", bound="StageReport")
+S = TypeVar("S", bound="Schema")
 
 
 class _Model(BaseModel):
     model_config = ConfigDict(extra="forbid", populate_by_name=True)
 
 
-class StageReport(_Model):
-    """Base of the stage reports: a schema id, the version of dstc that wrote it, timings."""
+def read_json_file(path: Path, what: str) -> dict:
+    """A JSON object from a file; InputError (one line) for anything unreadable, however malformed."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except OSError as e:
+        raise InputError(f"cannot read {what} {path}: {e.strerror}") from None
+    except (ValueError, UnicodeDecodeError) as e:
+        raise InputError(f"{path} is not valid JSON: {str(e).splitlines()[0]}") from None
+    except RecursionError:
+        raise InputError(f"{path} is nested too deeply to be a {what}") from None
+    if not isinstance(data, dict):
+        raise InputError(f"{path} is not a JSON object")
+    return data
+
+
+class Schema(_Model):
+    """A JSON document dstc writes, with the id of its schema (``dstc.<kind>/<version>``)."""
 
     SCHEMA: ClassVar[str] = ""
     schema_: str = Field(alias="schema")
-    dstc_version: str
-    timings: dict[str, float] = Field(default_factory=dict)
 
     def dump(self) -> dict:
         """As JSON, fields that do not apply (None) left out, as the stages wrote them before they were typed."""
@@ -39,21 +53,27 @@ class StageReport(_Model):
         Path(path).write_text(json.dumps(self.dump(), indent=2) + "\n")
 
     @classmethod
-    def parse(cls: type[R], data: dict, where: str = "") -> R:
+    def parse(cls: type[S], data: dict, where: str = "") -> S:
         if data.get("schema") != cls.SCHEMA:
-            raise InputError(f"{where or cls.__name__}: not a {cls.SCHEMA} report (schema: "
+            raise InputError(f"{where or cls.__name__}: not a {cls.SCHEMA} document (schema: "
                              f"{str(data.get('schema'))[:40]!r})")
         try:
             return cls.model_validate(data)
         except ValidationError as e:
             first = e.errors()[0]
-            raise InputError(f"{where or cls.__name__}: {'.'.join(map(str, first['loc']))}: {first['msg']}") from None
+            raise InputError(f"{where or cls.__name__}: {'.'.join(map(str, first['loc']))}: "
+                             f"{first['msg'].removeprefix('Value error, ')}") from None
 
     @classmethod
-    def read(cls: type[R], path: Path) -> R:
-        from toolchain.manifest import read_json_file
-
+    def read(cls: type[S], path: Path) -> S:
         return cls.parse(read_json_file(path, cls.SCHEMA), str(path))
+
+
+class StageReport(Schema):
+    """Base of the stage reports: a schema id, the version of dstc that wrote it, timings."""
+
+    dstc_version: str
+    timings: dict[str, float] = Field(default_factory=dict)
 
 
 class Parity(_Model):
@@ -88,6 +108,8 @@ class GraphInfo(_Model):
     outputs: list[str]
     kv_cache: str
     size_bytes: int
+    # the matrices' storage (toolchain/export/weights.py): float32, or bfloat16 widened by a Cast in the graph
+    weights: Literal["float32", "bfloat16"] = "float32"
 
 
 class ExportReport(StageReport):
@@ -126,3 +148,144 @@ class CompileReport(StageReport):
     onnxruntime: dict | None = None
     smoke: dict | None = None
     verification: dict | None = None
+
+
+class CompressionOptions(_Model):
+    group_size: int
+    sym: bool
+    ratio: float
+    backup: str
+    awq: bool
+    scale_estimation: bool
+    gptq: bool
+    dataset: str
+    accuracy_level: int | None  # None on openvino: MatMulNBits' compute precision is an onnxruntime setting
+
+
+class CompressionPolicy(_Model):
+    embeddings: str
+    lm_head: str
+    router: str
+    shared_experts: str
+    ignored_scope: list[str]
+
+
+class WeightTotals(_Model):
+    parameters: int
+    bits_per_weight: float | None
+    precisions: dict[str, int]
+
+
+class Calibration(_Model):
+    sequences: int
+    tokens: int
+    tokenization: str
+
+
+class Agreement(_Model):
+    """Next-token agreement of the compressed model with the uncompressed one on calibration text (None where the
+    model was not run: streamed compression)."""
+
+    tokens: int
+    top1_agreement: float | None
+    kl_mean: float | None
+    kl_max: float | None
+    note: str | None = None
+
+
+class RoutingRow(_Model):
+    layer: int
+    agreement: float
+    tokens: int
+
+
+class HeadRow(_Model):
+    head: int
+    weight_error: float
+    output_error: float | None
+
+
+class WeightRow(_Model):
+    """One weight (an expert matrix of a fused MoE layer counts as one): its plan, precision and errors."""
+
+    weight: str
+    node: str
+    role: str | None
+    layer: int | None
+    shape: list[int]
+    planned: str
+    precision: str
+    bits_per_weight: float
+    weight_error: float
+    output_error: float | None  # None: no calibration activations reached it (embeddings, streamed compression)
+    head_side: Literal["output channels", "input rows", "stacked"] | None = None  # stacked: axis 0 of [heads, K, N]
+    heads: list[HeadRow] | None = None
+
+
+class LayerRow(_Model):
+    layer: int | str  # a decoder layer, or the role of weights outside them (embeddings, lm_head)
+    weights: int
+    parameters: int
+    bits_per_weight: float
+    weight_error_max: float
+    output_error_max: float | None
+    output_error_mean: float | None
+
+
+class CompressionReport(StageReport):
+    """compression.json, for both forms of compression (whole model and streamed, ``streaming``). Measurements that
+    were not made are written as null rather than left out, so it is dumped as it was built (unset fields left
+    out, None kept)."""
+
+    SCHEMA: ClassVar[str] = "dstc.compression/1"
+    schema_: str = Field(SCHEMA, alias="schema")
+    target: Literal["openvino", "onnxruntime"]
+    scheme: Literal["int4-grouped", "int8-per-channel", "int8-per-head"]
+    options: CompressionOptions
+    policy: CompressionPolicy
+    source: dict
+    files: list[str]
+    size_bytes: int
+    file_sizes: dict[str, int]
+    input_size_bytes: int | None
+    weights: WeightTotals
+    streaming: bool
+    calibration: Calibration | None
+    model: Agreement
+    routing: list[RoutingRow]
+    routing_agreement_min: float | None
+    layers: list[LayerRow]
+    per_weight: list[WeightRow]
+    details: dict
+
+    def dump(self) -> dict:
+        return {"schema": self.schema_, **self.model_dump(mode="json", by_alias=True, exclude_unset=True,
+                                                          fallback=_scalar)}
+
+    def write(self, path: Path) -> None:
+        Path(path).write_text(json.dumps(self.dump(), indent=1) + "\n")
+
+
+def _scalar(value):
+    """A numpy scalar in the free-form details (a kernel count, a norm) as the Python number it holds."""
+    if hasattr(value, "item"):
+        return value.item()
+    raise TypeError(f"{type(value).__name__} is not JSON serializable")
+
+
+class StageRecord(Schema):
+    """stage.json: which stage made a directory, from what (``parent``: the id of its input) and how (``config``),
+    and the sha256 of every file it wrote, checked before the directory is reused from the stage cache."""
+
+    SCHEMA: ClassVar[str] = "dstc.stage/1"
+    schema_: str = Field(SCHEMA, alias="schema")
+    name: str
+    id: str
+    parent: str
+    config: dict
+    files: dict[str, str]
+
+
+# The reports by file name, as a stage directory holds them.
+STAGE_REPORTS: dict[str, type[StageReport]] = {"export.json": ExportReport, "passes.json": PassesReport,
+                                               "compression.json": CompressionReport, "compile.json": CompileReport}

@@ -1,0 +1,113 @@
+"""Command-line options generated from a stage's section (toolchain/recipe.py), so that a single-stage command
+takes the recipe's keys and nothing else: ``group_size`` is ``--group-size``, with the field's choices, bounds and
+default, and what was given is validated by the section itself, cross-field rules included, as a recipe is.
+
+A bool is a ``--x/--no-x`` pair (or the spelling given), a list of choices or names one comma-separated value
+('none' for an empty list), any other list a repeatable option, a mapping is left to recipes. Only the options
+given on the command line reach the section: a field's default is the section's, and a field that depends on
+whether it was given (export's parity) sees the difference.
+"""
+
+from __future__ import annotations
+
+import types
+import typing
+
+import annotated_types
+import click
+from click.core import ParameterSource
+
+from toolchain.recipe import Section
+
+NONE = "none"  # a comma-separated list's spelling of the empty list
+
+
+def spelling(name: str, spellings: dict[str, str]) -> str:
+    return spellings.get(name, f"--{name.replace('_', '-')}").split("/")[0]
+
+
+def _unwrap(annotation):
+    """``X | None`` -> X."""
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(annotation) if a is not type(None)]
+        if len(args) == 1:
+            return args[0]
+    return annotation
+
+
+def _number_type(kind, metadata):
+    bounds = {"min": None, "max": None, "min_open": False, "max_open": False}
+    for item in metadata:
+        if isinstance(item, annotated_types.Ge):
+            bounds["min"] = item.ge
+        elif isinstance(item, annotated_types.Gt):
+            bounds.update(min=item.gt, min_open=True)
+        elif isinstance(item, annotated_types.Le):
+            bounds["max"] = item.le
+        elif isinstance(item, annotated_types.Lt):
+            bounds.update(max=item.lt, max_open=True)
+    if bounds["min"] is None and bounds["max"] is None:
+        return click.INT if kind is int else click.FLOAT
+    return click.IntRange(**bounds) if kind is int else click.FloatRange(**bounds)
+
+
+def _option(name: str, field, help_text: str, spellings: dict[str, str], defaults: dict, comma: tuple[str, ...]):
+    kind = _unwrap(field.annotation)
+    origin = typing.get_origin(kind)
+    default = defaults.get(name, None if field.is_required() or field.default_factory else field.default)
+    required = field.is_required() and name not in defaults
+    names = spellings.get(name, f"--{name.replace('_', '-')}")
+    show = default is not None
+    if kind is bool:
+        if "/" not in names:
+            names = f"{names}/--no-{name.replace('_', '-')}"
+        return click.option(names, name, default=default, show_default=show, help=help_text)
+    if origin is typing.Literal:
+        return click.option(names, name, type=click.Choice(typing.get_args(kind)), default=default,
+                            show_default=show, required=required, help=help_text)
+    if origin is list:
+        (item,) = typing.get_args(kind)
+        if typing.get_origin(item) is typing.Literal or name in comma:
+            choices = f" ({', '.join(map(str, typing.get_args(item)))})" if typing.get_origin(item) else ""
+            return click.option(names, name, default=None, metavar="A,B,...",
+                                help=f"{help_text}  Comma-separated{choices}; '{NONE}' for none.")
+        return click.option(names, name, multiple=True, help=f"{help_text}  Repeat for more.")
+    if kind in (int, float):
+        return click.option(names, name, type=_number_type(kind, field.metadata), default=default,
+                            show_default=show, required=required, help=help_text)
+    if kind is str:
+        return click.option(names, name, default=default, show_default=show, required=required, help=help_text)
+    raise TypeError(f"{name}: no command-line form for {field.annotation}; exclude it")
+
+
+def section_options(section: type[Section], help: dict[str, str], *, spellings: dict[str, str] | None = None,
+                    defaults: dict | None = None, comma: tuple[str, ...] = (), exclude: tuple[str, ...] = ()):
+    """A decorator adding an option for every field of ``section`` but those in ``exclude``: ``help`` by field,
+    ``spellings`` of names other than ``--field-name`` (``"--sym/--asym"``), ``defaults`` where the command's
+    differs from the section's, ``comma``: lists of names given comma-separated."""
+    def decorate(command):
+        for name, field in reversed(section.model_fields.items()):
+            if name not in exclude:
+                command = _option(name, field, help.get(name, ""), spellings or {}, defaults or {}, comma)(command)
+        return command
+
+    return decorate
+
+
+def given_section(section: type[Section], values: dict, spellings: dict[str, str] | None = None):
+    """The section from the values of its generated options that were given on the command line (the others keep
+    the section's defaults, or the command's where it declares its own); an InputError naming the option."""
+    ctx = click.get_current_context()
+    fields = {}
+    for name, field in section.model_fields.items():
+        if name not in values:
+            continue
+        value = values[name]
+        if ctx.get_parameter_source(name) is ParameterSource.DEFAULT and not field.is_required():
+            continue
+        if isinstance(value, tuple):
+            value = list(value)
+        elif isinstance(value, str) and typing.get_origin(_unwrap(field.annotation)) is list:
+            value = [v.strip() for v in value.split(",") if v.strip() and v.strip() != NONE]
+        fields[name] = value
+    return section.check(fields, lambda loc: spelling(str(loc[0]), spellings or {}))

@@ -1,0 +1,61 @@
+"""The CPU a measurement ran on, described once for reports and benchmarks.
+
+Runtimes pick kernels by instruction set (OpenVINO's CPU plugin computes in bf16 and fuses MLPs where the CPU has
+AMX or AVX-512 BF16; ONNX Runtime's int8 MatMulNBits path needs AVX-512 VNNI or AVX-VNNI), so a latency figure
+means little without the CPU model and the extensions it has. Linux's /proc/cpuinfo is read; elsewhere only the
+architecture and the core count are known.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+from functools import cache
+
+# The extensions that change which kernels the runtimes run, in the order reports list them (Linux's flag names).
+ISA_EXTENSIONS = ("avx2", "avx_vnni", "avx512f", "avx512_vnni", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16",
+                  "amx_int8", "asimd", "asimddp", "i8mm", "bf16", "sve", "sve2")
+
+
+@cache
+def _cpuinfo() -> dict[str, str]:
+    """The first processor's fields of /proc/cpuinfo ({} where there is none)."""
+    fields: dict[str, str] = {}
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            for line in cpuinfo:
+                if not line.strip():
+                    if fields:
+                        break
+                    continue
+                key, _, value = line.partition(":")
+                fields.setdefault(key.strip(), value.strip())
+    except OSError:
+        pass
+    return fields
+
+
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags as Linux names them (x86 "flags", Arm "Features"); empty elsewhere."""
+    info = _cpuinfo()
+    return frozenset((info.get("flags") or info.get("Features") or "").split())
+
+
+def describe_cpu() -> dict:
+    """{"model", "vendor", "architecture", "logical_cores", "isa"}: the model name as the kernel reports it (a
+    virtual machine may show a generic one), and which of ISA_EXTENSIONS the CPU has."""
+    info = _cpuinfo()
+    flags = cpu_flags()
+    return {"model": info.get("model name") or info.get("Model") or platform.processor() or None,
+            "vendor": info.get("vendor_id") or info.get("CPU implementer") or None,
+            "architecture": platform.machine(), "logical_cores": os.cpu_count(),
+            "isa": [name for name in ISA_EXTENSIONS if name in flags]}
+
+
+def cpu_line(cpu: dict | None = None) -> str:
+    """One line for a caption: 'Intel(R) Xeon(R) Processor (x86_64; avx512_vnni, amx_int8, ...), 2 logical cores';
+    the parts a description lacks are left out."""
+    cpu = cpu or describe_cpu()
+    inside = "; ".join(part for part in (cpu.get("architecture"), ", ".join(cpu.get("isa") or [])) if part)
+    line = " ".join(part for part in (cpu.get("model") or "", f"({inside})" if inside else "") if part)
+    return line + (f", {cpu['logical_cores']} logical cores" if cpu.get("logical_cores") else "")

@@ -1,0 +1,218 @@
+"""The stage runner: how `dstc build` and the single-stage commands (`dstc export`, `optimize`, `compress`,
+`compile`) run a stage, so that both validate, cache and record it alike.
+
+A stage is a name, its configuration (the recipe section it runs with, validated before anything runs), the
+function that runs it and the module whose import closure is its code. Its id hashes its parent's id, its
+configuration and that code (as Olive chains pass ids). A finished stage directory holds stage.json
+(toolchain/stages/reports.py StageRecord): the id, parent and configuration, and the sha256 of every file, checked
+before the directory is reused. Finished stages are kept in the stage cache under their id.
+
+`dstc build` runs each stage into its cache entry (the first parent is the checkpoint's file hashes) and
+assembles the artifact from the last one. A single-stage command runs its stage into the directory it was given,
+with stage.json, and keeps a copy in the cache, or copies an intact cached one there; the parent is the
+checkpoint's file hashes for an export, else the hashes of the input directory and of its source checkpoint.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, TypeVar
+
+from toolchain.atomic import MARKER, atomic_output_dir, check_writable_target, lock_file
+from toolchain.errors import InputError
+from toolchain.manifest import code_digest, digest, file_hashes
+from toolchain.recipe import CompileSection, CompressSection, ExportSection, PassesSection
+from toolchain.stages.reports import (STAGE_REPORTS, CompileReport, CompressionReport, ExportReport, PassesReport,
+                                      StageRecord, StageReport)
+
+STAGE_RECORD = "stage.json"
+R = TypeVar("R", bound=StageReport)
+Log = Callable[[str], None]
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("DSTC_CACHE_DIR") or Path.home() / ".cache" / "dstc") / "stages"
+
+
+@dataclass
+class Stage:
+    name: str
+    config: dict
+    run: Callable[[Path | None, Path, Log], dict]
+    module: str  # the stage's code, whose import closure goes into its id
+
+    def id(self, parent: str) -> str:
+        return digest({"stage": self.name, "config": self.config, "parent": parent,
+                       "code": code_digest(self.module)})
+
+
+def export_stage(model: str, section: ExportSection, revision: str | None = None) -> Stage:
+    from toolchain.stages.export import export
+
+    # every field of the section is a keyword of the stage's function
+    return Stage("export", {"model": model, **section.model_dump(mode="json")},
+                 lambda _in, out, log: export(model, out, revision=revision, log=log,
+                                              **{**section.model_dump(), "parity": tuple(section.parity)}),
+                 "toolchain.stages.export")
+
+
+def passes_stage(section: PassesSection, source: Path, parity: bool = True) -> Stage:
+    """``parity``: `dstc optimize --no-parity` skips the parity check; a recipe always runs it, so the option is
+    part of the configuration only when off (a build's stage id is what it was before the option existed)."""
+    from toolchain.stages.optimize import optimize
+
+    config = {**section.model_dump(mode="json"), **({} if parity else {"parity": False})}
+    return Stage("passes", config,
+                 lambda inp, out, log: optimize(inp, out, section.target, passes=section.passes,
+                                                expectations=section.expect, parity=parity, source=source, log=log),
+                 "toolchain.stages.optimize")
+
+
+def compress_stage(section: CompressSection, target: str, source: Path) -> Stage:
+    from toolchain.stages.compress import compress
+
+    return Stage("compress", {"target": target, **section.model_dump(mode="json")},
+                 lambda inp, out, log: compress(inp, out, target=target, source=source, log=log,
+                                                **section.model_dump()),
+                 "toolchain.stages.compress")
+
+
+def compile_stage(section: CompileSection, source: Path) -> Stage:
+    from toolchain.stages.compile import compile_artifact
+
+    return Stage("compile", section.model_dump(mode="json"),
+                 lambda inp, out, log: compile_artifact(inp, out, section.backend, verify=section.verify,
+                                                        source=source, log=log),
+                 "toolchain.stages.compile")
+
+
+def cache_damage(target: Path) -> str | None:
+    """None when the stage directory is complete and every file has the hash recorded when it was written; else
+    what is wrong ("absent" when there is no finished stage)."""
+    if not (target / STAGE_RECORD).is_file():
+        return "absent"
+    try:
+        recorded = StageRecord.read(target / STAGE_RECORD).files
+    except InputError:
+        return f"unreadable {STAGE_RECORD}"
+    actual = file_hashes(target, exclude=(STAGE_RECORD, MARKER))
+    changed = [f"changed {n}" for n in sorted(recorded) if n in actual and actual[n] != recorded[n]]
+    changed += [f"missing {n}" for n in sorted(set(recorded) - set(actual))]
+    changed += [f"extra {n}" for n in sorted(set(actual) - set(recorded))]
+    return ", ".join(changed[:3]) + (" ..." if len(changed) > 3 else "") if changed else None
+
+
+def _entry(stage: Stage, stage_id: str) -> Path:
+    target = cache_root() / f"{stage.name}-{stage_id[:20]}"
+    target.parent.mkdir(parents=True, exist_ok=True)
+    return target
+
+
+def _entry_lock(target: Path):
+    """One writer per cache entry: a second run of the same stage waits, then reuses it."""
+    return lock_file(target.parent / f".{target.name}.build.lock", wait=True, what=target)
+
+
+def _run_stage(stage: Stage, input_dir: Path | None, target: Path, stage_id: str, parent: str, log: Log) -> None:
+    """Run a stage into ``target``. The stage writes its directory atomically; stage.json, written last, marks it
+    complete and records the sha256 of every file."""
+    (target / STAGE_RECORD).unlink(missing_ok=True)
+    stage.run(input_dir, target, log)
+    StageRecord(name=stage.name, id=stage_id, parent=parent, config=stage.config,
+                files=file_hashes(target, exclude=(STAGE_RECORD, MARKER))).write(target / STAGE_RECORD)
+
+
+def run_cached(stage: Stage, input_dir: Path | None, parent: str, *, use_cache: bool, log: Log,
+               started: Callable[[str, bool], None] = lambda _id, _cached: None) -> tuple[Path, str, bool]:
+    """Run ``stage`` into its cache entry unless an intact one exists (or ``use_cache`` is off): the entry, the
+    stage id and whether it was reused. ``started(stage id, reused)`` is called before it runs."""
+    stage_id = stage.id(parent)
+    target = _entry(stage, stage_id)
+    with _entry_lock(target):
+        damage = cache_damage(target) if use_cache else None
+        cached = use_cache and not damage
+        if damage and damage != "absent":
+            log(f"the stage cache entry {target} does not match what was recorded when it was written ({damage}); "
+                f"running the {stage.name} stage again")
+        started(stage_id, cached)
+        if not cached:
+            _run_stage(stage, input_dir, target, stage_id, parent, log)
+    return target, stage_id, cached
+
+
+def copy_stage_files(source: Path, target: Path, skip: tuple[str, ...] = ()) -> None:
+    """Copies, not hard links: onnx and onnx-ir refuse external data with more than one link ("potential hardlink
+    attack"), so a linked model.onnx.data would not load there."""
+    for item in sorted(source.iterdir()):
+        if item.name != MARKER and item.name not in skip:
+            (shutil.copytree if item.is_dir() else shutil.copyfile)(item, target / item.name)
+
+
+def _run_into(stage: Stage, input_dir: Path | None, parent: str, out_dir: Path, report: type[R], *,
+              use_cache: bool, log: Log) -> tuple[R, bool]:
+    """A single-stage command: ``stage`` run into ``out_dir`` (or its intact cache entry copied there), its report
+    and whether it came from the cache."""
+    check_writable_target(out_dir)
+    stage_id = stage.id(parent)
+    target = _entry(stage, stage_id)
+    name = next(file for file, kind in STAGE_REPORTS.items() if kind is report)
+    with _entry_lock(target):
+        cached = use_cache and not cache_damage(target)
+        if cached:
+            log(f"stage {stage_id[:12]} reused from the stage cache ({target})")
+            with atomic_output_dir(out_dir) as tmp:
+                copy_stage_files(target, tmp)
+        else:
+            _run_stage(stage, input_dir, out_dir, stage_id, parent, log)
+            with atomic_output_dir(target, wait=True) as tmp:
+                copy_stage_files(out_dir, tmp)
+    return report.read(out_dir / name), cached
+
+
+def _input_parent(input_dir: Path) -> tuple[Path, str]:
+    """The source checkpoint of a stage's input directory (checked as the stage checks it) and the parent id of
+    what is run on it: its files' hashes and the checkpoint's."""
+    from toolchain.stages.inputs import read_export
+
+    _, source = read_export(input_dir)
+    files = file_hashes(input_dir, exclude=(STAGE_RECORD, MARKER))
+    return source, digest({"input": files, "source": digest(file_hashes(source))})
+
+
+def run_export(model: str, section: ExportSection, out_dir: Path, *, use_cache: bool = True,
+               log: Log = lambda _: None) -> tuple[ExportReport, bool]:
+    from toolchain import source as sources
+
+    source = sources.resolve(model)
+    return _run_into(export_stage(model, section), None, digest(file_hashes(source.path)), out_dir, ExportReport,
+                     use_cache=use_cache, log=log)
+
+
+def run_passes(input_dir: Path, section: PassesSection, out_dir: Path, *, parity: bool = True,
+               use_cache: bool = True, log: Log = lambda _: None) -> tuple[PassesReport, bool]:
+    from toolchain.stages.optimize import pass_names
+
+    pass_names(section.target, section.passes)  # before the input is read, as the stage itself does
+    source, parent = _input_parent(Path(input_dir))
+    return _run_into(passes_stage(section, source, parity), Path(input_dir), parent, out_dir, PassesReport,
+                     use_cache=use_cache, log=log)
+
+
+def run_compress(input_dir: Path, section: CompressSection, target: str, out_dir: Path, *, use_cache: bool = True,
+                 log: Log = lambda _: None) -> tuple[CompressionReport, bool]:
+    from toolchain.stages.compress import compress_options
+
+    compress_options(target, section.model_dump())  # the cross-field rules, before the input is read
+    source, parent = _input_parent(Path(input_dir))
+    return _run_into(compress_stage(section, target, source), Path(input_dir), parent, out_dir, CompressionReport,
+                     use_cache=use_cache, log=log)
+
+
+def run_compile(input_dir: Path, section: CompileSection, out_dir: Path, *, use_cache: bool = True,
+                log: Log = lambda _: None) -> tuple[CompileReport, bool]:
+    source, parent = _input_parent(Path(input_dir))
+    return _run_into(compile_stage(section, source), Path(input_dir), parent, out_dir, CompileReport,
+                     use_cache=use_cache, log=log)
