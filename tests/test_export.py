@@ -69,6 +69,21 @@ def test_export_is_byte_identical_when_repeated(tiny_checkpoints, tmp_path):
     assert (tmp_path / "a" / "model.onnx").read_bytes() == (tmp_path / "b" / "model.onnx").read_bytes()
 
 
+def test_loading_and_saving_a_graph_again_writes_the_same_bytes(tiny_checkpoints, tmp_path):
+    """Each stage loads and saves the graph: weights' metadata (dstc.role, dstc.layer) is written once, however
+    often (onnx-ir 1.1 alone doubles it per round, toolchain/export/graph.py load_graph)."""
+    from toolchain.export.graph import load_graph
+
+    export(str(tiny_checkpoints["deepseek_v3"]), tmp_path / "exp", parity=())
+    first = tmp_path / "exp" / "model.onnx"
+    save_graph(load_graph(first), tmp_path / "once.onnx")
+    save_graph(load_graph(tmp_path / "once.onnx"), tmp_path / "twice.onnx")
+    assert (tmp_path / "once.onnx").read_bytes() == (tmp_path / "twice.onnx").read_bytes()
+    roles = [p for t in onnx.load(str(tmp_path / "twice.onnx")).graph.initializer for p in t.metadata_props
+             if p.key == "dstc.role" and t.name == "layers.1/mlp/router/gate/weight"]
+    assert len(roles) == 1
+
+
 def test_moe_experts_run_sparse_per_expert(tiny_checkpoints):
     """Each routed expert is three MatMuls fed by a Gather of the tokens NonZero picked for it."""
     model = load(resolve(str(tiny_checkpoints["deepseek_v3"])))

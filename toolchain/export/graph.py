@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Iterator, Sequence
 
 import numpy as np
+import onnx
 import onnx_ir as ir
 import torch
 
@@ -144,6 +145,19 @@ def float32_bytes(model: ir.Model) -> int:
     export chose (toolchain/export/weights.py), for the size thresholds that should not depend on it."""
     return sum(v.const_value.size * 4 if v.const_value.dtype == ir.DataType.BFLOAT16 else v.const_value.nbytes
                for v in model.graph.initializers.values() if v.const_value is not None)
+
+
+def load_graph(path: Path) -> ir.Model:
+    """ir.load, without onnx-ir 1.1's doubling of initializer metadata: it keeps a loaded initializer's TensorProto
+    and on save copies it, metadata_props included, then appends the tensor's metadata_props again, so every stage
+    that loads and saves a graph doubled each weight's dstc.role / dstc.layer entries. The proto's copy is cleared;
+    the tensor keeps them, and they are written once."""
+    model = ir.load(path)
+    for value in model.graph.initializers.values():
+        raw = getattr(value.const_value, "raw", None)
+        if isinstance(raw, onnx.TensorProto) and len(raw.metadata_props):
+            raw.ClearField("metadata_props")
+    return model
 
 
 def save_graph(model: ir.Model, path: Path) -> list[str]:

@@ -122,7 +122,7 @@ def compress(in_dir: Path, out_dir: Path, *, target: str = "onnxruntime", source
     described), ``scheme`` int4-grouped unless given. ``streaming`` "auto" compresses one weight at a time
     (toolchain/compress/streaming.py) when the export's float weights exceed STREAMING_BYTES.
     """
-    from toolchain.export.graph import float32_bytes, save_graph
+    from toolchain.export.graph import float32_bytes, load_graph, save_graph
     from toolchain.stages.inputs import read_export
 
     in_dir, out_dir = Path(in_dir), Path(out_dir)
@@ -134,7 +134,7 @@ def compress(in_dir: Path, out_dir: Path, *, target: str = "onnxruntime", source
     timings = {}
 
     t0 = time.perf_counter()
-    model = ir.load(in_dir / "model.onnx")
+    model = load_graph(in_dir / "model.onnx")
     layout = head_layout(model)
     options = engine.Options(**section.model_dump(),
                              head_blocks={p: w for p, (side, w) in layout.items() if side == "out"})

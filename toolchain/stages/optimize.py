@@ -102,7 +102,7 @@ def optimize(in_dir: Path, out_dir: Path, target: str, passes: list[str] | None 
     OptimizeError when a pass fails or misses an expectation (nothing is written), and
     ParityError when the optimised graph disagrees with PyTorch (the output is kept for inspection).
     """
-    from toolchain.export.graph import save_graph
+    from toolchain.export.graph import load_graph, save_graph
     from toolchain.export.parity import too_large_for_end_to_end
     from toolchain.stages.inputs import read_export
 
@@ -111,7 +111,7 @@ def optimize(in_dir: Path, out_dir: Path, target: str, passes: list[str] | None 
     export_report, source = read_export(in_dir, source)
     timings = {}
     t0 = time.perf_counter()
-    model = ir.load(in_dir / "model.onnx")
+    model = load_graph(in_dir / "model.onnx")
     if expectations is None:
         expectations = expectations_for(model, target, names)
     before = {"nodes": len(model.graph), "op_types": op_type_counts(model)}
