@@ -339,6 +339,11 @@ BAD_INPUTS = {
              "is the current directory or contains it"),
     "unwritable compare --html": (lambda t, a: ["compare", a, a, "--html", t / "no" / "such" / "dir.html"],
                                   "is not a writable directory"),
+    # os.access allows root everything; the probe in toolchain/atomic.py finds what cannot be created, before the work
+    "eval -o where no directory can be made (/proc)": (lambda t, a: ["eval", a, "-o", "/proc/dstc-out", "--no-latency"],
+                                                        "cannot write to /proc/dstc-out"),
+    "compare --html where no file can be made (/proc)": (lambda t, a: ["compare", a, a, "--html", "/proc/dstc.html",
+                                                                       "--no-latency"], "cannot write /proc/dstc.html"),
     "missing second artifact in compare": (lambda t, a: ["compare", a, t / "missing", "--no-latency"],
                                            "is not a directory"),
     "deeply nested report.json": (lambda t, a: ["gate", _nested_report(t), "--min-top1", "0.5"],

@@ -60,6 +60,10 @@ def check_writable_target(target: Path) -> Path:
     parent = next((p for p in target.parents if p.exists()), None)
     if parent is None or not os.access(parent, os.W_OK | os.X_OK) or not parent.is_dir():
         raise InputError(f"cannot write to {target}: {parent} is not a writable directory")
+    try:  # os.access says yes to root everywhere, /proc and read-only mounts included: make a directory there
+        os.rmdir(tempfile.mkdtemp(prefix=".dstc-probe-", dir=parent))
+    except OSError as e:
+        raise InputError(f"cannot write to {target}: {parent}: {e.strerror}") from None
     return target
 
 
@@ -186,6 +190,12 @@ def check_writable_file(path: Path) -> Path:
         raise InputError(f"cannot write {path}: {path.parent} is not a writable directory")
     if path.exists() and not os.access(path, os.W_OK):
         raise InputError(f"cannot write {path}: permission denied")
+    try:  # as check_writable_target: os.access does not know read-only mounts or /proc for root
+        handle, probe = tempfile.mkstemp(prefix=".dstc-probe-", dir=path.parent)
+        os.close(handle)
+        os.unlink(probe)
+    except OSError as e:
+        raise InputError(f"cannot write {path}: {path.parent}: {e.strerror}") from None
     return path
 
 
