@@ -19,11 +19,11 @@ import time
 from pathlib import Path
 
 import numpy as np
-import onnxruntime as ort
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache
 
 from toolchain.models.shape_faithful import make_shape_faithful
+from toolchain.runtime.engines import ort_options, ort_session
 from toolchain.stages.export import export
 
 
@@ -62,9 +62,7 @@ def torch_times(path: Path, impl: str, prompt: np.ndarray, long_prompt: np.ndarr
 
 
 def ort_times(onnx_path: Path, past: dict, prompt: np.ndarray, long_prompt: np.ndarray, steps: int, repeats: int):
-    options = ort.SessionOptions()
-    options.intra_op_num_threads = torch.get_num_threads()
-    session = ort.InferenceSession(str(onnx_path), options, providers=["CPUExecutionProvider"])
+    session = ort_session(onnx_path, ort_options(threads=torch.get_num_threads()))
     names = [o.name for o in session.get_outputs()]
 
     def run(ids, cache):
