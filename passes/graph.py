@@ -109,7 +109,8 @@ class Names:
         return name
 
     def add_initializer(self, array: np.ndarray, base_name: str) -> ir.Value:
-        tensor = ir.tensor(np.ascontiguousarray(array).reshape(np.shape(array)), name=self.fresh(base_name))  # 0-d stays 0-d
+        # reshape: a 0-d array stays 0-d
+        tensor = ir.tensor(np.ascontiguousarray(array).reshape(np.shape(array)), name=self.fresh(base_name))
         value = ir.Value(
             name=tensor.name, type=ir.TensorType(tensor.dtype), shape=ir.Shape(array.shape), const_value=tensor
         )

@@ -77,7 +77,10 @@ def run_pipeline(
         if info.name in checks and last_run[info.name] == i:
             near_misses = getattr(pass_, "near_misses", None)
             check_expectation(
-                info.name, checks[info.name], totals[info.name], lambda: near_misses(model) if near_misses else []
+                info.name,
+                checks[info.name],
+                totals[info.name],
+                lambda near_misses=near_misses: near_misses(model) if near_misses else [],
             )
     if original is not None:
         try:

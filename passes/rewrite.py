@@ -16,8 +16,14 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 import onnx_ir as ir
-from onnxscript.rewriter import MatchingTracer, MatchResult, MatchStatus, RewriteRule, RewriteRuleSet
-from onnxscript.rewriter import RewriteRuleClassBase
+from onnxscript.rewriter import (
+    MatchingTracer,
+    MatchResult,
+    MatchStatus,
+    RewriteRule,
+    RewriteRuleClassBase,
+    RewriteRuleSet,
+)
 
 from passes.base import CountingPass, NearMiss, node_label
 from passes.graph import Names, bypass, drop_orphaned_initializers, initializers_in_use, remove_dead

@@ -17,9 +17,9 @@ import fcntl
 import os
 import shutil
 import tempfile
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
 
 from toolchain.errors import InputError, OutputError
 

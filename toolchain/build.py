@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import platform
 import time
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 from toolchain import source as sources
@@ -90,11 +90,11 @@ def build(recipe_path: Path, out_dir: Path | None = None, *, model: str | None =
             "stages": stage_rows,
             "versions": versions(),
             "seeds": SEEDS,
-            "nondeterministic": {name: "written by dstc eval: measured latencies and host; not hashed"
-                                 for name in REPORT_FILES},
+            "nondeterministic": dict.fromkeys(REPORT_FILES,
+                                              "written by dstc eval: measured latencies and host; not hashed"),
         }
         durations["total"] = round(time.perf_counter() - started, 3)
-        provenance = {"built_at": datetime.now(timezone.utc).isoformat(timespec="seconds"), "host": platform.node(),
+        provenance = {"built_at": datetime.now(UTC).isoformat(timespec="seconds"), "host": platform.node(),
                       "output": str(out_dir.resolve()), "durations_s": durations, "cached_stages": cached_stages,
                       "stage_reports": reports}
         manifest = write_manifest(tmp, fields, provenance)

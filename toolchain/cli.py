@@ -525,10 +525,9 @@ def eval_cmd(artifact: Path, reference: str | None, texts: int, problems: int, n
     time to first token P50/P90/P99, inter-token latency P50/P90, tokens/s, peak RSS, for every prompt length
     x batch. Writes report.json (schema dstc.report/2), report.md and report.html.
     """
+    from toolchain.atomic import check_writable_target, ensure_output_dir
     from toolchain.evaluate.run import evaluate_artifact, write_report
     from toolchain.report.markdown import render_summary
-
-    from toolchain.atomic import check_writable_target, ensure_output_dir
 
     settings = _eval_settings(texts, problems, no_latency, prompt_lengths, batches, new_tokens, warmup, repetitions,
                               threads, openvino_f32)
@@ -554,10 +553,9 @@ def compare_cmd(artifacts: tuple[Path, ...], reference: str | None, texts: int, 
                 threads: int | None, openvino_f32: bool, html_out: Path | None, as_json: bool) -> None:
     """Evaluate several ARTIFACTS in one run with the same prompts (typically one recipe built for ONNX Runtime
     and OpenVINO) and print them side by side, with each value's ratio to the first artifact's."""
+    from toolchain.atomic import check_writable_file, write_file_atomically
     from toolchain.evaluate.compare import compare_artifacts, labels_for
     from toolchain.report.comparison import comparison_rows, render_comparison_html, render_comparison_text
-
-    from toolchain.atomic import check_writable_file, write_file_atomically
 
     if len(artifacts) < 2:
         raise click.BadParameter("give at least two artifacts", param_hint="ARTIFACTS")
@@ -678,7 +676,8 @@ def passes_list(target: str | None, as_json: bool) -> None:
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
 @click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True,
               help="Port to listen on (0: any free port, printed at startup).")
-@click.option("--threads", type=click.IntRange(1), default=None, help="Runtime threads (default: the runtime's choice).")
+@click.option("--threads", type=click.IntRange(1), default=None,
+              help="Runtime threads (default: the runtime's choice).")
 @click.option("--max-batch", type=click.IntRange(1), default=16, show_default=True,
               help="Requests decoded together in the running batch.")
 @click.option("--max-context", type=click.IntRange(2), default=None,
@@ -690,7 +689,8 @@ def passes_list(target: str | None, as_json: bool) -> None:
                    "default for that metric.")
 @click.option("--openvino-f32", is_flag=True,
               help="OpenVINO at f32 compute and KV cache instead of the CPU plugin's defaults (bf16, u8 KV cache).")
-@click.option("--no-prefix-caching", is_flag=True, help="OpenVINO: do not reuse the KV cache of repeated prompt prefixes.")
+@click.option("--no-prefix-caching", is_flag=True,
+              help="OpenVINO: do not reuse the KV cache of repeated prompt prefixes.")
 def serve_cmd(artifact: Path, host: str, port: int, threads: int | None, max_batch: int, max_context: int | None,
               max_queue: int, thresholds: tuple[str, ...], openvino_f32: bool, no_prefix_caching: bool) -> None:
     """Serve ARTIFACT over HTTP with OpenAI's API (/v1/completions, /v1/chat/completions, /v1/models; streaming

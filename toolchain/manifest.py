@@ -12,6 +12,7 @@ report.json records the sha256 of this manifest and of report.md / report.html, 
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.metadata
 import json
@@ -21,7 +22,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from toolchain import __version__
-
 from toolchain.atomic import MARKER
 from toolchain.errors import InputError
 from toolchain.stages.reports import read_json_file
@@ -66,10 +66,8 @@ def self_digest(document: dict) -> str:
 def versions() -> dict[str, str]:
     found = {"python": platform.python_version(), "dstc": __version__}
     for name in PACKAGES:
-        try:
+        with contextlib.suppress(importlib.metadata.PackageNotFoundError):
             found[name] = importlib.metadata.version(name)
-        except importlib.metadata.PackageNotFoundError:
-            pass
     return found
 
 
@@ -221,7 +219,7 @@ def verify_artifact(artifact: Path, public_key: Path | None = None) -> list[str]
             report = read_report_data(artifact / REPORT_FILES[0])
             check_report_binding(report, artifact, artifact / REPORT_FILES[0])
         except InputError as e:
-            return problems + [f"report: {e}"]
+            return [*problems, f"report: {e}"]
         for name, sha in (report.get("files") or {}).items():
             if not (artifact / name).is_file():
                 problems.append(f"missing: {name} (listed in report.json)")

@@ -51,7 +51,7 @@ class ExportSection(Section):
     weights: Literal["auto", "float32", "bfloat16"] = "auto"
 
     @model_validator(mode="after")
-    def _parity_runs_the_lowering(self) -> "ExportSection":
+    def _parity_runs_the_lowering(self) -> ExportSection:
         """Unless given, parity runs on every backend that runs the lowering's graph; a given one it cannot run
         on is an error."""
         from toolchain.errors import InputError
@@ -130,7 +130,7 @@ class ServeSection(Section):
     thresholds: dict[str, ServeThreshold] = Field(default_factory=dict)
 
     @model_validator(mode="after")
-    def _known_metrics(self) -> "ServeSection":
+    def _known_metrics(self) -> ServeSection:
         from toolchain.errors import InputError
         from toolchain.serve.health import Threshold
 
@@ -156,7 +156,7 @@ class Recipe(Section):
     serve: ServeSection | None = None
 
     @model_validator(mode="after")
-    def _compression_fits_the_backend(self) -> "Recipe":
+    def _compression_fits_the_backend(self) -> Recipe:
         problem = self.compress.problem(self.compile.backend) if self.compress else None
         if problem:
             raise ValueError(f"compress: {problem}")
@@ -187,7 +187,7 @@ class _UniqueKeyLoader(yaml.SafeLoader):
 def load_recipe(path: Path, model_override: str | None = None) -> Recipe:
     path = Path(path)
     try:
-        data = yaml.load(path.read_text(), Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
+        data = yaml.load(path.read_text(), Loader=_UniqueKeyLoader)  # a SafeLoader subclass
     except OSError as e:
         raise RecipeError(f"cannot read recipe {path}: {e.strerror}") from None
     except UnicodeDecodeError:

@@ -7,10 +7,10 @@ Nothing is ever downloaded: the CLI runs with HF_HUB_OFFLINE=1.
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
 
 from toolchain.errors import InputError
 
@@ -129,9 +129,8 @@ def skeleton(source: Source, reader):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from toolchain.export.architectures import architecture_for
-
     from toolchain.checkpoint.reference import reference_config
+    from toolchain.export.architectures import architecture_for
 
     arch = architecture_for(source.config["model_type"])
     config = reference_config(source.path)

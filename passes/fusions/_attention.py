@@ -24,8 +24,17 @@ import onnx_ir as ir
 from onnxscript.rewriter import pattern
 
 from passes.base import node_label
-from passes.fusions._common import MS_DOMAIN, axis_is_last, dims, int_list, is_op, only_consumer, producer, scalar
-from passes.fusions._common import static_dim
+from passes.fusions._common import (
+    MS_DOMAIN,
+    axis_is_last,
+    dims,
+    int_list,
+    is_op,
+    only_consumer,
+    producer,
+    scalar,
+    static_dim,
+)
 
 
 def _repeat_kv(op, present, axes, reps, shape, kv: str):

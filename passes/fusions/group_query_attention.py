@@ -38,8 +38,16 @@ from __future__ import annotations
 import onnx_ir as ir
 from onnxscript.rewriter import MatchResult
 
-from passes.fusions._attention import attention, merged, merged_pattern, plan_3d, sdpa, shared_key_part
-from passes.fusions._attention import take_over_caches, to_3d
+from passes.fusions._attention import (
+    attention,
+    merged,
+    merged_pattern,
+    plan_3d,
+    sdpa,
+    shared_key_part,
+    take_over_caches,
+    to_3d,
+)
 from passes.fusions._common import MS_DOMAIN, dims, static_dim
 from passes.registry import register
 from passes.rewrite import FusionRule, RewriteRulesPass

@@ -8,6 +8,7 @@ channels: groups of 1 are per-channel, groups of a head's width are per-head, on
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
@@ -39,7 +40,7 @@ def group_bounds(n: int, group: int | Sequence[int]) -> list[tuple[int, int]]:
     if sum(widths) != n or any(w <= 0 for w in widths):
         raise ValueError(f"groups {group} do not tile {n} channels")
     starts = np.cumsum([0, *widths])
-    return [(int(a), int(b)) for a, b in zip(starts[:-1], starts[1:])]
+    return [(int(a), int(b)) for a, b in itertools.pairwise(starts)]
 
 
 def quantize_int8(w: np.ndarray, group: int | Sequence[int] = 1, *, sym: bool = False) -> Quantized:

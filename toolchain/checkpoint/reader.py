@@ -191,7 +191,7 @@ class CheckpointReader:
         """Tensor name -> shard file name, from the index or the single file's header."""
         if (self.path / SINGLE_FILE).is_file():  # transformers' order of preference
             with self._open(SINGLE_FILE) as f:
-                return {key: SINGLE_FILE for key in f.keys()}
+                return dict.fromkeys(f.keys(), SINGLE_FILE)
         index_file = self.path / INDEX_FILE
         if not index_file.is_file():
             raise InputError(f"{self.path}: no {SINGLE_FILE} or {INDEX_FILE}")

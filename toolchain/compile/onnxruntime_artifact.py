@@ -23,8 +23,8 @@ not a limit: routing happens inside the graph, which genai runs as a black box.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 MODEL = "model.onnx"
 WEIGHTS = "model.onnx.data"

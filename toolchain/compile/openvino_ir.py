@@ -18,8 +18,8 @@ The layout they expect, and what this module builds:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 

@@ -1,7 +1,7 @@
 """Smoke inference of a compiled artifact at its runtime's deployment defaults, in a child process.
 
-The compile stage's verification runs OpenVINO at exact numerics (``engines.NUMERICS``), to compare numbers with PyTorch;
-users run the CPU plugin's defaults (bf16 compute where the CPU has bf16 instructions, a u8 KV cache, the
+The compile stage's verification runs OpenVINO at exact numerics (``engines.NUMERICS``), to compare numbers with
+PyTorch; users run the CPU plugin's defaults (bf16 compute where the CPU has bf16 instructions, a u8 KV cache, the
 plugin's own thread count), which take other kernels. Those crashed: on a 3-head, hidden-96 DeepSeek-V2 the
 2026.4 CPU plugin segfaulted at bf16 for prompts of 1 to 16 tokens, and an f32-only check shipped that artifact
 as verified. So the stage also runs the artifact as deployed, through dstc's runtime decoders
@@ -9,10 +9,10 @@ as verified. So the stage also runs the artifact as deployed, through dstc's run
 its defaults and IO binding), one request for all: a prefill of a left-padded batch of two and of each of
 ``PROMPT_LENGTHS`` at batch 1, each followed by ``DECODE_STEPS`` greedy steps, every logit finite. A crash kills
 the process it happens in, so this runs in a fresh child (``python -m toolchain.compile.smoke``, not a fork of a
-process that has loaded torch and the runtimes); the parent reads which step the child had started from its progress lines and raises
-:class:`RuntimeCrashError` naming the signal and the prompt. ONNX Runtime runs fp32 with the kernels the
-verification runs too, so there it mostly guards the parent (the in-process verification comes after it); it
-costs a process start and 25 small steps, so both backends get it.
+process that has loaded torch and the runtimes); the parent reads which step the child had started from its
+progress lines and raises :class:`RuntimeCrashError` naming the signal and the prompt. ONNX Runtime runs fp32
+with the kernels the verification runs too, so there it mostly guards the parent (the in-process verification
+comes after it); it costs a process start and 25 small steps, so both backends get it.
 """
 
 from __future__ import annotations

@@ -12,9 +12,10 @@ from toolchain.errors import InputError
 
 EMBEDDED = "embedded"
 MAX_TOKENS = 64
+# per sequence: enough context for every layer's statistics, small enough for 2 CPU cores
 FALLBACK_TEXTS = ["The old man walked to the market with a basket of apples.", "321+654=9750",
                   "Where is the red book? It was on the table in the kitchen.", "706+85=7941",
-                  "The children followed him along the river to see the boats in the morning."]  # per sequence: enough context for every layer's statistics, small enough for 2 CPU cores
+                  "The children followed him along the river to see the boats in the morning."]
 
 
 def load_texts(dataset: str | Path, n: int) -> list[str]:
@@ -56,7 +57,8 @@ def load_texts(dataset: str | Path, n: int) -> list[str]:
     return texts
 
 
-def token_sequences(texts: list[str], checkpoint: Path | None, vocab_size: int, seed: int = 0) -> tuple[list[list[int]], str]:
+def token_sequences(texts: list[str], checkpoint: Path | None, vocab_size: int,
+                    seed: int = 0) -> tuple[list[list[int]], str]:
     """Token ids of each text (at most MAX_TOKENS) and how they were made.
 
     With no tokenizer beside the checkpoint (the random test checkpoints), seeded random ids of the texts'

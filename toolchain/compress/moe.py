@@ -356,7 +356,7 @@ def _to_qmoe(model: ir.Model, layer: FusedLayer, jobs: list[Job], accuracy_level
               None, None, None, None, fc1.get("zero_point"), fc2.get("zero_point")]
     while inputs[-1] is None:
         inputs.pop()
-    attributes = {name: attr for name, attr in moe.attributes.items()}
+    attributes = dict(moe.attributes.items())
     attributes["expert_weight_bits"] = ir.AttrInt64("expert_weight_bits", spec.bits)
     if spec.group:
         attributes["block_size"] = ir.AttrInt64("block_size", spec.group)

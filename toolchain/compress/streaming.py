@@ -109,8 +109,10 @@ class Job:
         import nncf
         from nncf.onnx.graph.onnx_helper import pack_int4_to_uint8
         from nncf.quantization.algorithms.weight_compression.config import WeightCompressionConfig
-        from nncf.quantization.algorithms.weight_compression.weight_lowering import (compress_weight,
-                                                                                     do_integer_dequantization)
+        from nncf.quantization.algorithms.weight_compression.weight_lowering import (
+            compress_weight,
+            do_integer_dequantization,
+        )
         from nncf.tensor import Tensor
 
         spec, tensor = self.spec, self.source.const_value
@@ -312,10 +314,10 @@ def compress_streaming(model: ir.Model, specs: list[Spec], log: Callable[[str], 
         tensors = {}
         for key, shape in shapes.items():
             name = f"{w.name}_{key}"
-            lazy = ir.LazyTensor(lambda job=job, key=key, dtype=_dtype(spec, key): ir.tensor(job.take(key), dtype=dtype),
-                                 dtype=_dtype(spec, key), shape=ir.Shape(shape), name=name, cache=keep)
-            tensors[key] = ir.Value(name=name, shape=ir.Shape(shape), type=ir.TensorType(_dtype(spec, key)),
-                                    const_value=lazy)
+            dtype = _dtype(spec, key)
+            lazy = ir.LazyTensor(lambda job=job, key=key, dtype=dtype: ir.tensor(job.take(key), dtype=dtype),
+                                 dtype=dtype, shape=ir.Shape(shape), name=name, cache=keep)
+            tensors[key] = ir.Value(name=name, shape=ir.Shape(shape), type=ir.TensorType(dtype), const_value=lazy)
             model.graph.register_initializer(tensors[key])
         consumer = producers[w.output]
         # a bf16-stored weight is read through its Cast, which goes with it; the job reads the bf16 values

@@ -13,9 +13,9 @@ from collections.abc import Callable
 
 import numpy as np
 
+from toolchain.evaluate.settings import EvalSettings
 from toolchain.models import corpus
 from toolchain.models.train import END_OF_LINE
-from toolchain.evaluate.settings import EvalSettings
 from toolchain.report.schema import Metric
 from toolchain.runtime.generate import greedy_generate
 

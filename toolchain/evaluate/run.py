@@ -66,7 +66,7 @@ def quantization_series(manifest: Manifest | None) -> tuple[list[LayerError], li
     return layers, heads
 
 
-def evaluate_artifact(path: Path, settings: EvalSettings = EvalSettings(), *, reference: str | None = None,
+def evaluate_artifact(path: Path, settings: EvalSettings | None = None, *, reference: str | None = None,
                       reference_decoder=None, display_path: Path | None = None,
                       log: Callable[[str], None] = lambda _: None) -> Report:
     """Measure the artifact at ``path``. ``reference_decoder``: an already loaded TorchDecoder of the source
@@ -78,6 +78,7 @@ def evaluate_artifact(path: Path, settings: EvalSettings = EvalSettings(), *, re
     from toolchain.runtime.decoder import open_decoder
     from toolchain.runtime.routing import router_outputs
 
+    settings = settings if settings is not None else EvalSettings()
     artifact = open_artifact(path)
     if reference_decoder is not None:
         ref = reference_decoder

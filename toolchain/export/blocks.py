@@ -90,7 +90,8 @@ def apply_rope(g: GraphBuilder, x: ir.Value, cos: ir.Value, sin: ir.Value) -> ir
 
 
 def deinterleave_rows(dim: int) -> np.ndarray:
-    """Permutation taking RoPE dims stored as interleaved pairs (x0, x1), (x2, x3) ... to halves [x0 x2 ... | x1 x3 ...].
+    """Permutation taking RoPE dims stored as interleaved pairs (x0, x1), (x2, x3) ... to halves
+    [x0 x2 ... | x1 x3 ...].
 
     Applied to the projection weights' output rows at export time, it turns DeepSeek's interleaved/complex RoPE
     into the rotate-half form with the same values, with no reshuffling op left in the graph.
@@ -136,7 +137,8 @@ def sdpa(g: GraphBuilder, q, k, v, mask, scale: float, num_heads: int, n_rep: in
 
 
 def _repeat_kv(g: GraphBuilder, x: ir.Value, n_rep: int, num_heads: int, dim: int) -> ir.Value:
-    """[b, kv, t, d] -> [b, kv*n_rep, t, d] with each kv head repeated n_rep times in place (transformers' repeat_kv)."""
+    """[b, kv, t, d] -> [b, kv*n_rep, t, d] with each kv head repeated n_rep times in place (transformers'
+    repeat_kv)."""
     expanded = g.op("Expand", g.op("Unsqueeze", x, g.const([2])), g.const([1, 1, n_rep, 1, 1]))
     return g.op("Reshape", expanded, g.const([0, num_heads, -1, dim]))
 

@@ -8,8 +8,9 @@ With tied embeddings (tie_word_embeddings) the lm_head reads the embedding table
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, Protocol
+from typing import Protocol
 
 import onnx_ir as ir
 import torch

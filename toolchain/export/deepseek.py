@@ -126,7 +126,8 @@ class DeepseekArchitecture:
         if attn.q_lora_rank is None:
             q = blocks.linear(g, h, attn.q_proj, "q_proj", rows=q_rows)
         else:
-            q_a = blocks.rms_norm(g, blocks.linear(g, h, attn.q_a_proj, "q_a_proj"), attn.q_a_layernorm, "q_a_layernorm")
+            q_a = blocks.rms_norm(g, blocks.linear(g, h, attn.q_a_proj, "q_a_proj"), attn.q_a_layernorm,
+                                  "q_a_layernorm")
             q = blocks.linear(g, q_a, attn.q_b_proj, "q_b_proj", rows=q_rows)
         q_nope, q_rot = g.op("Split", blocks.heads(g, q, num_heads, nope + rope), g.const([nope, rope]), axis=-1,
                              outputs=2)

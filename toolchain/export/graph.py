@@ -7,9 +7,9 @@ de-duplicated small constants.
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator, Sequence
 
 import numpy as np
 import onnx
@@ -117,7 +117,7 @@ class GraphBuilder:
             outputs=outputs,
             nodes=self.tape.nodes,
             initializers=self.tape.initializers,
-            opset_imports={"": OPSET, **{domain: 1 for domain in contrib}},
+            opset_imports={"": OPSET, **dict.fromkeys(contrib, 1)},
             name="main_graph",
         )
         return ir.Model(graph, ir_version=9, producer_name="dstc", doc_string=doc)

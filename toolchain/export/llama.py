@@ -31,7 +31,7 @@ class LlamaArchitecture:
 
     def head_layout(self, config) -> dict[str, tuple[str, int]]:
         head_dim = self.cache_dims(config)[1]
-        return {p: ("out", head_dim) for p in ("q_proj", "k_proj", "v_proj")} | {"o_proj": ("in", head_dim)}
+        return dict.fromkeys(("q_proj", "k_proj", "v_proj"), ("out", head_dim)) | {"o_proj": ("in", head_dim)}
 
     def moe_layers(self, config) -> list[int]:
         return []

@@ -49,12 +49,12 @@ class LazyArray:
     dtype: torch.dtype = torch.float32
 
     @property
-    def T(self) -> "LazyArray":  # noqa: N802 - numpy's name
+    def T(self) -> LazyArray:  # noqa: N802 - numpy's name
         if len(self.shape) != 2:
             raise ValueError(f"only a matrix is transposed lazily, not shape {self.shape}")
         return LazyArray(self.shape[::-1], self.read, self.rows, not self.transposed, self.dtype)
 
-    def __getitem__(self, index) -> "LazyArray":
+    def __getitem__(self, index) -> LazyArray:
         """Rows of the source (an index array or a slice), before any transpose."""
         if self.transposed or self.rows is not None:
             raise ValueError("a lazy weight takes one row selection, before it is transposed")

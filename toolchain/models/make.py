@@ -14,8 +14,16 @@ from toolchain.models import corpus
 from toolchain.models.configs import build_config
 from toolchain.models.registry import EMBEDDED, EMBEDDED_ROOT, embedded_path
 from toolchain.models.tokenizer import build_tokenizer, save_tokenizer
-from toolchain.models.train import (TrainSettings, exact_match, perplexity, seed_everything, torch_generate_fn,
-                                    torch_logits_fn, train, training_rows)
+from toolchain.models.train import (
+    TrainSettings,
+    exact_match,
+    perplexity,
+    seed_everything,
+    torch_generate_fn,
+    torch_logits_fn,
+    train,
+    training_rows,
+)
 
 SETTINGS = {
     **{name: TrainSettings(steps=1000) for name in EMBEDDED},

@@ -7,7 +7,6 @@ import shutil
 from pathlib import Path
 
 import numpy as np
-
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig, PreTrainedConfig
 

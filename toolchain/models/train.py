@@ -171,7 +171,7 @@ def train(model: torch.nn.Module, rows: torch.Tensor, pad: int, settings: TrainS
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
-        recent = (recent + [loss.item()])[-50:]
+        recent = [*recent, loss.item()][-50:]
         if log and (step + 1) % 100 == 0:
             log(f"step {step + 1}/{settings.steps} loss {sum(recent) / len(recent):.4f}")
     model.eval()

@@ -6,8 +6,18 @@ from __future__ import annotations
 import re
 from html import escape
 
-from toolchain.report.markdown import (Table, facts, gate_table, latency_table, metric_groups, metrics_table,
-                                       settings_line, title, verdict, worst_weights_table)
+from toolchain.report.markdown import (
+    Table,
+    facts,
+    gate_table,
+    latency_table,
+    metric_groups,
+    metrics_table,
+    settings_line,
+    title,
+    verdict,
+    worst_weights_table,
+)
 from toolchain.report.plots import all_plots
 from toolchain.report.schema import Report
 

@@ -98,8 +98,8 @@ def gate_table(report: Report) -> Table:
     rows = []
     for g in report.gates or []:
         unit = _unit(report, g.metric)
-        rows.append([g.name, g.metric, fmt(g.value, unit), fmt(g.limit, unit), "SKIPPED" if g.skipped and g.passed else "PASS" if g.passed else "FAIL",
-                     g.detail])
+        status = "SKIPPED" if g.skipped and g.passed else "PASS" if g.passed else "FAIL"
+        rows.append([g.name, g.metric, fmt(g.value, unit), fmt(g.limit, unit), status, g.detail])
     return GATE_HEADER, rows
 
 
@@ -207,7 +207,7 @@ def _wrapped(label: str, items: list[str], max_lines: int, width: int = 100) -> 
             lines.append([])
         lines[-1].append(item)
     text = [f"{label if i == 0 else '':<10}" + " · ".join(line) for i, line in enumerate(lines)]
-    return text if len(text) <= max_lines else text[:max_lines - 1] + [text[max_lines - 1] + " …"]
+    return text if len(text) <= max_lines else [*text[:max_lines - 1], text[max_lines - 1] + " …"]
 
 
 DERIVED = ("perplexity_increase", "exact_match_drop")

@@ -141,7 +141,7 @@ class Report(_Strict):
     digest: str | None = None  # sha256 of this report without this field (write_report sets it)
 
     @model_validator(mode="after")
-    def _values_in_range(self) -> "Report":
+    def _values_in_range(self) -> Report:
         for name, metric in self.metrics.items():
             problem = _metric_problem(name, metric)
             if problem:

@@ -37,10 +37,10 @@ import numpy as np
 
 from toolchain.compile.openvino_ir import PAST_PREFIX, PRESENT_PREFIX
 from toolchain.errors import InputError
-from toolchain.runtime.generate import left_pad
 from toolchain.runtime.artifact import Artifact
 from toolchain.runtime.decoder import positions
 from toolchain.runtime.engines import NUMERICS
+from toolchain.runtime.generate import left_pad
 
 LAYOUTS = ("batch", "gather")
 _DTYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16}
@@ -368,7 +368,7 @@ def openvino_generation_config(*, max_new_tokens: int, stop_ids: Iterable[int], 
     config = openvino_genai.GenerationConfig()
     config.max_new_tokens = max_new_tokens
     config.apply_chat_template = False
-    config.stop_token_ids = set(int(i) for i in stop_ids)
+    config.stop_token_ids = {int(i) for i in stop_ids}
     config.ignore_eos = ignore_eos
     if temperature > 0:
         config.do_sample = True

@@ -18,6 +18,7 @@ from toolchain.compile.onnxruntime_artifact import MODEL as ONNX_MODEL
 from toolchain.compile.openvino_ir import MODEL_XML
 from toolchain.runtime.artifact import Artifact
 
+
 def moe_layers(config: dict) -> list[int]:
     """Indices of the MoE layers of the artifact's config.json, by its architecture module's rule."""
     from toolchain.export.architectures import architecture_for
@@ -64,8 +65,8 @@ def _openvino_dispatch_indices(path: Path) -> list[str]:
 
     def feeds_experts(op) -> bool:
         kind = op.get_type_name()
-        return kind == "Equal" or kind == "ScatterElementsUpdate" and any(
-            t.get_node().get_type_name() in EXPERT_CONSUMERS for t in op.output(0).get_target_inputs())
+        return kind == "Equal" or (kind == "ScatterElementsUpdate" and any(
+            t.get_node().get_type_name() in EXPERT_CONSUMERS for t in op.output(0).get_target_inputs()))
 
     model = ov.Core().read_model(str(path))
     return [op.output(1).get_any_name() for op in model.get_ordered_ops() if op.get_type_name() == "TopK"

@@ -53,7 +53,7 @@ class TorchDecoder:
         self.reset()
 
     @classmethod
-    def over(cls, model, threads: int | None = None) -> "TorchDecoder":
+    def over(cls, model, threads: int | None = None) -> TorchDecoder:
         """A decoder over a transformers model already loaded (tests, callers that built it themselves)."""
         decoder = cls.__new__(cls)
         decoder.source, decoder.choice, decoder.model, decoder.load_seconds = None, {}, model, 0.0

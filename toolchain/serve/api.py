@@ -16,7 +16,7 @@ import json
 import secrets
 import time
 from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from contextlib import asynccontextmanager, suppress
 
 import anyio
 from fastapi import FastAPI, Request
@@ -58,10 +58,8 @@ def create_app(service) -> FastAPI:
         loop = asyncio.get_running_loop()
 
         def dispatch(deliver) -> None:  # from the engine's thread: one wake-up of the loop per step
-            try:
+            with suppress(RuntimeError):  # the loop has closed (shutdown)
                 loop.call_soon_threadsafe(deliver)
-            except RuntimeError:  # the loop has closed (shutdown)
-                pass
 
         service.engine.dispatch = dispatch
         service.engine.start()
@@ -349,10 +347,8 @@ class EventStream(StreamingResponse):
         try:
             async with anyio.create_task_group() as group:
                 async def stream() -> None:
-                    try:
+                    with suppress(OSError):  # the client has gone
                         await self.stream_response(send)
-                    except OSError:  # the client has gone
-                        pass
                     group.cancel_scope.cancel()
 
                 async def listen() -> None:
@@ -363,8 +359,6 @@ class EventStream(StreamingResponse):
                 group.start_soon(listen)
         finally:
             self.on_close()
-            try:
+            with suppress(Exception):
                 await self.body_iterator.aclose()
-            except Exception:
-                pass
 

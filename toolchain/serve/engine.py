@@ -17,6 +17,7 @@ events and figures to the server process there).
 from __future__ import annotations
 
 import collections
+import contextlib
 import itertools
 import threading
 import time
@@ -182,10 +183,8 @@ class Engine:
                 self._finish(request, "cancelled", notify=True)
             if self.after_iteration is not None:
                 self.after_iteration()
-            try:
+            with contextlib.suppress(Exception):
                 self.backend.close()
-            except Exception:
-                pass
 
     def _iteration(self) -> bool:
         with self._cv:

@@ -19,6 +19,7 @@ run ``python -m toolchain``'s __main__ again).
 from __future__ import annotations
 
 import collections
+import contextlib
 import itertools
 import signal
 import socket
@@ -101,10 +102,8 @@ class RemoteEngine:
 
     def stop(self, timeout: float = 10.0) -> None:
         self._stopping = True
-        try:
+        with contextlib.suppress(OSError, AttributeError):
             self._send(("stop",))
-        except (OSError, AttributeError):
-            pass
         process = self._process
         if process is not None:
             try:
@@ -142,10 +141,8 @@ class RemoteEngine:
         return request.id
 
     def cancel(self, request_id: int) -> None:
-        try:
+        with contextlib.suppress(OSError):  # the engine process is gone; its requests were failed already
             self._send(("cancel", request_id))
-        except OSError:  # the engine process is gone; its requests were failed already
-            pass
 
     @property
     def pid(self) -> int | None:
@@ -299,11 +296,9 @@ def worker(fd: int) -> None:
         items, recorder.items = recorder.items, []
         events = list(outbox)
         outbox.clear()
-        try:
+        with contextlib.suppress(OSError):  # the server has gone
             send(("step", events, items, {"queue_depth": engine.queue_depth, "running": engine.running,
                                           "kv_cache_usage": engine.kv_cache_usage()}))
-        except OSError:  # the server has gone
-            pass
 
     engine.after_iteration = flush
     engine.start()

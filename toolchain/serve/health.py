@@ -113,7 +113,7 @@ class HealthMonitor:
     """Recent TTFT / ITL samples and rejections; the live gauges come from ``gauges()`` (the engine's state)."""
 
     def __init__(self, thresholds: list[Threshold], *, window_s: float = 60.0, max_samples: int = 20000,
-                 gauges=lambda: {}) -> None:
+                 gauges=dict) -> None:
         self.thresholds = list(thresholds)
         self.window_s = window_s
         self._gauges = gauges

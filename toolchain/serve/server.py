@@ -18,8 +18,13 @@ from toolchain.errors import InputError
 from toolchain.runtime.artifact import Artifact
 from toolchain.runtime.sampling import Sampling
 from toolchain.serve.engine_process import RemoteEngine
-from toolchain.serve.health import DEFAULT_THRESHOLDS, HealthMonitor, merge_thresholds, parse_threshold, \
-    recipe_thresholds
+from toolchain.serve.health import (
+    DEFAULT_THRESHOLDS,
+    HealthMonitor,
+    merge_thresholds,
+    parse_threshold,
+    recipe_thresholds,
+)
 from toolchain.serve.metrics import ServerMetrics
 
 DEFAULT_MAX_CONTEXT = 4096  # when the model's own is longer: the OpenVINO KV cache is allocated for it

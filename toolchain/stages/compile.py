@@ -21,16 +21,15 @@ signal and the prompt, and nothing is written. compile.json records the result u
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
-
 
 from toolchain import __version__
 from toolchain.atomic import atomic_output_dir
-from toolchain.stages.reports import CompileReport
 from toolchain.compile import copy_checkpoint_files, onnxruntime_artifact, openvino_ir, smoke as smoke_test
 from toolchain.errors import InputError, ParityError
 from toolchain.stages.inputs import read_export, read_json
+from toolchain.stages.reports import CompileReport
 
 BACKENDS = ("openvino", "onnxruntime")
 VERIFY_TOKENS = 8
@@ -46,8 +45,13 @@ def _verify(backend: str, artifact: Path, input_dir: Path, source: Path, new_tok
     the compressed graph itself, run stateless on the same runtime.
     """
     from toolchain import source as sources
-    from toolchain.export.parity import (TOLERANCES, compare_decoders, graph_decoder, parity_cases,
-                                         too_large_for_end_to_end)
+    from toolchain.export.parity import (
+        TOLERANCES,
+        compare_decoders,
+        graph_decoder,
+        parity_cases,
+        too_large_for_end_to_end,
+    )
     from toolchain.runtime.decoder import OnnxRuntimeDecoder, OpenVINODecoder
     from toolchain.runtime.torch_reference import TorchDecoder
 
@@ -110,7 +114,7 @@ def compile_artifact(export_dir: Path, out_dir: Path, backend: str, *, verify: b
         typed = CompileReport(dstc_version=__version__, backend=backend,
                               export={"dir": str(export_dir), "source": report["source"]},
                               model_type=config["model_type"], tokenizer=has_tokenizer,
-                              files=sorted(files + ["compile.json"]), smoke=smoke_result, verification=verification,
+                              files=sorted([*files, "compile.json"]), smoke=smoke_result, verification=verification,
                               timings={k: round(v, 3) for k, v in timings.items()}, **{backend: details})
         typed.write(tmp / "compile.json")
         manifest = typed.dump()

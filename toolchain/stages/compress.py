@@ -25,18 +25,17 @@ import json
 import shutil
 import time
 from collections import Counter, defaultdict
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 import onnx_ir as ir
 
 from toolchain import __version__
 from toolchain.atomic import atomic_output_dir
-from toolchain.compress import calibration, engine, metrics
-from toolchain.compress import moe as fused_moe
-from toolchain.compress.streaming import blocked_dq_to_nbits
+from toolchain.compress import calibration, engine, metrics, moe as fused_moe
 from toolchain.compress.policy import Policy, layer_of, role_of
+from toolchain.compress.streaming import blocked_dq_to_nbits
 from toolchain.errors import InputError
 from toolchain.recipe import CompressSection
 from toolchain.runtime.engines import GraphRunner, ort_kernels
@@ -232,7 +231,7 @@ def _head(target, options, policy, report, in_dir, tmp, files, weight_rows) -> d
                     "accuracy_level": options.accuracy_level if target == "onnxruntime" else None},
         "policy": policy.as_dict(),
         "source": {"export": str(in_dir), **report["source"]},
-        "files": sorted(files + ["compression.json"]),
+        "files": sorted([*files, "compression.json"]),
         "size_bytes": sum((tmp / f).stat().st_size for f in files if f != "export.json"),
         "file_sizes": {f: (tmp / f).stat().st_size for f in files if f != "export.json"},
         "input_size_bytes": report.get("graph", {}).get("size_bytes"),

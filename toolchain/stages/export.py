@@ -11,10 +11,10 @@ whole only for the end-to-end parity check, and only for models whose fp32 weigh
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
-from toolchain import __version__
+from toolchain import __version__, source as sources
 from toolchain.atomic import atomic_output_dir, check_writable_target
 from toolchain.errors import ParityError
 from toolchain.export import moe as moe_lowering
@@ -26,7 +26,6 @@ from toolchain.export.layer_parity import compare_layers
 from toolchain.export.parity import compare, parity_cases, too_large_for_end_to_end
 from toolchain.runtime.torch_reference import TorchDecoder
 from toolchain.stages.reports import ExportReport, ExportSource
-from toolchain import source as sources
 
 # Decode steps of the layer-by-layer check: each step of each layer is checked on the reference's inputs (errors do
 # not compound as they do over greedy steps end to end), and 4 go through a growing KV cache as 16 do.

@@ -62,8 +62,8 @@ def check_onnx_graph(path: Path) -> None:
     try:
         model = onnx.load(str(path), load_external_data=False)
     except (DecodeError, ValueError, RuntimeError, OSError) as e:
-        raise InputError(f"{path} is not a readable ONNX model: {str(e).splitlines()[0] if str(e) else type(e).__name__}") \
-            from None
+        reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise InputError(f"{path} is not a readable ONNX model: {reason}") from None
     if not model.graph.node:
         raise InputError(f"{path} is not a readable ONNX model: its graph is empty")
     ends: dict[str, int] = {}

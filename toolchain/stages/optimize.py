@@ -17,8 +17,8 @@ import json
 import shutil
 import time
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import onnx_ir as ir
 
@@ -26,9 +26,9 @@ from passes import PassError, get_pass, run_pipeline
 from passes.targets import PIPELINES, expectations_for, pipeline
 from toolchain import __version__
 from toolchain.atomic import atomic_output_dir
-from toolchain.stages.reports import PassesReport
 from toolchain.errors import InputError, ParityError
 from toolchain.pass_errors import to_dstc_error
+from toolchain.stages.reports import PassesReport
 
 TARGETS = tuple(PIPELINES)
 # OpenVINO CPU runtime layer types of the fusions the openvino target is shaped for.
