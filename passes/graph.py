@@ -49,6 +49,35 @@ def constant_shape(value: ir.Value | None) -> tuple[int, ...] | None:
     return None if array is None else array.shape
 
 
+def constant(value: ir.Value | None) -> np.ndarray:
+    """:func:`constant_array` of a value the caller requires to be constant."""
+    array = constant_array(value)
+    if array is None:
+        raise ValueError(f"{value.name if value is not None else 'an omitted input'} is not a constant")
+    return array
+
+
+def produced(value: ir.Value | None) -> ir.Node:
+    """The node computing ``value``, where a matched pattern guarantees there is one."""
+    node = value.producer() if value is not None else None
+    if node is None:
+        raise ValueError(f"{value.name if value is not None else 'an omitted input'} is computed by no node")
+    return node
+
+
+def present(value: ir.Value | None) -> ir.Value:
+    """``value``, where a matched pattern guarantees the input is not omitted."""
+    if value is None:
+        raise ValueError("an input the pattern matched is omitted")
+    return value
+
+
+def set_dtype(value: ir.Value, dtype: ir.DataType | None) -> None:
+    """``value.dtype = dtype``, an unknown (None) dtype too: onnx_ir's setter stores it, its annotation says
+    DataType only."""
+    value.dtype = dtype  # type: ignore[assignment]
+
+
 def known_rank(value: ir.Value | None) -> int | None:
     if value is None:
         return None
@@ -96,7 +125,7 @@ class Names:
 
     def __init__(self, graph: ir.Graph) -> None:
         self._graph = graph
-        self._taken = set(graph.initializers)
+        self._taken: set[str | None] = set(graph.initializers)
         self._taken.update(v.name for v in graph.inputs)
         self._taken.update(out.name for node in graph for out in node.outputs)
 
@@ -131,7 +160,7 @@ def bypass(graph: ir.Graph, old: ir.Value, new: ir.Value) -> None:
     renamable = new.producer() is not None and not (new.is_graph_output() or new.is_graph_input())
     if not renamable:
         identity = ir.node("Identity", [new])
-        graph.insert_before(old.producer(), identity)
+        graph.insert_before(produced(old), identity)
         new = identity.outputs[0]
         new.type, new.shape = old.type, old.shape
     old.replace_all_uses_with(new, replace_graph_outputs=True)

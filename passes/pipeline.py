@@ -6,6 +6,7 @@ import dataclasses
 import time
 from collections import Counter
 from collections.abc import Mapping, Sequence
+from functools import partial
 
 import onnx_ir as ir
 
@@ -77,10 +78,7 @@ def run_pipeline(
         if info.name in checks and last_run[info.name] == i:
             near_misses = getattr(pass_, "near_misses", None)
             check_expectation(
-                info.name,
-                checks[info.name],
-                totals[info.name],
-                lambda near_misses=near_misses: near_misses(model) if near_misses else [],
+                info.name, checks[info.name], totals[info.name], partial(near_misses, model) if near_misses else list
             )
     if original is not None:
         try:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import collections
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import numpy as np
 import onnx_ir as ir
@@ -44,7 +45,7 @@ class GraphEdit:
         self.names = Names(self.graph)
         self.used_before = initializers_in_use(self.graph)
         self.consts: dict[tuple, ir.Value] = {}
-        self.shared: dict[object, object] = {}
+        self.shared: dict[object, Any] = {}  # each rule knows the type of what it keeps under its keys
         self.dead: list[ir.Node] = []
         self.outputs: list[tuple[ir.Value, str | None, ir.TypeProtocol | None, ir.Shape | None]] = []
         self.replaced: list[tuple[ir.Value, ir.Value]] = []
@@ -160,16 +161,22 @@ class FusionRule(RewriteRuleClassBase):
       makes more than one kind), and sorts the graph after a sweep that rewrote something.
 
     A near-miss names ``self.where`` (by default the root). Only the main graph is rewritten: the initializers
-    replacements add cannot live in functions.
+    replacements add cannot live in functions. A rule with ``variants`` (a sequence of settings) is compiled once
+    per setting, ``self.variant`` set to it while its ``pattern`` is built.
     """
+
+    variants: Sequence[object] = (None,)
+    variant: object = None
+
+    # RewriteRulesPass binds session before the sweep; enter() binds the others before every check.
+    session: _Session
+    edit: GraphEdit
+    root: ir.Node
+    anchor: ir.Node
+    where: ir.Node
 
     def __init__(self, name: str) -> None:
         super().__init__(name, remove_nodes=False)
-        self.session: _Session | None = None
-        self.edit: GraphEdit | None = None
-        self.root: ir.Node | None = None
-        self.anchor: ir.Node | None = None
-        self.where: ir.Node | None = None
         self.matched: list[ir.Node] = []
         self.counted: tuple[str, ...] = ()
 
@@ -206,30 +213,30 @@ class FusionRule(RewriteRuleClassBase):
 def _variant_rules(rule: RewriteRuleClassBase, tally: collections.Counter, commute: bool) -> list[RewriteRule]:
     """``rule.rule()``, commuted when asked, with the replacement counting its successful applications in
     ``tally`` (under ``rule.name``, or ``rule.counted`` for a :class:`FusionRule`)."""
-    fusion = isinstance(rule, FusionRule)
+    fusion = rule if isinstance(rule, FusionRule) else None
 
     def check(context, **bindings):
-        if not fusion:
+        if fusion is None:
             return rule.check(context, **bindings)
-        result = rule.enter(context)
+        result = fusion.enter(context)
         if result:
-            result = rule.check(context, **bindings)
-        if not result and rule.session.dry_run:
-            rule.session.anchors[(context.root, getattr(result, "reason", ""))] = rule.where
+            result = fusion.check(context, **bindings)
+        if not result and fusion.session.dry_run:
+            fusion.session.anchors[(context.root, getattr(result, "reason", ""))] = fusion.where
         return result
 
     def rewrite(op, *args, **kwargs):
         replacement = rule.rewrite(op, *args, **kwargs)
         if replacement is None or replacement is False or isinstance(replacement, MatchResult):
             return replacement
-        if fusion:
-            edit = rule.edit
+        if fusion is not None:
+            edit = fusion.edit
             values = list(replacement) if isinstance(replacement, Sequence) else [replacement]
             edit.outputs += [(v, v.name, v.type, v.shape) for v in values]
-            edit.dead += rule.matched
-            if rule not in edit.rules:
-                edit.rules.append(rule)
-            tally.update(rule.counted)
+            edit.dead += fusion.matched
+            if fusion not in edit.rules:
+                edit.rules.append(fusion)
+            tally.update(fusion.counted)
         else:
             tally[rule.name] += 1
         return replacement
@@ -238,7 +245,7 @@ def _variant_rules(rule: RewriteRuleClassBase, tally: collections.Counter, commu
         rule.pattern,
         rewrite,
         check,
-        name=None if fusion else rule.name,  # a name would be written into every new node's metadata
+        name=None if fusion is not None else rule.name,  # a name would be written into every new node's metadata
         remove_nodes=rule.remove_nodes,
         graph_pre_visitor=rule.setup,
         graph_post_visitor=rule.cleanup,
@@ -251,8 +258,7 @@ class RewriteRulesPass(CountingPass):
     """Apply rewrite rules until none fires (at most ``max_rounds`` sweeps); counts are keyed by rule name.
 
     Initializers that only the rewritten nodes used are dropped, so a fusion leaves no orphaned weights.
-    Rules may be :class:`FusionRule` s (see there); a rule with ``variants`` (a sequence of settings) is
-    compiled once per setting, its ``variant`` attribute set to it while its ``pattern`` is built.
+    Rules may be :class:`FusionRule` s (see there).
     """
 
     max_rounds = 8
@@ -266,17 +272,25 @@ class RewriteRulesPass(CountingPass):
 
     def _rule_set(self, tally: collections.Counter, *, dry_run: bool = False) -> tuple[RewriteRuleSet, dict]:
         session = _Session(dry_run=dry_run)
-        compiled, labels, fusion = [], {}, set()
+        compiled: list[RewriteRule] = []
+        labels: dict[RewriteRule, str] = {}
+        fusion: set[RewriteRule] = set()
+
+        def add(rule: RewriteRuleClassBase) -> None:
+            for rewrite_rule in _variant_rules(rule, tally, self.commute):
+                compiled.append(rewrite_rule)
+                labels[rewrite_rule] = rule.name
+                if isinstance(rule, FusionRule):
+                    fusion.add(rewrite_rule)
+
         for rule in self.rules:
-            if isinstance(rule, FusionRule):
-                rule.session = session
-            for variant in getattr(rule, "variants", (None,)):
+            if not isinstance(rule, FusionRule):
+                add(rule)
+                continue
+            rule.session = session
+            for variant in rule.variants:
                 rule.variant = variant
-                for rewrite_rule in _variant_rules(rule, tally, self.commute):
-                    compiled.append(rewrite_rule)
-                    labels[rewrite_rule] = rule.name
-                    if isinstance(rule, FusionRule):
-                        fusion.add(rewrite_rule)
+                add(rule)
         rule_set = RewriteRuleSet(compiled)
         # Fusion rules keep matched nodes (remove_nodes=False) and remove those left unused themselves; the rule
         # set must not sweep unused nodes from the whole model after them.

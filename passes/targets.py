@@ -65,7 +65,7 @@ def default_expectations(target: str, attention: str | None, num_layers: int | N
     rotations = {"min": 2 * layers, "max": 2 * layers}  # q and k in every layer
     if target == "openvino":
         return {"rotate-half-split": rotations}
-    expectations = {
+    expectations: dict[str, dict] = {
         # input and post-attention norm of every layer and the final norm (MLA adds its own latent norms)
         "fuse-rms-norm": {"min": 2 * layers + 1},
         # every norm but the first layer's input norm follows a residual Add

@@ -35,6 +35,7 @@ from passes.fusions._common import (
     scalar,
     static_dim,
 )
+from passes.graph import set_dtype
 
 
 def _repeat_kv(op, present, axes, reps, shape, kv: str):
@@ -117,9 +118,10 @@ def sdpa(b: dict) -> Sdpa | str:
         if only_consumer(node.outputs[0]) is None:
             return f"{node_label(node)} of the attention has other uses"
     key, value = _cache(b, "k"), _cache(b, "v")
-    for cache in (key, value):
-        if isinstance(cache, str):
-            return cache
+    if isinstance(key, str):
+        return key
+    if isinstance(value, str):
+        return value
     if key.n_rep != value.n_rep:
         return f"K and V are repeated differently ({key.n_rep} vs {value.n_rep})"
     return Sdpa(b["q"], key, value, b["mask"], scale, b["attention"].producer())
@@ -132,7 +134,7 @@ def shared_key_part(cache: Cache) -> bool:
     concat = producer(cache.new, "Concat")
     if concat is None or not axis_is_last(concat.attributes.get_int("axis", 0), len(dims(cache.new) or []) or None):
         return False
-    return any(producer(part, "Expand") is not None and static_dim(part.producer().inputs[0], 1) == 1
+    return any((expand := producer(part, "Expand")) is not None and static_dim(expand.inputs[0], 1) == 1
                for part in concat.inputs)
 
 
@@ -209,9 +211,9 @@ def plan_3d(context, x4: ir.Value, heads: int, head_dim: int) -> To3d:
 
 def to_3d(emit, plan: To3d) -> ir.Value:
     """The [B, S, heads * head_dim] value :func:`plan_3d` planned."""
-    if plan.x3 is not None and plan.rope is None:
-        return plan.x3
-    if plan.rope is not None:
+    if plan.x3 is not None:
+        if plan.rope is None:
+            return plan.x3
         rope3 = emit.node("RotaryEmbedding", [plan.x3, *plan.rope.inputs[1:]],
                           {"interleaved": 0, "num_heads": plan.heads}, domain=MS_DOMAIN).outputs[0]
         rope3.dtype, rope3.shape = plan.x3.dtype, plan.x3.shape
@@ -230,5 +232,6 @@ def take_over_caches(edit, sdpa: Sdpa, present_k: ir.Value, present_v: ir.Value)
     """A fused op's present outputs take the place of the cache Concats' (their types and shapes, and graph
     output names), after the sweep."""
     for new, old in ((present_k, sdpa.key.present), (present_v, sdpa.value.present)):
-        new.dtype, new.shape = old.dtype, old.shape
+        set_dtype(new, old.dtype)
+        new.shape = old.shape
         edit.replace(old, new)

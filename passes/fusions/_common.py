@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import TypeGuard
+
 import numpy as np
 import onnx_ir as ir
 
@@ -11,7 +13,7 @@ from passes.graph import constant_array
 MS_DOMAIN = "com.microsoft"
 
 
-def is_op(node: ir.Node | None, op_type: str, domain: str = "") -> bool:
+def is_op(node: ir.Node | None, op_type: str, domain: str = "") -> TypeGuard[ir.Node]:
     if node is None or node.op_type != op_type:
         return False
     return node.domain in ("", "ai.onnx") if domain == "" else node.domain == domain
@@ -48,7 +50,8 @@ def static_dim(value: ir.Value | None, axis: int) -> int | None:
     d = dims(value)
     if d is None or not -len(d) <= axis < len(d):
         return None
-    return d[axis] if isinstance(d[axis], int) else None
+    dim = d[axis]
+    return dim if isinstance(dim, int) else None
 
 
 def only_consumer(value: ir.Value) -> ir.Node | None:
@@ -56,7 +59,7 @@ def only_consumer(value: ir.Value) -> ir.Node | None:
     uses = value.uses()
     if len(uses) != 1 or value.is_graph_output():
         return None
-    return uses[0][0]
+    return next(iter(uses)).node
 
 
 def axis_is_last(axis: int, rank: int | None) -> bool:

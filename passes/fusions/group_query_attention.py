@@ -49,6 +49,7 @@ from passes.fusions._attention import (
     to_3d,
 )
 from passes.fusions._common import MS_DOMAIN, dims, static_dim
+from passes.graph import set_dtype
 from passes.registry import register
 from passes.rewrite import FusionRule, RewriteRulesPass
 
@@ -64,7 +65,8 @@ class _GroupQueryAttention(FusionRule):
                         v_shape)
         return merged_pattern(op, out, merge_shape) if self.variant else out
 
-    def check(self, context, **b) -> MatchResult:
+    # onnxscript calls check(context, **bindings), a signature its base declares as check(op, *args, **kwargs)
+    def check(self, context, **b) -> MatchResult:  # type: ignore[override]
         result = MatchResult()
         out = b["attention"]
         if context.root is not (merged(out) or out.producer()):  # the other variant fuses it
@@ -99,7 +101,8 @@ class _GroupQueryAttention(FusionRule):
                         domain=MS_DOMAIN, num_outputs=3)
         out, present_k, present_v = gqa.outputs
         q_dims = dims(q3)
-        out.dtype, out.shape = q3.dtype, ir.Shape([q_dims[0], q_dims[1], heads * head_dim]) if q_dims else None
+        set_dtype(out, q3.dtype)
+        out.shape = ir.Shape([q_dims[0], q_dims[1], heads * head_dim]) if q_dims else None
         take_over_caches(self.edit, match, present_k, present_v)
         self.counted = ("gqa" if kv_heads < heads else "mha",)
         if not is_merged:  # keep the [B, H, S, D] result the rest of the graph reads

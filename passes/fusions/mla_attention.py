@@ -36,6 +36,7 @@ from onnxscript.rewriter import MatchResult
 
 from passes.fusions._attention import attention, sdpa, shared_key_part, take_over_caches
 from passes.fusions._common import dims, static_dim
+from passes.graph import set_dtype
 from passes.registry import register
 from passes.rewrite import FusionRule, RewriteRulesPass
 
@@ -70,7 +71,8 @@ class _Attention(FusionRule):
         return attention(op, q, past_k, new_k, past_v, new_v, mask, scale, k_axes, k_reps, k_shape, v_axes, v_reps,
                          v_shape)
 
-    def check(self, context, **b) -> MatchResult:
+    # onnxscript calls check(context, **bindings), a signature its base declares as check(op, *args, **kwargs)
+    def check(self, context, **b) -> MatchResult:  # type: ignore[override]
         result = MatchResult()
         match = sdpa(b)
         if isinstance(match, str):
@@ -91,7 +93,8 @@ class _Attention(FusionRule):
         inputs = [match.q, match.key.new, match.value.new, match.mask, match.key.past, match.value.past]
         y, present_k, present_v = self.emit(op).node("Attention", inputs, {"scale": match.scale}, num_outputs=3).outputs
         out = match.root.outputs[0]
-        y.dtype, y.shape = out.dtype, out.shape
+        set_dtype(y, out.dtype)
+        y.shape = out.shape
         take_over_caches(self.edit, match, present_k, present_v)
         mla = k_dim != v_dim or shared_key_part(match.key)
         self.counted = ("mla" if mla else ("gqa" if kv_heads < heads else "mha"),)
@@ -109,7 +112,7 @@ def _check(match) -> tuple[int, int, int, int] | str:
         return f"q/k/v are not 4-D [B, heads, S, D] (shapes {q}, {k}, {v}; run infer-shapes first)"
     heads, kv_heads = static_dim(match.q, 1), static_dim(match.key.new, 1) or static_dim(match.key.past, 1)
     k_dim, v_dim = static_dim(match.q, 3), static_dim(match.value.new, 3) or static_dim(match.value.past, 3)
-    if None in (heads, kv_heads, k_dim, v_dim):
+    if heads is None or kv_heads is None or k_dim is None or v_dim is None:
         return "head counts or head sizes unknown (run infer-shapes first)"
     if heads % kv_heads or heads // kv_heads != match.key.n_rep:
         return f"{heads} query heads over {kv_heads} kv heads, but K/V are repeated {match.key.n_rep} times"

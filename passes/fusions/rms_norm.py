@@ -39,7 +39,8 @@ class _RmsNorm(RewriteRuleClassBase):
         normalized = op.Mul(x, op.Reciprocal(rms)) if self.reciprocal else op.Div(x, rms)
         return op.Mul(scale, normalized)
 
-    def check(self, context, x, axes, epsilon, scale, mean, two=None, **_) -> MatchResult:
+    # onnxscript calls check(context, **bindings), a signature its base declares as check(op, *args, **kwargs)
+    def check(self, context, x, axes, epsilon, scale, mean, two=None, **_) -> MatchResult:  # type: ignore[override]
         result = MatchResult()
         if x.dtype not in FLOATS:
             return result.fail(f"input dtype {x.dtype} is not a float type (unknown: run infer-shapes first)")

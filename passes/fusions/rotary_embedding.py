@@ -29,6 +29,7 @@ from onnxscript.rewriter import MatchResult
 
 from passes.fusions._common import MS_DOMAIN, dims
 from passes.fusions._rope import match_tables, rotation, rotation_pattern
+from passes.graph import set_dtype
 from passes.registry import register
 from passes.rewrite import FusionRule, RewriteRulesPass
 
@@ -37,7 +38,8 @@ class _RotaryEmbedding(FusionRule):
     def pattern(self, op, x, cos, sin):
         return rotation_pattern(op, x, cos, sin)
 
-    def check(self, context, **b) -> MatchResult:
+    # onnxscript calls check(context, **bindings), a signature its base declares as check(op, *args, **kwargs)
+    def check(self, context, **b) -> MatchResult:  # type: ignore[override]
         result = MatchResult()
         found = rotation(context.root, b)
         if isinstance(found, str):
@@ -64,7 +66,8 @@ class _RotaryEmbedding(FusionRule):
         rope = emit.node("RotaryEmbedding", [found.x, tables.position_ids, cos_cache, sin_cache], {"interleaved": 0},
                          domain=MS_DOMAIN)
         out = rope.outputs[0]
-        out.dtype, out.shape = found.root.outputs[0].dtype, found.x.shape
+        set_dtype(out, found.root.outputs[0].dtype)
+        out.shape = found.x.shape
         self.edit.dead += tables.nodes
         return out
 

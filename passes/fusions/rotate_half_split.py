@@ -20,6 +20,7 @@ from onnxscript.rewriter import MatchResult
 
 from passes.fusions._common import dims, int_list, is_op
 from passes.fusions._rope import ROTATIONS, Rotation, rotation
+from passes.graph import set_dtype
 from passes.registry import register
 from passes.rewrite import FusionRule, RewriteRulesPass
 
@@ -44,7 +45,8 @@ class _RotateHalfSplit(FusionRule):
     def pattern(self, op, x):
         return op.Split(x, _allow_other_inputs=True, _outputs=["x1", "x2"])
 
-    def check(self, context, x, **_) -> MatchResult:
+    # onnxscript calls check(context, **bindings), a signature its base declares as check(op, *args, **kwargs)
+    def check(self, context, x, **_) -> MatchResult:  # type: ignore[override]
         result = MatchResult()
         split = context.root
         rotation_of = _rotation_of(context, split)
@@ -67,7 +69,8 @@ class _RotateHalfSplit(FusionRule):
         split = found.halves[0]
         new = emit.node("Split", [found.x, emit.const([found.half, found.half])], {"axis": axis}, num_outputs=2)
         for old, value in zip(split.outputs, new.outputs):
-            value.dtype, value.shape = old.dtype, old.shape
+            set_dtype(value, old.dtype)
+            value.shape = old.shape
         return tuple(new.outputs)
 
 

@@ -31,7 +31,8 @@ class _Silu(RewriteRuleClassBase):
     def pattern(self, op, x):
         return op.Mul(x, op.Sigmoid(x))
 
-    def check(self, context, x, **_) -> MatchResult:
+    # onnxscript calls check(context, **bindings), a signature its base declares as check(op, *args, **kwargs)
+    def check(self, context, x, **_) -> MatchResult:  # type: ignore[override]
         result = MatchResult()
         if x.dtype not in (ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.BFLOAT16, ir.DataType.DOUBLE):
             return result.fail(f"input dtype {x.dtype} is not a float type (unknown: run infer-shapes first)")

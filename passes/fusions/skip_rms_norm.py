@@ -16,6 +16,8 @@ skip shape rather than computing something else.
 
 from __future__ import annotations
 
+from typing import TypeGuard
+
 from onnxscript.rewriter import MatchResult
 from onnxscript.rewriter.ort_fusions.skip_normalization import SkipRmsNormFusion
 
@@ -25,30 +27,37 @@ from passes.registry import register
 from passes.rewrite import RewriteRulesPass
 
 
+def _rows_of(shape: list[int | str | None] | None, width: int) -> TypeGuard[list[int | str | None]]:
+    """Whether ``shape`` is [B, S, width] or [tokens, width]."""
+    return shape is not None and len(shape) in (2, 3) and shape[-1] == width
+
+
 class _SkipRmsNorm(SkipRmsNormFusion):
-    def check(self, context, input, skip, gamma, bias, simplified_layer_norm, **_) -> MatchResult:
+    # onnxscript calls check(context, **bindings), a signature its base declares as check(op, *args, **kwargs)
+    def check(self, context, input, skip, gamma, bias, simplified_layer_norm, **_) -> MatchResult:  # type: ignore[override]
         result = MatchResult()
         gamma_array = constant_array(gamma)
         gamma_dims = list(gamma_array.shape) if gamma_array is not None else dims(gamma)
         if gamma_dims is None or len(gamma_dims) != 1 or not isinstance(gamma_dims[0], int):
             return result.fail(f"gamma has shape {gamma_dims}, not a static 1-D [D]")
         width = gamma_dims[0]
-        shapes = {"input": dims(input), "skip": dims(skip)}
-        for name, shape in shapes.items():
-            if shape is None or len(shape) not in (2, 3) or shape[-1] != width:
-                return result.fail(f"{name} has shape {shape}, expected [B, S, {width}] or [tokens, {width}]")
-        if len(shapes["input"]) != len(shapes["skip"]):
-            return result.fail(f"input {shapes['input']} and skip {shapes['skip']} differ in rank")
-        for a, b in zip(shapes["input"], shapes["skip"]):
+        input_dims, skip_dims = dims(input), dims(skip)
+        if not _rows_of(input_dims, width):
+            return result.fail(f"input has shape {input_dims}, expected [B, S, {width}] or [tokens, {width}]")
+        if not _rows_of(skip_dims, width):
+            return result.fail(f"skip has shape {skip_dims}, expected [B, S, {width}] or [tokens, {width}]")
+        if len(input_dims) != len(skip_dims):
+            return result.fail(f"input {input_dims} and skip {skip_dims} differ in rank")
+        for a, b in zip(input_dims, skip_dims):
             if (a == 1) != (b == 1) or (isinstance(a, int) and isinstance(b, int) and a != b):
-                return result.fail(f"the Add broadcasts input {shapes['input']} with skip {shapes['skip']}")
+                return result.fail(f"the Add broadcasts input {input_dims} with skip {skip_dims}")
         if self._has_bias:
             bias_dims = dims(bias)
             if bias_dims != [width]:
                 return result.fail(f"bias has shape {bias_dims}, expected [{width}]")
         if simplified_layer_norm.producer().attributes.get_int("stash_type", 1) != 1:
             return result.fail("SimplifiedLayerNormalization has a stash_type other than float")
-        if simplified_layer_norm.producer().attributes.get_int("axis", -1) not in (-1, len(shapes["input"]) - 1):
+        if simplified_layer_norm.producer().attributes.get_int("axis", -1) not in (-1, len(input_dims) - 1):
             return result.fail("SimplifiedLayerNormalization does not normalise the last axis")
         return result
 

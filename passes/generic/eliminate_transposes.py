@@ -20,12 +20,21 @@ constant and Gemm rules act per use, which fixed-size patterns do not express; o
 from __future__ import annotations
 
 from collections import Counter
+from typing import TypeGuard
 
 import numpy as np
 import onnx_ir as ir
 
 from passes.base import CountingPass, node_label
-from passes.graph import Names, bypass, constant_array, drop_orphaned_initializers, initializers_in_use, known_rank
+from passes.graph import (
+    Names,
+    bypass,
+    constant_array,
+    drop_orphaned_initializers,
+    initializers_in_use,
+    known_rank,
+    present,
+)
 from passes.registry import register
 
 # ONNX ops that compute each output element from the same-index (broadcast) elements of their inputs and have
@@ -39,7 +48,7 @@ ELEMENTWISE = frozenset(
 )
 
 
-def _is_op(node: ir.Node | None, op_type: str) -> bool:
+def _is_op(node: ir.Node | None, op_type: str) -> TypeGuard[ir.Node]:
     return node is not None and node.op_type == op_type and node.domain in ("", "ai.onnx")
 
 
@@ -107,17 +116,17 @@ class EliminateTransposes(CountingPass):
         if perm is None:
             self.near_miss("transpose", t, "permutation unknown (no perm attribute and unknown rank)")
             return None
-        x, y = t.inputs[0], t.outputs[0]
+        x, y = present(t.inputs[0]), t.outputs[0]
         if _is_identity(perm):
             self._replace(graph, t, x)
             return "identity_removed"
 
         inner = x.producer()
         inner_perm = _perm(inner) if _is_op(inner, "Transpose") and inner.graph is graph else None
-        if inner_perm is not None and len(inner_perm) == len(perm):
+        if inner is not None and inner_perm is not None and len(inner_perm) == len(perm):
             composed = _compose(inner_perm, perm)
             if _is_identity(composed):
-                self._replace(graph, t, inner.inputs[0])
+                self._replace(graph, t, present(inner.inputs[0]))
                 _remove_if_dead(graph, x)
                 return "pairs_cancelled"
             if len(x.uses()) == 1 and not x.is_graph_output():

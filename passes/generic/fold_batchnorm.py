@@ -23,7 +23,7 @@ import numpy as np
 import onnx_ir as ir
 from onnxscript.rewriter import MatchResult, RewriteRuleClassBase
 
-from passes.graph import Names, constant_array, known_rank
+from passes.graph import Names, constant_array, known_rank, present, produced
 from passes.registry import register
 from passes.rewrite import RewriteRulesPass
 
@@ -42,6 +42,14 @@ def _check_inference_batchnorm(bn: ir.Node, weight_dtype: ir.DataType | None) ->
     return result
 
 
+def _array(value: ir.Value | None) -> np.ndarray:
+    """The data of a constant initializer the rule's check accepted."""
+    tensor = present(value).const_value
+    if tensor is None:
+        raise ValueError(f"{present(value).name} is not a constant")
+    return tensor.numpy()
+
+
 class _BatchNormInto(RewriteRuleClassBase):
     """BatchNormalization(op_type(x, W[, B])) -> op_type(x, W * s, (beta_gemm * B - mean) * s + beta), as
     onnxscript's FuseBatchNormInto{Conv,ConvTranspose,Gemm}, with s = gamma / sqrt(var + eps) along the axis of
@@ -57,24 +65,25 @@ class _BatchNormInto(RewriteRuleClassBase):
 
     def check(self, context, x, inbound_out: ir.Value, batchnorm_out: ir.Value) -> MatchResult:
         result = MatchResult()
-        inbound, bn = inbound_out.producer(), batchnorm_out.producer()
+        inbound, bn = produced(inbound_out), produced(batchnorm_out)
         parameters = [inbound.inputs[1], *bn.inputs[1:], *inbound.inputs[2:3]]
         for value in parameters:
             if value is None or not value.is_initializer() or value.const_value is None:
                 return result.fail(f"{value.name if value is not None else 'an input'} is not a constant initializer.")
             if value.is_graph_input():
                 return result.fail(f"{value.name} is a graph input.")
-        for value in inbound.inputs[1:3]:  # the fused weight and bias take their names
+        weight = present(inbound.inputs[1])  # constant, as checked above, and so is the bias if there is one
+        for value in map(present, inbound.inputs[1:3]):  # the fused weight and bias take their names
             for user, _ in value.uses():
                 if user not in (inbound, bn):
                     return result.fail(f"Initializer '{value.name}' is used by another node '{user.name}' "
                                        "outside the matched pattern.")
         if self.op_type == "ConvTranspose":
-            in_channels = inbound.inputs[1].const_value.numpy().shape[0]
+            in_channels = _array(weight).shape[0]
             group = inbound.attributes.get_int("group", 1)
             if in_channels % group:
                 return result.fail(f"ConvTranspose in_channels ({in_channels}) is not divisible by group ({group}).")
-        return _check_inference_batchnorm(bn, inbound.inputs[1].dtype)
+        return _check_inference_batchnorm(bn, weight.dtype)
 
     def _scaled(self, weights: np.ndarray, scale: np.ndarray, inbound: ir.Node) -> np.ndarray:
         if self.op_type == "ConvTranspose":  # W [in, out / group, *kernel]: scale the out channels of each group
@@ -87,19 +96,21 @@ class _BatchNormInto(RewriteRuleClassBase):
         return weights * np.reshape(scale, [-1 if i == axis else 1 for i in range(weights.ndim)])
 
     def rewrite(self, op, x: ir.Value, inbound_out: ir.Value, batchnorm_out: ir.Value):
-        bn, inbound = batchnorm_out.producer(), inbound_out.producer()
-        gamma, beta, mean, var = (value.const_value.numpy() for value in bn.inputs[1:])
+        bn, inbound = produced(batchnorm_out), produced(inbound_out)
+        gamma, beta, mean, var = (_array(value) for value in bn.inputs[1:])
         scale = gamma / np.sqrt(var + bn.attributes.get_float("epsilon", 1e-5))
-        weights = inbound.inputs[1].const_value.numpy()
+        weight = present(inbound.inputs[1])
+        weights = _array(weight)
         attributes = dict(inbound.attributes)
         gemm_beta = attributes.pop("beta").as_float() if "beta" in attributes else 1.0  # folded into the bias
         if len(inbound.inputs) > 2:
-            bias, bias_name = inbound.inputs[2].const_value.numpy(), inbound.inputs[2].name
+            bias_value = present(inbound.inputs[2])
+            bias, bias_name = _array(bias_value), bias_value.name
         else:
-            bias, bias_name = np.zeros_like(mean), inbound.inputs[1].name + "_bias"
+            bias, bias_name = np.zeros_like(mean), f"{weight.name}_bias"
         fused_weights = ir.tensor(self._scaled(weights, scale, inbound))
         fused_bias = ir.tensor((gemm_beta * bias - mean) * scale + beta)
-        return op.op(self.op_type, x, op.initializer(fused_weights, name=inbound.inputs[1].name),
+        return op.op(self.op_type, x, op.initializer(fused_weights, name=weight.name),
                      op.initializer(fused_bias, name=bias_name), **attributes)
 
 
@@ -117,9 +128,9 @@ class _MatMulBatchNorm(RewriteRuleClassBase):
             return result.fail("rank of the MatMul output is unknown or < 2 (run infer-shapes first)")
         w_right, w_left = constant_array(b), constant_array(a)
         if w_right is not None and w_right.ndim == 2 and rank == 2:
-            weight_value, weight, channel_axis = b, w_right, 1
+            weight_value, weight, channel_axis = present(b), w_right, 1
         elif w_left is not None and w_left.ndim == 2 and rank == 3:
-            weight_value, weight, channel_axis = a, w_left, 0
+            weight_value, weight, channel_axis = present(a), w_left, 0
         elif w_right is not None and w_right.ndim == 2:
             return result.fail(
                 f"BatchNormalization normalises axis 1 of the rank-{rank} MatMul output but the weight "
@@ -139,18 +150,20 @@ class _MatMulBatchNorm(RewriteRuleClassBase):
             return check
         params = [constant_array(v) for v in bn.inputs[1:5]]
         channels = weight.shape[channel_axis]
-        if any(p is None or p.shape != (channels,) for p in params):
+        vectors = [p for p in params if p is not None and p.shape == (channels,)]
+        if len(vectors) != len(params):
             return result.fail(f"BatchNormalization parameters are not constant vectors of {channels} channels")
         bias_array = np.zeros((), weight.dtype)
         if bias is not None:
-            bias_array = constant_array(bias)
-            if bias_array is None or bias_array.ndim > rank or bias.dtype != weight_value.dtype:
+            constant = constant_array(bias)
+            if constant is None or constant.ndim > rank or bias.dtype != weight_value.dtype:
                 return result.fail("the Add between MatMul and BatchNormalization has no constant bias")
+            bias_array = constant
         graph = context.graph_or_function
         if not isinstance(graph, ir.Graph):
             return result.fail("folding inside a function is not supported (no initializers there)")
 
-        gamma, beta, mean, var = params
+        gamma, beta, mean, var = vectors
         scale = gamma / np.sqrt(var + np.asarray(bn.attributes.get_float("epsilon", 1e-5), var.dtype))
         channel_shape = (1, channels) + (1,) * (rank - 2)  # BN's axis 1 in the output
         fused_bias = (bias_array.reshape((1,) * (rank - bias_array.ndim) + bias_array.shape)
@@ -180,7 +193,7 @@ class MatMulBatchNorm(_MatMulBatchNorm):
         )
 
     def check(self, context, a, b, matmul_out: ir.Value, bn_out: ir.Value) -> MatchResult:
-        return self._plan(context, matmul_out.producer(), None, bn_out.producer())
+        return self._plan(context, produced(matmul_out), None, produced(bn_out))
 
 
 class MatMulAddBatchNorm(_MatMulBatchNorm):
@@ -190,7 +203,7 @@ class MatMulAddBatchNorm(_MatMulBatchNorm):
         )
 
     def check(self, context, a, b, bias, matmul_out: ir.Value, bn_out: ir.Value) -> MatchResult:
-        return self._plan(context, matmul_out.producer(), bias, bn_out.producer())
+        return self._plan(context, produced(matmul_out), bias, produced(bn_out))
 
 
 @register("fold-batchnorm", description="Fold inference BatchNormalization into a preceding Conv/Gemm/MatMul.")

@@ -33,7 +33,7 @@ class FoldConstants(ir.passes.InPlacePass):
                                                      **self.limits)
         after = set(ir.traversal.RecursiveGraphIterator(model.graph))
         rewired = sum(  # inputs forwarded past nodes that stay (e.g. Relu(Identity(x)) -> Relu(x)), not replaced ones
-            new is not old and old is not None and old.producer() is not None and old.producer().graph is not None
+            new is not old and old is not None and (source := old.producer()) is not None and source.graph is not None
             for node in after
             if node in inputs_before
             for new, old in zip(node.inputs, inputs_before[node])

@@ -28,7 +28,8 @@ class _MatMulAddGemm(RewriteRuleClassBase):
         b = op.Transpose(input_b, perm=[1, 0]) if self.trans_b else input_b
         return op.Add(op.MatMul(a, b), input_c)
 
-    def check(self, context, input_a, input_b, input_c, **_) -> MatchResult:
+    # onnxscript calls check(context, **bindings), a signature its base declares as check(op, *args, **kwargs)
+    def check(self, context, input_a, input_b, input_c, **_) -> MatchResult:  # type: ignore[override]
         result = MatchResult()
         rank_a = known_rank(input_a)
         if rank_a != 2:

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 import onnx_ir as ir
 
-from passes.graph import constant_array
+from passes.graph import constant, constant_array
 
 MS_DOMAIN = "com.microsoft"
 
@@ -55,7 +55,7 @@ def quantize_int8(w: np.ndarray, group: int | Sequence[int] = 1, *, sym: bool = 
     zero_point = None if sym else np.empty(n, np.uint8)
     for a, b in group_bounds(n, group):
         block = w[:, a:b]
-        if sym:
+        if zero_point is None:  # symmetric
             s = float(np.abs(block).max()) / 127.0
             scale[a:b] = s if s > 0 else 1.0
         else:
@@ -63,7 +63,7 @@ def quantize_int8(w: np.ndarray, group: int | Sequence[int] = 1, *, sym: bool = 
             s = (hi - lo) / 255.0 if hi > lo else 1.0
             scale[a:b] = s
             zero_point[a:b] = np.clip(np.round(-lo / s), 0, 255)
-    if sym:
+    if zero_point is None:
         q = np.clip(np.round(w / scale), -127, 127).astype(np.int8)
     else:
         q = np.clip(np.round(w / scale) + zero_point.astype(np.float32), 0, 255).astype(np.uint8)
@@ -88,6 +88,24 @@ class WeightUse:
     node: ir.Node
     value: ir.Value
     kind: str
+
+    @property
+    def name(self) -> str:
+        """The weight's name (an initializer always has one)."""
+        if self.value.name is None:
+            raise ValueError("a weight without a name")
+        return self.value.name
+
+    @property
+    def tensor(self) -> ir.TensorProtocol:
+        """The weight's data (:func:`float_weights` yields only values that have it)."""
+        if self.value.const_value is None:
+            raise ValueError(f"{self.name} is not a constant")
+        return self.value.const_value
+
+    @property
+    def columns(self) -> int:
+        return self.tensor.shape.numpy()[1]
 
 
 def float_weights(graph: ir.Graph) -> Iterator[WeightUse]:
@@ -156,8 +174,8 @@ def matmul_nbits_weight(node: ir.Node) -> np.ndarray:
     k, n = _attr_int(node, "K", 0), _attr_int(node, "N", 0)
     bits, block_size = _attr_int(node, "bits", 4), _attr_int(node, "block_size", 0)
     blocks = -(-k // block_size)
-    q = unpack_nbits(constant_array(node.inputs[1]), bits, n, blocks * block_size, block_size)
-    scale = constant_array(node.inputs[2]).reshape(n, blocks).astype(np.float32)
+    q = unpack_nbits(constant(node.inputs[1]), bits, n, blocks * block_size, block_size)
+    scale = constant(node.inputs[2]).reshape(n, blocks).astype(np.float32)
     zp_value = node.inputs[3] if len(node.inputs) > 3 else None
     zp = nbits_zero_points(None if zp_value is None else constant_array(zp_value), bits, n, blocks)
     deq = (q.reshape(n, blocks, block_size).astype(np.float32) - zp[..., None]) * scale[..., None]
@@ -166,10 +184,10 @@ def matmul_nbits_weight(node: ir.Node) -> np.ndarray:
 
 def dequantize_linear(node: ir.Node) -> np.ndarray:
     """The output of a DequantizeLinear node with constant inputs (per-tensor, per-axis or blocked)."""
-    x = constant_array(node.inputs[0]).astype(np.float32)
-    scale = constant_array(node.inputs[1]).astype(np.float32)
+    x = constant(node.inputs[0]).astype(np.float32)
+    scale = constant(node.inputs[1]).astype(np.float32)
     zp_value = node.inputs[2] if len(node.inputs) > 2 else None
-    zp = np.zeros_like(scale) if zp_value is None else constant_array(zp_value).astype(np.float32)
+    zp = np.zeros_like(scale) if zp_value is None else constant(zp_value).astype(np.float32)
     axis = _attr_int(node, "axis", 1) % max(x.ndim, 1)
     block = _attr_int(node, "block_size", 0)
     if scale.size == 1:

@@ -50,7 +50,7 @@ def projection_of(weight_name: str) -> str:
 
 def inferred_head_width(use: WeightUse) -> int | None:
     """The head_dim of the Reshape [.., heads, head_dim] reading the MatMul's output (possibly after an Add)."""
-    n = use.value.const_value.shape[1]
+    n = use.columns
     frontier = [use.node.outputs[0]]
     for _ in range(2):
         next_frontier = []
@@ -88,14 +88,14 @@ class Int8PerHead(CountingPass):
 
     def _group(self, use: WeightUse) -> int | None:
         """Width of the channel groups sharing a scale, or None for per channel."""
-        n = use.value.const_value.shape[1]
-        if use.kind != "matmul" or projection_of(use.value.name) not in HEAD_PROJECTIONS:
+        n = use.columns
+        if use.kind != "matmul" or projection_of(use.name) not in HEAD_PROJECTIONS:
             return None
         if self.granularity == "channel":
             return None
         if self.granularity == "tensor":
             return n
-        width = self.head_blocks.get(projection_of(use.value.name)) or inferred_head_width(use)
+        width = self.head_blocks.get(projection_of(use.name)) or inferred_head_width(use)
         if width is None or n % width:
             self.near_miss("int8-per-head", use.node, f"no head width for {use.value.name} ({n} outputs); "
                            f"quantized per channel", score=1)
@@ -108,24 +108,24 @@ class Int8PerHead(CountingPass):
         counts: Counter = Counter()
         self.groups = {}
         for use in list(float_weights(graph)):
-            weight = use.value
-            if self.names is not None and weight.name not in self.names:
+            weight, name = use.value, use.name
+            if self.names is not None and name not in self.names:
                 continue
             if use.node.inputs[1 if use.kind == "matmul" else 0] is not weight:
                 continue  # a tied table's other reader, rewired when the table was quantized
-            array = weight.const_value.numpy()
+            array = use.tensor.numpy()
             matrix = array if use.kind == "matmul" else array.T  # channels are columns
             width = self._group(use)
             quantized = quantize_int8(matrix, width or 1, sym=self.sym)
-            self.groups[weight.name] = group_bounds(matrix.shape[1], width or 1)
+            self.groups[name] = group_bounds(matrix.shape[1], width or 1)
             q = quantized.q if use.kind == "matmul" else quantized.q.T
-            inputs = [names.add_initializer(q, f"{weight.name}_quantized"),
-                      names.add_initializer(quantized.scale, f"{weight.name}_scale")]
+            inputs = [names.add_initializer(q, f"{name}_quantized"),
+                      names.add_initializer(quantized.scale, f"{name}_scale")]
             if quantized.zero_point is not None:
-                inputs.append(names.add_initializer(quantized.zero_point, f"{weight.name}_zero_point"))
+                inputs.append(names.add_initializer(quantized.zero_point, f"{name}_zero_point"))
             dq = ir.node("DequantizeLinear", inputs, attributes={"axis": 1 if use.kind == "matmul" else 0},
-                         name=names.fresh(f"{weight.name}_DequantizeLinear"))
-            dq.outputs[0].name = names.fresh(f"{weight.name}_dequantized")
+                         name=names.fresh(f"{name}_DequantizeLinear"))
+            dq.outputs[0].name = names.fresh(f"{name}_dequantized")
             dq.outputs[0].dtype = ir.DataType.FLOAT
             dq.outputs[0].shape = ir.Shape(list(array.shape))
             graph.insert_before(use.node, dq)
@@ -136,7 +136,7 @@ class Int8PerHead(CountingPass):
                             reader.op_type == "Gather" and index == 0 and reader.attributes.get_int("axis", 0) == 0):
                         reader.replace_input_with(index, dq.outputs[0])
             if not weight.uses() and not weight.is_graph_output():
-                del graph.initializers[weight.name]
+                del graph.initializers[name]
             if use.kind == "gather":
                 counts["per_row"] += 1
             elif width is None:

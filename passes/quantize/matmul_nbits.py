@@ -35,6 +35,7 @@ runs an fp32 MatMul. So:
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from collections.abc import Mapping
 
@@ -42,7 +43,15 @@ import numpy as np
 import onnx_ir as ir
 
 from passes.base import CountingPass
-from passes.graph import Names, bypass, constant_array, drop_orphaned_initializers, initializers_in_use
+from passes.graph import (
+    Names,
+    bypass,
+    constant_array,
+    drop_orphaned_initializers,
+    initializers_in_use,
+    present,
+    set_dtype,
+)
 from passes.quantize._weights import MS_DOMAIN, is_transposed_gemm
 from passes.registry import register
 
@@ -163,7 +172,7 @@ class ToMatMulNBits(CountingPass):
         if block * blocks > k:
             b = np.concatenate([b, np.full((n, block - k), 128, np.uint8) if zp_u8 is None else
                                 np.repeat(zp_u8[:, None], block - k, 1)], axis=1)  # dequantizes to exactly 0
-        base = dq.inputs[0].name or "weight"
+        base = present(dq.inputs[0]).name or "weight"
         inputs = [names.add_initializer(np.ascontiguousarray(b).reshape(n, blocks, block), f"{base}_nbits"),
                   names.add_initializer(np.repeat(scale.astype(np.float32).reshape(n, 1), blocks, 1),
                                         f"{base}_nbits_scale")]
@@ -192,7 +201,7 @@ class ToMatMulNBits(CountingPass):
         if q.ndim != 2 or _int(dq, "axis", 1) % 2 != 0 or scale.size != q.shape[0]:
             self.near_miss("dq-gather", dq, "not one scale per row of a 2-D table")
             return 0
-        table = dq.inputs[0]
+        table = present(dq.inputs[0])
         scale_v = names.add_initializer(scale.astype(np.float32).reshape(-1, 1), f"{table.name}_row_scale")
         zp_v = None if zp is None or not np.any(zp) else names.add_initializer(
             zp.astype(np.float32).reshape(-1, 1), f"{table.name}_row_zero_point")
@@ -208,13 +217,15 @@ class ToMatMulNBits(CountingPass):
         gathered zero point (``zp_v`` [rows, 1]; a scalar is subtracted as it is), times the gathered scale. A
         ``table`` of MatMulNBits' [rows, blocks, block] is reshaped to [..., blocks * block], then sliced to
         ``width`` when that is less."""
-        indices = gather.inputs[1]
+        indices = present(gather.inputs[1])
         rows = ir.node("Gather", [table, indices], attributes={"axis": 0}, name=names.fresh(f"{gather.name}_q"))
         new_nodes = [rows]
         if table.shape is not None and len(table.shape) == 3:
+            if indices.shape is None:  # the callers reading a 3-D table check it first
+                raise ValueError(f"the rank of {gather.name}'s indices is unknown")
             flat = names.add_initializer(np.array([0] * len(indices.shape) + [-1]), f"{table.name}_row_shape")
             new_nodes.append(ir.node("Reshape", [rows.outputs[0], flat]))
-            if width is not None and width < table.shape[1] * table.shape[2]:
+            if width is not None and width < math.prod(table.shape.numpy()[1:]):
                 new_nodes.append(ir.node("Slice", [new_nodes[-1].outputs[0],
                                                    names.add_initializer(np.array([0]), f"{table.name}_start"),
                                                    names.add_initializer(np.array([width]), f"{table.name}_width"),
@@ -238,7 +249,7 @@ class ToMatMulNBits(CountingPass):
             node.name = node.name or names.fresh(f"{gather.name}_dq{i}")
             for out in node.outputs:
                 out.name = names.fresh(f"{node.name}/out")
-                out.dtype = table.dtype if node in quantized else ir.DataType.FLOAT
+                set_dtype(out, table.dtype if node in quantized else ir.DataType.FLOAT)
         graph.insert_before(gather, new_nodes)
         mul.outputs[0].shape = gather.outputs[0].shape
         bypass(graph, gather.outputs[0], mul.outputs[0])
@@ -255,7 +266,7 @@ class ToMatMulNBits(CountingPass):
             self.near_miss("dq-tied", dq, f"table is {q.dtype} of rank {q.ndim}, not a 2-D 8-bit matrix")
             return 0
         n, k = q.shape
-        if any(c.op_type == "Gather" and c.inputs[1].shape is None for c, _ in dq.outputs[0].uses()):
+        if any(c.op_type == "Gather" and present(c.inputs[1]).shape is None for c, _ in dq.outputs[0].uses()):
             self.near_miss("dq-tied", dq, "the rank of a Gather's indices is unknown (run infer-shapes first)")
             return 0
         if scale.size == 1:
@@ -274,7 +285,7 @@ class ToMatMulNBits(CountingPass):
         if block * blocks > k:
             fill = np.full((n, block - k), 128, np.uint8) if zp_u8 is None else np.repeat(zp_u8[:, None], block - k, 1)
             u = np.concatenate([u, fill], axis=1)  # padded columns dequantize to exactly 0
-        base = dq.inputs[0].name or "table"
+        base = present(dq.inputs[0]).name or "table"
         b = names.add_initializer(u.reshape(n, blocks, block), f"{base}_nbits")
         nbits_inputs = [b, names.add_initializer(np.repeat(scale.astype(np.float32)[:, None], blocks, 1),
                                                  f"{base}_nbits_scale")]
@@ -311,7 +322,7 @@ class ToMatMulNBits(CountingPass):
         if scale.ndim != q.ndim:
             self.near_miss("dq-broadcast", dq, f"scale of rank {scale.ndim} for a weight of rank {q.ndim}")
             return 0
-        base = dq.inputs[0].name or "weight"
+        base = present(dq.inputs[0]).name or "weight"
         value = ir.node("Cast", [dq.inputs[0]], attributes={"to": ir.DataType.FLOAT})
         new_nodes = [value]
         if zp is not None and np.any(zp):
