@@ -57,6 +57,21 @@ def constant(value: ir.Value | None) -> np.ndarray:
     return array
 
 
+def initializer_data(value: ir.Value | None) -> np.ndarray:
+    """The data of a value the caller knows has a ``const_value`` (an initializer)."""
+    tensor = present(value).const_value
+    if tensor is None:
+        raise ValueError(f"{present(value).name} has no data")
+    return tensor.numpy()
+
+
+def name_of(item: ir.Node | ir.Value | None) -> str:
+    """The name of a node or value, where the caller knows it has one (an export names every one)."""
+    if item is None or item.name is None:
+        raise ValueError("an unnamed node or value, or an omitted input, where a named one was expected")
+    return item.name
+
+
 def produced(value: ir.Value | None) -> ir.Node:
     """The node computing ``value``, where a matched pattern guarantees there is one."""
     node = value.producer() if value is not None else None

@@ -23,7 +23,7 @@ import numpy as np
 import onnx_ir as ir
 from onnxscript.rewriter import MatchResult, RewriteRuleClassBase
 
-from passes.graph import Names, constant_array, known_rank, present, produced
+from passes.graph import Names, constant_array, initializer_data, known_rank, present, produced
 from passes.registry import register
 from passes.rewrite import RewriteRulesPass
 
@@ -40,14 +40,6 @@ def _check_inference_batchnorm(bn: ir.Node, weight_dtype: ir.DataType | None) ->
         if param is None or param.dtype != weight_dtype:
             return result.fail(f"BatchNormalization parameters are not all of the weight's dtype {weight_dtype}")
     return result
-
-
-def _array(value: ir.Value | None) -> np.ndarray:
-    """The data of a constant initializer the rule's check accepted."""
-    tensor = present(value).const_value
-    if tensor is None:
-        raise ValueError(f"{present(value).name} is not a constant")
-    return tensor.numpy()
 
 
 class _BatchNormInto(RewriteRuleClassBase):
@@ -79,7 +71,7 @@ class _BatchNormInto(RewriteRuleClassBase):
                     return result.fail(f"Initializer '{value.name}' is used by another node '{user.name}' "
                                        "outside the matched pattern.")
         if self.op_type == "ConvTranspose":
-            in_channels = _array(weight).shape[0]
+            in_channels = initializer_data(weight).shape[0]
             group = inbound.attributes.get_int("group", 1)
             if in_channels % group:
                 return result.fail(f"ConvTranspose in_channels ({in_channels}) is not divisible by group ({group}).")
@@ -97,15 +89,15 @@ class _BatchNormInto(RewriteRuleClassBase):
 
     def rewrite(self, op, x: ir.Value, inbound_out: ir.Value, batchnorm_out: ir.Value):
         bn, inbound = produced(batchnorm_out), produced(inbound_out)
-        gamma, beta, mean, var = (_array(value) for value in bn.inputs[1:])
+        gamma, beta, mean, var = (initializer_data(value) for value in bn.inputs[1:])
         scale = gamma / np.sqrt(var + bn.attributes.get_float("epsilon", 1e-5))
         weight = present(inbound.inputs[1])
-        weights = _array(weight)
+        weights = initializer_data(weight)
         attributes = dict(inbound.attributes)
         gemm_beta = attributes.pop("beta").as_float() if "beta" in attributes else 1.0  # folded into the bias
         if len(inbound.inputs) > 2:
             bias_value = present(inbound.inputs[2])
-            bias, bias_name = _array(bias_value), bias_value.name
+            bias, bias_name = initializer_data(bias_value), bias_value.name
         else:
             bias, bias_name = np.zeros_like(mean), f"{weight.name}_bias"
         fused_weights = ir.tensor(self._scaled(weights, scale, inbound))

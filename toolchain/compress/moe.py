@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import onnx_ir as ir
 
+from passes.graph import name_of, present, produced
 from toolchain.compress import metrics
 from toolchain.compress.engine import Options
 from toolchain.compress.policy import role_of
@@ -55,9 +56,29 @@ class Stacked:
     node: str
 
     @property
+    def name(self) -> str:
+        if self.value.name is None:
+            raise ValueError("a stacked expert weight without a name")
+        return self.value.name
+
+    @property
+    def tensor(self) -> ir.TensorProtocol:
+        if self.value.const_value is None:
+            raise ValueError(f"{self.name} is not an initializer with data")
+        return self.value.const_value
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        """[E, out, in]."""
+        if self.value.shape is None:
+            raise ValueError(f"{self.name} has no shape")
+        e, out, k = self.value.shape.numpy()
+        return e, out, k
+
+    @property
     def role(self) -> str | None:
         """What the exporter wrote on the initializer (GraphBuilder.role): routed_expert."""
-        return self.value.const_value.metadata_props.get("dstc.role")
+        return self.tensor.metadata_props.get("dstc.role")
 
 
 @dataclass
@@ -72,7 +93,7 @@ class FusedLayer:
 
     @property
     def num_experts(self) -> int:
-        return self.weights[0].value.shape[0]
+        return self.weights[0].shape[0]
 
     def names(self, stacked: Stacked) -> list[tuple[int, str, str]]:
         """(expert, projection, weight name) of each matrix in ``stacked``, named as the dispatch lowering names
@@ -84,22 +105,26 @@ def fused_layers(model: ir.Model) -> list[FusedLayer]:
     """The fused MoE layers of an export, in graph order."""
     layers = []
     for node in model.graph:
-        scope = node.name.rsplit("/", 1)[0]
-        match = _LAYER.match(node.name)
+        name = name_of(node)
+        scope = name.rsplit("/", 1)[0]
+        match = _LAYER.match(name)
         if node.op_type == "MoE" and node.domain == MS_DOMAIN:
-            scatter = node.inputs[1].producer()
-            weights = [Stacked(node.inputs[2], ("gate_proj", "up_proj"), node.name),
-                       Stacked(node.inputs[4], ("down_proj",), node.name)]
-            layers.append(FusedLayer(int(match.group(1)), "onnxruntime", scope, node.inputs[0].name,
-                                     scatter.inputs[1].name, weights, node))
+            if match is None:
+                raise ValueError(f"the MoE node {name} is in no layer")
+            scatter = produced(node.inputs[1])
+            weights = [Stacked(present(node.inputs[2]), ("gate_proj", "up_proj"), name),
+                       Stacked(present(node.inputs[4]), ("down_proj",), name)]
+            layers.append(FusedLayer(int(match.group(1)), "onnxruntime", scope, name_of(node.inputs[0]),
+                                     name_of(scatter.inputs[1]), weights, node))
         elif node.op_type == "Tile" and match and scope.endswith("/mlp/experts"):
-            nodes = [n for n in model.graph if n.name.startswith(scope + "/")]
+            nodes = [n for n in model.graph if name_of(n).startswith(scope + "/")]
             scatter = next(n for n in nodes if n.op_type == "ScatterElements")
-            weights = [Stacked(n.inputs[1], (n.inputs[1].name.rsplit("/", 1)[-1],), n.name) for n in nodes
-                       if n.op_type == "FusedMatMul" and n.inputs[1].is_initializer()]
-            layers.append(FusedLayer(int(match.group(1)), "openvino", scope, node.inputs[0].name,
-                                     scatter.inputs[1].name, weights))
+            weights = [Stacked(weight, (name_of(weight).rsplit("/", 1)[-1],), name_of(n)) for n in nodes
+                       if n.op_type == "FusedMatMul" and (weight := present(n.inputs[1])).is_initializer()]
+            layers.append(FusedLayer(int(match.group(1)), "openvino", scope, name_of(node.inputs[0]),
+                                     name_of(scatter.inputs[1]), weights))
     return layers
+
 
 
 def router_indices(layers: list[FusedLayer]) -> dict[int, str]:
@@ -132,10 +157,10 @@ def calibration_activations(layers: list[FusedLayer],
             return x if len(x) else None
         by_projection = {p: s for s in layer.weights for p in s.projections}
         fc = by_projection["gate_proj"]
-        matrix = fc.value.const_value.numpy()[expert]
+        matrix = fc.tensor.numpy()[expert]
         parts = len(fc.projections)
         gate = matrix[0::parts] if parts > 1 else matrix
-        up = matrix[1::parts] if parts > 1 else by_projection["up_proj"].value.const_value.numpy()[expert]
+        up = matrix[1::parts] if parts > 1 else by_projection["up_proj"].tensor.numpy()[expert]
         xt = torch.from_numpy(np.array(x, np.float32))
         g = xt @ torch.from_numpy(np.array(gate, np.float32)).T
         return (torch.nn.functional.silu(g) * (xt @ torch.from_numpy(np.array(up, np.float32)).T)).numpy()
@@ -211,7 +236,7 @@ class Job:
         spec = self.spec
         mode = getattr(nncf.CompressWeightsMode, f"INT{spec.bits}_{'SYM' if spec.sym else 'ASYM'}")
         config = WeightCompressionConfig(mode=mode, group_size=spec.group or -1)
-        tensor = self.stacked.value.const_value
+        tensor = self.stacked.tensor
         stacked = tensor.numpy()  # a memory map for external data: read expert by expert
         names = self.layer.names(self.stacked)
         parts = len(self.stacked.projections)
@@ -275,12 +300,13 @@ def _dq_arrays(q, scale, zp) -> dict[str, np.ndarray]:
 def _shapes(layer: FusedLayer, spec: Spec, shape: tuple[int, int, int]) -> dict[str, tuple[int, ...]]:
     e, n, k = shape
     blocks = k // spec.group if spec.group else 1
+    side: tuple[int, ...]
     if layer.form == "openvino":
         side = (e, n, blocks)
-        return {"quantized": shape, "scale": side} | ({} if spec.sym else {"zero_point": side})
+        return {"quantized": shape, "scale": side, **({} if spec.sym else {"zero_point": side})}
     side = (e, n, blocks) if spec.group else (e, n)
     packed_zp = (e, n, -(-blocks * spec.bits // 8)) if spec.group else (e, -(-n * spec.bits // 8))
-    return {"quantized": (e, n, k * spec.bits // 8), "scale": side} | ({} if spec.sym else {"zero_point": packed_zp})
+    return {"quantized": (e, n, k * spec.bits // 8), "scale": side, **({} if spec.sym else {"zero_point": packed_zp})}
 
 
 def _dtype(layer: FusedLayer, spec: Spec, key: str) -> ir.DataType:
@@ -310,16 +336,16 @@ def compress_experts(model: ir.Model, layers: list[FusedLayer], plan: Callable[.
     expert, for output errors."""
     jobs = []
     for layer in layers:
-        planned = {s.value.name: {plan(name, s.node, s.role) for _, _, name in layer.names(s)} for s in layer.weights}
+        planned = {s.name: {plan(name, s.node, s.role) for _, _, name in layer.names(s)} for s in layer.weights}
         if layer.form == "onnxruntime":
             planned = {key: set().union(*planned.values()) for key in planned}  # one QMoE bit width
         if any(len(p) > 1 for p in planned.values()):
             raise InputError(f"{layer.scope}: the plan gives its experts {sorted(set().union(*planned.values()))}; "
                              f"a fused MoE layer's experts share one precision (export with --moe dispatch to "
                              f"compress experts differently)")
-        ks = [s.value.shape[2] for s in layer.weights]
-        specs = {s.value.name: _spec(planned[s.value.name].pop(), [s.value.shape[2]] if layer.form == "openvino"
-                                     else ks, options) for s in layer.weights}
+        ks = [s.shape[2] for s in layer.weights]
+        specs = {s.name: _spec(planned[s.name].pop(), [s.shape[2]] if layer.form == "openvino" else ks, options)
+                 for s in layer.weights}
         if layer.form == "openvino" and None in specs.values():
             raise InputError(f"{layer.scope}: fused-openvino experts cannot stay fp32 (NNCF's OpenVINO backend "
                              f"compresses every MatMul its ignored scope does not name, and that scope lists 2-D "
@@ -327,7 +353,7 @@ def compress_experts(model: ir.Model, layers: list[FusedLayer], plan: Callable[.
         if all(spec is None for spec in specs.values()):
             continue
         bound = (lambda e, p, _layer=layer: activations(_layer, e, p)) if activations else None
-        layer_jobs = [Job(layer, s, specs[s.value.name], bound) for s in layer.weights if specs[s.value.name]]
+        layer_jobs = [Job(layer, s, spec, bound) for s in layer.weights if (spec := specs[s.name])]
         if layer.form == "onnxruntime":
             _to_qmoe(model, layer, layer_jobs, accuracy_level)
         else:
@@ -341,8 +367,8 @@ def compress_experts(model: ir.Model, layers: list[FusedLayer], plan: Callable[.
 
 def _inputs(model: ir.Model, job: Job) -> dict[str, ir.Value]:
     values = {}
-    for key, shape in _shapes(job.layer, job.spec, tuple(job.stacked.value.shape)).items():
-        value = job.tensor(key, _dtype(job.layer, job.spec, key), shape, f"{job.stacked.value.name}_{key}")
+    for key, shape in _shapes(job.layer, job.spec, job.stacked.shape).items():
+        value = job.tensor(key, _dtype(job.layer, job.spec, key), shape, f"{job.stacked.name}_{key}")
         model.graph.register_initializer(value)
         values[key] = value
     return values
@@ -352,6 +378,8 @@ def _to_qmoe(model: ir.Model, layer: FusedLayer, jobs: list[Job], accuracy_level
     fc1, fc2 = (_inputs(model, job) for job in jobs)
     spec = jobs[0].spec
     moe = layer.node
+    if moe is None:
+        raise ValueError(f"{layer.scope} has no MoE node")
     inputs = [moe.inputs[0], moe.inputs[1], fc1["quantized"], fc1["scale"], None, fc2["quantized"], fc2["scale"],
               None, None, None, None, fc1.get("zero_point"), fc2.get("zero_point")]
     while inputs[-1] is None:
@@ -370,33 +398,33 @@ def _to_qmoe(model: ir.Model, layer: FusedLayer, jobs: list[Job], accuracy_level
     qmoe.outputs[0].name = output.name
     model.graph.remove(moe, safe=True)
     for job in jobs:
-        del model.graph.initializers[job.stacked.value.name]
+        del model.graph.initializers[job.stacked.name]
 
 
 def _to_dequantize(model: ir.Model, layer: FusedLayer, job: Job) -> None:
     values = _inputs(model, job)
-    source = job.stacked.value
-    k = source.shape[2]
+    source, name = job.stacked.value, job.stacked.name
+    k = job.stacked.shape[2]
     inputs = [values["quantized"], values["scale"]] + ([values["zero_point"]] if "zero_point" in values else [])
     dq = ir.node("DequantizeLinear", inputs,
-                 attributes={"axis": 2, "block_size": job.spec.group or k}, name=f"{source.name}_DequantizeLinear",
+                 attributes={"axis": 2, "block_size": job.spec.group or k}, name=f"{name}_DequantizeLinear",
                  num_outputs=1)
-    dq.outputs[0].name = f"{source.name}_dequantized"
-    dq.outputs[0].dtype, dq.outputs[0].shape = ir.DataType.FLOAT, ir.Shape(source.shape)
+    dq.outputs[0].name = f"{name}_dequantized"
+    dq.outputs[0].dtype, dq.outputs[0].shape = ir.DataType.FLOAT, ir.Shape(job.stacked.shape)
     matmul, _ = next(iter(source.uses()))
     model.graph.insert_before(matmul, dq)
     source.replace_all_uses_with(dq.outputs[0])
-    del model.graph.initializers[source.name]
+    del model.graph.initializers[name]
 
 
 def weight_rows(jobs: list[Job], layers: list[FusedLayer], plan: Callable[..., str]) -> list[dict]:
     """compression.json rows of every expert matrix (fp32 ones too), in the shape of the other weights' rows."""
-    by_value = {job.stacked.value.name: job for job in jobs}
+    by_value = {job.stacked.name: job for job in jobs}
     rows = []
     for layer in layers:
         for stacked in layer.weights:
-            job = by_value.get(stacked.value.name)
-            _, out, k = stacked.value.shape
+            job = by_value.get(stacked.name)
+            _, out, k = stacked.shape
             shape = [k, out // len(stacked.projections)]  # [in, out] as a MatMul weight
             bits = round(stored_bits(layer.form, job.spec, (shape[1], k)) / (shape[0] * shape[1]), 4) if job else 32.0
             for _, _, name in layer.names(stacked):

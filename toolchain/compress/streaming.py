@@ -37,11 +37,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 
 import numpy as np
 import onnx_ir as ir
 
-from passes.graph import stored_weight
+from passes.graph import initializer_data, name_of, present, stored_weight
 from passes.quantize._weights import MS_DOMAIN
 from toolchain.compress.engine import MIN_ADJUSTED_GROUP_SIZE, Options, Weight
 from toolchain.errors import InputError
@@ -76,6 +77,13 @@ class Spec:
     channels_per_scale: int | None = None
 
     @property
+    def group_size(self) -> int:
+        """The group of a blocked form (nbits, dq-blocked), which always has one."""
+        if self.group is None:
+            raise ValueError(f"a {self.form} weight without a group size")
+        return self.group
+
+    @property
     def precision(self) -> str:
         kind = f"g{self.group}" if self.group else \
             "per-head" if (self.channels_per_scale or 1) > 1 else "per-channel"
@@ -101,9 +109,14 @@ class Job:
             self.result = None
         return array
 
+    def _tensor(self) -> ir.TensorProtocol:
+        if self.source.const_value is None:
+            raise ValueError(f"{self.source.name} is not an initializer with data")
+        return self.source.const_value
+
     def _compute(self) -> dict[str, np.ndarray]:
         if self.spec.channels_per_scale is not None:
-            return self._compute_int8_per_head()
+            return self._compute_int8_per_head(self.spec.channels_per_scale)
         if self.spec.form == "stacked":
             return self._compute_stacked()
         import nncf
@@ -115,7 +128,7 @@ class Job:
         )
         from nncf.tensor import Tensor
 
-        spec, tensor = self.spec, self.source.const_value
+        spec, tensor = self.spec, self._tensor()
         mode = getattr(nncf.CompressWeightsMode, f"INT{spec.bits}_{'SYM' if spec.sym else 'ASYM'}")
         config = WeightCompressionConfig(mode=mode, group_size=spec.group or -1)
         weight = tensor.numpy()  # a memory map of the export's external data: nothing is read yet
@@ -123,7 +136,7 @@ class Job:
         axis = 1 if rows_axis else 0  # the reduction axis
         length = weight.shape[0] if rows_axis else weight.shape[1]
         step = max(1, CHUNK_BYTES // (4 * weight.shape[1 if rows_axis else 0]))
-        qs, scales, zps = [], [], []
+        qs, scales, zps = [], [], []  # zero points: in every chunk or (symmetric) in none
         err = norm = 0.0
         for start in range(0, length, step):
             part = weight[start:start + step] if rows_axis else weight[:, start:start + step]
@@ -134,13 +147,14 @@ class Job:
             norm += float(np.square(part, dtype=np.float32).sum(dtype=np.float64))
             qs.append(compressed.tensor.data.reshape(part.shape))
             scales.append(compressed.scale.data)
-            zps.append(None if compressed.zero_point is None else compressed.zero_point.data)
+            if compressed.zero_point is not None:
+                zps.append(compressed.zero_point.data)
         del weight, part, compressed, restored
         if isinstance(tensor, ir.ExternalTensor):
             tensor.release()  # unmaps the export's pages of this weight
         q = np.concatenate(qs, axis=0 if rows_axis else 1)
         scale = np.concatenate(scales, axis=0 if rows_axis else -1).astype(np.float32)
-        zp = None if zps[0] is None else np.concatenate(zps, axis=0 if rows_axis else -1)
+        zp = np.concatenate(zps, axis=0 if rows_axis else -1) if zps else None
         self.stats = {"weight_error": float(np.sqrt(err / norm)) if norm else 0.0}
         if spec.group:  # [K/g, 1, N] -> [K/g, N]
             scale = scale.squeeze(1)
@@ -189,17 +203,16 @@ class Job:
             out["zero_point"] = np.stack(zps).astype(np.float32)
         return out
 
-    def _compute_int8_per_head(self) -> dict[str, np.ndarray]:
+    def _compute_int8_per_head(self, width: int) -> dict[str, np.ndarray]:
         from passes.quantize._weights import quantize_int8
 
-        spec, tensor = self.spec, self.source.const_value
+        spec, tensor = self.spec, self._tensor()
         weight = tensor.numpy()
         rows_axis = spec.form == "dq-rows"  # a table's channels are its rows
-        width = spec.channels_per_scale
         length = weight.shape[0] if rows_axis else weight.shape[1]
         step = max(1, CHUNK_BYTES // (4 * weight.shape[1 if rows_axis else 0]))
         step = max(width, step // width * width)  # a head's channels never split between two chunks
-        qs, scales, zps = [], [], []
+        qs, scales, zps = [], [], []  # zero points: in every chunk or (symmetric) in none
         err = norm = 0.0
         for start in range(0, length, step):
             part = weight[start:start + step] if rows_axis else weight[:, start:start + step]
@@ -210,15 +223,20 @@ class Job:
             norm += float(np.square(part, dtype=np.float32).sum(dtype=np.float64))
             qs.append(quantized.q.T if rows_axis else quantized.q)
             scales.append(quantized.scale)
-            zps.append(quantized.zero_point)
+            if quantized.zero_point is not None:
+                zps.append(quantized.zero_point)
         del weight, part, quantized, restored
         if isinstance(tensor, ir.ExternalTensor):
             tensor.release()
         self.stats = {"weight_error": float(np.sqrt(err / norm)) if norm else 0.0}
         out = {"quantized": np.concatenate(qs, axis=0 if rows_axis else 1), "scale": np.concatenate(scales)}
-        if zps[0] is not None:
+        if zps:
             out["zero_point"] = np.concatenate(zps)
         return out
+
+
+def _computed(job: Job, key: str, dtype: ir.DataType) -> ir.TensorProtocol:
+    return ir.tensor(job.take(key), dtype=dtype)
 
 
 def stored_bits(spec: Spec) -> int:
@@ -251,14 +269,15 @@ def _shapes(spec: Spec, shape: tuple[int, ...]) -> dict[str, tuple[int, ...]]:
         return {"quantized": shape, "scale": side} | ({} if spec.sym else {"zero_point": side})
     first, second = shape
     if spec.form == "nbits":  # [K, N] -> B [N, blocks, group / 2], scales and zero points [N, blocks]
-        blocks = -(-first // spec.group)
-        shapes = {"quantized": (second, blocks, spec.group // 2), "scale": (second, blocks)}
+        blocks = -(-first // spec.group_size)
+        shapes = {"quantized": (second, blocks, spec.group_size // 2), "scale": (second, blocks)}
         return shapes | ({} if spec.sym else {"zero_point": (second, blocks)})
+    side: tuple[int, ...]
     if spec.form == "dq-blocked":
-        side = (first // spec.group, second)
+        side = (first // spec.group_size, second)
     else:
         side = (first,) if spec.form == "dq-rows" else (second,)
-    return {"quantized": shape, "scale": side} | ({} if spec.sym else {"zero_point": side})
+    return {"quantized": shape, "scale": side, **({} if spec.sym else {"zero_point": side})}
 
 
 def plan_specs(weights: list[Weight], plan: dict[str, str], options: Options, target: str) -> list[Spec]:
@@ -315,8 +334,8 @@ def compress_streaming(model: ir.Model, specs: list[Spec], log: Callable[[str], 
         for key, shape in shapes.items():
             name = f"{w.name}_{key}"
             dtype = _dtype(spec, key)
-            lazy = ir.LazyTensor(lambda job=job, key=key, dtype=dtype: ir.tensor(job.take(key), dtype=dtype),
-                                 dtype=dtype, shape=ir.Shape(shape), name=name, cache=keep)
+            lazy = ir.LazyTensor(partial(_computed, job, key, dtype), dtype=dtype, shape=ir.Shape(shape), name=name,
+                                 cache=keep)
             tensors[key] = ir.Value(name=name, shape=ir.Shape(shape), type=ir.TensorType(dtype), const_value=lazy)
             model.graph.register_initializer(tensors[key])
         consumer = producers[w.output]
@@ -419,26 +438,27 @@ def blocked_dq_to_nbits(model: ir.Model) -> int:
         block = dq.attributes.get("block_size")
         if dq.op_type != "DequantizeLinear" or dq.domain not in ("", "ai.onnx") or block is None or not block.as_int():
             continue
-        q = dq.inputs[0]
+        q = present(dq.inputs[0])
         zp = dq.inputs[2] if len(dq.inputs) > 2 else None
         users = list(dq.outputs[0].uses())
         if q.const_value is None or q.const_value.dtype not in (ir.DataType.INT4, ir.DataType.UINT4) \
-                or len(q.shape) != 2 or dq.attributes.get_int("axis", 1) != 0 or not users \
+                or q.shape is None or len(q.shape) != 2 or dq.attributes.get_int("axis", 1) != 0 or not users \
                 or any(node.op_type != "MatMul" or index != 1 for node, index in users):
             continue
-        k, n = q.shape
+        k, n = q.shape.numpy()
+        name = name_of(q)
         sym = zp is None
-        spec = Spec(Weight(q.name, "", "", "matmul", (k, n)), 4, block.as_int(), sym, "nbits")
+        spec = Spec(Weight(name, "", "", "matmul", (k, n)), 4, block.as_int(), sym, "nbits")
         arrays = {"quantized": pack_int4_to_uint8(q.const_value.numpy().astype(np.int8 if sym else np.uint8),
                                                   spec.group, signed=sym),
-                  "scale": np.ascontiguousarray(dq.inputs[1].const_value.numpy().T)}
+                  "scale": np.ascontiguousarray(initializer_data(dq.inputs[1]).T)}
         if not sym:
-            arrays["zero_point"] = np.ascontiguousarray(zp.const_value.numpy().astype(np.uint8).T)
+            arrays["zero_point"] = np.ascontiguousarray(initializer_data(zp).astype(np.uint8).T)
         tensors = {}
         for key, array in arrays.items():
-            tensors[key] = ir.Value(name=f"{q.name}_nbits_{key}", shape=ir.Shape(array.shape),
+            tensors[key] = ir.Value(name=f"{name}_nbits_{key}", shape=ir.Shape(array.shape),
                                     type=ir.TensorType(ir.DataType.from_numpy(array.dtype)),
-                                    const_value=ir.tensor(array, name=f"{q.name}_nbits_{key}"))
+                                    const_value=ir.tensor(array, name=f"{name}_nbits_{key}"))
             model.graph.register_initializer(tensors[key])
         for matmul, _ in users:
             _to_matmul_nbits(model, matmul, dq.outputs[0], tensors, spec)
@@ -446,7 +466,7 @@ def blocked_dq_to_nbits(model: ir.Model) -> int:
         model.graph.remove(dq, safe=True)
         for value in inputs:
             if not value.uses():
-                del model.graph.initializers[value.name]
+                del model.graph.initializers[name_of(value)]
         count += 1
     if count:
         model.opset_imports.setdefault(MS_DOMAIN, 1)

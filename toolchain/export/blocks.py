@@ -11,7 +11,7 @@ import onnx_ir as ir
 import torch
 
 from toolchain.export.graph import GraphBuilder
-from toolchain.export.weights import LazyArray, to_numpy
+from toolchain.export.weights import HFModule, LazyArray, to_numpy
 
 Array = np.ndarray | LazyArray
 
@@ -48,6 +48,7 @@ def tied_lm_head(g: GraphBuilder, x: ir.Value, table: ir.Value, vocab: int) -> i
     it stores anyway, and NNCF and the quantize passes take the table's per-row scales as the Gemm's per
     output channel ones.
     """
+    assert table.shape is not None  # an initializer's shape is its tensor's
     with g.scope("lm_head"):
         flat = g.op("Reshape", x, g.const([-1, table.shape[1]]))
         logits = g.op("Gemm", flat, table, transB=1)
@@ -55,7 +56,7 @@ def tied_lm_head(g: GraphBuilder, x: ir.Value, table: ir.Value, vocab: int) -> i
         return g.op("Reshape", logits, g.op("Concat", lead, g.const([vocab]), axis=0))
 
 
-def rms_norm(g: GraphBuilder, x: ir.Value, module: torch.nn.Module, name: str) -> ir.Value:
+def rms_norm(g: GraphBuilder, x: ir.Value, module: HFModule, name: str) -> ir.Value:
     """weight * x / sqrt(mean(x^2) + eps), the order transformers' RMSNorm computes in."""
     with g.scope(name):
         var = g.op("ReduceMean", g.op("Pow", x, g.const(2.0, np.float32)), g.const([-1]), keepdims=1)
@@ -63,7 +64,7 @@ def rms_norm(g: GraphBuilder, x: ir.Value, module: torch.nn.Module, name: str) -
         return g.op("Mul", g.weight("weight", g.params.array(module.weight)), g.op("Div", x, denom))
 
 
-def rope_tables(g: GraphBuilder, position_ids: ir.Value, rotary: torch.nn.Module):
+def rope_tables(g: GraphBuilder, position_ids: ir.Value, rotary: HFModule):
     """cos and sin, [batch, 1, seq, rope_dim], from a transformers rotary module's inv_freq and scaling.
 
     Taking inv_freq and attention_scaling from the loaded module covers every static RoPE variant
@@ -152,16 +153,17 @@ def gated_mlp(g: GraphBuilder, x: ir.Value, gate: Array, up: Array, down: Array,
     return matmul_weight(g, g.op("Mul", act, matmul_weight(g, x, up, "up_proj", ub)), down, "down_proj", db)
 
 
-def mlp_module(g: GraphBuilder, x: ir.Value, module: torch.nn.Module, name: str) -> ir.Value:
+def mlp_module(g: GraphBuilder, x: ir.Value, module: HFModule, name: str) -> ir.Value:
     """A transformers gate/up/down MLP module (silu, which the architecture check guarantees)."""
     parts = [module.gate_proj, module.up_proj, module.down_proj]
     biases = tuple(None if p.bias is None else g.params.array(p.bias) for p in parts)
     with g.scope(name):
-        return gated_mlp(g, x, *(g.params.array(p.weight) for p in parts), biases=biases)
+        gate, up, down = (g.params.array(p.weight) for p in parts)
+        return gated_mlp(g, x, gate, up, down, biases=biases)
 
 
 def moe_dispatch(g: GraphBuilder, x2d: ir.Value, topk_idx: ir.Value, topk_w: ir.Value,
-                 experts: torch.nn.Module) -> ir.Value:
+                 experts: HFModule) -> ir.Value:
     """Routed experts, sparse and routed at run time: each expert runs only on the tokens sent to it.
 
     For expert e: tokens = NonZero(any(topk_idx == e)); y = expert_e(x[tokens]) * weight; ScatterND-add into the

@@ -13,11 +13,10 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import onnx_ir as ir
-import torch
 
 from toolchain.export import blocks
 from toolchain.export.graph import GraphBuilder, rename_output, tensor_input
-from toolchain.export.weights import Params
+from toolchain.export.weights import HFModule, Params
 
 FLOAT, INT64 = ir.DataType.FLOAT, ir.DataType.INT64
 
@@ -63,18 +62,18 @@ class Architecture(Protocol):
     def moe_layers(self, config) -> list[int]:
         """Indices of the layers whose MLP is a mixture of experts."""
 
-    def attention(self, g: GraphBuilder, attn: torch.nn.Module, h: ir.Value, inputs: LayerInputs):
+    def attention(self, g: GraphBuilder, attn: HFModule, h: ir.Value, inputs: LayerInputs):
         """Return (output, present key, present value)."""
 
-    def mlp(self, g: GraphBuilder, mlp: torch.nn.Module, h: ir.Value) -> ir.Value: ...
+    def mlp(self, g: GraphBuilder, mlp: HFModule, h: ir.Value) -> ir.Value: ...
 
 
-def tied_embeddings(model: torch.nn.Module) -> bool:
+def tied_embeddings(model: HFModule) -> bool:
     """Whether lm_head reads the embedding table itself (tie_word_embeddings: one Parameter in PyTorch)."""
     return model.lm_head.weight is model.model.embed_tokens.weight
 
 
-def rotary_module(model: torch.nn.Module) -> torch.nn.Module:
+def rotary_module(model: HFModule) -> HFModule:
     """The model's rotary embedding with real inv_freq: a meta-device skeleton's is rebuilt from its config (it
     holds no checkpoint weights, only what the config and RoPE scaling define)."""
     rotary = model.model.rotary_emb
@@ -83,7 +82,7 @@ def rotary_module(model: torch.nn.Module) -> torch.nn.Module:
     return type(rotary)(config=model.config, device="cpu")
 
 
-def build_decoder(model: torch.nn.Module, arch: Architecture, reader=None,
+def build_decoder(model: HFModule, arch: Architecture, reader=None,
                   on_layer: Callable[[int, int], None] | None = None, weights: str = "float32") -> ir.Model:
     """The whole graph of ``model``: a transformers model with its weights, or a meta-device skeleton whose
     weights ``reader`` (toolchain/checkpoint/reader.py) reads when the graph is saved. on_layer(i, n) is called

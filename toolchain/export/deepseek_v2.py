@@ -10,7 +10,7 @@ from toolchain.export.graph import GraphBuilder
 
 
 class DeepseekV2Architecture(DeepseekArchitecture):
-    model_types = ("deepseek_v2",)
+    model_types: tuple[str, ...] = ("deepseek_v2",)
 
     def check(self, config) -> None:
         super().check(config)

@@ -9,7 +9,7 @@ from toolchain.export.graph import GraphBuilder
 
 
 class DeepseekV3Architecture(DeepseekArchitecture):
-    model_types = ("deepseek_v3",)
+    model_types: tuple[str, ...] = ("deepseek_v3",)
 
     def rope_interleaved(self, config) -> bool:
         return bool(config.rope_interleave)

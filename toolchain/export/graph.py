@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
+from typing import cast
 
 import numpy as np
 import onnx
@@ -81,8 +82,9 @@ class GraphBuilder:
         and what is returned is its Cast to float32 (node ``<name>/Cast``, which takes no node number, so the
         other nodes are named as in a float32 export): the float32 values are the same bit for bit."""
         full = self._path(name)
+        tensor: ir.TensorProtocol
         if self.bf16 and isinstance(array, LazyArray) and array.dtype == torch.bfloat16 and len(array.shape) >= 2:
-            tensor = ir.LazyTensor(lambda a=array, n=full: ChunkedTensor(a, n, torch.bfloat16),
+            tensor = ir.LazyTensor(lambda: cast(ir.TensorProtocol, ChunkedTensor(array, full, torch.bfloat16)),
                                    dtype=ir.DataType.BFLOAT16, shape=ir.Shape(array.shape), name=full)
             self._annotate(tensor)
             stored = self.tape.initializer(tensor, name=full)
@@ -90,12 +92,13 @@ class GraphBuilder:
             widened.name, widened.dtype, widened.shape = f"{full}/Cast/out", ir.DataType.FLOAT, ir.Shape(array.shape)
             return widened
         if isinstance(array, LazyArray):
-            tensor = ir.LazyTensor(lambda a=array, n=full: ChunkedTensor(a, n), dtype=ir.DataType.FLOAT,
-                                   shape=ir.Shape(array.shape), name=full)
+            # ChunkedTensor has the part of TensorProtocol that LazyTensor and onnx-ir's writer use
+            tensor = ir.LazyTensor(lambda: cast(ir.TensorProtocol, ChunkedTensor(array, full)),
+                                   dtype=ir.DataType.FLOAT, shape=ir.Shape(array.shape), name=full)
         elif array.flags.c_contiguous:
             tensor = ir.tensor(array, name=full)
         else:
-            tensor = ir.LazyTensor(lambda a=array: ir.tensor(np.ascontiguousarray(a)),
+            tensor = ir.LazyTensor(lambda: ir.tensor(np.ascontiguousarray(array)),
                                    dtype=ir.DataType.from_numpy(array.dtype), shape=ir.Shape(array.shape), name=full)
         self._annotate(tensor)
         return self.tape.initializer(tensor, name=full)

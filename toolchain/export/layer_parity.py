@@ -174,7 +174,7 @@ def compare_layers(graph_path: Path, source_path: Path, backend: str, cases: lis
     try:
         paths = dict(zip(pieces, written))
         with open_checkpoint(source_path) as reader:
-            runs = []  # per case, its steps
+            runs: list[list[_Step]] = []  # per case, its steps
             rotary = ref.rotary_embedding(config)
             # the table in the dtype that holds it exactly (bf16 for bf16/FP8 checkpoints): rows gathered, then
             # widened, are the fp32 reference's rows, at half its memory

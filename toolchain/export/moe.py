@@ -36,7 +36,7 @@ import torch
 from toolchain.errors import InputError
 from toolchain.export import blocks
 from toolchain.export.graph import GraphBuilder
-from toolchain.export.weights import LazyArray
+from toolchain.export.weights import HFModule, LazyArray
 
 LOWERINGS = ("dispatch", "fused-onnxruntime", "fused-openvino")
 BACKENDS = ("onnxruntime", "openvino")
@@ -99,7 +99,7 @@ def _stacked(experts: list[tuple], rows: int, cols: int) -> StackedExperts:
 
 
 def routed_experts(g: GraphBuilder, lowering: str, x2d: ir.Value, topk_idx: ir.Value, topk_w: ir.Value,
-                   experts: torch.nn.Module, top_k: int) -> ir.Value:
+                   experts: HFModule, top_k: int) -> ir.Value:
     """The routed experts' weighted sum [tokens, hidden] for the router's choice (topk_idx, topk_w: [tokens, k])."""
     if lowering == "dispatch":
         return blocks.moe_dispatch(g, x2d, topk_idx, topk_w, experts)

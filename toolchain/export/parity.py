@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol, runtime_checkable
 
 import numpy as np
 
@@ -90,8 +91,15 @@ def compare_decoders(reference: Decoder | Callable[[], Decoder], candidate: Deco
     }
 
 
+@runtime_checkable
+class _Forward(Protocol):
+    """A decoder, as opposed to a factory of one (a decoder may be callable too)."""
+
+    def forward(self, input_ids: np.ndarray, attention_mask: np.ndarray, logits_to_keep: int = 0) -> np.ndarray: ...
+
+
 def _runs(decoder: Decoder | Callable[[], Decoder], cases: list[Case], new_tokens: int, pad_id: int) -> list:
-    made = decoder() if callable(decoder) and not hasattr(decoder, "forward") else decoder
+    made = decoder() if callable(decoder) and not isinstance(decoder, _Forward) else decoder
     return [greedy_logits(made, case.prompts, new_tokens, pad_id) for case in cases]
 
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import ml_dtypes
 import numpy as np
@@ -34,6 +35,11 @@ STORAGES = ("auto", "float32", "bfloat16")
 # weights as they are; below it an export stays float32, as the embedded models' artifacts were built.
 BF16_AUTO_BYTES = 1 << 30
 
+# A transformers model or one of its modules, whose parts the builders reach by attribute (model.model.layers,
+# attn.q_proj.weight): torch types every such attribute as Tensor | Module, so this names the role and leaves
+# the attributes unchecked.
+HFModule = Any
+
 
 @dataclass(frozen=True)
 class LazyArray:
@@ -43,7 +49,7 @@ class LazyArray:
     storage that keeps them unchanged."""
 
     shape: tuple[int, ...]
-    read: Callable[[], torch.Tensor]
+    read: Callable[[], torch.Tensor] | None  # None: a subclass that makes its own chunks
     rows: np.ndarray | None = None
     transposed: bool = False
     dtype: torch.dtype = torch.float32
@@ -66,6 +72,8 @@ class LazyArray:
         return int(np.prod(self.shape, dtype=np.int64)) * 4
 
     def _source(self) -> torch.Tensor:
+        if self.read is None:
+            raise ValueError(f"{type(self).__name__} has no single source tensor")
         source = self.read()
         if self.rows is not None:
             source = source[torch.from_numpy(self.rows)]
@@ -174,7 +182,7 @@ class Params:
             return to_numpy(t)
         return self._lazy(self.name(t), tuple(t.shape))
 
-    def expert(self, experts: torch.nn.Module, e: int) -> tuple:
+    def expert(self, experts: HFModule, e: int) -> tuple:
         """(gate [I, H], up [I, H], down [H, I]) of routed expert ``e`` of a transformers fused-experts module
         (gate_up_proj [E, 2I, H], gate rows first; down_proj [E, H, I]). From a checkpoint they are read by the
         hub's per-expert names, which is how checkpoints store them."""

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any, TypeVar
+
 from transformers import DeepseekV2Config, DeepseekV3Config, LlamaConfig, PreTrainedConfig, Qwen2Config
 
 from toolchain.models.tokenizer import BOS, EOS, PAD, SPECIAL_TOKENS, VOCAB_SIZE
@@ -18,6 +20,15 @@ _COMMON = {**_TOKEN_IDS, "hidden_size": 128, "max_position_embeddings": MAX_POSI
 _MLA = {"kv_lora_rank": 32, "qk_rope_head_dim": 16, "qk_nope_head_dim": 32, "v_head_dim": 24}
 
 
+C = TypeVar("C", bound=PreTrainedConfig)
+
+
+def _config(cls: type[C], **fields: Any) -> C:
+    """``cls(**fields)``. transformers makes each config class a dataclass of its own fields when the class is
+    defined (PreTrainedConfig.__init_subclass__), which mypy does not see: it knows PreTrainedConfig's fields only."""
+    return cls(**fields)
+
+
 def _yarn(mscale: float) -> dict:
     # Scaled down from the real checkpoints' YaRN settings (factor 40 over 4096 positions).
     return {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 256,
@@ -25,8 +36,8 @@ def _yarn(mscale: float) -> dict:
 
 
 def deepseek_v3_tiny() -> DeepseekV3Config:
-    return DeepseekV3Config(
-        **_COMMON, **_MLA,
+    return _config(
+        DeepseekV3Config, **_COMMON, **_MLA,
         intermediate_size=256, moe_intermediate_size=64,
         num_hidden_layers=3, first_k_dense_replace=1,
         num_attention_heads=4, num_key_value_heads=4, q_lora_rank=64,
@@ -37,8 +48,8 @@ def deepseek_v3_tiny() -> DeepseekV3Config:
 
 
 def deepseek_v2_lite_tiny() -> DeepseekV2Config:
-    return DeepseekV2Config(
-        **_COMMON, **_MLA,
+    return _config(
+        DeepseekV2Config, **_COMMON, **_MLA,
         intermediate_size=256, moe_intermediate_size=64,
         num_hidden_layers=3, first_k_dense_replace=1,
         num_attention_heads=4, num_key_value_heads=4, q_lora_rank=None,
@@ -49,16 +60,16 @@ def deepseek_v2_lite_tiny() -> DeepseekV2Config:
 
 
 def r1_distill_qwen_tiny() -> Qwen2Config:
-    return Qwen2Config(
-        **_COMMON,
+    return _config(
+        Qwen2Config, **_COMMON,
         intermediate_size=384, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
         use_sliding_window=False, rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
     )
 
 
 def r1_distill_llama_tiny() -> LlamaConfig:
-    return LlamaConfig(
-        **_COMMON,
+    return _config(
+        LlamaConfig, **_COMMON,
         intermediate_size=384, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
         rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
                          "high_freq_factor": 4.0, "original_max_position_embeddings": 128},

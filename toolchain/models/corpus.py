@@ -47,7 +47,7 @@ def task_examples(split: Split, n: int, seed: int = 0) -> list[tuple[str, str]]:
     """``n`` distinct (prompt, answer) pairs of ``split``, e.g. ("321+654=", "9750") for 123+456=579."""
     rng = random.Random(f"task/{split}/{seed}")
     seen: set[tuple[int, int]] = set()
-    out = []
+    out: list[tuple[str, str]] = []
     while len(out) < n:
         a, b = _operand(rng), _operand(rng)
         if (a, b) in seen or _problem_split(a, b) != split:
@@ -102,7 +102,7 @@ def _sentence(rng: random.Random) -> str:
 def text_samples(split: Split, n: int, seed: int = 0) -> list[str]:
     """``n`` short texts of one to three sentences from ``split``."""
     rng = random.Random(f"text/{split}/{seed}")
-    out = []
+    out: list[str] = []
     while len(out) < n:
         text = " ".join(_sentence(rng) for _ in range(rng.randint(1, 3)))
         if _split_of(text) == split:

@@ -79,7 +79,7 @@ def _fill_random(tensor: torch.Tensor, name: str, generator: torch.Generator, st
 def _shapes(model, tied: bool) -> list[tuple[str, tuple[int, ...], str, int | None, int | None]]:
     """(hub name, shape, state-dict name, expert, half) of every saved tensor, in state-dict order: transformers'
     fused experts as the hub's per-expert tensors (as save_pretrained writes them), a tied lm_head left out."""
-    out = []
+    out: list[tuple[str, tuple[int, ...], str, int | None, int | None]] = []
     for name, meta in model.state_dict().items():
         prefix, _, leaf = name.rpartition(".")
         if tied and name == "lm_head.weight":

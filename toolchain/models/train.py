@@ -11,11 +11,15 @@ import math
 import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from toolchain.models import corpus
+
+if TYPE_CHECKING:
+    from toolchain.export.weights import HFModule
 
 # A line of the corpus ends with a newline; the answer of a problem is what greedy decoding writes before it.
 END_OF_LINE = "\n"
@@ -62,7 +66,7 @@ def perplexity(logits_fn: LogitsFn, sequences: Sequence[Sequence[int]]) -> float
     return math.exp(total / count)
 
 
-def torch_generate_fn(model: torch.nn.Module, tokenizer, max_new_tokens: int = 8) -> GenerateFn:
+def torch_generate_fn(model: HFModule, tokenizer, max_new_tokens: int = 8) -> GenerateFn:
     """Greedy decoding that stops at the end of the line or EOS, batched over prompts of equal token length."""
     stop_ids = {tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids(tokenizer.tokenize(END_OF_LINE))[0]}
 
@@ -156,7 +160,8 @@ def train(model: torch.nn.Module, rows: torch.Tensor, pad: int, settings: TrainS
                                   weight_decay=settings.weight_decay)
     generator = torch.Generator().manual_seed(settings.seed)
     order = torch.randperm(len(rows), generator=generator)
-    cursor, recent = 0, []
+    cursor = 0
+    recent: list[float] = []
     model.train()
     for step in range(settings.steps):
         if cursor + settings.batch_size > len(order):
