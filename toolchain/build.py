@@ -63,7 +63,7 @@ def build(recipe_path: Path, out_dir: Path | None = None, *, model: str | None =
                          f"and {source.spec} has no tokenizer.json; remove eval and gates or add a tokenizer")
     source_files = file_hashes(source.path)
     parent, stage_rows, durations, cached_stages, reports = digest(source_files), [], {}, [], {}
-    stage_dir = None
+    stage_dir: Path | None = None
     with atomic_output_dir(out_dir) as tmp:
         for stage in plan(recipe, source.path):
             t0 = time.perf_counter()
@@ -79,6 +79,7 @@ def build(recipe_path: Path, out_dir: Path | None = None, *, model: str | None =
             reports.update({f"{stage.name}/{name}": kind.read(target / name) for name, kind in STAGE_REPORTS.items()
                             if (target / name).is_file()})
             parent, stage_dir = stage_id, target
+        assert stage_dir is not None  # every plan starts with the export stage
         copy_stage_files(stage_dir, tmp, skip=(*STAGE_REPORTS, STAGE_RECORD))
         fields = {
             "dstc_version": versions()["dstc"],
@@ -100,7 +101,7 @@ def build(recipe_path: Path, out_dir: Path | None = None, *, model: str | None =
         manifest = write_manifest(tmp, fields, provenance)
         gates = _evaluate(recipe, baseline, tmp, out_dir, events) if recipe.eval or recipe.gates else None
     failed = [g for g in gates or [] if not g.passed]
-    if failed:
+    if gates and failed:
         raise GateFailed(f"{len(failed)} of {len(gates)} gates failed ({', '.join(g.name for g in failed)}); "
                          f"the artifact and its report are in {out_dir}")
     return manifest

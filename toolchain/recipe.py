@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable, Literal, Self
+from typing import Literal, Self, cast
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -19,6 +20,7 @@ from toolchain.evaluate.settings import EvalSettings
 from toolchain.gates import GateLimits
 
 Backend = Literal["openvino", "onnxruntime"]
+_PARITY: tuple[Backend, ...] = ("onnxruntime", "openvino")
 
 
 class Section(BaseModel):
@@ -40,7 +42,7 @@ class Section(BaseModel):
 
 
 class ExportSection(Section):
-    parity: list[Backend] = Field(default_factory=lambda: ["onnxruntime", "openvino"])
+    parity: list[Backend] = Field(default_factory=lambda: list(_PARITY))
     new_tokens: int = Field(16, ge=1)
     # how MoE layers' routed experts are lowered (toolchain/export/moe.py LOWERINGS)
     moe: Literal["dispatch", "fused-onnxruntime", "fused-openvino"] = "dispatch"
@@ -58,8 +60,9 @@ class ExportSection(Section):
         from toolchain.export.moe import parity_backends
 
         try:
-            self.parity = list(parity_backends(self.moe, tuple(self.parity) if "parity" in self.model_fields_set
-                                               else None))
+            # names from toolchain/export/moe.py's BACKENDS, which are the Backends
+            self.parity = cast(list[Backend], list(parity_backends(self.moe, tuple(self.parity)
+                                                                   if "parity" in self.model_fields_set else None)))
         except InputError as e:
             raise ValueError(str(e)) from None
         return self

@@ -71,6 +71,7 @@ class _Entry:
     def shape(self) -> tuple[int, ...]:
         if self.expert is None:
             return self.stored.shape
+        assert self.rows is not None  # an expert's entry has its rows
         start, stop = self.rows
         return (stop - start, self.stored.shape[-1])
 
@@ -253,7 +254,8 @@ class CheckpointReader:
                 parts = {"down_proj": (0, rows)}
             else:
                 half = rows // 2
-                if rows % 2 or (scale is not None and half % self.block_size[0]):
+                # scales come with a block size (_check_scale)
+                if rows % 2 or (scale is not None and self.block_size is not None and half % self.block_size[0]):
                     raise InputError(f"{self.path}: {key} {list(s.shape)} does not split into gate and up "
                                      f"halves" + (" on FP8 block rows" if rows % 2 == 0 else ""))
                 parts = {"gate_proj": (0, half), "up_proj": (half, rows)}
@@ -307,6 +309,8 @@ class CheckpointReader:
     def _dequantize(self, entry: _Entry, dtype: torch.dtype, span: tuple[int, int] | None) -> torch.Tensor:
         """W = q * s in float32 per block, one block row at a time: besides the output, only one block row of q
         and its float32 product exist at once. ``span``: the stored rows to read (all by default)."""
+        if self.block_size is None or entry.scale is None:
+            raise ValueError(f"{entry.stored.key} is not an FP8 weight with its scales")
         block_rows, block_cols = self.block_size
         scale = self._read(entry.scale, entry.expert).to(torch.float32)  # [row blocks, col blocks], small
         first, stop = span or (0, entry.stored.shape[-2])

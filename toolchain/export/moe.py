@@ -35,6 +35,7 @@ import torch
 
 from toolchain.errors import InputError
 from toolchain.export import blocks
+from toolchain.export.decoder import Architecture
 from toolchain.export.graph import GraphBuilder
 from toolchain.export.weights import HFModule, LazyArray
 
@@ -45,14 +46,14 @@ RUNS_ON = {"dispatch": BACKENDS, "fused-onnxruntime": ("onnxruntime",), "fused-o
 MS_DOMAIN = "com.microsoft"
 
 
-def lower(arch, lowering: str, parity: tuple[str, ...] | None) -> tuple[object, tuple[str, ...]]:
+def lower(arch: Architecture, lowering: str, parity: tuple[str, ...] | None) -> tuple[Architecture, tuple[str, ...]]:
     """For an export: the architecture lowered as ``lowering`` and the backends to check it on (``parity``, or when
     None every backend that runs the graph; a dense model's graph runs on both)."""
     arch = with_lowering(arch, lowering)
     return arch, parity_backends(lowering if hasattr(arch, "moe_lowering") else "dispatch", parity)
 
 
-def with_lowering(arch, lowering: str):
+def with_lowering(arch: Architecture, lowering: str) -> Architecture:
     """The architecture with its MoE layers lowered as ``lowering``; a dense architecture as it is (it has no
     MoE layer to lower)."""
     if lowering not in LOWERINGS:

@@ -3,17 +3,19 @@ every latency case with its ratio to the first report and the better report by t
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from html import escape
 
 from toolchain.report.html import facts_list, figures, html_table, page
 from toolchain.report.markdown import Table, fmt, markdown_table, ordered_metrics, percentile, title, verdict
 from toolchain.report.plots import all_plots
-from toolchain.report.schema import Direction, Report
+from toolchain.report.schema import Direction, LatencyCase, Report
 
 # per latency case: (row name, unit, direction, value of the case)
-CASE_METRICS = (("ttft_p50_ms", "ms", "lower", lambda c: percentile(c.ttft_ms, 50)),
-                ("itl_p50_ms", "ms", "lower", lambda c: percentile(c.itl_ms, 50)),
-                ("tokens_per_s", "tokens/s", "higher", lambda c: c.tokens_per_s))
+CASE_METRICS: tuple[tuple[str, str, Direction, Callable[[LatencyCase], float | None]], ...] = (
+    ("ttft_p50_ms", "ms", "lower", lambda c: percentile(c.ttft_ms, 50)),
+    ("itl_p50_ms", "ms", "lower", lambda c: percentile(c.itl_ms, 50)),
+    ("tokens_per_s", "tokens/s", "higher", lambda c: c.tokens_per_s))
 PLOT_SECTIONS = (("accuracy", "Accuracy"), ("latency", "Latency"), ("quantization", "Quantization error"))
 
 
@@ -90,7 +92,7 @@ def render_comparison_text(reports: list[Report], labels: list[str]) -> str:
     widths = [max(len(str(x)) for x in column) for column in zip(header, *rows)]
     numeric = set(range(2, 2 + len(labels)))
 
-    def line(cells: list[str]) -> str:
+    def line(cells: Sequence[str]) -> str:
         return "  ".join(c.rjust(w) if i in numeric else c.ljust(w)
                          for i, (c, w) in enumerate(zip(cells, widths))).rstrip()
 

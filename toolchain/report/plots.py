@@ -72,7 +72,7 @@ def _offsets(n: int, width: float) -> list[float]:
     return [(j - (n - 1) / 2) * width for j in range(n)]
 
 
-def _sparse_ticks(ax, positions: list[float], labels: list[str], most: int = 24, axis: str = "x") -> None:
+def _sparse_ticks(ax, positions: Sequence[float], labels: list[str], most: int = 24, axis: str = "x") -> None:
     """At most `most` labelled ticks (every n-th), so that 61 layers or 128 heads stay readable."""
     step = max(1, math.ceil(len(positions) / most))
     (ax.set_xticks if axis == "x" else ax.set_yticks)(positions[::step], labels[::step])

@@ -16,6 +16,7 @@ the decoders over artifacts (toolchain/runtime/decoder.py) keep the KV cache in 
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
@@ -28,7 +29,7 @@ NUMERICS: dict[str, dict[str, str]] = {
 CPU = ["CPUExecutionProvider"]
 
 
-def ort_options(*, threads: int | None = None, external_dir: Path | str | None = None, level: str | None = None,
+def ort_options(*, threads: int | None = None, external_dir: str | os.PathLike | None = None, level: str | None = None,
                 optimized_path: Path | None = None, optimized_external: str | None = None,
                 external_min_bytes: int | None = None, profile_prefix: Path | None = None):
     """ONNX Runtime session options. ``external_dir``: where a graph handed over as bytes finds its external

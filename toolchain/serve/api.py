@@ -15,8 +15,9 @@ import asyncio
 import json
 import secrets
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from contextlib import asynccontextmanager, suppress
+from typing import TypeVar, cast
 
 import anyio
 from fastapi import FastAPI, Request
@@ -28,6 +29,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from toolchain.serve import schemas
 from toolchain.serve.engine import Event, NotReady, QueueFull, Request as EngineRequest
 from toolchain.serve.metrics import CONTENT_TYPE, render
+from toolchain.serve.schemas import FinishReason
 from toolchain.serve.text import IncrementalText, StopText
 
 DISCONNECT_POLL_S = 0.5  # how often a non-streaming request checks that its client is still there
@@ -147,6 +149,7 @@ def create_app(service) -> FastAPI:
         if finish is None:  # the client went away
             return Response(status_code=499)
         usage = generation.usage()
+        body: schemas.ChatCompletion | schemas.Completion
         if chat:
             body = schemas.ChatCompletion(id=ident, created=created, model=service.model_name, usage=usage, choices=[
                 schemas.ChatChoice(message=schemas.AssistantMessage(content=text), finish_reason=finish)])
@@ -181,7 +184,10 @@ async def _body(request: Request) -> dict:
     return body
 
 
-def _parse(body: dict, model: type[BaseModel]):
+Params = TypeVar("Params", schemas.CompletionRequest, schemas.ChatCompletionRequest)
+
+
+def _parse(body: dict, model: type[Params]) -> Params:
     try:
         params = model.model_validate(body)
     except ValidationError as e:
@@ -225,7 +231,7 @@ class Generation:
             raise ApiError(503, f"the model is not ready: {e}", type="server_error", code="not_ready",
                            headers={"Retry-After": "1"}) from None
 
-    async def pieces(self, every_event: bool = False) -> AsyncIterator[tuple[str, str | None]]:
+    async def pieces(self, every_event: bool = False) -> AsyncIterator[tuple[str, FinishReason | None]]:
         """(text, finish reason or None) as tokens arrive (with ``every_event``, also text-less increments);
         GenerationFailed on an engine error."""
         while not self.done:
@@ -246,12 +252,13 @@ class Generation:
                     raise GenerationFailed(event.error or "generation failed")
                 if event.finish == "cancelled":
                     raise GenerationFailed("the server is shutting down")
-                yield out + self._stops.flush(), event.finish
+                # the engine finishes a request with stop, length, cancelled or error, the last two raised above
+                yield out + self._stops.flush(), cast(FinishReason, event.finish)
                 return
             if out or every_event:
                 yield out, None
 
-    async def collect(self, request: Request) -> tuple[str, str | None]:
+    async def collect(self, request: Request) -> tuple[str, FinishReason | None]:
         """The whole text and finish reason; (partial text, None) when the client disconnects first."""
         parts: list[str] = []
         pieces = self.pieces()
@@ -360,5 +367,6 @@ class EventStream(StreamingResponse):
         finally:
             self.on_close()
             with suppress(Exception):
-                await self.body_iterator.aclose()
+                if isinstance(self.body_iterator, AsyncGenerator):  # the events generators above
+                    await self.body_iterator.aclose()
 

@@ -23,6 +23,8 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
+from typing import Any
 
 from toolchain.runtime.sampling import Sampling
 
@@ -63,7 +65,13 @@ class Request:
     cancelled: bool = False
     finished: bool = False
     error: str | None = None  # why a backend finished it with "error"
-    state: object = None  # the backend's own (a handle, a random generator, the last token)
+    state: Any = None  # the backend's own (a handle, a random generator, the last token)
+
+
+def deliver_events(events: list[tuple[Request, Event]]) -> None:
+    """Each event to its request's sink (a dispatch of one step's events)."""
+    for request, event in events:
+        request.sink(event)
 
 
 class Observer:
@@ -198,7 +206,7 @@ class Engine:
             for request in [r for r in self._pending if r.id in cancelled]:
                 self._pending.remove(request)
                 gone.append(request)
-            admitted = []
+            admitted: list[Request] = []
             while self._pending and len(self._running) + len(admitted) < self.max_batch:
                 admitted.append(self._pending.popleft())
             self._running += admitted
@@ -229,7 +237,7 @@ class Engine:
 
     def _send(self, events: list[tuple[Request, Event]]) -> None:
         if events:
-            self.dispatch(lambda: [request.sink(event) for request, event in events])
+            self.dispatch(partial(deliver_events, events))
 
     def _deliver(self, results) -> None:
         now = time.perf_counter()

@@ -7,13 +7,19 @@ greedy at temperature 0, else sampling with a generator per request, seeded by i
 
 from __future__ import annotations
 
+from collections.abc import Hashable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from toolchain.runtime.artifact import Artifact
 from toolchain.runtime.sampling import next_token
 from toolchain.serve.engine import Request
+
+if TYPE_CHECKING:  # imported when the backend loads
+    from toolchain.runtime.batching import BatchedDecoder
+    from toolchain.runtime.decoder import Decoder
 
 
 @dataclass
@@ -33,8 +39,8 @@ class OnnxRuntimeBackend:
         self.max_batch = max_batch
         self.max_context = max_context
         self.layout = layout
-        self.decoder = None
-        self.batch = None
+        self.decoder: Decoder | None = None
+        self.batch: BatchedDecoder | None = None
         self._live: dict[int, Request] = {}
 
     def load(self) -> None:
@@ -44,6 +50,11 @@ class OnnxRuntimeBackend:
         self.decoder = open_decoder(self.artifact, threads=self.threads)
         self.batch = batched_decoder(self.decoder, self.artifact.pad_token_id, self.layout)
 
+    def _loaded(self) -> BatchedDecoder:
+        if self.batch is None:
+            raise RuntimeError("the ONNX Runtime backend is used before it is loaded")
+        return self.batch
+
     @property
     def runtime_config(self) -> dict:
         return {**(self.decoder.runtime_config if self.decoder else {}), "kv_cache_layout": self.layout}
@@ -52,18 +63,19 @@ class OnnxRuntimeBackend:
         for request in requests:
             request.state = _State(None if request.sampling.greedy else request.sampling.generator())
             self._live[request.id] = request
-        logits = self.batch.join({r.id: r.prompt for r in requests})
+        logits = self._loaded().join({r.id: r.prompt for r in requests})
         return self._choose(requests, logits)
 
     def step(self):
         live = list(self._live.values())
         if not live:
             return []
-        logits = self.batch.step({r.id: r.state.last for r in live})
+        logits = self._loaded().step({r.id: r.state.last for r in live})
         return self._choose(live, logits)
 
-    def _choose(self, requests: list[Request], logits: dict[int, np.ndarray]):
-        results, leaving = [], []
+    def _choose(self, requests: list[Request], logits: dict[Hashable, np.ndarray]):
+        results: list[tuple[Request, list[int], str | None]] = []
+        leaving = []
         for request in requests:
             row, state = logits[request.id], request.state
             if not np.isfinite(row).all():
@@ -84,14 +96,14 @@ class OnnxRuntimeBackend:
             else:
                 results.append((request, [token], None))
         if leaving:
-            self.batch.leave(leaving)
+            self._loaded().leave(leaving)
             for key in leaving:
                 self._live.pop(key, None)
         return results
 
     def drop(self, requests: list[Request]) -> None:
         keys = [r.id for r in requests if r.id in self._live]
-        self.batch.leave(keys)
+        self._loaded().leave(keys)
         for key in keys:
             del self._live[key]
 

@@ -9,6 +9,8 @@ are read from every request's handle; a cancelled handle frees its KV blocks in 
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
 from toolchain.runtime.artifact import Artifact
@@ -22,9 +24,9 @@ class OpenVINOBackend:
     def __init__(self, artifact: Artifact, settings: PipelineSettings) -> None:
         self.artifact = artifact
         self.settings = settings
-        self.pipeline = None
+        self.pipeline: Any = None  # openvino_genai's, once loaded (an untyped library)
         self.properties: dict = {}
-        self.scheduler = None
+        self.scheduler: Any = None
         self._live: dict[int, Request] = {}
 
     def load(self) -> None:
@@ -54,7 +56,7 @@ class OpenVINOBackend:
         if not self._live:
             return []
         self.pipeline.step()
-        results = []
+        results: list[tuple[Request, list[int], str | None]] = []
         for request in list(self._live.values()):
             handle = request.state
             status = handle.get_status()

@@ -28,9 +28,11 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from functools import partial
 from multiprocessing.connection import Connection
+from typing import TypedDict
 
-from toolchain.serve.engine import Engine, Event, NotReady, Observer, QueueFull, Request
+from toolchain.serve.engine import Engine, Event, NotReady, Observer, QueueFull, Request, deliver_events
 
 RESTART_DELAY_S = 0.5
 
@@ -61,6 +63,12 @@ def _exit_reason(code: int | None) -> str:
     return f"exit code {code}"
 
 
+class _Stats(TypedDict):
+    queue_depth: int
+    running: int
+    kv_cache_usage: float
+
+
 class RemoteEngine:
     """The Engine's interface over an engine process (see the module doc)."""
 
@@ -79,7 +87,7 @@ class RemoteEngine:
         self._lock = threading.Lock()
         self._send_lock = threading.Lock()
         self._requests: dict[int, Request] = {}
-        self._stats = {"queue_depth": 0, "running": 0, "kv_cache_usage": 0.0}
+        self._stats: _Stats = {"queue_depth": 0, "running": 0, "kv_cache_usage": 0.0}
         self._durations: collections.deque[float] = collections.deque(maxlen=64)
         self._stopping = False
         self._process: subprocess.Popen | None = None
@@ -165,6 +173,8 @@ class RemoteEngine:
 
     def _send(self, message) -> None:
         with self._send_lock:
+            if self._conn is None:
+                raise OSError("the engine process was never started")
             self._conn.send(message)
 
     # -- the reader thread -------------------------------------------------------------------------------------
@@ -204,7 +214,7 @@ class RemoteEngine:
                     self._durations.append(now - request.arrived)
                 deliveries.append((request, Event(tokens, finish, error)))
         if deliveries:
-            self.dispatch(lambda: [request.sink(event) for request, event in deliveries])
+            self.dispatch(partial(deliver_events, deliveries))
 
     def _gone(self, conn: Connection, process: subprocess.Popen) -> None:
         try:
@@ -232,7 +242,7 @@ class RemoteEngine:
         if failed:
             message = "the server is shutting down" if self._stopping else f"the engine process died ({reason})"
             events = [(r, Event([], "cancelled" if self._stopping else "error", message)) for r in failed]
-            self.dispatch(lambda: [request.sink(event) for request, event in events])
+            self.dispatch(partial(deliver_events, events))
         if not self._stopping and was == "ready":
             print(f"dstc serve: the engine process died ({reason}); {len(failed)} requests failed; restarting it",
                   file=sys.stderr, flush=True)

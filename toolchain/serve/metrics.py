@@ -17,6 +17,7 @@ from __future__ import annotations
 import collections
 import threading
 import time
+from typing import Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
@@ -32,6 +33,24 @@ ITL_BUCKETS = (0.0005, 0.001, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.
                0.5, 1.0, 2.5)
 DURATION_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 RATE_WINDOW_S = 10.0
+
+
+class LiveEngine(Protocol):
+    """What the live gauges read of an Engine or a RemoteEngine."""
+
+    @property
+    def state(self) -> str: ...
+
+    @property
+    def queue_depth(self) -> int: ...
+
+    @property
+    def running(self) -> int: ...
+
+    @property
+    def max_batch(self) -> int: ...
+
+    def kv_cache_usage(self) -> float: ...
 
 
 class ServerMetrics(Observer):
@@ -57,7 +76,7 @@ class ServerMetrics(Observer):
             self.rejected.labels(reason)
         self._lock = threading.Lock()
         self._recent: collections.deque[tuple[float, int]] = collections.deque()
-        self.engine = None
+        self.engine: LiveEngine | None = None  # set by attach(), which registers the live gauges
 
     # -- Observer (the engine's thread) ------------------------------------------------------------------------
 
@@ -123,6 +142,7 @@ class _LiveGauges:
 
     def collect(self):
         engine, health = self.metrics.engine, self.metrics.health
+        assert engine is not None  # registered by attach(), with the engine
         ready = engine.state == "ready"
         yield GaugeMetricFamily("dstc_ready", "1 when the model is loaded and requests are served.", float(ready))
         yield GaugeMetricFamily("dstc_queue_depth", "Requests waiting for a slot in the running batch.",

@@ -13,6 +13,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, field_validator, model_validator
 
 MAX_STOP_SEQUENCES = 4
+FinishReason = Literal["stop", "length"]
 
 
 class _Body(BaseModel):
@@ -135,7 +136,7 @@ class CompletionChoice(BaseModel):
     index: int = 0
     text: str
     logprobs: None = None
-    finish_reason: Literal["stop", "length"] | None = None
+    finish_reason: FinishReason | None = None
 
 
 class Completion(BaseModel):
@@ -156,7 +157,7 @@ class ChatChoice(BaseModel):
     index: int = 0
     message: AssistantMessage
     logprobs: None = None
-    finish_reason: Literal["stop", "length"] | None = None
+    finish_reason: FinishReason | None = None
 
 
 class ChatCompletion(BaseModel):
@@ -177,7 +178,7 @@ class ChunkChoice(BaseModel):
     index: int = 0
     delta: Delta
     logprobs: None = None
-    finish_reason: Literal["stop", "length"] | None = None
+    finish_reason: FinishReason | None = None
 
 
 class ChatCompletionChunk(BaseModel):

@@ -76,6 +76,7 @@ class Service:
     def _engine(self) -> RemoteEngine:
         """The engine, in a process of its own (engine_process.py), over the artifact's backend."""
         s = self.settings
+        options: dict
         if self.artifact.backend == "openvino":
             options = {"threads": s.threads, "max_batch": s.max_batch, "max_context": self.context,
                        "prefix_caching": s.prefix_caching, "f32": s.openvino_f32}
@@ -202,6 +203,8 @@ def serve(artifact_path, settings: ServeSettings, *, host: str = "127.0.0.1", po
 
     artifact = open_artifact(artifact_path)
     service = Service(artifact, settings)
+    engine = service.engine
+    assert engine is not None  # made by Service
     sock = bind(host, port)
     bound_host, bound_port = sock.getsockname()[:2]
     url_host = f"[{bound_host}]" if ":" in bound_host else bound_host
@@ -210,10 +213,10 @@ def serve(artifact_path, settings: ServeSettings, *, host: str = "127.0.0.1", po
     server = uvicorn.Server(config)
 
     async def watch() -> None:
-        while service.engine.state == "loading":
+        while engine.state == "loading":
             await asyncio.sleep(0.05)
-        if service.engine.state == "ready":
-            log(f"dstc serve: ready in {service.engine.load_seconds:.1f} s (max batch {settings.max_batch}, "
+        if engine.state == "ready":
+            log(f"dstc serve: ready in {engine.load_seconds:.1f} s (max batch {settings.max_batch}, "
                 f"context {service.context} tokens)")
         else:
             server.should_exit = True
@@ -228,5 +231,5 @@ def serve(artifact_path, settings: ServeSettings, *, host: str = "127.0.0.1", po
             watcher.cancel()
 
     asyncio.run(main())
-    if service.engine.state == "failed":
-        raise InputError(f"the model failed to load: {service.engine.load_error}")
+    if engine.state == "failed":
+        raise InputError(f"the model failed to load: {engine.load_error}")
