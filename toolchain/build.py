@@ -21,8 +21,16 @@ from toolchain.gates import GateFailed
 from toolchain.manifest import REPORT_FILES, digest, file_hashes, git_commit, versions, write_manifest
 from toolchain.recipe import Recipe, load_recipe
 from toolchain.stages.reports import STAGE_REPORTS
-from toolchain.stages.runner import (STAGE_RECORD, Stage, compile_stage, compress_stage, copy_stage_files,
-                                     export_stage, passes_stage, run_cached)
+from toolchain.stages.runner import (
+    STAGE_RECORD,
+    Stage,
+    compile_stage,
+    compress_stage,
+    copy_stage_files,
+    export_stage,
+    passes_stage,
+    run_cached,
+)
 
 # Seeds of everything random on the way to an artifact (the parity prompts for checkpoints without a tokenizer).
 SEEDS = {"parity_prompts": 0}
@@ -69,7 +77,8 @@ def build(recipe_path: Path, out_dir: Path | None = None, *, model: str | None =
             t0 = time.perf_counter()
             target, stage_id, cached = run_cached(
                 stage, stage_dir, parent, use_cache=use_cache, log=events.log,
-                started=lambda stage_id, cached: events.stage_started(stage.name, stage_id, cached))
+                # called by run_cached, in this iteration
+                started=lambda stage_id, cached: events.stage_started(stage.name, stage_id, cached))  # noqa: B023
             if cached:
                 cached_stages.append(stage.name)
             durations[stage.name] = round(time.perf_counter() - t0, 3)

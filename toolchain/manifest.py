@@ -207,7 +207,7 @@ def verify_artifact(artifact: Path, public_key: Path | None = None) -> list[str]
     except InputError as e:
         if not problems:
             raise
-        return problems + [str(e)]
+        return [*problems, str(e)]
     if public_key is not None:
         problems += verify_signature(artifact / MANIFEST, artifact / SIGNATURE, public_key)
     actual = file_hashes(artifact, exclude=UNHASHED)

@@ -178,12 +178,15 @@ class Job:
         """NNCF's INT8 per output channel of each head's [K, N] matrix, a head at a time."""
         import nncf
         from nncf.quantization.algorithms.weight_compression.config import WeightCompressionConfig
-        from nncf.quantization.algorithms.weight_compression.weight_lowering import (compress_weight,
-                                                                                     do_integer_dequantization)
+        from nncf.quantization.algorithms.weight_compression.weight_lowering import (
+            compress_weight,
+            do_integer_dequantization,
+        )
         from nncf.tensor import Tensor
 
         spec, tensor = self.spec, self.source.const_value
-        config = WeightCompressionConfig(mode=getattr(nncf.CompressWeightsMode, f"INT8_{'SYM' if spec.sym else 'ASYM'}"))
+        config = WeightCompressionConfig(
+            mode=getattr(nncf.CompressWeightsMode, f"INT8_{'SYM' if spec.sym else 'ASYM'}"))
         qs, scales, zps = [], [], []
         err = norm = 0.0
         for head in tensor.numpy():

@@ -104,7 +104,7 @@ def _write_shards(model, config, directory: Path, generator: torch.Generator, fp
     as write_fp8_checkpoint quantizes a bf16 checkpoint."""
     from safetensors.torch import save_file
 
-    from toolchain.checkpoint.fp8 import quantized_in_hub_layout, quantize_fp8
+    from toolchain.checkpoint.fp8 import quantize_fp8, quantized_in_hub_layout
     from toolchain.checkpoint.reader import SCALE_SUFFIX
 
     shapes = _shapes(model, bool(config.tie_word_embeddings))

@@ -20,10 +20,10 @@ cache over a changing set of sequences are implemented, told apart by ``layout``
 
 OpenVINO. openvino_genai's ContinuousBatchingPipeline does this itself (paged attention over KV-cache blocks,
 chunked prefill, prefix caching): ``openvino_pipeline`` builds one over a dstc artifact's stateful IR, which the
-pipeline converts to paged attention when it loads it. It finds the attention to convert as ScaledDotProductAttention, which
-MLA's latent cache (toolchain/export/deepseek.py) does not have: such an artifact is refused, and served on ONNX
-Runtime or built with the per-head cache instead. (openvino_genai's LLMPipeline falls back to the stateful IR and
-runs it.)
+pipeline converts to paged attention when it loads it. It finds the attention to convert as
+ScaledDotProductAttention, which MLA's latent cache (toolchain/export/deepseek.py) does not have: such an artifact
+is refused, and served on ONNX Runtime or built with the per-head cache instead. (openvino_genai's LLMPipeline
+falls back to the stateful IR and runs it.)
 """
 
 from __future__ import annotations

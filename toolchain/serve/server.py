@@ -62,7 +62,8 @@ class Service:
         if self.context < 2:
             raise InputError(f"a context of {self.context} tokens leaves no room for a prompt and an answer")
         self.tokenizer = artifact.tokenizer()
-        thresholds = merge_thresholds(DEFAULT_THRESHOLDS, recipe_thresholds(artifact.manifest.recipe.serve if artifact.manifest else None),
+        from_recipe = recipe_thresholds(artifact.manifest.recipe.serve if artifact.manifest else None)
+        thresholds = merge_thresholds(DEFAULT_THRESHOLDS, from_recipe,
                                       [parse_threshold(t) for t in settings.thresholds])
         self.engine: RemoteEngine | None = None
         self.health = HealthMonitor(thresholds, window_s=settings.health_window_s, gauges=self._gauges)

@@ -17,16 +17,24 @@ from __future__ import annotations
 
 import os
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, TypeVar
+from typing import TypeVar
 
 from toolchain.atomic import MARKER, atomic_output_dir, check_writable_target, lock_file
 from toolchain.errors import InputError
 from toolchain.manifest import code_digest, digest, file_hashes
 from toolchain.recipe import CompileSection, CompressSection, ExportSection, PassesSection
-from toolchain.stages.reports import (STAGE_REPORTS, CompileReport, CompressionReport, ExportReport, PassesReport,
-                                      StageRecord, StageReport)
+from toolchain.stages.reports import (
+    STAGE_REPORTS,
+    CompileReport,
+    CompressionReport,
+    ExportReport,
+    PassesReport,
+    StageRecord,
+    StageReport,
+)
 
 STAGE_RECORD = "stage.json"
 R = TypeVar("R", bound=StageReport)
