@@ -44,7 +44,7 @@ def constant_shape(value: ir.Value | None) -> tuple[int, ...] | None:
     """The shape of a constant, or of the bf16-stored weight that ``value`` widens (:func:`stored_weight`)."""
     stored = stored_weight(value)
     if stored is not None:
-        return tuple(stored.const_value.shape)
+        return tuple(tensor_of(stored).shape.numpy())
     array = constant_array(value)
     return None if array is None else array.shape
 
@@ -55,6 +55,14 @@ def constant(value: ir.Value | None) -> np.ndarray:
     if array is None:
         raise ValueError(f"{value.name if value is not None else 'an omitted input'} is not a constant")
     return array
+
+
+def tensor_of(value: ir.Value | None) -> ir.TensorProtocol:
+    """The ``const_value`` of a value the caller knows has one (an initializer with data)."""
+    tensor = present(value).const_value
+    if tensor is None:
+        raise ValueError(f"{present(value).name} has no data")
+    return tensor
 
 
 def initializer_data(value: ir.Value | None) -> np.ndarray:

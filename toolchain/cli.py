@@ -6,6 +6,7 @@ import json
 import os
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 
@@ -13,6 +14,9 @@ from toolchain import __version__
 from toolchain.cli_options import given_section, section_options
 from toolchain.errors import DstcError
 from toolchain.recipe import CompileSection, CompressSection, ExportSection, PassesSection
+
+if TYPE_CHECKING:
+    from rich.status import Status
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -235,7 +239,8 @@ def compress_cmd(in_dir: Path, out_dir: Path, target: str, no_cache: bool, as_js
     if as_json:
         click.echo(json.dumps(report.dump(), indent=2))
         return
-    click.echo(f"{report.scheme} for {target} -> {out_dir}: {report.input_size_bytes / 1e6:.1f} MB -> "
+    # input_size_bytes: every compress stage records it
+    click.echo(f"{report.scheme} for {target} -> {out_dir}: {report.input_size_bytes / 1e6:.1f} MB -> "  # type: ignore[operator]
                f"{report.size_bytes / 1e6:.1f} MB, {report.weights.bits_per_weight:.2f} bits/weight")
     model = report.model
     if model.top1_agreement is None:
@@ -291,7 +296,7 @@ class _BuildDisplay:
         from rich.console import Console
 
         self.console = Console(stderr=True)
-        self.status = None
+        self.status: Status | None = None
 
     def stage_started(self, name: str, stage_id: str, cached: bool) -> None:
         if cached:
@@ -400,7 +405,8 @@ def build_cmd(recipe: Path, out_dir: Path | None, model: str | None, no_cache: b
 
     display = _BuildDisplay()
     try:
-        manifest = build(recipe, out_dir, model=model, use_cache=not no_cache, events=display)
+        # _BuildDisplay has the methods of build's Events
+        manifest = build(recipe, out_dir, model=model, use_cache=not no_cache, events=display)  # type: ignore[arg-type]
     except GateFailed:
         # The artifact and its report were kept: show them before the one-line error and exit 1.
         display.close()
@@ -667,8 +673,8 @@ def passes_list(target: str | None, as_json: bool) -> None:
     if as_json:
         click.echo(json.dumps(rows, indent=2))
         return
-    for row in rows:
-        click.echo(f"{row['name']:<28} {','.join(row['targets']):<22} {row['description']}")
+    for row in rows:  # a row's targets: a list of names
+        click.echo(f"{row['name']:<28} {','.join(row['targets']):<22} {row['description']}")  # type: ignore[arg-type]
 
 
 @cli.command("serve")
@@ -712,7 +718,8 @@ def main() -> None:
         sys.exit(130)
     except click.ClickException as e:
         # one line, as for every other bad input (click's own form spreads it over a usage block)
-        command = f" (see {e.ctx.command_path} --help)" if getattr(e, "ctx", None) is not None else ""
+        ctx = getattr(e, "ctx", None)  # a UsageError's
+        command = f" (see {ctx.command_path} --help)" if ctx is not None else ""
         click.echo(f"dstc: error: {e.format_message()}{command}", err=True)
         sys.exit(2)
     except DstcError as e:

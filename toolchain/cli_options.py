@@ -36,7 +36,7 @@ def _unwrap(annotation):
 
 
 def _number_type(kind, metadata):
-    bounds = {"min": None, "max": None, "min_open": False, "max_open": False}
+    bounds: dict[str, typing.Any] = {"min": None, "max": None, "min_open": False, "max_open": False}
     for item in metadata:
         if isinstance(item, annotated_types.Ge):
             bounds["min"] = item.ge

@@ -146,7 +146,7 @@ def skeleton(source: Source, reader):
 
 def _expected_tensors(model) -> dict[str, tuple[int, ...]]:
     """Checkpoint name -> shape of every weight the model needs (fused experts as the hub's per-expert names)."""
-    expected = {}
+    expected: dict[str, tuple[int, ...]] = {}
     for name, t in model.state_dict(keep_vars=True).items():
         prefix, _, leaf = name.rpartition(".")
         if leaf in ("gate_up_proj", "down_proj") and prefix.endswith(".experts") and t.dim() == 3:

@@ -147,7 +147,8 @@ def _groups(reader, config: dict, mtp_layers: int, generator: torch.Generator) -
 
 def _plan(groups: list[_Group], shard_bytes: int) -> list[list[_Group]]:
     """Groups in order into shards of at most ``shard_bytes`` (a larger group gets a shard of its own)."""
-    shards, size = [[]], 0
+    shards: list[list[_Group]] = [[]]
+    size = 0
     for group in groups:
         if shards[-1] and size + group.nbytes > shard_bytes:
             shards.append([])
@@ -160,7 +161,8 @@ def _plan(groups: list[_Group], shard_bytes: int) -> list[list[_Group]]:
 def _write_shard(path: Path, groups: list[_Group]) -> None:
     """A safetensors file written tensor by tensor: the header (8-byte length, JSON padded to 8 bytes) from the
     planned shapes, then each group's data as it is made."""
-    header, offset = {"__metadata__": {"format": "pt"}}, 0
+    header: dict[str, dict] = {"__metadata__": {"format": "pt"}}
+    offset = 0
     for group in groups:
         for name, dtype, shape in group.specs:
             size = math.prod(shape) * dtype.itemsize

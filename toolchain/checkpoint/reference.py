@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib
 from pathlib import Path
 from types import SimpleNamespace
+from typing import TypeVar
 
 import torch
 from torch import nn
@@ -21,6 +22,8 @@ from toolchain.errors import InputError
 from toolchain.export.architectures import architecture_for
 
 # model_type -> the prefix of its transformers module classes
+M = TypeVar("M", bound=nn.Module)
+
 _CLASSES = {"llama": "Llama", "qwen2": "Qwen2", "deepseek_v2": "DeepseekV2", "deepseek_v3": "DeepseekV3"}
 
 
@@ -54,7 +57,7 @@ def _module_class(config, name: str) -> type:
     return getattr(module, _CLASSES[model_type] + name)
 
 
-def load_weights(module: nn.Module, reader: CheckpointReader, prefix: str) -> nn.Module:
+def load_weights(module: M, reader: CheckpointReader, prefix: str) -> M:
     """Give a meta-device module its weights: ``prefix + key`` for each of its state-dict keys, transformers'
     fused experts assembled from the per-expert tensors one expert at a time. Each tensor is read in the dtype
     that holds it exactly (bf16 for bf16 and FP8 checkpoints) and widened to fp32: the values the exporter

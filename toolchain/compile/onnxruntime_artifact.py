@@ -137,6 +137,7 @@ def write(onnx_path: Path, out_dir: Path, config: dict, generation: dict, log: C
     genai_type = genai_model_type(onnx_path)
     reason = genai_unsupported_reason(config["model_type"], genai_type, dims)
     if reason is None:
+        assert genai_type is not None  # genai_unsupported_reason gives a reason when it is None
         (out_dir / GENAI_CONFIG).write_text(json.dumps(genai_config(config, generation, dims, genai_type), indent=2)
                                             + "\n")
         files.append(GENAI_CONFIG)

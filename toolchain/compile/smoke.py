@@ -108,7 +108,7 @@ def _child(backend: str, path: str) -> int:
 
     # Artifact by hand: the stage has not written compile.json yet, which open_artifact requires.
     generation = Path(path) / "generation_config.json"
-    artifact = Artifact(Path(path), backend, {}, read_json(Path(path) / "config.json"),
+    artifact = Artifact(Path(path), backend, None, read_json(Path(path) / "config.json"),
                         read_json(generation) if generation.is_file() else {})
     try:
         decoder = open_decoder(artifact)  # no threads, no f32: the runtime's defaults

@@ -27,12 +27,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any, cast
 
 import numpy as np
 import onnx_ir as ir
 from pydantic import Field
 
-from passes.graph import stored_weight
+from passes.base import CountedResult
+from passes.graph import name_of, stored_weight, tensor_of
 from passes.quantize._weights import MS_DOMAIN
 from toolchain.errors import InputError
 from toolchain.recipe import CompressSection
@@ -81,13 +83,13 @@ def graph_weights(model: ir.Model, with_arrays: bool = True) -> list[Weight]:
         value = stored or value
         if value is None or value.const_value is None or value.is_graph_input():
             continue
-        shape = tuple(value.const_value.shape)
+        shape = tuple(value.const_value.shape.numpy())
         if value.const_value.dtype != (ir.DataType.BFLOAT16 if stored else ir.DataType.FLOAT) or \
                 len(shape) not in (2, 3) or (node.op_type == "Gather" and len(shape) != 2):
             continue
         props = value.const_value.metadata_props
         layer = props.get("dstc.layer")
-        out.append(Weight(value.name, node.name, node.outputs[0].name, node.op_type.lower(), shape,
+        out.append(Weight(name_of(value), name_of(node), name_of(node.outputs[0]), node.op_type.lower(), shape,
                           value.const_value.numpy().astype(np.float32, copy=False) if with_arrays else None,
                           props.get("dstc.role"), int(layer) if layer and layer.isdigit() else None,
                           "bfloat16" if stored else "float32"))
@@ -103,8 +105,8 @@ def widen_stored_weights(model: ir.Model) -> int:
         stored = stored_weight(node.outputs[0]) if node.op_type == "Cast" and node.outputs else None
         if stored is None:
             continue
-        tensor = ir.tensor(stored.const_value.numpy().astype(np.float32), name=stored.name)
-        tensor.metadata_props.update(stored.const_value.metadata_props)  # dstc.role, dstc.layer
+        tensor = ir.tensor(tensor_of(stored).numpy().astype(np.float32), name=stored.name)
+        tensor.metadata_props.update(tensor_of(stored).metadata_props)  # dstc.role, dstc.layer
         stored.const_value, stored.dtype = tensor, ir.DataType.FLOAT
         node.outputs[0].replace_all_uses_with(stored, replace_graph_outputs=True)
         model.graph.remove(node, safe=True)
@@ -196,7 +198,7 @@ def _per_head(model: ir.Model, weights: list[Weight], plan: dict[str, str], opti
         return {"per_head": {}}
     log(f"int8-per-head pass on {len(names)} weights")
     pass_ = Int8PerHead(options.head_blocks, sym=options.sym, names=names)
-    counts = dict(pass_(model).counts)
+    counts = dict(cast(CountedResult, pass_(model)).counts)  # what a CountingPass's call returns
     return {"per_head": counts, "per_head_near_misses": [str(m) for m in pass_.near_misses(model)]}
 
 
@@ -224,7 +226,7 @@ def compress_onnx(model: ir.Model, plan: dict[str, str], options: Options, datas
 
 
 def compress_openvino(onnx_model: ir.Model, plan: dict[str, str], options: Options, dataset, work_dir,
-                      log: Callable[[str], None]) -> tuple[object, dict]:
+                      log: Callable[[str], None]) -> tuple[Any, dict]:
     """ov.Model of the graph with its weights compressed per ``plan`` (per-head INT8 written in the ONNX first,
     which OpenVINO reads as its compressed-weight pattern)."""
     import openvino as ov
@@ -252,7 +254,7 @@ def compress_openvino(onnx_model: ir.Model, plan: dict[str, str], options: Optio
 def to_ort_kernels(model: ir.Model, accuracy_level: int | None) -> dict:
     from passes.quantize.matmul_nbits import ToMatMulNBits
 
-    return dict(ToMatMulNBits(accuracy_level)(model).counts)
+    return dict(cast(CountedResult, ToMatMulNBits(accuracy_level)(model)).counts)  # a CountingPass's result
 
 
 def numpy_dataset(feed_list):

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 import onnx_ir as ir
 
-from passes.graph import constant_array
+from passes.graph import constant, name_of, present
 from passes.quantize._weights import dequantize_linear, matmul_nbits_weight
 from toolchain.compress.engine import Weight
 from toolchain.runtime.engines import GraphRunner, openvino_compile
@@ -50,21 +50,22 @@ def router_indices(model: ir.Model) -> dict[int, str]:
         parts = (node.name or "").split("/")
         if node.op_type == "Equal" and "experts" in parts and parts[parts.index("experts") + 1] == "0" \
                 and parts[0].startswith("layers."):
-            out[int(parts[0].split(".")[1])] = node.inputs[0].name
+            out[int(parts[0].split(".")[1])] = name_of(node.inputs[0])
     return out
 
 
 def capture(model: ir.Model, weights: list[Weight], feed_list: list[dict], routers: dict[int, str]):
     """fp32 run: activations reaching each MatMul weight, logits and router indices per sequence."""
     producers = {v.name: node for node in model.graph for v in node.outputs}
-    activation_of = {w.name: producers[w.output].inputs[0].name for w in weights if w.kind == "matmul"}
+    activation_of = {w.name: name_of(producers[w.output].inputs[0]) for w in weights if w.kind == "matmul"}
     # a 3-D [heads, K, N] weight (MLA's absorbed kv_b_proj) reads [..., heads, S, K]: its rows are kept per head,
     # [heads, rows, K], so that each head's rows meet that head's matrix
     stacked = {activation_of[w.name] for w in weights if w.kind == "matmul" and len(w.shape) == 3}
     extra = sorted(set(activation_of.values())) + list(routers.values())
     run = GraphRunner(model, "onnxruntime", extra_outputs=extra)
     acts: dict[str, list[np.ndarray]] = {name: [] for name in extra}
-    logits, routing = [], {layer: [] for layer in routers}
+    logits: list[np.ndarray] = []
+    routing: dict[int, list[np.ndarray]] = {layer: [] for layer in routers}
     for feeds in feed_list:
         out = run(feeds)
         for name in acts:
@@ -102,17 +103,17 @@ def restored_onnx(model: ir.Model, weights: list[Weight]) -> dict[str, Restored]
             out[w.name] = Restored(matmul_nbits_weight(node), _bytes(node.inputs[1:4]),
                                    f"int{bits}-{'sym' if sym else 'asym'}-g{block}")
             continue
-        source = node.inputs[1] if node.op_type == "MatMul" else node.inputs[0]
+        source = present(node.inputs[1] if node.op_type == "MatMul" else node.inputs[0])
         dq = source.producer()
         if dq is not None and dq.op_type == "DequantizeLinear":
-            q = constant_array(dq.inputs[0])
+            q = constant(dq.inputs[0])
             sym = len(dq.inputs) < 3 or dq.inputs[2] is None
-            block = dq.attributes.get("block_size")
+            block_size = dq.attributes.get("block_size")
             label = f"int{8 if q.dtype in (np.int8, np.uint8) else 4}-{'sym' if sym else 'asym'}-" + \
-                (f"g{block.as_int()}" if block is not None and block.as_int() else "per-axis")
+                (f"g{block_size.as_int()}" if block_size is not None and block_size.as_int() else "per-axis")
             out[w.name] = Restored(dequantize_linear(dq), _bytes(dq.inputs), label)
         else:
-            array = constant_array(source)
+            array = constant(source)
             out[w.name] = Restored(array, array.nbytes, "fp32")
     return out
 

@@ -38,6 +38,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
+from typing import cast
 
 import numpy as np
 import onnx_ir as ir
@@ -184,10 +185,11 @@ class Job:
         )
         from nncf.tensor import Tensor
 
-        spec, tensor = self.spec, self.source.const_value
+        spec, tensor = self.spec, self._tensor()
         config = WeightCompressionConfig(
             mode=getattr(nncf.CompressWeightsMode, f"INT8_{'SYM' if spec.sym else 'ASYM'}"))
-        qs, scales, zps = [], [], []
+        qs, scales = [], []
+        zps: list[np.ndarray | None] = []
         err = norm = 0.0
         for head in tensor.numpy():
             part = np.array(head, dtype=np.float32, order="C")
@@ -203,7 +205,8 @@ class Job:
         self.stats = {"weight_error": float(np.sqrt(err / norm)) if norm else 0.0}
         out = {"quantized": np.stack(qs), "scale": np.stack(scales).astype(np.float32)}
         if zps[0] is not None:
-            out["zero_point"] = np.stack(zps).astype(np.float32)
+            # one config for every head: all have a zero point, or none
+            out["zero_point"] = np.stack(cast("list[np.ndarray]", zps)).astype(np.float32)
         return out
 
     def _compute_int8_per_head(self, width: int) -> dict[str, np.ndarray]:
@@ -267,6 +270,7 @@ def _dtype(spec: Spec, key: str) -> ir.DataType:
 
 
 def _shapes(spec: Spec, shape: tuple[int, ...]) -> dict[str, tuple[int, ...]]:
+    side: tuple[int, ...]
     if spec.form == "stacked":  # [heads, K, N]: a scale (and zero point) per head and output channel
         side = (shape[0], 1, shape[2])
         return {"quantized": shape, "scale": side} | ({} if spec.sym else {"zero_point": side})
@@ -275,7 +279,6 @@ def _shapes(spec: Spec, shape: tuple[int, ...]) -> dict[str, tuple[int, ...]]:
         blocks = -(-first // spec.group_size)
         shapes = {"quantized": (second, blocks, spec.group_size // 2), "scale": (second, blocks)}
         return shapes | ({} if spec.sym else {"zero_point": (second, blocks)})
-    side: tuple[int, ...]
     if spec.form == "dq-blocked":
         side = (first // spec.group_size, second)
     else:
@@ -392,7 +395,8 @@ def _to_cast_mul(model: ir.Model, source: ir.Value, tensors: dict, name: str) ->
     for node in nodes:
         node.outputs[0].name = f"{node.name}/out"
         node.outputs[0].dtype = ir.DataType.FLOAT
-    nodes[-1].outputs[0].name, nodes[-1].outputs[0].shape = f"{name}_dequantized", ir.Shape(source.shape)
+    nodes[-1].outputs[0].name, nodes[-1].outputs[0].shape = f"{name}_dequantized", \
+        ir.Shape(source.shape)  # type: ignore[arg-type]  # a weight's initializer has its shape
     users = [node for node, _ in source.uses()]
     model.graph.insert_before(next(node for node in model.graph if node in users), nodes)
     source.replace_all_uses_with(nodes[-1].outputs[0])

@@ -48,7 +48,8 @@ def measure_accuracy(decoder, reference, routers: dict[int, str], tokenizer, *, 
     """
     texts = [tokenizer(t)["input_ids"] for t in corpus.text_samples("heldout", settings.texts, settings.seed)]
     log(f"next-token distributions on {len(texts)} held-out texts")
-    nll, ref_nll, kl_rows, top1, same_route = [], [], [], [], {layer: [] for layer in routers}
+    nll, ref_nll, kl_rows, top1 = [], [], [], []
+    same_route: dict[int, list[np.ndarray]] = {layer: [] for layer in routers}
     ref_routers = reference.router_outputs()
     for ids in texts:
         row = np.asarray([ids], np.int64)
@@ -77,9 +78,9 @@ def measure_accuracy(decoder, reference, routers: dict[int, str], tokenizer, *, 
     stop_eos = set(eos_ids)
     log(f"greedy continuations of {settings.greedy_prompts} held-out text prefixes, {settings.greedy_tokens} tokens")
     prefixes = [ids[:max(2, len(ids) // 2)] for ids in texts[:settings.greedy_prompts]]
-    mine = _generate(decoder, prefixes, settings, settings.greedy_tokens, stop_eos, pad_id)
-    theirs = _generate(reference, prefixes, settings, settings.greedy_tokens, stop_eos, pad_id)
-    greedy_match = float(np.mean([a == b for a, b in zip(mine, theirs)]))
+    my_tokens = _generate(decoder, prefixes, settings, settings.greedy_tokens, stop_eos, pad_id)
+    their_tokens = _generate(reference, prefixes, settings, settings.greedy_tokens, stop_eos, pad_id)
+    greedy_match = float(np.mean([a == b for a, b in zip(my_tokens, their_tokens)]))
 
     metrics = {
         "perplexity": Metric(value=ppl, unit="", direction="lower", reference=ref_ppl,

@@ -4,6 +4,7 @@ ONNX Runtime and for OpenVINO), so that their latencies are ratios measured side
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 from toolchain.evaluate.run import evaluate_artifact
@@ -36,5 +37,5 @@ def compare_artifacts(paths: list[Path], settings: EvalSettings, *, reference: s
         if key not in references:
             references[key] = TorchDecoder(source, settings.threads, choice)
         reports.append(evaluate_artifact(path, settings, reference_decoder=references[key],
-                                         log=lambda m, p=path: log(str(p), m)))
+                                         log=partial(log, str(path))))
     return reports

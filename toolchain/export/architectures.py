@@ -16,9 +16,9 @@ ARCHITECTURES: dict[str, Architecture] = {
 }
 
 
-def architecture_for(model_type: str) -> Architecture:
+def architecture_for(model_type: str | None) -> Architecture:
     try:
-        return ARCHITECTURES[model_type]
+        return ARCHITECTURES[model_type]  # type: ignore[index]  # None (no model_type): a KeyError as well
     except KeyError:
         raise UnsupportedModelError(
             f"model_type {model_type!r} is not supported (supported: {', '.join(sorted(ARCHITECTURES))})"

@@ -62,7 +62,8 @@ def absorbed_weights(kv_b, heads: int, nope: int, v_dim: int):
     if isinstance(kv_b, LazyArray):
         if kv_b.rows is not None or kv_b.transposed:
             raise ValueError("kv_b_proj's weight is read as the checkpoint stores it")
-        per_head = lambda: kv_b.read().reshape(heads, nope + v_dim, rank)  # noqa: E731
+        # a checkpoint weight's LazyArray has its read (only StackedExperts has none)
+        per_head = lambda: kv_b.read().reshape(heads, nope + v_dim, rank)  # type: ignore[misc]  # noqa: E731
         return (replace(kv_b, shape=(heads, nope, rank), read=lambda: per_head()[:, :nope]),
                 replace(kv_b, shape=(heads, rank, v_dim), read=lambda: per_head()[:, nope:].transpose(1, 2)))
     per_head = kv_b.reshape(heads, nope + v_dim, rank)

@@ -165,9 +165,9 @@ def compare_layers(graph_path: Path, source_path: Path, backend: str, cases: lis
     layers = sorted((s for s in pieces if s.startswith("layers.")), key=lambda s: int(s.split(".")[1]))
     past_dims = {i.name: (i.type.tensor_type.shape.dim[1].dim_value, i.type.tensor_type.shape.dim[3].dim_value)
                  for i in model.graph.input if i.name.startswith("past_key_values.")}
-    table = {GRAPH_TABLE} | {n.output[0] for n in pieces["prologue"].nodes if n.op_type == "Cast"
-                             and n.input[0] == GRAPH_TABLE}  # the table, or its Cast when stored in bf16
-    embedded = next(n.output[0] for n in pieces["prologue"].nodes if n.op_type == "Gather" and n.input[0] in table)
+    tables = {GRAPH_TABLE} | {n.output[0] for n in pieces["prologue"].nodes if n.op_type == "Cast"
+                              and n.input[0] == GRAPH_TABLE}  # the table, or its Cast when stored in bf16
+    embedded = next(n.output[0] for n in pieces["prologue"].nodes if n.op_type == "Gather" and n.input[0] in tables)
     config = ref.reference_config(source_path)
     worst: dict[str, float] = {}
     written = [_write(model, piece, graph_path.parent) for piece in pieces.values()]

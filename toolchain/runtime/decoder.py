@@ -235,7 +235,8 @@ class StatelessDecoder:
     """A graph with past_key_values.* inputs and present.* outputs behind the Decoder calls: the cache is the last
     call's present.* arrays, fed back as the next call's past."""
 
-    threads, load_seconds, runtime_config = 0, 0.0, {}
+    threads, load_seconds = 0, 0.0
+    runtime_config: dict = {}  # noqa: RUF012 - a default every instance shares and none mutates
 
     def __init__(self, runner: engines.GraphRunner, past_specs: dict[str, tuple[int, int]]) -> None:
         self.backend = runner.backend

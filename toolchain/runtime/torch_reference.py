@@ -42,7 +42,7 @@ class TorchDecoder:
 
     def __init__(self, source: sources.Source, threads: int | None = None, choice: dict | None = None) -> None:
         t0 = time.perf_counter()
-        self.source = source
+        self.source: sources.Source | None = source  # None: over() a model already loaded
         self.choice = choice or {}  # how the reference was chosen (resolve_reference), recorded in the report
         self.model = reference_model(source)
         self.load_seconds = time.perf_counter() - t0

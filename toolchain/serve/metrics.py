@@ -203,8 +203,8 @@ def _quantization_gauges(registry: CollectorRegistry, compression: CompressionRe
     if compression.routing:
         gauge = Gauge("dstc_quantization_routing_agreement", "MoE routing agreement per layer.", ["layer"],
                       registry=registry)
-        for row in compression.routing:
-            gauge.labels(str(row.layer)).set(row.agreement)
+        for routing_row in compression.routing:
+            gauge.labels(str(routing_row.layer)).set(routing_row.agreement)
 
 
 def render(metrics: ServerMetrics) -> bytes:

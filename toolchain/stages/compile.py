@@ -52,11 +52,13 @@ def _verify(backend: str, artifact: Path, input_dir: Path, source: Path, new_tok
         parity_cases,
         too_large_for_end_to_end,
     )
-    from toolchain.runtime.decoder import OnnxRuntimeDecoder, OpenVINODecoder
+    from toolchain.runtime.decoder import Decoder, OnnxRuntimeDecoder, OpenVINODecoder
     from toolchain.runtime.torch_reference import TorchDecoder
 
     config = read_json(source / "config.json")
     cases = parity_cases(source, config["vocab_size"])
+    ref_decoder: Decoder | Callable[[], Decoder]
+    decoder: Callable[[], Decoder]
     if (input_dir / "compression.json").is_file():
         input_graph = input_dir / openvino_ir.MODEL_XML
         if backend == "onnxruntime" or not input_graph.is_file():  # compressed in ONNX (ORT, or streamed)

@@ -130,27 +130,27 @@ def compress(in_dir: Path, out_dir: Path, *, target: str = "onnxruntime", source
                     shared_experts=section.shared_experts, ignored_scope=tuple(section.ignore))
     report, source = read_export(in_dir, source)
     config = json.loads((source / "config.json").read_text())
-    timings = {}
+    timings: dict[str, float] = {}
 
     t0 = time.perf_counter()
     model = load_graph(in_dir / "model.onnx")
     layout = head_layout(model)
-    options = engine.Options(**section.model_dump(),
-                             head_blocks={p: w for p, (side, w) in layout.items() if side == "out"})
+    opts = engine.Options(**section.model_dump(),
+                          head_blocks={p: w for p, (side, w) in layout.items() if side == "out"})
     fused = fused_moe.fused_layers(model)  # experts of a fused MoE lowering, which NNCF does not see
-    fused_moe.check(fused, target, options)
+    fused_moe.check(fused, target, opts)
     weight_bytes = float32_bytes(model)  # bf16-stored weights as float32: the same choice for either storage
-    if options.streaming == "always" or (options.streaming == "auto" and weight_bytes > STREAMING_BYTES):
-        if options.data_aware:
+    if opts.streaming == "always" or (opts.streaming == "auto" and weight_bytes > STREAMING_BYTES):
+        if opts.data_aware:
             raise InputError(f"{in_dir} has {weight_bytes / 2**30:.1f} GiB of float weights: data-aware compression "
                              f"(awq, scale estimation, gptq, ratio < 1) runs on the whole model and is not available "
                              f"in bounded memory; use the data-free scheme")
-        return _compress_streaming(model, in_dir, out_dir, target, options, policy, report, timings, t0, log, fused)
+        return _compress_streaming(model, in_dir, out_dir, target, opts, policy, report, timings, t0, log, fused)
     engine.widen_stored_weights(model)  # NNCF and the metrics take float32 weights
     weights = engine.graph_weights(model)
     plan = policy.plan(weights)
     specs = calibration.past_specs((v.name, v.shape) for v in model.graph.inputs)
-    texts = calibration.load_texts(options.dataset, CALIBRATION_SEQUENCES)
+    texts = calibration.load_texts(opts.dataset, CALIBRATION_SEQUENCES)
     sequences, tokenization = calibration.token_sequences(texts, source, config["vocab_size"])
     feed_list = [calibration.feeds(ids, specs) for ids in sequences]
     routers = metrics.router_indices(model) | fused_moe.router_indices(fused)
@@ -160,19 +160,19 @@ def compress(in_dir: Path, out_dir: Path, *, target: str = "onnxruntime", source
     if fused:
         run = GraphRunner(model, "onnxruntime", extra_outputs=fused_moe.capture_names(fused))
         activations = fused_moe.calibration_activations(fused, [run(feeds) for feeds in feed_list])
-    expert_jobs = fused_moe.compress_experts(model, fused, policy.precision, options, options.accuracy_level,
+    expert_jobs = fused_moe.compress_experts(model, fused, policy.precision, opts, opts.accuracy_level,
                                              activations)
     timings["reference_s"] = time.perf_counter() - t0
 
     with atomic_output_dir(out_dir) as tmp:
         t0 = time.perf_counter()
-        nncf_dataset = engine.numpy_dataset(feed_list) if options.data_aware else None
+        nncf_dataset = engine.numpy_dataset(feed_list) if opts.data_aware else None
         if target == "onnxruntime":
-            compressed, details = engine.compress_onnx(model, plan, options, nncf_dataset, log)
+            compressed, details = engine.compress_onnx(model, plan, opts, nncf_dataset, log)
             restored = metrics.restored_onnx(compressed, weights)
             details["ort_rewrites"] = {"blocked_dq_to_matmul_nbits": blocked_dq_to_nbits(compressed),
-                                       **engine.to_ort_kernels(compressed, options.accuracy_level)}
-            if not options.accuracy_level:
+                                       **engine.to_ort_kernels(compressed, opts.accuracy_level)}
+            if not opts.accuracy_level:
                 # measured (benchmarks/compression.py): ORT 1.32 has no fast fp32-compute path for MatMulNBits;
                 # a 2048x2048 weight takes 9.5 ms at 8 bits and 0.58 ms at 4 bits vs 0.36 ms in fp32
                 details["warning"] = ("accuracy_level 0: MatMulNBits computes in fp32 on a slow path, slower "
@@ -185,7 +185,7 @@ def compress(in_dir: Path, out_dir: Path, *, target: str = "onnxruntime", source
         else:
             import openvino as ov
 
-            compressed, details = engine.compress_openvino(model, plan, options, nncf_dataset, tmp, log)
+            compressed, details = engine.compress_openvino(model, plan, opts, nncf_dataset, tmp, log)
             restored = metrics.restored_openvino(compressed, weights)
             ov.save_model(compressed, tmp / OPENVINO_XML, compress_to_fp16=False)
             files = [OPENVINO_XML, OPENVINO_XML.replace(".xml", ".bin")]
@@ -205,7 +205,7 @@ def compress(in_dir: Path, out_dir: Path, *, target: str = "onnxruntime", source
         shutil.copyfile(in_dir / "export.json", tmp / "export.json")
         files.append("export.json")
         typed = CompressionReport(
-            **_head(target, options, policy, report, in_dir, tmp, files, weight_rows),
+            **_head(target, opts, policy, report, in_dir, tmp, files, weight_rows),
             streaming=False,
             calibration={"sequences": len(feed_list), "tokens": int(sum(len(s) for s in sequences)),
                          "tokenization": tokenization},

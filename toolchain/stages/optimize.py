@@ -19,6 +19,7 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import onnx_ir as ir
 
@@ -134,7 +135,7 @@ def optimize(in_dir: Path, out_dir: Path, target: str, passes: list[str] | None 
         del model  # its weight copies; the runtimes load the saved file
         shutil.copyfile(in_dir / "export.json", tmp / "export.json")
         timings["save_s"] = time.perf_counter() - t0
-        report = {
+        report: dict[str, Any] = {
             "dstc_version": __version__,
             "target": target,
             "input": {"dir": str(in_dir), "source": export_report.get("source"), **before},

@@ -73,8 +73,9 @@ def passes_stage(section: PassesSection, source: Path, parity: bool = True) -> S
     from toolchain.stages.optimize import optimize
 
     config = {**section.model_dump(mode="json"), **({} if parity else {"parity": False})}
+    # inp: a stage after export has one (the previous stage's output)
     return Stage("passes", config,
-                 lambda inp, out, log: optimize(inp, out, section.target, passes=section.passes,
+                 lambda inp, out, log: optimize(inp, out, section.target, passes=section.passes,  # type: ignore[arg-type]
                                                 expectations=section.expect, parity=parity, source=source, log=log),
                  "toolchain.stages.optimize")
 
@@ -82,8 +83,9 @@ def passes_stage(section: PassesSection, source: Path, parity: bool = True) -> S
 def compress_stage(section: CompressSection, target: str, source: Path) -> Stage:
     from toolchain.stages.compress import compress
 
+    # inp: a stage after export has one (the previous stage's output)
     return Stage("compress", {"target": target, **section.model_dump(mode="json")},
-                 lambda inp, out, log: compress(inp, out, target=target, source=source, log=log,
+                 lambda inp, out, log: compress(inp, out, target=target, source=source, log=log,  # type: ignore[arg-type]
                                                 **section.model_dump()),
                  "toolchain.stages.compress")
 
@@ -91,8 +93,9 @@ def compress_stage(section: CompressSection, target: str, source: Path) -> Stage
 def compile_stage(section: CompileSection, source: Path) -> Stage:
     from toolchain.stages.compile import compile_artifact
 
+    # inp: a stage after export has one (the previous stage's output)
     return Stage("compile", section.model_dump(mode="json"),
-                 lambda inp, out, log: compile_artifact(inp, out, section.backend, verify=section.verify,
+                 lambda inp, out, log: compile_artifact(inp, out, section.backend, verify=section.verify,  # type: ignore[arg-type]
                                                         source=source, log=log),
                  "toolchain.stages.compile")
 
