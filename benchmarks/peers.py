@@ -1,0 +1,763 @@
+"""Decode and prefill speed of dstc's artifacts beside its peers, on the same shape-faithful checkpoints, in one run.
+
+Contenders (each skipped, with the reason printed and in the JSON, where it does not install, refuses the model or
+cannot describe it):
+
+* ``dstc-ort``: dstc's ONNX Runtime INT4 artifact on dstc's runner (IO binding);
+* ``dstc-ort-genai``: the same artifact on onnxruntime-genai (Qwen2 / Llama only: its config cannot describe MLA);
+* ``dstc-ov``: dstc's OpenVINO INT4 artifact on dstc's runner (stateful infer request, deployment defaults);
+* ``dstc-ov-genai``: the same artifact on openvino_genai.LLMPipeline;
+* ``optimum-ov-genai``: ``optimum-cli export openvino --weight-format int4`` on openvino_genai.LLMPipeline;
+* ``ortgenai-builder``: onnxruntime-genai's model builder (``-p int4 -e cpu``) on its own generator;
+* ``llamacpp-q4km``: llama.cpp through llama-cpp-python: its GGUF converter (f16), then Q4_K_M. Its repacked (AMX /
+  AVX-512) weight buffers are turned off (``use_extra_bufts=False`` on the model parameters: ``Llama()`` drops the
+  keyword silently): llama.cpp crashed after repacking a Q6_K tensor for AMX on this kind of machine. The
+  converter does not know a shape-faithful checkpoint's stand-in tokenizer by its hash; the model family's
+  pre-tokenizer name is written instead (token ids are fed, the pre-tokenizer never runs). The converter is looked
+  for beside llama_cpp (``vendor/llama.cpp/convert_hf_to_gguf.py`` of the source tree) or named by
+  ``--llamacpp-converter``; gguf comes from that tree's ``gguf-py`` or pip.
+
+Workload: a prompt of ``--prompt`` random token ids, ``--new-tokens`` greedy tokens (end of sequence ignored),
+``--threads`` threads. Each contender runs in a child process of its own, started anew for every measurement (so
+that no contender's thread pool spins beside another's, one model is in memory at a time, and a crash costs one
+figure), warmed up by a short generation after loading; the contenders alternate for ``--rounds`` rounds, in an
+order rotated every round, and medians are kept. openvino_genai's stateful pipeline is used (no scheduler config:
+no prefix cache that would make a repeated prompt look instant).
+
+Reported per contender: time to first token (prefill + the first token), decode ms/token (median step), tokens/s at
+batch 1 and at batch 4 (where the runner batches), the bytes of weights read per generated token (every weight but
+the embedding table, of which a token reads one row), the share of the read-bandwidth limit that is (bandwidth
+measured here before every measurement: a sum over 512 MB with the same threads, best of 5; the limit takes the
+best of these, the least disturbed by the machine's other work; each sample keeps its own and the load average),
+KV-cache bytes per token at the precision the runtime keeps it in (OpenVINO's u8 cache also keeps small per-group
+scales, not counted), and each figure's
+ratio to the best peer (non-dstc) contender. On ``qwen-1.5b:4`` the issue's targets are judged on dstc's own runner
+(``dstc-ort``, ``dstc-ov``): decode at >= 70 % of the limit and <= 0.7x the best peer's ms/token on at least one
+backend, TTFT <= the best peer's on both. The CPU model and its ISA
+extensions (toolchain/hardware.py) are printed and written with the JSON.
+
+The timing part holds ``--lock`` (flock, /work/bench.lock by default): one benchmark times on the machine at once.
+The machine is shared and noisy: read ratios within one run, not figures across runs.
+
+    .venv/bin/python benchmarks/peers.py --widths qwen-1.5b:4 --work /work/peers-work/run --json peers.json
+
+``--widths`` takes NAME[:LAYERS[:EXPERTS]] items: qwen-1.5b, qwen-7b, llama-8b, v2-lite, v3 (R1-Distill-Qwen-1.5B /
+7B, R1-Distill-Llama-8B, DeepSeek-V2-Lite, DeepSeek-V3 widths).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import fcntl
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import psutil
+import yaml
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+from toolchain.hardware import cpu_line, describe_cpu
+
+DSTC = [sys.executable, "-m", "toolchain"]
+WIDTHS = {"qwen-1.5b": "deepseek-r1-distill-qwen-1.5b", "qwen-7b": "deepseek-r1-distill-qwen-7b",
+          "llama-8b": "deepseek-r1-distill-llama-8b", "v2-lite": "deepseek-v2-lite", "v3": "deepseek-v3"}
+CONTENDERS = ("dstc-ort", "dstc-ort-genai", "dstc-ov", "dstc-ov-genai", "optimum-ov-genai", "ortgenai-builder",
+              "llamacpp-q4km")
+GiB = 1 << 30
+WARMUP_TOKENS = 4
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Building: dstc and each peer, from the same checkpoint, with wall time and the peak RSS of the process tree.
+
+class Failed(Exception):
+    """A build or run that did not work: its one-line reason is reported and the contender skipped."""
+
+
+def run_measured(cmd: list[str], *, env: dict | None = None, cwd: Path | None = None, max_rss: int) -> dict:
+    """Run ``cmd``; its wall time and the peak RSS of its process tree (sampled every 100 ms). Killed past
+    ``max_rss`` (the machine is shared). Failed with the last line of its output when it fails."""
+    started = time.perf_counter()
+    proc = subprocess.Popen(cmd, cwd=cwd, env={**os.environ, **(env or {})}, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    peak, over = [0], [False]
+
+    def sample() -> None:
+        while proc.poll() is None:
+            rss = _tree_rss(proc.pid)
+            peak[0] = max(peak[0], rss)
+            if rss > max_rss:
+                over[0] = True
+                os.killpg(proc.pid, 9)
+            time.sleep(0.1)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    output, _ = proc.communicate()
+    sampler.join()
+    if over[0]:
+        raise Failed(f"killed above the memory budget of {max_rss / GiB:.1f} GiB (--max-build-gib)")
+    if proc.returncode != 0:
+        lines = [line for line in output.strip().splitlines() if line.strip()]
+        raise Failed(f"exit {proc.returncode}: {(lines or ['no output'])[-1].strip()[:200]}")
+    return {"wall_s": round(time.perf_counter() - started, 1), "peak_rss_gib": round(peak[0] / GiB, 2)}
+
+
+def _tree_rss(pid: int) -> int:
+    try:
+        root = psutil.Process(pid)
+        procs = [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return 0
+    total = 0
+    for proc in procs:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            total += proc.memory_info().rss
+    return total
+
+
+def build_dstc(checkpoint: Path, backend: str, out: Path, work: Path, max_rss: int) -> dict:
+    recipe = work / f"dstc-{backend}.yaml"
+    recipe.write_text(yaml.safe_dump({"name": f"peers-{backend}", "model": str(checkpoint), "export": {"parity": []},
+                                      "passes": {"target": backend}, "compress": {"scheme": "int4-grouped"},
+                                      "compile": {"backend": backend, "verify": False}}))
+    return run_measured([*DSTC, "build", str(recipe), "-o", str(out), "--no-cache"], cwd=REPO, max_rss=max_rss,
+                        env={"DSTC_CACHE_DIR": str(work / "dstc-cache")})
+
+
+def build_optimum(checkpoint: Path, out: Path, max_rss: int) -> dict:
+    cli = Path(sys.executable).parent / "optimum-cli"
+    if not cli.is_file():
+        raise Failed("optimum-cli is not installed (pip install optimum-intel)")
+    return run_measured([str(cli), "export", "openvino", "--model", str(checkpoint), "--weight-format", "int4",
+                         "--task", "text-generation-with-past", str(out)], env={"HF_HUB_OFFLINE": "1"},
+                        max_rss=max_rss)
+
+
+def build_ortgenai(checkpoint: Path, out: Path, work: Path, max_rss: int) -> dict:
+    try:
+        import onnxruntime_genai  # noqa: F401
+    except ImportError:
+        raise Failed("onnxruntime-genai is not installed") from None
+    return run_measured([sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(checkpoint), "-o",
+                         str(out), "-p", "int4", "-e", "cpu", "-c", str(work / "builder-cache")],
+                        env={"HF_HUB_OFFLINE": "1"}, max_rss=max_rss)
+
+
+def build_llamacpp(checkpoint: Path, out: Path, max_rss: int) -> dict:
+    """GGUF f16 from llama.cpp's own converter (shipped in llama-cpp-python's source as vendor/llama.cpp), then
+    Q4_K_M with llama.cpp's quantizer through llama-cpp-python."""
+    try:
+        import gguf  # noqa: F401
+        import llama_cpp  # noqa: F401
+    except ImportError as e:
+        raise Failed(f"{e.name} is not installed (pip install llama-cpp-python gguf sentencepiece)") from None
+    converter = _llamacpp_converter()
+    out.mkdir(parents=True, exist_ok=True)
+    f16 = out / "model-f16.gguf"
+    first = run_measured([sys.executable, str(Path(__file__).resolve()), "--convert-gguf", str(converter),
+                          str(checkpoint), str(f16)], max_rss=max_rss)
+    second = run_measured([sys.executable, str(Path(__file__).resolve()), "--quantize-gguf", str(f16),
+                           str(out / "model-q4_k_m.gguf")], max_rss=max_rss)
+    f16.unlink()
+    return {"wall_s": first["wall_s"] + second["wall_s"],
+            "peak_rss_gib": max(first["peak_rss_gib"], second["peak_rss_gib"])}
+
+
+def _llamacpp_converter() -> Path:
+    """convert_hf_to_gguf.py: beside llama_cpp where a source install left it, else from the sdist in pip's cache
+    (``--llamacpp-converter`` names it otherwise)."""
+    import llama_cpp
+
+    for base in (Path(llama_cpp.__file__).parent, Path(llama_cpp.__file__).parent.parent):
+        for candidate in (base / "convert_hf_to_gguf.py", base / "vendor" / "llama.cpp" / "convert_hf_to_gguf.py"):
+            if candidate.is_file():
+                return candidate
+    if ARGS.llamacpp_converter:
+        return ARGS.llamacpp_converter
+    raise Failed("llama.cpp's convert_hf_to_gguf.py was not found (--llamacpp-converter PATH: it is in "
+                 "llama-cpp-python's source, vendor/llama.cpp/)")
+
+
+# llama.cpp's name of the pre-tokenizer a model family uses, for a tokenizer its converter does not know by hash
+PRE_TOKENIZERS = {"qwen2": "qwen2", "llama": "llama-bpe", "deepseek_v3": "deepseek-v3", "deepseek_v2": "deepseek-llm"}
+
+
+def convert_gguf(converter: str, checkpoint: str, out: str) -> None:
+    """llama.cpp's convert_hf_to_gguf.py to an f16 GGUF. A shape-faithful checkpoint's tokenizer is a stand-in that
+    the converter does not recognise by its hash ("BPE pre-tokenizer was not recognized"): the model family's
+    pre-tokenizer name is written instead. Timing feeds token ids, so the pre-tokenizer never runs."""
+    import runpy
+
+    sys.path.insert(0, str(Path(converter).parent))
+    from conversion import base  # llama.cpp's converter package, beside the script
+
+    original = base.TextModel.get_vocab_base_pre
+    model_type = json.loads((Path(checkpoint) / "config.json").read_text()).get("model_type", "")
+
+    def get_vocab_base_pre(self, tokenizer) -> str:
+        try:
+            return original(self, tokenizer)
+        except NotImplementedError:
+            print(f"unknown tokenizer hash: pre-tokenizer {PRE_TOKENIZERS.get(model_type, 'default')!r} written",
+                  file=sys.stderr)
+            return PRE_TOKENIZERS.get(model_type, "default")
+    base.TextModel.get_vocab_base_pre = get_vocab_base_pre
+    sys.argv = [converter, checkpoint, "--outtype", "f16", "--outfile", out]
+    runpy.run_path(converter, run_name="__main__")
+
+
+def quantize_gguf(src: str, dst: str) -> None:
+    import llama_cpp
+
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_K_M
+    params.nthread = ARGS.threads
+    if llama_cpp.llama_model_quantize(src.encode(), dst.encode(), params) != 0:
+        raise SystemExit(f"llama_model_quantize failed on {src}")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# What each contender reads per token and keeps per token (from its files, not its timing).
+
+def _onnx_sizes(path: Path) -> tuple[int, int, int]:
+    """(weight bytes, embedding-table bytes, KV-cache bytes per token) of an ONNX decoder: initializers read by a
+    Gather of input_ids (directly or after a Cast) and by nothing else are the table; the cache from the
+    past_key_values inputs' head count, head size and element type."""
+    import onnx
+    from onnx import helper
+
+    model = onnx.load(str(path), load_external_data=False)
+    graph = model.graph
+    sizes = {}
+    for init in graph.initializer:
+        external = {e.key: e.value for e in init.external_data}
+        sizes[init.name] = int(external["length"]) if "length" in external else (
+            len(init.raw_data) or int(np.prod(init.dims)) * helper.tensor_dtype_to_np_dtype(init.data_type).itemsize)
+    ids = {"input_ids"} | {n.output[0] for n in graph.node if n.op_type == "Cast" and n.input[0] == "input_ids"}
+    readers: dict[str, set[str]] = {}
+    for node in graph.node:
+        for name in node.input:
+            readers.setdefault(name, set()).add(node.op_type if not (node.op_type == "Gather" and node.input[1] in ids)
+                                                else "table-gather")
+    table = sum(size for name, size in sizes.items() if readers.get(name) == {"table-gather"})
+    genai = path.parent / "genai_config.json"  # the builder leaves the head size symbolic in the graph
+    head_size = json.loads(genai.read_text())["model"]["decoder"]["head_size"] if genai.is_file() else 0
+    kv = 0
+    for value in graph.input:
+        if value.name.startswith("past_key_values."):
+            dims = value.type.tensor_type.shape.dim
+            element = helper.tensor_dtype_to_np_dtype(value.type.tensor_type.elem_type).itemsize
+            kv += dims[1].dim_value * (dims[3].dim_value or head_size) * element
+    return sum(sizes.values()), table, kv
+
+
+def _openvino_sizes(xml: Path, kv_precision: str) -> tuple[int, int, int]:
+    """The same for an OpenVINO IR: Constants feeding a Gather of input_ids (through Convert / Subtract / Multiply
+    of the compressed table) and nothing else; the cache from the stateful model's variables."""
+    import openvino as ov
+
+    model = ov.Core().read_model(str(xml))
+    constants = [op for op in model.get_ops() if op.get_type_name() == "Constant"]
+    total = sum(op.get_byte_size() for op in constants)
+    table = 0
+    for op in model.get_ops():
+        if op.get_type_name() != "Gather" or "input_ids" not in _sources(op.input_value(1)):
+            continue
+        stack, seen = [op.input_value(0).get_node()], set()
+        while stack:
+            node = stack.pop()
+            if node.get_friendly_name() in seen:
+                continue
+            seen.add(node.get_friendly_name())
+            if node.get_type_name() == "Constant":
+                if all(t.get_node() is op or t.get_node().get_friendly_name() in seen
+                       for out in node.outputs() for t in out.get_target_inputs()):
+                    table += node.get_byte_size()
+            elif node.get_type_name() in ("Convert", "Subtract", "Multiply", "Reshape"):
+                stack += [v.get_node() for v in node.input_values()]
+    element = {"u8": 1, "i8": 1, "u4": 0.5, "bf16": 2, "f16": 2, "f32": 4}.get(kv_precision, 4)
+    kv = 0
+    for op in model.get_ops():
+        if op.get_type_name() == "ReadValue":
+            shape = op.get_output_partial_shape(0)
+            kv += shape[1].get_length() * shape[3].get_length() * element
+    return total, table, int(kv)
+
+
+def _sources(value, depth: int = 4) -> set[str]:
+    """Names of the Parameters within ``depth`` ops above ``value``."""
+    node = value.get_node()
+    if node.get_type_name() == "Parameter":
+        return set(value.get_names())
+    if depth == 0:
+        return set()
+    return set().union(*[_sources(v, depth - 1) for v in node.input_values()] or [set()])
+
+
+def _gguf_sizes(path: Path) -> tuple[int, int, int]:
+    from gguf import GGUFReader
+
+    reader = GGUFReader(str(path))
+    tensors = {t.name: int(t.n_bytes) for t in reader.tensors}
+    table = tensors.get("token_embd.weight", 0) if "output.weight" in tensors else 0
+
+    def field(suffix: str) -> int:
+        key = next(k for k in reader.fields if k.endswith(suffix))
+        return int(reader.fields[key].parts[reader.fields[key].data[0]][0])
+
+    layers, heads = field(".block_count"), field(".attention.head_count")
+    kv_heads = field(".attention.head_count_kv") if any(k.endswith(".head_count_kv") for k in reader.fields) \
+        else heads
+    head_dim = field(".embedding_length") // heads
+    return sum(tensors.values()), table, layers * 2 * kv_heads * head_dim * 2  # f16 cache, llama.cpp's default
+
+
+def _ov_kv_precision(directory: Path) -> str:
+    """The KV-cache precision openvino_genai compiles an IR with: the IR's runtime_options, else the plugin's
+    default on this CPU."""
+    import openvino as ov
+
+    core = ov.Core()
+    model = core.read_model(str(directory / "openvino_model.xml"))
+    if model.has_rt_info(["runtime_options", "KV_CACHE_PRECISION"]):
+        return str(model.get_rt_info(["runtime_options", "KV_CACHE_PRECISION"]).astype(str))
+    value = core.get_property("CPU", "KV_CACHE_PRECISION")  # an ov.Type: its short name (u8, bf16, f16, ...)
+    return value.get_type_name() if hasattr(value, "get_type_name") else str(value)
+
+
+def footprint(kind: str, path: Path) -> dict:
+    """bytes read per token (weights but the table), and KV-cache bytes per token with its precision."""
+    if kind in ("dstc-ort", "dstc-ort-genai", "ortgenai-builder"):
+        total, table, kv = _onnx_sizes(path / "model.onnx")
+        precision = "f32"
+    elif kind == "llamacpp-q4km":
+        total, table, kv = _gguf_sizes(path / "model-q4_k_m.gguf")
+        precision = "f16"
+    else:
+        precision = _ov_kv_precision(path)
+        total, table, kv = _openvino_sizes(path / "openvino_model.xml", precision)
+    return {"weight_bytes": total, "table_bytes": table, "bytes_per_token": total - table,
+            "kv_bytes_per_token": kv, "kv_precision": precision}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Running: one child process per measurement (``--worker``), printing one JSON line.
+
+def _prompt(vocab: int) -> list[int]:
+    return np.random.default_rng(0).integers(10, min(vocab, 30000), ARGS.prompt).tolist()
+
+
+def worker(kind: str, path: Path, vocab: int) -> dict:
+    prompt, new, threads = _prompt(vocab), ARGS.new_tokens, ARGS.threads
+    started = time.perf_counter()
+    run = {"dstc-ort": _dstc, "dstc-ov": _dstc, "dstc-ort-genai": _ortgenai, "ortgenai-builder": _ortgenai,
+           "dstc-ov-genai": _ovgenai, "optimum-ov-genai": _ovgenai, "llamacpp-q4km": _llamacpp}[kind]
+    generate = run(path, threads)
+    load_s = time.perf_counter() - started
+    generate([prompt], WARMUP_TOKENS)
+    ttft, steps = generate([prompt], new)
+    result = {"load_s": load_s, "ttft_s": ttft, "decode_s": statistics.median(steps)}
+    if ARGS.batch4:
+        try:
+            _, steps4 = generate([prompt] * 4, new)
+            result["batch4_tokens_per_s"] = 4 * len(steps4) / sum(steps4)
+        except Failed as e:
+            result["batch4_skipped"] = str(e)
+    return result
+
+
+def _dstc(path: Path, threads: int):
+    from toolchain.runtime.artifact import open_artifact
+    from toolchain.runtime.decoder import open_decoder
+    from toolchain.runtime.generate import greedy_generate
+
+    decoder = open_decoder(open_artifact(path), threads=threads)
+
+    def generate(prompts, new):
+        run = greedy_generate(decoder, prompts, new, set(), 0, ignore_stop=True)
+        return run.ttft_s, run.itl_s
+    return generate
+
+
+def _ovgenai(path: Path, threads: int):
+    import openvino as ov
+    import openvino_genai as ov_genai
+
+    pipe = ov_genai.LLMPipeline(str(path), "CPU", INFERENCE_NUM_THREADS=threads)
+
+    def generate(prompts, new):
+        config = ov_genai.GenerationConfig()
+        config.max_new_tokens, config.min_new_tokens, config.ignore_eos, config.do_sample = new, new, True, False
+        ids = np.array(prompts, np.int64)
+        started = time.perf_counter()
+        result = pipe.generate(ov_genai.TokenizedInputs(ov.Tensor(ids), ov.Tensor(np.ones_like(ids))), config)
+        total = time.perf_counter() - started
+        ttft = result.perf_metrics.get_ttft().mean / 1e3
+        # per step: the wall time after the first token over the later steps (genai's TPOT divides by the batch)
+        return ttft, [(total - ttft) / (new - 1)] * (new - 1)
+    return generate
+
+
+def _ortgenai(path: Path, threads: int):
+    import onnxruntime_genai as og
+
+    config = og.Config(str(path))
+    config.clear_providers()
+    config.overlay(json.dumps({"model": {"decoder": {"session_options": {"intra_op_num_threads": threads}}}}))
+    model = og.Model(config)
+
+    def generate(prompts, new):
+        params = og.GeneratorParams(model)
+        params.set_search_options(max_length=len(prompts[0]) + new, min_length=len(prompts[0]) + new,
+                                  do_sample=False, batch_size=len(prompts))
+        generator = og.Generator(model, params)
+        started = time.perf_counter()
+        generator.append_tokens(np.array(prompts, np.int32))
+        generator.generate_next_token()
+        ttft = time.perf_counter() - started
+        steps = []
+        for _ in range(new - 1):
+            started = time.perf_counter()
+            generator.generate_next_token()
+            steps.append(time.perf_counter() - started)
+        return ttft, steps
+    return generate
+
+
+def _llamacpp(path: Path, threads: int):
+    import llama_cpp
+
+    # Llama() takes unknown keywords silently (**kwargs): use_extra_bufts must be set on the model parameters
+    default_params = llama_cpp.llama_cpp.llama_model_default_params
+
+    def model_params():
+        params = default_params()
+        params.use_extra_bufts = False
+        return params
+    llama_cpp.llama_cpp.llama_model_default_params = model_params
+    llm = llama_cpp.Llama(str(path / "model-q4_k_m.gguf"), n_threads=threads, n_threads_batch=threads,
+                          n_ctx=ARGS.prompt + ARGS.new_tokens + 8, n_batch=512, logits_all=False, verbose=False)
+
+    def generate(prompts, new):
+        if len(prompts) > 1:
+            raise Failed("llama-cpp-python's Llama decodes one sequence")
+        llm.reset()
+        started = time.perf_counter()
+        llm.eval(prompts[0])
+        token = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+        ttft = time.perf_counter() - started
+        steps = []
+        for _ in range(new - 1):
+            started = time.perf_counter()
+            llm.eval([token])
+            token = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+            steps.append(time.perf_counter() - started)
+        return ttft, steps
+    return generate
+
+
+def measure(kind: str, path: Path, vocab: int) -> dict:
+    """One measurement of a contender in a fresh child process."""
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", kind, str(path), str(vocab),
+           "--threads", str(ARGS.threads), "--prompt", str(ARGS.prompt), "--new-tokens", str(ARGS.new_tokens)]
+    if not ARGS.batch4:
+        cmd.append("--no-batch4")
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, check=False)
+    if done.returncode != 0:
+        lines = [line for line in (done.stderr or done.stdout).strip().splitlines() if line.strip()]
+        raise Failed(f"exit {done.returncode}: {(lines or ['no output'])[-1].strip()[:200]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+# ---------------------------------------------------------------------------------------------------------------
+
+def bandwidth(threads: int) -> float:
+    """Read bandwidth in bytes/s: torch's sum over 512 MB, best of 5."""
+    import torch
+
+    torch.set_num_threads(threads)
+    data = torch.ones(1 << 27, dtype=torch.float32)
+    best = float("inf")
+    for _ in range(5):
+        started = time.perf_counter()
+        float(data.sum())
+        best = min(best, time.perf_counter() - started)
+    return data.numel() * 4 / best
+
+
+@contextlib.contextmanager
+def bench_lock(path: Path):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            print(f"waiting for {path} (another benchmark is timing)", flush=True)
+            fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def prepare(width: str, work: Path, wanted: list[str]) -> tuple[dict, dict, dict, Path, dict]:
+    """The checkpoint and every wanted contender's build: ({contender: path}, builds, skipped, checkpoint,
+    config)."""
+    name, *rest = width.split(":")
+    if name not in WIDTHS:
+        raise SystemExit(f"unknown width {name!r}: one of {', '.join(WIDTHS)}")
+    layers = int(rest[0]) if rest else 4
+    experts = int(rest[1]) if len(rest) > 1 else None
+    checkpoint = work / "checkpoint"
+    if not (checkpoint / "config.json").is_file():
+        print(f"[{width}] shape-faithful checkpoint", flush=True)
+        subprocess.run([*DSTC, "models", "shape-faithful", WIDTHS[name], "-o", str(checkpoint), "--layers",
+                        str(layers), *(["--experts", str(experts)] if experts else [])],
+                       cwd=REPO, check=True, capture_output=True)
+    config = json.loads((checkpoint / "config.json").read_text())
+    max_rss = int(ARGS.max_build_gib * GiB)
+    paths, builds, skipped = {}, {}, {}
+    steps = {
+        "dstc-ort": (work / "dstc-ort", lambda out: build_dstc(checkpoint, "onnxruntime", out, work, max_rss)),
+        "dstc-ov": (work / "dstc-ov", lambda out: build_dstc(checkpoint, "openvino", out, work, max_rss)),
+        "optimum-ov-genai": (work / "optimum", lambda out: build_optimum(checkpoint, out, max_rss)),
+        "ortgenai-builder": (work / "builder", lambda out: build_ortgenai(checkpoint, out, work, max_rss)),
+        "llamacpp-q4km": (work / "llamacpp", lambda out: build_llamacpp(checkpoint, out, max_rss)),
+    }
+    uses = {"dstc-ort-genai": "dstc-ort", "dstc-ov-genai": "dstc-ov"}
+    for contender in wanted:
+        source = uses.get(contender, contender)
+        if source not in paths and source not in skipped:
+            out, build = steps[source]
+            if (out / ".built").is_file() and not ARGS.rebuild:
+                builds[source] = json.loads((out / ".built").read_text())
+            else:
+                shutil.rmtree(out, ignore_errors=True)
+                print(f"[{width}] building {source}", flush=True)
+                try:
+                    builds[source] = build(out)
+                except Failed as e:
+                    skipped[source] = str(e)
+                    shutil.rmtree(out, ignore_errors=True)
+                    continue
+                (out / ".built").write_text(json.dumps(builds[source]))
+            paths[source] = out
+        if source in skipped:
+            skipped[contender] = skipped[source] if contender == source else f"{source} did not build"
+        elif contender == "dstc-ort-genai" and not (paths[source] / "genai_config.json").is_file():
+            skipped[contender] = "the artifact has no genai_config.json (onnxruntime-genai cannot describe its " \
+                                 "KV cache: MLA's keys and values differ in size)"
+        else:
+            paths[contender] = paths[source]
+    return {c: paths[c] for c in wanted if c in paths and c not in skipped}, builds, skipped, checkpoint, config
+
+
+def time_contenders(paths: dict, vocab: int, skipped: dict, bandwidths: list[float]) -> dict:
+    """``--rounds`` rounds over the contenders, in an order rotated every round. Before every measurement the read
+    bandwidth and the load average are taken (the machine is shared: they show what the figure ran beside)."""
+    samples = {c: [] for c in paths}
+    order = list(paths)
+    for round_ in range(ARGS.rounds):
+        for contender in order[round_ % len(order):] + order[:round_ % len(order)]:
+            if contender in skipped:
+                continue
+            bandwidths.append(bandwidth(ARGS.threads))
+            load = os.getloadavg()[0]
+            try:
+                sample = measure(contender, paths[contender], vocab)
+                samples[contender].append({**sample, "bandwidth_before": bandwidths[-1], "load_before": load})
+            except (Failed, subprocess.TimeoutExpired) as e:
+                skipped[contender] = f"failed while timed: {e}"
+            print(f"  round {round_ + 1}: {contender:<17} "
+                  + (f"TTFT {1e3 * samples[contender][-1]['ttft_s']:.1f} ms, decode "
+                     f"{1e3 * samples[contender][-1]['decode_s']:.2f} ms/token (load {load:.1f}, "
+                     f"{bandwidths[-1] / 1e9:.1f} GB/s before)" if contender not in skipped
+                     else skipped[contender]), flush=True)
+    return {c: s for c, s in samples.items() if s and c not in skipped}
+
+
+def is_peer(contender: str) -> bool:
+    return not contender.startswith("dstc")
+
+
+def rows_for(samples: dict, footprints: dict, bw: float) -> list[dict]:
+    """One row per contender: medians of its samples, its footprint (``footprint()``), the share of the bandwidth
+    limit ``bw`` (bytes/s) its median decode step reaches, and each timing's ratio to the best peer (a contender
+    not named dstc-*): below 1 is better than the best peer for times, above 1 for tokens/s."""
+    rows = []
+    for contender, runs in samples.items():
+        decode = statistics.median(r["decode_s"] for r in runs)
+        b4 = [r["batch4_tokens_per_s"] for r in runs if "batch4_tokens_per_s" in r]
+        row = {"contender": contender, "ttft_ms": 1e3 * statistics.median(r["ttft_s"] for r in runs),
+               "decode_ms_per_token": 1e3 * decode, "tokens_per_s": 1 / decode,
+               "tokens_per_s_batch4": statistics.median(b4) if b4 else None,
+               "batch4_skipped": next((r["batch4_skipped"] for r in runs if "batch4_skipped" in r), None),
+               "load_s": statistics.median(r["load_s"] for r in runs), "runs": len(runs),
+               **footprints[contender]}
+        row["limit_ms_per_token"] = 1e3 * row["bytes_per_token"] / bw
+        row["bandwidth_share"] = row["bytes_per_token"] / bw / decode
+        rows.append(row)
+    peers = [r for r in rows if is_peer(r["contender"])]
+    for key, better in (("ttft_ms", min), ("decode_ms_per_token", min), ("tokens_per_s", max),
+                        ("tokens_per_s_batch4", max)):
+        values = [r[key] for r in peers if r[key] is not None]
+        best = better(values) if values else None
+        for row in rows:
+            row[f"{key}_to_best_peer"] = row[key] / best if best and row[key] is not None else None
+    return rows
+
+
+# The issue's targets for the dense case (1.5B widths, 4 layers, INT4), on dstc's artifacts with dstc's runner.
+TARGET_WIDTH = "qwen-1.5b:4"
+BACKENDS = ("dstc-ort", "dstc-ov")
+
+
+def targets(rows: list[dict]) -> list[dict]:
+    """[{"target", "met", "measured"}]: decode at >= 70 % of the bandwidth limit and <= 0.7x the best peer's time on
+    at least one backend; TTFT <= the best peer's on both backends. A target that cannot be judged (a backend or
+    every peer missing) has met None."""
+    by = {r["contender"]: r for r in rows if r["contender"] in BACKENDS}
+    out = []
+    shares = {c: r["bandwidth_share"] for c, r in by.items()}
+    decode = {c: r["decode_ms_per_token_to_best_peer"] for c, r in by.items()}
+    ttft = {c: r["ttft_ms_to_best_peer"] for c, r in by.items()}
+    out.append({"target": "decode >= 70 % of the bandwidth limit on at least one backend",
+                "met": max(shares.values()) >= 0.7 if shares else None,
+                "measured": {c: round(v, 3) for c, v in shares.items()}})
+    judged = {c: v for c, v in decode.items() if v is not None}
+    out.append({"target": "decode <= 0.7x the best peer's ms/token on at least one backend",
+                "met": min(judged.values()) <= 0.7 if judged else None,
+                "measured": {c: round(v, 3) for c, v in judged.items()}})
+    judged = {c: v for c, v in ttft.items() if v is not None}
+    out.append({"target": "TTFT <= the best peer's on both backends",
+                "met": (len(judged) == len(BACKENDS) and max(judged.values()) <= 1.0) if judged else None,
+                "measured": {c: round(v, 3) for c, v in judged.items()}})
+    return out
+
+
+def table(rows: list[dict], skipped: dict) -> str:
+    """The Markdown table of ``rows_for`` rows, then one line per skipped contender."""
+    lines = [("| contender | TTFT ms | decode ms/token | tokens/s b1 | tokens/s b4 | MB read/token | % of BW limit | "
+              "KV bytes/token | TTFT / best peer | decode / best peer | b4 tokens/s / best peer |"), "|" + "---|" * 11]
+
+    def ratio(value):
+        return f"{value:.2f}" if value is not None else "–"
+    for r in rows:
+        b4 = f"{r['tokens_per_s_batch4']:.1f}" if r["tokens_per_s_batch4"] else "–"
+        lines.append(f"| {r['contender']} | {r['ttft_ms']:.1f} | {r['decode_ms_per_token']:.2f} | "
+                     f"{r['tokens_per_s']:.1f} | {b4} | {r['bytes_per_token'] / 1e6:.0f} | "
+                     f"{100 * r['bandwidth_share']:.0f} % | {r['kv_bytes_per_token']} ({r['kv_precision']}) | "
+                     f"{ratio(r['ttft_ms_to_best_peer'])} | {ratio(r['decode_ms_per_token_to_best_peer'])} | "
+                     f"{ratio(r['tokens_per_s_batch4_to_best_peer'])} |")
+    lines += [f"| {name} | skipped: {why} |" + " |" * 9 for name, why in skipped.items()]
+    return "\n".join(lines)
+
+
+def versions() -> dict:
+    """The installed version of each runtime and exporter the contenders use (None: not installed)."""
+    from importlib import metadata
+
+    out = {}
+    for name in ("torch", "transformers", "onnxruntime", "onnxruntime-genai", "openvino", "openvino-genai", "nncf",
+                 "optimum-intel", "llama-cpp-python"):
+        try:
+            out[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            out[name] = None
+    if out["llama-cpp-python"] is None:  # a source tree on PYTHONPATH has no metadata
+        with contextlib.suppress(ImportError):
+            import llama_cpp
+            out["llama-cpp-python"] = llama_cpp.__version__
+    return out
+
+
+def main() -> None:
+    if ARGS.worker:
+        kind, path, vocab = ARGS.worker
+        print(json.dumps(worker(kind, Path(path), int(vocab))))
+        return
+    if ARGS.quantize_gguf:
+        quantize_gguf(*ARGS.quantize_gguf)
+        return
+    if ARGS.convert_gguf:
+        convert_gguf(*ARGS.convert_gguf)
+        return
+    wanted = ARGS.contenders.split(",")
+    unknown = sorted(set(wanted) - set(CONTENDERS))
+    if unknown:
+        raise SystemExit(f"unknown contenders {unknown}: choose from {', '.join(CONTENDERS)}")
+    cpu = describe_cpu()
+    results = {"machine": {"cpu": cpu, "threads": ARGS.threads}, "versions": versions(), "settings": {
+        "prompt": ARGS.prompt, "new_tokens": ARGS.new_tokens, "threads": ARGS.threads, "rounds": ARGS.rounds,
+        "contenders": wanted}, "widths": {}}
+    prepared = {}
+    for width in ARGS.widths.split(","):
+        work = ARGS.work / width.replace(":", "-")
+        work.mkdir(parents=True, exist_ok=True)
+        prepared[width] = prepare(width, work, wanted)
+    print(cpu_line(cpu), flush=True)
+    with bench_lock(ARGS.lock):
+        for width, (paths, builds, skipped, checkpoint, config) in prepared.items():
+            print(f"[{width}] timing {', '.join(paths)}", flush=True)
+            bandwidths: list[float] = []
+            samples = time_contenders(paths, config["vocab_size"], skipped, bandwidths)
+            # the limit: the best bandwidth seen (each figure beside a shared machine's load is a lower bound)
+            bw = max(bandwidths)
+            rows = rows_for(samples, {c: footprint(c, paths[c]) for c in samples}, bw)
+            results["widths"][width] = {"checkpoint": str(checkpoint), "config": config, "builds": builds,
+                                        "bandwidth_bytes_per_s": bw, "bandwidths": bandwidths, "rows": rows,
+                                        "skipped": skipped, "samples": samples,
+                                        "targets": targets(rows) if width == TARGET_WIDTH else None}
+    for width, result in results["widths"].items():
+        print(f"\n{width} ({result['config']['model_type']}, hidden {result['config']['hidden_size']}, "
+              f"{result['config']['num_hidden_layers']} layers), prompt {ARGS.prompt}, {ARGS.new_tokens} new tokens, "
+              f"medians of {ARGS.rounds} alternated rounds; {cpu_line(cpu)}, {ARGS.threads} threads, read bandwidth "
+              f"{result['bandwidth_bytes_per_s'] / 1e9:.1f} GB/s (the best of {len(result['bandwidths'])}, one "
+              f"before each measurement; median {statistics.median(result['bandwidths']) / 1e9:.1f})")
+        print(table(result["rows"], result["skipped"]))
+        for target in result["targets"] or []:
+            verdict = {True: "met", False: "missed", None: "not judged"}[target["met"]]
+            print(f"  target {verdict}: {target['target']}: {target['measured']}")
+        for name, build in result["builds"].items():
+            print(f"  build {name}: {build['wall_s']} s, peak RSS {build['peak_rss_gib']} GiB")
+    if ARGS.json:
+        ARGS.json.write_text(json.dumps(results, indent=1, default=str) + "\n")
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--widths", default="qwen-1.5b:4", help="NAME[:LAYERS[:EXPERTS]],... (see the module doc)")
+    parser.add_argument("--prompt", type=int, default=128)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--contenders", default=",".join(CONTENDERS))
+    parser.add_argument("--work", type=Path, default=Path("/work/peers-work/peers"),
+                        help="checkpoints and builds (kept: a later run reuses them unless --rebuild)")
+    parser.add_argument("--rebuild", action="store_true")
+    parser.add_argument("--max-build-gib", type=float, default=7.0, help="a build above this RSS is killed, skipped")
+    parser.add_argument("--lock", type=Path, default=Path("/work/bench.lock"))
+    parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--no-batch4", dest="batch4", action="store_false")
+    parser.add_argument("--llamacpp-converter", type=Path, default=None)
+    parser.add_argument("--worker", nargs=3, metavar=("KIND", "PATH", "VOCAB"), help=argparse.SUPPRESS)
+    parser.add_argument("--convert-gguf", nargs=3, metavar=("CONVERTER", "CHECKPOINT", "OUT"), help=argparse.SUPPRESS)
+    parser.add_argument("--quantize-gguf", nargs=2, metavar=("F16", "OUT"), help=argparse.SUPPRESS)
+    return parser.parse_args()
+
+
+ARGS = parse_args() if __name__ == "__main__" else None
+
+if __name__ == "__main__":
+    main()

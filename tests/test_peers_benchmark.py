@@ -1,0 +1,123 @@
+"""benchmarks/peers.py's pure parts: rows (medians, bandwidth share, ratios to the best peer), the targets, the
+table. Nothing is built or timed here."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+PATH = Path(__file__).resolve().parent.parent / "benchmarks" / "peers.py"
+
+
+@pytest.fixture(scope="module")
+def peers():
+    spec = importlib.util.spec_from_file_location("peers_benchmark", PATH)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def sample(ttft_s: float, decode_s: float, batch4: float | None = None) -> dict:
+    out = {"load_s": 1.0, "ttft_s": ttft_s, "decode_s": decode_s}
+    if batch4 is None:
+        out["batch4_skipped"] = "one sequence only"
+    else:
+        out["batch4_tokens_per_s"] = batch4
+    return out
+
+
+def footprint(bytes_per_token: int, table: int = 100) -> dict:
+    return {"weight_bytes": bytes_per_token + table, "table_bytes": table, "bytes_per_token": bytes_per_token,
+            "kv_bytes_per_token": 2048, "kv_precision": "u8"}
+
+
+SAMPLES = {
+    # dstc's two backends and three peers; the median of three samples is the middle one
+    "dstc-ort": [sample(0.20, 0.010, 200.0), sample(0.30, 0.012, 180.0), sample(0.25, 0.011, 190.0)],
+    "dstc-ov": [sample(0.05, 0.020, 100.0)],
+    "optimum-ov-genai": [sample(0.06, 0.025, 90.0)],
+    "ortgenai-builder": [sample(0.40, 0.016, 150.0)],
+    "llamacpp-q4km": [sample(0.10, 0.020)],
+}
+FOOTPRINTS = {name: footprint(300_000_000) for name in SAMPLES}
+BANDWIDTH = 50e9  # bytes/s: the limit for 300 MB/token is 6 ms/token
+
+
+def test_rows_take_medians_and_the_bandwidth_share(peers):
+    rows = {r["contender"]: r for r in peers.rows_for(SAMPLES, FOOTPRINTS, BANDWIDTH)}
+    ort = rows["dstc-ort"]
+    assert ort["ttft_ms"] == pytest.approx(250.0)
+    assert ort["decode_ms_per_token"] == pytest.approx(11.0)
+    assert ort["tokens_per_s"] == pytest.approx(1 / 0.011)
+    assert ort["tokens_per_s_batch4"] == pytest.approx(190.0)
+    assert ort["runs"] == 3
+    assert ort["limit_ms_per_token"] == pytest.approx(6.0)
+    assert ort["bandwidth_share"] == pytest.approx(6.0 / 11.0)
+    assert rows["llamacpp-q4km"]["tokens_per_s_batch4"] is None
+    assert rows["llamacpp-q4km"]["batch4_skipped"] == "one sequence only"
+
+
+def test_ratios_are_to_the_best_peer_not_to_dstc(peers):
+    rows = {r["contender"]: r for r in peers.rows_for(SAMPLES, FOOTPRINTS, BANDWIDTH)}
+    # best peer TTFT: optimum 60 ms (dstc-ov's 50 ms is not a peer); best peer decode: builder 16 ms;
+    # best peer batch-4 tokens/s: builder 150 (llama.cpp has none)
+    assert rows["dstc-ov"]["ttft_ms_to_best_peer"] == pytest.approx(50 / 60)
+    assert rows["optimum-ov-genai"]["ttft_ms_to_best_peer"] == pytest.approx(1.0)
+    assert rows["dstc-ort"]["decode_ms_per_token_to_best_peer"] == pytest.approx(11 / 16)
+    assert rows["dstc-ort"]["tokens_per_s_to_best_peer"] == pytest.approx(16 / 11)
+    assert rows["dstc-ort"]["tokens_per_s_batch4_to_best_peer"] == pytest.approx(190 / 150)
+    assert rows["llamacpp-q4km"]["tokens_per_s_batch4_to_best_peer"] is None
+
+
+def test_without_peers_there_are_no_ratios(peers):
+    only = {"dstc-ort": SAMPLES["dstc-ort"]}
+    (row,) = peers.rows_for(only, FOOTPRINTS, BANDWIDTH)
+    assert row["ttft_ms_to_best_peer"] is None
+    assert row["decode_ms_per_token_to_best_peer"] is None
+
+
+def test_targets(peers):
+    rows = peers.rows_for(SAMPLES, FOOTPRINTS, BANDWIDTH)
+    bandwidth, decode, ttft = peers.targets(rows)
+    # 6 / 11 = 55 % and 6 / 20 = 30 % of the limit: missed
+    assert bandwidth["met"] is False
+    assert bandwidth["measured"] == {"dstc-ort": round(6 / 11, 3), "dstc-ov": 0.3}
+    # dstc-ort decodes at 11 / 16 = 0.69x the best peer: met on one backend is enough
+    assert decode["met"] is True
+    # dstc-ov's TTFT beats the best peer, dstc-ort's (250 vs 60 ms) does not: both are needed
+    assert ttft["met"] is False
+    assert ttft["measured"]["dstc-ov"] == round(50 / 60, 3)
+
+    fast = peers.rows_for({**SAMPLES, "dstc-ort": [sample(0.05, 0.008, 200.0)]}, FOOTPRINTS, BANDWIDTH)
+    bandwidth, decode, ttft = peers.targets(fast)
+    assert bandwidth["met"] is True and decode["met"] is True and ttft["met"] is True
+
+
+def test_targets_not_judged_without_peers_or_backends(peers):
+    rows = peers.rows_for({"dstc-ov": SAMPLES["dstc-ov"]}, FOOTPRINTS, BANDWIDTH)
+    bandwidth, decode, ttft = peers.targets(rows)
+    assert bandwidth["met"] is False  # judged on the one backend there is
+    assert decode["met"] is None and ttft["met"] is None
+    assert [t["met"] for t in peers.targets([])] == [None, None, None]
+
+
+def test_table_has_a_row_per_contender_and_per_skip(peers):
+    rows = peers.rows_for(SAMPLES, FOOTPRINTS, BANDWIDTH)
+    text = peers.table(rows, {"dstc-ort-genai": "no genai_config.json"})
+    lines = text.splitlines()
+    assert len(lines) == 2 + len(SAMPLES) + 1
+    columns = lines[0].count("|")
+    assert all(line.count("|") == columns for line in lines)
+    ort = next(line for line in lines if line.startswith("| dstc-ort |"))
+    assert "| 250.0 | 11.00 |" in ort and "| 55 % |" in ort and "| 2048 (u8) |" in ort
+    assert "skipped: no genai_config.json" in lines[-1]
+    json.dumps(rows)  # rows go into the JSON as they are
+
+
+def test_contender_names(peers):
+    assert [c for c in peers.CONTENDERS if peers.is_peer(c)] == ["optimum-ov-genai", "ortgenai-builder",
+                                                               "llamacpp-q4km"]
+    assert set(peers.BACKENDS) <= set(peers.CONTENDERS)
