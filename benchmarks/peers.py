@@ -52,6 +52,7 @@ import contextlib
 import fcntl
 import json
 import os
+import re
 import shutil
 import statistics
 import subprocess
@@ -230,10 +231,15 @@ def quantize_gguf(src: str, dst: str) -> None:
 # ---------------------------------------------------------------------------------------------------------------
 # What each contender reads per token and keeps per token (from its files, not its timing).
 
-def _onnx_sizes(path: Path) -> tuple[int, int, int]:
-    """(weight bytes, embedding-table bytes, KV-cache bytes per token) of an ONNX decoder: initializers read by a
-    Gather of input_ids (directly or after a Cast) and by nothing else are the table; the cache from the
-    past_key_values inputs' head count, head size and element type."""
+# A routed expert's weights, by the name of the initializer (ONNX) or of the MatMul reading it (OpenVINO), or a
+# GGUF tensor of stacked experts; shared experts are read by every token.
+EXPERT = re.compile(r"(?<!shared_)experts[./]\d+[./]|_exps\.")
+
+
+def _onnx_sizes(path: Path) -> tuple[int, int, int, int]:
+    """(weight bytes, embedding-table bytes, KV-cache bytes per token, routed-expert bytes) of an ONNX decoder:
+    initializers read by a Gather of input_ids (directly or after a Cast) and by nothing else are the table; the
+    cache from the past_key_values inputs' head count, head size and element type."""
     import onnx
     from onnx import helper
 
@@ -259,10 +265,11 @@ def _onnx_sizes(path: Path) -> tuple[int, int, int]:
             dims = value.type.tensor_type.shape.dim
             element = helper.tensor_dtype_to_np_dtype(value.type.tensor_type.elem_type).itemsize
             kv += dims[1].dim_value * (dims[3].dim_value or head_size) * element
-    return sum(sizes.values()), table, kv
+    experts = sum(size for name, size in sizes.items() if EXPERT.search(name))
+    return sum(sizes.values()), table, kv, experts
 
 
-def _openvino_sizes(xml: Path, kv_precision: str) -> tuple[int, int, int]:
+def _openvino_sizes(xml: Path, kv_precision: str) -> tuple[int, int, int, int]:
     """The same for an OpenVINO IR: Constants feeding a Gather of input_ids (through Convert / Subtract / Multiply
     of the compressed table) and nothing else; the cache from the stateful model's variables."""
     import openvino as ov
@@ -292,7 +299,25 @@ def _openvino_sizes(xml: Path, kv_precision: str) -> tuple[int, int, int]:
         if op.get_type_name() == "ReadValue":
             shape = op.get_output_partial_shape(0)
             kv += shape[1].get_length() * shape[3].get_length() * element
-    return total, table, int(kv)
+    experts = sum(op.get_byte_size() for op in constants if any(EXPERT.search(name) for name in _matmuls_fed(op)))
+    return total, table, int(kv), experts
+
+
+def _matmuls_fed(constant, depth: int = 5) -> set[str]:
+    """Friendly names of the MatMuls a Constant feeds through decompression (Convert, Subtract, Multiply, Reshape,
+    Transpose)."""
+    names, stack = set(), [(constant, 0)]
+    while stack:
+        node, level = stack.pop()
+        for out in node.outputs():
+            for target in out.get_target_inputs():
+                reader = target.get_node()
+                if reader.get_type_name() == "MatMul":
+                    names.add(reader.get_friendly_name())
+                elif level < depth and reader.get_type_name() in ("Convert", "Subtract", "Multiply", "Reshape",
+                                                                   "Transpose"):
+                    stack.append((reader, level + 1))
+    return names
 
 
 def _sources(value, depth: int = 4) -> set[str]:
@@ -305,7 +330,7 @@ def _sources(value, depth: int = 4) -> set[str]:
     return set().union(*[_sources(v, depth - 1) for v in node.input_values()] or [set()])
 
 
-def _gguf_sizes(path: Path) -> tuple[int, int, int]:
+def _gguf_sizes(path: Path) -> tuple[int, int, int, int]:
     from gguf import GGUFReader
 
     reader = GGUFReader(str(path))
@@ -320,7 +345,9 @@ def _gguf_sizes(path: Path) -> tuple[int, int, int]:
     kv_heads = field(".attention.head_count_kv") if any(k.endswith(".head_count_kv") for k in reader.fields) \
         else heads
     head_dim = field(".embedding_length") // heads
-    return sum(tensors.values()), table, layers * 2 * kv_heads * head_dim * 2  # f16 cache, llama.cpp's default
+    experts = sum(size for name, size in tensors.items() if EXPERT.search(name))
+    # f16 cache, llama.cpp's default
+    return sum(tensors.values()), table, layers * 2 * kv_heads * head_dim * 2, experts
 
 
 def _ov_kv_precision(directory: Path) -> str:
@@ -336,19 +363,34 @@ def _ov_kv_precision(directory: Path) -> str:
     return value.get_type_name() if hasattr(value, "get_type_name") else str(value)
 
 
-def footprint(kind: str, path: Path) -> dict:
-    """bytes read per token (weights but the table), and KV-cache bytes per token with its precision."""
+def footprint(kind: str, path: Path, active_experts: float = 1.0) -> dict:
+    """Bytes read per token (weights but the table; of the routed experts' weights the share ``active_experts``,
+    experts per token over routed experts, that one token reads at batch 1), and KV-cache bytes per token with
+    its precision."""
     if kind in ("dstc-ort", "dstc-ort-genai", "ortgenai-builder"):
-        total, table, kv = _onnx_sizes(path / "model.onnx")
+        total, table, kv, experts = _onnx_sizes(path / "model.onnx")
         precision = "f32"
     elif kind == "llamacpp-q4km":
-        total, table, kv = _gguf_sizes(path / "model-q4_k_m.gguf")
+        total, table, kv, experts = _gguf_sizes(path / "model-q4_k_m.gguf")
         precision = "f16"
     else:
         precision = _ov_kv_precision(path)
-        total, table, kv = _openvino_sizes(path / "openvino_model.xml", precision)
-    return {"weight_bytes": total, "table_bytes": table, "bytes_per_token": total - table,
+        total, table, kv, experts = _openvino_sizes(path / "openvino_model.xml", precision)
+    return {"weight_bytes": total, "table_bytes": table, "routed_expert_bytes": experts,
+            "bytes_per_token": per_token_bytes(total, table, experts, active_experts),
             "kv_bytes_per_token": kv, "kv_precision": precision}
+
+
+def per_token_bytes(total: int, table: int, experts: int, active_experts: float) -> int:
+    """Weight bytes one generated token reads: all but the embedding table (one row of it) and, of the routed
+    experts, the active share."""
+    return int(total - table - experts * (1 - active_experts))
+
+
+def active_experts(config: dict) -> float:
+    """Experts per token over routed experts (1.0 for a dense model)."""
+    routed = config.get("n_routed_experts")
+    return config["num_experts_per_tok"] / routed if routed else 1.0
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -693,6 +735,9 @@ def main() -> None:
     if ARGS.convert_gguf:
         convert_gguf(*ARGS.convert_gguf)
         return
+    if ARGS.retable:
+        retable(ARGS.retable)
+        return
     wanted = ARGS.contenders.split(",")
     unknown = sorted(set(wanted) - set(CONTENDERS))
     if unknown:
@@ -714,15 +759,46 @@ def main() -> None:
             samples = time_contenders(paths, config["vocab_size"], skipped, bandwidths)
             # the limit: the best bandwidth seen (each figure beside a shared machine's load is a lower bound)
             bw = max(bandwidths)
-            rows = rows_for(samples, {c: footprint(c, paths[c]) for c in samples}, bw)
+            active = active_experts(config)
+            rows = rows_for(samples, {c: footprint(c, paths[c], active) for c in samples}, bw)
             results["widths"][width] = {"checkpoint": str(checkpoint), "config": config, "builds": builds,
+                                        "paths": {c: str(p) for c, p in paths.items()},
                                         "bandwidth_bytes_per_s": bw, "bandwidths": bandwidths, "rows": rows,
                                         "skipped": skipped, "samples": samples,
                                         "targets": targets(rows) if width == TARGET_WIDTH else None}
+    report(results)
+    if ARGS.json:
+        ARGS.json.write_text(json.dumps(results, indent=1, default=str) + "\n")
+
+
+# the directory each contender's build is in, under a width's work directory (prepare's layout)
+BUILD_DIRS = {"dstc-ort": "dstc-ort", "dstc-ort-genai": "dstc-ort", "dstc-ov": "dstc-ov", "dstc-ov-genai": "dstc-ov",
+              "optimum-ov-genai": "optimum", "ortgenai-builder": "builder", "llamacpp-q4km": "llamacpp"}
+
+
+def retable(path: Path) -> None:
+    """Rows, targets and the table again from a results JSON's samples, the footprints read anew from the builds
+    (which must still be there); the JSON is rewritten."""
+    results = json.loads(path.read_text())
+    for width, result in results["widths"].items():
+        work = Path(result["checkpoint"]).parent
+        paths = {c: Path(result.get("paths", {}).get(c) or work / BUILD_DIRS[c]) for c in result["samples"]}
+        active = active_experts(result["config"])
+        result["paths"] = {c: str(p) for c, p in paths.items()}
+        result["rows"] = rows_for(result["samples"], {c: footprint(c, p, active) for c, p in paths.items()},
+                                  result["bandwidth_bytes_per_s"])
+        result["targets"] = targets(result["rows"]) if width == TARGET_WIDTH else None
+    report(results)
+    path.write_text(json.dumps(results, indent=1, default=str) + "\n")
+
+
+def report(results: dict) -> None:
+    settings, cpu = results["settings"], results["machine"]["cpu"]
     for width, result in results["widths"].items():
         print(f"\n{width} ({result['config']['model_type']}, hidden {result['config']['hidden_size']}, "
-              f"{result['config']['num_hidden_layers']} layers), prompt {ARGS.prompt}, {ARGS.new_tokens} new tokens, "
-              f"medians of {ARGS.rounds} alternated rounds; {cpu_line(cpu)}, {ARGS.threads} threads, read bandwidth "
+              f"{result['config']['num_hidden_layers']} layers), prompt {settings['prompt']}, "
+              f"{settings['new_tokens']} new tokens, medians of {settings['rounds']} alternated rounds; "
+              f"{cpu_line(cpu)}, {settings['threads']} threads, read bandwidth "
               f"{result['bandwidth_bytes_per_s'] / 1e9:.1f} GB/s (the best of {len(result['bandwidths'])}, one "
               f"before each measurement; median {statistics.median(result['bandwidths']) / 1e9:.1f})")
         print(table(result["rows"], result["skipped"]))
@@ -731,8 +807,6 @@ def main() -> None:
             print(f"  target {verdict}: {target['target']}: {target['measured']}")
         for name, build in result["builds"].items():
             print(f"  build {name}: {build['wall_s']} s, peak RSS {build['peak_rss_gib']} GiB")
-    if ARGS.json:
-        ARGS.json.write_text(json.dumps(results, indent=1, default=str) + "\n")
 
 
 def parse_args() -> argparse.Namespace:
@@ -751,6 +825,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--no-batch4", dest="batch4", action="store_false")
     parser.add_argument("--llamacpp-converter", type=Path, default=None)
+    parser.add_argument("--retable", type=Path, default=None, metavar="JSON",
+                        help="print (and rewrite) a results JSON's rows and table again from its samples")
     parser.add_argument("--worker", nargs=3, metavar=("KIND", "PATH", "VOCAB"), help=argparse.SUPPRESS)
     parser.add_argument("--convert-gguf", nargs=3, metavar=("CONVERTER", "CHECKPOINT", "OUT"), help=argparse.SUPPRESS)
     parser.add_argument("--quantize-gguf", nargs=2, metavar=("F16", "OUT"), help=argparse.SUPPRESS)

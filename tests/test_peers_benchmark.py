@@ -121,3 +121,24 @@ def test_contender_names(peers):
     assert [c for c in peers.CONTENDERS if peers.is_peer(c)] == ["optimum-ov-genai", "ortgenai-builder",
                                                                "llamacpp-q4km"]
     assert set(peers.BACKENDS) <= set(peers.CONTENDERS)
+
+
+def test_routed_experts_are_read_at_their_active_share(peers):
+    assert peers.active_experts({"hidden_size": 1536}) == 1.0
+    assert peers.active_experts({"n_routed_experts": 64, "num_experts_per_tok": 6}) == pytest.approx(6 / 64)
+    # 1000 bytes of weights, 100 of them the table, 640 routed experts of which 6/64 are read
+    assert peers.per_token_bytes(1000, 100, 640, 6 / 64) == 320  # 900 - 640 * 58 / 64
+    assert peers.per_token_bytes(1000, 100, 0, 1.0) == 900
+
+
+@pytest.mark.parametrize(("name", "routed"), [
+    ("layers.1/mlp/experts/0/gate_proj/weight_quantized", True),  # dstc's ONNX initializer
+    ("layers.1/mlp/experts/63/down_proj/MatMul_162", True),  # the OpenVINO MatMul reading it
+    ("model.layers.1.mlp.experts.12.up_proj.weight", True),
+    ("blk.1.ffn_gate_exps.weight", True),  # GGUF, stacked
+    ("layers.1/mlp/shared_experts/gate_proj/weight_quantized", False),  # read by every token
+    ("blk.1.ffn_gate_shexp.weight", False),
+    ("layers.1/mlp/gate/weight", False),
+])
+def test_expert_weights_by_name(peers, name, routed):
+    assert bool(peers.EXPERT.search(name)) is routed
