@@ -190,19 +190,24 @@ class Job:
             mode=getattr(nncf.CompressWeightsMode, f"INT8_{'SYM' if spec.sym else 'ASYM'}"))
         qs, scales = [], []
         zps: list[np.ndarray | None] = []
+        heads: list[float] = []
         err = norm = 0.0
         for head in tensor.numpy():
             part = np.array(head, dtype=np.float32, order="C")
             compressed = compress_weight(Tensor(part), (0,), config)
             restored = do_integer_dequantization(compressed).data.reshape(part.shape)
-            err += float(np.square(part - restored, dtype=np.float32).sum(dtype=np.float64))
-            norm += float(np.square(part, dtype=np.float32).sum(dtype=np.float64))
+            head_err = float(np.square(part - restored, dtype=np.float32).sum(dtype=np.float64))
+            head_norm = float(np.square(part, dtype=np.float32).sum(dtype=np.float64))
+            heads.append(float(np.sqrt(head_err / head_norm)) if head_norm else 0.0)
+            err += head_err
+            norm += head_norm
             qs.append(compressed.tensor.data.reshape(part.shape))
             scales.append(compressed.scale.data.reshape(1, -1))
             zps.append(None if compressed.zero_point is None else compressed.zero_point.data.reshape(1, -1))
         if isinstance(tensor, ir.ExternalTensor):
             tensor.release()
-        self.stats = {"weight_error": float(np.sqrt(err / norm)) if norm else 0.0}
+        # a head per index of axis 0, as the whole-model path reports it (toolchain/compress/metrics.py head_errors)
+        self.stats = {"weight_error": float(np.sqrt(err / norm)) if norm else 0.0, "head_errors": heads}
         out = {"quantized": np.stack(qs), "scale": np.stack(scales).astype(np.float32)}
         if zps[0] is not None:
             # one config for every head: all have a zero point, or none

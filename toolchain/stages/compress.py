@@ -279,6 +279,10 @@ def _compress_streaming(model, in_dir, out_dir, target, options, policy, report,
                 16.0 if w.storage == "bfloat16" else 32.0,
                 "weight_error": jobs[w.name].stats["weight_error"] if spec else 0.0,
                 "output_error": None})
+            if spec and spec.form == "stacked":  # MLA's absorbed kv_b_proj: a head per index of axis 0
+                weight_rows[-1]["head_side"] = "stacked"
+                weight_rows[-1]["heads"] = [{"head": h, "weight_error": e, "output_error": None}
+                                            for h, e in enumerate(jobs[w.name].stats["head_errors"])]
         weight_rows += fused_moe.weight_rows(expert_jobs, fused, policy.precision)
         unmeasured = "not measured: the model is compressed one weight at a time, without running it"
         typed = CompressionReport(
