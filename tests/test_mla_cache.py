@@ -360,3 +360,42 @@ def test_dstc_export_mla_cache_option(checkpoints, tmp_path, monkeypatch, capsys
     assert report["graph"]["kv_cache"] == "latent" and report["parity"]["onnxruntime"]["passed"]
     with pytest.raises(InputError, match="unknown MLA cache layout"):
         with_mla_cache(architecture_for("deepseek_v3"), "compressed")
+
+
+# --- the loaders and the eval on a latent artifact ------------------------------------------------------------------
+
+EVAL_SMALL = ["--texts", "20", "--problems", "20", "--prompt-lengths", "16", "--batches", "1,2", "--new-tokens", "4",
+              "--warmup", "0", "--repetitions", "1"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", ["onnxruntime", "openvino"])
+def test_latent_artifact_of_an_embedded_model_generates_and_evaluates(tmp_path, backend):
+    """The embedded DeepSeek-V3 (with its tokenizer) on the latent cache: openvino_genai's LLMPipeline and
+    optimum-intel (stateful IR) give PyTorch's greedy tokens; dstc eval runs on either backend, with the fp32
+    model's accuracy and routing agreement."""
+    import os
+    import subprocess
+
+    from test_compile import F32, llm_pipeline, optimum_intel_greedy, pipeline_greedy, reference_chat_tokens
+
+    from toolchain.models.registry import embedded_path
+    from toolchain.report.schema import load_report
+
+    name = "deepseek-v3-tiny"
+    export(name, tmp_path / "export", parity=(), mla_cache="latent")
+    art = tmp_path / "art"
+    manifest = compile_artifact(tmp_path / "export", art, backend, new_tokens=16)
+    assert manifest["verification"]["passed"]
+    if backend == "openvino":
+        prompt, expected = reference_chat_tokens(embedded_path(name), 16)
+        pipe, config = llm_pipeline(art, 16, **F32)
+        assert pipeline_greedy(pipe, config, prompt) == expected
+        assert optimum_intel_greedy(art, prompt, 16) == expected
+    proc = subprocess.run([sys.executable, "-m", "toolchain", "eval", str(art), "--reference", name, *EVAL_SMALL,
+                           *(["--openvino-f32"] if backend == "openvino" else [])], capture_output=True,
+                          text=True, timeout=900, env={**os.environ, "DSTC_CACHE_DIR": str(tmp_path / "cache")})
+    assert proc.returncode == 0, proc.stderr
+    report = load_report(art / "report.json")
+    assert report.value("top1_agreement") > 0.99 and report.value("greedy_match_rate") == 1.0
+    assert report.value("routing_agreement") > 0.99
