@@ -224,6 +224,21 @@ def test_compression_of_a_latent_export_reports_the_absorbed_weights_per_head(la
     check_compressed_runs(graph_file, target, config)
 
 
+@pytest.mark.parametrize("scheme", ["int4-grouped", "int8-per-head"])
+def test_streamed_compression_of_a_latent_export_with_external_weights(checkpoints, tmp_path, monkeypatch, scheme):
+    """An export above the external-data size (every real one) is memory-mapped: each absorbed weight is read a
+    head at a time and its pages released after (a view of the map still held made the release fail)."""
+    import toolchain.export.graph as graph
+
+    monkeypatch.setattr(graph, "EXTERNAL_DATA_BYTES", 1 << 10)
+    export(str(checkpoints["v2-yarn"]), tmp_path / "export", parity=(), mla_cache="latent")
+    assert (tmp_path / "export" / "model.onnx.data").is_file()
+    summary = compress(tmp_path / "export", tmp_path / "c", target="onnxruntime", scheme=scheme, streaming="always")
+    rows = absorbed_rows(summary)
+    assert len(rows) == 2 * 3 and all(len(r["heads"]) == 2 and r["weight_error"] < 0.02 for r in rows)
+    check_compressed_runs(tmp_path / "c" / "model.onnx", "onnxruntime", config_of(tmp_path / "export"))
+
+
 def prefill(graph_file, backend: str, config: dict) -> dict[str, np.ndarray]:
     """The outputs of a prefill of 7 tokens on a batch of 2, from an empty latent cache."""
     from toolchain.runtime.engines import GraphRunner

@@ -192,8 +192,9 @@ class Job:
         zps: list[np.ndarray | None] = []
         heads: list[float] = []
         err = norm = 0.0
-        for head in tensor.numpy():
-            part = np.array(head, dtype=np.float32, order="C")
+        weight = tensor.numpy()  # a memory map of the export's external data
+        for h in range(weight.shape[0]):
+            part = np.array(weight[h], dtype=np.float32, order="C")  # a copy: no view of the map outlives the loop
             compressed = compress_weight(Tensor(part), (0,), config)
             restored = do_integer_dequantization(compressed).data.reshape(part.shape)
             head_err = float(np.square(part - restored, dtype=np.float32).sum(dtype=np.float64))
@@ -204,8 +205,9 @@ class Job:
             qs.append(compressed.tensor.data.reshape(part.shape))
             scales.append(compressed.scale.data.reshape(1, -1))
             zps.append(None if compressed.zero_point is None else compressed.zero_point.data.reshape(1, -1))
+        del weight, part, compressed, restored
         if isinstance(tensor, ir.ExternalTensor):
-            tensor.release()
+            tensor.release()  # unmaps the export's pages of this weight (a view still held would refuse)
         # a head per index of axis 0, as the whole-model path reports it (toolchain/compress/metrics.py head_errors)
         self.stats = {"weight_error": float(np.sqrt(err / norm)) if norm else 0.0, "head_errors": heads}
         out = {"quantized": np.stack(qs), "scale": np.stack(scales).astype(np.float32)}
