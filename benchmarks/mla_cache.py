@@ -5,11 +5,11 @@ A shape-faithful DeepSeek-V2-Lite checkpoint (`dstc models shape-faithful deepse
 hidden 2048, 16 heads, kv_lora_rank 512, qk_rope 64, nope 128, v 128, the real 102400 vocabulary; 2 layers, one
 dense and one MoE, and 8 routed experts by default, to keep it small) is exported in both layouts
 (``dstc export --mla-cache latent | per-head``), fp32, and with --int4 also compressed (int4-grouped, g128) for
-each backend. Per backend and precision, in a child process holding /work/bench.lock (the machine is shared:
+each backend (above 1 GiB the compress stage streams: no calibration, ONNX for both backends). Per backend and precision, in a child process holding /work/bench.lock (the machine is shared:
 one benchmark at a time), both layouts are loaded (dstc's GraphRunner, 2 threads, exact numerics, stateless with
 the cache fed back as dstc's StatelessDecoder does) and, per context C, each decodes --steps tokens after a cache
-of C - 1 positions (random values: the time of a step does not depend on them), round after round alternating
-the layouts' order; decode ms/token is the median over rounds of each round's mean step. The table has the
+of C - 1 positions (random values: the time of a step does not depend on them), after an unmeasured round and
+two warm-up steps at each context, round after round alternating the layouts' order; decode ms/token is the median over rounds of each round's mean step. The table has the
 cache's bytes per token and layer (from the graph's past_key_values inputs), each layout's ms/token, the
 latent/per-head ratio of the whole step, and of its context-dependent part (ms/token at C minus at the first
 context: what the attention and its cache cost, with the vocabulary projection, which dominates a 2-layer
@@ -111,9 +111,11 @@ def measure_child(args) -> None:
         specs[layout] = cache_specs(Path(graphs[layout]))
     rng = np.random.default_rng(0)
     rows = []
+    for layout in LAYOUTS:  # an unmeasured round first: the weights' pages read in, the kernels' first runs
+        decode_ms(runners[layout], specs[layout], args.vocab, args.contexts[0], args.steps, rng)
     for context in args.contexts:
         for layout in LAYOUTS:  # a warm-up at this context (allocations of the new sizes)
-            decode_ms(runners[layout], specs[layout], args.vocab, context, 1, rng)
+            decode_ms(runners[layout], specs[layout], args.vocab, context, 2, rng)
         rounds: dict = {layout: [] for layout in LAYOUTS}
         for r in range(args.rounds):
             for layout in (LAYOUTS if r % 2 == 0 else LAYOUTS[::-1]):
