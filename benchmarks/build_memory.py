@@ -38,12 +38,13 @@ import time
 from pathlib import Path
 
 import numpy as np
-import psutil
 import yaml
 
-from toolchain.hardware import describe_cpu
-
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+from benchmarks.process_memory import tree_rss  # noqa: E402
+from toolchain.hardware import describe_cpu  # noqa: E402
+
 DSTC = [sys.executable, "-m", "toolchain"]
 WIDTHS = {  # name -> (reference model, extra shape-faithful options)
     "qwen-1.5b": ("deepseek-r1-distill-qwen-1.5b", []),
@@ -55,21 +56,6 @@ REAL_LAYERS = {"qwen-7b": ("R1-Distill-Qwen-7B", 28), "v3-8-experts": ("DeepSeek
                "qwen-1.5b": ("R1-Distill-Qwen-1.5B", 28), "v3-real-1moe": ("DeepSeek-V3", 61)}
 GiB = 1 << 30
 STAGES = ("export", "passes", "compress", "compile")
-
-
-def tree_rss(pid: int) -> int:
-    try:
-        root = psutil.Process(pid)
-        procs = [root, *root.children(recursive=True)]
-    except psutil.NoSuchProcess:
-        return 0
-    total = 0
-    for proc in procs:
-        try:
-            total += proc.memory_info().rss
-        except psutil.NoSuchProcess:
-            pass
-    return total
 
 
 def tree_bytes(path: Path) -> int:

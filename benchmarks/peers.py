@@ -63,12 +63,12 @@ import time
 from pathlib import Path
 
 import numpy as np
-import psutil
 import yaml
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
-from toolchain.hardware import cpu_line, describe_cpu
+from benchmarks.process_memory import tree_rss  # noqa: E402
+from toolchain.hardware import cpu_line, describe_cpu  # noqa: E402
 
 DSTC = [sys.executable, "-m", "toolchain"]
 WIDTHS = {"qwen-1.5b": "deepseek-r1-distill-qwen-1.5b", "qwen-7b": "deepseek-r1-distill-qwen-7b",
@@ -96,7 +96,7 @@ def run_measured(cmd: list[str], *, env: dict | None = None, cwd: Path | None = 
 
     def sample() -> None:
         while proc.poll() is None:
-            rss = _tree_rss(proc.pid)
+            rss = tree_rss(proc.pid)
             peak[0] = max(peak[0], rss)
             if rss > max_rss:
                 over[0] = True
@@ -113,19 +113,6 @@ def run_measured(cmd: list[str], *, env: dict | None = None, cwd: Path | None = 
         lines = [line for line in output.strip().splitlines() if line.strip()]
         raise Failed(f"exit {proc.returncode}: {(lines or ['no output'])[-1].strip()[:200]}")
     return {"wall_s": round(time.perf_counter() - started, 1), "peak_rss_gib": round(peak[0] / GiB, 2)}
-
-
-def _tree_rss(pid: int) -> int:
-    try:
-        root = psutil.Process(pid)
-        procs = [root, *root.children(recursive=True)]
-    except psutil.NoSuchProcess:
-        return 0
-    total = 0
-    for proc in procs:
-        with contextlib.suppress(psutil.NoSuchProcess):
-            total += proc.memory_info().rss
-    return total
 
 
 def build_dstc(checkpoint: Path, backend: str, out: Path, work: Path, max_rss: int) -> dict:

@@ -73,6 +73,21 @@ def initializer_data(value: ir.Value | None) -> np.ndarray:
     return tensor.numpy()
 
 
+class HeldInitializer:
+    """For a record of one initializer held as ``value`` (a weight found in a graph): its name and data, which an
+    initializer with data always has."""
+
+    value: ir.Value
+
+    @property
+    def name(self) -> str:
+        return name_of(self.value)
+
+    @property
+    def tensor(self) -> ir.TensorProtocol:
+        return tensor_of(self.value)
+
+
 def name_of(item: ir.Node | ir.Value | None) -> str:
     """The name of a node or value, where the caller knows it has one (an export names every one)."""
     if item is None or item.name is None:

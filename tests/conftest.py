@@ -73,6 +73,19 @@ def tiny_checkpoints(tmp_path_factory):
     return {name: make_checkpoint(cfg, root / name) for name, cfg in tiny_configs().items()}
 
 
+
+def run_cli(monkeypatch, capsys, *args) -> tuple[int, str, str]:
+    """``dstc ARGS`` in this process: (exit code, stdout, stderr)."""
+    from toolchain.cli import main
+
+    monkeypatch.setattr(sys, "argv", ["dstc", *map(str, args)])
+    with pytest.raises(SystemExit) as exc:
+        main()
+        raise SystemExit(0)
+    captured = capsys.readouterr()
+    return exc.value.code, captured.out, captured.err
+
+
 # -- time limits and isolated tests ------------------------------------------------------------------------------
 
 SLOW_TIMEOUT = 2400  # seconds per slow-marked test; the fast ones get pyproject's ``timeout``

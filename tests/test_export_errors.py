@@ -4,19 +4,16 @@ from __future__ import annotations
 
 import json
 import shutil
-import sys
 
 import pytest
 
-from toolchain.cli import main
+import conftest
 
 
 def run_cli(monkeypatch, capsys, *args) -> tuple[int, str]:
-    monkeypatch.setattr(sys, "argv", ["dstc", *map(str, args)])
-    with pytest.raises(SystemExit) as exc:
-        main()
-        raise SystemExit(0)
-    return exc.value.code, capsys.readouterr().err
+    """``dstc ARGS`` in this process: (exit code, stderr)."""
+    code, _, err = conftest.run_cli(monkeypatch, capsys, *args)
+    return code, err
 
 
 def assert_one_line_error(code, err, fragment):

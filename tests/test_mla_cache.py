@@ -13,7 +13,7 @@ import numpy as np
 import onnx
 import pytest
 import yaml
-from conftest import COMMON, MLA, make_checkpoint, tiny_configs
+from conftest import COMMON, MLA, make_checkpoint, run_cli
 from test_export import check_report
 
 from toolchain.errors import InputError
@@ -334,17 +334,6 @@ def test_openvino_continuous_batching_refuses_a_latent_artifact(latent_exports, 
         openvino_pipeline(open_artifact(tmp_path / "art"), PipelineSettings(max_batch=2, max_context=64))
     message = str(error.value)
     assert "\n" not in message and "ScaledDotProductAttention" in message and "--mla-cache per-head" in message
-
-
-def run_cli(monkeypatch, capsys, *args) -> tuple[int, str, str]:
-    from toolchain.cli import main
-
-    monkeypatch.setattr(sys, "argv", ["dstc", *map(str, args)])
-    with pytest.raises(SystemExit) as exc:
-        main()
-        raise SystemExit(0)
-    captured = capsys.readouterr()
-    return exc.value.code, captured.out, captured.err
 
 
 @pytest.mark.parametrize("name", ["llama", "qwen2"])

@@ -10,7 +10,7 @@ import onnx
 import onnx_ir as ir
 import pytest
 import torch
-from conftest import tiny_configs
+from conftest import run_cli, tiny_configs
 from test_export import check_report
 
 from toolchain.compress import moe as fused_moe
@@ -343,19 +343,6 @@ def test_fused_layers_are_found_and_the_plan_is_per_expert(fused_exports):
         assert "layers.2/mlp/experts/15/down_proj/weight" in names
     report = json.loads((fused_exports("deepseek_v3", "fused-onnxruntime")[0] / "export.json").read_text())
     assert report["graph"]["nodes"] < 400
-
-
-def run_cli(monkeypatch, capsys, *args) -> tuple[int, str, str]:
-    import sys
-
-    from toolchain.cli import main
-
-    monkeypatch.setattr(sys, "argv", ["dstc", *map(str, args)])
-    with pytest.raises(SystemExit) as exc:
-        main()
-        raise SystemExit(0)
-    captured = capsys.readouterr()
-    return exc.value.code, captured.out, captured.err
 
 
 def test_dstc_export_moe_option_and_recipe_key(tiny_checkpoints, tmp_path, monkeypatch, capsys):

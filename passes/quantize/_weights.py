@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 import onnx_ir as ir
 
-from passes.graph import constant, constant_array
+from passes.graph import HeldInitializer, constant, constant_array
 
 MS_DOMAIN = "com.microsoft"
 
@@ -81,27 +81,13 @@ def relative_error(reference: np.ndarray, approx: np.ndarray) -> float:
 
 
 @dataclass
-class WeightUse:
+class WeightUse(HeldInitializer):
     """A constant weight and the node that reads it: ``kind`` "matmul" ([K, N] right operand) or "gather"
     (axis-0 embedding table)."""
 
     node: ir.Node
     value: ir.Value
     kind: str
-
-    @property
-    def name(self) -> str:
-        """The weight's name (an initializer always has one)."""
-        if self.value.name is None:
-            raise ValueError("a weight without a name")
-        return self.value.name
-
-    @property
-    def tensor(self) -> ir.TensorProtocol:
-        """The weight's data (:func:`float_weights` yields only values that have it)."""
-        if self.value.const_value is None:
-            raise ValueError(f"{self.name} is not a constant")
-        return self.value.const_value
 
     @property
     def columns(self) -> int:

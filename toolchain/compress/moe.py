@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import onnx_ir as ir
 
-from passes.graph import name_of, present, produced
+from passes.graph import HeldInitializer, name_of, present, produced
 from toolchain.compress import metrics
 from toolchain.compress.engine import Options
 from toolchain.compress.policy import role_of
@@ -47,25 +47,13 @@ _LAYER = re.compile(r"^layers\.(\d+)/")
 
 
 @dataclass
-class Stacked:
+class Stacked(HeldInitializer):
     """One stacked expert weight [E, out, in]: its initializer, the projections its rows hold (two: gate and up
     interleaved row by row) and the node that reads it."""
 
     value: ir.Value
     projections: tuple[str, ...]
     node: str
-
-    @property
-    def name(self) -> str:
-        if self.value.name is None:
-            raise ValueError("a stacked expert weight without a name")
-        return self.value.name
-
-    @property
-    def tensor(self) -> ir.TensorProtocol:
-        if self.value.const_value is None:
-            raise ValueError(f"{self.name} is not an initializer with data")
-        return self.value.const_value
 
     @property
     def shape(self) -> tuple[int, int, int]:
