@@ -113,6 +113,39 @@ def test_compress_every_scheme_architecture_and_target(arch, target, scheme, run
         assert {"input_ids", "logits"} <= {n for p in [*model.inputs, *model.outputs] for n in p.get_names()}
 
 
+@pytest.mark.parametrize("streaming", ["never", "always"])
+def test_prefill_int8_gives_every_4bit_weight_a_prompt_branch(runs, streaming):
+    """compress.prefill_int8: each 4-bit MatMulNBits behind If(rows >= 8), its int8 copy written with the graph
+    (lazily, in both compression paths); a one-token step computes what the plain artifact does, bit for bit, and
+    a 9-token prompt stays close to it."""
+    plain_report, plain = runs("qwen2", "onnxruntime", "int4-grouped", streaming=streaming)
+    report, out = runs("qwen2", "onnxruntime", "int4-grouped", streaming=streaming, prefill_int8=True)
+    four_bit = [r for r in plain_report["per_weight"] if r["precision"].startswith("int4")]
+    assert report["details"]["ort_rewrites"]["prefill_int8"] == len(four_bit) > 0
+    assert report["options"]["prefill_int8"] and not plain_report["options"]["prefill_int8"]
+    graph = onnx.load(str(out / "model.onnx")).graph
+    ifs = [n for n in graph.node if n.op_type == "If"]
+    assert len(ifs) == len(four_bit)
+    int8 = [i for i in graph.initializer if i.name.endswith("_prefill_int8")]
+    assert len(int8) == len(four_bit) and all(i.data_type == onnx.TensorProto.INT8 for i in int8)
+    sessions = [ort.InferenceSession(str(d / "model.onnx"), providers=["CPUExecutionProvider"]) for d in (plain, out)]
+    prompt = feeds_for(out / "model.onnx")
+    (a,), (b,) = (s.run(["logits"], prompt) for s in sessions)
+    assert not np.array_equal(a, b) and np.abs(a - b).max() < 0.05 * np.abs(a).max()
+    step = feeds_for(out / "model.onnx", n=1)
+    (a,), (b,) = (s.run(["logits"], step) for s in sessions)
+    np.testing.assert_array_equal(a, b)
+
+
+def test_prefill_int8_is_for_int4_on_onnxruntime():
+    from toolchain.stages.compress import compress_options
+
+    with pytest.raises(InputError, match="prefill_int8 applies to the int4-grouped scheme on the onnxruntime"):
+        compress_options("openvino", {"scheme": "int4-grouped", "prefill_int8": True})
+    with pytest.raises(InputError, match="prefill_int8"):
+        compress_options("onnxruntime", {"scheme": "int8-per-channel", "prefill_int8": True})
+
+
 def test_onnxruntime_runs_matmulnbits_with_accuracy_level(runs):
     report, out = runs("deepseek_v3", "onnxruntime", "int4-grouped")
     graph = onnx.load(str(out / "model.onnx")).graph

@@ -7,6 +7,8 @@ import importlib.util
 import json
 from pathlib import Path
 
+import numpy as np
+import onnx
 import pytest
 
 PATH = Path(__file__).resolve().parent.parent / "benchmarks" / "peers.py"
@@ -120,7 +122,29 @@ def test_table_has_a_row_per_contender_and_per_skip(peers):
 def test_contender_names(peers):
     assert [c for c in peers.CONTENDERS if peers.is_peer(c)] == ["optimum-ov-genai", "ortgenai-builder",
                                                                "llamacpp-q4km"]
-    assert set(peers.BACKENDS) <= set(peers.CONTENDERS)
+    assert {c for group in peers.BACKENDS.values() for c in group} <= set(peers.CONTENDERS)
+
+
+def test_targets_judge_each_backend_on_its_better_variant(peers):
+    """dstc-ort-prefill8 prefills faster and decodes as dstc-ort: TTFT is judged on it, decode on dstc-ort."""
+    samples = {**SAMPLES, "dstc-ort-prefill8": [sample(0.055, 0.0115, 190.0)]}
+    rows = peers.rows_for(samples, {**FOOTPRINTS, "dstc-ort-prefill8": FOOTPRINTS["dstc-ort"]}, BANDWIDTH)
+    bandwidth, decode, ttft = peers.targets(rows)
+    assert set(bandwidth["measured"]) == {"dstc-ort", "dstc-ov"} and set(decode["measured"]) == {"dstc-ort", "dstc-ov"}
+    assert set(ttft["measured"]) == {"dstc-ort-prefill8", "dstc-ov"} and ttft["met"] is True
+
+
+def test_prompt_only_weights_are_not_read_per_token(peers, tmp_path):
+    """prefill-int8's copies sit in the graph beside the 4-bit weights; a decode step does not read them."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    inits = [numpy_helper.from_array(np.zeros((64, 8), np.uint8), "w_nbits"),
+             numpy_helper.from_array(np.zeros((64, 8), np.int8), "w_nbits_prefill_int8"),
+             numpy_helper.from_array(np.zeros(8, np.float32), "w_nbits_prefill_scale")]
+    graph = helper.make_graph([helper.make_node("Identity", ["w_nbits"], ["y"])], "g", [],
+                              [helper.make_tensor_value_info("y", TensorProto.UINT8, None)], inits)
+    onnx.save(helper.make_model(graph), tmp_path / "model.onnx")
+    assert peers._onnx_sizes(tmp_path / "model.onnx")[0] == 64 * 8
 
 
 def test_routed_experts_are_read_at_their_active_share(peers):

@@ -110,6 +110,8 @@ COMPRESS_HELP = {
                "or a directory of them. Never downloaded.",
     "ignore": "Keep matching weights/nodes in fp32 (name or regex).",
     "accuracy_level": "MatMulNBits compute precision on onnxruntime (4: int8 activations, fastest).",
+    "prefill_int8": "onnxruntime, int4: also store each 4-bit weight in int8 per column for prompts of 8+ tokens "
+                    "(DynamicQuantizeMatMul on the int8 GEMM, AMX/VNNI): faster prefill, 3x the weight bytes.",
     "embeddings": "Precision of the token embeddings.",
     "lm_head": "Precision of the output projection.",
     "router": "MoE router weights ('scheme': the scheme's precision).",

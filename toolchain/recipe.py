@@ -86,6 +86,8 @@ class CompressSection(Section):
     dataset: str = "embedded"
     ignore: list[str] = Field(default_factory=list)
     accuracy_level: int | None = Field(4, ge=0, le=4)
+    # onnxruntime: an int8 copy of the 4-bit weights for prompts (passes/quantize/prefill_int8.py)
+    prefill_int8: bool = False
     embeddings: Literal["int8", "int4", "fp32"] = "int8"
     lm_head: Literal["int8", "int4", "fp32"] = "int8"
     router: Literal["fp32", "int8", "scheme"] = "fp32"
@@ -107,6 +109,8 @@ class CompressSection(Section):
             return "awq, scale_estimation and gptq apply to the int4-grouped scheme"
         if self.gptq and target != "openvino":
             return "gptq runs on the openvino target only (NNCF's ONNX backend does not implement it)"
+        if self.prefill_int8 and (target != "onnxruntime" or self.scheme != "int4-grouped"):
+            return "prefill_int8 applies to the int4-grouped scheme on the onnxruntime target (4-bit MatMulNBits)"
         if target == "onnxruntime" and self.embeddings == "int4":
             # NNCF 3.4's ONNX backend replaces an INT4 Gather with a MatMulNBits fed the token ids, which ORT
             # rejects ("Type 'tensor(int64)' of input parameter (input_ids) of operator (MatMulNBits) ... invalid")

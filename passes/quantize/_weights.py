@@ -157,13 +157,19 @@ def nbits_zero_points(zp: np.ndarray | None, bits: int, n: int, blocks: int) -> 
 
 def matmul_nbits_weight(node: ir.Node) -> np.ndarray:
     """The dequantized [K, N] weight of a MatMulNBits node with constant inputs."""
+    zp_value = node.inputs[3] if len(node.inputs) > 3 else None
+    return nbits_weight(node, constant(node.inputs[1]), constant(node.inputs[2]),
+                        None if zp_value is None else constant_array(zp_value))
+
+
+def nbits_weight(node: ir.Node, b: np.ndarray, scales: np.ndarray, zero_points: np.ndarray | None) -> np.ndarray:
+    """The dequantized [K, N] weight of MatMulNBits ``node`` (its attributes) given its B, scales and zero points."""
     k, n = _attr_int(node, "K", 0), _attr_int(node, "N", 0)
     bits, block_size = _attr_int(node, "bits", 4), _attr_int(node, "block_size", 0)
     blocks = -(-k // block_size)
-    q = unpack_nbits(constant(node.inputs[1]), bits, n, blocks * block_size, block_size)
-    scale = constant(node.inputs[2]).reshape(n, blocks).astype(np.float32)
-    zp_value = node.inputs[3] if len(node.inputs) > 3 else None
-    zp = nbits_zero_points(None if zp_value is None else constant_array(zp_value), bits, n, blocks)
+    q = unpack_nbits(b, bits, n, blocks * block_size, block_size)
+    scale = scales.reshape(n, blocks).astype(np.float32)
+    zp = nbits_zero_points(zero_points, bits, n, blocks)
     deq = (q.reshape(n, blocks, block_size).astype(np.float32) - zp[..., None]) * scale[..., None]
     return deq.reshape(n, -1)[:, :k].T.copy()
 

@@ -251,10 +251,14 @@ def compress_openvino(onnx_model: ir.Model, plan: dict[str, str], options: Optio
     return model, details
 
 
-def to_ort_kernels(model: ir.Model, accuracy_level: int | None) -> dict:
+def to_ort_kernels(model: ir.Model, accuracy_level: int | None, prefill_int8: bool = False) -> dict:
     from passes.quantize.matmul_nbits import ToMatMulNBits
+    from passes.quantize.prefill_int8 import PrefillInt8
 
-    return dict(cast(CountedResult, ToMatMulNBits(accuracy_level)(model)).counts)  # a CountingPass's result
+    counts = dict(cast(CountedResult, ToMatMulNBits(accuracy_level)(model)).counts)  # a CountingPass's result
+    if prefill_int8:
+        counts.update(cast(CountedResult, PrefillInt8()(model)).counts)
+    return counts
 
 
 def numpy_dataset(feed_list):

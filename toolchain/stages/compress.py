@@ -171,7 +171,7 @@ def compress(in_dir: Path, out_dir: Path, *, target: str = "onnxruntime", source
             compressed, details = engine.compress_onnx(model, plan, opts, nncf_dataset, log)
             restored = metrics.restored_onnx(compressed, weights)
             details["ort_rewrites"] = {"blocked_dq_to_matmul_nbits": blocked_dq_to_nbits(compressed),
-                                       **engine.to_ort_kernels(compressed, opts.accuracy_level)}
+                                       **engine.to_ort_kernels(compressed, opts.accuracy_level, opts.prefill_int8)}
             if not opts.accuracy_level:
                 # measured (benchmarks/compression.py): ORT 1.32 has no fast fp32-compute path for MatMulNBits;
                 # a 2048x2048 weight takes 9.5 ms at 8 bits and 0.58 ms at 4 bits vs 0.36 ms in fp32
@@ -228,7 +228,8 @@ def _head(target, options, policy, report, in_dir, tmp, files, weight_rows) -> d
         "options": {"group_size": options.group_size, "sym": options.sym, "ratio": options.ratio,
                     "backup": options.backup, "awq": options.awq, "scale_estimation": options.scale_estimation,
                     "gptq": options.gptq, "dataset": options.dataset,
-                    "accuracy_level": options.accuracy_level if target == "onnxruntime" else None},
+                    "accuracy_level": options.accuracy_level if target == "onnxruntime" else None,
+                    "prefill_int8": options.prefill_int8},
         "policy": policy.as_dict(),
         "source": {"export": str(in_dir), **report["source"]},
         "files": sorted([*files, "compression.json"]),
@@ -255,7 +256,7 @@ def _compress_streaming(model, in_dir, out_dir, target, options, policy, report,
     details = {"demoted_3d": [s.weight.name for s in specs if s.form == "stacked" and plan[s.weight.name] == "int4"],
                "per_head": {}}
     if target == "onnxruntime":
-        details["ort_rewrites"] = engine.to_ort_kernels(model, options.accuracy_level)
+        details["ort_rewrites"] = engine.to_ort_kernels(model, options.accuracy_level, options.prefill_int8)
     timings["plan_s"] = time.perf_counter() - t0
     with atomic_output_dir(out_dir) as tmp:
         t0 = time.perf_counter()

@@ -160,6 +160,7 @@ class CompressionOptions(_Model):
     gptq: bool
     dataset: str
     accuracy_level: int | None  # None on openvino: MatMulNBits' compute precision is an onnxruntime setting
+    prefill_int8: bool = False  # absent from reports written before the option
 
 
 class CompressionPolicy(_Model):

@@ -1,0 +1,126 @@
+"""prefill-int8 (passes/quantize/prefill_int8.py): 4-bit MatMulNBits wrapped in If(rows >= 8) with an int8
+per-column DynamicQuantizeMatMul for prompts; decode rows run the MatMulNBits as before, bit for bit."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx_ir as ir
+import pytest
+
+from passes import create_pass, get_pass, validate_model
+from passes.quantize._weights import matmul_nbits_weight
+from passes.quantize.matmul_nbits import pack_nibbles
+from passes.quantize.prefill_int8 import PrefillInt8, int8_per_column
+from passes_helpers import make_model, node, op_counts, run_ort, to_bytes
+
+K, N, BLOCK = 96, 40, 32  # 3 blocks: an odd count, so the packed zero points have a padded nibble
+
+
+def nbits_model(bits: int = 4, bias: bool = False, zero_points: bool = True, seed: int = 0) -> ir.Model:
+    """x [B, S, K] -> MatMulNBits(bits, K x N, block 32, accuracy_level 4) -> Relu -> y (Relu: the output is not
+    the MatMulNBits' own, as in a decoder)."""
+    rng = np.random.default_rng(seed)
+    blocks = K // BLOCK
+    q = rng.integers(0, 2 ** bits, (N, blocks, BLOCK), dtype=np.uint8)
+    b = pack_nibbles(q) if bits == 4 else q
+    inits = {"B": b, "scales": (rng.random((N, blocks), dtype=np.float32) * 0.05 + 0.01)}
+    inputs = ["x", "B", "scales"]
+    if zero_points:
+        zp = rng.integers(0, 2 ** bits, (N, blocks), dtype=np.uint8)
+        inits["zp"] = pack_nibbles(zp) if bits == 4 else zp
+        inputs.append("zp")
+    if bias:
+        inputs += [""] * (5 - len(inputs)) + ["bias"]
+        inits["bias"] = rng.standard_normal(N).astype(np.float32)
+    nodes = [node("MatMulNBits", inputs, ["mm"], domain="com.microsoft", name="proj", K=K, N=N, bits=bits,
+                  block_size=BLOCK, accuracy_level=4),
+             node("Relu", ["mm"], ["y"])]
+    # ONNX's shape inference does not know contrib ops: the output's type is set by hand
+    model = make_model(nodes, {"x": ["batch", "seq", K]}, ["y"], inits, infer_shapes=False)
+    model.opset_imports["com.microsoft"] = 1
+    y = model.graph.outputs[0]
+    y.dtype, y.shape = ir.DataType.FLOAT, ir.Shape(["batch", "seq", N])
+    return model
+
+
+def x_of(rows: int, batch: int = 1, seed: int = 1) -> np.ndarray:
+    return np.random.default_rng(seed).standard_normal((batch, rows, K)).astype(np.float32)
+
+
+def test_registered_for_onnxruntime():
+    assert get_pass("prefill-int8").targets == ("onnxruntime",)
+    assert isinstance(create_pass("prefill-int8"), PrefillInt8)
+
+
+@pytest.mark.parametrize("bias,zero_points", [(False, True), (True, True), (False, False)])
+def test_wraps_each_4bit_matmul_and_keeps_decode_exact(bias, zero_points):
+    model = nbits_model(bias=bias, zero_points=zero_points)
+    weight = matmul_nbits_weight(next(n for n in model.graph if n.op_type == "MatMulNBits"))
+    before = to_bytes(model)
+    result = PrefillInt8()(model)
+    assert result.modified and result.counts == {"prefill_int8": 1}
+    validate_model(model)
+    assert op_counts(model)["If"] == 1 and op_counts(model)["MatMulNBits"] == 0
+    branch_ops = {attr.name: [n.op_type for n in attr.as_graph()] for n in model.graph if n.op_type == "If"
+                  for attr in n.attributes.values()}
+    assert branch_ops == {"then_branch": ["DynamicQuantizeMatMul"], "else_branch": ["MatMulNBits"]}
+    after = to_bytes(model)
+    # decode: 1 to 7 rows (batch x sequence) take the MatMulNBits branch: identical outputs
+    for batch, rows in ((1, 1), (4, 1), (1, 7)):
+        x = x_of(rows, batch)
+        np.testing.assert_array_equal(run_ort(after, {"x": x})[0], run_ort(before, {"x": x})[0])
+    # a prompt: int8 weights per column and uint8 activations per tensor, close to the 4-bit product
+    x = x_of(16, 2)
+    exact = np.maximum(x @ weight + (model.graph.initializers["bias"].const_value.numpy() if bias else 0), 0)
+    prompt, nbits = run_ort(after, {"x": x})[0], run_ort(before, {"x": x})[0]
+    assert not np.array_equal(prompt, nbits)  # the other branch ran
+    scale = np.abs(exact).max()
+    assert np.abs(prompt - exact).max() < 0.03 * scale and np.abs(nbits - exact).max() < 0.03 * scale
+
+
+def test_a_second_run_changes_nothing():
+    model = nbits_model()
+    PrefillInt8()(model)
+    once = to_bytes(model)
+    again = PrefillInt8()(model)
+    assert (again.modified, again.counts) == (False, {}) and to_bytes(model) == once
+
+
+def test_one_condition_per_distinct_input():
+    """q/k/v (or gate/up) read one hidden state: they share one rows test."""
+    model = nbits_model()
+    proj = next(n for n in model.graph if n.op_type == "MatMulNBits")
+    twin = ir.node("MatMulNBits", list(proj.inputs), attributes=dict(proj.attributes), domain="com.microsoft",
+                   name="twin")
+    model.graph.insert_after(proj, twin)
+    relu = ir.node("Relu", [twin.outputs[0]])
+    model.graph.insert_after(twin, relu)
+    relu.outputs[0].name = "y2"
+    model.graph.outputs.append(relu.outputs[0])
+    assert PrefillInt8()(model).counts == {"prefill_int8": 2}
+    assert op_counts(model)["Greater"] == 1 and op_counts(model)["If"] == 2
+
+
+@pytest.mark.parametrize("case", ["8-bit", "g_idx"])
+def test_other_matmul_nbits_are_left_alone(case):
+    model = nbits_model(bits=8) if case == "8-bit" else nbits_model()
+    if case == "g_idx":
+        proj = next(n for n in model.graph if n.op_type == "MatMulNBits")
+        g_idx = ir.Value(name="g_idx", const_value=ir.tensor(np.arange(K, dtype=np.int32) // BLOCK, name="g_idx"))
+        model.graph.register_initializer(g_idx)
+        proj.resize_inputs(5)
+        proj.replace_input_with(4, g_idx)
+    before = to_bytes(model)
+    pass_ = PrefillInt8()
+    result = pass_(model)
+    assert (result.modified, result.counts) == (False, {}) and to_bytes(model) == before
+    assert [m.reason for m in pass_.near_misses(model)] == (["8-bit weights (4-bit only)"] if case == "8-bit"
+                                                             else ["g_idx (act-order) weights"])
+
+
+def test_int8_per_column_rule():
+    w = np.random.default_rng(0).standard_normal((64, 5)).astype(np.float32)
+    w[:, 3] = 0
+    q, scale = int8_per_column(w)
+    assert q.dtype == np.int8 and np.abs(q).max() == 127 and scale[3] == 1.0 and not q[:, 3].any()
+    assert np.abs(q * scale - w).max() <= scale.max() / 2 + 1e-7
