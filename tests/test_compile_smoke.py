@@ -55,10 +55,11 @@ def test_smoke_runs_at_deployment_defaults_and_is_recorded(llama_export, tmp_pat
     assert [case["batch"] for case in smoke["cases"]] == [2, 1, 1, 1, 1]
     assert all(case["decode_steps"] == DECODE_STEPS for case in smoke["cases"])
     config = smoke["runtime_config"]
-    if backend == "openvino":  # not the verification's f32: the plugin's own choices
+    if backend == "openvino":  # not the verification's f32: the plugin's own choices and the artifact's rt_info
         defaults = openvino_defaults()
         assert config["INFERENCE_PRECISION_HINT"] == defaults["INFERENCE_PRECISION_HINT"].get_type_name()
-        assert config["KV_CACHE_PRECISION"] == defaults["KV_CACHE_PRECISION"].get_type_name()
+        assert manifest["openvino"]["runtime_options"] == {"KV_CACHE_PRECISION": "f16"}
+        assert config["KV_CACHE_PRECISION"] == "f16"  # recorded, whatever the plugin defaults to on this CPU
         assert smoke["threads"] == config["INFERENCE_NUM_THREADS"] == defaults["INFERENCE_NUM_THREADS"]
     else:
         assert config["intra_op_num_threads"] == os.cpu_count()

@@ -29,9 +29,16 @@ DETOKENIZER_XML = "openvino_detokenizer.xml"
 PAST_PREFIX = "past_key_values."
 PRESENT_PREFIX = "present."
 BATCH_AXIS = 0  # of input_ids and of every cache tensor [batch, heads, seq, dim]
-# The artifact keeps OpenVINO's CPU defaults (bf16 inference where the CPU has bf16 instructions, a u8 KV cache):
-# they are the runtime's speed/memory choice, and the CPU plugin ignores an inference precision stored in the IR's
-# rt_info anyway. Checks compile it at toolchain/runtime/engines.py's "exact" numerics instead.
+# CPU plugin settings the artifact records in the IR's rt_info ``runtime_options``, which OpenVINO's compile_model
+# applies (checked by benchmarks/openvino_settings.py), so openvino_genai, optimum-intel and dstc's runner all get
+# them. KV cache f16, chosen by that benchmark (openvino_genai's stateful pipeline, R1-Distill-Qwen-1.5B and
+# V2-Lite widths, prompts of 128 and 2k): the same speed as u8 and f32 (within 1 ms/token), the greedy tokens of
+# the f32 cache (64 of 64), where the plugin's default u8 gave other tokens after 2-30 of 64, and NaN logits in a
+# batch of 2 after a batch of 1 (toolchain/compile/smoke.py). The dynamic quantization group (0/32/64/128) made no
+# measurable difference and threads belong to the machine: both stay the plugin's. Inference precision stays the
+# plugin's too (bf16 where the CPU has bf16 instructions): the plugin ignores one stored in rt_info. Checks
+# compile at toolchain/runtime/engines.py's "exact" numerics instead, passed as properties, which win over rt_info.
+RUNTIME_OPTIONS = {"KV_CACHE_PRECISION": "f16"}
 
 
 def _names(ports) -> list[str]:
@@ -110,7 +117,7 @@ def make_stateful(model) -> int:
 def convert(graph_path: Path, versions: dict[str, str]):
     """model.onnx (or an already converted, e.g. compressed, stateless IR .xml) -> stateful ov.Model, with the
     versions that made it in rt_info (optimum-intel reads optimum/transformers_version to pick the generation
-    code path for some model types)."""
+    code path for some model types) and RUNTIME_OPTIONS in rt_info ``runtime_options``."""
     import openvino as ov
 
     if Path(graph_path).suffix == ".xml":
@@ -121,6 +128,8 @@ def convert(graph_path: Path, versions: dict[str, str]):
     make_stateful(model)
     for key, value in versions.items():
         model.set_rt_info(value, ["optimum", key])
+    for key, value in RUNTIME_OPTIONS.items():
+        model.set_rt_info(value, ["runtime_options", key])
     return model
 
 
@@ -151,4 +160,4 @@ def write(onnx_path: Path, source: Path, out_dir: Path, versions: dict[str, str]
         log("converting the tokenizer with openvino-tokenizers")
         files += convert_tokenizers(source, out_dir)
     return {"files": files, "inputs": _names(model.inputs), "outputs": _names(model.outputs),
-            "variables": len(model.get_sinks())}
+            "variables": len(model.get_sinks()), "runtime_options": dict(RUNTIME_OPTIONS)}

@@ -1,8 +1,9 @@
 """Smoke inference of a compiled artifact at its runtime's deployment defaults, in a child process.
 
 The compile stage's verification runs OpenVINO at exact numerics (``engines.NUMERICS``), to compare numbers with
-PyTorch; users run the CPU plugin's defaults (bf16 compute where the CPU has bf16 instructions, a u8 KV cache, the
-plugin's own thread count), which take other kernels. Those crashed: on a 3-head, hidden-96 DeepSeek-V2 the
+PyTorch; users run the CPU plugin's defaults (bf16 compute where the CPU has bf16 instructions, the plugin's own
+thread count) with the settings the artifact records (an f16 KV cache, toolchain/compile/openvino_ir.py), which take
+other kernels. Those crashed: on a 3-head, hidden-96 DeepSeek-V2 the
 2026.4 CPU plugin segfaulted at bf16 for prompts of 1 to 16 tokens, and an f32-only check shipped that artifact
 as verified. So the stage also runs the artifact as deployed, through dstc's runtime decoders
 (``toolchain.runtime.decoder``: OpenVINO's stateful request with no properties set, ONNX Runtime's session with

@@ -130,10 +130,11 @@ class OpenVINODecoder:
             model.add_outputs(list(extra_outputs))
         openvino_with_logits_to_keep(model)
         read_seconds = time.perf_counter() - started
-        # The plugin's defaults, as openvino_genai and optimum-intel deploy the IR (bf16 compute where the CPU has
-        # bf16 instructions, a u8 KV cache): what is measured is what users run, and runtime_config says what it was.
-        # "exact" (on request) separates the weights' error from the plugin's bf16 compute, u8 KV cache and
-        # on-the-fly int8 activations, which the deployment defaults add.
+        # The plugin's defaults with the IR's rt_info runtime_options, as openvino_genai and optimum-intel deploy
+        # the IR (bf16 compute where the CPU has bf16 instructions; the KV cache a dstc artifact records, else the
+        # plugin's u8): what is measured is what users run, and runtime_config says what it was. "exact" (on
+        # request) separates the weights' error from the plugin's bf16 compute, KV cache precision and on-the-fly
+        # int8 activations, which the deployment defaults add.
         config = {**engines.NUMERICS[numerics], **({"INFERENCE_NUM_THREADS": threads} if threads else {})}
         if numerics == "deployment" and _fused_mlp_divides_by_zero(model, config):
             raise InputError(
