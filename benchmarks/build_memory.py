@@ -12,7 +12,7 @@ in 16 / 32 / 64 GB.
 
     .venv/bin/python benchmarks/build_memory.py --widths qwen-1.5b --layers 2,4,8 --json out.json
     .venv/bin/python benchmarks/build_memory.py --widths v3-real-1moe --layers 4 --contenders dstc-openvino \
-        --no-checks --no-passes --prune
+        --no-checks --no-passes --no-smoke --prune
 
 ``--prune`` deletes what no later stage reads while the build runs (a stage's output once the next one has
 finished; the checkpoint's safetensors once the export has, when no later stage opens them): at V3's real widths
@@ -42,7 +42,7 @@ import yaml
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
-from benchmarks.process_memory import tree_rss  # noqa: E402
+from benchmarks.process_memory import tree_memory  # noqa: E402
 from toolchain.hardware import describe_cpu  # noqa: E402
 
 DSTC = [sys.executable, "-m", "toolchain"]
@@ -104,15 +104,15 @@ def measure(command: list[str], env: dict, watch: StageWatch | None = None, disk
     started = time.perf_counter()
     proc = subprocess.Popen(["/usr/bin/time", "-v", *command], env=env, cwd=REPO, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
-    peak, samples, disk_peak = [0], [], [0]
+    peak, anon_peak, samples, disk_peak = [0], [0], [], [0]
 
     def sample() -> None:
         last_disk = 0.0
         while proc.poll() is None:
             now = time.perf_counter() - started
-            rss = tree_rss(proc.pid)
-            peak[0] = max(peak[0], rss)
-            samples.append((now, rss))
+            rss, anon = tree_memory(proc.pid)
+            peak[0], anon_peak[0] = max(peak[0], rss), max(anon_peak[0], anon)
+            samples.append((now, rss, anon))
             if watch is not None:
                 watch.poll(now)
             if disk is not None and now - last_disk >= 1.0:
@@ -126,6 +126,7 @@ def measure(command: list[str], env: dict, watch: StageWatch | None = None, disk
     wall = time.perf_counter() - started
     largest = re.search(r"Maximum resident set size \(kbytes\): (\d+)", err)
     row = {"returncode": proc.returncode, "wall_s": round(wall, 1), "tree_peak_bytes": peak[0],
+           "tree_anon_peak_bytes": anon_peak[0],
            "largest_process_bytes": int(largest.group(1)) * 1024 if largest else None,
            "tail": (err.strip().splitlines() or [""])[-3:] if proc.returncode else []}
     if disk is not None:
@@ -134,7 +135,8 @@ def measure(command: list[str], env: dict, watch: StageWatch | None = None, disk
         row["stages"], begin = {}, 0.0
         for stage in watch.stages:  # the samples up to each stage's end are that stage's
             end = watch.finished.get(stage, {}).get("finished_s", wall)
-            row["stages"][stage] = {"peak_bytes": max((r for t, r in samples if begin <= t <= end), default=0),
+            row["stages"][stage] = {"peak_bytes": max((r for t, r, _ in samples if begin <= t <= end), default=0),
+                                    "anon_peak_bytes": max((a for t, _, a in samples if begin <= t <= end), default=0),
                                     **{k: v for k, v in watch.finished.get(stage, {}).items()},
                                     "seconds": round(end - begin, 1)}
             begin = end
@@ -157,9 +159,10 @@ def make_checkpoint(width: str, layers: int, work: Path) -> tuple[Path, float]:
 
 
 def dstc_build(checkpoint: Path, backend: str, out: Path, work: Path, checks: bool, passes: bool = True,
-               weights: str = "auto", prune: bool = False) -> dict:
+               weights: str = "auto", prune: bool = False, smoke: bool = True) -> dict:
     """The INT4 recipe for one backend; ``checks`` False leaves out the export's parity and the compile stage's
-    verification (what optimum-cli does not do either; the smoke inference stays); ``passes`` False the passes
+    verification (what optimum-cli does not do either); ``smoke`` False the compile stage's smoke inference (the
+    artifact run at deployment defaults: the runtime's memory, not the build's); ``passes`` False the passes
     stage; ``weights``: the export's weight storage."""
     recipe = work / f"recipe-{backend}.yaml"
     stages = ["export", *(["passes"] if passes else []), "compress", "compile"]
@@ -167,7 +170,7 @@ def dstc_build(checkpoint: Path, backend: str, out: Path, work: Path, checks: bo
                                       **({"passes": {"target": backend}} if passes else {}),
                                       "compress": {"scheme": "int4-grouped"},
                                       "export": {"weights": weights, **({} if checks else {"parity": []})},
-                                      "compile": {"backend": backend, "verify": checks}}))
+                                      "compile": {"backend": backend, "verify": checks, "smoke": smoke}}))
     env = {**os.environ, "DSTC_CACHE_DIR": str(work / "cache")}
     shutil.rmtree(work / "cache", ignore_errors=True)
     # the passes stage and the compile stage's verification open the checkpoint (its size decides their checks)
@@ -205,6 +208,9 @@ def main() -> None:
     parser.add_argument("--no-checks", action="store_true",
                         help="dstc without its parity check and compile verification, like for like with optimum")
     parser.add_argument("--no-passes", action="store_true", help="dstc recipes without the passes stage")
+    parser.add_argument("--no-smoke", action="store_true",
+                        help="dstc without the compile stage's smoke inference (running the artifact: the runtime's "
+                             "memory, ~2x the artifact's weights)")
     parser.add_argument("--weights", default="auto", choices=["auto", "float32", "bfloat16"],
                         help="the export's weight storage (recipe export.weights)")
     parser.add_argument("--prune", action="store_true",
@@ -230,25 +236,29 @@ def main() -> None:
                     row = optimum_build(checkpoint, out, work)
                 else:
                     row = dstc_build(checkpoint, contender.split("-", 1)[1], out, work, not args.no_checks,
-                                     passes=not args.no_passes, weights=args.weights, prune=args.prune)
+                                     passes=not args.no_passes, weights=args.weights, prune=args.prune,
+                                     smoke=not args.no_smoke)
                 row.update(width=width, layers=layers, contender=contender, checkpoint_bytes=sizes[width][layers],
                            checkpoint_s=made_s)
                 results.append(row)
-                print(f"{width:>13} {layers:>2} layers {contender:<17} rc {row['returncode']}  {row['wall_s']:>7.1f} s  "
-                      f"tree {row['tree_peak_bytes'] / GiB:6.2f} GiB  largest "
+                print(f"{width:>13} {layers:>2} layers {contender:<17} rc {row['returncode']}  "
+                      f"{row['wall_s']:>7.1f} s  tree {row['tree_peak_bytes'] / GiB:6.2f} GiB (anonymous "
+                      f"{row['tree_anon_peak_bytes'] / GiB:.2f})  largest "
                       f"{(row['largest_process_bytes'] or 0) / GiB:6.2f} GiB", flush=True)
                 if "stages" in row:
                     print(f"{'':>13} checkpoint {sizes[width][layers] / 1e9:.1f} GB ({made_s:.0f} s), weights "
                           f"{row.get('export_weights')}, artifact {row.get('artifact_bytes', 0) / 1e9:.1f} GB, disk "
                           f"peak {row['disk_peak_bytes'] / 1e9:.1f} GB" + (" (pruned)" if args.prune else ""))
                     for stage, s in row["stages"].items():
-                        print(f"{'':>13} {stage:<9} {s['seconds']:>7.1f} s  peak {s['peak_bytes'] / GiB:6.2f} GiB  "
+                        print(f"{'':>13} {stage:<9} {s['seconds']:>7.1f} s  peak {s['peak_bytes'] / GiB:6.2f} GiB "
+                              f"(anonymous {s['anon_peak_bytes'] / GiB:5.2f})  "
                               f"output {s.get('output_bytes', 0) / 1e9:6.1f} GB")
                 shutil.rmtree(out, ignore_errors=True)
                 shutil.rmtree(work / "cache", ignore_errors=True)
             shutil.rmtree(checkpoint, ignore_errors=True)
 
-    print("\nFits: peak RSS (whole process tree) = a + b * layers")
+    print("\nFits: peak RSS (whole process tree) = a + b * layers; the same for its anonymous part (what the kernel "
+          "cannot reclaim: RSS less the clean pages of memory-mapped files, process_memory.tree_memory)")
     fits = []
     for width, by_layers in sizes.items():
         counts = sorted(by_layers)
@@ -256,24 +266,26 @@ def main() -> None:
             else None
         edge_bytes = by_layers[counts[0]] - counts[0] * layer_bytes if layer_bytes else None
         for contender in contenders:
-            points = [(r["layers"], r["tree_peak_bytes"]) for r in results
-                      if r["width"] == width and r["contender"] == contender and r["returncode"] == 0]
-            line = fit(points)
-            if line is None or layer_bytes is None:
-                continue
-            a, b = line
-            row = {"width": width, "contender": contender, "a_bytes": a, "b_bytes": b, "layer_bf16_bytes": layer_bytes,
-                   "edges_bf16_bytes": edge_bytes, "slope_target_met": b <= 1.5 * layer_bytes,
-                   "intercept_target_met": a <= 2 * edge_bytes + GiB}
-            name, real = REAL_LAYERS[width]
-            row["projection"] = {name: a + b * real}
-            row["layers_that_fit"] = {f"{gb} GB": int((gb * 1e9 - a) // b) if b > 0 else None for gb in (16, 32, 64)}
-            fits.append(row)
-            print(f"{width:>13} {contender:<17} a {a / GiB:5.2f} GiB (target <= {(2 * edge_bytes + GiB) / GiB:.2f}) "
-                  f"b {b / 2**20:7.1f} MiB/layer ({b / layer_bytes:.2f}x a layer's bf16, target <= 1.5x)  "
-                  f"{name} ({real} layers): {(a + b * real) / GiB:.1f} GiB  fits in 16/32/64 GB: "
-                  f"{row['layers_that_fit']['16 GB']}/{row['layers_that_fit']['32 GB']}/"
-                  f"{row['layers_that_fit']['64 GB']} layers")
+            for key, kind in (("tree_peak_bytes", "rss"), ("tree_anon_peak_bytes", "anonymous")):
+                points = [(r["layers"], r[key]) for r in results
+                          if r["width"] == width and r["contender"] == contender and r["returncode"] == 0]
+                line = fit(points)
+                if line is None or layer_bytes is None:
+                    continue
+                a, b = line
+                row = {"width": width, "contender": contender, "memory": kind, "a_bytes": a, "b_bytes": b,
+                       "layer_bf16_bytes": layer_bytes, "edges_bf16_bytes": edge_bytes,
+                       "slope_target_met": b <= 1.5 * layer_bytes, "intercept_target_met": a <= 2 * edge_bytes + GiB}
+                name, real = REAL_LAYERS[width]
+                row["projection"] = {name: a + b * real}
+                row["layers_that_fit"] = {f"{gb} GB": int((gb * 1e9 - a) // b) if b > 0 else None
+                                          for gb in (16, 32, 64)}
+                fits.append(row)
+                print(f"{width:>13} {contender:<17} {kind:<9} a {a / GiB:5.2f} GiB (target <= "
+                      f"{(2 * edge_bytes + GiB) / GiB:.2f}) b {b / 2**20:7.1f} MiB/layer ({b / layer_bytes:.2f}x a "
+                      f"layer's bf16, target <= 1.5x)  {name} ({real} layers): {(a + b * real) / GiB:.1f} GiB  fits "
+                      f"in 16/32/64 GB: {row['layers_that_fit']['16 GB']}/{row['layers_that_fit']['32 GB']}/"
+                      f"{row['layers_that_fit']['64 GB']} layers")
     head = {(r["contender"]): r for r in results if r["width"] == "qwen-1.5b" and r["layers"] == 4}
     if "optimum" in head:
         print("\nR1-Distill-Qwen-1.5B x 4 layers vs optimum-cli (same run):")
@@ -282,7 +294,8 @@ def main() -> None:
             print(f"  {contender:<17} {r['wall_s']:7.1f} s ({r['wall_s'] / o['wall_s']:.2f}x)  "
                   f"{r['tree_peak_bytes'] / GiB:.2f} GiB ({r['tree_peak_bytes'] / o['tree_peak_bytes']:.2f}x)")
     if args.json:
-        args.json.write_text(json.dumps({"cpu": describe_cpu(), "checks": not args.no_checks, "results": results,
+        args.json.write_text(json.dumps({"cpu": describe_cpu(), "checks": not args.no_checks,
+                                         "smoke": not args.no_smoke, "results": results,
                                          "fits": fits}, indent=1))
 
 

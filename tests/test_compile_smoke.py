@@ -140,3 +140,31 @@ def test_deepseek_v2_that_crashes_openvino_at_bf16_is_not_shipped(tmp_path):
     assert info.value.signal == "SIGSEGV"
     assert info.value.where == "decode step 1 after prompts of 16 and 7 tokens, left-padded (batch 2)"
     assert not (tmp_path / "out").exists()
+
+
+def test_an_artifact_too_large_to_run_here_is_built_without_running_it(llama_export, tmp_path, monkeypatch):
+    """Smoke test and verification run the artifact, about RUN_MEMORY_FACTOR x its weights of RAM: on a machine
+    with less, both are skipped and compile.json says why (a 61-layer DeepSeek-V3 is ~350 GB in INT4)."""
+    from toolchain.stages import compile as stage
+
+    weights = (llama_export / "model.onnx").stat().st_size
+    monkeypatch.setattr(stage, "memory_bytes", lambda: int(stage.RUN_MEMORY_FACTOR * weights) - 1)
+    manifest = compile_artifact(llama_export, tmp_path / "out", "onnxruntime")
+    reason = manifest["smoke"]["skipped"]
+    assert "more than this machine's" in reason and manifest["verification"]["skipped"] == reason
+    assert manifest["smoke"]["passed"] and "cases" not in manifest["smoke"] and "smoke_s" not in manifest["timings"]
+    monkeypatch.setattr(stage, "memory_bytes", lambda: int(stage.RUN_MEMORY_FACTOR * weights) + 10**6)
+    manifest = compile_artifact(llama_export, tmp_path / "out2", "onnxruntime")
+    assert "skipped" not in manifest["smoke"] and manifest["smoke"]["cases"]
+    assert "skipped" not in manifest["verification"] and manifest["verification"]["passed"]
+
+
+def test_a_recipe_can_turn_the_smoke_test_off(llama_export, tiny_checkpoints, tmp_path):
+    from toolchain.recipe import CompileSection
+    from toolchain.stages.runner import compile_stage
+
+    on, off = (compile_stage(CompileSection(backend="openvino", smoke=s), tiny_checkpoints["llama"])
+               for s in (True, False))
+    assert "smoke" not in on.config and off.config["smoke"] is False  # stage ids before the option stay valid
+    manifest = off.run(llama_export, tmp_path / "out", lambda _: None)
+    assert manifest.get("smoke") is None and manifest["verification"]["passed"]

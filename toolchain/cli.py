@@ -123,6 +123,7 @@ COMPRESS_SPELLINGS = {"sym": "--sym/--asym"}
 COMPILE_HELP = {
     "backend": "The runtime the artifact is for.",
     "verify": "Check the artifact's greedy decoding against PyTorch (or the compressed input graph).",
+    "smoke": "Run the artifact at its runtime's deployment defaults in a child process (crashes, NaNs).",
 }
 
 

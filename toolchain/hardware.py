@@ -59,3 +59,8 @@ def cpu_line(cpu: dict | None = None) -> str:
     inside = "; ".join(part for part in (cpu.get("architecture"), ", ".join(cpu.get("isa") or [])) if part)
     line = " ".join(part for part in (cpu.get("model") or "", f"({inside})" if inside else "") if part)
     return line + (f", {cpu['logical_cores']} logical cores" if cpu.get("logical_cores") else "")
+
+
+def memory_bytes() -> int:
+    """Physical RAM of this machine."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")

@@ -94,9 +94,11 @@ def compile_stage(section: CompileSection, source: Path) -> Stage:
     from toolchain.stages.compile import compile_artifact
 
     # inp: a stage after export has one (the previous stage's output)
-    return Stage("compile", section.model_dump(mode="json"),
+    # smoke is part of the configuration only when off (a build's stage id is what it was before the option existed)
+    config = section.model_dump(mode="json", exclude={"smoke"} if section.smoke else set())
+    return Stage("compile", config,
                  lambda inp, out, log: compile_artifact(inp, out, section.backend, verify=section.verify,  # type: ignore[arg-type]
-                                                        source=source, log=log),
+                                                        smoke=section.smoke, source=source, log=log),
                  "toolchain.stages.compile")
 
 
