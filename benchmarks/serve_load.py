@@ -17,11 +17,14 @@ step, join and leave times for batches of 1, 4, 16 at contexts of 64 and 512 tok
         artifacts/deepseek-v3-tiny-onnxruntime-int4
     .venv/bin/python benchmarks/serve_load.py layouts artifacts/deepseek-v3-tiny-onnxruntime-int4
 
-Measured on the 2-core Xeon (AMX) this project runs on, embedded DeepSeek-V3 INT4, --threads 2 ("layouts", one run;
-median ms per decode step, batch / gather): B=1: 64 tokens 0.92 / 0.78, 512 tokens 1.09 / 1.17; B=4: 0.97 / 1.20,
-1.54 / 4.09; B=16: 1.63 / 2.24, 3.10 / 11.48. A join costs the batch layout one copy of the running cache (B=16 at
-512 tokens: 21.4 ms against gather's 15.3 ms, the prefill itself being most of both); a leave costs neither a copy.
-The server uses "batch".
+The OpenVINO artifact must be built with ``export: {mla_cache: per-head}``: openvino_genai's continuous batching
+refuses the latent KV cache the shipped recipes export.
+
+Measured on the 2-core Xeon (AMX) this project runs on, embedded DeepSeek-V3 INT4 with the per-head KV cache (the
+default then), --threads 2 ("layouts", one run; median ms per decode step, batch / gather): B=1: 64 tokens
+0.92 / 0.78, 512 tokens 1.09 / 1.17; B=4: 0.97 / 1.20, 1.54 / 4.09; B=16: 1.63 / 2.24, 3.10 / 11.48. A join costs
+the batch layout one copy of the running cache (B=16 at 512 tokens: 21.4 ms against gather's 15.3 ms, the prefill
+itself being most of both); a leave costs neither a copy. The server uses "batch".
 """
 
 from __future__ import annotations

@@ -162,7 +162,7 @@ def test_onnxruntime_runs_matmulnbits_with_accuracy_level(runs):
 
 
 def test_trap_group_size_fallback_and_router_policy(runs, exports):
-    """K=64 / 24 / 32 widths with group size 128: NNCF alone raises; ADJUST gives g64/g32, the rest INT8."""
+    """K=64 / 24 / 96 widths with group size 128: NNCF alone raises; ADJUST gives g64/g32, the rest INT8."""
     import nncf
 
     proto = onnx.load(str(exports["deepseek_v3"] / "model.onnx"))
@@ -173,16 +173,20 @@ def test_trap_group_size_fallback_and_router_policy(runs, exports):
     for row in report["per_weight"]:
         by_role.setdefault(row["role"], set()).add(row["precision"])
     assert by_role["router"] == {"int4-sym-g64"}
-    assert "int8-sym-per-axis" in by_role["attention"]  # q_b_proj: K=24, no power-of-two group >= 32 divides it
-    assert "int4-sym-g32" in by_role["attention"]  # kv_b_proj: K = kv_lora_rank = 32
+    # q_a_proj, kv_a_proj_with_mqa: K = hidden = 64; q_b_proj: K=24 and o_proj: K=48, no power-of-two group >= 32
+    # divides them; kv_b_proj's absorbed weights (the latent cache's) are 3-D, kept INT8
+    assert by_role["attention"] == {"int4-sym-g64", "int8-sym-per-axis"}
+    assert len(report["details"]["demoted_3d"]) == 2 * 3 and all(
+        name.split("/")[-1] in ("k_absorbed", "v_absorbed") for name in report["details"]["demoted_3d"])
+    assert "int4-sym-g32" in by_role["mlp"]  # the dense layer's down_proj: K = intermediate_size = 96
     assert by_role["routed_expert"] == {"int4-sym-g64"}  # K=64: hidden (gate/up) and moe_intermediate (down)
     assert by_role["lm_head"] == by_role["embeddings"] == {"int8-sym-per-axis"}
 
 
 def test_trap_3d_weights_stay_out_of_int4(tmp_path):
     """NNCF refuses INT4 on a 3-D MatMul weight below opset 21 and its INT8 of one does not run on ORT; the
-    engine keeps such weights at INT8 in a form ORT runs. The exporter's MoE experts are 2-D MatMuls each, so its
-    graphs have none."""
+    engine keeps such weights at INT8 in a form ORT runs. The exporter's MoE experts are 2-D MatMuls each: its only
+    3-D weights are the latent MLA cache's absorbed kv_b_proj."""
     import nncf
 
     rng = np.random.default_rng(0)
@@ -211,10 +215,15 @@ def test_trap_3d_weights_stay_out_of_int4(tmp_path):
     assert np.linalg.norm(y - expected) / np.linalg.norm(expected) < 0.2
 
 
-def test_exported_moe_graph_has_only_2d_weights(exports):
+def test_exported_moe_graph_has_2d_weights_but_the_absorbed_ones(exports):
+    """The routed experts are 2-D MatMuls each; the only 3-D weights are the latent cache's absorbed kv_b_proj
+    ([heads, K, N], two a layer)."""
     weights = engine.graph_weights(ir.load(exports["deepseek_v3"] / "model.onnx"))
     assert len([w for w in weights if role_of(w.name) == "routed_expert"]) == 2 * 16 * 3
-    assert all(len(w.shape) == 2 for w in weights)
+    assert {len(w.shape) for w in weights} == {2, 3}
+    stacked = [w for w in weights if len(w.shape) == 3]
+    assert sorted(w.name.split("/")[-1] for w in stacked) == ["k_absorbed"] * 3 + ["v_absorbed"] * 3
+    assert all(w.shape[0] == 4 for w in stacked)  # a matrix per head
 
 
 def test_error_metrics_can_fail(runs):
@@ -288,20 +297,42 @@ def test_onnxruntime_artifact_computes_with_the_measured_weights(arch, runs, exp
     replaced by the dequantized ones compression.json measured: nothing is lost or added between the two."""
     from toolchain.compress import metrics
 
-    _, out = runs(arch, "onnxruntime", "int4-grouped", accuracy_level=0)
+    report, out = runs(arch, "onnxruntime", "int4-grouped", accuracy_level=0)
     base = ir.load(exports[arch] / "model.onnx")
     weights = engine.graph_weights(base)
     compressed = ir.load(out / "model.onnx")
-    restored = metrics.restored_onnx(compressed, [w for w in weights if w.kind == "matmul"])
+    matmuls = [w for w in weights if w.kind == "matmul"]
+    restored = {name: r.array for name, r in
+                metrics.restored_onnx(compressed, [w for w in matmuls if len(w.shape) == 2]).items()}
+    # the latent cache's absorbed kv_b_proj: INT8, and the same error from the artifact as compression.json's
+    stacked = [w for w in matmuls if len(w.shape) == 3]
+    assert bool(stacked) == (arch == "deepseek_v3")
+    measured = {r["weight"]: r["weight_error"] for r in report["per_weight"]}
+    for w in stacked:
+        restored[w.name] = cast_dequantized(compressed, w)
+        error = metrics.relative_error(base.graph.initializers[w.name].const_value.numpy(), restored[w.name])
+        assert error == pytest.approx(measured[w.name], rel=1e-4), w.name
     for w in weights:
         if w.name in restored:
-            base.graph.initializers[w.name].const_value = ir.tensor(restored[w.name].array, name=w.name)
+            base.graph.initializers[w.name].const_value = ir.tensor(restored[w.name], name=w.name)
     substituted = ir.serde.serialize_model(base).SerializeToString()
     feeds = feeds_for(exports[arch] / "model.onnx")
     (want,) = ort.InferenceSession(substituted, providers=["CPUExecutionProvider"]).run(["logits"], feeds)
     (got,) = ort.InferenceSession(str(out / "model.onnx"), providers=["CPUExecutionProvider"]).run(["logits"], feeds)
     # the embedding table stays fp32 in the substituted graph: its INT8 rounding is the only difference
     assert np.abs(got - want).max() < 0.02 * np.abs(want).max()
+
+
+def cast_dequantized(model: ir.Model, weight: engine.Weight) -> np.ndarray:
+    """A 3-D weight as to-matmul-nbits leaves it for ORT (its dequantize_broadcast rewrite): Mul(Sub(Cast(q), zero
+    point), scale) over constants, which compression.json measured as the DequantizeLinear it replaced."""
+    matmul = next(n for n in model.graph if n.outputs[0].name == weight.output)
+    mul = matmul.inputs[1].producer()
+    sub = mul.inputs[0].producer()
+    cast = sub.inputs[0].producer() if sub.op_type == "Sub" else sub
+    assert (mul.op_type, cast.op_type) == ("Mul", "Cast")
+    zero_point = sub.inputs[1].const_value.numpy() if sub.op_type == "Sub" else 0
+    return (cast.inputs[0].const_value.numpy().astype(np.float32) - zero_point) * mul.inputs[1].const_value.numpy()
 
 
 def test_measuring_runs_a_graph_whose_weights_are_external(tmp_path, monkeypatch):

@@ -72,10 +72,23 @@ def test_openvino_streaming_is_a_compressed_ir_that_verifies(exports, tmp_path):
 
 
 def quantized_tensors(path: Path) -> dict[str, np.ndarray]:
-    """Every integer initializer (MatMulNBits B and zero points, DequantizeLinear values) and scale by name."""
+    """Every integer initializer (MatMulNBits B and zero points, DequantizeLinear values) and scale by name; the
+    float zero point and scale of a 3-D weight's Cast / Sub / Mul dequantization (the latent cache's absorbed
+    kv_b_proj), which the two paths name differently, by the name of the integer weight they dequantize."""
     model = ir.load(path)
-    return {name: v.const_value.numpy() for name, v in model.graph.initializers.items()
-            if v.const_value.dtype in (ir.DataType.UINT8, ir.DataType.INT8) or name.endswith("_scale")}
+    out, broadcast = {}, set()
+    for cast in (n for n in model.graph if n.op_type == "Cast" and n.inputs[0].name in model.graph.initializers):
+        for use in cast.outputs[0].uses():
+            step = use.node
+            if step.op_type == "Sub":
+                out[f"{cast.inputs[0].name}:zero_point"] = step.inputs[1].const_value.numpy()
+                broadcast.add(step.inputs[1].name)
+                step = step.outputs[0].uses()[0].node
+            out[f"{cast.inputs[0].name}:scale"] = step.inputs[1].const_value.numpy()
+            broadcast.add(step.inputs[1].name)
+    out.update({name: v.const_value.numpy() for name, v in model.graph.initializers.items() if name not in broadcast
+                and (v.const_value.dtype in (ir.DataType.UINT8, ir.DataType.INT8) or name.endswith("_scale"))})
+    return out
 
 
 @pytest.mark.parametrize("arch", ["deepseek_v3", "qwen2"])
@@ -115,8 +128,15 @@ def test_int8_per_head_streaming_compiles_and_verifies_for_openvino(exports, tmp
     summary = compress(exports["deepseek_v3"], tmp_path / "streamed", target="openvino", scheme="int8-per-head",
              streaming="always")
     heads = [r["weight"] for r in summary["per_weight"] if r["precision"].endswith("per-head")]
-    assert len(heads) >= 4
+    assert heads == [f"layers.{i}/self_attn/q_b_proj/weight" for i in range(3)]
     assert_scale_per_head(tmp_path / "streamed" / "model.onnx", heads)
+    # the latent cache's absorbed kv_b_proj, [heads, K, N]: a scale per head and output channel
+    stacked = [r for r in summary["per_weight"] if r.get("head_side") == "stacked"]
+    assert len(stacked) == 2 * 3 and all(r["precision"].startswith("int8") for r in stacked)
+    graph = ir.load(tmp_path / "streamed" / "model.onnx").graph
+    for row in stacked:
+        heads_count, _, width = row["shape"]
+        assert graph.initializers[f"{row['weight']}_scale"].const_value.numpy().shape == (heads_count, 1, width)
     manifest = compile_artifact(tmp_path / "streamed", tmp_path / "art", "openvino")
     assert manifest["verification"]["passed"]
 

@@ -56,10 +56,12 @@ def test_graph_interface_uses_optimum_names_and_dynamic_axes(tiny_checkpoints, t
     assert inputs["input_ids"] == ["batch_size", "sequence_length"]
     assert inputs["attention_mask"] == ["batch_size", "total_sequence_length"]
     assert inputs["position_ids"] == ["batch_size", "sequence_length"]
-    assert inputs["past_key_values.2.key"] == ["batch_size", 4, "past_sequence_length", 24]
-    assert inputs["past_key_values.2.value"] == ["batch_size", 4, "past_sequence_length", 12]
+    # the latent cache (the default): key the rotary key (qk_rope_head_dim 8), value the latent (kv_lora_rank 32)
+    assert inputs["past_key_values.2.key"] == ["batch_size", 1, "past_sequence_length", 8]
+    assert inputs["past_key_values.2.value"] == ["batch_size", 1, "past_sequence_length", 32]
     assert outputs["logits"] == ["batch_size", "sequence_length", 97]
-    assert outputs["present.0.key"] == ["batch_size", 4, "total_sequence_length", 24]
+    assert outputs["present.0.key"] == ["batch_size", 1, "total_sequence_length", 8]
+    assert outputs["present.0.value"] == ["batch_size", 1, "total_sequence_length", 32]
     assert len(inputs) == 3 + 2 * 3 and len(outputs) == 1 + 2 * 3
 
 

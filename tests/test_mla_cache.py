@@ -1,8 +1,8 @@
-"""MLA latent KV cache (``export.mla_cache: latent`` / ``dstc export --mla-cache latent``, toolchain/export/
-deepseek.py): parity with PyTorch on both backends on checkpoints the embedded models do not cover (other head
-sizes, rope scaling, routing), the cache's shapes and bytes, the stages after export (passes, compression with
-its 3-D absorbed weights reported per head, compile with the stateful OpenVINO IR, dstc build), layer-by-layer
-parity, and what is refused."""
+"""MLA latent KV cache (the default; ``export.mla_cache: latent`` / ``dstc export --mla-cache latent``,
+toolchain/export/deepseek.py): parity with PyTorch on both backends on checkpoints the embedded models do not
+cover (other head sizes, rope scaling, routing), the cache's shapes and bytes, the stages after export (passes,
+compression with its 3-D absorbed weights reported per head, compile with the stateful OpenVINO IR, dstc build),
+layer-by-layer parity, and what is refused."""
 
 from __future__ import annotations
 
@@ -131,9 +131,9 @@ def test_cache_holds_the_latent_and_the_rotary_key(latent_exports, name):
     from transformers import AutoConfig
 
     hf = AutoConfig.from_pretrained(json.loads((out / "export.json").read_text())["source"]["path"])
-    latent = with_mla_cache(architecture_for(hf.model_type), "latent")
-    assert latent.cache_dims(hf) == (1, rope, rank)
-    assert architecture_for(hf.model_type).cache_dims(hf) == (  # the default, per-head
+    assert architecture_for(hf.model_type).cache_dims(hf) == (1, rope, rank)  # the default, latent
+    assert with_mla_cache(architecture_for(hf.model_type), "latent").cache_dims(hf) == (1, rope, rank)
+    assert with_mla_cache(architecture_for(hf.model_type), "per-head").cache_dims(hf) == (
         hf.num_attention_heads, hf.qk_nope_head_dim + rope, hf.v_head_dim)
     # what a prefill of 7 tokens on a batch of 2 returns as the cache, on both backends
     for backend in ("onnxruntime", "openvino"):
@@ -141,11 +141,24 @@ def test_cache_holds_the_latent_and_the_rotary_key(latent_exports, name):
         assert sum(a.nbytes for k, a in present.items() if k.startswith("present.0.")) == 2 * 7 * (rank + rope) * 4
 
 
-def test_the_per_head_form_stays_the_default(checkpoints, tmp_path):
-    report = export(str(checkpoints["v3-linear"]), tmp_path / "out", parity=())
-    assert report["graph"]["kv_cache"] == "per-head"
-    inputs = cache_inputs(tmp_path / "out" / "model.onnx")
-    assert inputs["past_key_values.0.key"] == ["batch_size", 8, "past_sequence_length", 16]
+def test_the_latent_form_is_the_default_and_per_head_is_chosen_by_the_option(checkpoints, tmp_path):
+    """No option: the latent cache (report, graph metadata, cache inputs); mla_cache="per-head": transformers'
+    per-head keys and values, kv_b_proj as one weight."""
+    # v3-linear's ([heads, width] of the key, of the value): rope 4 and rank 24; 8 heads of nope 12 + rope 4, v 6
+    shapes = {"latent": ([1, 4], [1, 24]), "per-head": ([8, 12 + 4], [8, 6])}
+    for layout, option in (("latent", None), ("per-head", "per-head")):
+        out = tmp_path / layout
+        report = export(str(checkpoints["v3-linear"]), out, parity=(), mla_cache=option)
+        assert report["graph"]["kv_cache"] == layout
+        model = onnx.load(out / "model.onnx", load_external_data=False)
+        assert {p.key: p.value for p in model.metadata_props}["dstc.kv_cache"] == layout
+        (key_heads, key_dim), (value_heads, value_dim) = shapes[layout]
+        inputs = cache_inputs(out / "model.onnx")
+        assert inputs["past_key_values.0.key"] == ["batch_size", key_heads, "past_sequence_length", key_dim]
+        assert inputs["past_key_values.0.value"] == ["batch_size", value_heads, "past_sequence_length", value_dim]
+        names = {t.name for t in model.graph.initializer}
+        assert any(n.endswith("kv_b_proj/weight") for n in names) == (layout == "per-head")
+        assert any(n.endswith("kv_b_proj/k_absorbed") for n in names) == (layout == "latent")
 
 
 @pytest.mark.parametrize("name", sorted(["deepseek-v3-tiny", "deepseek-v2-lite-tiny"]))

@@ -238,9 +238,9 @@ def test_qmoe_computes_with_the_quantized_weights_matmulnbits_gets(compressed):
     rng = np.random.default_rng(0)
     ids = rng.integers(0, config.vocab_size, (2, 11))
     feeds = {"input_ids": ids, "attention_mask": np.ones_like(ids), "position_ids": np.tile(np.arange(11), (2, 1))}
-    for i in range(config.num_hidden_layers):
-        feeds[f"past_key_values.{i}.key"] = np.zeros((2, 4, 0, 24), np.float32)
-        feeds[f"past_key_values.{i}.value"] = np.zeros((2, 4, 0, 12), np.float32)
+    for i in range(config.num_hidden_layers):  # an empty latent cache (the default): rotary key and latent
+        feeds[f"past_key_values.{i}.key"] = np.zeros((2, 1, 0, config.qk_rope_head_dim), np.float32)
+        feeds[f"past_key_values.{i}.value"] = np.zeros((2, 1, 0, config.kv_lora_rank), np.float32)
     a = GraphRunner(dispatch / "model.onnx", "onnxruntime")(feeds)["logits"]
     b = GraphRunner(fused / "model.onnx", "onnxruntime")(feeds)["logits"]
     assert np.abs(a - b).max() < 1e-4 * (a.max() - a.min())
@@ -292,7 +292,8 @@ def test_int4_after_the_onnxruntime_passes_stage_is_matmulnbits(tiny_checkpoints
     """fuse-mla-attention raises the opset to 23, where NNCF writes INT4 as blocked DequantizeLinear -> MatMul
     (ORT runs that as dequantize + fp32 MatMul unless its session fuses it); the compress stage writes
     MatMulNBits with the accuracy level instead, so the artifact states the kernel."""
-    export(str(tiny_checkpoints["deepseek_v3"]), tmp_path / "exp", parity=())
+    # per-head: fuse-mla-attention, which raises the opset, does not take the latent cache
+    export(str(tiny_checkpoints["deepseek_v3"]), tmp_path / "exp", parity=(), mla_cache="per-head")
     optimize(tmp_path / "exp", tmp_path / "opt", "onnxruntime", parity=False)
     assert onnx.load(tmp_path / "opt" / "model.onnx", load_external_data=False).opset_import[0].version >= 21
     summary = compress(tmp_path / "opt", tmp_path / "c", target="onnxruntime", scheme="int4-grouped")

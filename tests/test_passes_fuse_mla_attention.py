@@ -1,18 +1,21 @@
-"""fuse-mla-attention: attention whose K and V head sizes differ (DeepSeek MLA) -> ONNX Attention (opset 23); and
-the ONNX Runtime limits that rule out its contrib attention ops for it."""
+"""fuse-mla-attention: attention whose K and V head sizes differ (DeepSeek MLA) -> ONNX Attention (opset 23); the
+ONNX Runtime limits that rule out its contrib attention ops for it; and the latent MLA cache, which it leaves alone."""
 
 from __future__ import annotations
 
 import numpy as np
+import onnx_ir as ir
 import onnxruntime as ort
 import pytest
 from attention_helpers import attention_feeds, attention_model
+from conftest import tiny_configs
 from onnx import TensorProto, helper
 from passes_helpers import check_pass, make_model, node, op_counts
 
 from passes import run_pipeline
 from passes.fusions.group_query_attention import FuseGroupQueryAttention
 from passes.fusions.mla_attention import FuseMlaAttention
+from toolchain.stages.export import export
 
 
 def near_misses(model) -> str:
@@ -134,3 +137,25 @@ def test_ort_group_query_attention_rejects_a_value_of_another_head_size():
     with pytest.raises(Exception, match="'value' is expected to have same hidden size as key"):
         _run_contrib("GroupQueryAttention", ["q", "k", "v", "past_k", "past_v", "seqlens_k", "total"], feeds,
                      num_heads=2, kv_num_heads=2)
+
+
+def test_the_latent_mla_cache_is_left_as_it_is(tiny_checkpoints, tmp_path):
+    """DeepSeek's latent cache scores q_lat latent^T + q_rot k_rot^T, two products over two cached tensors that are
+    not softmax(q K^T) V: the pass reports no change, leaves the graph byte for byte as it was (check_pass) and the
+    opset at 18, and does not fail."""
+    config = tiny_configs()["deepseek_v3"]
+    export(str(tiny_checkpoints["deepseek_v3"]), tmp_path / "exp", parity=(), mla_cache="latent")
+    model = ir.load(tmp_path / "exp" / "model.onnx")
+    assert model.metadata_props["dstc.kv_cache"] == "latent"
+    run_pipeline(model, ["infer-shapes"])  # the pattern's check reads head sizes from inferred shapes
+    rng = np.random.default_rng(0)
+    seq, past = 3, 4
+    feeds = {"input_ids": rng.integers(0, config.vocab_size, (1, seq)),
+             "attention_mask": np.ones((1, past + seq), np.int64),
+             "position_ids": np.arange(past, past + seq)[None]}
+    for i in range(config.num_hidden_layers):
+        feeds[f"past_key_values.{i}.key"] = rng.normal(size=(1, 1, past, config.qk_rope_head_dim)).astype(np.float32)
+        feeds[f"past_key_values.{i}.value"] = rng.normal(size=(1, 1, past, config.kv_lora_rank)).astype(np.float32)
+    stats = check_pass(model, "fuse-mla-attention", feeds=feeds)
+    assert (stats.modified, stats.counts) == (False, {})
+    assert model.opset_imports[""] == 18 and "Attention" not in op_counts(model)

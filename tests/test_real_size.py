@@ -132,4 +132,12 @@ def test_a_256_expert_model_builds_through_the_passes_stage(tmp_path, monkeypatc
     export_report = manifest["provenance"]["stage_reports"]["export/export.json"]
     assert export_report["graph"]["files"] == ["model.onnx", "model.onnx.data"]
     assert export_report["parity_mode"] == "layer by layer" and export_report["parity"]["onnxruntime"]["passed"]
-    assert manifest["provenance"]["stage_reports"]["passes/passes.json"]["counts"]["fuse-mla-attention"]["mla"] == 2
+    assert export_report["graph"]["kv_cache"] == "latent"
+    passes = manifest["provenance"]["stage_reports"]["passes/passes.json"]
+    # the passes ran on the external-data graph: RoPE of q and k and every norm after a residual, in both layers
+    assert passes["counts"]["fuse-rotary-embedding"]["rotary_embedding"] == 2 * 2
+    assert passes["counts"]["fuse-skip-rms-norm"] == {"skip_rms_norm": 2 * 2}
+    # the latent cache has no attention for fuse-mla-attention to take: it leaves the graph as it was
+    mla = next(s for s in passes["passes"] if s["name"] == "fuse-mla-attention")
+    assert not mla["modified"] and mla["nodes_before"] == mla["nodes_after"] and "fuse-mla-attention" not in \
+        passes["counts"]

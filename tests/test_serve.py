@@ -36,22 +36,25 @@ BACKENDS = ("openvino", "onnxruntime")
 
 @pytest.fixture(scope="module")
 def artifacts(tmp_path_factory, stage_cache):
-    """{backend: Artifact}: the embedded DeepSeek-V3 model, INT4 on OpenVINO (a compression.json to export), fp32 on
-    ONNX Runtime."""
+    """{backend: Artifact}: the embedded DeepSeek-V3 model, INT4 on OpenVINO (a compression.json to export) with the
+    per-head KV cache, which openvino_genai's continuous batching needs (it refuses the latent one), and fp32 on
+    ONNX Runtime with the latent cache (the default)."""
     root = tmp_path_factory.mktemp("serve")
     recipes = {
-        "openvino": {"compress": {"scheme": "int4-grouped", "group_size": 128}, "compile": {"backend": "openvino",
-                                                                                            "verify": False}},
-        "onnxruntime": {"compile": {"backend": "onnxruntime", "verify": False}},
+        "openvino": {"export": {"parity": [], "mla_cache": "per-head"},
+                     "compress": {"scheme": "int4-grouped", "group_size": 128},
+                     "compile": {"backend": "openvino", "verify": False}},
+        "onnxruntime": {"export": {"parity": []}, "compile": {"backend": "onnxruntime", "verify": False}},
     }
     out = {}
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("DSTC_CACHE_DIR", str(stage_cache))
         for backend, stages in recipes.items():
             recipe = root / f"{MODEL}-{backend}.yaml"
-            recipe.write_text(yaml.safe_dump({"name": f"{MODEL}-{backend}", "model": MODEL,
-                                              "export": {"parity": []}, **stages}))
-            build(recipe, root / f"{MODEL}-{backend}")
+            recipe.write_text(yaml.safe_dump({"name": f"{MODEL}-{backend}", "model": MODEL, **stages}))
+            manifest = build(recipe, root / f"{MODEL}-{backend}")
+            assert manifest["provenance"]["stage_reports"]["export/export.json"]["graph"]["kv_cache"] == \
+                ("per-head" if backend == "openvino" else "latent")
             out[backend] = open_artifact(root / f"{MODEL}-{backend}")
     return out
 

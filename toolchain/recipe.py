@@ -47,7 +47,8 @@ class ExportSection(Section):
     # how MoE layers' routed experts are lowered (toolchain/export/moe.py LOWERINGS)
     moe: Literal["dispatch", "fused-onnxruntime", "fused-openvino"] = "dispatch"
     # what MLA's KV cache holds (toolchain/export/deepseek.py MLA_CACHES); None: the architecture's default
-    # (per-head). An MLA-free model refuses a layout at export, when its architecture is known
+    # (latent; per-head for serving on OpenVINO). An MLA-free model refuses a layout at export, when its
+    # architecture is known
     mla_cache: Literal["latent", "per-head"] | None = None
     # how the weights are stored (toolchain/export/weights.py STORAGES): bf16 values as bf16 + Cast, or float32
     weights: Literal["auto", "float32", "bfloat16"] = "auto"

@@ -5,7 +5,7 @@ The subclasses in deepseek_v2.py / deepseek_v3.py supply their routing; ``moe_lo
 experts run (toolchain/export/moe.py), ``kv_cache`` what the cache holds (``dstc export --mla-cache``, recipe
 ``export.mla_cache``; ``with_mla_cache``):
 
-* ``latent`` (opt-in): per token and layer, the normalized latent (kv_lora_rank values, after
+* ``latent`` (the default): per token and layer, the normalized latent (kv_lora_rank values, after
   kv_a_layernorm) as ``past_key_values.N.value`` [B, 1, T, kv_lora_rank] and the rotary key (qk_rope_head_dim
   values, after RoPE) as ``past_key_values.N.key`` [B, 1, T, qk_rope_head_dim]: one "head" each, so every consumer
   of the graph interface sees an ordinary cache. kv_b_proj is absorbed: its key rows W_uk [H, nope, rank] turn
@@ -13,14 +13,13 @@ experts run (toolchain/export/moe.py), ``kv_cache`` what the cache holds (``dstc
   with the key and the latent shared by every head, and its value rows W_uv [H, rank, v] take the attended latent
   back to each head's values before o_proj. Both are 3-D per-head constants read by a batched MatMul (the
   compress stage's rules for them are in toolchain/compress/engine.py). DeepSeek-V3 widths cache 512 + 64 values
-  per token and layer instead of 128 x (192 + 128).
+  per token and layer instead of 128 x (192 + 128). The default because benchmarks/mla_cache.py (V2-Lite widths,
+  2 layers) measured it at least as fast at decode at every context, and faster from 1k on, on both backends:
+  1.3x (ONNX Runtime fp32) to 5.5x (OpenVINO INT4) for the whole step at 4k (README, "MLA KV cache").
 * ``per-head``: transformers' own form, per-head keys [H, nope + rope] and values [H, v], kv_b_proj applied to
-  the latent of every new token; what ``fuse-mla-attention`` fuses into ONNX Attention for ONNX Runtime. The
-  default: openvino_genai's continuous batching pages only ScaledDotProductAttention (it refuses a latent
-  artifact), and a latent default needs the tests that pin per-head graph facts moved to an explicit
-  ``mla_cache="per-head"``. benchmarks/mla_cache.py (V2-Lite widths, 2 layers) measured the latent form
-  faster at decode from 1k context on both backends and 1.4x (ONNX Runtime fp32) to 3x (OpenVINO fp32) at
-  4k for the whole step (README, "MLA KV cache").
+  the latent of every new token. Chosen for what only it has: ``fuse-mla-attention`` fuses it into ONNX
+  Attention for ONNX Runtime, and openvino_genai's continuous batching (``dstc serve`` on OpenVINO) pages only
+  ScaledDotProductAttention, so it refuses a latent artifact.
 """
 
 from __future__ import annotations
@@ -42,7 +41,7 @@ MLA_CACHES = ("latent", "per-head")
 
 def with_mla_cache(arch, layout: str | None):
     """The architecture with its MLA KV cache in ``layout`` (MLA_CACHES); None keeps the architecture's default
-    (per-head). Asking for a layout of an architecture without MLA attention is an InputError."""
+    (latent). Asking for a layout of an architecture without MLA attention is an InputError."""
     if layout is None:
         return arch
     if layout not in MLA_CACHES:
@@ -80,7 +79,7 @@ class DeepseekArchitecture:
     # onnxruntime_artifact.py writes no genai_config.json, and says why)
     genai_model_type: str | None = None
     moe_lowering = "dispatch"  # moe.with_lowering gives a copy with another
-    kv_cache = "per-head"  # with_mla_cache gives a copy with another (MLA_CACHES)
+    kv_cache = "latent"  # with_mla_cache gives a copy with another (MLA_CACHES)
 
     def check(self, config) -> None:
         if config.hidden_act != "silu":
