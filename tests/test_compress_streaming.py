@@ -35,14 +35,32 @@ def nbits_tensors(path: Path) -> dict[str, list[np.ndarray]]:
             for node in model.graph if node.op_type == "MatMulNBits"}
 
 
+def initializers(path: Path) -> dict[str, np.ndarray]:
+    return {name: v.const_value.numpy() for name, v in ir.load(path).graph.initializers.items()
+            if v.const_value is not None}
+
+
+@pytest.mark.parametrize("chunk_bytes", [None, 1 << 16], ids=["whole-weights", "chunked"])
 @pytest.mark.parametrize("arch", ["deepseek_v3", "qwen2"])
-def test_onnxruntime_streaming_writes_nncfs_own_tensors(exports, tmp_path, arch):
+def test_onnxruntime_streaming_writes_nncfs_own_tensors(exports, tmp_path, arch, chunk_bytes, monkeypatch):
+    """Also with every weight read in several chunks of over 10,000 elements, where NNCF's OpenVINO-optimized
+    functions run (and reuse the buffers of what they returned: toolchain/compress/lowering.py)."""
+    if chunk_bytes:
+        from toolchain.compress import streaming
+
+        monkeypatch.setattr(streaming, "CHUNK_BYTES", chunk_bytes)
     whole = compress(exports[arch], tmp_path / "whole", target="onnxruntime", streaming="never")
     streamed = compress(exports[arch], tmp_path / "streamed", target="onnxruntime", streaming="always")
     a, b = nbits_tensors(tmp_path / "whole" / "model.onnx"), nbits_tensors(tmp_path / "streamed" / "model.onnx")
     assert a.keys() == b.keys() and len(a) > 10
     for name in a:
         assert all(x.shape == y.shape and np.array_equal(x, y) for x, y in zip(a[name], b[name])), name
+    whole_tensors = initializers(tmp_path / "whole" / "model.onnx")
+    streamed_tensors = initializers(tmp_path / "streamed" / "model.onnx")
+    shared = whole_tensors.keys() & streamed_tensors.keys()  # the absorbed MLA weights are named by each path
+    assert {"embed_tokens.weight_quantized", "embed_tokens.weight_quantized_row_scale"} <= shared
+    for name in shared:  # the embedding table's INT8 rows too
+        assert np.array_equal(whole_tensors[name], streamed_tensors[name]), name
     assert streamed["streaming"] is True and whole["streaming"] is False
     errors = {r["weight"]: r["weight_error"] for r in whole["per_weight"]}
     for row in streamed["per_weight"]:  # measured chunk by chunk, the same figure
@@ -169,14 +187,9 @@ MEASURE = textwrap.dedent("""
     graph = ir.Graph([x], [h], nodes=nodes, initializers=inits, opset_imports={"": 18})
     ir.save(ir.Model(graph, ir_version=9), root / "in.onnx", external_data="in.onnx.data")
     del graph, inits, nodes, w
-    from toolchain.compress import engine, streaming
+    from toolchain.compress import engine, lowering, streaming
     # imports and NNCF's first call (it compiles its OpenVINO kernels) are not what is measured
-    import nncf
-    from nncf.quantization.algorithms.weight_compression.config import WeightCompressionConfig
-    from nncf.quantization.algorithms.weight_compression.weight_lowering import compress_weight
-    from nncf.tensor import Tensor
-    compress_weight(Tensor(np.ones((2048, 2048), np.float32)), (0,),
-                    WeightCompressionConfig(nncf.CompressWeightsMode.INT4_ASYM, 128))
+    lowering.quantize(np.ones((2048, 2048), np.float32), 0, "INT4_ASYM", 128)
     model = ir.load(root / "in.onnx")
     weights = engine.graph_weights(model, with_arrays=False)
     options = engine.Options(scheme="int4-grouped")
@@ -203,3 +216,80 @@ def test_memory_of_streaming_compression_does_not_grow_with_the_model(tmp_path):
     weight = 2048 * 2048 * 4
     assert increases[16] < increases[4] + weight, increases
     assert increases[16] < 16 * weight / 2, increases
+
+
+def test_nncf_quantization_returns_arrays_later_calls_do_not_touch():
+    """NNCF's OpenVINO-optimized functions hand back views of buffers their next call reuses: what
+    lowering.quantize returns stays the first call's (equal to compress_weight copied at once), and its squared
+    error and norm are float64's within 1e-6."""
+    import nncf
+    from nncf.quantization.algorithms.weight_compression.config import WeightCompressionConfig
+    from nncf.quantization.algorithms.weight_compression.weight_lowering import (
+        compress_weight,
+        do_integer_dequantization,
+    )
+    from nncf.tensor import Tensor
+
+    from toolchain.compress import lowering
+
+    rng = np.random.default_rng(0)
+    for mode, group, axis in (("INT4_ASYM", 128, 0), ("INT4_SYM", 64, 0), ("INT8_ASYM", None, 1)):
+        weights = [rng.standard_normal((256, 512), dtype=np.float32) for _ in range(3)]  # above 10,000 elements
+        config = WeightCompressionConfig(getattr(nncf.CompressWeightsMode, mode), group or -1)
+        expected = []
+        for w in weights:
+            c = compress_weight(Tensor(w), (axis,), config)
+            restored = do_integer_dequantization(c).data.reshape(w.shape).astype(np.float64)
+            expected.append((c.tensor.data.copy(), c.scale.data.copy(),
+                             None if c.zero_point is None else c.zero_point.data.copy(),
+                             float(np.square(restored - w).sum()), float(np.square(w.astype(np.float64)).sum())))
+        results = [lowering.quantize(w, axis, mode, group) for w in weights]
+        for (q, scale, zp, err, norm), r in zip(expected, results):
+            assert np.array_equal(q, r.q) and np.array_equal(scale, r.scale), mode
+            assert (zp is None) == (r.zero_point is None) and (zp is None or np.array_equal(zp, r.zero_point))
+            assert r.squared_error == pytest.approx(err, rel=1e-6) and r.squared_norm == pytest.approx(norm, rel=1e-6)
+        kept = lowering.quantize(weights[0], axis, mode, group, keep_restored=True)
+        assert kept.restored is not None and kept.squared_error == pytest.approx(expected[0][3], rel=1e-6)
+
+
+def test_a_weight_read_in_many_chunks_is_nncfs_whole_weight(tmp_path, monkeypatch):
+    """A [256, 1024] MatMul weight (INT4, groups of 64) and a [1024, 256] embedding table (INT8 per row) read in
+    chunks of 16,384 elements, where NNCF's optimized functions run: the tensors written are NNCF's
+    compress_weight of each whole weight."""
+    import nncf
+    from nncf.quantization.algorithms.weight_compression.config import WeightCompressionConfig
+    from nncf.quantization.algorithms.weight_compression.weight_lowering import compress_weight
+    from nncf.tensor import Tensor
+
+    from toolchain.compress import engine, streaming
+
+    rng = np.random.default_rng(1)
+    table, matrix = rng.standard_normal((1024, 256), dtype=np.float32), rng.standard_normal((256, 1024), np.float32)
+    ids = ir.val("ids", dtype=ir.DataType.INT64, shape=ir.Shape(["b"]))
+    t = ir.Value(name="embed_tokens.weight", const_value=ir.tensor(table, name="embed_tokens.weight"))
+    w = ir.Value(name="lm_head.weight", const_value=ir.tensor(matrix, name="lm_head.weight"))
+    gather = ir.node("Gather", [t, ids], name="embed")
+    matmul = ir.node("MatMul", [gather.outputs[0], w], name="lm_head")
+    graph = ir.Graph([ids], [matmul.outputs[0]], nodes=[gather, matmul], initializers=[t, w],
+                     opset_imports={"": 18})
+    ir.save(ir.Model(graph, ir_version=9), tmp_path / "in.onnx", external_data="in.onnx.data")
+    monkeypatch.setattr(streaming, "CHUNK_BYTES", 1 << 16)
+    model = ir.load(tmp_path / "in.onnx")
+    weights = engine.graph_weights(model, with_arrays=False)
+    plan = {x.name: "int8" if x.kind == "gather" else "int4" for x in weights}
+    specs = streaming.plan_specs(weights, plan, engine.Options(scheme="int4-grouped", group_size=64), "openvino")
+    assert sorted(s.form for s in specs) == ["dq-blocked", "dq-rows"]
+    streaming.compress_streaming(model, specs, lambda m: None)
+    ir.save(model, tmp_path / "out.onnx", external_data="out.onnx.data")
+    written = initializers(tmp_path / "out.onnx")
+    c = compress_weight(Tensor(matrix), (0,), WeightCompressionConfig(nncf.CompressWeightsMode.INT4_ASYM, 64))
+    scale = c.scale.data.squeeze(1).copy()
+    q = c.tensor.data.reshape(matrix.shape).copy()
+    matrix_tensors = [a for name, a in written.items() if name.startswith("lm_head")]
+    assert any(a.shape == q.shape and np.array_equal(a.astype(np.int64), q) for a in matrix_tensors)
+    assert any(a.shape == scale.shape and np.array_equal(a, scale) for a in matrix_tensors)
+    c = compress_weight(Tensor(table), (1,), WeightCompressionConfig(nncf.CompressWeightsMode.INT8_ASYM))
+    q, scale = c.tensor.data.copy(), c.scale.data.reshape(-1).copy()
+    table_tensors = [a for name, a in written.items() if name.startswith("embed_tokens")]
+    assert any(a.shape == q.shape and np.array_equal(a, q) for a in table_tensors)
+    assert any(a.shape == scale.shape and np.array_equal(a, scale) for a in table_tensors)

@@ -263,6 +263,34 @@ def test_streamed_compression_of_fused_experts(compressed, fused_exports, tmp_pa
         sum(n.op_type == "DequantizeLinear" and "/experts/" in n.name for n in graph.node) == 6
 
 
+@pytest.mark.parametrize("target", ["onnxruntime", "openvino"])
+def test_fused_experts_written_are_each_experts_own_with_nncfs_optimized_functions(compressed, fused_exports,
+                                                                                  tmp_path, target, monkeypatch):
+    """With NNCF's OpenVINO-optimized functions on at these widths (above 10,000 elements, as every real expert
+    is; they reuse the buffers of what they returned, toolchain/compress/lowering.py): the same compressed model
+    as NNCF's reference functions give, expert by expert, on both the whole-model and the streamed path."""
+    from nncf.quantization.algorithms.weight_compression import weight_lowering
+
+    _, reference = compressed(f"fused-{target}", target)
+    source = fused_exports("deepseek_v3", f"fused-{target}")[0]
+    compress(source, tmp_path / "reference", target=target, scheme="int4-grouped", streaming="always")
+    monkeypatch.setattr(weight_lowering, "MIN_INPUT_SIZE_FOR_OPTIMIZED_COMPRESSION", 0)
+    optimized = compress(source, tmp_path / "whole", target=target, scheme="int4-grouped")
+    compress(source, tmp_path / "streamed", target=target, scheme="int4-grouped", streaming="always")
+    ref_rows, rows = expert_rows(reference), expert_rows(optimized)
+    assert all(rows[n]["weight_error"] == pytest.approx(ref_rows[n]["weight_error"], rel=1e-5) for n in rows)
+    assert optimized["model"]["kl_mean"] == pytest.approx(reference["model"]["kl_mean"], rel=0.05)
+
+    def expert_tensors(path):
+        return {name: v.const_value.numpy() for name, v in ir.load(path / "model.onnx").graph.initializers.items()
+                if "/experts/" in name and v.const_value is not None}
+
+    expected, got = expert_tensors(tmp_path / "reference"), expert_tensors(tmp_path / "streamed")
+    assert len(expected) >= 6 and got.keys() == expected.keys()
+    for name, array in expected.items():
+        assert np.allclose(got[name].astype(np.float64), array.astype(np.float64), rtol=1e-6, atol=0), name
+
+
 def test_int8_fused_experts_and_what_is_refused(fused_exports, tmp_path):
     ort_export, ov_export = (fused_exports("deepseek_v3", lw)[0] for lw in FUSED)
     summary = compress(ort_export, tmp_path / "int8", target="onnxruntime", scheme="int8-per-channel")

@@ -31,12 +31,13 @@ from __future__ import annotations
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import cast
 
 import numpy as np
 import onnx_ir as ir
 
 from passes.graph import HeldInitializer, name_of, present, produced
-from toolchain.compress import metrics
+from toolchain.compress import lowering, metrics
 from toolchain.compress.engine import Options
 from toolchain.compress.policy import role_of
 from toolchain.compress.streaming import adjusted_group, raise_opset
@@ -213,17 +214,8 @@ class Job:
         return array
 
     def _compute(self) -> dict[str, np.ndarray]:
-        import nncf
-        from nncf.quantization.algorithms.weight_compression.config import WeightCompressionConfig
-        from nncf.quantization.algorithms.weight_compression.weight_lowering import (
-            compress_weight,
-            do_integer_dequantization,
-        )
-        from nncf.tensor import Tensor
-
         spec = self.spec
-        mode = getattr(nncf.CompressWeightsMode, f"INT{spec.bits}_{'SYM' if spec.sym else 'ASYM'}")
-        config = WeightCompressionConfig(mode=mode, group_size=spec.group or -1)
+        mode = f"INT{spec.bits}_{'SYM' if spec.sym else 'ASYM'}"
         tensor = self.stacked.tensor
         stacked = tensor.numpy()  # a memory map for external data: read expert by expert
         names = self.layer.names(self.stacked)
@@ -231,12 +223,12 @@ class Job:
         qs, scales, zps = [], [], []
         for e in range(stacked.shape[0]):
             w = np.array(stacked[e], dtype=np.float32)  # [out, in]
-            compressed = compress_weight(Tensor(w), (1,), config)
-            restored = do_integer_dequantization(compressed).data.reshape(w.shape)
-            qs.append(compressed.tensor.data.reshape(w.shape))
-            scales.append(compressed.scale.data.reshape(w.shape[0], -1))
-            if compressed.zero_point is not None:
-                zps.append(compressed.zero_point.data.reshape(w.shape[0], -1))
+            quantized = lowering.quantize(w, 1, mode, spec.group, keep_restored=True)
+            restored = cast(np.ndarray, quantized.restored).reshape(w.shape)
+            qs.append(quantized.q.reshape(w.shape))
+            scales.append(quantized.scale.reshape(w.shape[0], -1))
+            if quantized.zero_point is not None:
+                zps.append(quantized.zero_point.reshape(w.shape[0], -1))
             for i, (_, projection, name) in enumerate(names[e * parts:(e + 1) * parts]):
                 rows = slice(i, None, parts)  # interleaved projections: every parts-th row from the i-th
                 # [in, out] as the dispatch lowering's MatMul weight, so that x @ W is the projection

@@ -163,9 +163,11 @@ def load_graph(path: Path) -> ir.Model:
     return model
 
 
-def save_graph(model: ir.Model, path: Path) -> list[str]:
-    """Write the model; returns the files written (model.onnx, and model.onnx.data for large weights)."""
-    if float32_bytes(model) > EXTERNAL_DATA_BYTES:
+def save_graph(model: ir.Model, path: Path, external: bool | None = None) -> list[str]:
+    """Write the model; returns the files written (model.onnx, and model.onnx.data for large weights, or when
+    ``external``: a graph of lazy tensors is then written a tensor at a time, where one file is serialized whole
+    in memory, twice: the ModelProto's copy of every tensor and its byte string)."""
+    if external or (external is None and float32_bytes(model) > EXTERNAL_DATA_BYTES):
         # small tensors (norms' scales, shape constants) stay in the graph file, as ORT's optimizer writes them
         ir.save(model, path, external_data=path.name + ".data", size_threshold_bytes=1024)
         return [path.name, path.name + ".data"]

@@ -7,8 +7,8 @@ stated policy (toolchain/compress/policy.py): embeddings and lm_head INT8, MoE r
 
 Targets:
 
-* ``onnxruntime``: OUT/model.onnx (+ model.onnx.data above 1 GiB of weights), every compressed MatMul a
-  com.microsoft MatMulNBits (4 or 8 bits) with ``accuracy_level``, embeddings gathered then dequantized
+* ``onnxruntime``: OUT/model.onnx (+ model.onnx.data above 1 GiB of weights, or when streamed), every compressed
+  MatMul a com.microsoft MatMulNBits (4 or 8 bits) with ``accuracy_level``, embeddings gathered then dequantized
   (passes/quantize/matmul_nbits.py); compression.json lists the kernels ORT's profiler saw run.
 * ``openvino``: OUT/openvino_model.xml/.bin, the stateless model (same inputs and outputs as the ONNX graph,
   past_key_values.* / present.*) with NNCF's compressed weights; the compile stage makes it stateful as it does
@@ -260,7 +260,7 @@ def _compress_streaming(model, in_dir, out_dir, target, options, policy, report,
     timings["plan_s"] = time.perf_counter() - t0
     with atomic_output_dir(out_dir) as tmp:
         t0 = time.perf_counter()
-        files = save_graph(model, tmp / "model.onnx")
+        files = save_graph(model, tmp / "model.onnx", external=True)  # each weight computed as it is written
         del model
         timings["compress_s"] = time.perf_counter() - t0
         shutil.copyfile(in_dir / "export.json", tmp / "export.json")
