@@ -159,10 +159,67 @@ def test_int8_per_head_streaming_compiles_and_verifies_for_openvino(exports, tmp
     assert manifest["verification"]["passed"]
 
 
-def test_data_aware_options_are_refused_in_streaming_form(exports, tmp_path):
-    with pytest.raises(InputError, match="not available in bounded memory"):
-        compress(exports["qwen2"], tmp_path / "o", target="openvino", awq=True, streaming="always")
-    assert not (tmp_path / "o").exists()
+def test_whole_model_data_aware_options_are_refused_in_streaming_form(exports, tmp_path):
+    for options in ({"awq": True}, {"ratio": 0.8}, {"awq": True, "scale_estimation": True}):
+        with pytest.raises(InputError, match="not available in bounded memory"):
+            compress(exports["qwen2"], tmp_path / "o", target="openvino", streaming="always", **options)
+        assert not (tmp_path / "o").exists()
+
+
+def scales(path: Path) -> dict[str, np.ndarray]:
+    return {name: a for name, a in initializers(path).items() if name.endswith("_scale") and a.dtype.kind == "f"}
+
+
+def test_scale_estimation_streams_with_statistics_computed_layer_by_layer(exports, tmp_path):
+    """Streamed scale estimation (statistics from the checkpoint's layers, one at a time) against NNCF's
+    whole-model scale estimation (statistics from the graph run on ORT): the same weights estimated (every INT4
+    nn.Linear of the layers; routed experts and MLA's absorbed kv_b_proj not), per-weight errors within 1 %,
+    scales within 1e-3 of NNCF's but for a few groups whose grid search went the other way on the two runs'
+    rounding, and not the data-free scales."""
+    whole = compress(exports["qwen2"], tmp_path / "whole", target="onnxruntime", scale_estimation=True,
+                     streaming="never")
+    streamed = compress(exports["qwen2"], tmp_path / "streamed", target="onnxruntime", scale_estimation=True,
+                        streaming="always")
+    free = compress(exports["qwen2"], tmp_path / "free", target="onnxruntime", streaming="always")
+    estimated = streamed["details"]["scale_estimation"]
+    rows = {r["weight"]: r for r in streamed["per_weight"]}
+    assert set(estimated) == {n for n, r in rows.items() if r["precision"].startswith("int4")}
+    assert len(estimated) == 21  # 3 layers x q, k, v, o, gate, up, down
+    assert streamed["calibration"]["sequences"] == whole["calibration"]["sequences"] == 16
+    whole_rows = {r["weight"]: r for r in whole["per_weight"]}
+    for name in estimated:
+        assert rows[name]["weight_error"] == pytest.approx(whole_rows[name]["weight_error"], rel=0.01), name
+    got, reference, data_free = (scales(tmp_path / d / "model.onnx") for d in ("streamed", "whole", "free"))
+    changed = 0
+    for name in got.keys() & reference.keys():
+        if not any(name.startswith(w.removesuffix("/weight")) for w in estimated):
+            continue
+        close = np.isclose(got[name], reference[name], rtol=1e-3)
+        assert close.mean() > 0.9, (name, close.mean())
+        changed += not np.array_equal(got[name], data_free[name])
+    assert changed >= len(estimated) // 2
+
+
+def test_streamed_scale_estimation_of_a_moe_mla_model_compiles_and_verifies(exports, tmp_path):
+    """DeepSeek-V3 (MLA, routed and shared experts), OpenVINO: the INT4 weights of nn.Linear modules get
+    estimated scales (attention projections, shared experts, the dense layer's MLP), routed experts NNCF's
+    data-free ones, and the artifact compiles and verifies against its compressed input graph. (NNCF's
+    whole-model scale estimation writes an INT8 absorbed kv_b_proj ORT refuses to run, so there is no
+    whole-model reference for this model here.)"""
+    streamed = compress(exports["deepseek_v3"], tmp_path / "streamed", target="openvino", scale_estimation=True,
+                        streaming="always")
+    free = compress(exports["deepseek_v3"], tmp_path / "free", target="openvino", streaming="always")
+    rows = {r["weight"]: r for r in streamed["per_weight"]}
+    int4 = {n for n, r in rows.items() if r["precision"].startswith("int4")}
+    estimated = set(streamed["details"]["scale_estimation"])
+    assert estimated == {n for n in int4 if "/mlp/experts/" not in n}
+    assert any("/shared_experts/" in n for n in estimated) and any("/mlp/dense/" in n for n in estimated)
+    assert any("q_a_proj" in n for n in estimated) and any("/mlp/experts/" in n for n in int4 - estimated)
+    free_rows = {r["weight"]: r for r in free["per_weight"]}
+    assert all(rows[n]["weight_error"] == free_rows[n]["weight_error"] for n in int4 - estimated)
+    assert sum(rows[n]["weight_error"] != free_rows[n]["weight_error"] for n in estimated) >= len(estimated) // 2
+    manifest = compile_artifact(tmp_path / "streamed", tmp_path / "art", "openvino")
+    assert manifest["verification"]["passed"]
 
 
 MEASURE = textwrap.dedent("""
@@ -203,16 +260,18 @@ MEASURE = textwrap.dedent("""
 
 def test_memory_of_streaming_compression_does_not_grow_with_the_model(tmp_path):
     """The peak resident set while compressing and saving is a few times one weight (NNCF's temporaries for it),
-    the same for 4 weights as for 16, and well below the model's float32 size."""
+    the same for 4 weights as for 16, and well below the model's float32 size. Each is the least of two runs:
+    whether the allocator hands a chunk's 16 MB buffer back or keeps it varies from run to run."""
     increases = {}
     for count in (4, 16):
-        out = tmp_path / str(count)
-        out.mkdir()
-        proc = subprocess.run([sys.executable, "-c", MEASURE, str(out), str(count), "openvino"], cwd=REPO,
-                              capture_output=True, text=True, timeout=600)
-        assert proc.returncode == 0, proc.stderr
-        result = json.loads(proc.stdout.strip().splitlines()[-1])
-        increases[count] = result["increase"]
+        for run in range(2):
+            out = tmp_path / f"{count}-{run}"
+            out.mkdir()
+            proc = subprocess.run([sys.executable, "-c", MEASURE, str(out), str(count), "openvino"], cwd=REPO,
+                                  capture_output=True, text=True, timeout=600)
+            assert proc.returncode == 0, proc.stderr
+            result = json.loads(proc.stdout.strip().splitlines()[-1])
+            increases[count] = min(increases.get(count, result["increase"]), result["increase"])
     weight = 2048 * 2048 * 4
     assert increases[16] < increases[4] + weight, increases
     assert increases[16] < 16 * weight / 2, increases

@@ -33,20 +33,28 @@ class Quantized:
     restored: np.ndarray | None = None
 
 
-def quantize(weight: np.ndarray, axis: int, mode: str, group: int | None, keep_restored: bool = False) -> Quantized:
-    """``weight`` (float32, C order) quantized along ``axis`` in NNCF's ``mode`` (a CompressWeightsMode name:
-    "INT4_ASYM", "INT8_SYM", ...) with ``group`` input channels per scale (None: per channel)."""
+def config(mode: str, group: int | None):
+    """NNCF's WeightCompressionConfig for ``mode`` (a CompressWeightsMode name: "INT4_ASYM", "INT8_SYM", ...)
+    with ``group`` input channels per scale (None: per channel)."""
     import nncf
     from nncf.quantization.algorithms.weight_compression.config import WeightCompressionConfig
+
+    return WeightCompressionConfig(mode=getattr(nncf.CompressWeightsMode, mode), group_size=group or -1)
+
+
+def quantize(weight: np.ndarray, axis: int, mode: str, group: int | None, keep_restored: bool = False,
+             scale: np.ndarray | None = None, zero_point: np.ndarray | None = None) -> Quantized:
+    """``weight`` (float32, C order) quantized along ``axis`` in ``mode`` with ``group`` (see ``config``);
+    ``scale`` (and ``zero_point``) given: those of a data-aware algorithm, in NNCF's shapes for this weight."""
     from nncf.quantization.algorithms.weight_compression.weight_lowering import integer_quantize_dequantize_weight
     from nncf.tensor import Tensor
 
-    config = WeightCompressionConfig(mode=getattr(nncf.CompressWeightsMode, mode), group_size=group or -1)
-    restored, compressed = integer_quantize_dequantize_weight(Tensor(weight), config, (axis,),
-                                                              return_compressed_weight=True)
-    zero_point = compressed.zero_point
+    restored, compressed = integer_quantize_dequantize_weight(
+        Tensor(weight), config(mode, group), (axis,), None if scale is None else Tensor(scale),
+        None if zero_point is None else Tensor(zero_point), return_compressed_weight=True)
+    zp = compressed.zero_point
     out = Quantized(q=np.array(compressed.tensor.data, copy=True), scale=np.array(compressed.scale.data, copy=True),
-                    zero_point=None if zero_point is None else np.array(zero_point.data, copy=True),
+                    zero_point=None if zp is None else np.array(zp.data, copy=True),
                     squared_error=0.0, squared_norm=0.0)
     diff = restored.data.reshape(weight.shape)
     if keep_restored:
@@ -57,3 +65,19 @@ def quantize(weight: np.ndarray, axis: int, mode: str, group: int | None, keep_r
     out.squared_error = float(np.square(diff, out=diff).sum())
     out.squared_norm = float(np.square(weight, out=diff).sum())
     return out
+
+
+def estimate_scales(weight: np.ndarray, statistics, mode: str,
+                    group: int | None) -> tuple[np.ndarray, np.ndarray | None]:
+    """NNCF's scale estimation (``ScaleEstimation.calculate_quantization_params`` with NNCF's default parameters,
+    what ``compress_weights(scale_estimation=True)`` runs per weight) of a [K, N] MatMul weight from its input's
+    ``statistics`` (a WCTensorStatistic): the scale and zero point (None when symmetric) to quantize it with."""
+    from nncf.quantization.advanced_parameters import AdvancedScaleEstimationParameters
+    from nncf.quantization.algorithms.weight_compression.scale_estimation import ScaleEstimation
+    from nncf.tensor import Tensor
+
+    p = AdvancedScaleEstimationParameters()
+    scale, zp = ScaleEstimation.calculate_quantization_params(
+        statistics, Tensor(weight), (0,), config(mode, group), -1, p.subset_size, p.initial_steps, p.scale_steps,
+        p.weight_penalty)
+    return np.array(scale.data, np.float32), None if zp is None else np.array(zp.data, copy=True)

@@ -29,8 +29,11 @@ along one row, so chunking changes nothing), when the first of the weight's tens
 the last one is. So the whole compression holds one weight's quantized form, and onnx-ir's save writes each
 tensor as it comes. The relative weight error ||W - Ŵ|| / ||W|| is accumulated chunk by chunk on the way.
 
-Data-aware methods (AWQ, scale estimation, GPTQ, mixed precision with ratio < 1) need activations through the
-whole model and stay on the whole-model path.
+Scale estimation: a weight given its input's calibration statistics (``Spec.statistics``, computed layer by layer
+by toolchain/compress/layer_statistics.py) is read whole once, NNCF's ``ScaleEstimation`` gives its scales and
+zero points, and its chunks are quantized with them. AWQ (which rescales a weight and the node before it),
+GPTQ (which updates weights in sequence on the model's activations) and mixed precision with ratio < 1 (which
+ranks every weight first) stay on the whole-model path.
 """
 
 from __future__ import annotations
@@ -80,6 +83,8 @@ class Spec:
     form: str
     # None: NNCF's quantization; a width: the int8-per-head pass's, one scale per this many output channels
     channels_per_scale: int | None = None
+    # the input's calibration statistics (an nncf WCTensorStatistic) for NNCF's scale estimation, INT4 only
+    statistics: object | None = None
 
     @property
     def group_size(self) -> int:
@@ -136,12 +141,17 @@ class Job:
         chunk_axis = 0 if rows_axis else -1  # of the values, scales and zero points
         # each written into the whole weight's array as it comes: a list of chunks and their concatenation would
         # hold the quantized weight twice (0.9 GB more for DeepSeek-V3's INT8 embedding table)
+        estimated = None
+        if spec.statistics is not None:  # from the whole weight, which scale estimation reads at once
+            estimated = lowering.estimate_scales(np.array(weight, np.float32), spec.statistics, mode, spec.group)
         q = scale = zp = None  # zero points: in every chunk or (symmetric) in none
         err = norm = 0.0
         for start in range(0, length, step):
             part = weight[start:start + step] if rows_axis else weight[:, start:start + step]
             part = np.array(part, dtype=np.float32, order="C")  # a copy: no view of the map outlives the loop
-            quantized = lowering.quantize(part, axis, mode, spec.group)
+            given = (None, None) if estimated is None else \
+                tuple(None if a is None else a[..., start:start + step] for a in estimated)
+            quantized = lowering.quantize(part, axis, mode, spec.group, scale=given[0], zero_point=given[1])
             err += quantized.squared_error
             norm += quantized.squared_norm
             q = _place(q, quantized.q.reshape(part.shape), chunk_axis, start, length)

@@ -153,6 +153,9 @@ def gated_mlp(g: GraphBuilder, x: ir.Value, gate: Array, up: Array, down: Array,
     return matmul_weight(g, g.op("Mul", act, matmul_weight(g, x, up, "up_proj", ub)), down, "down_proj", db)
 
 
+DENSE_MLP = "dense"  # the scope of a dense (non-MoE) MLP's projections inside a layer's "mlp"
+
+
 def mlp_module(g: GraphBuilder, x: ir.Value, module: HFModule, name: str) -> ir.Value:
     """A transformers gate/up/down MLP module (silu, which the architecture check guarantees)."""
     parts = [module.gate_proj, module.up_proj, module.down_proj]

@@ -68,6 +68,16 @@ class Architecture(Protocol):
     def mlp(self, g: GraphBuilder, mlp: HFModule, h: ir.Value) -> ir.Value: ...
 
 
+def linear_weight_name(layer: int, module_path: str, dense_mlp: bool) -> str:
+    """The graph's name for the weight of the nn.Linear at ``module_path`` in transformers' decoder layer
+    ``layer`` (``self_attn.q_proj``, ``mlp.shared_experts.up_proj``): the exporter's scopes are the module's
+    attribute names, with a dense (non-MoE) MLP's projections under ``mlp/dense`` (blocks.DENSE_MLP)."""
+    parts = module_path.split(".")
+    if dense_mlp and parts[0] == "mlp":
+        parts.insert(1, blocks.DENSE_MLP)
+    return "/".join([f"layers.{layer}", *parts, "weight"])
+
+
 def tied_embeddings(model: HFModule) -> bool:
     """Whether lm_head reads the embedding table itself (tie_word_embeddings: one Parameter in PyTorch)."""
     return model.lm_head.weight is model.model.embed_tokens.weight

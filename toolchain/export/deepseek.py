@@ -187,7 +187,7 @@ class DeepseekArchitecture:
 
     def mlp(self, g: GraphBuilder, mlp, h):
         if not hasattr(mlp, "experts"):
-            return blocks.mlp_module(g, h, mlp, "dense")
+            return blocks.mlp_module(g, h, mlp, blocks.DENSE_MLP)
         x2d = g.op("Reshape", h, g.const([-1, mlp.config.hidden_size]))
         with g.scope("router"), g.role("router"):
             logits = blocks.matmul_weight(g, x2d, self.router_weight(g, mlp), "gate")

@@ -118,7 +118,7 @@ def _schedule(case: Case, steps: int, pad_id: int) -> list[tuple[np.ndarray, np.
     return out
 
 
-def _additive_mask(mask: np.ndarray, new: int) -> torch.Tensor:
+def additive_mask(mask: np.ndarray, new: int) -> torch.Tensor:
     """[B, 1, new, total] additive mask as transformers' eager attention takes it: causal and padding."""
     total = mask.shape[1]
     query = torch.arange(total - new, total)[:, None]
@@ -183,7 +183,7 @@ def compare_layers(graph_path: Path, source_path: Path, backend: str, cases: lis
                 runs.append([])
                 for ids, mask, positions in _schedule(case, steps, pad_id):
                     hidden, pos = table[torch.from_numpy(ids)].float(), torch.from_numpy(positions)
-                    runs[-1].append(_Step(hidden, rotary(hidden, pos), _additive_mask(mask, ids.shape[1]), pos,
+                    runs[-1].append(_Step(hidden, rotary(hidden, pos), additive_mask(mask, ids.shape[1]), pos,
                                           mask[:, -ids.shape[1]:].astype(bool), {}))
             del table
             prologue, worst["prologue"] = GraphRunner(paths["prologue"], backend), 0.0

@@ -51,4 +51,4 @@ class LlamaArchitecture:
         return blocks.linear(g, out, attn.o_proj, "o_proj"), key, value
 
     def mlp(self, g: GraphBuilder, mlp, h):
-        return blocks.mlp_module(g, h, mlp, "dense")
+        return blocks.mlp_module(g, h, mlp, blocks.DENSE_MLP)

@@ -141,11 +141,12 @@ def compress(in_dir: Path, out_dir: Path, *, target: str = "onnxruntime", source
     fused_moe.check(fused, target, opts)
     weight_bytes = float32_bytes(model)  # bf16-stored weights as float32: the same choice for either storage
     if opts.streaming == "always" or (opts.streaming == "auto" and weight_bytes > STREAMING_BYTES):
-        if opts.data_aware:
-            raise InputError(f"{in_dir} has {weight_bytes / 2**30:.1f} GiB of float weights: data-aware compression "
-                             f"(awq, scale estimation, gptq, ratio < 1) runs on the whole model and is not available "
-                             f"in bounded memory; use the data-free scheme")
-        return _compress_streaming(model, in_dir, out_dir, target, opts, policy, report, timings, t0, log, fused)
+        if opts.awq or opts.gptq or opts.ratio < 1.0:
+            raise InputError(f"{in_dir} has {weight_bytes / 2**30:.1f} GiB of float weights: awq, gptq and ratio < 1 "
+                             f"run on the whole model and are not available in bounded memory; use the data-free "
+                             f"scheme or scale estimation (computed layer by layer)")
+        return _compress_streaming(model, in_dir, out_dir, target, opts, policy, report, timings, t0, log, fused,
+                                   source, config)
     engine.widen_stored_weights(model)  # NNCF and the metrics take float32 weights
     weights = engine.graph_weights(model)
     plan = policy.plan(weights)
@@ -241,20 +242,42 @@ def _head(target, options, policy, report, in_dir, tmp, files, weight_rows) -> d
     }
 
 
-def _compress_streaming(model, in_dir, out_dir, target, options, policy, report, timings, t0, log, fused) -> dict:
+def _compress_streaming(model, in_dir, out_dir, target, options, policy, report, timings, t0, log, fused, source,
+                        config) -> dict:
     """One weight at a time (toolchain/compress/streaming.py): the weight errors are measured as each weight is
     compressed; what needs the whole model run on calibration text (activations, next-token agreement,
-    routing) is not measured, and compression.json says so."""
+    routing) is not measured, and compression.json says so. Scale estimation takes its statistics from the
+    checkpoint's layers run one at a time on the calibration text (toolchain/compress/layer_statistics.py)."""
     from toolchain.compress import streaming as stream
     from toolchain.export.graph import save_graph
 
     weights = engine.graph_weights(model, with_arrays=False)
     plan = policy.plan(weights)
     specs = stream.plan_specs(weights, plan, options, target)
+    calibration_report, details_estimated = None, []
+    if options.scale_estimation:
+        from toolchain.compress.layer_statistics import linear_statistics
+
+        int4 = {s.weight.name: s for s in specs if s.bits == 4 and s.form in ("nbits", "dq-blocked")}
+        if not int4:
+            raise InputError("scale estimation applies to INT4 weights, and this plan has none")
+        texts = calibration.load_texts(options.dataset, CALIBRATION_SEQUENCES)
+        sequences, tokenization = calibration.token_sequences(texts, source, config["vocab_size"])
+        log(f"calibration statistics layer by layer on {len(sequences)} sequences ({tokenization})")
+        t1 = time.perf_counter()
+        statistics = linear_statistics(source, sequences, set(int4), log)
+        for name, stat in statistics.items():
+            int4[name].statistics = stat
+        details_estimated = sorted(statistics)
+        timings["statistics_s"] = time.perf_counter() - t1
+        calibration_report = {"sequences": len(sequences), "tokens": int(sum(len(s) for s in sequences)),
+                              "tokenization": tokenization}
+        log(f"scale estimation on {len(statistics)} of {len(int4)} INT4 weights (routed experts and weights "
+            f"without an nn.Linear in the checkpoint's layers take NNCF's data-free scales)")
     jobs = stream.compress_streaming(model, specs, log, keep=target == "onnxruntime")
     expert_jobs = fused_moe.compress_experts(model, fused, policy.precision, options, options.accuracy_level)
     details = {"demoted_3d": [s.weight.name for s in specs if s.form == "stacked" and plan[s.weight.name] == "int4"],
-               "per_head": {}}
+               "per_head": {}, **({"scale_estimation": details_estimated} if options.scale_estimation else {})}
     if target == "onnxruntime":
         details["ort_rewrites"] = engine.to_ort_kernels(model, options.accuracy_level, options.prefill_int8)
     timings["plan_s"] = time.perf_counter() - t0
@@ -288,7 +311,7 @@ def _compress_streaming(model, in_dir, out_dir, target, options, policy, report,
         unmeasured = "not measured: the model is compressed one weight at a time, without running it"
         typed = CompressionReport(
             **_head(target, options, policy, report, in_dir, tmp, files, weight_rows),
-            streaming=True, calibration=None,
+            streaming=True, calibration=calibration_report,
             model={"tokens": 0, "top1_agreement": None, "kl_mean": None, "kl_max": None, "note": unmeasured},
             routing=[], routing_agreement_min=None, layers=_layer_summary(weight_rows), per_weight=weight_rows,
             details=details, timings={k: round(v, 3) for k, v in timings.items()})

@@ -1,0 +1,74 @@
+"""Calibration statistics of a model too large to run whole: the inputs of each decoder layer's nn.Linear
+modules on calibration text, computed one layer at a time from the checkpoint.
+
+What NNCF's data-aware algorithms read from a model run (``WCTensorStatistic``: per calibration sequence, the
+mean of a MatMul's input over its tokens, and the input's shape) is collected here from transformers' own layer
+modules, built one at a time from the checkpoint reader (toolchain/checkpoint/reference.py): the embedding rows
+of the sequences go through layer 0, its outputs through layer 1, and so on, so memory holds one layer and the
+sequences' hidden states, whatever the model's size. Forward pre-hooks on each layer's nn.Linear modules take
+their inputs; the graph's name for each weight comes from the exporter (toolchain/export/decoder.py
+``linear_weight_name``). Routed experts (transformers' fused experts module has no nn.Linear) and MLA's absorbed
+kv_b_proj (a 3-D weight in the graph) get none.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from functools import partial
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from toolchain.errors import InputError
+
+
+@torch.no_grad()
+def linear_statistics(source: Path, sequences: list[list[int]], wanted: set[str],
+                      log: Callable[[str], None] = lambda _: None) -> dict:
+    """{graph weight name: nncf WCTensorStatistic} for the weights in ``wanted`` whose layer has them as
+    nn.Linear modules, on ``sequences`` (token ids; each one sample, unpadded, as the whole-model path feeds
+    them to NNCF)."""
+    from nncf.common.tensor_statistics.statistics import WCTensorStatistic
+    from nncf.tensor import Tensor
+
+    from toolchain.checkpoint import reference as ref
+    from toolchain.checkpoint.reader import EMBEDDING, open_checkpoint
+    from toolchain.export.decoder import linear_weight_name
+    from toolchain.export.layer_parity import additive_mask
+
+    if not sequences:
+        raise InputError("data-aware compression needs calibration text: no sequence of 2 tokens or more")
+    config = ref.reference_config(source)
+    means: dict[str, list[np.ndarray]] = {}
+    shapes: dict[str, list[tuple[int, ...]]] = {}
+
+    def record(name: str, _module, args) -> None:
+        x = args[0]
+        means.setdefault(name, []).append(x.reshape(-1, x.shape[-1]).mean(0).numpy())
+        shapes.setdefault(name, []).append(tuple(x.shape))
+
+    with open_checkpoint(source) as reader:
+        table = reader.tensor(EMBEDDING, reader.natural_dtype(EMBEDDING))
+        hidden = [table[torch.tensor([ids])].float() for ids in sequences]
+        del table
+        rotary = ref.rotary_embedding(config)
+        positions = [torch.arange(len(ids))[None] for ids in sequences]
+        ropes = [rotary(h, p) for h, p in zip(hidden, positions)]
+        masks = [additive_mask(np.ones((1, len(ids)), np.int64), len(ids)) for ids in sequences]
+        for i in range(config.num_hidden_layers):
+            layer = ref.decoder_layer(config, reader, i)
+            dense = not hasattr(layer.mlp, "experts")
+            hooks = [module.register_forward_pre_hook(partial(record, name))
+                     for path, module in layer.named_modules() if isinstance(module, torch.nn.Linear)
+                     if (name := linear_weight_name(i, path, dense)) in wanted]
+            for k in range(len(hidden)):
+                out = layer(hidden[k], attention_mask=masks[k], position_ids=positions[k],
+                            position_embeddings=ropes[k], use_cache=False)
+                hidden[k] = out[0] if isinstance(out, tuple) else out
+            for hook in hooks:
+                hook.remove()
+            del layer
+            log(f"calibration statistics: layer {i + 1}/{config.num_hidden_layers}, {len(means)} weights so far")
+    return {name: WCTensorStatistic(mean_values=[Tensor(m) for m in values], shape_values=shapes[name])
+            for name, values in means.items()}
