@@ -141,3 +141,39 @@ def test_a_256_expert_model_builds_through_the_passes_stage(tmp_path, monkeypatc
     mla = next(s for s in passes["passes"] if s["name"] == "fuse-mla-attention")
     assert not mla["modified"] and mla["nodes_before"] == mla["nodes_after"] and "fuse-mla-attention" not in \
         passes["counts"]
+
+
+def test_largest_layer_is_the_moe_layer_with_its_reference_bytes(tiny_checkpoints):
+    from toolchain.checkpoint import reference as ref
+
+    path = tiny_checkpoints["deepseek_v3"]
+    index, size = ref.largest_layer(path)
+    config = ref.reference_config(path)
+    with open_checkpoint(path) as reader:
+        sizes = [sum(t.numel() * 4 for t in ref.decoder_layer(config, reader, i).state_dict().values())
+                 for i in range(config.num_hidden_layers)]
+    assert index >= config.first_k_dense_replace and size == max(sizes) == sizes[index] > sizes[0]
+
+
+def test_parity_and_scale_estimation_on_a_layer_too_large_for_the_machine(tiny_checkpoints, tmp_path, monkeypatch):
+    """Layer by layer still builds one transformers layer in fp32 (a DeepSeek-V3 MoE layer at real width is
+    45 GB): on a machine too small for that, the export skips its parity with the reason in export.json, and
+    streamed scale estimation is refused in one line before anything is written."""
+    import toolchain.export.parity as parity
+    import toolchain.hardware as hardware
+    from toolchain.errors import InputError
+    from toolchain.stages.compress import compress
+
+    path = tiny_checkpoints["deepseek_v3"]
+    monkeypatch.setattr(parity, "FULL_PARITY_BYTES", 1 << 10)
+    monkeypatch.setattr(hardware, "memory_bytes", lambda: 1 << 20)  # 1 MiB: below any layer's 3x
+    report = export(str(path), tmp_path / "exp", parity=("onnxruntime",))
+    assert report["parity"] == {} and report["parity_mode"] == "layer by layer"
+    assert "parity layer by layer builds each decoder layer's transformers module in fp32" in report["parity_skipped"]
+    assert json.loads((tmp_path / "exp" / "export.json").read_text())["parity_skipped"] == report["parity_skipped"]
+    with pytest.raises(InputError, match="scale estimation in bounded memory .* use the data-free scheme"):
+        compress(tmp_path / "exp", tmp_path / "c", target="openvino", scale_estimation=True, streaming="always")
+    assert not (tmp_path / "c").exists()
+    monkeypatch.setattr(hardware, "memory_bytes", lambda: 1 << 40)
+    report = export(str(path), tmp_path / "exp2", parity=("onnxruntime",))
+    assert report.get("parity_skipped") is None and report["parity"]["onnxruntime"]["passed"]

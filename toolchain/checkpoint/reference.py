@@ -10,6 +10,7 @@ the way the model's forward does, and agrees with the whole model loaded by ``fr
 from __future__ import annotations
 
 import importlib
+import math
 from pathlib import Path
 from types import SimpleNamespace
 from typing import TypeVar
@@ -101,6 +102,33 @@ def _check_shape(reader: CheckpointReader, name: str, expected: tuple[int, ...])
 
 def embeddings(reader: CheckpointReader) -> nn.Embedding:
     return nn.Embedding.from_pretrained(_read(reader, EMBEDDING), freeze=True)
+
+
+def largest_layer(path: str | Path) -> tuple[int, int]:
+    """(index, fp32 bytes) of the decoder layer whose reference module is largest: what building one layer at a
+    time holds at most (from the checkpoint's headers; a layer's tensors are ``model.layers.N.*``)."""
+    sizes: dict[int, int] = {}
+    with open_checkpoint(path) as reader:
+        for name in reader.names():
+            parts = name.split(".")
+            if name.startswith("model.layers.") and parts[2].isdigit():
+                sizes[int(parts[2])] = sizes.get(int(parts[2]), 0) + math.prod(reader.shape(name)) * 4
+    index = max(sizes, key=lambda i: sizes[i], default=0)
+    return index, sizes.get(index, 0)
+
+
+def layer_too_large(path: str | Path, factor: float, what: str) -> str | None:
+    """Why ``what`` (which holds ``factor`` x the largest layer's fp32 reference) does not run on this machine,
+    or None."""
+    from toolchain.hardware import memory_bytes
+
+    index, size = largest_layer(path)
+    need, ram = factor * size, memory_bytes()
+    if need <= ram:
+        return None
+    return (f"{what} builds each decoder layer's transformers module in fp32, and layer {index}'s is "
+            f"{size / 2**30:.1f} GiB: about {need / 2**30:.1f} GiB with what runs beside it ({factor:g}x), more "
+            f"than this machine's {ram / 2**30:.1f} GiB")
 
 
 def rotary_embedding(config) -> nn.Module:

@@ -22,6 +22,9 @@ import torch
 
 from toolchain.errors import InputError
 
+# one layer's fp32 reference and its calibration inputs and outputs; nothing else runs beside it
+MEMORY_FACTOR = 1.5
+
 
 @torch.no_grad()
 def linear_statistics(source: Path, sequences: list[list[int]], wanted: set[str],
@@ -39,6 +42,9 @@ def linear_statistics(source: Path, sequences: list[list[int]], wanted: set[str]
 
     if not sequences:
         raise InputError("data-aware compression needs calibration text: no sequence of 2 tokens or more")
+    too_large = ref.layer_too_large(source, MEMORY_FACTOR, "scale estimation in bounded memory")
+    if too_large:
+        raise InputError(f"{too_large}; use the data-free scheme")
     config = ref.reference_config(source)
     means: dict[str, list[np.ndarray]] = {}
     shapes: dict[str, list[tuple[int, ...]]] = {}

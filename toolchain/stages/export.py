@@ -16,13 +16,14 @@ from pathlib import Path
 
 from toolchain import __version__, source as sources
 from toolchain.atomic import atomic_output_dir, check_writable_target
+from toolchain.checkpoint.reference import layer_too_large
 from toolchain.errors import ParityError
 from toolchain.export import moe as moe_lowering
 from toolchain.export.architectures import architecture_for
 from toolchain.export.decoder import build_decoder
 from toolchain.export.deepseek import with_mla_cache
 from toolchain.export.graph import save_graph
-from toolchain.export.layer_parity import compare_layers
+from toolchain.export.layer_parity import MEMORY_FACTOR, compare_layers
 from toolchain.export.parity import compare, parity_cases, too_large_for_end_to_end
 from toolchain.runtime.torch_reference import TorchDecoder
 from toolchain.stages.reports import ExportReport, ExportSource
@@ -74,7 +75,11 @@ def export(spec: str, out_dir: Path, *, parity: tuple[str, ...] | None = None, n
         results = {}
         model = None
         too_large = too_large_for_end_to_end(source.path) if parity else None
-        if too_large:
+        skipped = layer_too_large(source.path, MEMORY_FACTOR, "parity layer by layer") if too_large else None
+        if skipped:
+            log(f"parity skipped: {too_large}, and {skipped}")
+            parity = ()
+        elif too_large:
             log(f"parity layer by layer: {too_large}")
         elif parity:
             model = TorchDecoder(source)
@@ -95,6 +100,7 @@ def export(spec: str, out_dir: Path, *, parity: tuple[str, ...] | None = None, n
                                 model_type=config.model_type, parameters=parameters,
                                 skipped_layers=list(reader.skipped_layers), tied_embeddings=bool(reader.tied)),
             graph=graph_info, parity=results, parity_mode="layer by layer" if too_large else "end-to-end",
+            parity_skipped=f"{too_large}, and {skipped}" if skipped else None,
             timings={k: round(v, 3) for k, v in timings.items()})
         typed.write(tmp / "export.json")
         report = typed.dump()

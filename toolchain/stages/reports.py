@@ -119,6 +119,7 @@ class ExportReport(StageReport):
     graph: GraphInfo
     parity: dict[str, Parity]
     parity_mode: Literal["end-to-end", "layer by layer"]
+    parity_skipped: str | None = None  # why no check ran: a layer's reference too large for this machine
 
 
 class PassesReport(StageReport):
