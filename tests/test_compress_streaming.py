@@ -352,3 +352,15 @@ def test_a_weight_read_in_many_chunks_is_nncfs_whole_weight(tmp_path, monkeypatc
     table_tensors = [a for name, a in written.items() if name.startswith("embed_tokens")]
     assert any(a.shape == q.shape and np.array_equal(a, q) for a in table_tensors)
     assert any(a.shape == scale.shape and np.array_equal(a, scale) for a in table_tensors)
+
+
+def test_the_whole_model_path_refuses_a_graph_above_protobufs_limit(exports, tmp_path, monkeypatch):
+    """At R1-Distill-Qwen-1.5B x 4 layers (2.4 GiB of float weights) ``streaming: never`` used to end in a
+    traceback (protobuf EncodeError, at 8.4 GiB RSS): a one-line InputError now, before anything is written."""
+    import toolchain.stages.compress as stage
+
+    monkeypatch.setattr(stage, "PROTOBUF_LIMIT", 1 << 10)
+    with pytest.raises(InputError, match="at most 2 GiB; use streaming: auto"):
+        compress(exports["qwen2"], tmp_path / "o", target="onnxruntime", streaming="never")
+    assert not (tmp_path / "o").exists()
+    assert compress(exports["qwen2"], tmp_path / "s", target="onnxruntime", streaming="always")["streaming"] is True

@@ -43,6 +43,8 @@ from toolchain.stages.reports import CompressionReport
 
 TARGETS = ("onnxruntime", "openvino")
 CALIBRATION_SEQUENCES = 16
+# an ONNX model serialized whole (the whole-model path runs it on ORT from one protobuf with its float32 weights)
+PROTOBUF_LIMIT = 2**31 - (64 << 20)
 # Above this many bytes of float weights, compression runs one weight at a time ("auto").
 STREAMING_BYTES = 1 << 30
 OPENVINO_XML = "openvino_model.xml"
@@ -147,6 +149,10 @@ def compress(in_dir: Path, out_dir: Path, *, target: str = "onnxruntime", source
                              f"scheme or scale estimation (computed layer by layer)")
         return _compress_streaming(model, in_dir, out_dir, target, opts, policy, report, timings, t0, log, fused,
                                    source, config)
+    if weight_bytes > PROTOBUF_LIMIT:
+        raise InputError(f"{in_dir} has {weight_bytes / 2**30:.1f} GiB of float weights: the whole-model path "
+                         f"(streaming: never) runs the graph from one ONNX protobuf, which holds at most 2 GiB; "
+                         f"use streaming: auto")
     engine.widen_stored_weights(model)  # NNCF and the metrics take float32 weights
     weights = engine.graph_weights(model)
     plan = policy.plan(weights)
