@@ -364,3 +364,47 @@ def test_the_whole_model_path_refuses_a_graph_above_protobufs_limit(exports, tmp
         compress(exports["qwen2"], tmp_path / "o", target="onnxruntime", streaming="never")
     assert not (tmp_path / "o").exists()
     assert compress(exports["qwen2"], tmp_path / "s", target="onnxruntime", streaming="always")["streaming"] is True
+
+
+def test_onnxruntime_streaming_computes_each_4bit_weight_once_when_saved(tmp_path):
+    """The MatMulNBits tensors are written in ORT's final form (zero points packed two per byte), so the
+    to-matmul-nbits pass reads none of them and no quantized weight is computed before the save, where each is
+    computed once and dropped: memory holds one weight's quantization, not every 4-bit weight (the slope of the
+    ONNX Runtime build's peak over layers)."""
+    import onnxruntime as ort
+
+    from toolchain.compress import engine, streaming
+
+    rng = np.random.default_rng(2)
+    x = ir.val("x", dtype=ir.DataType.FLOAT, shape=ir.Shape(["b", 256]))
+    h, nodes, inits = x, [], []
+    for i in range(3):
+        w = ir.Value(name=f"w{i}", const_value=ir.tensor(rng.standard_normal((256, 256), dtype=np.float32),
+                                                          name=f"w{i}"))
+        inits.append(w)
+        nodes.append(ir.node("MatMul", [h, w], name=f"mm{i}"))
+        h = nodes[-1].outputs[0]
+        h.name, h.dtype, h.shape = f"h{i}", ir.DataType.FLOAT, ir.Shape(["b", 256])
+    graph = ir.Graph([x], [h], nodes=nodes, initializers=inits, opset_imports={"": 18})
+    ir.save(ir.Model(graph, ir_version=9), tmp_path / "in.onnx", external_data="in.onnx.data")
+    model = ir.load(tmp_path / "in.onnx")
+    weights = engine.graph_weights(model, with_arrays=False)
+    specs = streaming.plan_specs(weights, {w.name: "int4" for w in weights},
+                                 engine.Options(scheme="int4-grouped", group_size=64), "onnxruntime")
+    computed = []
+    original = streaming.Job._compute
+    monkey = pytest.MonkeyPatch()
+    monkey.setattr(streaming.Job, "_compute", lambda job: computed.append(job.spec.weight.name) or original(job))
+    try:
+        jobs = streaming.compress_streaming(model, specs, lambda m: None, keep=True)
+        counts = engine.to_ort_kernels(model, 4)
+        assert computed == [] and counts.get("accuracy_level_set") == 3
+        ir.save(model, tmp_path / "out.onnx", external_data="out.onnx.data")
+    finally:
+        monkey.undo()
+    assert sorted(computed) == ["w0", "w1", "w2"] and all(job.result is None for job in jobs.values())
+    session = ort.InferenceSession(str(tmp_path / "out.onnx"), providers=["CPUExecutionProvider"])
+    feed = rng.standard_normal((2, 256), dtype=np.float32)
+    expected = feed @ inits[0].const_value.numpy() @ inits[1].const_value.numpy() @ inits[2].const_value.numpy()
+    got = session.run(None, {"x": feed})[0]
+    assert np.abs(got - expected).max() < 0.2 * np.abs(expected).max()

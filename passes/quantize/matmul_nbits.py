@@ -355,9 +355,12 @@ class ToMatMulNBits(CountingPass):
     def _pack_zero_points(self, graph: ir.Graph, names: Names, node: ir.Node) -> int:
         if _int(node, "bits", 4) != 4 or len(node.inputs) < 4 or node.inputs[3] is None:
             return 0
-        zp = constant_array(node.inputs[3])
         k, n, block = _int(node, "K", 0), _int(node, "N", 0), _int(node, "block_size", 0)
         blocks = -(-k // block) if block else 0
+        shape = node.inputs[3].shape
+        if shape is not None and shape.is_static() and math.prod(shape.numpy()) != n * blocks:
+            return 0  # already packed, seen from the shape alone: a lazy tensor is not computed to be passed by
+        zp = constant_array(node.inputs[3])
         if zp is None or zp.dtype != np.uint8 or blocks < 2 or zp.size != n * blocks:
             return 0  # already packed (or float zero points, which ORT takes as they are)
         packed = pack_nibbles(zp.reshape(n, blocks))

@@ -7,8 +7,8 @@ quantization (``weight_lowering``'s, what NNCF's ONNX backend calls in ``transfo
 toolchain/compress/lowering.py) and writes its result in the forms that backend writes, with its names:
 
 * grouped INT4 below opset 21 (the onnxruntime target): ``MatMulNBits`` with B packed by NNCF's
-  ``pack_int4_to_uint8``, scales [N, blocks], zero points [N, blocks] one per byte (to-matmul-nbits repairs them
-  for ORT, as it does NNCF's own output);
+  ``pack_int4_to_uint8``, scales [N, blocks], zero points packed two per byte [N, ceil(blocks / 2)] (what
+  to-matmul-nbits makes of NNCF's own one-per-byte output), so the pass reads none of the weight's tensors;
 * grouped INT4 at opset 21 (the openvino target): ``DequantizeLinear`` with ``block_size`` on axis 0, uint4/int4
   weights and zero points, which OpenVINO's ONNX frontend turns into its compressed-weight pattern (u4 constant,
   Convert, Subtract, Multiply) and its CPU plugin runs as a compressed FullyConnected;
@@ -172,10 +172,12 @@ class Job:
             zp = None if zp is None else zp.reshape(-1)
         out = {"scale": scale}
         if spec.form == "nbits":
+            from passes.quantize.matmul_nbits import pack_nibbles
+
             out["quantized"] = pack_int4_to_uint8(q, spec.group, signed=spec.sym)
             out["scale"] = np.ascontiguousarray(scale.T)
-            if zp is not None:
-                out["zero_point"] = np.ascontiguousarray(zp.T).astype(np.uint8)
+            if zp is not None:  # packed as ORT reads them, so that to-matmul-nbits has nothing to read here
+                out["zero_point"] = pack_nibbles(np.ascontiguousarray(zp.T))
         else:
             out["quantized"] = q
             if zp is not None:
@@ -293,7 +295,7 @@ def _shapes(spec: Spec, shape: tuple[int, ...]) -> dict[str, tuple[int, ...]]:
     if spec.form == "nbits":  # [K, N] -> B [N, blocks, group / 2], scales and zero points [N, blocks]
         blocks = -(-first // spec.group_size)
         shapes = {"quantized": (second, blocks, spec.group_size // 2), "scale": (second, blocks)}
-        return shapes | ({} if spec.sym else {"zero_point": (second, blocks)})
+        return shapes | ({} if spec.sym else {"zero_point": (second, -(-blocks // 2))})  # two per byte
     if spec.form == "dq-blocked":
         side = (first // spec.group_size, second)
     else:
@@ -355,8 +357,9 @@ def compress_streaming(model: ir.Model, specs: list[Spec], log: Callable[[str], 
         for key, shape in shapes.items():
             name = f"{w.name}_{key}"
             dtype = _dtype(spec, key)
+            # MatMulNBits tensors are final (to-matmul-nbits reads their shapes only): computed when saved
             lazy = ir.LazyTensor(partial(_computed, job, key, dtype), dtype=dtype, shape=ir.Shape(shape), name=name,
-                                 cache=keep)
+                                 cache=keep and spec.form != "nbits")
             tensors[key] = ir.Value(name=name, shape=ir.Shape(shape), type=ir.TensorType(dtype), const_value=lazy)
             model.graph.register_initializer(tensors[key])
         consumer = producers[w.output]
@@ -382,8 +385,8 @@ def compress_streaming(model: ir.Model, specs: list[Spec], log: Callable[[str], 
 
 
 def _to_matmul_nbits(model: ir.Model, matmul: ir.Node, source: ir.Value, tensors: dict, spec: Spec) -> None:
-    """NNCF's MatMulNBits (accuracy_level 0, zero points one per byte); to-matmul-nbits sets the level and packs
-    the zero points, as on NNCF's own output."""
+    """NNCF's MatMulNBits (accuracy_level 0) with its zero points packed two per byte as ORT reads them (NNCF
+    writes one per byte, which to-matmul-nbits packs); to-matmul-nbits sets the level."""
     k, n = spec.weight.shape
     x = next(v for v in matmul.inputs if v is not source)
     inputs = [x, tensors["quantized"], tensors["scale"]] + ([tensors["zero_point"]] if "zero_point" in tensors else [])
