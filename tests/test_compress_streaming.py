@@ -160,7 +160,7 @@ def test_int8_per_head_streaming_compiles_and_verifies_for_openvino(exports, tmp
 
 
 def test_whole_model_data_aware_options_are_refused_in_streaming_form(exports, tmp_path):
-    for options in ({"awq": True}, {"ratio": 0.8}, {"awq": True, "scale_estimation": True}):
+    for options in ({"gptq": True}, {"ratio": 0.8}, {"awq": True, "ratio": 0.8}):
         with pytest.raises(InputError, match="not available in bounded memory"):
             compress(exports["qwen2"], tmp_path / "o", target="openvino", streaming="always", **options)
         assert not (tmp_path / "o").exists()
@@ -408,3 +408,66 @@ def test_onnxruntime_streaming_computes_each_4bit_weight_once_when_saved(tmp_pat
     expected = feed @ inits[0].const_value.numpy() @ inits[1].const_value.numpy() @ inits[2].const_value.numpy()
     got = session.run(None, {"x": feed})[0]
     assert np.abs(got - expected).max() < 0.2 * np.abs(expected).max()
+
+
+def test_awq_streams_with_nncfs_own_step_on_the_same_inputs(exports, tiny_checkpoints, tmp_path, monkeypatch):
+    """Streamed AWQ runs NNCF's AWQ step on each up_proj -> Multiply -> down_proj of the layers (the pattern NNCF's
+    whole-model AWQ matches there) with the inputs NNCF's whole-model call gives it: the same down_proj and
+    up_proj weights, group size and reduction axis, and the inputs' statistics as transformers' own model gives
+    them (to 1e-5; NNCF's statistics from the ONNX graph on ORT are within 2 % of those). The scales it returns
+    can differ between the two paths: its grid search over 100 alphas takes the first strict minimum of a flat
+    curve. The streamed model applies each scale as NNCF does (down_proj's rows times s, up_proj's columns over
+    s), and compiles and verifies on OpenVINO."""
+    import torch
+    from nncf.quantization.algorithms.weight_compression.awq import AWQ
+    from transformers import AutoModelForCausalLM
+
+    from toolchain.compress import calibration
+
+    calls: list[dict] = []
+    original = AWQ._data_aware_step
+
+    def record(self, wp, weight, statistics, act_ch_axis, prev_weight=None, prev_statistics=None):
+        scale = original(self, wp, weight, statistics, act_ch_axis, prev_weight, prev_statistics)
+        calls.append({"weight": np.array(weight.data), "prev": np.array(prev_weight.data),
+                      "means": np.stack([np.array(m.data) for m in statistics.mean_values]),
+                      "prev_means": np.stack([np.array(m.data) for m in prev_statistics.mean_values]),
+                      "config": (wp.compression_config.mode, wp.compression_config.group_size, wp.reduction_axes)})
+        return scale
+
+    monkeypatch.setattr(AWQ, "_data_aware_step", record)
+    compress(exports["qwen2"], tmp_path / "whole", target="onnxruntime", awq=True, streaming="never")
+    whole, calls[:] = list(calls), []
+    streamed = compress(exports["qwen2"], tmp_path / "streamed", target="openvino", awq=True, streaming="always")
+    assert streamed["details"]["awq"] == [f"layers.{i}/mlp/dense/down_proj/weight" for i in range(3)]
+    assert len(whole) == len(calls) == 3
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_checkpoints["qwen2"], dtype=torch.float32).eval()
+    means: dict[tuple[int, str], list[np.ndarray]] = {}
+    for i, layer in enumerate(model.model.layers):
+        for proj in ("up_proj", "down_proj"):
+            getattr(layer.mlp, proj).register_forward_pre_hook(
+                lambda _m, args, key=(i, proj): means.setdefault(key, []).append(
+                    args[0].reshape(-1, args[0].shape[-1]).mean(0).numpy()))
+    sequences, _ = calibration.token_sequences(calibration.load_texts("embedded", 16), tiny_checkpoints["qwen2"],
+                                               model.config.vocab_size)
+    with torch.no_grad():
+        for ids in sequences:
+            model(torch.tensor([ids]))
+    graph = ir.load(exports["qwen2"] / "model.onnx")
+    for i, got in enumerate(calls):
+        down = graph.graph.initializers[f"layers.{i}/mlp/dense/down_proj/weight"].const_value.numpy()
+        up = graph.graph.initializers[f"layers.{i}/mlp/dense/up_proj/weight"].const_value.numpy()
+        assert np.array_equal(got["weight"], down) and np.array_equal(got["prev"], up)
+        assert np.allclose(got["means"], np.stack(means[i, "down_proj"]), rtol=1e-5, atol=1e-6)
+        assert np.allclose(got["prev_means"], np.stack(means[i, "up_proj"]), rtol=1e-5, atol=1e-6)
+        ref = next(c for c in whole if np.array_equal(c["weight"], got["weight"]))
+        assert np.array_equal(ref["prev"], got["prev"]) and ref["config"] == got["config"]
+        assert np.abs(ref["means"] - got["means"]).max() < 0.02 * np.abs(got["means"]).max()
+    free = compress(exports["qwen2"], tmp_path / "free", target="openvino", streaming="always")
+    rows, free_rows = ({r["weight"]: r["weight_error"] for r in c["per_weight"]} for c in (streamed, free))
+    changed = {n for n in rows if rows[n] != free_rows[n]}
+    assert changed and changed <= {n.replace("down_proj", p) for n in streamed["details"]["awq"]
+                                   for p in ("down_proj", "up_proj")}
+    manifest = compile_artifact(tmp_path / "streamed", tmp_path / "art", "openvino")
+    assert manifest["verification"]["passed"]

@@ -118,7 +118,7 @@ COMPRESS_HELP = {
     "router": "MoE router weights ('scheme': the scheme's precision).",
     "shared_experts": "MoE shared experts' weights.",
     "streaming": "Compress one weight at a time in bounded memory (auto: above 1 GiB of float weights; data-free, "
-                 "or scale estimation on statistics computed layer by layer), or with NNCF's whole-model call.",
+                 "or AWQ / scale estimation on statistics computed layer by layer), or with NNCF's whole-model call.",
 }
 COMPRESS_SPELLINGS = {"sym": "--sym/--asym"}
 COMPILE_HELP = {

@@ -31,9 +31,10 @@ tensor as it comes. The relative weight error ||W - Ŵ|| / ||W|| is accumulated 
 
 Scale estimation: a weight given its input's calibration statistics (``Spec.statistics``, computed layer by layer
 by toolchain/compress/layer_statistics.py) is read whole once, NNCF's ``ScaleEstimation`` gives its scales and
-zero points, and its chunks are quantized with them. AWQ (which rescales a weight and the node before it),
-GPTQ (which updates weights in sequence on the model's activations) and mixed precision with ratio < 1 (which
-ranks every weight first) stay on the whole-model path.
+zero points, and its chunks are quantized with them. AWQ: ``Spec.row_scale`` / ``column_scale`` (from
+toolchain/compress/streamed_awq.py) scale each chunk as it is read. GPTQ (which updates weights in sequence on
+the model's activations) and mixed precision with ratio < 1 (which ranks every weight first) stay on the
+whole-model path.
 """
 
 from __future__ import annotations
@@ -85,6 +86,19 @@ class Spec:
     channels_per_scale: int | None = None
     # the input's calibration statistics (an nncf WCTensorStatistic) for NNCF's scale estimation, INT4 only
     statistics: object | None = None
+    # AWQ's per-channel scales of a [K, N] weight, applied as it is read: its rows (input channels: the MatMul
+    # AWQ corrects) or its columns (output channels: the MatMul before it, which takes the inverse)
+    row_scale: np.ndarray | None = None
+    column_scale: np.ndarray | None = None
+
+    def read(self, part: np.ndarray, start: int) -> np.ndarray:
+        """A float32 column chunk (columns ``start``...) of the weight as it is to be quantized: AWQ's scales
+        applied."""
+        if self.row_scale is not None:
+            part *= self.row_scale[:, None]
+        if self.column_scale is not None:
+            part *= self.column_scale[None, start:start + part.shape[1]]
+        return part
 
     @property
     def group_size(self) -> int:
@@ -143,12 +157,15 @@ class Job:
         # hold the quantized weight twice (0.9 GB more for DeepSeek-V3's INT8 embedding table)
         estimated = None
         if spec.statistics is not None:  # from the whole weight, which scale estimation reads at once
-            estimated = lowering.estimate_scales(np.array(weight, np.float32), spec.statistics, mode, spec.group)
+            estimated = lowering.estimate_scales(spec.read(np.array(weight, np.float32), 0), spec.statistics, mode,
+                                                 spec.group)
         q = scale = zp = None  # zero points: in every chunk or (symmetric) in none
         err = norm = 0.0
         for start in range(0, length, step):
             part = weight[start:start + step] if rows_axis else weight[:, start:start + step]
             part = np.array(part, dtype=np.float32, order="C")  # a copy: no view of the map outlives the loop
+            if not rows_axis:
+                part = spec.read(part, start)
             given = (None, None) if estimated is None else \
                 tuple(None if a is None else a[..., start:start + step] for a in estimated)
             quantized = lowering.quantize(part, axis, mode, spec.group, scale=given[0], zero_point=given[1])

@@ -26,6 +26,7 @@ import shutil
 import time
 from collections import Counter, defaultdict
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -143,10 +144,10 @@ def compress(in_dir: Path, out_dir: Path, *, target: str = "onnxruntime", source
     fused_moe.check(fused, target, opts)
     weight_bytes = float32_bytes(model)  # bf16-stored weights as float32: the same choice for either storage
     if opts.streaming == "always" or (opts.streaming == "auto" and weight_bytes > STREAMING_BYTES):
-        if opts.awq or opts.gptq or opts.ratio < 1.0:
-            raise InputError(f"{in_dir} has {weight_bytes / 2**30:.1f} GiB of float weights: awq, gptq and ratio < 1 "
-                             f"run on the whole model and are not available in bounded memory; use the data-free "
-                             f"scheme or scale estimation (computed layer by layer)")
+        if opts.gptq or opts.ratio < 1.0:
+            raise InputError(f"{in_dir} has {weight_bytes / 2**30:.1f} GiB of float weights: gptq and ratio < 1 run "
+                             f"on the whole model and are not available in bounded memory; use the data-free scheme, "
+                             f"awq or scale estimation (computed layer by layer)")
         return _compress_streaming(model, in_dir, out_dir, target, opts, policy, report, timings, t0, log, fused,
                                    source, config)
     if weight_bytes > PROTOBUF_LIMIT:
@@ -248,6 +249,16 @@ def _head(target, options, policy, report, in_dir, tmp, files, weight_rows) -> d
     }
 
 
+def _float_weight(model: ir.Model, name: str) -> np.ndarray:
+    """An export weight in float32, read whole (its external pages released after)."""
+    tensor = model.graph.initializers[name].const_value
+    assert tensor is not None  # a planned weight is an initializer with data
+    array = np.array(tensor.numpy(), np.float32)
+    if isinstance(tensor, ir.ExternalTensor):
+        tensor.release()
+    return array
+
+
 def _compress_streaming(model, in_dir, out_dir, target, options, policy, report, timings, t0, log, fused, source,
                         config) -> dict:
     """One weight at a time (toolchain/compress/streaming.py): the weight errors are measured as each weight is
@@ -260,30 +271,37 @@ def _compress_streaming(model, in_dir, out_dir, target, options, policy, report,
     weights = engine.graph_weights(model, with_arrays=False)
     plan = policy.plan(weights)
     specs = stream.plan_specs(weights, plan, options, target)
-    calibration_report, details_estimated = None, []
-    if options.scale_estimation:
+    calibration_report, data_aware = None, {}
+    if options.scale_estimation or options.awq:
+        from toolchain.compress import streamed_awq
         from toolchain.compress.layer_statistics import linear_statistics
 
         int4 = {s.weight.name: s for s in specs if s.bits == 4 and s.form in ("nbits", "dq-blocked")}
         if not int4:
-            raise InputError("scale estimation applies to INT4 weights, and this plan has none")
+            raise InputError("awq and scale estimation apply to INT4 weights, and this plan has none")
         texts = calibration.load_texts(options.dataset, CALIBRATION_SEQUENCES)
         sequences, tokenization = calibration.token_sequences(texts, source, config["vocab_size"])
         log(f"calibration statistics layer by layer on {len(sequences)} sequences ({tokenization})")
         t1 = time.perf_counter()
         statistics = linear_statistics(source, sequences, set(int4), log)
-        for name, stat in statistics.items():
-            int4[name].statistics = stat
-        details_estimated = sorted(statistics)
         timings["statistics_s"] = time.perf_counter() - t1
         calibration_report = {"sequences": len(sequences), "tokens": int(sum(len(s) for s in sequences)),
                               "tokenization": tokenization}
-        log(f"scale estimation on {len(statistics)} of {len(int4)} INT4 weights (routed experts and weights "
-            f"without an nn.Linear in the checkpoint's layers take NNCF's data-free scales)")
+        if options.awq:
+            t1 = time.perf_counter()
+            data_aware["awq"] = streamed_awq.apply(int4, statistics, partial(_float_weight, model))
+            timings["awq_s"] = time.perf_counter() - t1
+            log(f"AWQ on {len(data_aware['awq'])} up_proj -> down_proj pairs")
+        if options.scale_estimation:
+            for name, stat in statistics.items():
+                int4[name].statistics = stat
+            data_aware["scale_estimation"] = sorted(statistics)
+            log(f"scale estimation on {len(statistics)} of {len(int4)} INT4 weights (routed experts and weights "
+                f"without an nn.Linear in the checkpoint's layers take NNCF's data-free scales)")
     jobs = stream.compress_streaming(model, specs, log, keep=target == "onnxruntime")
     expert_jobs = fused_moe.compress_experts(model, fused, policy.precision, options, options.accuracy_level)
     details = {"demoted_3d": [s.weight.name for s in specs if s.form == "stacked" and plan[s.weight.name] == "int4"],
-               "per_head": {}, **({"scale_estimation": details_estimated} if options.scale_estimation else {})}
+               "per_head": {}, **data_aware}
     if target == "onnxruntime":
         details["ort_rewrites"] = engine.to_ort_kernels(model, options.accuracy_level, options.prefill_int8)
     timings["plan_s"] = time.perf_counter() - t0
