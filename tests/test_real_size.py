@@ -171,8 +171,11 @@ def test_parity_and_scale_estimation_on_a_layer_too_large_for_the_machine(tiny_c
     assert report["parity"] == {} and report["parity_mode"] == "layer by layer"
     assert "parity layer by layer builds each decoder layer's transformers module in fp32" in report["parity_skipped"]
     assert json.loads((tmp_path / "exp" / "export.json").read_text())["parity_skipped"] == report["parity_skipped"]
-    with pytest.raises(InputError, match="scale estimation in bounded memory .* use the data-free scheme"):
+    with pytest.raises(InputError, match=r"data-aware compression in bounded memory \(awq, scale estimation\) "
+                                         r".* use the data-free scheme"):
         compress(tmp_path / "exp", tmp_path / "c", target="openvino", scale_estimation=True, streaming="always")
+    with pytest.raises(InputError, match=r"data-aware compression in bounded memory"):
+        compress(tmp_path / "exp", tmp_path / "c", target="onnxruntime", awq=True, streaming="always")
     assert not (tmp_path / "c").exists()
     monkeypatch.setattr(hardware, "memory_bytes", lambda: 1 << 40)
     report = export(str(path), tmp_path / "exp2", parity=("onnxruntime",))

@@ -42,7 +42,8 @@ def linear_statistics(source: Path, sequences: list[list[int]], wanted: set[str]
 
     if not sequences:
         raise InputError("data-aware compression needs calibration text: no sequence of 2 tokens or more")
-    too_large = ref.layer_too_large(source, MEMORY_FACTOR, "scale estimation in bounded memory")
+    too_large = ref.layer_too_large(source, MEMORY_FACTOR,
+                                    "data-aware compression in bounded memory (awq, scale estimation)")
     if too_large:
         raise InputError(f"{too_large}; use the data-free scheme")
     config = ref.reference_config(source)
