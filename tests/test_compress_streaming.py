@@ -62,6 +62,11 @@ def test_onnxruntime_streaming_writes_nncfs_own_tensors(exports, tmp_path, arch,
     for name in shared:  # the embedding table's INT8 rows too
         assert np.array_equal(whole_tensors[name], streamed_tensors[name]), name
     assert streamed["streaming"] is True and whole["streaming"] is False
+    # the INT8 table's Gathers and the lm_head's 8-bit MatMulNBits: the pass's forms, written by the streaming
+    # path itself (computed at the save, beside the other weights) where the whole-model path has the pass make them
+    rewrites = ("gather_dequantize", "matmul_nbits_8bit")
+    assert all(whole["details"]["ort_rewrites"][r] >= 1 for r in rewrites)
+    assert not any(streamed["details"]["ort_rewrites"].get(r) for r in rewrites)
     errors = {r["weight"]: r["weight_error"] for r in whole["per_weight"]}
     for row in streamed["per_weight"]:  # measured chunk by chunk, the same figure
         assert row["weight_error"] == pytest.approx(errors[row["weight"]], rel=1e-4, abs=1e-7), row["weight"]
@@ -471,3 +476,33 @@ def test_awq_streams_with_nncfs_own_step_on_the_same_inputs(exports, tiny_checkp
                                    for p in ("down_proj", "up_proj")}
     manifest = compile_artifact(tmp_path / "streamed", tmp_path / "art", "openvino")
     assert manifest["verification"]["passed"]
+
+
+@pytest.mark.parametrize("target, options", [("openvino", {}), ("onnxruntime", {"prefill_int8": True})],
+                         ids=["openvino", "onnxruntime-prefill-int8"])
+def test_streamed_compression_on_two_writer_threads_writes_one_threads_bytes(exports, tmp_path, monkeypatch,
+                                                                            target, options):
+    """The streamed output is computed and written by two threads (onnx-ir's writer); with NNCF's optimized
+    functions on at these widths (one inference request per compiled model, which the threads take in turn:
+    toolchain/compress/lowering.py), routed experts, and ORT's prefill INT8 twins of each MatMulNBits: the same
+    files, byte for byte, as one thread writes."""
+    from nncf.quantization.algorithms.weight_compression import weight_lowering
+
+    from toolchain.export import graph
+
+    monkeypatch.setattr(weight_lowering, "MIN_INPUT_SIZE_FOR_OPTIMIZED_COMPRESSION", 0)
+    real = graph.save_graph
+    threads = []
+
+    def save(model, path, external=None, workers=None):
+        threads.append(workers)
+        return real(model, path, external, workers=forced)
+
+    monkeypatch.setattr(graph, "save_graph", save)
+    outputs = {}
+    for forced in (None, 2):
+        out = tmp_path / f"workers-{forced}"
+        compress(exports["deepseek_v3"], out, target=target, scheme="int4-grouped", streaming="always", **options)
+        outputs[forced] = {name: (out / name).read_bytes() for name in ("model.onnx", "model.onnx.data")}
+    assert threads == [2, 2]  # what the stage asks for
+    assert outputs[None] == outputs[2] and len(outputs[2]["model.onnx.data"]) > 100_000

@@ -18,8 +18,9 @@ from toolchain import source as sources
 from toolchain.atomic import atomic_output_dir
 from toolchain.errors import InputError
 from toolchain.gates import GateFailed
-from toolchain.manifest import REPORT_FILES, digest, file_hashes, git_commit, versions, write_manifest
+from toolchain.manifest import REPORT_FILES, digest, git_commit, versions, write_manifest
 from toolchain.recipe import Recipe, load_recipe
+from toolchain.source_hashes import Hashing
 from toolchain.stages.reports import STAGE_REPORTS
 from toolchain.stages.runner import (
     STAGE_RECORD,
@@ -65,11 +66,13 @@ def build(recipe_path: Path, out_dir: Path | None = None, *, model: str | None =
     recipe = load_recipe(recipe_path, model)
     out_dir = Path(out_dir or Path("artifacts") / recipe.name)
     baseline = _gate_baseline(recipe, Path(recipe_path))
+    # hashed while the config check imports transformers (seconds)
+    hashing = Hashing(sources.locate(recipe.model, revision=recipe.revision)[0])
     source = sources.resolve(recipe.model, revision=recipe.revision)
     if (recipe.eval or recipe.gates) and not (source.path / "tokenizer.json").is_file():
         raise InputError(f"{recipe_path}: the recipe evaluates its artifact (eval/gates), which needs a tokenizer, "
                          f"and {source.spec} has no tokenizer.json; remove eval and gates or add a tokenizer")
-    source_files = file_hashes(source.path)
+    source_files = hashing.result()
     parent, stage_rows, durations, cached_stages, reports = digest(source_files), [], {}, [], {}
     stage_dir: Path | None = None
     with atomic_output_dir(out_dir) as tmp:

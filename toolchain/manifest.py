@@ -13,11 +13,13 @@ report.json records the sha256 of this manifest and of report.md / report.html, 
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import importlib.metadata
 import json
 import platform
 import subprocess
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -48,9 +50,17 @@ def sha256_file(path: Path) -> str:
     return digest.hexdigest()
 
 
-def file_hashes(root: Path, exclude: tuple[str, ...] = ()) -> dict[str, str]:
-    """sha256 of every file below root, by relative POSIX path."""
-    return {p.relative_to(root).as_posix(): sha256_file(p)
+def blake3_file(path: Path) -> str:
+    """BLAKE3 of a file, memory-mapped and on every core (the stage cache's hash: toolchain/stages/runner.py)."""
+    import blake3
+
+    return blake3.blake3(max_threads=blake3.blake3.AUTO).update_mmap(path).hexdigest()
+
+
+def file_hashes(root: Path, exclude: tuple[str, ...] = (),
+                hash_file: Callable[[Path], str] = sha256_file) -> dict[str, str]:
+    """The hash of every file below root (sha256 unless ``hash_file`` says otherwise), by relative POSIX path."""
+    return {p.relative_to(root).as_posix(): hash_file(p)
             for p in sorted(root.rglob("*")) if p.is_file() and p.relative_to(root).as_posix() not in exclude}
 
 
@@ -78,8 +88,6 @@ DISCOVERED = {"passes.registry": "passes"}
 def module_closure(module: str) -> list[Path]:
     """The source files of ``module`` and of every toolchain/passes module it imports, directly or not, at the
     top of a file or inside a function (read from the code, nothing is imported)."""
-    import ast
-
     root = Path(__file__).resolve().parent.parent
 
     def file_of(name: str) -> Path | None:
@@ -102,19 +110,29 @@ def module_closure(module: str) -> list[Path]:
         if name in DISCOVERED:
             found = root / DISCOVERED[name]
             todo += [".".join(f.relative_to(root).with_suffix("").parts) for f in found.rglob("*.py")]
-        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
         parts = name.split(".")
         todo += [".".join(parts[:i]) for i in range(1, len(parts))]  # parent packages run first on import
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.Import):
-                todo += [alias.name for alias in node.names]
-            elif isinstance(node, ast.ImportFrom):
-                base = node.module or ""
-                if node.level:
-                    anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
-                    base = ".".join([*anchor, *([base] if base else [])])
-                todo += [base, *(f"{base}.{alias.name}" for alias in node.names)]
+        todo += _imported(path, name if path.name == "__init__.py" else name.rpartition(".")[0])
     return sorted(seen)
+
+
+@functools.cache
+def _imported(path: Path, package: str) -> tuple[str, ...]:
+    """The modules a source file imports (absolute names), parsed once per process: a build's four stages share
+    most of their closures, and parsing them was a second of every build."""
+    import ast
+
+    names: list[str] = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names += [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join([*anchor, *([base] if base else [])])
+            names += [base, *(f"{base}.{alias.name}" for alias in node.names)]
+    return tuple(names)
 
 
 def code_digest(module: str) -> str:

@@ -26,21 +26,25 @@ class Source:
 def resolve(spec: str, revision: str | None = None, hint: str = "--model DIR") -> Source:
     """Find the checkpoint; with a revision (a recipe's pinned commit), only that snapshot of a cached hub id.
     ``hint``: the option that names another checkpoint instead, for the message when it is not cached."""
+    path, kind = locate(spec, revision, hint)
+    return Source(spec, path, kind, _read_config(path, spec))
+
+
+def locate(spec: str, revision: str | None = None, hint: str = "--model DIR") -> tuple[Path, str]:
+    """The checkpoint's directory and kind, as ``resolve`` finds them, before its config is read and checked."""
     from toolchain.models.registry import EMBEDDED, embedded_path
 
     if revision and not _looks_like_hub_id(spec):
         raise InputError(f"{spec}: a pinned revision needs a hub id (org/name) in the local Hugging Face cache")
     if spec in EMBEDDED:
-        path, kind = embedded_path(spec), "embedded"
-    elif Path(spec).exists() and not revision:
-        path, kind = Path(spec), "directory"
-        if not path.is_dir():
+        return embedded_path(spec), "embedded"
+    if Path(spec).exists() and not revision:
+        if not Path(spec).is_dir():
             raise InputError(f"{spec} is a file, not a model directory")
-    elif _looks_like_hub_id(spec):
-        path, kind = _from_hf_cache(spec, revision, hint), "hf-cache"
-    else:
-        raise InputError(f"{spec}: no such directory, and not an embedded model ({', '.join(sorted(EMBEDDED))})")
-    return Source(spec, path, kind, _read_config(path, spec))
+        return Path(spec), "directory"
+    if _looks_like_hub_id(spec):
+        return _from_hf_cache(spec, revision, hint), "hf-cache"
+    raise InputError(f"{spec}: no such directory, and not an embedded model ({', '.join(sorted(EMBEDDED))})")
 
 
 def _looks_like_hub_id(spec: str) -> bool:

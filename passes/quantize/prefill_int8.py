@@ -21,6 +21,7 @@ main graph and changes nothing.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Mapping
 
 import numpy as np
@@ -96,18 +97,16 @@ class PrefillInt8(CountingPass):
         k, n = _attr_int(node, "K", 0), _attr_int(node, "N", 0)
         # the tensors, not the values: a serializer may lift initializers to graph inputs while it writes
         tensors = [None if v is None else v.const_value for v in (_input(node, i) for i in (1, 2, 3))]
-        held: dict[str, np.ndarray] = {}  # the scale, from computing q8 until s8 is written (save order)
+        held: dict[str, np.ndarray] = {}  # q8 or s8, from computing both until the other is written
+        lock = threading.Lock()  # a writer may save the two on two threads
 
         def weight8(part: str) -> ir.TensorProtocol:
-            if part in held:
+            with lock:
+                if part not in held:
+                    b, scales, zero_points = (None if t is None else t.numpy() for t in tensors)
+                    assert b is not None and scales is not None  # checked in apply
+                    held["q"], held["scale"] = int8_per_column(nbits_weight(node, b, scales, zero_points))
                 return ir.tensor(held.pop(part))
-            b, scales, zero_points = (None if t is None else t.numpy() for t in tensors)
-            assert b is not None and scales is not None  # checked in apply
-            q, scale = int8_per_column(nbits_weight(node, b, scales, zero_points))
-            if part == "q":
-                held["scale"] = scale
-                return ir.tensor(q)
-            return ir.tensor(scale)
 
         base = name_of(present(node.inputs[1]))
         q8_name, s8_name = names.fresh(f"{base}_prefill_int8"), names.fresh(f"{base}_prefill_scale")

@@ -28,6 +28,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -104,6 +105,7 @@ class CheckpointReader:
         self.block_size = _block_size(self.config, path)
         self._handle = None
         self._open_file: str | None = None
+        self._lock = threading.RLock()  # the open shard is shared: an exporter writes weights on two threads
         layers = self.config.get("num_hidden_layers")
         stored, skipped = {}, set()
         for key, file in self._weight_map().items():
@@ -159,12 +161,13 @@ class CheckpointReader:
         if rows is not None:
             first = span[0] if span else 0
             span = (first + rows[0], first + rows[1])
-        try:
-            if entry.scale is not None:
-                return self._dequantize(entry, dtype, span)
-            return self._read(entry.stored, entry.expert, span).to(dtype)
-        finally:
-            self.close()
+        with self._lock:
+            try:
+                if entry.scale is not None:
+                    return self._dequantize(entry, dtype, span)
+                return self._read(entry.stored, entry.expert, span).to(dtype)
+            finally:
+                self.close()
 
     def array(self, name: str) -> np.ndarray:
         return self.tensor(name).numpy()

@@ -10,13 +10,19 @@ nowhere else.
 ``integer_quantize_dequantize_weight`` gives the compressed weight and its dequantized form from one call (one
 OpenVINO inference), the same tensors ``compress_weight`` gives: 3-5x faster than compressing and then
 dequantizing with ``do_integer_dequantization`` in NNCF's numpy ops.
+
+Those functions infer on one request per compiled model, which two threads must not share: each call holds
+``NNCF_LOCK`` until its outputs are copied (streamed compression computes weights on its writer threads).
 """
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 
 import numpy as np
+
+NNCF_LOCK = threading.Lock()
 
 
 @dataclass
@@ -49,21 +55,23 @@ def quantize(weight: np.ndarray, axis: int, mode: str, group: int | None, keep_r
     from nncf.quantization.algorithms.weight_compression.weight_lowering import integer_quantize_dequantize_weight
     from nncf.tensor import Tensor
 
-    restored, compressed = integer_quantize_dequantize_weight(
-        Tensor(weight), config(mode, group), (axis,), None if scale is None else Tensor(scale),
-        None if zero_point is None else Tensor(zero_point), return_compressed_weight=True)
-    zp = compressed.zero_point
-    out = Quantized(q=np.array(compressed.tensor.data, copy=True), scale=np.array(compressed.scale.data, copy=True),
-                    zero_point=None if zp is None else np.array(zp.data, copy=True),
-                    squared_error=0.0, squared_norm=0.0)
-    diff = restored.data.reshape(weight.shape)
-    if keep_restored:
-        out.restored = diff = np.array(diff, copy=True)
-        diff = diff - weight
-    else:  # NNCF's own buffer, not kept: the difference goes into it
-        np.subtract(diff, weight, out=diff)
-    out.squared_error = float(np.square(diff, out=diff).sum())
-    out.squared_norm = float(np.square(weight, out=diff).sum())
+    with NNCF_LOCK:  # NNCF's outputs are copied or used up before the next call can reuse them
+        restored, compressed = integer_quantize_dequantize_weight(
+            Tensor(weight), config(mode, group), (axis,), None if scale is None else Tensor(scale),
+            None if zero_point is None else Tensor(zero_point), return_compressed_weight=True)
+        zp = compressed.zero_point
+        out = Quantized(q=np.array(compressed.tensor.data, copy=True),
+                        scale=np.array(compressed.scale.data, copy=True),
+                        zero_point=None if zp is None else np.array(zp.data, copy=True),
+                        squared_error=0.0, squared_norm=0.0)
+        diff = restored.data.reshape(weight.shape)
+        if keep_restored:
+            out.restored = np.array(diff, copy=True)
+            diff = out.restored - weight
+        else:  # NNCF's own buffer, not kept: the difference goes into it
+            np.subtract(diff, weight, out=diff)
+        out.squared_error = float(np.square(diff, out=diff).sum())
+    out.squared_norm = float(np.square(weight).sum())
     return out
 
 
@@ -77,7 +85,8 @@ def estimate_scales(weight: np.ndarray, statistics, mode: str,
     from nncf.tensor import Tensor
 
     p = AdvancedScaleEstimationParameters()
-    scale, zp = ScaleEstimation.calculate_quantization_params(
-        statistics, Tensor(weight), (0,), config(mode, group), -1, p.subset_size, p.initial_steps, p.scale_steps,
-        p.weight_penalty)
-    return np.array(scale.data, np.float32), None if zp is None else np.array(zp.data, copy=True)
+    with NNCF_LOCK:
+        scale, zp = ScaleEstimation.calculate_quantization_params(
+            statistics, Tensor(weight), (0,), config(mode, group), -1, p.subset_size, p.initial_steps,
+            p.scale_steps, p.weight_penalty)
+        return np.array(scale.data, np.float32), None if zp is None else np.array(zp.data, copy=True)

@@ -29,6 +29,7 @@ activations, the output error on the tokens routed to that expert.
 from __future__ import annotations
 
 import re
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import cast
@@ -203,15 +204,17 @@ class Job:
     pending: set[str] = field(default_factory=set)
     result: dict[str, np.ndarray] | None = None
     stats: dict[str, dict] = field(default_factory=dict)  # weight name -> errors
+    lock: threading.Lock = field(default_factory=threading.Lock)
 
     def take(self, key: str) -> np.ndarray:
-        if self.result is None:
-            self.result = self._compute()
-        array = self.result[key]
-        self.pending.discard(key)
-        if not self.pending:
-            self.result = None
-        return array
+        with self.lock:  # the stack's tensors may be written by two threads: computed once
+            if self.result is None:
+                self.result = self._compute()
+            array = self.result[key]
+            self.pending.discard(key)
+            if not self.pending:
+                self.result = None
+            return array
 
     def _compute(self) -> dict[str, np.ndarray]:
         spec = self.spec

@@ -39,8 +39,9 @@ whole-model path.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import cast
 
@@ -80,7 +81,8 @@ class Spec:
     group: int | None
     sym: bool
     # "nbits" (MatMulNBits) | "dq-blocked" | "dq-channel" (MatMul weight) | "dq-rows" (Gather table) | "stacked"
-    # (a 3-D MatMul weight, Cast / Sub / Mul)
+    # (a 3-D MatMul weight, Cast / Sub / Mul); for ONNX Runtime, the forms its to-matmul-nbits pass makes of an
+    # INT8 per-channel MatMul weight and table, written as such (``ORT_FORMS``)
     form: str
     # None: NNCF's quantization; a width: the int8-per-head pass's, one scale per this many output channels
     channels_per_scale: int | None = None
@@ -123,15 +125,17 @@ class Job:
     pending: set[str] = field(default_factory=set)
     result: dict[str, np.ndarray] | None = None
     stats: dict = field(default_factory=dict)
+    lock: threading.Lock = field(default_factory=threading.Lock)
 
     def take(self, key: str) -> np.ndarray:
-        if self.result is None:
-            self.result = self._compute()
-        array = self.result[key]
-        self.pending.discard(key)
-        if not self.pending:
-            self.result = None
-        return array
+        with self.lock:  # the weight's tensors may be written by two threads: computed once
+            if self.result is None:
+                self.result = self._compute()
+            array = self.result[key]
+            self.pending.discard(key)
+            if not self.pending:
+                self.result = None
+            return array
 
     def _tensor(self) -> ir.TensorProtocol:
         if self.source.const_value is None:
@@ -148,7 +152,8 @@ class Job:
         spec, tensor = self.spec, self._tensor()
         mode = f"INT{spec.bits}_{'SYM' if spec.sym else 'ASYM'}"
         weight = tensor.numpy()  # a memory map of the export's external data: nothing is read yet
-        rows_axis = spec.form == "dq-rows"  # a table's scale is per row: chunks of rows, else of columns
+        rows_axis = spec.form in ("dq-rows", "rows")  # a table's scale is per row: chunks of rows, else of columns
+        transposed = spec.form == "nbits8"  # MatMulNBits' [N, K]: a column chunk's values are rows of it
         axis = 1 if rows_axis else 0  # the reduction axis
         length = weight.shape[0] if rows_axis else weight.shape[1]
         step = max(1, CHUNK_BYTES // (4 * weight.shape[1 if rows_axis else 0]))
@@ -171,7 +176,8 @@ class Job:
             quantized = lowering.quantize(part, axis, mode, spec.group, scale=given[0], zero_point=given[1])
             err += quantized.squared_error
             norm += quantized.squared_norm
-            q = _place(q, quantized.q.reshape(part.shape), chunk_axis, start, length)
+            values = quantized.q.reshape(part.shape)
+            q = _place(q, values.T, 0, start, length) if transposed else _place(q, values, chunk_axis, start, length)
             scale = _place(scale, quantized.scale, chunk_axis, start, length)
             if quantized.zero_point is not None:
                 zp = _place(zp, quantized.zero_point, chunk_axis, start, length)
@@ -188,6 +194,11 @@ class Job:
             scale = scale.reshape(-1)
             zp = None if zp is None else zp.reshape(-1)
         out = {"scale": scale}
+        if spec.form == "nbits8":
+            return _nbits8(q, scale, zp)
+        if spec.form == "rows":  # to-matmul-nbits' Gather of rows: [V, 1] float32 scales and zero points
+            return {"quantized": q, "scale": scale.reshape(-1, 1)} | \
+                ({} if zp is None else {"zero_point": zp.astype(np.float32).reshape(-1, 1)})
         if spec.form == "nbits":
             from passes.quantize.matmul_nbits import pack_nibbles
 
@@ -275,6 +286,25 @@ def _place(whole: np.ndarray | None, chunk: np.ndarray, axis: int, start: int, l
     return whole
 
 
+def _nbits8(q: np.ndarray, scale: np.ndarray, zp: np.ndarray | None) -> dict[str, np.ndarray]:
+    """NNCF's INT8 per output channel of a [K, N] weight (``q`` transposed: [N, K]) as to-matmul-nbits writes it:
+    MatMulNBits' 8-bit B [N, blocks, block], symmetric values offset to uint8 (its default zero point 128),
+    the per-channel scale and zero point repeated per block, padding that dequantizes to exactly 0."""
+    from passes.quantize.matmul_nbits import nbits_layout
+
+    n, k = q.shape
+    block, blocks = nbits_layout(k, 4 if zp is None else 5)
+    u = (q.astype(np.int16) + 128).astype(np.uint8) if zp is None else q.astype(np.uint8, copy=False)
+    zp_u8 = None if zp is None else zp.astype(np.uint8).reshape(n)
+    if block * blocks > k:
+        u = np.concatenate([u, np.full((n, block - k), 128, np.uint8) if zp_u8 is None else
+                            np.repeat(zp_u8[:, None], block - k, 1)], axis=1)
+    out = {"quantized": u.reshape(n, blocks, block), "scale": np.repeat(scale.reshape(n, 1), blocks, 1)}
+    if zp_u8 is not None:
+        out["zero_point"] = np.repeat(zp_u8.reshape(n, 1), blocks, 1)
+    return out
+
+
 def _computed(job: Job, key: str, dtype: ir.DataType) -> ir.TensorProtocol:
     return ir.tensor(job.take(key), dtype=dtype)
 
@@ -289,14 +319,14 @@ def stored_bits(spec: Spec) -> int:
         blocks = -(-k // spec.group) * n
         values = blocks * spec.group * spec.bits
     else:
-        blocks, values = (k if spec.form == "dq-rows" else n), k * n * spec.bits
+        blocks, values = (k if spec.form in ("dq-rows", "rows") else n), k * n * spec.bits
     return values + 32 * blocks + (0 if spec.sym else spec.bits * blocks)
 
 
 def _dtype(spec: Spec, key: str) -> ir.DataType:
-    if key == "scale" or (spec.form == "stacked" and key == "zero_point"):
+    if key == "scale" or (spec.form in ("stacked", "rows") and key == "zero_point"):
         return ir.DataType.FLOAT
-    if spec.form == "nbits":
+    if spec.form in ("nbits", "nbits8"):
         return ir.DataType.UINT8
     if spec.bits == 4:
         return ir.DataType.INT4 if spec.sym else ir.DataType.UINT4
@@ -309,6 +339,15 @@ def _shapes(spec: Spec, shape: tuple[int, ...]) -> dict[str, tuple[int, ...]]:
         side = (shape[0], 1, shape[2])
         return {"quantized": shape, "scale": side} | ({} if spec.sym else {"zero_point": side})
     first, second = shape
+    if spec.form == "nbits8":  # [K, N] -> [N, blocks, block]; scales (and zero points) [N, blocks]
+        from passes.quantize.matmul_nbits import nbits_layout
+
+        block, blocks = nbits_layout(first, 4 if spec.sym else 5)
+        side = (second, blocks)
+        return {"quantized": (second, blocks, block), "scale": side} | ({} if spec.sym else {"zero_point": side})
+    if spec.form == "rows":
+        side = (first, 1)
+        return {"quantized": shape, "scale": side} | ({} if spec.sym else {"zero_point": side})
     if spec.form == "nbits":  # [K, N] -> B [N, blocks, group / 2], scales and zero points [N, blocks]
         blocks = -(-first // spec.group_size)
         shapes = {"quantized": (second, blocks, spec.group_size // 2), "scale": (second, blocks)}
@@ -342,17 +381,37 @@ def plan_specs(weights: list[Weight], plan: dict[str, str], options: Options, ta
         if precision not in ("int4", "int8") or len(w.shape) != 2:
             raise InputError(f"{w.name}: {precision} of a {len(w.shape)}-D weight is not available in bounded "
                              f"memory; use int4-grouped, int8-per-channel or int8-per-head")
+        ort = target == "onnxruntime"
         if w.kind == "gather":
             if precision == "int4":
                 raise InputError(f"{w.name}: INT4 embeddings are not available in bounded memory; use int8")
-            specs.append(Spec(w, 8, None, options.sym, "dq-rows"))
+            specs.append(Spec(w, 8, None, options.sym, "rows" if ort else "dq-rows"))
             continue
         group = adjusted_group(w.shape[0], options.group_size) if precision == "int4" else None
         if precision == "int4" and group is not None:
-            specs.append(Spec(w, 4, group, options.sym, "nbits" if target == "onnxruntime" else "dq-blocked"))
+            specs.append(Spec(w, 4, group, options.sym, "nbits" if ort else "dq-blocked"))
         elif precision == "int8" or options.backup == "int8":
-            specs.append(Spec(w, 8, None, options.sym, "dq-channel"))
+            specs.append(Spec(w, 8, None, options.sym, "nbits8" if ort else "dq-channel"))
     return specs
+
+
+# ONNX Runtime's forms of an INT8 per-channel table and MatMul weight (what to-matmul-nbits makes of their
+# DequantizeLinear), written directly: the pass would compute them before the save, one at a time and each held
+# until written (a 151936-row table and lm_head: 3.4 s of the 1.5B's compression, serial), where the save computes
+# them beside the other weights. Their names are the pass's. A weight read otherwise (a tied table) keeps the
+# DequantizeLinear form the pass rewrites.
+ORT_FORMS = {"rows": ("dq-rows", {"quantized": "quantized", "scale": "quantized_row_scale",
+                                  "zero_point": "quantized_row_zero_point"}),
+             "nbits8": ("dq-channel", {"quantized": "quantized_nbits", "scale": "quantized_nbits_scale",
+                                       "zero_point": "quantized_nbits_zero_point"})}
+
+
+def _ort_form_fits(spec: Spec, read: ir.Value) -> bool:
+    uses = list(read.uses())
+    if spec.form == "rows":  # every reader a Gather of rows
+        return bool(uses) and all(node.op_type == "Gather" and index == 0 and node.attributes.get_int("axis", 0) == 0
+                                  for node, index in uses)
+    return len(uses) == 1 and uses[0][0].op_type == "MatMul" and uses[0][1] == 1
 
 
 def compress_streaming(model: ir.Model, specs: list[Spec], log: Callable[[str], None],
@@ -367,24 +426,32 @@ def compress_streaming(model: ir.Model, specs: list[Spec], log: Callable[[str], 
     for spec in specs:
         w = spec.weight
         source = values[w.name]
+        # a bf16-stored weight is read through its Cast, which goes with it; the job reads the bf16 values
+        cast = next((node for node, _ in source.uses() if stored_weight(node.outputs[0]) is source), None)
+        read = source if cast is None else cast.outputs[0]
+        names: dict[str, str] = {}
+        if spec.form in ORT_FORMS:
+            fallback, names = ORT_FORMS[spec.form]
+            if not _ort_form_fits(spec, read):
+                spec, names = replace(spec, form=fallback), {}
         job = Job(spec, source)
         shapes = _shapes(spec, w.shape)
         job.pending = set(shapes)
         tensors = {}
         for key, shape in shapes.items():
-            name = f"{w.name}_{key}"
+            name = f"{w.name}_{names.get(key, key)}"
             dtype = _dtype(spec, key)
-            # MatMulNBits tensors are final (to-matmul-nbits reads their shapes only): computed when saved
+            # MatMulNBits tensors and ORT's forms are final (to-matmul-nbits reads their shapes only): computed
+            # when saved
             lazy = ir.LazyTensor(partial(_computed, job, key, dtype), dtype=dtype, shape=ir.Shape(shape), name=name,
-                                 cache=keep and spec.form != "nbits")
+                                 cache=keep and spec.form not in ("nbits", *ORT_FORMS))
             tensors[key] = ir.Value(name=name, shape=ir.Shape(shape), type=ir.TensorType(dtype), const_value=lazy)
             model.graph.register_initializer(tensors[key])
         consumer = producers[w.output]
-        # a bf16-stored weight is read through its Cast, which goes with it; the job reads the bf16 values
-        cast = next((node for node, _ in source.uses() if stored_weight(node.outputs[0]) is source), None)
-        read = source if cast is None else cast.outputs[0]
-        if spec.form == "nbits":
+        if spec.form in ("nbits", "nbits8"):
             _to_matmul_nbits(model, consumer, read, tensors, spec)
+        elif spec.form == "rows":
+            _to_gathered_rows(model, read, tensors)
         elif spec.form == "stacked":
             _to_cast_mul(model, read, tensors, spec.weight.name)
         else:
@@ -393,7 +460,7 @@ def compress_streaming(model: ir.Model, specs: list[Spec], log: Callable[[str], 
             model.graph.remove(cast, safe=True)
         del values[w.name]
         jobs[w.name] = job
-    if any(s.form == "nbits" for s in specs):
+    if any(job.spec.form in ("nbits", "nbits8") for job in jobs.values()):
         model.opset_imports.setdefault(MS_DOMAIN, 1)
     if any(s.form == "dq-blocked" for s in specs):
         raise_opset(model)
@@ -407,7 +474,8 @@ def _to_matmul_nbits(model: ir.Model, matmul: ir.Node, source: ir.Value, tensors
     k, n = spec.weight.shape
     x = next(v for v in matmul.inputs if v is not source)
     inputs = [x, tensors["quantized"], tensors["scale"]] + ([tensors["zero_point"]] if "zero_point" in tensors else [])
-    node = ir.node("MatMulNBits", inputs, attributes={"K": k, "N": n, "bits": spec.bits, "block_size": spec.group,
+    block = spec.group if spec.form == "nbits" else tensors["quantized"].shape[2]  # nbits8: [N, blocks, block]
+    node = ir.node("MatMulNBits", inputs, attributes={"K": k, "N": n, "bits": spec.bits, "block_size": block,
                                                     "accuracy_level": 0},
                    domain=MS_DOMAIN, name=f"{matmul.name}_compressed_matmul", num_outputs=1)
     output = matmul.outputs[0]
@@ -417,6 +485,18 @@ def _to_matmul_nbits(model: ir.Model, matmul: ir.Node, source: ir.Value, tensors
     if output.dtype is not None:  # exported intermediate values carry no type until shapes are inferred
         node.outputs[0].dtype, node.outputs[0].shape = output.dtype, output.shape
     model.graph.remove(matmul, safe=True)
+
+
+def _to_gathered_rows(model: ir.Model, source: ir.Value, tensors: dict) -> None:
+    """Each Gather of the table as to-matmul-nbits rewrites it: the quantized rows, Cast, minus their zero points,
+    times their scales."""
+    from passes.graph import Names
+    from passes.quantize.matmul_nbits import ToMatMulNBits
+
+    names = Names(model.graph)
+    for gather, _ in list(source.uses()):
+        ToMatMulNBits._dequantized_rows(model.graph, names, gather, tensors["quantized"], tensors["scale"],
+                                        tensors.get("zero_point"))
 
 
 def _to_cast_mul(model: ir.Model, source: ir.Value, tensors: dict, name: str) -> None:

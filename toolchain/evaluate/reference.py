@@ -17,10 +17,10 @@ __all__ = ["TorchDecoder", "resolve_reference", "source_changes"]
 
 def source_changes(manifest: Manifest, source: sources.Source) -> list[str]:
     """How the checkpoint at ``source`` differs from the files the artifact was built from ([] when identical)."""
-    from toolchain.manifest import file_hashes
+    from toolchain.source_hashes import checkpoint_hashes
 
     recorded = manifest.source.files
-    actual = file_hashes(source.path)
+    actual = checkpoint_hashes(source.path)
     changes = [f"changed {n}" for n in sorted(recorded) if n in actual and actual[n] != recorded[n]]
     changes += [f"missing {n}" for n in sorted(set(recorded) - set(actual))]
     changes += [f"extra {n}" for n in sorted(set(actual) - set(recorded))]

@@ -163,13 +163,15 @@ def load_graph(path: Path) -> ir.Model:
     return model
 
 
-def save_graph(model: ir.Model, path: Path, external: bool | None = None) -> list[str]:
+def save_graph(model: ir.Model, path: Path, external: bool | None = None, workers: int | None = None) -> list[str]:
     """Write the model; returns the files written (model.onnx, and model.onnx.data for large weights, or when
     ``external``: a graph of lazy tensors is then written a tensor at a time, where one file is serialized whole
-    in memory, twice: the ModelProto's copy of every tensor and its byte string)."""
+    in memory, twice: the ModelProto's copy of every tensor and its byte string). ``workers``: threads that
+    compute and write external tensors at once (onnx-ir's writer: the same bytes, and at most 1 GB of tensors
+    in flight), for lazy tensors whose computation releases the GIL."""
     if external or (external is None and float32_bytes(model) > EXTERNAL_DATA_BYTES):
         # small tensors (norms' scales, shape constants) stay in the graph file, as ORT's optimizer writes them
-        ir.save(model, path, external_data=path.name + ".data", size_threshold_bytes=1024)
+        ir.save(model, path, external_data=path.name + ".data", size_threshold_bytes=1024, max_workers=workers)
         return [path.name, path.name + ".data"]
     # Weights still in the input's external data file (a stage that read a large graph and made it small, e.g.
     # by compressing it) would be written as references to that file: they are read in, to be inlined.

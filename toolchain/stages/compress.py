@@ -307,7 +307,9 @@ def _compress_streaming(model, in_dir, out_dir, target, options, policy, report,
     timings["plan_s"] = time.perf_counter() - t0
     with atomic_output_dir(out_dir) as tmp:
         t0 = time.perf_counter()
-        files = save_graph(model, tmp / "model.onnx", external=True)  # each weight computed as it is written
+        # each weight computed as it is written, two at a time (NNCF's inference on one, the other's numpy and
+        # writing beside it: 2 cores here)
+        files = save_graph(model, tmp / "model.onnx", external=True, workers=2)
         del model
         timings["compress_s"] = time.perf_counter() - t0
         shutil.copyfile(in_dir / "export.json", tmp / "export.json")

@@ -61,7 +61,8 @@ def export(spec: str, out_dir: Path, *, parity: tuple[str, ...] | None = None, n
         graph = build_decoder(skeleton, arch, reader,
                               on_layer=lambda i, n: log(f"built layer {i}/{n}") if n > 8 else None, weights=storage)
         log(f"writing {parameters:,} parameters, one tensor at a time ({storage})")
-        files = save_graph(graph, tmp / "model.onnx")
+        # two weights read, converted and written at once (the reader takes turns on its shard)
+        files = save_graph(graph, tmp / "model.onnx", workers=2)
         graph_info = {"files": files, "opset": graph.opset_imports[""], "nodes": len(graph.graph),
                       "inputs": [v.name for v in graph.graph.inputs],
                       "outputs": [v.name for v in graph.graph.outputs],

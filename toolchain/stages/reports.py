@@ -277,9 +277,9 @@ def _scalar(value):
 
 class StageRecord(Schema):
     """stage.json: which stage made a directory, from what (``parent``: the id of its input) and how (``config``),
-    and the sha256 of every file it wrote, checked before the directory is reused from the stage cache."""
+    and the BLAKE3 of every file it wrote, checked before the directory is reused from the stage cache."""
 
-    SCHEMA: ClassVar[str] = "dstc.stage/1"
+    SCHEMA: ClassVar[str] = "dstc.stage/2"  # /2: BLAKE3, where /1 recorded sha256
     schema_: str = Field(SCHEMA, alias="schema")
     name: str
     id: str

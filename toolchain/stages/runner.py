@@ -4,7 +4,7 @@
 A stage is a name, its configuration (the recipe section it runs with, validated before anything runs), the
 function that runs it and the module whose import closure is its code. Its id hashes its parent's id, its
 configuration and that code (as Olive chains pass ids). A finished stage directory holds stage.json
-(toolchain/stages/reports.py StageRecord): the id, parent and configuration, and the sha256 of every file, checked
+(toolchain/stages/reports.py StageRecord): the id, parent and configuration, and the BLAKE3 of every file, checked
 before the directory is reused. Finished stages are kept in the stage cache under their id.
 
 `dstc build` runs each stage into its cache entry (the first parent is the checkpoint's file hashes) and
@@ -24,8 +24,9 @@ from typing import TypeVar
 
 from toolchain.atomic import MARKER, atomic_output_dir, check_writable_target, lock_file
 from toolchain.errors import InputError
-from toolchain.manifest import code_digest, digest, file_hashes
+from toolchain.manifest import blake3_file, code_digest, digest, file_hashes
 from toolchain.recipe import CompileSection, CompressSection, ExportSection, PassesSection
+from toolchain.source_hashes import checkpoint_hashes
 from toolchain.stages.reports import (
     STAGE_REPORTS,
     CompileReport,
@@ -41,8 +42,12 @@ R = TypeVar("R", bound=StageReport)
 Log = Callable[[str], None]
 
 
+def cache_dir() -> Path:
+    return Path(os.environ.get("DSTC_CACHE_DIR") or Path.home() / ".cache" / "dstc")
+
+
 def cache_root() -> Path:
-    return Path(os.environ.get("DSTC_CACHE_DIR") or Path.home() / ".cache" / "dstc") / "stages"
+    return cache_dir() / "stages"
 
 
 @dataclass
@@ -111,7 +116,7 @@ def cache_damage(target: Path) -> str | None:
         recorded = StageRecord.read(target / STAGE_RECORD).files
     except InputError:
         return f"unreadable {STAGE_RECORD}"
-    actual = file_hashes(target, exclude=(STAGE_RECORD, MARKER))
+    actual = file_hashes(target, exclude=(STAGE_RECORD, MARKER), hash_file=blake3_file)
     changed = [f"changed {n}" for n in sorted(recorded) if n in actual and actual[n] != recorded[n]]
     changed += [f"missing {n}" for n in sorted(set(recorded) - set(actual))]
     changed += [f"extra {n}" for n in sorted(set(actual) - set(recorded))]
@@ -131,11 +136,12 @@ def _entry_lock(target: Path):
 
 def _run_stage(stage: Stage, input_dir: Path | None, target: Path, stage_id: str, parent: str, log: Log) -> None:
     """Run a stage into ``target``. The stage writes its directory atomically; stage.json, written last, marks it
-    complete and records the sha256 of every file."""
+    complete and records the BLAKE3 of every file."""
     (target / STAGE_RECORD).unlink(missing_ok=True)
     stage.run(input_dir, target, log)
-    StageRecord(name=stage.name, id=stage_id, parent=parent, config=stage.config,
-                files=file_hashes(target, exclude=(STAGE_RECORD, MARKER))).write(target / STAGE_RECORD)
+    files = file_hashes(target, exclude=(STAGE_RECORD, MARKER), hash_file=blake3_file)
+    StageRecord(name=stage.name, id=stage_id, parent=parent, config=stage.config, files=files).write(
+        target / STAGE_RECORD)
 
 
 def run_cached(stage: Stage, input_dir: Path | None, parent: str, *, use_cache: bool, log: Log,
@@ -191,8 +197,8 @@ def _input_parent(input_dir: Path) -> tuple[Path, str]:
     from toolchain.stages.inputs import read_export
 
     _, source = read_export(input_dir)
-    files = file_hashes(input_dir, exclude=(STAGE_RECORD, MARKER))
-    return source, digest({"input": files, "source": digest(file_hashes(source))})
+    files = file_hashes(input_dir, exclude=(STAGE_RECORD, MARKER), hash_file=blake3_file)
+    return source, digest({"input": files, "source": digest(checkpoint_hashes(source))})
 
 
 def run_export(model: str, section: ExportSection, out_dir: Path, *, use_cache: bool = True,
@@ -200,7 +206,7 @@ def run_export(model: str, section: ExportSection, out_dir: Path, *, use_cache: 
     from toolchain import source as sources
 
     source = sources.resolve(model)
-    return _run_into(export_stage(model, section), None, digest(file_hashes(source.path)), out_dir, ExportReport,
+    return _run_into(export_stage(model, section), None, digest(checkpoint_hashes(source.path)), out_dir, ExportReport,
                      use_cache=use_cache, log=log)
 
 
