@@ -29,7 +29,6 @@ activations, the output error on the tokens routed to that expert.
 from __future__ import annotations
 
 import re
-import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import cast
@@ -41,7 +40,7 @@ from passes.graph import HeldInitializer, name_of, present, produced
 from toolchain.compress import lowering, metrics
 from toolchain.compress.engine import Options
 from toolchain.compress.policy import role_of
-from toolchain.compress.streaming import adjusted_group, raise_opset
+from toolchain.compress.streaming import ComputedOnSave, adjusted_group, raise_opset
 from toolchain.errors import InputError
 from toolchain.export.moe import MS_DOMAIN
 
@@ -194,27 +193,14 @@ def _spec(precision: str, ks: list[int], options: Options) -> Spec | None:
 
 
 @dataclass
-class Job:
+class Job(ComputedOnSave):
     """The quantization of one stacked weight, computed when the first of its tensors is saved."""
 
     layer: FusedLayer
     stacked: Stacked
     spec: Spec
     activations: Callable[[int, str], np.ndarray | None] | None
-    pending: set[str] = field(default_factory=set)
-    result: dict[str, np.ndarray] | None = None
     stats: dict[str, dict] = field(default_factory=dict)  # weight name -> errors
-    lock: threading.Lock = field(default_factory=threading.Lock)
-
-    def take(self, key: str) -> np.ndarray:
-        with self.lock:  # the stack's tensors may be written by two threads: computed once
-            if self.result is None:
-                self.result = self._compute()
-            array = self.result[key]
-            self.pending.discard(key)
-            if not self.pending:
-                self.result = None
-            return array
 
     def _compute(self) -> dict[str, np.ndarray]:
         spec = self.spec

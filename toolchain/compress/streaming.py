@@ -116,19 +116,17 @@ class Spec:
         return f"int{self.bits}-{'sym' if self.sym else 'asym'}-{kind}"
 
 
-@dataclass
-class Job:
-    """One weight's quantization, computed when the first of its tensors is saved and released after the last."""
+@dataclass(kw_only=True)
+class ComputedOnSave:
+    """Tensors computed together when the first of them is saved (``_compute``) and released after the last of
+    the ``pending`` keys is taken; a writer may save them on two threads, so they are computed once."""
 
-    spec: Spec
-    source: ir.Value
     pending: set[str] = field(default_factory=set)
     result: dict[str, np.ndarray] | None = None
-    stats: dict = field(default_factory=dict)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def take(self, key: str) -> np.ndarray:
-        with self.lock:  # the weight's tensors may be written by two threads: computed once
+        with self.lock:
             if self.result is None:
                 self.result = self._compute()
             array = self.result[key]
@@ -136,6 +134,18 @@ class Job:
             if not self.pending:
                 self.result = None
             return array
+
+    def _compute(self) -> dict[str, np.ndarray]:
+        raise NotImplementedError
+
+
+@dataclass
+class Job(ComputedOnSave):
+    """One weight's quantization, computed when the first of its tensors is saved and released after the last."""
+
+    spec: Spec
+    source: ir.Value
+    stats: dict = field(default_factory=dict)
 
     def _tensor(self) -> ir.TensorProtocol:
         if self.source.const_value is None:
