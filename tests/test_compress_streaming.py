@@ -207,24 +207,78 @@ def test_scale_estimation_streams_with_statistics_computed_layer_by_layer(export
 
 def test_streamed_scale_estimation_of_a_moe_mla_model_compiles_and_verifies(exports, tmp_path):
     """DeepSeek-V3 (MLA, routed and shared experts), OpenVINO: the INT4 weights of nn.Linear modules get
-    estimated scales (attention projections, shared experts, the dense layer's MLP), routed experts NNCF's
-    data-free ones, and the artifact compiles and verifies against its compressed input graph. (NNCF's
-    whole-model scale estimation writes an INT8 absorbed kv_b_proj ORT refuses to run, so there is no
-    whole-model reference for this model here.)"""
+    estimated scales (attention projections, shared experts, the dense layer's MLP) and so do the routed experts
+    the calibration tokens reach (the experts module's call hooked); the others keep NNCF's data-free scales,
+    and the artifact compiles and verifies against its compressed input graph. (NNCF's whole-model scale
+    estimation writes an INT8 absorbed kv_b_proj ORT refuses to run, so there is no whole-model reference for
+    this model here.)"""
     streamed = compress(exports["deepseek_v3"], tmp_path / "streamed", target="openvino", scale_estimation=True,
                         streaming="always")
     free = compress(exports["deepseek_v3"], tmp_path / "free", target="openvino", streaming="always")
     rows = {r["weight"]: r for r in streamed["per_weight"]}
     int4 = {n for n, r in rows.items() if r["precision"].startswith("int4")}
     estimated = set(streamed["details"]["scale_estimation"])
-    assert estimated == {n for n in int4 if "/mlp/experts/" not in n}
+    assert estimated <= int4 and all("/mlp/experts/" in n for n in int4 - estimated)
     assert any("/shared_experts/" in n for n in estimated) and any("/mlp/dense/" in n for n in estimated)
-    assert any("q_a_proj" in n for n in estimated) and any("/mlp/experts/" in n for n in int4 - estimated)
+    assert any("q_a_proj" in n for n in estimated)
+    routed = {n for n in estimated if "/mlp/experts/" in n}
+    assert len(routed) >= 6 and {n.rsplit("/", 2)[1] for n in routed} == {"gate_proj", "up_proj", "down_proj"}
     free_rows = {r["weight"]: r for r in free["per_weight"]}
     assert all(rows[n]["weight_error"] == free_rows[n]["weight_error"] for n in int4 - estimated)
     assert sum(rows[n]["weight_error"] != free_rows[n]["weight_error"] for n in estimated) >= len(estimated) // 2
     manifest = compile_artifact(tmp_path / "streamed", tmp_path / "art", "openvino")
     assert manifest["verification"]["passed"]
+
+
+def test_routed_experts_statistics_are_their_inputs_in_the_exported_graph(exports, tiny_checkpoints):
+    """Each routed expert's statistics (transformers' layers one at a time, the experts module's call hooked)
+    against the exported dispatch graph run on ORT on the same sequences: per sequence that routes tokens to the
+    expert, the mean and shape of its gate_proj / up_proj input (the rows routed to it) and of its down_proj input
+    (act(gate) * up); an expert a sequence does not reach has no sample from it, as in the graph (no rows)."""
+    from toolchain.compress import calibration
+    from toolchain.compress.layer_statistics import linear_statistics
+    from toolchain.runtime.engines import GraphRunner
+
+    model_path = exports["deepseek_v3"] / "model.onnx"
+    model = ir.load(model_path)
+    experts = [n for n in model.graph.initializers if "/mlp/experts/" in n]
+    inputs = {}  # weight -> the graph value its MatMul multiplies
+    for node in model.graph:
+        if node.op_type == "MatMul" and node.inputs[1] is not None and node.inputs[1].name in experts:
+            inputs[node.inputs[1].name] = node.inputs[0].name
+    assert len(inputs) == len(experts) > 6
+    rng = np.random.default_rng(3)
+    vocab = int(json.loads((tiny_checkpoints["deepseek_v3"] / "config.json").read_text())["vocab_size"])
+    sequences = [rng.integers(0, vocab, n).tolist() for n in (24, 40, 64)]
+    stats = linear_statistics(tiny_checkpoints["deepseek_v3"], sequences, set(experts))
+    run = GraphRunner(model_path, "onnxruntime", extra_outputs=sorted(set(inputs.values())))
+    specs = calibration.past_specs((v.name, v.shape) for v in model.graph.inputs)
+    outputs = [run(calibration.feeds(ids, specs)) for ids in sequences]
+    compared = 0
+    for weight, value in inputs.items():
+        expected = [(o[value].reshape(-1, o[value].shape[-1]).mean(0), o[value].shape)
+                    for o in outputs if o[value].shape[0] > 0]
+        if not expected:
+            assert weight not in stats
+            continue
+        got = stats[weight]
+        assert [tuple(s) for s in got.shape_values] == [tuple(s) for _, s in expected], weight
+        for mean, (reference, _) in zip(got.mean_values, expected):
+            assert np.allclose(np.asarray(mean.data), reference, rtol=1e-4, atol=1e-5), weight
+        compared += 1
+    assert compared >= 18  # (27 of 96 here: the tiny model routes these tokens to 9 of its experts)
+
+
+def test_streamed_awq_scales_the_routed_experts_the_calibration_reaches(exports, tmp_path):
+    """AWQ in bounded memory takes every up_proj -> down_proj pair whose two inputs have statistics: the dense
+    MLP, the shared experts and the routed experts the calibration tokens reach (the pairs NNCF's MatMul_Mul_MatMul
+    pattern matches in the dispatch graph)."""
+    both = compress(exports["deepseek_v3"], tmp_path / "both", target="openvino", streaming="always", awq=True,
+                    scale_estimation=True)
+    awq, estimated = set(both["details"]["awq"]), set(both["details"]["scale_estimation"])
+    assert awq == {n for n in estimated if n.endswith("/down_proj/weight")
+                   and n.replace("/down_proj/", "/up_proj/") in estimated}
+    assert any("/mlp/experts/" in n for n in awq) and any("/shared_experts/" in n for n in awq)
 
 
 MEASURE = textwrap.dedent("""

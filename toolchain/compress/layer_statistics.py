@@ -7,8 +7,11 @@ modules, built one at a time from the checkpoint reader (toolchain/checkpoint/re
 of the sequences go through layer 0, its outputs through layer 1, and so on, so memory holds one layer and the
 sequences' hidden states, whatever the model's size. Forward pre-hooks on each layer's nn.Linear modules take
 their inputs; the graph's name for each weight comes from the exporter (toolchain/export/decoder.py
-``linear_weight_name``). Routed experts (transformers' fused experts module has no nn.Linear) and MLA's absorbed
-kv_b_proj (a 3-D weight in the graph) get none.
+``linear_weight_name``). Routed experts have no nn.Linear (transformers' fused experts module holds them stacked):
+a pre-hook on that module takes the tokens and the router's choice it is called with, and gives each expert the
+rows routed to it, as the dispatch lowering's Gather does (its gate_proj and up_proj input), and the expert's
+act(gate) * up of them (its down_proj input), computed as the module computes it; an expert no calibration token
+reached gets none. MLA's absorbed kv_b_proj (a 3-D weight in the graph) gets none.
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ def linear_statistics(source: Path, sequences: list[list[int]], wanted: set[str]
 
     from toolchain.checkpoint import reference as ref
     from toolchain.checkpoint.reader import EMBEDDING, open_checkpoint
-    from toolchain.export.decoder import linear_weight_name
+    from toolchain.export.decoder import expert_weight_name, linear_weight_name
     from toolchain.export.layer_parity import additive_mask
 
     if not sequences:
@@ -55,6 +58,18 @@ def linear_statistics(source: Path, sequences: list[list[int]], wanted: set[str]
         means.setdefault(name, []).append(x.reshape(-1, x.shape[-1]).mean(0).numpy())
         shapes.setdefault(name, []).append(tuple(x.shape))
 
+    def record_experts(layer: int, experts, args) -> None:
+        x, chosen = args[0], args[1]  # [tokens, hidden], [tokens, top k]: the MoE block's call
+        for e in torch.unique(chosen).tolist():
+            names = [expert_weight_name(layer, e, p) for p in ("gate_proj", "up_proj", "down_proj")]
+            if not wanted.intersection(names):
+                continue
+            rows = x[(chosen == e).any(-1)]
+            gate, up = torch.nn.functional.linear(rows, experts.gate_up_proj[e]).chunk(2, dim=-1)
+            for name, inputs in zip(names, (rows, rows, experts.act_fn(gate) * up)):
+                if name in wanted:
+                    record(name, None, (inputs,))
+
     with open_checkpoint(source) as reader:
         table = reader.tensor(EMBEDDING, reader.natural_dtype(EMBEDDING))
         hidden = [table[torch.tensor([ids])].float() for ids in sequences]
@@ -69,6 +84,8 @@ def linear_statistics(source: Path, sequences: list[list[int]], wanted: set[str]
             hooks = [module.register_forward_pre_hook(partial(record, name))
                      for path, module in layer.named_modules() if isinstance(module, torch.nn.Linear)
                      if (name := linear_weight_name(i, path, dense)) in wanted]
+            if not dense:
+                hooks.append(layer.get_submodule("mlp.experts").register_forward_pre_hook(partial(record_experts, i)))
             for k in range(len(hidden)):
                 out = layer(hidden[k], attention_mask=masks[k], position_ids=positions[k],
                             position_embeddings=ropes[k], use_cache=False)

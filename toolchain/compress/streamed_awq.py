@@ -9,8 +9,9 @@ column_scale, applied as each chunk is read), and down_proj's statistics become 
 ``update_statistics`` makes them for a scale estimation that follows. A private NNCF method is called because no
 public one takes a single pair: the pairs NNCF's graph matching finds are found here from the exporter's names.
 
-Routed experts (no statistics: transformers' fused experts have no nn.Linear) and AWQ's other patterns (an
-activation before a MatMul, which inserts a Multiply node into the graph) are left as they are.
+Routed experts are paired as every gated MLP is (the dispatch lowering's MatMul -> Mul -> MatMul), where the
+calibration tokens reach them (toolchain/compress/layer_statistics.py). AWQ's other patterns (an activation before
+a MatMul, which inserts a Multiply node into the graph) are left as they are.
 """
 
 from __future__ import annotations

@@ -78,6 +78,12 @@ def linear_weight_name(layer: int, module_path: str, dense_mlp: bool) -> str:
     return "/".join([f"layers.{layer}", *parts, "weight"])
 
 
+def expert_weight_name(layer: int, expert: int, projection: str) -> str:
+    """The graph's name for routed expert ``expert``'s ``projection`` (gate_proj, up_proj, down_proj) weight in
+    layer ``layer`` of the dispatch lowering (blocks.moe_dispatch: scopes mlp / experts / <e>)."""
+    return f"layers.{layer}/mlp/experts/{expert}/{projection}/weight"
+
+
 def tied_embeddings(model: HFModule) -> bool:
     """Whether lm_head reads the embedding table itself (tie_word_embeddings: one Parameter in PyTorch)."""
     return model.lm_head.weight is model.model.embed_tokens.weight

@@ -296,8 +296,9 @@ def _compress_streaming(model, in_dir, out_dir, target, options, policy, report,
             for name, stat in statistics.items():
                 int4[name].statistics = stat
             data_aware["scale_estimation"] = sorted(statistics)
-            log(f"scale estimation on {len(statistics)} of {len(int4)} INT4 weights (routed experts and weights "
-                f"without an nn.Linear in the checkpoint's layers take NNCF's data-free scales)")
+            log(f"scale estimation on {len(statistics)} of {len(int4)} INT4 weights (the others, routed experts "
+                f"no calibration token reached and weights the checkpoint's layers do not compute as such, take "
+                f"NNCF's data-free scales)")
     jobs = stream.compress_streaming(model, specs, log, keep=target == "onnxruntime")
     expert_jobs = fused_moe.compress_experts(model, fused, policy.precision, options, options.accuracy_level)
     details = {"demoted_3d": [s.weight.name for s in specs if s.form == "stacked" and plan[s.weight.name] == "int4"],
