@@ -17,7 +17,7 @@ runtime's tolerance of the reference's range, as the end-to-end check judges log
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -136,10 +136,17 @@ def _relative(reference: np.ndarray, candidate: np.ndarray, real: np.ndarray) ->
     return float(np.abs(ref - cand).max()) / span if span else 0.0
 
 
-def _logits(hidden: torch.Tensor, head: torch.Tensor, rows: int = 8192) -> np.ndarray:
-    """hidden @ head.T in fp32, the [vocab, hidden] head widened a block of rows at a time."""
-    return torch.cat([hidden @ head[start:start + rows].float().T for start in range(0, len(head), rows)],
-                     dim=-1).numpy()
+def _logits(hiddens: list[torch.Tensor], head: torch.Tensor, rows: int = 8192) -> list[np.ndarray]:
+    """hidden @ head.T in fp32 for each of ``hiddens`` ([..., hidden]), the [vocab, hidden] head widened a block
+    of rows at a time, once for all of them (widening it per step was most of the epilogue's check)."""
+    flat = torch.cat([h.reshape(-1, h.shape[-1]) for h in hiddens])
+    logits = torch.cat([flat @ head[start:start + rows].float().T for start in range(0, len(head), rows)], dim=-1)
+    out, start = [], 0
+    for h in hiddens:
+        count = int(np.prod(h.shape[:-1]))
+        out.append(logits[start:start + count].reshape(*h.shape[:-1], -1).numpy())
+        start += count
+    return out
 
 
 @dataclass
@@ -152,11 +159,19 @@ class _Step:
     shared: dict  # the graph prologue's outputs the layers read (RoPE tables, mask)
 
 
-@torch.no_grad()
 def compare_layers(graph_path: Path, source_path: Path, backend: str, cases: list[Case], steps: int, pad_id: int,
                    log: Callable[[str], None] = lambda _: None) -> dict:
     """Every piece of the graph at ``graph_path`` on ``backend`` against the reference built from the checkpoint
     at ``source_path``; the result has the keys export.json's parity entries have."""
+    return compare_layers_on(graph_path, source_path, [backend], cases, steps, pad_id, log)[backend]
+
+
+@torch.no_grad()
+def compare_layers_on(graph_path: Path, source_path: Path, backends: Sequence[str], cases: list[Case], steps: int,
+                      pad_id: int, log: Callable[[str], None] = lambda _: None) -> dict[str, dict]:
+    """``compare_layers`` on each of ``backends``, against one run of the reference: each layer's piece runs on
+    every backend (one after the other, each released before the next is built), then the reference layer once,
+    so the checkpoint is read and the reference computed once however many backends are checked."""
     from transformers import DynamicCache
 
     from toolchain.checkpoint import reference as ref
@@ -172,7 +187,7 @@ def compare_layers(graph_path: Path, source_path: Path, backend: str, cases: lis
                               and n.input[0] == GRAPH_TABLE}  # the table, or its Cast when stored in bf16
     embedded = next(n.output[0] for n in pieces["prologue"].nodes if n.op_type == "Gather" and n.input[0] in tables)
     config = ref.reference_config(source_path)
-    worst: dict[str, float] = {}
+    worst: dict[str, dict[str, float]] = {b: {} for b in backends}
     written = [_write(model, piece, graph_path.parent) for piece in pieces.values()]
     try:
         paths = dict(zip(pieces, written))
@@ -189,59 +204,76 @@ def compare_layers(graph_path: Path, source_path: Path, backend: str, cases: lis
                     runs[-1].append(_Step(hidden, rotary(hidden, pos), additive_mask(mask, ids.shape[1]), pos,
                                           mask[:, -ids.shape[1]:].astype(bool), {}))
             del table
-            prologue, worst["prologue"] = GraphRunner(paths["prologue"], backend), 0.0
-            for case, case_steps in zip(cases, runs):
-                for (ids, mask, positions), step in zip(_schedule(case, steps, pad_id), case_steps):
-                    out = prologue({"input_ids": ids, "attention_mask": mask, "position_ids": positions})
-                    worst["prologue"] = max(worst["prologue"], _relative(step.hidden.numpy(), out[embedded],
-                                                                          step.real))
-                    step.shared = {k: v for k, v in out.items() if k != embedded}
-            del prologue  # the graph's copy of the table, before any layer is loaded
+            shared: dict[str, list[list[dict]]] = {}  # per backend, case and step: the prologue's other outputs
+            for backend in backends:
+                prologue, worst[backend]["prologue"] = GraphRunner(paths["prologue"], backend), 0.0
+                shared[backend] = []
+                for case, case_steps in zip(cases, runs):
+                    shared[backend].append([])
+                    for (ids, mask, positions), step in zip(_schedule(case, steps, pad_id), case_steps):
+                        out = prologue({"input_ids": ids, "attention_mask": mask, "position_ids": positions})
+                        worst[backend]["prologue"] = max(worst[backend]["prologue"],
+                                                         _relative(step.hidden.numpy(), out[embedded], step.real))
+                        shared[backend][-1].append({k: v for k, v in out.items() if k != embedded})
+                del prologue  # the graph's copy of the table, before any layer is loaded
             hidden_in = embedded
             for scope in layers:
-                # the graph's piece first, then the reference layer, each released before the other is built: the
-                # check holds the larger of the two, not both (a MoE layer's experts are most of a layer)
-                piece, run = pieces[scope], GraphRunner(paths[scope], backend)
+                # the graph's piece first (on each backend), then the reference layer, each released before the
+                # next is built: the check holds the largest one, not two (a MoE layer's experts are most of it)
+                piece = pieces[scope]
                 past_names = [n for n in piece.inputs if n in past_dims]
                 hidden_out = next(n for n in piece.outputs if not n.startswith("present."))
-                graph_out: list[list[np.ndarray]] = []
-                for case_steps in runs:
-                    graph_out.append([])
-                    batch = len(case_steps[0].hidden)
-                    past = {n: np.zeros((batch, past_dims[n][0], 0, past_dims[n][1]), np.float32) for n in past_names}
-                    for step in case_steps:
-                        feeds = {n: step.shared[n] for n in piece.inputs if n in step.shared}
-                        out = run({**feeds, **past, hidden_in: step.hidden.numpy()})
-                        past = {n: out["present." + n[len("past_key_values."):]] for n in past_names}
-                        graph_out[-1].append(out[hidden_out])
-                del run
+                graph_out: dict[str, list[list[np.ndarray]]] = {}
+                for backend in backends:
+                    run = GraphRunner(paths[scope], backend)
+                    graph_out[backend] = []
+                    for case_steps, case_shared in zip(runs, shared[backend]):
+                        graph_out[backend].append([])
+                        batch = len(case_steps[0].hidden)
+                        past = {n: np.zeros((batch, past_dims[n][0], 0, past_dims[n][1]), np.float32)
+                                for n in past_names}
+                        for step, step_shared in zip(case_steps, case_shared):
+                            feeds = {n: step_shared[n] for n in piece.inputs if n in step_shared}
+                            out = run({**feeds, **past, hidden_in: step.hidden.numpy()})
+                            past = {n: out["present." + n[len("past_key_values."):]] for n in past_names}
+                            graph_out[backend][-1].append(out[hidden_out])
+                    del run
                 layer = ref.decoder_layer(config, reader, int(scope.split(".")[1]))
-                worst[scope] = 0.0
-                for case_steps, case_out in zip(runs, graph_out):
+                for backend in backends:
+                    worst[backend][scope] = 0.0
+                for c, case_steps in enumerate(runs):
                     cache = DynamicCache(config=config)
-                    for step, got in zip(case_steps, case_out):
+                    for k, step in enumerate(case_steps):
                         result = layer(step.hidden, attention_mask=step.mask, position_ids=step.positions,
                                        past_key_values=cache, position_embeddings=step.rope, use_cache=True)
                         result = result[0] if isinstance(result, tuple) else result
-                        worst[scope] = max(worst[scope], _relative(result.numpy(), got, step.real))
+                        for backend in backends:
+                            worst[backend][scope] = max(worst[backend][scope],
+                                                        _relative(result.numpy(), graph_out[backend][c][k], step.real))
                         step.hidden = result  # the next layer gets the reference's states
-                log(f"{scope}: max relative diff {worst[scope]:.1e}")
+                log(f"{scope}: max relative diff " + ", ".join(f"{worst[b][scope]:.1e} ({b})" for b in backends))
                 hidden_in = hidden_out
                 del layer
             norm, head = ref.final_norm(config, reader), reader.tensor("lm_head.weight",
                                                                         reader.natural_dtype("lm_head.weight"))
-            reference_logits = [[_logits(norm(step.hidden), head) for step in case_steps] for case_steps in runs]
+            steps_flat = [step for case_steps in runs for step in case_steps]
+            reference_logits = _logits([norm(step.hidden) for step in steps_flat], head)
             del head
-            epilogue, worst["epilogue"] = GraphRunner(paths["epilogue"], backend), 0.0
-            for case_steps, case_logits in zip(runs, reference_logits):
-                for step, logits in zip(case_steps, case_logits):
+            for backend in backends:
+                epilogue, worst[backend]["epilogue"] = GraphRunner(paths["epilogue"], backend), 0.0
+                for step, logits in zip(steps_flat, reference_logits):
                     got = epilogue({hidden_in: step.hidden.numpy()})["logits"]
-                    worst["epilogue"] = max(worst["epilogue"], _relative(logits, got, step.real))
+                    worst[backend]["epilogue"] = max(worst[backend]["epilogue"], _relative(logits, got, step.real))
+                del epilogue
     finally:
         for path in written:
             path.unlink(missing_ok=True)
-    tolerance = TOLERANCES[backend]
-    return {"mode": "layer by layer", "passed": all(v <= tolerance for v in worst.values()),
-            "tolerance_relative_to_logits_range": tolerance, "max_relative_diff": max(worst.values()),
-            "max_abs_diff": None, "tokens_identical": None, "pieces": worst,
+    results = {}
+    for backend in backends:
+        tolerance = TOLERANCES[backend]
+        results[backend] = {
+            "mode": "layer by layer", "passed": all(v <= tolerance for v in worst[backend].values()),
+            "tolerance_relative_to_logits_range": tolerance, "max_relative_diff": max(worst[backend].values()),
+            "max_abs_diff": None, "tokens_identical": None, "pieces": worst[backend],
             "cases": [{"name": c.name, "batch": len(c.prompts), "steps": steps} for c in cases]}
+    return results
