@@ -6,6 +6,7 @@ import hashlib
 import os
 import time
 
+import numpy as np
 import pytest
 
 from toolchain import manifest, source_hashes
@@ -70,3 +71,27 @@ def test_hashing_beside_the_caller_returns_the_same_and_raises_in_the_caller(cou
     monkeypatch.setattr(source_hashes, "sha256_file", unreadable)
     with pytest.raises(PermissionError, match="denied"):
         source_hashes.Hashing(root).result()
+
+
+def test_the_stage_cache_hash_holds_a_buffer_not_the_file(tmp_path):
+    """BLAKE3 of a 256 MB file (as of a stage's GBs of output) is blake3's own digest, and the hashing process's
+    peak RSS grows by far less than the file (memory-mapping it put the whole file in the resident set: 14.5 GiB
+    for a 7B export)."""
+    import subprocess
+    import sys
+
+    import blake3
+
+    data = np.random.default_rng(0).integers(0, 255, 256 << 20, dtype=np.uint8)
+    path = tmp_path / "model.onnx.data"
+    data.tofile(path)
+    expected = blake3.blake3(data.tobytes()).hexdigest()
+    del data
+    code = ("import sys; from pathlib import Path; from toolchain.manifest import blake3_file\n"
+            "def hwm():\n"
+            "    return next(int(l.split()[1]) for l in open('/proc/self/status') if l.startswith('VmHWM:'))\n"
+            "before = hwm(); digest = blake3_file(Path(sys.argv[1])); print(digest, (hwm() - before) * 1024)")
+    out = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True, check=True,
+                         timeout=300).stdout.split()
+    assert out[0] == expected
+    assert int(out[1]) < 64 << 20, f"peak RSS grew by {int(out[1]) >> 20} MiB hashing a 256 MiB file"

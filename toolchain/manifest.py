@@ -51,10 +51,18 @@ def sha256_file(path: Path) -> str:
 
 
 def blake3_file(path: Path) -> str:
-    """BLAKE3 of a file, memory-mapped and on every core (the stage cache's hash: toolchain/stages/runner.py)."""
+    """BLAKE3 of a file on every core (the stage cache's hash: toolchain/stages/runner.py), read 16 MB at a time
+    into one buffer: memory-mapping it (blake3's update_mmap, 2x faster) puts the whole file in the process's
+    resident set while it is hashed, 14.5 GiB for an R1-Distill-Qwen-7B export."""
     import blake3
 
-    return blake3.blake3(max_threads=blake3.blake3.AUTO).update_mmap(path).hexdigest()
+    hasher = blake3.blake3(max_threads=blake3.blake3.AUTO)
+    buffer = bytearray(16 << 20)
+    view = memoryview(buffer)
+    with open(path, "rb", buffering=0) as f:
+        while n := f.readinto(buffer):
+            hasher.update(view[:n])
+    return hasher.hexdigest()
 
 
 def file_hashes(root: Path, exclude: tuple[str, ...] = (),
