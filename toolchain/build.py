@@ -66,6 +66,7 @@ def build(recipe_path: Path, out_dir: Path | None = None, *, model: str | None =
     recipe = load_recipe(recipe_path, model)
     out_dir = Path(out_dir or Path("artifacts") / recipe.name)
     baseline = _gate_baseline(recipe, Path(recipe_path))
+    eval_settings = _eval_settings(recipe, Path(recipe_path))
     # hashed while the config check imports transformers (seconds)
     hashing = Hashing(sources.locate(recipe.model, revision=recipe.revision)[0])
     source = sources.resolve(recipe.model, revision=recipe.revision)
@@ -111,7 +112,7 @@ def build(recipe_path: Path, out_dir: Path | None = None, *, model: str | None =
                       "output": str(out_dir.resolve()), "durations_s": durations, "cached_stages": cached_stages,
                       "stage_reports": reports}
         manifest = write_manifest(tmp, fields, provenance)
-        gates = _evaluate(recipe, baseline, tmp, out_dir, events) if recipe.eval or recipe.gates else None
+        gates = _evaluate(recipe, eval_settings, baseline, tmp, out_dir, events) if eval_settings else None
     failed = [g for g in gates or [] if not g.passed]
     if gates and failed:
         raise GateFailed(f"{len(failed)} of {len(gates)} gates failed ({', '.join(g.name for g in failed)}); "
@@ -132,16 +133,31 @@ def _gate_baseline(recipe: Recipe, recipe_path: Path):
     return load_report(recipe_path.parent / gates.baseline) if gates.baseline else None
 
 
-def _evaluate(recipe: Recipe, baseline, artifact: Path, final: Path, events: Events):
+def _eval_settings(recipe: Recipe, recipe_path: Path):
+    """The recipe's eval settings (None: no eval), its dataset relative to the recipe's directory and checked to
+    be there before anything is built."""
+    from toolchain.evaluate.settings import EvalSettings
+
+    if not (recipe.eval or recipe.gates):
+        return None
+    settings = recipe.eval or EvalSettings()
+    if settings.dataset:
+        dataset = recipe_path.parent / settings.dataset
+        if not dataset.is_file():
+            raise InputError(f"{recipe_path}: eval.dataset {settings.dataset} is not a file (looked for {dataset})")
+        settings = settings.model_copy(update={"dataset": str(dataset)})
+    return settings
+
+
+def _evaluate(recipe: Recipe, settings, baseline, artifact: Path, final: Path, events: Events):
     """Evaluate the assembled artifact before it is renamed into place, write its report into it, and check the
     recipe's gates. Returns the gate results."""
     from toolchain.evaluate.run import evaluate_artifact, write_report
-    from toolchain.evaluate.settings import EvalSettings
     from toolchain.gates import check_gates
 
     events.stage_started("eval", "", False)
     t0 = time.perf_counter()
-    report = evaluate_artifact(artifact, recipe.eval or EvalSettings(), display_path=final, log=events.log)
+    report = evaluate_artifact(artifact, settings, display_path=final, log=events.log)
     results = []
     if recipe.gates:
         results = check_gates(report, recipe.gates, baseline)

@@ -489,7 +489,21 @@ def _eval_options(command):
         click.option("--texts", type=click.IntRange(1), default=200, show_default=True,
                      help="Held-out texts for perplexity, KL, top-1 and routing agreement."),
         click.option("--problems", type=click.IntRange(1), default=200, show_default=True,
-                     help="Held-out arithmetic problems for exact match (embedded models)."),
+                     help="Held-out arithmetic problems for exact match (embedded models), or at most this many "
+                          "prompt/answer records of --dataset."),
+        click.option("--dataset", type=click.Path(path_type=Path, dir_okay=False), default=None,
+                     help="The data to measure accuracy on instead of the embedded corpus: JSONL (text; prompt + "
+                          "answer; or chat messages) or plain text. Its sha256 goes into report.json."),
+        click.option("--window", type=click.IntRange(2), default=2048, show_default=True,
+                     help="Tokens per perplexity window of --dataset (at most the model's context)."),
+        click.option("--stride", type=click.IntRange(1), default=None,
+                     help="Tokens between windows of --dataset (default: the window; less overlaps them, each token "
+                          "still scored once)."),
+        click.option("--windows", type=click.IntRange(1), default=64, show_default=True,
+                     help="At most this many windows of --dataset."),
+        click.option("--no-reference-cache", is_flag=True,
+                     help="Compute the reference's outputs again instead of reusing them from the reference cache "
+                          "(DSTC_CACHE_DIR/references), and do not store them."),
         click.option("--no-latency", is_flag=True, help="Measure accuracy only."),
         click.option("--prompt-lengths", default="32,128,512", show_default=True, help="Latency prompt lengths."),
         click.option("--batches", default="1,4", show_default=True, help="Latency batch sizes."),
@@ -509,11 +523,17 @@ def _eval_options(command):
     return command
 
 
-def _eval_settings(texts, problems, no_latency, prompt_lengths, batches, new_tokens, warmup, repetitions, threads,
-                   openvino_f32):
+def _eval_settings(texts, problems, dataset, window, stride, windows, no_reference_cache, no_latency, prompt_lengths,
+                   batches, new_tokens, warmup, repetitions, threads, openvino_f32):
     from toolchain.evaluate.settings import EvalSettings
 
-    return EvalSettings(texts=texts, problems=problems, latency=not no_latency, openvino_f32=openvino_f32,
+    if stride is not None and stride > window:
+        raise click.BadParameter(f"{stride} is longer than the window ({window} tokens)", param_hint="--stride")
+    if dataset is not None and not dataset.is_file():
+        raise click.BadParameter(f"{dataset} is not a file", param_hint="--dataset")
+    return EvalSettings(texts=texts, problems=problems, dataset=str(dataset) if dataset else None, window=window,
+                        stride=stride, windows=windows, reference_cache=not no_reference_cache,
+                        latency=not no_latency, openvino_f32=openvino_f32,
                         prompt_lengths=_int_list(prompt_lengths, "--prompt-lengths"),
                         batches=_int_list(batches, "--batches"), new_tokens=new_tokens, warmup=warmup,
                         repetitions=repetitions, threads=threads)
@@ -525,22 +545,25 @@ def _eval_settings(texts, problems, no_latency, prompt_lengths, batches, new_tok
 @click.option("-o", "--out", "out_dir", type=click.Path(path_type=Path), default=None,
               help="Where to write report.json/.md/.html (default: inside ARTIFACT).")
 @click.option("--json", "as_json", is_flag=True, help="Print report.json to stdout instead of the summary.")
-def eval_cmd(artifact: Path, reference: str | None, texts: int, problems: int, no_latency: bool,
+def eval_cmd(artifact: Path, reference: str | None, texts: int, problems: int, dataset: Path | None, window: int,
+             stride: int | None, windows: int, no_reference_cache: bool, no_latency: bool,
              prompt_lengths: str, batches: str, new_tokens: int, warmup: int, repetitions: int,
              threads: int | None, openvino_f32: bool, out_dir: Path | None, as_json: bool) -> None:
     """Measure ARTIFACT against the fp32 PyTorch reference of its source model, and its latency.
 
-    Accuracy: held-out perplexity, exact match on the embedded task, KL and top-1 agreement of next-token
-    distributions, greedy-continuation match, MoE routing agreement. Latency (in a fresh process): load time,
-    time to first token P50/P90/P99, inter-token latency P50/P90, tokens/s, peak RSS, for every prompt length
-    x batch. Writes report.json (schema dstc.report/2), report.md and report.html.
+    Accuracy, on the embedded corpus's held-out split or on --dataset: perplexity, exact match (the embedded task,
+    or the data's prompt/answer records), KL and top-1 agreement of next-token distributions, greedy-continuation
+    match, MoE routing agreement. The reference runs one decoder layer at a time from the checkpoint, and its
+    outputs are kept in the reference cache for the next artifact of the same model and data. Latency (in a fresh
+    process): load time, time to first token P50/P90/P99, inter-token latency P50/P90, tokens/s, peak RSS, for
+    every prompt length x batch. Writes report.json (schema dstc.report/2), report.md and report.html.
     """
     from toolchain.atomic import check_writable_target, ensure_output_dir
     from toolchain.evaluate.run import evaluate_artifact, write_report
     from toolchain.report.markdown import render_summary
 
-    settings = _eval_settings(texts, problems, no_latency, prompt_lengths, batches, new_tokens, warmup, repetitions,
-                              threads, openvino_f32)
+    settings = _eval_settings(texts, problems, dataset, window, stride, windows, no_reference_cache, no_latency,
+                              prompt_lengths, batches, new_tokens, warmup, repetitions, threads, openvino_f32)
     if out_dir is not None:
         check_writable_target(out_dir)  # before the work, not after it
     report = evaluate_artifact(artifact, settings, reference=reference, log=_logger("eval"))
@@ -558,7 +581,8 @@ def eval_cmd(artifact: Path, reference: str | None, texts: int, problems: int, n
 @click.option("--html", "html_out", type=click.Path(path_type=Path), default=None,
               help="Also write the table and the overlaid plots to this HTML file.")
 @click.option("--json", "as_json", is_flag=True, help="Print the comparison rows and every report as JSON.")
-def compare_cmd(artifacts: tuple[Path, ...], reference: str | None, texts: int, problems: int, no_latency: bool,
+def compare_cmd(artifacts: tuple[Path, ...], reference: str | None, texts: int, problems: int, dataset: Path | None,
+                window: int, stride: int | None, windows: int, no_reference_cache: bool, no_latency: bool,
                 prompt_lengths: str, batches: str, new_tokens: int, warmup: int, repetitions: int,
                 threads: int | None, openvino_f32: bool, html_out: Path | None, as_json: bool) -> None:
     """Evaluate several ARTIFACTS in one run with the same prompts (typically one recipe built for ONNX Runtime
@@ -571,8 +595,8 @@ def compare_cmd(artifacts: tuple[Path, ...], reference: str | None, texts: int, 
         raise click.BadParameter("give at least two artifacts", param_hint="ARTIFACTS")
     if html_out is not None:
         check_writable_file(html_out)
-    settings = _eval_settings(texts, problems, no_latency, prompt_lengths, batches, new_tokens, warmup, repetitions,
-                              threads, openvino_f32)
+    settings = _eval_settings(texts, problems, dataset, window, stride, windows, no_reference_cache, no_latency,
+                              prompt_lengths, batches, new_tokens, warmup, repetitions, threads, openvino_f32)
     reports = compare_artifacts(list(artifacts), settings, reference=reference,
                                 log=lambda a, m: click.echo(f"[compare {a}] {m}", err=True))
     labels = labels_for(reports)

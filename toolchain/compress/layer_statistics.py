@@ -41,7 +41,7 @@ def linear_statistics(source: Path, sequences: list[list[int]], wanted: set[str]
     from toolchain.checkpoint import reference as ref
     from toolchain.checkpoint.reader import EMBEDDING, open_checkpoint
     from toolchain.export.decoder import expert_weight_name, linear_weight_name
-    from toolchain.export.layer_parity import additive_mask
+    from toolchain.runtime.layered_reference import additive_mask
 
     if not sequences:
         raise InputError("data-aware compression needs calibration text: no sequence of 2 tokens or more")

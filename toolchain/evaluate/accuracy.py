@@ -1,10 +1,10 @@
-"""Accuracy of an artifact against the fp32 PyTorch reference of its source model, on held-out data.
+"""Accuracy of an artifact against its reference's record (toolchain/evaluate/reference_record.py) on the same data.
 
-Both sides are Decoders (toolchain/runtime/decoder.py, toolchain/evaluate/reference.py) and decode with the same
-greedy loop and stop rules (toolchain/runtime/generate.py), so a difference is the artifact's, not the harness's.
-The data is the embedded models' held-out split (toolchain/models/corpus.py): English text for perplexity and
-next-token distributions, and the arithmetic task for exact match, which only the embedded models were
-trained on.
+The artifact runs each sequence whole, as a prompt is run in deployment, and its next-token distributions are
+compared with the reference's at the same positions: KL(reference || artifact) over the reference's top-k tokens
+and the rest of the vocabulary as one outcome (exact when the vocabulary is no larger than k), top-1 agreement,
+perplexity of the scored tokens, and each MoE layer's expert choice. Greedy continuations and answers come from the
+one greedy loop both sides use (toolchain/runtime/generate.py), so a difference is the artifact's, not the harness's.
 """
 
 from __future__ import annotations
@@ -13,11 +13,12 @@ from collections.abc import Callable
 
 import numpy as np
 
+from toolchain.evaluate.dataset import EvalData
+from toolchain.evaluate.reference_record import ReferenceRecord, answer_stops, first_scored, generate
 from toolchain.evaluate.settings import EvalSettings
-from toolchain.models import corpus
-from toolchain.models.train import END_OF_LINE
 from toolchain.report.schema import Metric
-from toolchain.runtime.generate import greedy_generate
+
+ROWS = 256  # positions whose log-softmax is computed at a time (a real vocabulary is 150k wide)
 
 
 def _log_softmax(logits: np.ndarray) -> np.ndarray:
@@ -25,108 +26,118 @@ def _log_softmax(logits: np.ndarray) -> np.ndarray:
     return logits - np.logaddexp.reduce(logits, -1, keepdims=True)
 
 
-def _batches(items: list, size: int):
-    for start in range(0, len(items), size):
-        yield items[start:start + size]
+def compare_distributions(logits: np.ndarray, ids: list[int], first: int, top_ids: np.ndarray, top_logp: np.ndarray,
+                          vocab: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per scored position (from ``first``): KL(reference || artifact), whether the top tokens agree, and the
+    artifact's negative log-likelihood of the next token (one fewer: the last position has none)."""
+    kl, top1, nll = [], [], []
+    for a in range(first, len(ids), ROWS):
+        b = min(len(ids), a + ROWS)
+        log_q = _log_softmax(logits[a:b])
+        ref_ids, ref_logp = top_ids[a - first:b - first], top_logp[a - first:b - first].astype(np.float64)
+        p, log_q_top = np.exp(ref_logp), np.take_along_axis(log_q, ref_ids.astype(np.int64), -1)
+        row_kl = (p * (ref_logp - log_q_top)).sum(-1)
+        if ref_ids.shape[1] < vocab:  # the tokens outside the reference's top-k, as one outcome
+            rest_p = np.clip(1 - p.sum(-1), 0, 1)
+            rest_q = np.clip(1 - np.exp(log_q_top).sum(-1), np.finfo(np.float64).tiny, 1)
+            row_kl += np.where(rest_p > 0, rest_p * (np.log(np.maximum(rest_p, 1e-300)) - np.log(rest_q)), 0.0)
+        kl.append(np.maximum(row_kl, 0.0))  # a KL below 0 is the stored log-probabilities' float32 rounding
+        top1.append(log_q.argmax(-1) == ref_ids[:, 0])
+        pos = np.arange(a, b)
+        has_next = pos < len(ids) - 1
+        nll.append(-log_q[np.flatnonzero(has_next), np.asarray(ids)[pos[has_next] + 1]])
+    return np.concatenate(kl), np.concatenate(top1), np.concatenate(nll)
 
 
-def _generate(decoder, prompts: list[list[int]], settings: EvalSettings, max_new_tokens: int, stop: set[int],
-              pad: int) -> list[list[int]]:
-    out: list[list[int]] = []
-    for chunk in _batches(prompts, settings.batch):
-        out += greedy_generate(decoder, chunk, max_new_tokens, stop, pad).tokens
-    return out
-
-
-def measure_accuracy(decoder, reference, routers: dict[int, str], tokenizer, *, eos_ids: list[int], pad_id: int,
-                     task: bool, settings: EvalSettings,
+def measure_accuracy(decoder, record: ReferenceRecord, data: EvalData, routers: dict[int, str], tokenizer, *,
+                     eos_ids: list[int], pad_id: int, newline_id: int | None, settings: EvalSettings,
                      log: Callable[[str], None] = lambda _: None) -> tuple[dict[str, Metric], dict]:
     """Metrics, and the series for the report's plots (KL per position, routing agreement per MoE layer).
 
-    ``routers``: MoE layer -> the artifact's router output name (toolchain/runtime/routing.py); the reference
-    reports its own layers through ``reference.router_outputs()``.
-    """
-    texts = [tokenizer(t)["input_ids"] for t in corpus.text_samples("heldout", settings.texts, settings.seed)]
-    log(f"next-token distributions on {len(texts)} held-out texts")
+    ``routers``: MoE layer -> the artifact's router output name (toolchain/runtime/routing.py)."""
+    what = data.description.get("dataset", "data")
     nll, ref_nll, kl_rows, top1 = [], [], [], []
     same_route: dict[int, list[np.ndarray]] = {layer: [] for layer in routers}
-    ref_routers = reference.router_outputs()
-    for ids in texts:
-        row = np.asarray([ids], np.int64)
-        mask = np.ones_like(row)
-        reference.reset()
-        log_p = _log_softmax(reference.forward(row, mask)[0])
-        ref_routes = {layer: reference.extras[name] for layer, name in ref_routers.items()}
+    if data.sequences:
+        log(f"next-token distributions on {len(data.sequences)} sequences of {what}")
+    for s, sequence in enumerate(data.sequences):
+        row = np.asarray([sequence.ids], np.int64)
         decoder.reset()
-        log_q = _log_softmax(decoder.forward(row, mask)[0])
-        targets = np.asarray(ids[1:])
-        nll.append(-log_q[np.arange(len(ids) - 1), targets])
-        ref_nll.append(-log_p[np.arange(len(ids) - 1), targets])
-        kl_rows.append((np.exp(log_p) * (log_p - log_q)).sum(-1))
-        top1.append(log_p.argmax(-1) == log_q.argmax(-1))
+        logits = decoder.forward(row, np.ones_like(row))[0]
+        first = first_scored(sequence)
+        kl, agree, seq_nll = compare_distributions(logits, sequence.ids, first, record.top_ids[s],
+                                                   record.top_logp[s], record.vocab)
+        del logits
+        kl_rows.append((first, kl))
+        top1.append(agree)
+        nll.append(seq_nll)
+        ref_nll.append(-record.target_logp[s])
         for layer, name in routers.items():
             mine = np.sort(decoder.extras[name].reshape(-1, decoder.extras[name].shape[-1]), -1)
-            theirs = np.sort(ref_routes[layer].reshape(-1, ref_routes[layer].shape[-1]), -1)
-            same_route[layer].append((mine == theirs).all(-1))
+            same_route[layer].append((mine == record.routes[layer][s]).all(-1))
 
-    kl = np.concatenate(kl_rows)
-    width = max(len(r) for r in kl_rows)
-    kl_per_position = [float(np.mean([r[i] for r in kl_rows if len(r) > i])) for i in range(width)]
-    ppl, ref_ppl = float(np.exp(np.concatenate(nll).mean())), float(np.exp(np.concatenate(ref_nll).mean()))
-    routing = {str(layer): float(np.concatenate(rows).mean()) for layer, rows in same_route.items()}
+    metrics: dict[str, Metric] = {}
+    series: dict = {"kl_per_position": [], "routing_agreement_per_layer": {}}
+    if data.sequences:
+        kl = np.concatenate([r for _, r in kl_rows])
+        width = max(first + len(r) for first, r in kl_rows)
+        sums, counts = np.zeros(width), np.zeros(width)
+        for first, r in kl_rows:
+            sums[first:first + len(r)] += r
+            counts[first:first + len(r)] += 1
+        series["kl_per_position"] = [float(v) for v in sums[counts > 0] / counts[counts > 0]]
+        tokens = sum(len(r) for r in nll)
+        ppl, ref_ppl = float(np.exp(np.concatenate(nll).mean())), float(np.exp(np.concatenate(ref_nll).mean()))
+        routing = {str(layer): float(np.concatenate(rows).mean()) for layer, rows in same_route.items()}
+        series["routing_agreement_per_layer"] = routing
+        exact = record.top_k >= record.vocab
+        metrics.update({
+            "perplexity": Metric(value=ppl, unit="", direction="lower", reference=ref_ppl,
+                                 description=f"perplexity of {what} ({tokens} tokens)"),
+            "perplexity_increase": Metric(value=ppl / ref_ppl - 1, unit="ratio", direction="lower",
+                                          description="relative perplexity increase over the fp32 reference"),
+            "kl_mean": Metric(value=float(kl.mean()), unit="nats", direction="lower",
+                              description="mean KL(reference || artifact) of next-token distributions"
+                                          + ("" if exact else f" (the reference's top {record.top_k} tokens and "
+                                                              "the rest as one)")),
+            "kl_max": Metric(value=float(kl.max()), unit="nats", direction="lower",
+                             description="largest KL(reference || artifact) at any position"),
+            "top1_agreement": Metric(value=float(np.concatenate(top1).mean()), unit="ratio", direction="higher",
+                                     description="share of positions where the artifact's top token is the "
+                                                 "reference's"),
+            "routing_agreement": Metric(value=min(routing.values()) if routing else None, unit="ratio",
+                                        direction="higher",
+                                        description="MoE layers' share of tokens routed to the same expert set as "
+                                                    "the reference (lowest layer)" if routing else
+                                                    "not applicable: no mixture-of-experts layers"),
+        })
 
-    stop_eos = set(eos_ids)
-    log(f"greedy continuations of {settings.greedy_prompts} held-out text prefixes, {settings.greedy_tokens} tokens")
-    prefixes = [ids[:max(2, len(ids) // 2)] for ids in texts[:settings.greedy_prompts]]
-    my_tokens = _generate(decoder, prefixes, settings, settings.greedy_tokens, stop_eos, pad_id)
-    their_tokens = _generate(reference, prefixes, settings, settings.greedy_tokens, stop_eos, pad_id)
-    greedy_match = float(np.mean([a == b for a, b in zip(my_tokens, their_tokens)]))
+    if data.prefixes:
+        log(f"greedy continuations of {len(data.prefixes)} prefixes, {settings.greedy_tokens} tokens")
+        continuations = generate(decoder, data.prefixes, settings.batch, settings.greedy_tokens, set(eos_ids), pad_id)
+        metrics["greedy_match_rate"] = Metric(
+            value=float(np.mean([a == b for a, b in zip(continuations, record.greedy)])), unit="ratio",
+            direction="higher",
+            description=f"share of {len(data.prefixes)} greedy continuations ({settings.greedy_tokens} tokens) "
+                        "identical to the reference's")
+    if data.problems:
+        log(f"exact match on {len(data.problems)} problems")
+        outputs = generate(decoder, [p for p, _ in data.problems], settings.batch, data.answer_tokens,
+                           answer_stops(data, eos_ids, newline_id), pad_id)
 
-    metrics = {
-        "perplexity": Metric(value=ppl, unit="", direction="lower", reference=ref_ppl,
-                             description=f"held-out text perplexity ({sum(len(r) for r in nll)} tokens)"),
-        "perplexity_increase": Metric(value=ppl / ref_ppl - 1, unit="ratio", direction="lower",
-                                      description="relative perplexity increase over the fp32 reference"),
-        "kl_mean": Metric(value=float(kl.mean()), unit="nats", direction="lower",
-                          description="mean KL(reference || artifact) of next-token distributions"),
-        "kl_max": Metric(value=float(kl.max()), unit="nats", direction="lower",
-                         description="largest KL(reference || artifact) at any position"),
-        "top1_agreement": Metric(value=float(np.concatenate(top1).mean()), unit="ratio", direction="higher",
-                                 description="share of positions where the artifact's top token is the reference's"),
-        "greedy_match_rate": Metric(value=greedy_match, unit="ratio", direction="higher",
-                                    description=f"share of {len(prefixes)} greedy continuations "
-                                                f"({settings.greedy_tokens} tokens) identical to the reference's"),
-        "routing_agreement": Metric(value=min(routing.values()) if routing else None, unit="ratio",
-                                    direction="higher",
-                                    description="MoE layers' share of tokens routed to the same expert set as the "
-                                                "reference (lowest layer)" if routing else
-                                                "not applicable: no mixture-of-experts layers"),
-    }
-    if task:
-        metrics.update(_exact_match(decoder, reference, tokenizer, eos_ids, pad_id, settings, log))
+        def score(outputs: list[list[int]]) -> float:
+            return float(np.mean([tokenizer.decode(a, skip_special_tokens=True).strip() == want.strip()
+                                  for a, (_, want) in zip(outputs, data.problems)]))
+
+        em, ref_em = score(outputs), score(record.answers)
+        metrics["exact_match"] = Metric(value=em, unit="ratio", direction="higher", reference=ref_em,
+                                        description=f"problems of {what} answered exactly ({len(data.problems)})")
+        metrics["exact_match_drop"] = Metric(value=100 * (ref_em - em), unit="points", direction="lower",
+                                             description="exact-match points lost against the fp32 reference")
     else:
         for name in ("exact_match", "exact_match_drop"):
             metrics[name] = Metric(value=None, unit="ratio" if name == "exact_match" else "points",
                                    direction="higher" if name == "exact_match" else "lower",
-                                   description="not applicable: the model was not trained on the embedded task")
-    return metrics, {"kl_per_position": kl_per_position, "routing_agreement_per_layer": routing}
-
-
-def _exact_match(decoder, reference, tokenizer, eos_ids, pad_id, settings, log) -> dict[str, Metric]:
-    problems = corpus.task_examples("heldout", settings.problems, settings.seed)
-    log(f"exact match on {len(problems)} held-out arithmetic problems")
-    newline = tokenizer.convert_tokens_to_ids(tokenizer.tokenize(END_OF_LINE))[0]
-    stop = {*eos_ids, newline}
-    prompts = [tokenizer(p)["input_ids"] for p, _ in problems]
-
-    def score(side) -> float:
-        answers = _generate(side, prompts, settings, 8, stop, pad_id)
-        return float(np.mean([tokenizer.decode(a).strip() == want for a, (_, want) in zip(answers, problems)]))
-
-    em, ref_em = score(decoder), score(reference)
-    return {
-        "exact_match": Metric(value=em, unit="ratio", direction="higher", reference=ref_em,
-                              description=f"held-out arithmetic problems answered exactly ({len(problems)})"),
-        "exact_match_drop": Metric(value=100 * (ref_em - em), unit="points", direction="lower",
-                                   description="exact-match points lost against the fp32 reference"),
-    }
+                                   description="not applicable: no problems with answers in the data (the "
+                                               "embedded task is measured on the embedded models only)")
+    return metrics, series

@@ -23,19 +23,14 @@ def labels_for(reports: list[Report]) -> list[str]:
 
 def compare_artifacts(paths: list[Path], settings: EvalSettings, *, reference: str | None = None,
                       log: Callable[[str, str], None] = lambda _a, _m: None) -> list[Report]:
-    """One Report per artifact, in order; ``log(artifact, message)``. Each source model's PyTorch reference is
-    loaded once for all the artifacts built from it."""
-    from toolchain.evaluate.reference import TorchDecoder, resolve_reference
+    """One Report per artifact, in order; ``log(artifact, message)``. The reference's outputs are computed once
+    for all the artifacts of one source model and data (kept in memory here even when the cache is off)."""
+    from toolchain.evaluate.reference import resolve_reference
     from toolchain.runtime.artifact import open_artifact
 
-    references: dict[tuple, TorchDecoder] = {}
     # Every artifact and its reference are checked before any is evaluated: a bad one fails at once.
-    chosen = [resolve_reference(open_artifact(path).manifest, reference) for path in paths]
-    reports = []
-    for path, (source, choice) in zip(paths, chosen):
-        key = (source.path, tuple(sorted(choice.items())))
-        if key not in references:
-            references[key] = TorchDecoder(source, settings.threads, choice)
-        reports.append(evaluate_artifact(path, settings, reference_decoder=references[key],
-                                         log=partial(log, str(path))))
-    return reports
+    for path in paths:
+        resolve_reference(open_artifact(path).manifest, reference)
+    records: dict = {}
+    return [evaluate_artifact(path, settings, reference=reference, records=records, log=partial(log, str(path)))
+            for path in paths]

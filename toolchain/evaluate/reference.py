@@ -1,5 +1,5 @@
 """Which PyTorch reference an artifact is measured against: the checkpoint its manifest names, checked against the
-source hashes it recorded (the reference itself runs in toolchain/runtime/torch_reference.py)."""
+source hashes it recorded (the reference itself runs in toolchain/runtime/layered_reference.py)."""
 
 from __future__ import annotations
 
@@ -7,12 +7,9 @@ from typing import TYPE_CHECKING
 
 from toolchain import source as sources
 from toolchain.errors import InputError
-from toolchain.runtime.torch_reference import TorchDecoder
 
 if TYPE_CHECKING:
     from toolchain.manifest_schema import Manifest
-
-__all__ = ["TorchDecoder", "resolve_reference", "source_changes"]
 
 
 def source_changes(manifest: Manifest, source: sources.Source) -> list[str]:

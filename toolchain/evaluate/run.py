@@ -15,7 +15,6 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from toolchain.evaluate.accuracy import measure_accuracy
 from toolchain.evaluate.settings import EvalSettings
 from toolchain.hardware import describe_cpu
 from toolchain.manifest import MANIFEST, REPORT_FILES, versions
@@ -66,36 +65,84 @@ def quantization_series(manifest: Manifest | None) -> tuple[list[LayerError], li
     return layers, heads
 
 
+def reference_record(artifact, data, settings: EvalSettings, *, reference: str | None = None,
+                     records: dict | None = None, eos_ids: list[int], pad_id: int, newline_id: int | None,
+                     log: Callable[[str], None] = lambda _: None):
+    """The reference's record on ``data``: from ``records`` (what `dstc compare` computed for an earlier artifact),
+    from the reference cache, or computed by the layer-by-layer reference (released before it returns, so that it
+    and the artifact are never in memory together). Returns it and what the report records of the reference."""
+    from toolchain.evaluate import reference_cache
+    from toolchain.evaluate.reference import resolve_reference
+    from toolchain.evaluate.reference_record import ReferenceRecord, compute_record
+    from toolchain.runtime.layered_reference import LayeredReference
+    from toolchain.source_hashes import checkpoint_hashes
+
+    source, choice = resolve_reference(artifact.manifest, reference)
+    key = reference_cache.reference_key(checkpoint_hashes(source.path), data, settings)
+    about = {"model": source.spec, "path": str(source.path), "runtime": "pytorch eager fp32, layer by layer",
+             **choice}
+    record: ReferenceRecord | None = (records or {}).get(key)
+    why: str | None = "absent"
+    reused = record is not None
+    if record is None and settings.reference_cache:
+        record, why = reference_cache.load_cached(key)
+        reused = record is not None
+        if why not in (None, "absent"):
+            log(f"the reference cache entry {key[:16]} is not usable ({why}); computing the reference again")
+    if record is None:
+        ref = LayeredReference(source, settings.threads, choice)
+        try:
+            log(f"reference: {source.spec} (PyTorch fp32, eager, "
+                f"{'layers kept built' if ref.resident else 'one layer at a time'}) from {source.path}")
+            record = compute_record(ref, data, settings, eos_ids=eos_ids, pad_id=pad_id, newline_id=newline_id,
+                                    log=log)
+        finally:
+            ref.close()
+            del ref
+        if settings.reference_cache:
+            reference_cache.store(key, record, {"model": source.spec, "data": data.description})
+    else:
+        log(f"reference: {source.spec}, outputs reused from the reference cache ({key[:16]})")
+    if records is not None:
+        records[key] = record
+    about["cache"] = {"key": key, "reused": reused, "enabled": settings.reference_cache,
+                      "compute_seconds": round(record.seconds, 3)}
+    return record, about
+
+
 def evaluate_artifact(path: Path, settings: EvalSettings | None = None, *, reference: str | None = None,
-                      reference_decoder=None, display_path: Path | None = None,
+                      records: dict | None = None, display_path: Path | None = None,
                       log: Callable[[str], None] = lambda _: None) -> Report:
-    """Measure the artifact at ``path``. ``reference_decoder``: an already loaded TorchDecoder of the source
-    model (`dstc compare` loads it once for all artifacts). ``display_path``: where the artifact will live, when
-    ``path`` is the temporary directory of a build that has not been renamed into place yet."""
+    """Measure the artifact at ``path``. ``records``: reference records by cache key, shared by the artifacts of
+    one `dstc compare`. ``display_path``: where the artifact will live, when ``path`` is the temporary directory of
+    a build that has not been renamed into place yet."""
+    from toolchain.evaluate.accuracy import measure_accuracy
+    from toolchain.evaluate.dataset import load_data
     from toolchain.evaluate.latency import measure_latency
-    from toolchain.evaluate.reference import TorchDecoder, resolve_reference
+    from toolchain.models.train import END_OF_LINE
     from toolchain.runtime.artifact import open_artifact
     from toolchain.runtime.decoder import open_decoder
     from toolchain.runtime.routing import router_outputs
 
     settings = settings if settings is not None else EvalSettings()
     artifact = open_artifact(path)
-    if reference_decoder is not None:
-        ref = reference_decoder
-    else:
-        source, choice = resolve_reference(artifact.manifest, reference)
-        ref = TorchDecoder(source, settings.threads, choice)
-    source, ref_choice = ref.source, ref.choice
-    log(f"reference: {source.spec} (PyTorch fp32, eager) from {source.path}")
+    tokenizer = artifact.tokenizer()
+    task = artifact.manifest is not None and artifact.manifest.source.kind == "embedded"
+    data = load_data(settings, tokenizer, task=task,
+                     max_length=int(artifact.config.get("max_position_embeddings") or settings.window))
+    newline_id = tokenizer.convert_tokens_to_ids(tokenizer.tokenize(END_OF_LINE))[0] if task else None
+    record, ref_about = reference_record(artifact, data, settings, reference=reference, records=records,
+                                         eos_ids=artifact.eos_token_ids, pad_id=artifact.pad_token_id,
+                                         newline_id=newline_id, log=log)
     routers = router_outputs(artifact)
     decoder = open_decoder(artifact, threads=settings.threads, extra_outputs=list(routers.values()),
                            openvino_f32=settings.openvino_f32)
     log(f"{artifact.backend} artifact loaded in {decoder.load_seconds:.2f} s ({decoder.threads} threads)")
-    task = artifact.manifest is not None and artifact.manifest.source.kind == "embedded"
-    metrics, series = measure_accuracy(decoder, ref, routers, artifact.tokenizer(), eos_ids=artifact.eos_token_ids,
-                                       pad_id=artifact.pad_token_id, task=task, settings=settings, log=log)
+    metrics, series = measure_accuracy(decoder, record, data, routers, tokenizer, eos_ids=artifact.eos_token_ids,
+                                       pad_id=artifact.pad_token_id, newline_id=newline_id, settings=settings,
+                                       log=log)
     threads, runtime_config = decoder.threads, decoder.runtime_config
-    del decoder, ref  # before latency runs in its child process (a caller's reference stays loaded)
+    del decoder  # before latency runs in its child process
 
     latency, cases = {}, []
     if settings.latency:
@@ -123,12 +170,12 @@ def evaluate_artifact(path: Path, settings: EvalSettings | None = None, *, refer
                      "manifest_sha256": hashlib.sha256(manifest_file.read_bytes()).hexdigest()
                      if manifest_file.is_file() else None,
                      "size_bytes": artifact.size_bytes, "report_files": list(REPORT_FILES)},
-        "reference": {"model": source.spec, "path": str(source.path), "runtime": "pytorch eager fp32",
-                      **ref_choice},
+        "reference": ref_about,
         "environment": {"host": platform.node(), "cpu": describe_cpu(), "cores": os.cpu_count(),
                         "threads": latency.get("threads", threads),
                         "runtime_config": latency.get("runtime_config", runtime_config), "versions": versions()},
-        "settings": {**settings.model_dump(), "task": "embedded arithmetic" if task else None,
+        "settings": {**settings.model_dump(), "task": "embedded arithmetic" if task and data.problems else None,
+                     "data": data.description,
                      "latency_skipped": latency.get("skipped", []),
                      "rss_increase_mb": round(latency["rss_increase_mb"], 1) if latency else None},
         "metrics": {k: v.model_dump() for k, v in metrics.items()},

@@ -28,6 +28,7 @@ import torch
 from toolchain.export.parity import TOLERANCES, Case
 from toolchain.runtime.engines import GraphRunner
 from toolchain.runtime.generate import left_pad
+from toolchain.runtime.layered_reference import additive_mask
 
 PIECE_PREFIX = ".parity-piece-"
 # a layer's fp32 reference module, or its graph piece on a runtime (which widens bf16-stored weights), one after
@@ -119,14 +120,6 @@ def _schedule(case: Case, steps: int, pad_id: int) -> list[tuple[np.ndarray, np.
         token = np.array([[p[k % len(p)]] for p in case.prompts], np.int64)
         out.append((token, mask, np.clip(mask.cumsum(-1) - 1, 0, None)[:, -1:]))
     return out
-
-
-def additive_mask(mask: np.ndarray, new: int) -> torch.Tensor:
-    """[B, 1, new, total] additive mask as transformers' eager attention takes it: causal and padding."""
-    total = mask.shape[1]
-    query = torch.arange(total - new, total)[:, None]
-    allowed = (torch.arange(total)[None, :] <= query)[None, None] & torch.from_numpy(mask.astype(bool))[:, None, None]
-    return torch.where(allowed, 0.0, torch.finfo(torch.float32).min)
 
 
 def _relative(reference: np.ndarray, candidate: np.ndarray, real: np.ndarray) -> float:

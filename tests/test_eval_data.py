@@ -1,0 +1,225 @@
+"""`dstc eval` on the user's data, with the layer-by-layer reference and the reference cache: the reference equals
+transformers' whole model, a data file's windows score each token once, the cache is reused only when it may be
+and gives the figures an uncached run gives."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import yaml
+
+from toolchain import source as sources
+from toolchain.build import build
+from toolchain.errors import InputError
+from toolchain.evaluate.accuracy import compare_distributions
+from toolchain.evaluate.dataset import load_data
+from toolchain.evaluate.settings import EvalSettings
+from toolchain.models import corpus
+from toolchain.report.schema import load_report
+from toolchain.runtime import layered_reference
+from toolchain.runtime.generate import left_pad
+from toolchain.runtime.layered_reference import LayeredReference
+from toolchain.runtime.torch_reference import TorchDecoder
+
+REPO = Path(__file__).resolve().parent.parent
+QUICK = ["--no-latency", "--texts", "20", "--problems", "10", "--json"]
+
+
+def dstc(*args, env: dict) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "toolchain", *map(str, args)], cwd=REPO, capture_output=True,
+                          text=True, timeout=600, env=env)
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    cache = tmp_path_factory.mktemp("cache")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("DSTC_CACHE_DIR", str(cache))
+        yield {**os.environ, "DSTC_CACHE_DIR": str(cache)}
+
+
+@pytest.fixture(scope="module")
+def artifact(tmp_path_factory, cache):
+    root = tmp_path_factory.mktemp("eval-data")
+    (root / "r.yaml").write_text(yaml.safe_dump({
+        "name": "qwen-fp32", "model": "r1-distill-qwen-tiny", "export": {"parity": []},
+        "compile": {"backend": "onnxruntime", "verify": False}}))
+    build(root / "r.yaml", root / "art")
+    return root / "art"
+
+
+@pytest.fixture(scope="module")
+def user_data(tmp_path_factory) -> Path:
+    """A user's JSONL: held-out texts, prompt/answer records and a chat conversation."""
+    path = tmp_path_factory.mktemp("data") / "mine.jsonl"
+    rows = [{"text": t} for t in corpus.text_samples("heldout", 30, seed=7)]
+    rows += [{"prompt": p, "answer": a} for p, a in corpus.task_examples("heldout", 6, seed=7)]
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    return path
+
+
+@pytest.mark.parametrize("name", ["deepseek-v3-tiny", "deepseek-v2-lite-tiny", "r1-distill-qwen-tiny",
+                                  "r1-distill-llama-tiny"])
+@pytest.mark.parametrize("resident", [True, False])
+def test_layered_reference_is_the_whole_model_bit_for_bit(name, resident, monkeypatch):
+    """Prefill of a left-padded batch and three decode steps, logits and expert choices, against transformers'
+    whole model (TorchDecoder); built once and kept, or built again from the checkpoint at every call."""
+    if not resident:
+        monkeypatch.setattr(layered_reference, "RESIDENT_MAX", 0)
+    source = sources.resolve(name)
+    layered, whole = LayeredReference(source), TorchDecoder(source)
+    assert layered.resident is resident
+    ids, mask = left_pad([[1, 5, 9, 22, 40, 7], [3, 4, 5]], 0)
+    a, b = layered.forward(ids, mask), whole.forward(ids, mask)
+    assert np.array_equal(a[0], b[0]) and np.array_equal(a[1, 3:], b[1, 3:])
+    assert layered.extras.keys() == whole.extras.keys()
+    assert all(np.array_equal(layered.extras[k], whole.extras[k]) for k in whole.extras)
+    for _ in range(3):
+        mask = np.concatenate([mask, np.ones((2, 1), np.int64)], 1)
+        token = a[:, -1].argmax(-1)[:, None]
+        a, b = layered.forward(token, mask), whole.forward(token, mask)
+        assert np.array_equal(a, b)
+    assert name.startswith("r1-") or whole.extras  # the DeepSeek models record their routing
+
+
+def test_scoring_in_query_chunks_is_the_unchunked_forward():
+    """score() prefills a long sequence a chunk of queries at a time through a cache of its own: the same logits
+    and expert choices as one forward of the whole sequence."""
+    source = sources.resolve("deepseek-v3-tiny")
+    ids = [int(t) for t in np.random.default_rng(0).integers(3, 600, 300)]
+    whole = LayeredReference(source).forward(np.asarray([ids]), np.ones((1, len(ids)), np.int64))[0]
+    chunked = LayeredReference(source, chunk=64)
+    got = np.zeros_like(whole)
+
+    def reduce(s, start, logits):
+        assert s == 0
+        got[start:start + len(logits)] = logits.numpy()
+
+    routes = chunked.score([ids], reduce)
+    assert np.abs(got - whole).max() <= 1e-5 * np.abs(whole).max()
+    assert set(routes) == {1, 2} and all(r[0].shape == (300, 4) for r in routes.values())
+
+
+def test_kl_on_the_top_k_is_exact_with_the_whole_vocabulary_and_a_lower_bound_below_it():
+    rng = np.random.default_rng(1)
+    ref_logits, art_logits = rng.normal(size=(12, 50)) * 3, rng.normal(size=(12, 50)) * 3
+    ids = [int(t) for t in rng.integers(0, 50, 12)]
+    log_p = torch.log_softmax(torch.from_numpy(ref_logits), -1)
+    log_q = torch.log_softmax(torch.from_numpy(art_logits), -1).numpy()
+    full = (np.exp(log_p.numpy()) * (log_p.numpy() - log_q)).sum(-1)
+    for k in (50, 10):
+        values, indices = torch.topk(log_p, k, -1)
+        kl, top1, nll = compare_distributions(art_logits.astype(np.float32), ids, 0, indices.numpy(),
+                                              values.float().numpy(), 50)
+        if k == 50:
+            assert np.allclose(kl, full, rtol=1e-5, atol=1e-6)
+        else:  # the tokens outside the top 10 as one outcome: never more than the whole KL, and close to it
+            assert np.all(kl <= full + 1e-6) and np.all(kl > 0)
+        assert np.array_equal(top1, log_q.argmax(-1) == log_p.numpy().argmax(-1))
+        assert np.allclose(nll, -log_q[np.arange(11), ids[1:]], rtol=1e-5)
+
+
+def test_windows_with_a_stride_score_every_token_once(tmp_path):
+    text = " ".join(corpus.text_samples("heldout", 60, seed=3))
+    path = tmp_path / "doc.txt"
+    path.write_text(text)
+    tokenizer = __import__("transformers").AutoTokenizer.from_pretrained(sources.resolve("r1-distill-qwen-tiny").path)
+    stream = tokenizer(text)["input_ids"]
+    data = load_data(EvalSettings(dataset=str(path), window=128, stride=96, windows=1000), tokenizer, task=False,
+                     max_length=1024)
+    assert data.description["sha256"] and data.description["window"] == 128 and data.description["stride"] == 96
+    assert data.description["scored_tokens"] == len(stream) - 1
+    assert data.sequences[0].ids == stream[:128] and data.sequences[1].ids == stream[96:224]
+    assert data.sequences[1].score_from == 32
+    assert all(len(s.ids) <= 128 for s in data.sequences) and data.sequences[-1].ids[-1] == stream[-1]
+
+
+def test_eval_on_a_users_jsonl_records_the_data_and_reuses_the_cached_reference(artifact, user_data, cache):
+    first = dstc("eval", artifact, "--dataset", user_data, "--window", "64", *QUICK, env=cache)
+    assert first.returncode == 0, first.stderr
+    report = json.loads(first.stdout)
+    data = report["settings"]["data"]
+    assert data["format"] == "jsonl" and data["problems"] == 6 and data["window"] == 64
+    assert data["sha256"] == __import__("hashlib").sha256(user_data.read_bytes()).hexdigest()
+    metrics = {k: v["value"] for k, v in report["metrics"].items()}
+    # fp32 ONNX Runtime against the fp32 reference: the same model, on data it was never given
+    assert metrics["kl_max"] < 1e-6 and metrics["top1_agreement"] > 0.999 and metrics["exact_match_drop"] == 0
+    assert report["reference"]["cache"]["reused"] is False
+
+    second = dstc("eval", artifact, "--dataset", user_data, "--window", "64", *QUICK, env=cache)
+    again = json.loads(second.stdout)
+    assert again["reference"]["cache"] == {**report["reference"]["cache"], "reused": True}
+    assert "reused from the reference cache" in second.stderr
+    assert {k: v["value"] for k, v in again["metrics"].items()} == metrics
+
+    uncached = json.loads(dstc("eval", artifact, "--dataset", user_data, "--window", "64", "--no-reference-cache",
+                               *QUICK, env=cache).stdout)
+    assert uncached["reference"]["cache"]["reused"] is False
+    assert abs(uncached["metrics"]["kl_mean"]["value"] - metrics["kl_mean"]) <= 1e-9
+
+    # other data: another entry; a damaged entry: computed again, the same figures
+    other = dstc("eval", artifact, "--dataset", user_data, "--window", "32", *QUICK, env=cache)
+    assert json.loads(other.stdout)["reference"]["cache"]["key"] != report["reference"]["cache"]["key"]
+    entry = Path(cache["DSTC_CACHE_DIR"]) / "references" / f"{report['reference']['cache']['key']}.npz"
+    raw = bytearray(entry.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF
+    entry.write_bytes(bytes(raw))
+    damaged = dstc("eval", artifact, "--dataset", user_data, "--window", "64", *QUICK, env=cache)
+    assert "computing the reference again" in damaged.stderr
+    assert json.loads(damaged.stdout)["reference"]["cache"]["reused"] is False
+    assert {k: v["value"] for k, v in json.loads(damaged.stdout)["metrics"].items()} == metrics
+
+
+@pytest.mark.parametrize(("content", "fields", "message"), [
+    (b"\xff\xfe bad", {}, "not UTF-8"),
+    (b'{"text": "a"}\n[1, 2]\n', {}, "mine.jsonl:2: not a JSON object"),
+    (b'{"prompt": 3, "answer": "x"}\n', {}, "prompt and answer must both be strings"),
+    (b'{"messages": [{"role": "user"}]}\n', {}, "messages must be a list of {role, content} strings"),
+    (b'{"text": "one two three"}\n', {"window": 4096}, "longer than the model's context"),
+])
+def test_bad_data_is_an_input_error(tmp_path, content, fields, message):
+    path = tmp_path / "mine.jsonl"
+    path.write_bytes(content)
+    tokenizer = __import__("transformers").AutoTokenizer.from_pretrained(sources.resolve("r1-distill-qwen-tiny").path)
+    with pytest.raises(InputError, match=re.escape(message)):
+        load_data(EvalSettings(dataset=str(path), **fields), tokenizer, task=False, max_length=1024)
+
+
+def test_bad_data_on_the_command_line_exits_2_with_one_line_and_writes_nothing(artifact, tmp_path, cache):
+    path = tmp_path / "mine.jsonl"
+    path.write_bytes(b'{"text": "a"}\n[1, 2]\n')
+    before = (artifact / "report.json").read_bytes() if (artifact / "report.json").exists() else None
+    for args in (["--dataset", path], ["--dataset", path, "--window", "16", "--stride", "32"]):
+        proc = dstc("eval", artifact, *args, *QUICK, env=cache)
+        assert proc.returncode == 2, proc.stderr
+        assert len(proc.stderr.strip().splitlines()) <= 3 and "Traceback" not in proc.stderr
+    assert "not a JSON object" in dstc("eval", artifact, "--dataset", path, *QUICK, env=cache).stderr
+    after = (artifact / "report.json").read_bytes() if (artifact / "report.json").exists() else None
+    assert before == after
+
+
+def test_a_recipe_names_its_dataset_relative_to_itself(tmp_path, user_data, cache):
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "mine.jsonl").write_bytes(user_data.read_bytes())
+    recipe = tmp_path / "gated.yaml"
+    recipe.write_text(yaml.safe_dump({
+        "name": "gated", "model": "r1-distill-qwen-tiny", "export": {"parity": []},
+        "compile": {"backend": "onnxruntime", "verify": False},
+        "eval": {"dataset": "data/mine.jsonl", "window": 64, "latency": False, "greedy_prompts": 4},
+        "gates": {"max_kl_mean": 1e-5, "min_top1_agreement": 0.99}}))
+    build(recipe, tmp_path / "out")
+    report = load_report(tmp_path / "out")
+    assert report.settings["data"]["dataset"] == str((tmp_path / "data" / "mine.jsonl").resolve())
+    assert report.gates and all(g.passed for g in report.gates)
+    recipe.write_text(recipe.read_text().replace("data/mine.jsonl", "data/absent.jsonl"))
+    with pytest.raises(Exception, match="eval.dataset data/absent.jsonl is not a file"):
+        build(recipe, tmp_path / "out2")
+    assert not (tmp_path / "out2").exists()
