@@ -223,3 +223,22 @@ def test_a_recipe_names_its_dataset_relative_to_itself(tmp_path, user_data, cach
     with pytest.raises(Exception, match="eval.dataset data/absent.jsonl is not a file"):
         build(recipe, tmp_path / "out2")
     assert not (tmp_path / "out2").exists()
+
+
+def test_sequences_in_groups_give_the_record_of_one_group(monkeypatch):
+    """The reference's hidden states are held for a bounded group of sequences at a time: the same record."""
+    from toolchain.evaluate import reference_record
+    from toolchain.evaluate.reference_record import compute_record
+
+    source = sources.resolve("deepseek-v3-tiny")
+    tokenizer = __import__("transformers").AutoTokenizer.from_pretrained(source.path)
+    settings = EvalSettings(texts=12, greedy_prompts=2, greedy_tokens=4)
+    data = load_data(settings, tokenizer, task=False, max_length=1024)
+    args = dict(eos_ids=[1], pad_id=0, newline_id=None)
+    whole = compute_record(LayeredReference(source), data, settings, **args)
+    monkeypatch.setattr(reference_record, "GROUP_BYTES", 1)  # one sequence per group
+    grouped = compute_record(LayeredReference(source), data, settings, **args)
+    for a, b in [(whole.top_ids, grouped.top_ids), (whole.top_logp, grouped.top_logp),
+                 (whole.target_logp, grouped.target_logp), *zip(whole.routes.values(), grouped.routes.values())]:
+        assert len(a) == len(b) == 12 and all(np.array_equal(x, y) for x, y in zip(a, b))
+    assert sorted(whole.routes) == [1, 2] and whole.greedy == grouped.greedy

@@ -87,6 +87,24 @@ def answer_stops(data: EvalData, eos_ids: list[int], newline_id: int | None) -> 
     return {*eos_ids, newline_id} if data.answer_stops_at_newline and newline_id is not None else set(eos_ids)
 
 
+GROUP_BYTES = 1 << 30  # fp32 hidden states of the sequences that go through the layers together
+
+
+def _groups(sequences: list[list[int]], hidden: int) -> list[slice]:
+    """Consecutive runs of sequences whose hidden states fit GROUP_BYTES: each run goes through every layer before
+    the next starts, so the states held stay bounded however much data there is (each run builds the layers
+    again when they are not kept built)."""
+    groups, start, size = [], 0, 0
+    for i, ids in enumerate(sequences):
+        need = len(ids) * hidden * 4
+        if i > start and size + need > GROUP_BYTES:
+            groups.append(slice(start, i))
+            start, size = i, 0
+        size += need
+    groups.append(slice(start, len(sequences)))
+    return groups
+
+
 def compute_record(reference, data: EvalData, settings: EvalSettings, *, eos_ids: list[int], pad_id: int,
                    newline_id: int | None, log: Callable[[str], None] = lambda _: None) -> ReferenceRecord:
     """Run ``reference`` (a LayeredReference) on ``data``: next-token distributions layer by layer over every
@@ -115,7 +133,13 @@ def compute_record(reference, data: EvalData, settings: EvalSettings, *, eos_ids
     if sequences:
         log(f"reference: next-token distributions of {len(sequences)} sequences "
             f"({sum(len(s) for s in sequences)} tokens), layer by layer")
-        routes = reference.score(sequences, reduce, log=log)
+        routes: dict[int, list[np.ndarray]] = {}
+        for group in _groups(sequences, int(reference.config.hidden_size)):
+            def reduce_group(s: int, start: int, logits: torch.Tensor, _offset: int = group.start) -> None:
+                reduce(_offset + s, start, logits)
+
+            for layer, rows in reference.score(sequences[group], reduce_group, log=log).items():
+                routes.setdefault(layer, []).extend(rows)
         for rows in parts:
             record.top_ids.append(np.concatenate([r[0] for r in rows]))
             record.top_logp.append(np.concatenate([r[1] for r in rows]))
