@@ -140,7 +140,7 @@ def _from_file(path: Path, settings: EvalSettings, tokenizer, max_length: int) -
     window, stride = settings.window, settings.stride or settings.window
     if window > max_length:
         raise InputError(f"--window {window} is longer than the model's context ({max_length} tokens)")
-    stream = [t for text in texts if text for t in tokenizer(text)["input_ids"]]
+    stream = [t for text in texts if text for t in tokenizer(text, verbose=False)["input_ids"]]
     sequences: list[Sequence] = []
     begin = 0
     while begin < len(stream) and len(sequences) < settings.windows:
