@@ -117,8 +117,11 @@ def test_kl_on_the_top_k_is_exact_with_the_whole_vocabulary_and_a_lower_bound_be
     full = (np.exp(log_p.numpy()) * (log_p.numpy() - log_q)).sum(-1)
     for k in (50, 10):
         values, indices = torch.topk(log_p, k, -1)
-        kl, top1, nll = compare_distributions(art_logits.astype(np.float32), ids, 0, indices.numpy(),
+        kl, top1, nll = compare_distributions(art_logits.astype(np.float32), 0, ids, 0, indices.numpy(),
                                               values.float().numpy(), 50)
+        halves = [compare_distributions(art_logits[a:a + 6].astype(np.float32), a, ids, 0, indices.numpy(),
+                                        values.float().numpy(), 50) for a in (0, 6)]
+        assert all(np.array_equal(np.concatenate([h[i] for h in halves]), x) for i, x in enumerate((kl, top1, nll)))
         if k == 50:
             assert np.allclose(kl, full, rtol=1e-5, atol=1e-6)
         else:  # the tokens outside the top 10 as one outcome: never more than the whole KL, and close to it
@@ -242,3 +245,35 @@ def test_sequences_in_groups_give_the_record_of_one_group(monkeypatch):
                  (whole.target_logp, grouped.target_logp), *zip(whole.routes.values(), grouped.routes.values())]:
         assert len(a) == len(b) == 12 and all(np.array_equal(x, y) for x, y in zip(a, b))
     assert sorted(whole.routes) == [1, 2] and whole.greedy == grouped.greedy
+
+
+def test_a_long_window_run_in_prefill_chunks_gives_the_figures_of_one_prefill(artifact, monkeypatch):
+    """The artifact runs a window PREFILL_CHUNK tokens at a time through its KV cache (bounded logits): on the fp32
+    ONNX Runtime artifact the figures equal those of one prefill of the whole window."""
+    from toolchain.evaluate import accuracy
+    from toolchain.evaluate.reference_record import compute_record
+    from toolchain.runtime.artifact import open_artifact
+    from toolchain.runtime.decoder import open_decoder
+
+    art = open_artifact(artifact)
+    tokenizer = art.tokenizer()
+    settings = EvalSettings(texts=40, greedy_prompts=1, greedy_tokens=2)
+    data = load_data(settings, tokenizer, task=False, max_length=1024)
+    # one long sequence: the held-out texts end to end
+    data.sequences = [type(data.sequences[0])([t for s in data.sequences for t in s.ids][:600])]
+    record = compute_record(LayeredReference(sources.resolve("r1-distill-qwen-tiny")), data, settings,
+                            eos_ids=art.eos_token_ids, pad_id=art.pad_token_id, newline_id=None)
+    decoder = open_decoder(art, threads=1)
+
+    def figures() -> dict:
+        metrics, _ = accuracy.measure_accuracy(decoder, record, data, {}, tokenizer, eos_ids=art.eos_token_ids,
+                                               pad_id=art.pad_token_id, newline_id=None, settings=settings)
+        return {k: m.value for k, m in metrics.items() if k in ("perplexity", "kl_mean", "top1_agreement")}
+
+    monkeypatch.setattr(accuracy, "PREFILL_CHUNK", 4096)
+    whole = figures()
+    monkeypatch.setattr(accuracy, "PREFILL_CHUNK", 128)
+    chunked = figures()
+    assert whole["kl_mean"] < 1e-7 and chunked["kl_mean"] < 1e-7
+    assert chunked["top1_agreement"] == whole["top1_agreement"] == 1.0
+    assert chunked["perplexity"] == pytest.approx(whole["perplexity"], rel=1e-5)

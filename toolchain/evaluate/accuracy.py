@@ -19,6 +19,7 @@ from toolchain.evaluate.settings import EvalSettings
 from toolchain.report.schema import Metric
 
 ROWS = 256  # positions whose log-softmax is computed at a time (a real vocabulary is 150k wide)
+PREFILL_CHUNK = 512
 
 
 def _log_softmax(logits: np.ndarray) -> np.ndarray:
@@ -26,14 +27,16 @@ def _log_softmax(logits: np.ndarray) -> np.ndarray:
     return logits - np.logaddexp.reduce(logits, -1, keepdims=True)
 
 
-def compare_distributions(logits: np.ndarray, ids: list[int], first: int, top_ids: np.ndarray, top_logp: np.ndarray,
-                          vocab: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Per scored position (from ``first``): KL(reference || artifact), whether the top tokens agree, and the
-    artifact's negative log-likelihood of the next token (one fewer: the last position has none)."""
+def compare_distributions(logits: np.ndarray, start: int, ids: list[int], first: int, top_ids: np.ndarray,
+                          top_logp: np.ndarray, vocab: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """For the scored positions (from ``first``) among those whose ``logits`` start at position ``start``: KL(reference
+    || artifact), whether the top tokens agree, and the artifact's negative log-likelihood of the next token (none
+    at the sequence's last position)."""
     kl, top1, nll = [], [], []
-    for a in range(first, len(ids), ROWS):
-        b = min(len(ids), a + ROWS)
-        log_q = _log_softmax(logits[a:b])
+    end = start + len(logits)
+    for a in range(max(first, start), end, ROWS):
+        b = min(end, a + ROWS)
+        log_q = _log_softmax(logits[a - start:b - start])
         ref_ids, ref_logp = top_ids[a - first:b - first], top_logp[a - first:b - first].astype(np.float64)
         p, log_q_top = np.exp(ref_logp), np.take_along_axis(log_q, ref_ids.astype(np.int64), -1)
         row_kl = (p * (ref_logp - log_q_top)).sum(-1)
@@ -46,6 +49,8 @@ def compare_distributions(logits: np.ndarray, ids: list[int], first: int, top_id
         pos = np.arange(a, b)
         has_next = pos < len(ids) - 1
         nll.append(-log_q[np.flatnonzero(has_next), np.asarray(ids)[pos[has_next] + 1]])
+    if not kl:
+        return np.zeros(0), np.zeros(0, bool), np.zeros(0)
     return np.concatenate(kl), np.concatenate(top1), np.concatenate(nll)
 
 
@@ -61,20 +66,26 @@ def measure_accuracy(decoder, record: ReferenceRecord, data: EvalData, routers: 
     if data.sequences:
         log(f"next-token distributions on {len(data.sequences)} sequences of {what}")
     for s, sequence in enumerate(data.sequences):
-        row = np.asarray([sequence.ids], np.int64)
-        decoder.reset()
-        logits = decoder.forward(row, np.ones_like(row))[0]
         first = first_scored(sequence)
-        kl, agree, seq_nll = compare_distributions(logits, sequence.ids, first, record.top_ids[s],
-                                                   record.top_logp[s], record.vocab)
-        del logits
-        kl_rows.append((first, kl))
-        top1.append(agree)
-        nll.append(seq_nll)
+        decoder.reset()
+        parts: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
+        routes: dict[int, list[np.ndarray]] = {layer: [] for layer in routers}
+        # a long window is run PREFILL_CHUNK tokens at a time through the cache, as a server prefills it: its
+        # logits are [chunk, vocab], not [window, vocab] (1.2 GB at 2048 tokens of a 152k vocabulary)
+        for a in range(0, len(sequence.ids), PREFILL_CHUNK):
+            b = min(len(sequence.ids), a + PREFILL_CHUNK)
+            logits = decoder.forward(np.asarray([sequence.ids[a:b]], np.int64), np.ones((1, b), np.int64))[0]
+            parts.append(compare_distributions(logits, a, sequence.ids, first, record.top_ids[s],
+                                               record.top_logp[s], record.vocab))
+            for layer, name in routers.items():
+                routes[layer].append(decoder.extras[name].reshape(-1, decoder.extras[name].shape[-1]))
+            del logits
+        kl_rows.append((first, np.concatenate([p[0] for p in parts])))
+        top1.append(np.concatenate([p[1] for p in parts]))
+        nll.append(np.concatenate([p[2] for p in parts]))
         ref_nll.append(-record.target_logp[s])
-        for layer, name in routers.items():
-            mine = np.sort(decoder.extras[name].reshape(-1, decoder.extras[name].shape[-1]), -1)
-            same_route[layer].append((mine == record.routes[layer][s]).all(-1))
+        for layer in routers:
+            same_route[layer].append((np.sort(np.concatenate(routes[layer]), -1) == record.routes[layer][s]).all(-1))
 
     metrics: dict[str, Metric] = {}
     series: dict = {"kl_per_position": [], "routing_agreement_per_layer": {}}
