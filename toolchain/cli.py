@@ -501,6 +501,8 @@ def _eval_options(command):
                           "still scored once)."),
         click.option("--windows", type=click.IntRange(1), default=64, show_default=True,
                      help="At most this many windows of --dataset."),
+        click.option("--greedy-prompts", type=click.IntRange(0), default=32, show_default=True,
+                     help="Prefixes continued greedily (16 tokens) by both sides; 0 skips the greedy match."),
         click.option("--no-reference-cache", is_flag=True,
                      help="Compute the reference's outputs again instead of reusing them from the reference cache "
                           "(DSTC_CACHE_DIR/references), and do not store them."),
@@ -523,8 +525,8 @@ def _eval_options(command):
     return command
 
 
-def _eval_settings(texts, problems, dataset, window, stride, windows, no_reference_cache, no_latency, prompt_lengths,
-                   batches, new_tokens, warmup, repetitions, threads, openvino_f32):
+def _eval_settings(*, texts, problems, dataset, window, stride, windows, greedy_prompts, no_reference_cache,
+                   no_latency, prompt_lengths, batches, new_tokens, warmup, repetitions, threads, openvino_f32):
     from toolchain.evaluate.settings import EvalSettings
 
     if stride is not None and stride > window:
@@ -532,7 +534,8 @@ def _eval_settings(texts, problems, dataset, window, stride, windows, no_referen
     if dataset is not None and not dataset.is_file():
         raise click.BadParameter(f"{dataset} is not a file", param_hint="--dataset")
     return EvalSettings(texts=texts, problems=problems, dataset=str(dataset) if dataset else None, window=window,
-                        stride=stride, windows=windows, reference_cache=not no_reference_cache,
+                        stride=stride, windows=windows, greedy_prompts=greedy_prompts,
+                        reference_cache=not no_reference_cache,
                         latency=not no_latency, openvino_f32=openvino_f32,
                         prompt_lengths=_int_list(prompt_lengths, "--prompt-lengths"),
                         batches=_int_list(batches, "--batches"), new_tokens=new_tokens, warmup=warmup,
@@ -545,10 +548,7 @@ def _eval_settings(texts, problems, dataset, window, stride, windows, no_referen
 @click.option("-o", "--out", "out_dir", type=click.Path(path_type=Path), default=None,
               help="Where to write report.json/.md/.html (default: inside ARTIFACT).")
 @click.option("--json", "as_json", is_flag=True, help="Print report.json to stdout instead of the summary.")
-def eval_cmd(artifact: Path, reference: str | None, texts: int, problems: int, dataset: Path | None, window: int,
-             stride: int | None, windows: int, no_reference_cache: bool, no_latency: bool,
-             prompt_lengths: str, batches: str, new_tokens: int, warmup: int, repetitions: int,
-             threads: int | None, openvino_f32: bool, out_dir: Path | None, as_json: bool) -> None:
+def eval_cmd(artifact: Path, reference: str | None, out_dir: Path | None, as_json: bool, **options) -> None:
     """Measure ARTIFACT against the fp32 PyTorch reference of its source model, and its latency.
 
     Accuracy, on the embedded corpus's held-out split or on --dataset: perplexity, exact match (the embedded task,
@@ -562,8 +562,7 @@ def eval_cmd(artifact: Path, reference: str | None, texts: int, problems: int, d
     from toolchain.evaluate.run import evaluate_artifact, write_report
     from toolchain.report.markdown import render_summary
 
-    settings = _eval_settings(texts, problems, dataset, window, stride, windows, no_reference_cache, no_latency,
-                              prompt_lengths, batches, new_tokens, warmup, repetitions, threads, openvino_f32)
+    settings = _eval_settings(**options)
     if out_dir is not None:
         check_writable_target(out_dir)  # before the work, not after it
     report = evaluate_artifact(artifact, settings, reference=reference, log=_logger("eval"))
@@ -581,10 +580,8 @@ def eval_cmd(artifact: Path, reference: str | None, texts: int, problems: int, d
 @click.option("--html", "html_out", type=click.Path(path_type=Path), default=None,
               help="Also write the table and the overlaid plots to this HTML file.")
 @click.option("--json", "as_json", is_flag=True, help="Print the comparison rows and every report as JSON.")
-def compare_cmd(artifacts: tuple[Path, ...], reference: str | None, texts: int, problems: int, dataset: Path | None,
-                window: int, stride: int | None, windows: int, no_reference_cache: bool, no_latency: bool,
-                prompt_lengths: str, batches: str, new_tokens: int, warmup: int, repetitions: int,
-                threads: int | None, openvino_f32: bool, html_out: Path | None, as_json: bool) -> None:
+def compare_cmd(artifacts: tuple[Path, ...], reference: str | None, html_out: Path | None, as_json: bool,
+                **options) -> None:
     """Evaluate several ARTIFACTS in one run with the same prompts (typically one recipe built for ONNX Runtime
     and OpenVINO) and print them side by side, with each value's ratio to the first artifact's."""
     from toolchain.atomic import check_writable_file, write_file_atomically
@@ -595,8 +592,7 @@ def compare_cmd(artifacts: tuple[Path, ...], reference: str | None, texts: int, 
         raise click.BadParameter("give at least two artifacts", param_hint="ARTIFACTS")
     if html_out is not None:
         check_writable_file(html_out)
-    settings = _eval_settings(texts, problems, dataset, window, stride, windows, no_reference_cache, no_latency,
-                              prompt_lengths, batches, new_tokens, warmup, repetitions, threads, openvino_f32)
+    settings = _eval_settings(**options)
     reports = compare_artifacts(list(artifacts), settings, reference=reference,
                                 log=lambda a, m: click.echo(f"[compare {a}] {m}", err=True))
     labels = labels_for(reports)

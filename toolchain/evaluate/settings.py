@@ -18,7 +18,7 @@ class EvalSettings(BaseModel):
 
     texts: int = Field(200, ge=1)  # held-out texts: perplexity, KL, top-1, routing agreement
     problems: int = Field(200, ge=1)  # held-out arithmetic problems (or the data file's prompt/answer records)
-    greedy_prompts: int = Field(32, ge=1)  # held-out text prefixes continued greedily by both sides
+    greedy_prompts: int = Field(32, ge=0)  # held-out text prefixes continued greedily by both sides
     greedy_tokens: int = Field(16, ge=1)
     batch: int = Field(8, ge=1)  # prompts per left-padded batch when generating for accuracy
     # the user's data (toolchain/evaluate/dataset.py): a JSONL or text file instead of the embedded corpus
