@@ -80,12 +80,13 @@ def dstc_scores(decoder, tokenizer, task_data: Path) -> dict:
 @pytest.fixture(scope="module")
 def hflm():
     """lm-eval's own HFLM(max_length) on the embedded checkpoint: transformers, fp32, eager attention."""
+    import torch
     from lm_eval.models.huggingface import HFLM
 
     def make(max_length: int):
         lm = HFLM(pretrained=str(sources.resolve(MODEL).path), dtype="float32", attn_implementation="eager",
                   device="cpu", batch_size=8, max_length=max_length)
-        assert lm.model.config._attn_implementation == "eager" and lm.model.dtype.is_floating_point
+        assert lm.model.config._attn_implementation == "eager" and lm.model.dtype == torch.float32
         return lm
 
     return make
@@ -98,10 +99,11 @@ def hflm_scores(hflm, task_data) -> dict:
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    source = sources.resolve(MODEL)
+def reference():
+    """The fp32 PyTorch reference as a Decoder, and the checkpoint's tokenizer."""
     from transformers import AutoTokenizer
 
+    source = sources.resolve(MODEL)
     return TorchDecoder(source), AutoTokenizer.from_pretrained(source.path)
 
 
@@ -149,7 +151,8 @@ def assert_agree(ours: dict, theirs: dict) -> None:
 def test_reference_through_dstc_scores_as_lm_evals_own_hflm(reference_scores, hflm_scores):
     table("dstc (TorchDecoder) vs lm-eval HFLM", reference_scores, hflm_scores, "hflm")
     assert_agree(reference_scores, hflm_scores)
-    # Scores a broken adapter could not reach by chance: above a quarter on four choices, and exact matches.
+    # Well above chance (a quarter on four choices; no exact match), so that the agreement is not that of two
+    # models guessing.
     arc, words = hflm_scores["arc_easy"], hflm_scores["reversed_words"]
     assert arc["metrics"]["acc,none"] > 0.25 + 2 * arc["stderr"]["acc,none"]
     assert 0.2 < words["metrics"]["exact_match,none"] < 0.9
@@ -186,6 +189,22 @@ def test_onnxruntime_artifact_scores_as_the_reference(ort_artifact, task_data, r
     assert_agree(ours, reference_scores)
 
 
+def test_fewshot_examples_come_from_the_train_split(tmp_path, task_data, reference, hflm):
+    """arc_easy with two examples before each question, drawn from train.jsonl (train-split texts) by lm-eval's
+    seeded sampler: the same prompts, so the same scores, through dstc and HFLM."""
+    (tmp_path / "arc_easy").mkdir()
+    (tmp_path / "arc_easy" / "test.jsonl").write_text((task_data / "arc_easy" / "test.jsonl").read_text())
+    write_jsonl(tmp_path / "arc_easy" / "train.jsonl", [
+        {"id": f"train-{i}", "question": text.rsplit(" ", 1)[0],
+         "choices": {"text": [text.rsplit(" ", 1)[1], "Alice."], "label": ["A", "B"]}, "answerKey": "A"}
+        for i, text in enumerate(text_samples("train", 20))])
+    ours = score_tasks(*reference, ["arc_easy"], tmp_path, max_length=CONTEXT, limit=12, num_fewshot=2)
+    theirs = evaluate_lm(hflm(CONTEXT), ["arc_easy"], tmp_path, limit=12, num_fewshot=2)
+    table("arc_easy 2-shot: dstc (TorchDecoder) vs lm-eval HFLM", ours, theirs, "hflm")
+    assert ours["arc_easy"]["num_fewshot"] == theirs["arc_easy"]["num_fewshot"] == 2
+    assert ours["arc_easy"]["metrics"] == theirs["arc_easy"]["metrics"]
+
+
 def test_missing_task_data_names_the_file_expected(tmp_path, reference):
     (tmp_path / "arc_easy").mkdir()
     with pytest.raises(InputError, match=r"task arc_easy: no test split: expected .*/arc_easy/test\.jsonl .*"
@@ -198,6 +217,16 @@ def test_missing_task_data_names_the_file_expected(tmp_path, reference):
         score_tasks(*reference, ["gsm8k"], tmp_path, max_length=CONTEXT)
     with pytest.raises(InputError, match="is not a directory"):
         score_tasks(*reference, ["gsm8k"], tmp_path / "nowhere", max_length=CONTEXT)
+
+
+def test_task_data_not_in_the_tasks_schema_is_an_input_error(tmp_path, reference):
+    write_jsonl(tmp_path / "arc_easy" / "test.jsonl", [{"text": "Alice found the red book."}])
+    with pytest.raises(InputError, match=r"task arc_easy: its data \(.*/arc_easy/test\.jsonl\) does not load: "
+                                         r"'question' is undefined"):
+        score_tasks(*reference, ["arc_easy"], tmp_path, max_length=CONTEXT)
+    (tmp_path / "arc_easy" / "test.jsonl").write_text('{"question": "Where was the book?", \n')
+    with pytest.raises(InputError, match=r"test\.jsonl\) does not load: JSON parse error"):
+        score_tasks(*reference, ["arc_easy"], tmp_path, max_length=CONTEXT)
 
 
 def test_unknown_task_is_an_input_error(tmp_path, reference):

@@ -37,6 +37,7 @@ import os
 import re
 import tempfile
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -69,17 +70,18 @@ def _offline() -> None:
     datasets.config.HF_HUB_OFFLINE = datasets.config.HF_DATASETS_OFFLINE = True
 
 
+@dataclass
 class _Scores:
-    """One batch's scored positions: per row, the continuation tokens' log-probabilities and whether each was the
-    argmax, right-aligned; and the log-softmax of the last position (other last tokens of the same input)."""
+    """One batch's scored positions, right-aligned: per row, the targets' log-probabilities and whether each was the
+    argmax; and the log-softmax of the last position, for any other last token of the same input."""
 
-    def __init__(self, logprob: np.ndarray, greedy: np.ndarray, last: np.ndarray) -> None:
-        self.logprob, self.greedy, self.last = logprob, greedy, last
+    logprob: np.ndarray  # [rows, scored]
+    greedy: np.ndarray  # [rows, scored]
+    last: np.ndarray  # [rows, vocab]
 
     def answer(self, row: int, continuation: list[int]) -> tuple[float, bool]:
         """(log-likelihood, is greedy) of ``continuation``, which ends the row's input but for its last token."""
-        n = len(continuation)
-        last = int(continuation[-1])
+        n, last = len(continuation), int(continuation[-1])
         head = float(self.logprob[row, -n:-1].sum()) if n > 1 else 0.0
         greedy = bool(self.greedy[row, -n:-1].all()) and int(self.last[row].argmax()) == last
         return head + float(self.last[row, last]), greedy
@@ -98,7 +100,7 @@ def _score(decoder: Decoder, inputs: list[list[int]], targets: list[list[int]], 
         decoder.forward(ids[:, :start], mask[:, :start], 1)
     step = max(1, LOGIT_ROWS // rows)
     logprob, greedy = np.zeros((rows, scored)), np.zeros((rows, scored), bool)
-    last = np.zeros(0, np.float32)
+    last = np.zeros(0)
     for a in range(start, width, step):
         b = min(a + step, width)
         logits = decoder.forward(ids[:, a:b], mask[:, :b], 0)[:, -(b - a):]
@@ -108,7 +110,7 @@ def _score(decoder: Decoder, inputs: list[list[int]], targets: list[list[int]], 
         logprob[:, a - start:b - start] = picked - lse
         greedy[:, a - start:b - start] = logits.argmax(-1) == goal[:, a:b]
         if b == width:
-            last = (logits[:, -1] - lse[:, -1:]).astype(np.float32)
+            last = logits[:, -1] - lse[:, -1:]
     return _Scores(logprob, greedy, last)
 
 
@@ -410,11 +412,24 @@ def evaluate_lm(lm, tasks: Sequence[str], task_data: Path, *, limit: int | None 
     manager = _task_manager(names)
     # datasets keeps Arrow copies of the files, read while the tasks run: in a directory of this call's own.
     with tempfile.TemporaryDirectory(prefix="dstc-tasks-") as cache_dir:
-        configs = [_local_config(manager, name, task_data, num_fewshot, cache_dir, log) for name in names]
-        loaded = manager.load(configs)["tasks"]
-        results = simple_evaluate(model=lm, tasks=list(loaded.values()), num_fewshot=num_fewshot, limit=limit,
-                                  log_samples=False, task_manager=manager)
+        loaded = [_load(manager, _local_config(manager, name, task_data, num_fewshot, cache_dir, log))
+                  for name in names]
+        results = simple_evaluate(model=lm, tasks=loaded, num_fewshot=num_fewshot, limit=limit, log_samples=False,
+                                  task_manager=manager)
     return {name: _task_scores(results, name) for name in names}
+
+
+def _load(manager, config: dict):
+    """The lm-eval Task of a config; data that does not parse, or lacks a field the task's prompt reads (lm-eval
+    renders the first example when it builds the task), is an InputError naming the files."""
+    from datasets.exceptions import DatasetGenerationError
+    from jinja2.exceptions import UndefinedError
+
+    try:
+        return manager.load([config])["tasks"][config["task"]]
+    except (DatasetGenerationError, UndefinedError, KeyError) as exc:
+        files = ", ".join(config["dataset_kwargs"]["data_files"].values())
+        raise InputError(f"task {config['task']}: its data ({files}) does not load: {exc.__cause__ or exc}") from exc
 
 
 def _task_scores(results: dict, name: str) -> dict[str, Any]:
