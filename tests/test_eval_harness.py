@@ -180,6 +180,24 @@ def test_loglikelihoods_equal_hflms_request_by_request(reference, hflm):
     assert [greedy for _, greedy in ours[4:6]] == [True, False]  # the model adds; its sum is the greedy one
 
 
+def test_generations_equal_hflms_text_for_text(reference, hflm):
+    """generate_until as gsm8k asks it (its prompt and stop strings; cut at max_gen_toks), until a newline, and
+    until the first of two stop strings: HFLM's texts, in batches of requests of different lengths."""
+    from lm_eval.api.instance import Instance
+
+    gsm8k = {"until": ["Question:", "</s>", "<|im_end|>"], "do_sample": False, "temperature": 0.0, "max_gen_toks": 48}
+    problems = task_examples("heldout", 6)
+    requests = [Instance("generate_until", {}, (f"Question: {q}\nAnswer:", gsm8k), i) for i, (q, _) in
+                enumerate(problems)]
+    requests += [Instance("generate_until", {}, (q, {"until": ["\n"]}), 10 + i) for i, (q, _) in enumerate(problems)]
+    requests.append(Instance("generate_until", {}, ("Alice walked to", {"until": [".", "market"], "max_gen_toks": 16}),
+                             20))
+    ours = DecoderLM(*reference, max_length=CONTEXT, batch=4).generate_until(requests)
+    assert ours == hflm(CONTEXT).generate_until(requests)
+    assert ours[6:12] == [answer for _, answer in problems]
+    assert all(len(reference[1](text)["input_ids"]) > 30 for text in ours[:6])  # no stop string: up to 48 tokens
+
+
 def test_onnxruntime_artifact_scores_as_the_reference(ort_artifact, task_data, reference_scores, monkeypatch):
     """The fp32 artifact's scores within the standard error of the reference's; with a few positions' logits per
     forward (LOGIT_ROWS), its rolling windows go through the KV cache in pieces, to the same perplexities."""
@@ -203,6 +221,22 @@ def test_fewshot_examples_come_from_the_train_split(tmp_path, task_data, referen
     table("arc_easy 2-shot: dstc (TorchDecoder) vs lm-eval HFLM", ours, theirs, "hflm")
     assert ours["arc_easy"]["num_fewshot"] == theirs["arc_easy"]["num_fewshot"] == 2
     assert ours["arc_easy"]["metrics"] == theirs["arc_easy"]["metrics"]
+
+
+def test_parquet_task_data_scores_as_jsonl(tmp_path, task_data, reference):
+    import pandas as pd
+
+    rows = pd.read_json(task_data / "arc_easy" / "test.jsonl", lines=True)
+    (tmp_path / "arc_easy").mkdir()
+    rows.to_parquet(tmp_path / "arc_easy" / "test.parquet")
+    parquet = score_tasks(*reference, ["arc_easy"], tmp_path, max_length=CONTEXT, limit=8)
+    jsonl = score_tasks(*reference, ["arc_easy"], task_data, max_length=CONTEXT, limit=8)
+    assert parquet["arc_easy"]["metrics"] == jsonl["arc_easy"]["metrics"]
+    assert parquet["arc_easy"]["samples_total"] == jsonl["arc_easy"]["samples_total"] == 100
+    # One format per task: its splits are read by one builder.
+    rows.head(10).to_json(tmp_path / "arc_easy" / "train.jsonl", orient="records", lines=True)
+    with pytest.raises(InputError, match="its splits mix JSON and Parquet files"):
+        score_tasks(*reference, ["arc_easy"], tmp_path, max_length=CONTEXT, num_fewshot=1)
 
 
 def test_missing_task_data_names_the_file_expected(tmp_path, reference):

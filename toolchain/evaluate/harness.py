@@ -168,8 +168,9 @@ class DecoderLM(TemplateLM):
 
     def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False) -> list[tuple[float, bool]]:
         """(log-likelihood, is greedy) per (strings, context ids, continuation ids), in batches of the longest
-        first; requests that differ only in the continuation's last token share one input (lm-eval's Collator
-        groups them, as HFLM's logits cache does)."""
+        first; requests whose context and continuation but its last token are the same tokens share one input
+        (lm-eval's Collator groups them, as HFLM's logits cache does; HFLM 0.4.13 scores a shorter continuation of
+        such a group on the wrong positions, these are scored on their own last ones)."""
         del disable_tqdm  # no progress bars: dstc logs its own progress
         order = Collator(requests, sort_fn=lambda r: (-len(r[1] + r[2]), tuple(r[1] + r[2])),
                          group_by="contexts", group_fn=lambda r: r[1] + r[2][:-1])
