@@ -277,3 +277,35 @@ def test_a_long_window_run_in_prefill_chunks_gives_the_figures_of_one_prefill(ar
     assert whole["kl_mean"] < 1e-7 and chunked["kl_mean"] < 1e-7
     assert chunked["top1_agreement"] == whole["top1_agreement"] == 1.0
     assert chunked["perplexity"] == pytest.approx(whole["perplexity"], rel=1e-5)
+
+
+def test_eval_scores_an_lm_eval_task_on_both_sides_caches_the_reference_and_gates_the_drop(artifact, tmp_path, cache):
+    """`dstc eval --tasks arc_easy --task-data DIR`: the harness's accuracy and standard error for the artifact, the
+    reference's beside it, the drop in points; the second eval reuses the reference's scores; `dstc gate
+    --max-task-drop` reads them."""
+    rows = []
+    for i, text in enumerate(corpus.text_samples("heldout", 24, seed=5)):
+        question, answer = text.rsplit(" ", 1)
+        choices = sorted({answer, "market.", "Bruno.", "river."})
+        rows.append({"id": f"q{i}", "question": question,
+                     "choices": {"text": choices, "label": list("ABCD")[:len(choices)]},
+                     "answerKey": "ABCD"[choices.index(answer)]})
+    (tmp_path / "tasks" / "arc_easy").mkdir(parents=True)
+    (tmp_path / "tasks" / "arc_easy" / "test.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    args = ["--tasks", "arc_easy", "--task-data", tmp_path / "tasks", "--task-limit", "16", "--texts", "4",
+            "--problems", "2", "--greedy-prompts", "0", "--no-latency", "--json"]
+    first = dstc("eval", artifact, *args, env=cache)
+    assert first.returncode == 0, first.stderr
+    report = json.loads(first.stdout)
+    acc = report["metrics"]["arc_easy/acc"]
+    assert 0 <= acc["value"] <= 1 and acc["stderr"] > 0 and acc["direction"] == "higher"
+    assert acc["reference"] == acc["value"]  # fp32 ONNX Runtime and fp32 PyTorch choose alike
+    assert report["metrics"]["arc_easy/drop"]["value"] == 0
+    assert report["reference"]["tasks_cache"]["reused"] is False
+    second = json.loads(dstc("eval", artifact, *args, env=cache).stdout)
+    assert second["reference"]["tasks_cache"] == {**report["reference"]["tasks_cache"], "reused": True}
+    assert second["metrics"]["arc_easy/acc"] == acc
+    gate = dstc("gate", artifact / "report.json", "--max-task-drop", "0.5", env=cache)
+    assert gate.returncode == 0 and "max_task_drop (arc_easy)" in gate.stdout, gate.stdout + gate.stderr
+    missing = dstc("eval", artifact, "--tasks", "arc_easy", "--no-latency", env=cache)
+    assert missing.returncode == 2 and "--task-data" in missing.stderr

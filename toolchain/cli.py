@@ -501,6 +501,16 @@ def _eval_options(command):
                           "still scored once)."),
         click.option("--windows", type=click.IntRange(1), default=64, show_default=True,
                      help="At most this many windows of --dataset."),
+        click.option("--tasks", default=None,
+                     help="lm-evaluation-harness tasks to score the artifact and the reference on, comma-separated "
+                          "(e.g. gsm8k,arc_easy); their data from --task-data."),
+        click.option("--task-data", type=click.Path(path_type=Path, file_okay=False), default=None,
+                     help="Directory of the tasks' data: TASK/SPLIT.jsonl (or .parquet) in the schema of the task's "
+                          "dataset. dstc never downloads."),
+        click.option("--task-limit", type=click.IntRange(1), default=None,
+                     help="Score the first N examples of each task only."),
+        click.option("--num-fewshot", type=click.IntRange(0), default=None,
+                     help="Few-shot examples per task (default: each task's own)."),
         click.option("--greedy-prompts", type=click.IntRange(0), default=32, show_default=True,
                      help="Prefixes continued greedily (16 tokens) by both sides; 0 skips the greedy match."),
         click.option("--no-reference-cache", is_flag=True,
@@ -525,16 +535,25 @@ def _eval_options(command):
     return command
 
 
-def _eval_settings(*, texts, problems, dataset, window, stride, windows, greedy_prompts, no_reference_cache,
-                   no_latency, prompt_lengths, batches, new_tokens, warmup, repetitions, threads, openvino_f32):
+def _eval_settings(*, texts, problems, dataset, window, stride, windows, tasks, task_data, task_limit, num_fewshot,
+                   greedy_prompts, no_reference_cache, no_latency, prompt_lengths, batches, new_tokens, warmup,
+                   repetitions, threads, openvino_f32):
     from toolchain.evaluate.settings import EvalSettings
 
     if stride is not None and stride > window:
         raise click.BadParameter(f"{stride} is longer than the window ({window} tokens)", param_hint="--stride")
     if dataset is not None and not dataset.is_file():
         raise click.BadParameter(f"{dataset} is not a file", param_hint="--dataset")
+    names = [t.strip() for t in tasks.split(",") if t.strip()] if tasks else []
+    if names and task_data is None:
+        raise click.BadParameter("give the tasks' data with --task-data DIR (dstc never downloads)",
+                                 param_hint="--tasks")
+    if task_data is not None and not task_data.is_dir():
+        raise click.BadParameter(f"{task_data} is not a directory", param_hint="--task-data")
     return EvalSettings(texts=texts, problems=problems, dataset=str(dataset) if dataset else None, window=window,
-                        stride=stride, windows=windows, greedy_prompts=greedy_prompts,
+                        stride=stride, windows=windows, greedy_prompts=greedy_prompts, tasks=names,
+                        task_data=str(task_data) if task_data else None, task_limit=task_limit,
+                        num_fewshot=num_fewshot,
                         reference_cache=not no_reference_cache,
                         latency=not no_latency, openvino_f32=openvino_f32,
                         prompt_lengths=_int_list(prompt_lengths, "--prompt-lengths"),
@@ -556,7 +575,7 @@ def eval_cmd(artifact: Path, reference: str | None, out_dir: Path | None, as_jso
     match, MoE routing agreement. The reference runs one decoder layer at a time from the checkpoint, and its
     outputs are kept in the reference cache for the next artifact of the same model and data. Latency (in a fresh
     process): load time, time to first token P50/P90/P99, inter-token latency P50/P90, tokens/s, peak RSS, for
-    every prompt length x batch. Writes report.json (schema dstc.report/2), report.md and report.html.
+    every prompt length x batch. Writes report.json (schema dstc.report/3), report.md and report.html.
     """
     from toolchain.atomic import check_writable_target, ensure_output_dir
     from toolchain.evaluate.run import evaluate_artifact, write_report
@@ -617,6 +636,8 @@ def compare_cmd(artifacts: tuple[Path, ...], reference: str | None, html_out: Pa
 @click.option("--min-top1", type=click.FloatRange(0, 1), default=None, help="Smallest allowed top-1 agreement.")
 @click.option("--max-em-drop", type=click.FloatRange(0), default=None, help="Largest allowed exact-match drop, points.")
 @click.option("--max-kl", type=click.FloatRange(0), default=None, help="Largest allowed mean KL, nats.")
+@click.option("--max-task-drop", type=click.FloatRange(0), default=None,
+              help="Largest allowed drop, in points, of each lm-eval task's main metric (eval --tasks).")
 @click.option("--max-latency-ratio", type=click.FloatRange(0, min_open=True), default=None,
               help="Largest allowed TTFT and ITL P50 ratio to the baseline's (needs --baseline).")
 @click.option("--allow-unmeasured", is_flag=True,
@@ -624,16 +645,16 @@ def compare_cmd(artifacts: tuple[Path, ...], reference: str | None, html_out: Pa
                    "on the embedded task) as skipped instead of failed.")
 @click.option("--json", "as_json", is_flag=True, help="Print the gate results as JSON.")
 def gate_cmd(report_path: Path, baseline: Path | None, max_ppl_increase: float | None, min_top1: float | None,
-             max_em_drop: float | None, max_kl: float | None, max_latency_ratio: float | None,
-             allow_unmeasured: bool, as_json: bool) -> None:
+             max_em_drop: float | None, max_kl: float | None, max_task_drop: float | None,
+             max_latency_ratio: float | None, allow_unmeasured: bool, as_json: bool) -> None:
     """Check REPORT (a report.json or an artifact) against release gates. Exit 0 when every gate passes, 1 when
     any fails, 2 for bad input (no gates given, unreadable report)."""
     from toolchain.gates import GateLimits, check_gates
     from toolchain.report.schema import load_report
 
     limits = GateLimits(max_perplexity_increase=max_ppl_increase, min_top1_agreement=min_top1,
-                        max_exact_match_drop=max_em_drop, max_kl_mean=max_kl, max_latency_ratio=max_latency_ratio,
-                        allow_unmeasured=allow_unmeasured)
+                        max_exact_match_drop=max_em_drop, max_kl_mean=max_kl, max_task_drop=max_task_drop,
+                        max_latency_ratio=max_latency_ratio, allow_unmeasured=allow_unmeasured)
     if not limits.any():
         raise click.UsageError("no gates given: set at least one --max-*/--min-* option")
     results = check_gates(load_report(report_path), limits, load_report(baseline) if baseline else None)

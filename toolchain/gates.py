@@ -25,6 +25,7 @@ class GateLimits(BaseModel):
     min_top1_agreement: float | None = Field(None, ge=0, le=1)
     max_exact_match_drop: float | None = Field(None, ge=0)  # points (0-100)
     max_kl_mean: float | None = Field(None, ge=0)  # nats
+    max_task_drop: float | None = Field(None, ge=0)  # points lost on each lm-eval task's main metric
     max_latency_ratio: float | None = Field(None, gt=0)  # TTFT and ITL P50 over the baseline's
     baseline: str | None = None  # a report.json; in a recipe, relative to the recipe's directory
     # A gate whose metric the report could not measure (exact match on a model not trained on the embedded task):
@@ -37,6 +38,12 @@ class GateLimits(BaseModel):
 
 def _ratio_to(value: float | None, base: float | None) -> float | None:
     return None if value is None or not base else value / base
+
+
+def _task_main_metric(report: Report, task: str) -> str | None:
+    """The task's metric its drop is measured on: the first of the task's higher-is-better metrics."""
+    return next((n for n, m in report.metrics.items() if n.startswith(f"{task}/") and not n.endswith("/drop")
+                 and m.direction == "higher"), None)
 
 
 def check_gates(report: Report, limits: GateLimits, baseline: Report | None = None) -> list[GateResult]:
@@ -78,6 +85,19 @@ def check_gates(report: Report, limits: GateLimits, baseline: Report | None = No
     if limits.max_kl_mean is not None:
         gate("max_kl_mean", "kl_mean", report.value("kl_mean"), limits.max_kl_mean, at_most,
              "nats, vs the fp32 reference")
+    if limits.max_task_drop is not None:
+        drops = sorted(name for name in report.metrics if name.endswith("/drop"))
+        if not drops:
+            gate("max_task_drop", "<task>/drop", None, limits.max_task_drop, at_most, "")
+        for name in drops:
+            task = name[:-len("/drop")]
+            if baseline:  # the same metric of the baseline's task: the one whose drop the report measured
+                main = _task_main_metric(report, task)
+                value, base = report.value(main) if main else None, baseline.value(main) if main else None
+                drop = None if value is None or base is None else 100 * (base - value)
+            else:
+                drop = report.value(name)
+            gate(f"max_task_drop ({task})", name, drop, limits.max_task_drop, at_most, f"points, vs the {against}")
     if limits.max_latency_ratio is not None:
         if baseline is None:
             raise InputError("the latency gate (max_latency_ratio) needs a baseline report")

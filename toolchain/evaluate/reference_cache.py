@@ -15,7 +15,7 @@ from pathlib import Path
 
 from toolchain.evaluate.dataset import EvalData
 from toolchain.evaluate.reference_record import ReferenceRecord
-from toolchain.evaluate.settings import ARTIFACT_ONLY, EvalSettings
+from toolchain.evaluate.settings import ARTIFACT_ONLY, TASK_SETTINGS, EvalSettings
 from toolchain.manifest import blake3_file, code_digest, digest
 from toolchain.stages.runner import cache_dir
 
@@ -28,8 +28,33 @@ def cache_root() -> Path:
 
 def reference_key(source_files: dict[str, str], data: EvalData, settings: EvalSettings) -> str:
     return digest({"schema": SCHEMA, "source": source_files, "data": data.digest,
-                   "settings": settings.model_dump(mode="json", exclude={*ARTIFACT_ONLY, "dataset"}),
+                   "settings": settings.model_dump(mode="json", exclude={*ARTIFACT_ONLY, *TASK_SETTINGS, "dataset"}),
                    "code": code_digest("toolchain.evaluate.reference_record")})
+
+
+def task_key(source_files: dict[str, str], task_files: dict[str, str], settings: EvalSettings) -> str:
+    """The key of the reference's lm-eval scores: the checkpoint, the task data's file hashes, the tasks' settings
+    and the harness's code."""
+    return digest({"schema": SCHEMA, "source": source_files, "task_files": task_files,
+                   "settings": {k: getattr(settings, k) for k in ("tasks", "task_limit", "num_fewshot")},
+                   "code": code_digest("toolchain.evaluate.harness")})
+
+
+def load_tasks(key: str) -> dict | None:
+    path = cache_root() / f"tasks-{key}.json"
+    try:
+        entry = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return entry.get("scores") if isinstance(entry, dict) and entry.get("key") == key else None
+
+
+def store_tasks(key: str, scores: dict) -> None:
+    root = cache_root()
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = root / f".tasks-{key}.json.tmp-{os.getpid()}"
+    tmp.write_text(json.dumps({"schema": SCHEMA, "key": key, "scores": scores}, indent=2) + "\n")
+    os.replace(tmp, root / f"tasks-{key}.json")
 
 
 def load_cached(key: str) -> tuple[ReferenceRecord | None, str | None]:
@@ -43,7 +68,7 @@ def load_cached(key: str) -> tuple[ReferenceRecord | None, str | None]:
             return None, "written by another version"
         if not data.is_file() or blake3_file(data) != recorded.get("blake3"):
             return None, f"{data.name} does not match its record"
-        return ReferenceRecord.load(data, tasks=recorded.get("tasks") or {}), None
+        return ReferenceRecord.load(data), None
     except (OSError, ValueError, KeyError) as e:
         return None, f"unreadable ({type(e).__name__})"
 
@@ -59,7 +84,7 @@ def store(key: str, record: ReferenceRecord, about: dict) -> Path:
         os.replace(tmp, data)
     finally:
         tmp.unlink(missing_ok=True)
-    text = json.dumps({"schema": SCHEMA, "key": key, "blake3": blake3_file(data), "tasks": record.tasks,
+    text = json.dumps({"schema": SCHEMA, "key": key, "blake3": blake3_file(data),
                        "seconds": record.seconds, **about}, indent=2) + "\n"
     tmp_meta = root / f".{key}.json.tmp-{os.getpid()}"
     tmp_meta.write_text(text)

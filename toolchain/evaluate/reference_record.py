@@ -38,7 +38,6 @@ class ReferenceRecord:
     routes: dict[int, list[np.ndarray]] = field(default_factory=dict)  # MoE layer -> per sequence [tokens, k] sorted
     greedy: list[list[int]] = field(default_factory=list)  # continuation of each prefix
     answers: list[list[int]] = field(default_factory=list)  # answer of each problem
-    tasks: dict = field(default_factory=dict)  # lm-eval task -> the harness's scores of the reference
     seconds: float = 0.0  # what computing it took
 
     def save(self, path: Path) -> None:
@@ -56,13 +55,13 @@ class ReferenceRecord:
             np.savez(f, **arrays)  # type: ignore[arg-type]
 
     @classmethod
-    def load(cls, path: Path, tasks: dict | None = None) -> ReferenceRecord:
+    def load(cls, path: Path) -> ReferenceRecord:
         with np.load(path) as z:
             vocab, top_k = (int(v) for v in z["meta"])
             count = sum(1 for k in z.files if k.startswith("top_ids."))
             record = cls(vocab, top_k, [z[f"top_ids.{i}"] for i in range(count)],
                          [z[f"top_logp.{i}"] for i in range(count)], [z[f"target_logp.{i}"] for i in range(count)],
-                         seconds=float(z["seconds"]), tasks=tasks or {})
+                         seconds=float(z["seconds"]))
             routes: dict[int, dict[int, np.ndarray]] = {}
             for key in (k for k in z.files if k.startswith("routes.")):
                 _, layer, i = key.split(".")

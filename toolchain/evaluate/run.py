@@ -110,6 +110,36 @@ def reference_record(artifact, data, settings: EvalSettings, *, reference: str |
     return record, about
 
 
+def reference_task_scores(artifact, settings: EvalSettings, *, reference: str | None = None,
+                          log: Callable[[str], None] = lambda _: None) -> tuple[dict, dict]:
+    """The reference's lm-eval scores on settings.tasks: from the reference cache, or computed by the layer-by-layer
+    reference (released before it returns). Returns them and what the report records of their cache entry."""
+    from toolchain.evaluate import reference_cache, tasks
+    from toolchain.evaluate.reference import resolve_reference
+    from toolchain.runtime.layered_reference import LayeredReference
+    from toolchain.source_hashes import checkpoint_hashes
+
+    source, choice = resolve_reference(artifact.manifest, reference)
+    key = reference_cache.task_key(checkpoint_hashes(source.path), tasks.task_files(Path(str(settings.task_data))),
+                                   settings)
+    scores = reference_cache.load_tasks(key) if settings.reference_cache else None
+    reused = scores is not None
+    if scores is None:
+        ref = LayeredReference(source, settings.threads, choice)
+        try:
+            log(f"reference: lm-eval {', '.join(settings.tasks)}")
+            scores = tasks.score(ref, artifact.tokenizer(), settings,
+                                 max_length=artifact.context_length or settings.window,
+                                 stop_ids=artifact.eos_token_ids, log=log)
+        finally:
+            ref.close()
+        if settings.reference_cache:
+            reference_cache.store_tasks(key, scores)
+    else:
+        log(f"reference: lm-eval scores reused from the reference cache ({key[:16]})")
+    return scores, {"key": key, "reused": reused}
+
+
 def evaluate_artifact(path: Path, settings: EvalSettings | None = None, *, reference: str | None = None,
                       records: dict | None = None, display_path: Path | None = None,
                       log: Callable[[str], None] = lambda _: None) -> Report:
@@ -134,6 +164,8 @@ def evaluate_artifact(path: Path, settings: EvalSettings | None = None, *, refer
     record, ref_about = reference_record(artifact, data, settings, reference=reference, records=records,
                                          eos_ids=artifact.eos_token_ids, pad_id=artifact.pad_token_id,
                                          newline_id=newline_id, log=log)
+    if settings.tasks:
+        ref_tasks, ref_about["tasks_cache"] = reference_task_scores(artifact, settings, reference=reference, log=log)
     routers = router_outputs(artifact)
     decoder = open_decoder(artifact, threads=settings.threads, extra_outputs=list(routers.values()),
                            openvino_f32=settings.openvino_f32)
@@ -141,6 +173,13 @@ def evaluate_artifact(path: Path, settings: EvalSettings | None = None, *, refer
     metrics, series = measure_accuracy(decoder, record, data, routers, tokenizer, eos_ids=artifact.eos_token_ids,
                                        pad_id=artifact.pad_token_id, newline_id=newline_id, settings=settings,
                                        log=log)
+    if settings.tasks:
+        from toolchain.evaluate import tasks
+
+        log(f"lm-eval {', '.join(settings.tasks)} on the artifact")
+        scores = tasks.score(decoder, tokenizer, settings, max_length=artifact.context_length or settings.window,
+                             stop_ids=artifact.eos_token_ids, log=log)
+        metrics.update(tasks.task_metrics(scores, ref_tasks))
     threads, runtime_config = decoder.threads, decoder.runtime_config
     del decoder  # before latency runs in its child process
 

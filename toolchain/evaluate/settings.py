@@ -8,6 +8,8 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 # reference's outputs, and so its cache entry, do not depend on them.
 ARTIFACT_ONLY = ("latency", "prompt_lengths", "batches", "new_tokens", "warmup", "repetitions", "threads",
                  "openvino_f32", "reference_cache")
+# Settings of the standard tasks alone: the reference's task scores have an entry of their own.
+TASK_SETTINGS = ("tasks", "task_data", "task_limit", "num_fewshot")
 
 
 WHOLE_VOCABULARY, TOP_K = 1024, 128
@@ -31,6 +33,11 @@ class EvalSettings(BaseModel):
     # reference cache keeps per position); None: the whole distribution of a vocabulary up to WHOLE_VOCABULARY
     # tokens (the embedded models'), else the top TOP_K
     kl_top_k: int | None = Field(None, ge=1)
+    # standard tasks through lm-evaluation-harness (toolchain/evaluate/harness.py), their data read from task_data
+    tasks: list[str] = Field(default_factory=list)
+    task_data: str | None = None  # task_data/<task>/<split>.jsonl in the schema of the task's dataset
+    task_limit: int | None = Field(None, ge=1)  # the first examples of each task only
+    num_fewshot: int | None = Field(None, ge=0)  # default: each task's own
     reference_cache: bool = True  # reuse the reference's outputs from the cache (toolchain/evaluate/reference_cache.py)
     latency: bool = True
     prompt_lengths: list[int] = Field(default_factory=lambda: [32, 128, 512])
@@ -48,7 +55,9 @@ class EvalSettings(BaseModel):
         return min(self.kl_top_k, vocab)
 
     @model_validator(mode="after")
-    def _stride_within_window(self) -> EvalSettings:
+    def _consistent(self) -> EvalSettings:
         if self.stride is not None and self.stride > self.window:
             raise ValueError(f"stride {self.stride} is longer than the window ({self.window} tokens)")
+        if self.tasks and not self.task_data:
+            raise ValueError("tasks need task_data: a directory of the tasks' data files (dstc never downloads)")
         return self

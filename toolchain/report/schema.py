@@ -19,9 +19,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from toolchain.errors import InputError
 from toolchain.manifest import MANIFEST, REPORT_FILES, check_report_binding, read_json_file, self_digest
 
-SCHEMA = "dstc.report/2"
-# Reports of these schemas are read too, upgraded to SCHEMA (_upgrade).
-OLDER_SCHEMAS = ("dstc.report/1",)
+SCHEMA = "dstc.report/3"
+# Reports of these schemas are read too, upgraded to SCHEMA (_upgrade); /3 added Metric.stderr.
+OLDER_SCHEMAS = ("dstc.report/1", "dstc.report/2")
 
 Direction = Literal["lower", "higher", "none"]
 
@@ -36,6 +36,7 @@ class Metric(_Strict):
     direction: Direction
     description: str
     reference: float | None = None  # the fp32 PyTorch reference's value, where one exists
+    stderr: float | None = None  # the value's standard error, where the harness gives one (lm-eval tasks)
 
 
 class Cpu(_Strict):
@@ -172,7 +173,9 @@ def _upgrade(data: dict) -> dict:
         environment = dict(data.get("environment") or {})
         if isinstance(environment.get("cpu"), str):
             environment["cpu"] = {"architecture": environment["cpu"]}
-        data = {**data, "schema": SCHEMA, "environment": environment}
+        data = {**data, "schema": "dstc.report/2", "environment": environment}
+    if data.get("schema") == "dstc.report/2":
+        data = {**data, "schema": SCHEMA}
     return data
 
 
