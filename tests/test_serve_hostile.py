@@ -160,6 +160,9 @@ class HealthProbe:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run)
         self._thread.start()
+        deadline = time.monotonic() + 10
+        while not self.latencies and time.monotonic() < deadline:  # polling before the case starts
+            time.sleep(0.01)
 
     def _run(self) -> None:
         with httpx.Client(timeout=30) as client:
