@@ -315,12 +315,11 @@ def test_oversized_requests_are_refused_early_while_health_answers_and_memory_co
             pass
         assert sent < 50, "the server read the whole 50 MB"
         sock.close()
-        # within the body limit, a prompt of more characters than the context can hold: refused before tokenizing
-        started = time.perf_counter()
+        # within the body limit, a prompt of more characters than the context can hold: refused on its characters,
+        # not tokenized (that would have said tokens, after 2.8 s on this machine)
         too_long = server.post("/v1/completions", {"model": name, "prompt": "1+1=" * 250_000})
         assert too_long.status_code == 400 and too_long.json()["error"]["code"] == "context_length_exceeded"
-        assert "characters" in too_long.json()["error"]["message"]
-        assert time.perf_counter() - started < 5  # tokenizing it took 2.8 s on this machine: it was not tokenized
+        assert too_long.json()["error"]["message"].startswith("the prompt is 1000000 characters")
         chat = {"model": name, "messages": [{"role": "user", "content": "x" * 50_000}] * 10}
         assert server.post("/v1/chat/completions", chat).json()["error"]["code"] == "context_length_exceeded"
         one = {"role": "user", "content": "1"}
