@@ -7,7 +7,6 @@ The servers run in child processes (``python -m toolchain serve``), so OpenVINO 
 
 from __future__ import annotations
 
-import json
 import re
 import signal
 import subprocess
@@ -20,123 +19,19 @@ import httpx
 import numpy as np
 import pytest
 import yaml
+from serve_helpers import BACKENDS, ROOT, Server, build_artifacts
 
-from toolchain.build import build
 from toolchain.errors import InputError
 from toolchain.models.corpus import task_examples
-from toolchain.runtime.artifact import open_artifact
 
 pytestmark = pytest.mark.timeout(300)
 
 openai = pytest.importorskip("openai")
-ROOT = Path(__file__).resolve().parent.parent
-MODEL = "deepseek-v3-tiny"
-BACKENDS = ("openvino", "onnxruntime")
 
 
 @pytest.fixture(scope="module")
 def artifacts(tmp_path_factory, stage_cache):
-    """{backend: Artifact}: the embedded DeepSeek-V3 model, INT4 on OpenVINO (a compression.json to export) with the
-    per-head KV cache, which openvino_genai's continuous batching needs (it refuses the latent one), and fp32 on
-    ONNX Runtime with the latent cache (the default)."""
-    root = tmp_path_factory.mktemp("serve")
-    recipes = {
-        "openvino": {"export": {"parity": [], "mla_cache": "per-head"},
-                     "compress": {"scheme": "int4-grouped", "group_size": 128},
-                     "compile": {"backend": "openvino", "verify": False}},
-        "onnxruntime": {"export": {"parity": []}, "compile": {"backend": "onnxruntime", "verify": False}},
-    }
-    out = {}
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("DSTC_CACHE_DIR", str(stage_cache))
-        for backend, stages in recipes.items():
-            recipe = root / f"{MODEL}-{backend}.yaml"
-            recipe.write_text(yaml.safe_dump({"name": f"{MODEL}-{backend}", "model": MODEL, **stages}))
-            manifest = build(recipe, root / f"{MODEL}-{backend}")
-            assert manifest["provenance"]["stage_reports"]["export/export.json"]["graph"]["kv_cache"] == \
-                ("per-head" if backend == "openvino" else "latent")
-            out[backend] = open_artifact(root / f"{MODEL}-{backend}")
-    return out
-
-
-def _die_with_parent() -> None:
-    """In the server's child before exec: SIGTERM when the test process dies (a killed or timed-out run leaves no
-    server behind; the server stops its engine process)."""
-    import ctypes
-
-    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-
-
-class Server:
-    """``python -m toolchain serve`` on a free port, ready (GET /health 200) when returned."""
-
-    def __init__(self, artifact, *args: str, timeout: float = 90.0) -> None:
-        self.name = artifact.path.name
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", "toolchain", "serve", str(artifact.path), "--port", "0", "--threads", "2", *args],
-            cwd=ROOT, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-            preexec_fn=_die_with_parent)
-        self.log: list[str] = []
-        self._port = threading.Event()
-        threading.Thread(target=self._read, daemon=True).start()
-        deadline = time.monotonic() + timeout
-        if not self._port.wait(timeout):
-            self.stop()
-            pytest.fail("the server printed no address:\n" + "".join(self.log))
-        while True:
-            assert self.process.poll() is None, "the server exited:\n" + "".join(self.log)
-            try:
-                if httpx.get(self.base + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "the server did not become ready:\n" + "".join(self.log)
-            time.sleep(0.05)
-
-    def _read(self) -> None:
-        for line in self.process.stderr:
-            self.log.append(line)
-            match = re.search(r"http://127\.0\.0\.1:(\d+)/v1", line)
-            if match and not self._port.is_set():
-                self.base = f"http://127.0.0.1:{match.group(1)}"
-                self._port.set()
-
-    def client(self, **kw):
-        return openai.OpenAI(base_url=self.base + "/v1", api_key="unused", max_retries=0, timeout=60, **kw)
-
-    def post(self, path: str, body, **kw) -> httpx.Response:
-        content = body if isinstance(body, bytes) else json.dumps(body).encode()
-        return httpx.post(self.base + path, content=content, headers={"Content-Type": "application/json"},
-                          timeout=30, **kw)
-
-    def metrics(self) -> dict[str, float]:
-        """Every sample of /metrics by name and labels, parsed with prometheus_client's parser."""
-        from prometheus_client.parser import text_string_to_metric_families
-
-        samples = {}
-        for family in text_string_to_metric_families(httpx.get(self.base + "/metrics", timeout=10).text):
-            for s in family.samples:
-                labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()))
-                samples[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
-        return samples
-
-    def wait_for(self, predicate, timeout: float = 5.0) -> dict[str, float]:
-        deadline = time.monotonic() + timeout
-        while True:
-            metrics = self.metrics()
-            if predicate(metrics):
-                return metrics
-            assert time.monotonic() < deadline, f"not reached within {timeout} s: {metrics}"
-            time.sleep(0.02)
-
-    def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(15)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+    return build_artifacts(tmp_path_factory.mktemp("serve"), stage_cache)
 
 
 @pytest.fixture(scope="module")
@@ -536,7 +431,7 @@ class _FakeBackend:
         pass
 
 
-def test_loading_state_and_an_engine_failure_do_not_take_the_server_down(artifacts):
+def test_loading_state_and_an_engine_failure_do_not_take_the_server_down(artifacts, caplog):
     from fastapi.testclient import TestClient
 
     from toolchain.serve.api import create_app
@@ -558,7 +453,12 @@ def test_loading_state_and_an_engine_failure_do_not_take_the_server_down(artifac
         assert client.get("/health").json()["state"] == "ready"
         fake.fail = True
         failed = client.post("/v1/completions", json=body)
-        assert failed.status_code == 500 and "the runtime broke" in failed.json()["error"]["message"]
+        request_id = failed.headers["X-Request-Id"]
+        # the client gets the request's id, the log its traceback: never the runtime's internals in the body
+        assert failed.status_code == 500 and failed.json()["error"]["message"] == \
+            f"internal error (request id {request_id})"
+        logged = [r.getMessage() for r in caplog.records if request_id in r.getMessage()]
+        assert len(logged) == 1 and "Traceback" in logged[0] and "RuntimeError: the runtime broke" in logged[0]
         ok = client.post("/v1/completions", json=body)
         assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 3
         assert "dstc_requests_total{finish_reason=\"error\"} 1.0" in client.get("/metrics").text
@@ -574,9 +474,11 @@ def test_a_crashed_engine_process_fails_its_requests_and_is_restarted(servers):
                                        stream=True, extra_body={"ignore_eos": True})
     next(iter(stream))
     os.kill(health["engine_pid"], signal.SIGKILL)  # what a native crash of the runtime does
-    with pytest.raises(openai.APIError, match="the engine process died \\(killed by SIGKILL\\)"):
+    with pytest.raises(openai.APIError, match=r"internal error \(request id req-[0-9a-f]+\)") as failed:
         for _ in stream:
             pass
+    request_id = re.search(r"req-[0-9a-f]+", str(failed.value)).group(0)
+    assert server.logged(request_id, "the engine process died (killed by SIGKILL)")
     deadline = time.monotonic() + 60
     while True:
         again = httpx.get(server.base + "/health")

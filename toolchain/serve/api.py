@@ -1,18 +1,22 @@
 """The HTTP API: OpenAI's /v1/completions, /v1/chat/completions and /v1/models, plus /health and /metrics.
 
-Every request body is read here, not by FastAPI: bytes that are not UTF-8, text that is not JSON, a field of the
-wrong type or range, an unknown model, a prompt longer than the context, ``max_tokens`` below 1 or past the context
-all get a 400 with OpenAI's error body (``{"error": {"message", "type", "param", "code"}}``); more requests waiting
-than ``--max-queue`` a 429 with ``Retry-After``; a request before the model is loaded a 503. Streams are
-server-sent events (``data: {chunk}`` ... ``data: [DONE]``); a client that disconnects has its request cancelled
-in the engine before its next step. No request can take the server down: anything unexpected is a 500 for that
-request (or an error event in its stream) and the engine goes on.
+The body arrives whole, within its size and time limits, from intake.py (which also checks the API key and gives
+each request its id). It is parsed here, not by FastAPI, in a worker thread with the prompt's tokenization, so that
+neither holds the event loop: bytes that are not UTF-8, text that is not JSON (or nested too deeply), a field of the
+wrong type or range, an unknown model, a prompt longer than the context (checked in characters before it is
+tokenized), ``max_tokens`` below 1 or past the context all get a 400 with OpenAI's error body (``{"error":
+{"message", "type", "param", "code"}}``); more requests waiting than ``--max-queue`` a 429 with ``Retry-After``; a
+request before the model is loaded a 503. Streams are server-sent events (``data: {chunk}`` ... ``data: [DONE]``); a
+client that disconnects has its request cancelled in the engine before its next step. No request can take the
+server down: anything unexpected is a 500 for that request (or an error event in its stream) saying "internal
+error" and the request id, which the server's log line with the traceback carries; the engine goes on.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import secrets
 import time
 from collections.abc import AsyncGenerator, AsyncIterator
@@ -28,11 +32,17 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from toolchain.serve import schemas
 from toolchain.serve.engine import Event, NotReady, QueueFull, Request as EngineRequest
+from toolchain.serve.intake import Intake, internal_error
 from toolchain.serve.metrics import CONTENT_TYPE, render
 from toolchain.serve.schemas import FinishReason
 from toolchain.serve.text import IncrementalText, StopText
 
 DISCONNECT_POLL_S = 0.5  # how often a non-streaming request checks that its client is still there
+# Requests parsed and tokenized at once, in worker threads: bounds the memory their Python objects take (a body's
+# text, its token ids) whatever the number of clients; the engine's process has the cores.
+PREPARE_THREADS = 2
+
+log = logging.getLogger("dstc.serve")
 
 
 class ApiError(Exception):
@@ -49,11 +59,18 @@ class ApiError(Exception):
 
 
 class GenerationFailed(Exception):
-    pass
+    """A request the engine could not finish: ``status`` and a message for the client (details went to the log)."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
 
 
-def create_app(service) -> FastAPI:
-    """The FastAPI app over a toolchain.serve.server.Service (its engine starts loading at startup)."""
+def create_app(service) -> Intake:
+    """The app over a toolchain.serve.server.Service (its engine starts loading at startup): FastAPI's, inside the
+    intake that bounds what reaches it (intake.py)."""
+    settings = service.settings
+    preparing = anyio.CapacityLimiter(PREPARE_THREADS)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -70,7 +87,8 @@ def create_app(service) -> FastAPI:
         finally:
             service.engine.stop()
 
-    app = FastAPI(title="dstc serve", version="1", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app = FastAPI(title="dstc serve", version="1", lifespan=lifespan, docs_url=None, redoc_url=None,
+                  openapi_url=None)
 
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, e: ApiError):
@@ -88,8 +106,8 @@ def create_app(service) -> FastAPI:
         return ApiError(400, str(e.errors()[:1])).response()
 
     @app.exception_handler(Exception)
-    async def _unexpected(request: Request, e: Exception):
-        return ApiError(500, f"internal error: {type(e).__name__}: {e}", type="server_error").response()
+    async def _unexpected(request: Request, e: Exception):  # Starlette raises it again: the intake logs it
+        return ApiError(500, internal_error(request.state.request_id), type="server_error").response()
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -114,24 +132,35 @@ def create_app(service) -> FastAPI:
                                  backend=service.artifact.backend)
         return JSONResponse(schemas.ModelList(data=[card]).model_dump())
 
-    @app.post("/v1/completions")
-    async def completions(request: Request):
-        params = _parse(await _body(request), schemas.CompletionRequest)
+    def prepare_completion(raw: bytes) -> tuple[schemas.CompletionRequest, list[int], int]:
+        params = _parse(_json(raw), schemas.CompletionRequest)
         service.check_model(params.model)
         prompt = service.completion_prompt(params.prompt)
-        max_tokens = service.budget(len(prompt), params.max_tokens, default=16, param="prompt")
+        return params, prompt, service.budget(len(prompt), params.max_tokens, default=16, param="prompt")
+
+    def prepare_chat(raw: bytes) -> tuple[schemas.ChatCompletionRequest, list[int], int]:
+        params = _parse(_json(raw), schemas.ChatCompletionRequest)
+        service.check_model(params.model)
+        prompt = service.chat_prompt([{"role": m.role, "content": m.text()} for m in params.messages])
+        return params, prompt, service.budget(len(prompt), params.max_tokens, default=None, param="messages")
+
+    async def prepared(request: Request, prepare):
+        """``prepare(body)`` in a worker thread: parsing and tokenizing never hold the event loop."""
+        return await anyio.to_thread.run_sync(prepare, await request.body(), limiter=preparing)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        params, prompt, max_tokens = await prepared(request, prepare_completion)
         return await _respond(request, params, prompt, max_tokens, chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        params = _parse(await _body(request), schemas.ChatCompletionRequest)
-        service.check_model(params.model)
-        prompt = service.chat_prompt([{"role": m.role, "content": m.text()} for m in params.messages])
-        max_tokens = service.budget(len(prompt), params.max_tokens, default=None, param="messages")
+        params, prompt, max_tokens = await prepared(request, prepare_chat)
         return await _respond(request, params, prompt, max_tokens, chat=True)
 
     async def _respond(request: Request, params, prompt: list[int], max_tokens: int, chat: bool):
-        generation = Generation(service, prompt, max_tokens, params)  # 429 / 503 here, before any byte is sent
+        # 429 / 503 here, before any byte is sent
+        generation = Generation(service, prompt, max_tokens, params, request.state.request_id)
         ident = ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12)
         created = int(time.time())
         if params.stream:
@@ -143,7 +172,7 @@ def create_app(service) -> FastAPI:
         try:
             text, finish = await generation.collect(request)
         except GenerationFailed as e:
-            raise ApiError(500, str(e), type="server_error") from None
+            raise ApiError(e.status, str(e), type="server_error") from None
         finally:
             generation.close()
         if finish is None:  # the client went away
@@ -158,29 +187,31 @@ def create_app(service) -> FastAPI:
                 schemas.CompletionChoice(text=text, finish_reason=finish)])
         return JSONResponse(body.model_dump())
 
-    return app
+    return Intake(app, api_keys=settings.api_keys, max_body_bytes=settings.max_body_bytes,
+                  body_timeout_s=settings.body_timeout_s, reject=service.metrics.reject)
 
 
-# -- request bodies ---------------------------------------------------------------------------------------------
+# -- request bodies (in a worker thread) ------------------------------------------------------------------------
 
 
-async def _body(request: Request) -> dict:
-    raw = await request.body()
+def _json(raw: bytes) -> dict:
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
         raise ApiError(400, f"the request body is not valid UTF-8 (byte {e.start})", code="invalid_utf8") from None
     try:
         body = json.loads(text)
+        # JSON's \ud800-style escapes can spell lone surrogates, which are not text
+        json.dumps(body, ensure_ascii=False).encode("utf-8")
     except json.JSONDecodeError as e:
         raise ApiError(400, f"the request body is not valid JSON: {e}", code="invalid_json") from None
-    if not isinstance(body, dict):
-        raise ApiError(400, "the request body must be a JSON object", code="invalid_json")
-    try:  # JSON's \ud800-style escapes can spell lone surrogates, which are not text
-        json.dumps(body, ensure_ascii=False).encode("utf-8")
+    except RecursionError:
+        raise ApiError(400, "the request body is JSON nested too deeply", code="invalid_json") from None
     except UnicodeEncodeError:
         raise ApiError(400, "the request contains a string that is not valid UTF-8 (a lone surrogate escape)",
                        code="invalid_utf8") from None
+    if not isinstance(body, dict):
+        raise ApiError(400, "the request body must be a JSON object", code="invalid_json")
     return body
 
 
@@ -207,9 +238,10 @@ def _parse(body: dict, model: type[Params]) -> Params:
 class Generation:
     """One request in the engine, seen from the event loop: its events arrive on an asyncio queue."""
 
-    def __init__(self, service, prompt: list[int], max_tokens: int, params) -> None:
+    def __init__(self, service, prompt: list[int], max_tokens: int, params, request_id: str) -> None:
         self.service = service
         self.prompt = prompt
+        self.request_id = request_id
         self.completion_tokens = 0
         self.done = False
         self._closed = False
@@ -233,7 +265,7 @@ class Generation:
 
     async def pieces(self, every_event: bool = False) -> AsyncIterator[tuple[str, FinishReason | None]]:
         """(text, finish reason or None) as tokens arrive (with ``every_event``, also text-less increments);
-        GenerationFailed on an engine error."""
+        GenerationFailed on an engine error (logged with the request id) or at shutdown."""
         while not self.done:
             event = await self._queue.get()
             self.completion_tokens += len(event.tokens)
@@ -249,9 +281,11 @@ class Generation:
             if event.finish is not None:
                 self.done = True
                 if event.finish == "error":
-                    raise GenerationFailed(event.error or "generation failed")
+                    log.error("dstc serve: %s: the request failed in the engine: %s", self.request_id,
+                              event.error or "no reason given")
+                    raise GenerationFailed(500, internal_error(self.request_id))
                 if event.finish == "cancelled":
-                    raise GenerationFailed("the server is shutting down")
+                    raise GenerationFailed(503, "the server is shutting down")
                 # the engine finishes a request with stop, length, cancelled or error, the last two raised above
                 yield out + self._stops.flush(), cast(FinishReason, event.finish)
                 return

@@ -7,6 +7,11 @@ running request: ``[(request, new tokens, finish reason or None)]``; a request r
 ``reset()`` (forget every request, after an error), ``kv_cache_usage()`` (0..1) and ``close()``. Every call to it
 comes from the engine's thread.
 
+One request never fails another: a backend finishes a request whose own sampling or prefill raises with
+``"error"`` (its ``error`` the traceback) and goes on with the others. What the engine catches itself fails only
+the requests it concerns: an ``add`` that raises, the requests joining; a ``step`` that raises, the running batch
+(a batched step cannot tell whose it was).
+
 Each request's events go to its ``sink``: ``Event(tokens, finish, error)``, all of one step's through one call of
 ``dispatch`` (the API layer sets it to schedule them on its event loop: one wake-up per step, not per token). A finish
 reason is ``"stop"`` (a stop token), ``"length"`` (max tokens or the context), ``"cancelled"`` or ``"error"``.
@@ -21,6 +26,7 @@ import contextlib
 import itertools
 import threading
 import time
+import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
@@ -64,8 +70,13 @@ class Request:
     last_token_at: float | None = None
     cancelled: bool = False
     finished: bool = False
-    error: str | None = None  # why a backend finished it with "error"
+    error: str | None = None  # why a backend finished it with "error": a traceback, for the server's log
     state: Any = None  # the backend's own (a handle, a random generator, the last token)
+
+
+def failure(e: BaseException) -> str:
+    """The traceback of an error that failed a request (the server logs it; the client is told only its id)."""
+    return "".join(traceback.format_exception(e)).rstrip()
 
 
 def deliver_events(events: list[tuple[Request, Event]]) -> None:
@@ -214,26 +225,46 @@ class Engine:
             self._finish(request, "cancelled", notify=True)
         for request in admitted:
             self.observer.tokens(len(request.prompt), 0)
-        try:
-            if gone:
+        # the server never dies on a request: what raises fails the requests it concerns, and the engine goes on
+        if gone:
+            try:
                 self.backend.drop([r for r in gone if r.state is not None])
-            if admitted:
+            except Exception as e:
+                self._fail(list(self._running), e, reset=True)
+        if admitted:
+            try:
                 self._deliver(self.backend.add(admitted))
-            if self._running:
+            except Exception as e:
+                self._fail(admitted, e)
+        if self._running:
+            try:
                 started = time.perf_counter()
                 results = self.backend.step()
                 self.observer.step(time.perf_counter() - started, len(self._running))
                 self._deliver(results)
-        except Exception as e:  # the server never dies on a request: fail the batch, start again clean
-            with self._cv:
-                failed, self._running = self._running, []
-            try:
-                self.backend.drop([r for r in failed if r.state is not None])
-            except Exception:
-                self.backend.reset()
-            for request in failed:
-                self._finish(request, "error", notify=True, error=f"{type(e).__name__}: {e}")
+            except Exception as e:
+                self._fail(list(self._running), e)
         return True
+
+    def _fail(self, requests: list[Request], e: Exception, *, reset: bool = False) -> None:
+        """Finish ``requests`` with an error and free them in the backend. When that fails too (or ``reset``), the
+        backend's state is unknown: start it again clean, failing every request it held."""
+        failed = {r.id: r for r in requests if not r.finished}
+        with self._cv:
+            self._running = [r for r in self._running if r.id not in failed]
+        if not reset:
+            try:
+                self.backend.drop([r for r in failed.values() if r.state is not None])
+            except Exception:
+                reset = True
+        if reset:
+            self.backend.reset()
+            with self._cv:
+                failed.update((r.id, r) for r in self._running)
+                self._running = []
+        error = failure(e)
+        for request in failed.values():
+            self._finish(request, "error", notify=True, error=error)
 
     def _send(self, events: list[tuple[Request, Event]]) -> None:
         if events:

@@ -3,6 +3,9 @@
 Requests that arrive together are prefilled as one left-padded batch and join the running batch; every engine
 iteration is then one decode step of all running sequences. Tokens are chosen here (toolchain/runtime/sampling.py):
 greedy at temperature 0, else sampling with a generator per request, seeded by its ``seed``.
+
+What one request raises fails that request alone: its generator or its token choice, and its prefill (a batched
+prefill that raises is tried again one request at a time; the running batch is untouched until a prefill returns).
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ import numpy as np
 
 from toolchain.runtime.artifact import Artifact
 from toolchain.runtime.sampling import next_token
-from toolchain.serve.engine import Request
+from toolchain.serve.engine import Request, failure
 
 if TYPE_CHECKING:  # imported when the backend loads
     from toolchain.runtime.batching import BatchedDecoder
@@ -60,11 +63,42 @@ class OnnxRuntimeBackend:
         return {**(self.decoder.runtime_config if self.decoder else {}), "kv_cache_layout": self.layout}
 
     def add(self, requests: list[Request]):
+        results: list[tuple[Request, list[int], str | None]] = []
+        joining = []
         for request in requests:
-            request.state = _State(None if request.sampling.greedy else request.sampling.generator())
+            try:
+                rng = None if request.sampling.greedy else request.sampling.generator()
+            except Exception as e:  # e.g. a seed numpy refuses
+                results.append(self._failed(request, e))
+                continue
+            request.state = _State(rng)
+            joining.append(request)
+        logits = self._join(joining, results)
+        joined = [r for r in joining if r.id in logits]
+        for request in joined:
             self._live[request.id] = request
-        logits = self._loaded().join({r.id: r.prompt for r in requests})
-        return self._choose(requests, logits)
+        return results + self._choose(joined, logits)
+
+    def _join(self, requests: list[Request], results: list) -> dict[Hashable, np.ndarray]:
+        """The prefill logits of ``requests``, as one batch; if that raises, one at a time, so that a request whose
+        prefill fails (added to ``results``) does not take the others with it."""
+        if not requests:
+            return {}
+        try:
+            return self._loaded().join({r.id: r.prompt for r in requests})
+        except Exception as e:
+            if len(requests) == 1:
+                results.append(self._failed(requests[0], e))
+                return {}
+        logits: dict[Hashable, np.ndarray] = {}
+        for request in requests:
+            logits.update(self._join([request], results))
+        return logits
+
+    @staticmethod
+    def _failed(request: Request, e: Exception) -> tuple[Request, list[int], str]:
+        request.error = failure(e)
+        return request, [], "error"
 
     def step(self):
         live = list(self._live.values())
@@ -83,7 +117,12 @@ class OnnxRuntimeBackend:
                 results.append((request, [], "error"))
                 leaving.append(request.id)
                 continue
-            token = next_token(row, request.sampling, state.rng)
+            try:
+                token = next_token(row, request.sampling, state.rng)
+            except Exception as e:  # e.g. probabilities the temperature made NaN
+                results.append(self._failed(request, e))
+                leaving.append(request.id)
+                continue
             if token in request.stop_ids and not request.ignore_eos:
                 results.append((request, [], "stop"))
                 leaving.append(request.id)

@@ -5,6 +5,9 @@ Requests are added with their token ids (the API layer applied the chat template
 tokenizer, the same one ``dstc generate`` uses); the pipeline samples (greedy at temperature 0, else multinomial
 with temperature, top-p and ``rng_seed``) and stops at the artifact's eos ids or max tokens. Each step's new tokens
 are read from every request's handle; a cancelled handle frees its KV blocks in the pipeline's next step.
+
+A request whose generation config or ``add_request`` raises (the pipeline checks the config there) fails alone;
+the others are added and go on.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ import numpy as np
 
 from toolchain.runtime.artifact import Artifact
 from toolchain.runtime.batching import PipelineSettings, openvino_generation_config, openvino_pipeline
-from toolchain.serve.engine import Request
+from toolchain.serve.engine import Request, failure
 
 
 class OpenVINOBackend:
@@ -40,15 +43,21 @@ class OpenVINOBackend:
     def add(self, requests: list[Request]):
         import openvino as ov
 
+        failed: list[tuple[Request, list[int], str | None]] = []
         for request in requests:
-            config = openvino_generation_config(
-                max_new_tokens=request.max_tokens, stop_ids=request.stop_ids,
-                temperature=request.sampling.temperature, top_p=request.sampling.top_p,
-                seed=request.sampling.seed, ignore_eos=request.ignore_eos)
-            request.state = self.pipeline.add_request(request.id, ov.Tensor(np.array([request.prompt], np.int64)),
-                                                      config)
+            try:
+                config = openvino_generation_config(
+                    max_new_tokens=request.max_tokens, stop_ids=request.stop_ids,
+                    temperature=request.sampling.temperature, top_p=request.sampling.top_p,
+                    seed=request.sampling.seed, ignore_eos=request.ignore_eos)
+                request.state = self.pipeline.add_request(
+                    request.id, ov.Tensor(np.array([request.prompt], np.int64)), config)
+            except Exception as e:  # a value the config or the pipeline refuses: this request only
+                request.error = failure(e)
+                failed.append((request, [], "error"))
+                continue
             self._live[request.id] = request
-        return []
+        return failed
 
     def step(self):
         import openvino_genai as genai

@@ -21,6 +21,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import itertools
+import logging
 import signal
 import socket
 import subprocess
@@ -35,6 +36,7 @@ from typing import TypedDict
 from toolchain.serve.engine import Engine, Event, NotReady, Observer, QueueFull, Request, deliver_events
 
 RESTART_DELAY_S = 0.5
+log = logging.getLogger("dstc.serve")
 
 
 def make_backend(backend: str, artifact_path: str, options: dict):
@@ -244,8 +246,9 @@ class RemoteEngine:
             events = [(r, Event([], "cancelled" if self._stopping else "error", message)) for r in failed]
             self.dispatch(partial(deliver_events, events))
         if not self._stopping and was == "ready":
-            print(f"dstc serve: the engine process died ({reason}); {len(failed)} requests failed; restarting it",
-                  file=sys.stderr, flush=True)
+            # the server's log, one write per line (print's two could interleave with a request's error line)
+            log.warning("dstc serve: the engine process died (%s); %d requests failed; restarting it", reason,
+                        len(failed))
             self.restarts += 1
             time.sleep(RESTART_DELAY_S)
             self._spawn()

@@ -3,7 +3,8 @@
 - histograms (P50/P90/P99 derivable with histogram_quantile): ``dstc_time_to_first_token_seconds``,
   ``dstc_inter_token_latency_seconds``, ``dstc_decode_step_seconds``, ``dstc_request_duration_seconds``;
 - counters: ``dstc_prompt_tokens_total``, ``dstc_generation_tokens_total``, ``dstc_requests_total{finish_reason}``,
-  ``dstc_rejected_requests_total{reason}`` (queue_full, invalid_request, not_ready);
+  ``dstc_rejected_requests_total{reason}`` (queue_full, invalid_request, not_ready, unauthorized, body_too_large,
+  body_timeout);
 - gauges read when scraped: ``dstc_queue_depth``, ``dstc_running_batch_size``, ``dstc_kv_cache_usage_ratio``,
   ``dstc_generation_tokens_per_second`` (over the last 10 s), ``dstc_ready``, ``dstc_health_status`` (0 ok, 1 warn,
   2 alert) and ``dstc_health_check_status{metric}``;
@@ -72,7 +73,7 @@ class ServerMetrics(Observer):
         self.generation_tokens = Counter("dstc_generation_tokens", "Tokens generated.", registry=r)
         self.requests = Counter("dstc_requests", "Requests finished, by finish reason.", ["finish_reason"], registry=r)
         self.rejected = Counter("dstc_rejected_requests", "Requests refused, by reason.", ["reason"], registry=r)
-        for reason in ("queue_full", "invalid_request", "not_ready"):
+        for reason in ("queue_full", "invalid_request", "not_ready", "unauthorized", "body_too_large", "body_timeout"):
             self.rejected.labels(reason)
         self._lock = threading.Lock()
         self._recent: collections.deque[tuple[float, int]] = collections.deque()

@@ -4,6 +4,12 @@ Requests accept the fields OpenAI clients send; unknown fields are ignored (as O
 fields dstc cannot honour (n > 1, logprobs, echo, best_of, penalties, logit_bias, tools, JSON response formats)
 are refused with a 400 naming the field rather than silently ignored. ``ignore_eos`` (as in vLLM) keeps generating
 past the model's end-of-sequence token, up to ``max_tokens``.
+
+Sampling fields are bounded to what both runtimes take, so that a request the runtime would refuse never reaches a
+batch: ``seed`` 0..2**64-1 (openvino_genai's ``rng_seed`` is a size_t; numpy's generator refuses negative seeds),
+``top_p`` at least 1e-6 (openvino_genai keeps it as a float32, where smaller values round to 0, which it refuses;
+below 1e-6 only the most likely token is kept anyway, with a vocabulary under a million tokens) and ``temperature``
+0 (greedy) or 0.01..2 (as vLLM's floor: logits divided by less overflow float32 in the sampler).
 """
 
 from __future__ import annotations
@@ -13,6 +19,10 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, field_validator, model_validator
 
 MAX_STOP_SEQUENCES = 4
+MAX_STOP_CHARS = 256  # per stop sequence: holding back a partial match costs its length squared per token
+MAX_SEED = 2**64 - 1
+MIN_TOP_P = 1e-6
+MIN_TEMPERATURE = 0.01
 FinishReason = Literal["stop", "length"]
 
 
@@ -31,8 +41,8 @@ class _Sampling(_Body):
     model: StrictStr
     max_tokens: StrictInt | None = None
     temperature: float | None = Field(None, ge=0.0, le=2.0)
-    top_p: float | None = Field(None, gt=0.0, le=1.0)
-    seed: StrictInt | None = None
+    top_p: float | None = Field(None, ge=MIN_TOP_P, le=1.0)
+    seed: StrictInt | None = Field(None, ge=0, le=MAX_SEED)
     stop: StrictStr | list[StrictStr] | None = None
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
@@ -51,7 +61,16 @@ class _Sampling(_Body):
             raise ValueError(f"at most {MAX_STOP_SEQUENCES} stop sequences")
         if any(not s for s in stops):
             raise ValueError("a stop sequence cannot be empty")
+        if any(len(s) > MAX_STOP_CHARS for s in stops):
+            raise ValueError(f"a stop sequence can be at most {MAX_STOP_CHARS} characters")
         return stops
+
+    @field_validator("temperature")
+    @classmethod
+    def _temperature(cls, value):
+        if value is not None and 0 < value < MIN_TEMPERATURE:
+            raise ValueError(f"temperature must be 0 (greedy) or between {MIN_TEMPERATURE} and 2")
+        return value
 
     def unsupported(self) -> tuple[str, str] | None:
         """(field, message) of the first field given a value dstc cannot honour."""

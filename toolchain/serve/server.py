@@ -4,19 +4,27 @@
 here, with the tokenizer ``dstc generate`` uses), the engine over the artifact's backend, the metrics and the
 health monitor. ``serve`` binds the socket first (so a port in use is an error before anything loads), starts
 answering ``/health`` with ``loading`` at once, and loads the model in the engine's thread.
+
+What one client can make the server hold is bounded (``ServeSettings``; README "Serving"): connections, the time to
+send a request's headers and its body, the body's size, a prompt's characters (checked before it is tokenized),
+the messages of a chat, the time a stream waits for a client that reads nothing. An address other than the
+loopback's is served only with an API key, or when told to serve it without one.
 """
 
 from __future__ import annotations
 
+import logging
+import resource
 import socket
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from toolchain.errors import InputError
 from toolchain.runtime.artifact import Artifact
 from toolchain.runtime.sampling import Sampling
+from toolchain.serve.auth import check_exposure, is_loopback
 from toolchain.serve.engine_process import RemoteEngine
 from toolchain.serve.health import (
     DEFAULT_THRESHOLDS,
@@ -41,12 +49,33 @@ class ServeSettings:
     openvino_f32: bool = False
     prefix_caching: bool = True  # OpenVINO
     kv_layout: str = "batch"  # ONNX Runtime: see toolchain/runtime/batching.py
+    # who may ask (auth.py)
+    api_keys: tuple[str, ...] = field(default=(), repr=False)
+    allow_unauthenticated: bool = False  # serve an address other than the loopback's without a key
+    # what one client can make the server hold; the defaults keep a 24 GiB machine safe from any client
+    max_connections: int = 4096  # more get a 503 (uvicorn's limit_concurrency)
+    max_body_bytes: int = 1 << 20
+    max_prompt_chars: int | None = None  # None: the context times the tokenizer's longest token
+    max_messages: int = 256
+    keep_alive_timeout_s: int = 5  # an idle connection between requests (uvicorn takes whole seconds)
+    header_timeout_s: float = 10.0  # a request's headers, from the connection's start or the last response's end
+    body_timeout_s: float = 30.0  # a request's body, from the end of its headers
+    stream_idle_timeout_s: float = 30.0  # a client that reads nothing of a response being written
 
 
 class Service:
     def __init__(self, artifact: Artifact, settings: ServeSettings = ServeSettings()) -> None:
         if settings.max_batch < 1 or settings.max_queue < 0:
             raise InputError("--max-batch must be at least 1 and --max-queue at least 0")
+        bounds = {"--max-connections": settings.max_connections, "--max-body-bytes": settings.max_body_bytes,
+                  "--max-messages": settings.max_messages, "--keep-alive-timeout": settings.keep_alive_timeout_s,
+                  "--header-timeout": settings.header_timeout_s, "--body-timeout": settings.body_timeout_s,
+                  "--stream-idle-timeout": settings.stream_idle_timeout_s}
+        if settings.max_prompt_chars is not None:
+            bounds["--max-prompt-chars"] = settings.max_prompt_chars
+        for option, value in bounds.items():
+            if not value > 0:
+                raise InputError(f"{option} must be positive, not {value}")
         self.artifact = artifact
         self.settings = settings
         self.model_name = artifact.path.resolve().name
@@ -62,6 +91,10 @@ class Service:
         if self.context < 2:
             raise InputError(f"a context of {self.context} tokens leaves no room for a prompt and an answer")
         self.tokenizer = artifact.tokenizer()
+        # A token stands for at most as many characters as its own string has (a byte-level BPE token's string has
+        # a character per byte), so a text longer than this cannot fit the context: refused without tokenizing it.
+        self.max_prompt_chars = settings.max_prompt_chars or \
+            self.context * max(len(token) for token in self.tokenizer.get_vocab())
         from_recipe = recipe_thresholds(artifact.manifest.recipe.serve if artifact.manifest else None)
         thresholds = merge_thresholds(DEFAULT_THRESHOLDS, from_recipe,
                                       [parse_threshold(t) for t in settings.thresholds])
@@ -112,6 +145,7 @@ class Service:
         if isinstance(prompt, str):
             from toolchain.runtime.generate import prompt_ids
 
+            self._check_chars(len(prompt), "prompt")
             try:
                 ids = prompt_ids(self.artifact, prompt, chat=False)
             except InputError as e:
@@ -138,6 +172,10 @@ class Service:
         if not getattr(self.tokenizer, "chat_template", None):
             raise ApiError(400, "the artifact's tokenizer has no chat template; use /v1/completions",
                            param="messages", code="no_chat_template")
+        if len(messages) > self.settings.max_messages:
+            raise ApiError(400, f"{len(messages)} messages: this server takes at most {self.settings.max_messages} "
+                                f"(dstc serve --max-messages)", param="messages", code="invalid_value")
+        self._check_chars(sum(len(m["content"]) for m in messages), "messages")
         try:
             encoded = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
                                                          return_dict=True)
@@ -145,6 +183,14 @@ class Service:
             raise ApiError(400, f"the chat template refused the messages: {e}", param="messages",
                            code="invalid_value") from None
         return list(encoded["input_ids"])
+
+    def _check_chars(self, chars: int, param: str) -> None:
+        from toolchain.serve.api import ApiError
+
+        if chars > self.max_prompt_chars:
+            raise ApiError(400, f"the {param} is {chars} characters; this server takes at most "
+                                f"{self.max_prompt_chars} (dstc serve --max-prompt-chars; its context is "
+                                f"{self.context} tokens)", param=param, code="context_length_exceeded")
 
     def budget(self, prompt_tokens: int, requested: int | None, *, default: int | None, param: str) -> int:
         """max_tokens for a request: ``requested`` when it fits the context, else a 400 with the numbers; when not
@@ -191,17 +237,42 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
+def _log_to_stderr() -> None:
+    """The server's own log lines (a request's internal error with its id and traceback) on stderr, as they are."""
+    logger = logging.getLogger("dstc.serve")
+    if not logger.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
+        logger.propagate = False
+
+
+def _allow_open_files(connections: int) -> None:
+    """Raise the soft limit on open files towards what ``connections`` need (each holds a descriptor), within the
+    hard limit: at the common default of 1024, accept() would fail long before --max-connections."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    wanted = connections + 256  # the artifact's files, the engine's socket, the runtimes' own
+    if hard != resource.RLIM_INFINITY:
+        wanted = min(wanted, hard)
+    if soft != resource.RLIM_INFINITY and soft < wanted:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
+
+
 def serve(artifact_path, settings: ServeSettings, *, host: str = "127.0.0.1", port: int = 8000,
           log: Callable[[str], None] = lambda m: print(m, file=sys.stderr, flush=True)) -> None:
-    """Serve until interrupted (SIGINT / SIGTERM). InputError for a bad artifact, settings or address, and when
-    the model fails to load."""
+    """Serve until interrupted (SIGINT / SIGTERM). InputError for a bad artifact, settings or address (one other
+    than the loopback's without an API key, unless ``settings.allow_unauthenticated``), and when the model fails
+    to load."""
     import asyncio
 
     import uvicorn
 
     from toolchain.runtime.artifact import open_artifact
     from toolchain.serve.api import create_app
+    from toolchain.serve.connections import guarded_protocol
 
+    check_exposure(host, settings.api_keys, settings.allow_unauthenticated)
     artifact = open_artifact(artifact_path)
     service = Service(artifact, settings)
     engine = service.engine
@@ -210,7 +281,12 @@ def serve(artifact_path, settings: ServeSettings, *, host: str = "127.0.0.1", po
     bound_host, bound_port = sock.getsockname()[:2]
     url_host = f"[{bound_host}]" if ":" in bound_host else bound_host
     app = create_app(service)
-    config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5, lifespan="on")
+    _log_to_stderr()
+    _allow_open_files(settings.max_connections)
+    config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5, lifespan="on", ws="none",
+                            http=guarded_protocol(settings.header_timeout_s, settings.stream_idle_timeout_s),
+                            timeout_keep_alive=settings.keep_alive_timeout_s,
+                            limit_concurrency=settings.max_connections)
     server = uvicorn.Server(config)
 
     async def watch() -> None:
@@ -225,6 +301,9 @@ def serve(artifact_path, settings: ServeSettings, *, host: str = "127.0.0.1", po
     async def main() -> None:
         log(f"dstc serve: {service.model_name} ({artifact.backend}) listening on http://{url_host}:{bound_port}/v1 "
             f"- loading the model")
+        if not settings.api_keys and not is_loopback(host):
+            log(f"dstc serve: warning: {host} is reachable from other machines and any of them may use this server "
+                f"(--allow-unauthenticated)")
         watcher = asyncio.create_task(watch())
         try:
             await server.serve(sockets=[sock])
