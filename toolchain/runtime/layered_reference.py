@@ -60,6 +60,23 @@ def additive_mask(mask: np.ndarray, new: int) -> torch.Tensor:
     return torch.where(allowed, 0.0, torch.finfo(torch.float32).min)
 
 
+def memory_need(path, hidden_bytes: int) -> int:
+    """What a LayeredReference of the checkpoint at ``path`` holds at most, from its headers: the table and head
+    in their stored dtype, every layer in fp32 when they stay built (else the largest twice: the one running and
+    its temporaries), ``hidden_bytes`` of hidden states and a block of fp32 / fp64 logits."""
+    with open_checkpoint(path) as reader:
+        sizes: dict[int, int] = {}
+        for name in reader.names():
+            parts = name.split(".")
+            if name.startswith("model.layers.") and parts[2].isdigit():
+                sizes[int(parts[2])] = sizes.get(int(parts[2]), 0) + math.prod(reader.shape(name)) * 4
+        ends = sum(math.prod(reader.shape(n)) * reader.natural_dtype(n).itemsize for n in (EMBEDDING, LM_HEAD))
+        vocab = reader.shape(EMBEDDING)[0]
+    total = sum(sizes.values())
+    layers = total if total <= min(RESIDENT_MAX, RESIDENT_SHARE * _available()) else 2 * max(sizes.values(), default=0)
+    return ends + layers + hidden_bytes + LOGIT_ROWS * vocab * (4 + 8 + 8)
+
+
 class LayeredReference:
     backend = "pytorch"
 
