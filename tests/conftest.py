@@ -177,3 +177,13 @@ def stage_cache(tmp_path_factory):
     path = tmp_path_factory.mktemp("stage-cache")
     os.environ[STAGE_CACHE_ENV] = str(path)  # inherited by the children
     return path
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    """A stage and reference cache (DSTC_CACHE_DIR) of the module's own, set for this process; the environment to
+    give the module's `dstc` child processes."""
+    cache = tmp_path_factory.mktemp("cache")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("DSTC_CACHE_DIR", str(cache))
+        yield {**os.environ, "DSTC_CACHE_DIR": str(cache)}

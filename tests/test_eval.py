@@ -4,7 +4,6 @@ reference, and a damaged artifact that the gates reject while the healthy one pa
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -38,14 +37,6 @@ def recipe(path: Path, **fields) -> Path:
     path.write_text(yaml.safe_dump({"name": path.stem, "model": "r1-distill-qwen-tiny", "export": {"parity": []},
                                     "compile": {"backend": "onnxruntime", "verify": False}, **fields}))
     return path
-
-
-@pytest.fixture(scope="module")
-def cache(tmp_path_factory):
-    cache = tmp_path_factory.mktemp("cache")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("DSTC_CACHE_DIR", str(cache))
-        yield {**os.environ, "DSTC_CACHE_DIR": str(cache)}
 
 
 @pytest.fixture(scope="module")

@@ -5,7 +5,6 @@ and gives the figures an uncached run gives."""
 from __future__ import annotations
 
 import json
-import os
 import re
 import subprocess
 import sys
@@ -36,14 +35,6 @@ QUICK = ["--no-latency", "--texts", "20", "--problems", "10", "--json"]
 def dstc(*args, env: dict) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "toolchain", *map(str, args)], cwd=REPO, capture_output=True,
                           text=True, timeout=600, env=env)
-
-
-@pytest.fixture(scope="module")
-def cache(tmp_path_factory):
-    cache = tmp_path_factory.mktemp("cache")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("DSTC_CACHE_DIR", str(cache))
-        yield {**os.environ, "DSTC_CACHE_DIR": str(cache)}
 
 
 @pytest.fixture(scope="module")
