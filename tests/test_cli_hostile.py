@@ -4,11 +4,15 @@ documented exit code, or the right result; nothing is lost and no traceback is p
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
 
+import pytest
+
+from test_export_errors import assert_one_line_error, run_cli
 from toolchain.atomic import MARKER
 
 REPO = Path(__file__).resolve().parent.parent
@@ -84,3 +88,100 @@ def test_writers_of_one_output_that_do_not_wait_either_write_or_are_told_it_is_b
     outcomes = _hammer(tmp_path, writers=3, writes=300, wait=False)
     assert [o for o in outcomes if o not in ("written", "busy")] == []
     assert outcomes.count("written") >= 3
+
+
+# -- 9. an unwritable stage cache is named as such, not as the output ----------------------------------------------
+
+
+def _read_only(directory: Path) -> list[str] | None:
+    """A command prefix that runs the rest with ``directory`` mounted read-only in a private mount namespace (gone
+    with the process: nothing to undo), or None where this process may not make one."""
+    prefix = ["unshare", "--mount", "sh", "-c", f'mount --bind -o ro "{directory}" "{directory}" && exec "$@"', "-"]
+    try:
+        probe = subprocess.run([*prefix, "touch", str(directory / "probe")], capture_output=True, text=True,
+                               timeout=30)
+    except FileNotFoundError:
+        return None
+    return prefix if "Read-only file system" in probe.stderr else None
+
+
+def _dstc(*args, env: dict | None = None, prefix: list[str] | None = None) -> tuple[int, str]:
+    """``dstc ARGS`` in a child process: (exit code, stderr)."""
+    proc = subprocess.run([*(prefix or []), sys.executable, "-m", "toolchain", *map(str, args)], cwd=REPO,
+                          capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": str(REPO), **(env or {})})
+    return proc.returncode, proc.stderr
+
+
+@pytest.mark.parametrize("cache", ["read-only mount", "/proc", "a file"])
+def test_an_unwritable_stage_cache_is_named_with_the_way_out(tmp_path, cache):
+    prefix = None
+    if cache == "read-only mount":
+        root = tmp_path / "ro-cache"
+        root.mkdir()
+        prefix = _read_only(root)
+        if prefix is None:
+            pytest.skip("no private read-only mount here (unshare and mount need CAP_SYS_ADMIN)")
+        fragment = f"cannot write the stage cache {root}: {root / 'stages'} is on a read-only file system"
+    elif cache == "/proc":
+        root = Path("/proc/dstc-cache")
+        fragment = f"cannot write the stage cache {root}: {root / 'stages'} is not a regular directory (proc file"
+    else:
+        root = tmp_path / "cache-file"
+        root.write_text("not a directory")
+        fragment = f"cannot write the stage cache {root}: {root / 'stages'} is not a directory"
+    out = tmp_path / "out"
+    commands = [["export", "r1-distill-qwen-tiny", "-o", out, "--parity", "none"]]
+    if cache == "read-only mount":  # where `dstc build` named its (writable) output instead
+        commands.append(["build", REPO / "recipes/deepseek-v3-tiny-onnxruntime-int4.yaml", "-o", out])
+    for args in commands:
+        code, err = _dstc(*args, env={"DSTC_CACHE_DIR": str(root)}, prefix=prefix)
+        assert_one_line_error(code, err, fragment)
+        assert err.rstrip().endswith("set DSTC_CACHE_DIR to a writable directory")
+        assert str(out) not in err
+        assert not out.exists()
+
+
+# -- 13. an output where no file can be created: the reason is the directory, not a missing file -------------------
+
+
+def test_compare_html_and_eval_out_in_proc_name_the_real_problem(monkeypatch, capsys, tmp_path):
+    artifact = tmp_path / "missing-artifact"  # the output is checked first, before the artifacts are read
+    code, err = run_cli(monkeypatch, capsys, "compare", artifact, artifact, "--html", "/proc/x")
+    assert_one_line_error(code, err, "cannot write /proc/x: /proc is not a regular directory (proc file system): "
+                                     "no file can be created in it")
+    assert "No such file or directory" not in err
+    code, err = run_cli(monkeypatch, capsys, "eval", artifact, "-o", "/proc/dstc/report")
+    assert_one_line_error(code, err, "cannot write to /proc/dstc/report: /proc is not a regular directory")
+
+
+# -- 8. a gate limit that is not a finite number is bad input (exit 2), not a failed gate (exit 1) -----------------
+
+BASELINE = REPO / "baselines/deepseek-v3-tiny-onnxruntime-int4.json"
+GATE_OPTIONS = ["--max-ppl-increase", "--min-top1", "--max-em-drop", "--max-kl", "--max-latency-ratio"]
+
+
+@pytest.mark.parametrize("value", ["nan", "NaN", "inf", "-inf", "1e999"])
+@pytest.mark.parametrize("option", GATE_OPTIONS)
+def test_a_gate_limit_that_is_not_finite_is_exit_2(monkeypatch, capsys, option, value):
+    code, err = run_cli(monkeypatch, capsys, "gate", BASELINE, "--baseline", BASELINE, option, value)
+    assert_one_line_error(code, err, f"Invalid value for '{option}'")
+    assert "finite" in err or "is not in the range" in err
+
+
+@pytest.mark.parametrize("value", [".nan", ".inf"])
+def test_a_recipe_gate_that_is_not_finite_is_exit_2_before_the_build(monkeypatch, capsys, tmp_path, value):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(f"name: r\nmodel: r1-distill-qwen-tiny\ncompile: {{backend: onnxruntime}}\n"
+                      f"gates: {{max_kl_mean: {value}}}\n")
+    code, err = run_cli(monkeypatch, capsys, "build", recipe, "-o", tmp_path / "out")
+    assert_one_line_error(code, err, "gates.max_kl_mean: Input should be")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["r.yaml"]
+
+
+def test_finite_gate_limits_still_gate(monkeypatch, capsys):
+    code, err = run_cli(monkeypatch, capsys, "gate", BASELINE, "--baseline", BASELINE, "--max-kl", "1e-3",
+                        "--max-latency-ratio", "1.5")
+    assert code == 0, err
+    code, err = run_cli(monkeypatch, capsys, "gate", BASELINE, "--max-kl", "0")
+    assert code == 1, err

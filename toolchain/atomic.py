@@ -113,6 +113,8 @@ def _cannot_create(directory: Path, probe) -> str | None:
             return f"{directory} is not writable (permission denied)"
         if e.errno in _FULL:
             return f"{directory}: {e.strerror}"
+        if e.errno in (errno.EEXIST, errno.ENOTDIR):
+            return f"{directory} is not a directory"
         kind = _file_system(directory)  # e.g. /proc, where creating a file says "No such file or directory"
         return (f"{directory} is not a regular directory ({kind} file system): no file can be created in it"
                 if kind else f"{directory}: {e.strerror}")
@@ -268,6 +270,21 @@ def check_writable_file(path: Path) -> Path:
     if reason:
         raise InputError(f"cannot write {path}: {reason}")
     return path
+
+
+def check_writable_dir(directory: Path, what: str, way_out: str) -> Path:
+    """``directory`` (created if missing) when files can be created in it; otherwise an InputError naming ``what``
+    (e.g. the stage cache, which is not the command's output), the reason and ``way_out``."""
+    directory = Path(directory).expanduser().absolute()
+
+    def probe() -> None:
+        directory.mkdir(parents=True, exist_ok=True)
+        _probe_file(directory)
+
+    reason = _cannot_create(directory, probe)
+    if reason:
+        raise InputError(f"cannot write {what}: {reason}; {way_out}")
+    return directory
 
 
 def _probe_file(directory: Path) -> None:

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 import click
 
 from toolchain import __version__
-from toolchain.cli_options import given_section, section_options
+from toolchain.cli_options import FiniteFloatRange, given_section, section_options
 from toolchain.errors import DstcError
 from toolchain.recipe import CompileSection, CompressSection, ExportSection, PassesSection
 
@@ -592,12 +592,12 @@ def compare_cmd(artifacts: tuple[Path, ...], reference: str | None, texts: int, 
 @click.option("--baseline", type=click.Path(path_type=Path), default=None,
               help="A baseline report.json (or artifact): accuracy and latency are judged against it. Without one, "
                    "accuracy is judged against the fp32 reference inside REPORT.")
-@click.option("--max-ppl-increase", type=click.FloatRange(0), default=None,
+@click.option("--max-ppl-increase", type=FiniteFloatRange(0), default=None,
               help="Largest allowed relative perplexity increase (0.05 = +5 %).")
-@click.option("--min-top1", type=click.FloatRange(0, 1), default=None, help="Smallest allowed top-1 agreement.")
-@click.option("--max-em-drop", type=click.FloatRange(0), default=None, help="Largest allowed exact-match drop, points.")
-@click.option("--max-kl", type=click.FloatRange(0), default=None, help="Largest allowed mean KL, nats.")
-@click.option("--max-latency-ratio", type=click.FloatRange(0, min_open=True), default=None,
+@click.option("--min-top1", type=FiniteFloatRange(0, 1), default=None, help="Smallest allowed top-1 agreement.")
+@click.option("--max-em-drop", type=FiniteFloatRange(0), default=None, help="Largest allowed exact-match drop, points.")
+@click.option("--max-kl", type=FiniteFloatRange(0), default=None, help="Largest allowed mean KL, nats.")
+@click.option("--max-latency-ratio", type=FiniteFloatRange(0, min_open=True), default=None,
               help="Largest allowed TTFT and ITL P50 ratio to the baseline's (needs --baseline).")
 @click.option("--allow-unmeasured", is_flag=True,
               help="Report a gate whose metric the report could not measure (exact match on a model not trained "

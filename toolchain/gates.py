@@ -19,7 +19,8 @@ class GateFailed(DstcError):
 
 
 class GateLimits(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    # an infinite limit passes every value: a mistake, refused as nan is (by its bounds)
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     max_perplexity_increase: float | None = Field(None, ge=0)  # relative: 0.05 allows +5 %
     min_top1_agreement: float | None = Field(None, ge=0, le=1)
