@@ -185,3 +185,31 @@ def test_finite_gate_limits_still_gate(monkeypatch, capsys):
     assert code == 0, err
     code, err = run_cli(monkeypatch, capsys, "gate", BASELINE, "--max-kl", "0")
     assert code == 1, err
+
+
+# -- 12. a baseline of another model is refused unless that is said to be meant ------------------------------------
+
+OTHER_BASELINE = REPO / "baselines/r1-distill-qwen-tiny-onnxruntime-int4.json"
+
+
+def test_gate_refuses_a_baseline_of_another_model(monkeypatch, capsys):
+    code, err = run_cli(monkeypatch, capsys, "gate", BASELINE, "--baseline", OTHER_BASELINE, "--max-ppl-increase",
+                        "0.5")
+    assert_one_line_error(code, err, "the baseline is a report of r1-distill-qwen-tiny and the report gated is of "
+                                     "deepseek-v3-tiny")
+    assert "--allow-other-model" in err
+    code, err = run_cli(monkeypatch, capsys, "gate", BASELINE, "--baseline", OTHER_BASELINE, "--max-ppl-increase",
+                        "0.5", "--allow-other-model")
+    assert code == 0, err
+    code, err = run_cli(monkeypatch, capsys, "gate", BASELINE, "--baseline", BASELINE, "--max-ppl-increase", "0.5")
+    assert code == 0, err
+
+
+def test_a_recipe_gated_against_another_models_baseline_is_refused_before_the_build(monkeypatch, capsys, tmp_path):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(f"name: r\nmodel: r1-distill-qwen-tiny\ncompile: {{backend: onnxruntime}}\n"
+                      f"gates: {{baseline: {BASELINE}, max_perplexity_increase: 0.5}}\n")
+    code, err = run_cli(monkeypatch, capsys, "build", recipe, "-o", tmp_path / "out")
+    assert_one_line_error(code, err, "the baseline is a report of deepseek-v3-tiny and the report gated is of "
+                                     "r1-distill-qwen-tiny")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["r.yaml"]

@@ -602,18 +602,21 @@ def compare_cmd(artifacts: tuple[Path, ...], reference: str | None, texts: int, 
 @click.option("--allow-unmeasured", is_flag=True,
               help="Report a gate whose metric the report could not measure (exact match on a model not trained "
                    "on the embedded task) as skipped instead of failed.")
+@click.option("--allow-other-model", is_flag=True,
+              help="Accept a --baseline that measured another model than REPORT (refused otherwise).")
 @click.option("--json", "as_json", is_flag=True, help="Print the gate results as JSON.")
 def gate_cmd(report_path: Path, baseline: Path | None, max_ppl_increase: float | None, min_top1: float | None,
              max_em_drop: float | None, max_kl: float | None, max_latency_ratio: float | None,
-             allow_unmeasured: bool, as_json: bool) -> None:
+             allow_unmeasured: bool, allow_other_model: bool, as_json: bool) -> None:
     """Check REPORT (a report.json or an artifact) against release gates. Exit 0 when every gate passes, 1 when
-    any fails, 2 for bad input (no gates given, unreadable report)."""
+    any fails, 2 for bad input (no gates given, a limit that is not a finite number, an unreadable report, a
+    baseline of another model)."""
     from toolchain.gates import GateLimits, check_gates
     from toolchain.report.schema import load_report
 
     limits = GateLimits(max_perplexity_increase=max_ppl_increase, min_top1_agreement=min_top1,
                         max_exact_match_drop=max_em_drop, max_kl_mean=max_kl, max_latency_ratio=max_latency_ratio,
-                        allow_unmeasured=allow_unmeasured)
+                        allow_unmeasured=allow_unmeasured, allow_other_model=allow_other_model)
     if not limits.any():
         raise click.UsageError("no gates given: set at least one --max-*/--min-* option")
     results = check_gates(load_report(report_path), limits, load_report(baseline) if baseline else None)
