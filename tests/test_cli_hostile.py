@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from conftest import run_cli as _run
 from test_export_errors import assert_one_line_error, run_cli
 from toolchain.atomic import MARKER
 
@@ -213,3 +214,41 @@ def test_a_recipe_gated_against_another_models_baseline_is_refused_before_the_bu
     assert_one_line_error(code, err, "the baseline is a report of deepseek-v3-tiny and the report gated is of "
                                      "r1-distill-qwen-tiny")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["r.yaml"]
+
+
+# -- 14. one parameter count everywhere -----------------------------------------------------------------------------
+
+
+def _readme_parameters() -> dict[str, int]:
+    rows = {}
+    for line in (REPO / "README.md").read_text().splitlines():
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        if len(cells) == 4 and cells[0].endswith("-tiny") and cells[1].replace(",", "").isdigit():
+            rows[cells[0]] = int(cells[1].replace(",", ""))
+    return rows
+
+
+def test_models_list_training_json_readme_and_export_give_one_parameter_count(monkeypatch, capsys, tmp_path):
+    import math
+    import struct
+
+    from toolchain.models.registry import EMBEDDED, embedded_path
+
+    code, out, err = _run(monkeypatch, capsys, "models", "list", "--json")
+    assert code == 0, err
+    listed = {row["name"]: row["parameters"] for row in json.loads(out) if row["kind"] == "embedded"}
+    trained = {name: json.loads((embedded_path(name) / "training.json").read_text())["parameters"]
+               for name in EMBEDDED}
+    assert listed == trained == _readme_parameters()
+    assert listed["deepseek-v3-tiny"] == 1_241_248
+    # the checkpoint holds 32 values more: the routers' e_score_correction_bias buffers (16 experts, 2 MoE layers)
+    with (embedded_path("deepseek-v3-tiny") / "model.safetensors").open("rb") as f:
+        header = json.loads(f.read(struct.unpack("<Q", f.read(8))[0]))
+    stored = {k: math.prod(t["shape"]) for k, t in header.items() if k != "__metadata__"}
+    buffers = {k: n for k, n in stored.items() if k.endswith("e_score_correction_bias")}
+    assert sum(stored.values()) - sum(buffers.values()) == listed["deepseek-v3-tiny"] and sum(buffers.values()) == 32
+    monkeypatch.setenv("DSTC_CACHE_DIR", str(tmp_path / "cache"))
+    code, out, err = _run(monkeypatch, capsys, "export", "deepseek-v3-tiny", "-o", tmp_path / "e", "--parity", "none",
+                          "--json")
+    assert code == 0, err
+    assert json.loads(out)["source"]["parameters"] == listed["deepseek-v3-tiny"]
