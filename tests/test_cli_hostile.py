@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -17,6 +18,30 @@ from test_export_errors import assert_one_line_error, run_cli
 from toolchain.atomic import MARKER
 
 REPO = Path(__file__).resolve().parent.parent
+BACKENDS = ("onnxruntime", "openvino")
+
+
+def build_tiny(root: Path, backend: str) -> Path:
+    """r1-distill-qwen-tiny in INT4 for ``backend``, quickly (no parity, no verification), into ``root``."""
+    import yaml
+
+    from toolchain.build import build
+
+    recipe = root / f"{backend}.yaml"
+    recipe.write_text(yaml.safe_dump({"name": f"tiny-{backend}", "model": "r1-distill-qwen-tiny",
+                                      "export": {"parity": []}, "compress": {"scheme": "int4-grouped"},
+                                      "compile": {"backend": backend, "verify": False}}))
+    build(recipe, root / backend)
+    return root / backend
+
+
+@pytest.fixture(scope="module")
+def artifacts(tmp_path_factory, stage_cache):
+    """{backend: artifact}; the stage cache is the session's, so that another module builds them again from it."""
+    root = tmp_path_factory.mktemp("artifacts")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("DSTC_CACHE_DIR", str(stage_cache))
+        yield {backend: build_tiny(root, backend) for backend in BACKENDS}
 
 # -- 11. processes hammering one output ------------------------------------------------------------------------------
 
@@ -252,3 +277,47 @@ def test_models_list_training_json_readme_and_export_give_one_parameter_count(mo
                           "--json")
     assert code == 0, err
     assert json.loads(out)["source"]["parameters"] == listed["deepseek-v3-tiny"]
+
+
+# -- 10. an artifact whose weights were cut short: one line naming the file, before any runtime reads it -----------
+
+WEIGHTS = {"onnxruntime": "model.onnx.data", "openvino": "openvino_model.bin"}
+
+
+def _damaged(artifact: Path, tmp_path: Path, name: str, content: bytes | None = None) -> Path:
+    """A copy of ``artifact`` whose file ``name`` is cut to half its length (or replaced by ``content``)."""
+    copy = tmp_path / "damaged"
+    shutil.copytree(artifact, copy)
+    data = (copy / name).read_bytes()
+    (copy / name).write_bytes(data[:len(data) // 2] if content is None else content)
+    return copy
+
+
+@pytest.mark.parametrize("command", ["generate", "eval", "compare", "serve"])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_truncated_weights_are_one_line_naming_the_file(monkeypatch, capsys, tmp_path, artifacts, backend, command):
+    damaged = _damaged(artifacts[backend], tmp_path, WEIGHTS[backend])
+    length = (damaged / WEIGHTS[backend]).stat().st_size
+    args = {"generate": ["generate", damaged, "1+2=", "--raw"],
+            "eval": ["eval", damaged, "--no-latency", "--texts", "2", "--problems", "2", "-o", tmp_path / "out"],
+            "compare": ["compare", artifacts[backend], damaged, "--no-latency", "--texts", "2", "--problems", "2"],
+            "serve": ["serve", damaged, "--port", "0"]}[command]
+    code, err = run_cli(monkeypatch, capsys, *args)
+    assert_one_line_error(code, err, f"{damaged / WEIGHTS[backend]} is truncated: {length} bytes, ")
+    assert not (tmp_path / "out").exists()
+
+
+def test_weights_a_runtime_cannot_load_are_one_line_naming_the_model(monkeypatch, capsys, tmp_path, artifacts):
+    """What the length check cannot see fails in the runtime's loader: the same kind of line, not a traceback."""
+    damaged = _damaged(artifacts["openvino"], tmp_path, "openvino_model.xml", b"<net>not an IR</net>")
+    code, err = run_cli(monkeypatch, capsys, "generate", damaged, "1+2=", "--raw")
+    assert_one_line_error(code, err, f"openvino cannot load {damaged / 'openvino_model.xml'}: ")
+    assert f"dstc verify {damaged}" in err
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_whole_artifacts_still_generate(monkeypatch, capsys, artifacts, backend):
+    code, out, err = _run(monkeypatch, capsys, "generate", artifacts[backend], "321+654=", "--raw",
+                          "--max-new-tokens", "4")
+    assert code == 0, err
+    assert out.startswith("9750")

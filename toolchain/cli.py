@@ -537,12 +537,15 @@ def eval_cmd(artifact: Path, reference: str | None, texts: int, problems: int, n
     """
     from toolchain.atomic import check_writable_target, ensure_output_dir
     from toolchain.evaluate.run import evaluate_artifact, write_report
+    from toolchain.memory_guard import require_artifact_memory
     from toolchain.report.markdown import render_summary
+    from toolchain.runtime.artifact import open_artifact
 
     settings = _eval_settings(texts, problems, no_latency, prompt_lengths, batches, new_tokens, warmup, repetitions,
                               threads, openvino_f32)
     if out_dir is not None:
         check_writable_target(out_dir)  # before the work, not after it
+    require_artifact_memory(open_artifact(artifact))  # whole, and fits, before the reference is loaded
     report = evaluate_artifact(artifact, settings, reference=reference, log=_logger("eval"))
     written = write_report(report, ensure_output_dir(out_dir) if out_dir is not None else artifact)
     if as_json:
@@ -565,12 +568,16 @@ def compare_cmd(artifacts: tuple[Path, ...], reference: str | None, texts: int, 
     and OpenVINO) and print them side by side, with each value's ratio to the first artifact's."""
     from toolchain.atomic import check_writable_file, write_file_atomically
     from toolchain.evaluate.compare import compare_artifacts, labels_for
+    from toolchain.memory_guard import require_artifact_memory
     from toolchain.report.comparison import comparison_rows, render_comparison_html, render_comparison_text
+    from toolchain.runtime.artifact import open_artifact
 
     if len(artifacts) < 2:
         raise click.BadParameter("give at least two artifacts", param_hint="ARTIFACTS")
     if html_out is not None:
         check_writable_file(html_out)
+    for path in artifacts:  # each whole, and fitting, before the reference is loaded
+        require_artifact_memory(open_artifact(path))
     settings = _eval_settings(texts, problems, no_latency, prompt_lengths, batches, new_tokens, warmup, repetitions,
                               threads, openvino_f32)
     reports = compare_artifacts(list(artifacts), settings, reference=reference,

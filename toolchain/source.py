@@ -209,10 +209,13 @@ def load(source: Source):
     """The whole model in fp32 with eager attention, the reference the exported graph is compared with: the
     skeleton given every weight by dstc's checkpoint reader, exactly the values the exporter writes (FP8 weights
     dequantized to bf16, as DeepSeek's own cast does; transformers cannot load the FP8 hub format on a CPU).
-    Transformers' own implementation of the architecture is used, never code shipped with the checkpoint."""
+    Transformers' own implementation of the architecture is used, never code shipped with the checkpoint.
+    InputError before anything is read when it would not fit in the memory available (toolchain/memory_guard.py)."""
     from toolchain.checkpoint.reader import open_checkpoint
     from toolchain.checkpoint.reference import load_weights, rotary_embedding
+    from toolchain.memory_guard import require_reference_memory
 
+    require_reference_memory(source.path, source.spec)
     with open_checkpoint(source.path) as reader:
         model = skeleton(source, reader)
         load_weights(model, reader, "")
