@@ -76,7 +76,9 @@ def _foreign(target: Path) -> bool:
         except FileNotFoundError:
             return False
         except NotADirectoryError:
-            raise InputError(f"{target} exists and is not a directory") from None
+            if os.path.lexists(target):
+                raise InputError(f"{target} exists and is not a directory") from None
+            return False  # one of its parents is a file: the check of the parent says so
         except OSError as e:
             raise InputError(f"cannot write to {target}: {e.strerror}") from None
         try:
