@@ -300,3 +300,13 @@ def test_eval_scores_an_lm_eval_task_on_both_sides_caches_the_reference_and_gate
     assert gate.returncode == 0 and "max_task_drop (arc_easy)" in gate.stdout, gate.stdout + gate.stderr
     missing = dstc("eval", artifact, "--tasks", "arc_easy", "--no-latency", env=cache)
     assert missing.returncode == 2 and "--task-data" in missing.stderr
+
+
+def test_the_layered_reference_is_refused_in_one_line_when_it_cannot_fit(monkeypatch):
+    from toolchain.evaluate.run import require_layered_reference_memory
+
+    source = sources.resolve("deepseek-v3-tiny")
+    require_layered_reference_memory(source)  # a few MB: fits
+    monkeypatch.setenv("DSTC_MEMORY_LIMIT_BYTES", "100000")
+    with pytest.raises(InputError, match=r"the fp32 reference of deepseek-v3-tiny, one layer at a time \(.* MiB"):
+        require_layered_reference_memory(source)

@@ -16,6 +16,7 @@ import errno
 import fcntl
 import os
 import shutil
+import stat
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -51,29 +52,106 @@ def check_writable_target(target: Path) -> Path:
         raise InputError(f"{target} is the file system root: choose an output directory below it")
     if cwd == target or target in cwd.parents:
         raise InputError(f"{target} is the current directory or contains it: choose another output directory")
-    if target.exists():
-        if not target.is_dir():
-            raise InputError(f"{target} exists and is not a directory")
-        if not owned(target) and any(target.iterdir()):
-            raise InputError(f"{target} exists, is not empty and was not written by dstc (no {MARKER}); "
-                             f"choose another directory or empty it")
+    if _foreign(target):
+        raise InputError(f"{target} exists, is not empty and was not written by dstc (no {MARKER}); "
+                         f"choose another directory or empty it")
     parent = next((p for p in target.parents if p.exists()), None)
     if parent is None or not os.access(parent, os.W_OK | os.X_OK) or not parent.is_dir():
         raise InputError(f"cannot write to {target}: {parent} is not a writable directory")
-    try:  # os.access says yes to root everywhere, /proc and read-only mounts included: make a directory there
-        os.rmdir(tempfile.mkdtemp(prefix=".dstc-probe-", dir=parent))
-    except OSError as e:
-        raise InputError(f"cannot write to {target}: {parent}: {e.strerror}") from None
+    reason = _cannot_create(parent, lambda: os.rmdir(tempfile.mkdtemp(prefix=".dstc-probe-", dir=parent)))
+    if reason:
+        raise InputError(f"cannot write to {target}: {reason}")
     return target
 
 
-def is_write_error(error: BaseException, where: Path | None = None) -> bool:
+def _foreign(target: Path) -> bool:
+    """Whether ``target`` is a directory with files in it but no marker (InputError when it is not a directory).
+
+    Another dstc process may be replacing it meanwhile (rename it aside, rename its new output in, remove the old):
+    the directory is looked at through one descriptor, and a verdict against it stands only if that directory is
+    still the target afterwards; otherwise what is there now is looked at. An instant with no target is no target."""
+    while True:
+        try:
+            fd = os.open(target, os.O_RDONLY | os.O_DIRECTORY)
+        except FileNotFoundError:
+            return False
+        except NotADirectoryError:
+            if os.path.lexists(target):
+                raise InputError(f"{target} exists and is not a directory") from None
+            return False  # one of its parents is a file: the check of the parent says so
+        except OSError as e:
+            raise InputError(f"cannot write to {target}: {e.strerror}") from None
+        try:
+            looked_at = os.fstat(fd)
+            foreign = not _marked(fd) and bool(os.listdir(fd))
+        finally:
+            os.close(fd)
+        if not foreign:
+            return False
+        try:
+            now = os.stat(target)
+        except FileNotFoundError:
+            continue
+        if (now.st_dev, now.st_ino) == (looked_at.st_dev, looked_at.st_ino):
+            return True
+
+
+def _marked(directory_fd: int) -> bool:
+    try:
+        return stat.S_ISREG(os.stat(MARKER, dir_fd=directory_fd, follow_symlinks=False).st_mode)
+    except FileNotFoundError:
+        return False
+
+
+def _cannot_create(directory: Path, probe) -> str | None:
+    """Why ``probe`` (which creates and removes something in ``directory``) fails, in words that name the problem
+    (os.access says yes to root everywhere, /proc and read-only mounts included), or None when it succeeds."""
+    try:
+        probe()
+    except OSError as e:
+        if e.errno == errno.EROFS:
+            return f"{directory} is on a read-only file system"
+        if e.errno in (errno.EACCES, errno.EPERM):
+            return f"{directory} is not writable (permission denied)"
+        if e.errno in _FULL:
+            return f"{directory}: {e.strerror}"
+        if e.errno in (errno.EEXIST, errno.ENOTDIR):
+            return f"{directory} is not a directory"
+        kind = _file_system(directory)  # e.g. /proc, where creating a file says "No such file or directory"
+        return (f"{directory} is not a regular directory ({kind} file system): no file can be created in it"
+                if kind else f"{directory}: {e.strerror}")
+    return None
+
+
+def _file_system(path: Path) -> str | None:
+    """The type of the file system ``path`` is on, from /proc/self/mounts (None where there is none)."""
+    try:
+        mounts = Path("/proc/self/mounts").read_text().splitlines()
+    except OSError:
+        return None
+    path = Path(os.path.realpath(path))
+    best: tuple[int, str] | None = None
+    for line in mounts:
+        fields = line.split()
+        if len(fields) < 3:
+            continue
+        point = Path(fields[1].replace("\\040", " "))
+        if (path == point or point in path.parents) and (best is None or len(point.parts) > best[0]):
+            best = (len(point.parts), fields[2])
+    return best[1] if best else None
+
+
+def is_write_error(error: BaseException, target: Path | None = None) -> bool:
     """An error that the file system gave a writer: a full disk (perhaps wrapped by a library that reports it as
-    text), or a read-only / denied path below ``where``."""
+    text), or a read-only / denied path of the output ``target`` (itself, or its temporary directory and lock
+    beside it; another path's error, say the stage cache's, is not the output's to report)."""
     if isinstance(error, OSError) and error.errno in _FULL:
         return True
-    if isinstance(error, OSError) and error.errno in _DENIED and where is not None:
-        return str(error.filename or "").startswith(str(where))
+    if isinstance(error, OSError) and error.errno in _DENIED and target is not None \
+            and isinstance(error.filename, (str, bytes)):
+        path = Path(os.path.abspath(os.fsdecode(error.filename)))
+        return any(p == target or (p.parent == target.parent and p.name.startswith(f".{target.name}."))
+                   for p in (path, *path.parents))
     return "No space left on device" in str(error)
 
 
@@ -163,7 +241,7 @@ def atomic_output_dir(target: Path, *, wait: bool = False) -> Iterator[Path]:
                 shutil.rmtree(old, ignore_errors=True)
         except BaseException as e:
             shutil.rmtree(tmp, ignore_errors=True)
-            if is_write_error(e, target.parent) and not isinstance(e, InputError):
+            if is_write_error(e, target) and not isinstance(e, InputError):
                 raise write_error(target, e) from None
             raise
 
@@ -190,13 +268,31 @@ def check_writable_file(path: Path) -> Path:
         raise InputError(f"cannot write {path}: {path.parent} is not a writable directory")
     if path.exists() and not os.access(path, os.W_OK):
         raise InputError(f"cannot write {path}: permission denied")
-    try:  # as check_writable_target: os.access does not know read-only mounts or /proc for root
-        handle, probe = tempfile.mkstemp(prefix=".dstc-probe-", dir=path.parent)
-        os.close(handle)
-        os.unlink(probe)
-    except OSError as e:
-        raise InputError(f"cannot write {path}: {path.parent}: {e.strerror}") from None
+    reason = _cannot_create(path.parent, lambda: _probe_file(path.parent))
+    if reason:
+        raise InputError(f"cannot write {path}: {reason}")
     return path
+
+
+def check_writable_dir(directory: Path, what: str, way_out: str) -> Path:
+    """``directory`` (created if missing) when files can be created in it; otherwise an InputError naming ``what``
+    (e.g. the stage cache, which is not the command's output), the reason and ``way_out``."""
+    directory = Path(directory).expanduser().absolute()
+
+    def probe() -> None:
+        directory.mkdir(parents=True, exist_ok=True)
+        _probe_file(directory)
+
+    reason = _cannot_create(directory, probe)
+    if reason:
+        raise InputError(f"cannot write {what}: {reason}; {way_out}")
+    return directory
+
+
+def _probe_file(directory: Path) -> None:
+    handle, probe = tempfile.mkstemp(prefix=".dstc-probe-", dir=directory)
+    os.close(handle)
+    os.unlink(probe)
 
 
 def write_file_atomically(path: Path, text: str) -> None:

@@ -123,6 +123,7 @@ def build(recipe_path: Path, out_dir: Path | None = None, *, model: str | None =
 def _gate_baseline(recipe: Recipe, recipe_path: Path):
     """The recipe's gate baseline report (its path is relative to the recipe), read before anything is built."""
     from toolchain.errors import InputError
+    from toolchain.gates import check_baseline_model
     from toolchain.report.schema import load_report
 
     gates = recipe.gates
@@ -130,7 +131,11 @@ def _gate_baseline(recipe: Recipe, recipe_path: Path):
         return None
     if gates.max_latency_ratio is not None and not gates.baseline:
         raise InputError(f"{recipe_path}: gates.max_latency_ratio needs gates.baseline (a report.json)")
-    return load_report(recipe_path.parent / gates.baseline) if gates.baseline else None
+    if not gates.baseline:
+        return None
+    baseline = load_report(recipe_path.parent / gates.baseline)
+    check_baseline_model(recipe.model, baseline, gates)  # the report will name the recipe's model
+    return baseline
 
 
 def _eval_settings(recipe: Recipe, recipe_path: Path):

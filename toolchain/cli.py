@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 import click
 
 from toolchain import __version__
-from toolchain.cli_options import given_section, section_options
+from toolchain.cli_options import FiniteFloatRange, given_section, section_options
 from toolchain.errors import DstcError
 from toolchain.recipe import CompileSection, CompressSection, ExportSection, PassesSection
 
@@ -579,11 +579,14 @@ def eval_cmd(artifact: Path, reference: str | None, out_dir: Path | None, as_jso
     """
     from toolchain.atomic import check_writable_target, ensure_output_dir
     from toolchain.evaluate.run import evaluate_artifact, write_report
+    from toolchain.memory_guard import require_artifact_memory
     from toolchain.report.markdown import render_summary
+    from toolchain.runtime.artifact import open_artifact
 
     settings = _eval_settings(**options)
     if out_dir is not None:
         check_writable_target(out_dir)  # before the work, not after it
+    require_artifact_memory(open_artifact(artifact))  # whole, and fits, before the reference is loaded
     report = evaluate_artifact(artifact, settings, reference=reference, log=_logger("eval"))
     written = write_report(report, ensure_output_dir(out_dir) if out_dir is not None else artifact)
     if as_json:
@@ -605,12 +608,16 @@ def compare_cmd(artifacts: tuple[Path, ...], reference: str | None, html_out: Pa
     and OpenVINO) and print them side by side, with each value's ratio to the first artifact's."""
     from toolchain.atomic import check_writable_file, write_file_atomically
     from toolchain.evaluate.compare import compare_artifacts, labels_for
+    from toolchain.memory_guard import require_artifact_memory
     from toolchain.report.comparison import comparison_rows, render_comparison_html, render_comparison_text
+    from toolchain.runtime.artifact import open_artifact
 
     if len(artifacts) < 2:
         raise click.BadParameter("give at least two artifacts", param_hint="ARTIFACTS")
     if html_out is not None:
         check_writable_file(html_out)
+    for path in artifacts:  # each whole, and fitting, before the reference is loaded
+        require_artifact_memory(open_artifact(path))
     settings = _eval_settings(**options)
     reports = compare_artifacts(list(artifacts), settings, reference=reference,
                                 log=lambda a, m: click.echo(f"[compare {a}] {m}", err=True))
@@ -631,30 +638,34 @@ def compare_cmd(artifacts: tuple[Path, ...], reference: str | None, html_out: Pa
 @click.option("--baseline", type=click.Path(path_type=Path), default=None,
               help="A baseline report.json (or artifact): accuracy and latency are judged against it. Without one, "
                    "accuracy is judged against the fp32 reference inside REPORT.")
-@click.option("--max-ppl-increase", type=click.FloatRange(0), default=None,
+@click.option("--max-ppl-increase", type=FiniteFloatRange(0), default=None,
               help="Largest allowed relative perplexity increase (0.05 = +5 %).")
-@click.option("--min-top1", type=click.FloatRange(0, 1), default=None, help="Smallest allowed top-1 agreement.")
-@click.option("--max-em-drop", type=click.FloatRange(0), default=None, help="Largest allowed exact-match drop, points.")
-@click.option("--max-kl", type=click.FloatRange(0), default=None, help="Largest allowed mean KL, nats.")
-@click.option("--max-task-drop", type=click.FloatRange(0), default=None,
+@click.option("--min-top1", type=FiniteFloatRange(0, 1), default=None, help="Smallest allowed top-1 agreement.")
+@click.option("--max-em-drop", type=FiniteFloatRange(0), default=None, help="Largest allowed exact-match drop, points.")
+@click.option("--max-kl", type=FiniteFloatRange(0), default=None, help="Largest allowed mean KL, nats.")
+@click.option("--max-task-drop", type=FiniteFloatRange(0), default=None,
               help="Largest allowed drop, in points, of each lm-eval task's main metric (eval --tasks).")
-@click.option("--max-latency-ratio", type=click.FloatRange(0, min_open=True), default=None,
+@click.option("--max-latency-ratio", type=FiniteFloatRange(0, min_open=True), default=None,
               help="Largest allowed TTFT and ITL P50 ratio to the baseline's (needs --baseline).")
 @click.option("--allow-unmeasured", is_flag=True,
               help="Report a gate whose metric the report could not measure (exact match on a model not trained "
                    "on the embedded task) as skipped instead of failed.")
+@click.option("--allow-other-model", is_flag=True,
+              help="Accept a --baseline that measured another model than REPORT (refused otherwise).")
 @click.option("--json", "as_json", is_flag=True, help="Print the gate results as JSON.")
 def gate_cmd(report_path: Path, baseline: Path | None, max_ppl_increase: float | None, min_top1: float | None,
              max_em_drop: float | None, max_kl: float | None, max_task_drop: float | None,
-             max_latency_ratio: float | None, allow_unmeasured: bool, as_json: bool) -> None:
+             max_latency_ratio: float | None, allow_unmeasured: bool, allow_other_model: bool, as_json: bool) -> None:
     """Check REPORT (a report.json or an artifact) against release gates. Exit 0 when every gate passes, 1 when
-    any fails, 2 for bad input (no gates given, unreadable report)."""
+    any fails, 2 for bad input (no gates given, a limit that is not a finite number, an unreadable report, a
+    baseline of another model)."""
     from toolchain.gates import GateLimits, check_gates
     from toolchain.report.schema import load_report
 
     limits = GateLimits(max_perplexity_increase=max_ppl_increase, min_top1_agreement=min_top1,
                         max_exact_match_drop=max_em_drop, max_kl_mean=max_kl, max_task_drop=max_task_drop,
-                        max_latency_ratio=max_latency_ratio, allow_unmeasured=allow_unmeasured)
+                        max_latency_ratio=max_latency_ratio, allow_unmeasured=allow_unmeasured,
+                        allow_other_model=allow_other_model)
     if not limits.any():
         raise click.UsageError("no gates given: set at least one --max-*/--min-* option")
     results = check_gates(load_report(report_path), limits, load_report(baseline) if baseline else None)

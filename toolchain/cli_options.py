@@ -10,6 +10,7 @@ whether it was given (export's parity) sees the difference.
 
 from __future__ import annotations
 
+import math
 import types
 import typing
 
@@ -35,6 +36,17 @@ def _unwrap(annotation):
     return annotation
 
 
+class FiniteFloatRange(click.FloatRange):
+    """A float range without nan and infinity: a limit or setting that no value compares with (nan passes every
+    bound check) or that every value passes is bad input, exit 2, as in a recipe."""
+
+    def convert(self, value, param, ctx):
+        number = super().convert(value, param, ctx)
+        if not math.isfinite(number):
+            self.fail(f"{value!r} is not a finite number", param, ctx)
+        return number
+
+
 def _number_type(kind, metadata):
     bounds: dict[str, typing.Any] = {"min": None, "max": None, "min_open": False, "max_open": False}
     for item in metadata:
@@ -46,9 +58,9 @@ def _number_type(kind, metadata):
             bounds["max"] = item.le
         elif isinstance(item, annotated_types.Lt):
             bounds.update(max=item.lt, max_open=True)
-    if bounds["min"] is None and bounds["max"] is None:
-        return click.INT if kind is int else click.FLOAT
-    return click.IntRange(**bounds) if kind is int else click.FloatRange(**bounds)
+    if kind is int:
+        return click.INT if bounds["min"] is None and bounds["max"] is None else click.IntRange(**bounds)
+    return FiniteFloatRange(**bounds)
 
 
 def _option(name: str, field, help_text: str, spellings: dict[str, str], defaults: dict, comma: tuple[str, ...]):

@@ -19,7 +19,8 @@ class GateFailed(DstcError):
 
 
 class GateLimits(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    # an infinite limit passes every value: a mistake, refused as nan is (by its bounds)
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     max_perplexity_increase: float | None = Field(None, ge=0)  # relative: 0.05 allows +5 %
     min_top1_agreement: float | None = Field(None, ge=0, le=1)
@@ -31,9 +32,28 @@ class GateLimits(BaseModel):
     # A gate whose metric the report could not measure (exact match on a model not trained on the embedded task):
     # False counts it as failed, True reports it as skipped and lets it pass.
     allow_unmeasured: bool = False
+    # A baseline measured on another model than the report's is refused unless this says it is meant.
+    allow_other_model: bool = False
 
     def any(self) -> bool:
-        return any(v is not None for k, v in self.model_dump().items() if k not in ("baseline", "allow_unmeasured"))
+        return any(v is not None for k, v in self.model_dump().items()
+                   if k not in ("baseline", "allow_unmeasured", "allow_other_model"))
+
+
+def measured_model(report: Report) -> str | None:
+    """The model a report measured, as its build named it (a compile-only artifact's report: its reference's)."""
+    return report.artifact.get("model") or report.reference.get("model")
+
+
+def check_baseline_model(model: str | None, baseline: Report, limits: GateLimits) -> None:
+    """InputError when ``baseline`` measured another model than ``model``, unless the limits allow it: another
+    model's perplexity, exact match or latency makes a gate pass or fail for no reason of the artifact's."""
+    other = measured_model(baseline)
+    if limits.allow_other_model or model is None or other is None or model == other:
+        return
+    raise InputError(f"the baseline is a report of {other} and the report gated is of {model}: gate against a "
+                     f"baseline of the same model, or say that another is meant (--allow-other-model; "
+                     f"allow_other_model: true under a recipe's gates)")
 
 
 def _ratio_to(value: float | None, base: float | None) -> float | None:
@@ -48,7 +68,9 @@ def _task_main_metric(report: Report, task: str) -> str | None:
 
 def check_gates(report: Report, limits: GateLimits, baseline: Report | None = None) -> list[GateResult]:
     """Each set limit as a GateResult. Without a baseline, accuracy is judged against the report's own fp32
-    reference; latency always needs a baseline (InputError otherwise)."""
+    reference; latency always needs a baseline (InputError otherwise), of the same model (check_baseline_model)."""
+    if baseline is not None:
+        check_baseline_model(measured_model(report), baseline, limits)
     results = []
 
     def gate(name: str, metric: str, value: float | None, limit: float, ok, detail: str) -> None:

@@ -12,6 +12,8 @@ import os
 import platform
 from functools import cache
 
+from toolchain.errors import InputError
+
 # The extensions that change which kernels the runtimes run, in the order reports list them (Linux's flag names).
 ISA_EXTENSIONS = ("avx2", "avx_vnni", "avx512f", "avx512_vnni", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16",
                   "amx_int8", "asimd", "asimddp", "i8mm", "bf16", "sve", "sve2")
@@ -64,3 +66,30 @@ def cpu_line(cpu: dict | None = None) -> str:
 def memory_bytes() -> int:
     """Physical RAM of this machine."""
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+MEMORY_LIMIT_ENV = "DSTC_MEMORY_LIMIT_BYTES"
+
+
+def available_memory_bytes() -> int:
+    """The memory a new allocation may take now without swapping or the kernel's OOM killer: MemAvailable of
+    /proc/meminfo (free memory plus the page cache and buffers the kernel can reclaim; physical RAM where there is
+    no /proc). DSTC_MEMORY_LIMIT_BYTES, when set, is taken instead: a budget below it, or above it on a machine with
+    swap, at the user's risk."""
+    given = os.environ.get(MEMORY_LIMIT_ENV)
+    if given:
+        try:
+            limit = int(given)
+        except ValueError:
+            limit = 0
+        if limit < 1:
+            raise InputError(f"{MEMORY_LIMIT_ENV} must be a positive number of bytes, not {given!r}")
+        return limit
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024  # kB
+    except OSError:
+        pass
+    return memory_bytes()

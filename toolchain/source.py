@@ -148,6 +148,15 @@ def skeleton(source: Source, reader):
     return model.eval()
 
 
+def parameter_count(model) -> int:
+    """What dstc calls a model's parameters wherever it gives them (README, training.json, `dstc models list`, the
+    export's log and export.json): the module's parameters, a tied table once. Buffers are not counted:
+    DeepSeek-V3's e_score_correction_bias (n_routed_experts per MoE layer) is in its checkpoint but is set by the
+    load balancing, not trained (the embedded deepseek-v3-tiny's checkpoint holds 32 such values besides its
+    1,241,248 parameters)."""
+    return sum(p.numel() for p in model.parameters())
+
+
 def _expected_tensors(model) -> dict[str, tuple[int, ...]]:
     """Checkpoint name -> shape of every weight the model needs (fused experts as the hub's per-expert names)."""
     expected: dict[str, tuple[int, ...]] = {}
@@ -200,10 +209,13 @@ def load(source: Source):
     """The whole model in fp32 with eager attention, the reference the exported graph is compared with: the
     skeleton given every weight by dstc's checkpoint reader, exactly the values the exporter writes (FP8 weights
     dequantized to bf16, as DeepSeek's own cast does; transformers cannot load the FP8 hub format on a CPU).
-    Transformers' own implementation of the architecture is used, never code shipped with the checkpoint."""
+    Transformers' own implementation of the architecture is used, never code shipped with the checkpoint.
+    InputError before anything is read when it would not fit in the memory available (toolchain/memory_guard.py)."""
     from toolchain.checkpoint.reader import open_checkpoint
     from toolchain.checkpoint.reference import load_weights, rotary_embedding
+    from toolchain.memory_guard import require_reference_memory
 
+    require_reference_memory(source.path, source.spec)
     with open_checkpoint(source.path) as reader:
         model = skeleton(source, reader)
         load_weights(model, reader, "")

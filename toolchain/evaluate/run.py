@@ -65,6 +65,22 @@ def quantization_series(manifest: Manifest | None) -> tuple[list[LayerError], li
     return layers, heads
 
 
+def require_layered_reference_memory(source, data=None) -> None:
+    """Before the layer-by-layer reference runs: what it holds at most (toolchain/runtime/layered_reference.py
+    memory_need, the data's hidden states up to a group) against the memory available, refused in one line."""
+    from toolchain.checkpoint.reference import reference_config
+    from toolchain.evaluate.reference_record import GROUP_BYTES
+    from toolchain.memory_guard import RETRY, require_memory, size
+    from toolchain.runtime.layered_reference import memory_need
+
+    tokens = max((len(s.ids) for s in data.sequences), default=0) if data is not None else 0
+    hidden = min(GROUP_BYTES, tokens * 4 * int(reference_config(source.path).hidden_size))
+    need = memory_need(source.path, hidden)
+    require_memory(need, f"the fp32 reference of {source.spec}, one layer at a time ({size(need)} with its "
+                         "embedding table, head and hidden states)",
+                   f"free memory, evaluate on a machine with more, {RETRY}")
+
+
 def reference_record(artifact, data, settings: EvalSettings, *, reference: str | None = None,
                      records: dict | None = None, eos_ids: list[int], pad_id: int, newline_id: int | None,
                      log: Callable[[str], None] = lambda _: None):
@@ -90,6 +106,7 @@ def reference_record(artifact, data, settings: EvalSettings, *, reference: str |
         if why not in (None, "absent"):
             log(f"the reference cache entry {key[:16]} is not usable ({why}); computing the reference again")
     if record is None:
+        require_layered_reference_memory(source, data)
         ref = LayeredReference(source, settings.threads, choice)
         try:
             log(f"reference: {source.spec} (PyTorch fp32, eager, "
@@ -125,6 +142,7 @@ def reference_task_scores(artifact, settings: EvalSettings, *, reference: str | 
     scores = reference_cache.load_tasks(key) if settings.reference_cache else None
     reused = scores is not None
     if scores is None:
+        require_layered_reference_memory(source)
         ref = LayeredReference(source, settings.threads, choice)
         try:
             log(f"reference: lm-eval {', '.join(settings.tasks)}")

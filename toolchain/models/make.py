@@ -24,6 +24,7 @@ from toolchain.models.train import (
     train,
     training_rows,
 )
+from toolchain.source import parameter_count
 
 SETTINGS = {
     **{name: TrainSettings(steps=1000) for name in EMBEDDED},
@@ -78,7 +79,7 @@ def make_model(name: str, path: Path, tokenizer) -> dict:
     save_tokenizer(tokenizer, path)
     record = {
         "model": name,
-        "parameters": sum(p.numel() for p in model.parameters()),
+        "parameters": parameter_count(model),
         "corpus": size,
         "settings": vars(settings),
         "wall_time_s": round(wall, 1),

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import json
-import struct
-from math import prod
 from pathlib import Path
 
 from toolchain.errors import InputError
@@ -40,36 +38,29 @@ def reference_config(name: str) -> dict:
     return json.loads((REFERENCE_ROOT / f"{name}.json").read_text())
 
 
-def stored_parameters(checkpoint: Path) -> int:
-    """Number of values in the checkpoint's safetensors files, read from their headers without loading them."""
-    total = 0
-    for file in sorted(checkpoint.glob("*.safetensors")):
-        with file.open("rb") as f:
-            (header_len,) = struct.unpack("<Q", f.read(8))
-            header = json.loads(f.read(header_len))
-        total += sum(prod(t["shape"]) for key, t in header.items() if key != "__metadata__")
-    return total
-
-
-def reference_parameters(config: dict) -> int:
-    """Parameter count of the full-size reference model, from a model built on the meta device."""
+def model_parameters(config) -> int:
+    """Parameters (toolchain/source.py parameter_count) of the model a transformers config describes, counted on
+    the meta device: nothing is allocated, whatever the size."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    from toolchain.models.shape_faithful import reference_to_config
+    from toolchain.source import parameter_count, quiet_transformers
 
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(reference_to_config(config))
-    return sum(p.numel() for p in model.parameters())
+    with torch.device("meta"), quiet_transformers():
+        model = AutoModelForCausalLM.from_config(config)
+    return parameter_count(model)
 
 
 def list_embedded() -> list[dict]:
     """One row per embedded model (with its training.json metrics when present), then one per reference."""
+    from toolchain.checkpoint.reference import reference_config as checkpoint_config
+    from toolchain.models.shape_faithful import reference_to_config
+
     rows = []
     for name, model_type in EMBEDDED.items():
         path = embedded_path(name)
         row = {"name": name, "kind": "embedded", "model_type": model_type, "path": str(path),
-               "parameters": stored_parameters(path),
+               "parameters": model_parameters(checkpoint_config(path)),
                "size_bytes": sum(f.stat().st_size for f in path.iterdir() if f.is_file()) if path.is_dir() else 0}
         training = path / "training.json"
         if training.is_file():
@@ -79,6 +70,7 @@ def list_embedded() -> list[dict]:
     for name in REFERENCES:
         config = reference_config(name)
         rows.append({"name": name, "kind": "reference", "model_type": config["model_type"],
-                     "parameters": reference_parameters(config), "path": str(REFERENCE_ROOT / f"{name}.json"),
+                     "parameters": model_parameters(reference_to_config(config)),
+                     "path": str(REFERENCE_ROOT / f"{name}.json"),
                      "size_bytes": None})
     return rows

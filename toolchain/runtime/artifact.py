@@ -3,10 +3,17 @@
 Two layouts are accepted, told apart by their files: a ``dstc build`` output (``manifest.json``) and a
 ``dstc compile`` output (``compile.json``). Either holds the graph of one backend (``openvino_model.xml`` or
 ``model.onnx``) beside the checkpoint's ``config.json``, ``generation_config.json`` and tokenizer files.
+
+Opening an artifact checks that every file is there and that no weight file is shorter than its graph reads (a
+copy cut short, a full disk): the graphs record each weight's offset and length, so this costs a read of the
+graphs, not of the weights. manifest.json records hashes, not sizes, and hashing gigabytes of weights at every
+load is `dstc verify`'s work. What the check cannot see (a weight file of the right length with other bytes) fails
+in the runtime's loader, which ``load_error`` turns into the same kind of one-line error.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -16,7 +23,7 @@ from toolchain.compile.onnxruntime_artifact import MODEL as ONNX_MODEL, WEIGHTS 
 from toolchain.compile.openvino_ir import MODEL_XML
 from toolchain.errors import InputError
 from toolchain.manifest import MANIFEST, read_manifest
-from toolchain.stages.inputs import read_json
+from toolchain.stages.inputs import check_onnx_graph, read_json
 from toolchain.stages.reports import CompileReport
 
 if TYPE_CHECKING:
@@ -107,5 +114,42 @@ def open_artifact(path: Path | str) -> Artifact:
     if missing:
         raise InputError(f"{path} is incomplete: {', '.join(missing[:3])}{' ...' if len(missing) > 3 else ''} "
                          f"missing (dstc verify {path} lists every difference)")
+    if backend == "onnxruntime":
+        check_onnx_graph(path / ONNX_MODEL)
+    for xml in sorted(path.glob("openvino_*.xml")):  # the model's IR and the tokenizer's
+        _check_ir_weights(xml)
     return Artifact(path=path, backend=backend, manifest=manifest, config=read_json(path / "config.json"),
                     generation=read_json(generation) if generation.is_file() else {})
+
+
+_DATA = re.compile(rb"<data\b[^>]*>")
+_OFFSET, _SIZE = re.compile(rb'\boffset="(\d+)"'), re.compile(rb'\bsize="(\d+)"')
+
+
+def _check_ir_weights(xml: Path) -> None:
+    """InputError when an OpenVINO IR's .bin is shorter than its constants reach (each constant's <data> has the
+    offset and size of its bytes in the .bin)."""
+    end = 0
+    for tag in _DATA.findall(xml.read_bytes()):
+        offset, size = _OFFSET.search(tag), _SIZE.search(tag)
+        if offset and size:
+            end = max(end, int(offset.group(1)) + int(size.group(1)))
+    weights = xml.with_suffix(".bin")
+    if end and not weights.is_file():
+        raise InputError(f"{xml} needs its weights file {weights}, which is missing")
+    if end and weights.stat().st_size < end:
+        raise InputError(f"{weights} is truncated: {weights.stat().st_size} bytes, {xml.name} reads up to byte {end}")
+
+
+def load_error(artifact: Artifact, error: BaseException) -> InputError | None:
+    """The one-line InputError for a runtime's failure to load the artifact's model (ONNX Runtime's Fail,
+    InvalidGraph, ...; OpenVINO's RuntimeError: weights of the right length with other bytes), naming the model
+    file; None for any other exception, which stays a bug with its traceback."""
+    if not isinstance(error, RuntimeError) and type(error).__module__ != "onnxruntime.capi.onnxruntime_pybind11_state":
+        return None
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    # OpenVINO puts the reason last, after where in its sources it was raised; ORT prefixes its status code
+    reason = re.sub(r"^\[ONNXRuntimeError\] : \d+ : \w+ : ", "", lines[-1]) if lines else type(error).__name__
+    model = artifact.path / (MODEL_XML if artifact.backend == "openvino" else ONNX_MODEL)
+    return InputError(f"{artifact.backend} cannot load {model}: {reason} (dstc verify {artifact.path} checks every "
+                      f"file against its manifest)")

@@ -25,8 +25,9 @@ from toolchain.compile.onnxruntime_artifact import MODEL as ONNX_MODEL
 from toolchain.compile.openvino_ir import MODEL_XML, PAST_PREFIX, PRESENT_PREFIX
 from toolchain.errors import InputError
 from toolchain.hardware import cpu_flags
+from toolchain.memory_guard import require_artifact_memory
 from toolchain.runtime import engines
-from toolchain.runtime.artifact import Artifact
+from toolchain.runtime.artifact import Artifact, load_error
 from toolchain.runtime.last_logits import INPUT as LOGITS_TO_KEEP, openvino_with_logits_to_keep
 
 
@@ -223,13 +224,22 @@ def open_decoder(artifact: Artifact, *, threads: int | None = None, extra_output
                  openvino_f32: bool = False) -> Decoder:
     """A Decoder on the artifact's backend; ``threads`` None takes every CPU (ORT) or the plugin's choice
     (OpenVINO). ``extra_outputs``: graph values to return in ``extras`` after each forward. ``openvino_f32``:
-    f32 compute and KV cache instead of the CPU plugin's deployment defaults (ONNX Runtime is fp32 already)."""
+    f32 compute and KV cache instead of the CPU plugin's deployment defaults (ONNX Runtime is fp32 already).
+    InputError when the artifact would not fit in the memory available (toolchain/memory_guard.py) or its runtime
+    cannot load it."""
     if threads is not None and threads < 1:
         raise InputError(f"threads must be at least 1, not {threads}")
-    if artifact.backend == "openvino":
-        return OpenVINODecoder(artifact.path / MODEL_XML, threads, tuple(extra_outputs),
-                               "exact" if openvino_f32 else "deployment")
-    return OnnxRuntimeDecoder(artifact.path / ONNX_MODEL, threads, tuple(extra_outputs))
+    require_artifact_memory(artifact)
+    try:
+        if artifact.backend == "openvino":
+            return OpenVINODecoder(artifact.path / MODEL_XML, threads, tuple(extra_outputs),
+                                   "exact" if openvino_f32 else "deployment")
+        return OnnxRuntimeDecoder(artifact.path / ONNX_MODEL, threads, tuple(extra_outputs))
+    except Exception as e:
+        error = load_error(artifact, e)
+        if error is None:
+            raise
+        raise error from None
 
 
 class StatelessDecoder:

@@ -268,12 +268,14 @@ def serve(artifact_path, settings: ServeSettings, *, host: str = "127.0.0.1", po
 
     import uvicorn
 
+    from toolchain.memory_guard import require_artifact_memory
     from toolchain.runtime.artifact import open_artifact
     from toolchain.serve.api import create_app
     from toolchain.serve.connections import guarded_protocol
 
     check_exposure(host, settings.api_keys, settings.allow_unauthenticated)
     artifact = open_artifact(artifact_path)
+    require_artifact_memory(artifact)  # the engine's process loads it
     service = Service(artifact, settings)
     engine = service.engine
     assert engine is not None  # made by Service

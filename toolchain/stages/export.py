@@ -53,7 +53,7 @@ def export(spec: str, out_dir: Path, *, parity: tuple[str, ...] | None = None, n
     reader = open_checkpoint(source.path)
     storage = storage_for(weights, reader)
     skeleton = sources.skeleton(source, reader)
-    parameters = sum(p.numel() for p in skeleton.parameters())
+    parameters = sources.parameter_count(skeleton)
     timings["load_s"] = time.perf_counter() - t0
     with atomic_output_dir(out_dir) as tmp:
         t0 = time.perf_counter()

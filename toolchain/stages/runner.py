@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
 
-from toolchain.atomic import MARKER, atomic_output_dir, check_writable_target, lock_file
+from toolchain.atomic import MARKER, atomic_output_dir, check_writable_dir, check_writable_target, lock_file
 from toolchain.errors import InputError
 from toolchain.manifest import blake3_file, code_digest, digest, file_hashes
 from toolchain.recipe import CompileSection, CompressSection, ExportSection, PassesSection
@@ -124,9 +124,9 @@ def cache_damage(target: Path) -> str | None:
 
 
 def _entry(stage: Stage, stage_id: str) -> Path:
-    target = cache_root() / f"{stage.name}-{stage_id[:20]}"
-    target.parent.mkdir(parents=True, exist_ok=True)
-    return target
+    root = check_writable_dir(cache_root(), f"the stage cache {cache_dir()}",
+                              "set DSTC_CACHE_DIR to a writable directory")
+    return root / f"{stage.name}-{stage_id[:20]}"
 
 
 def _entry_lock(target: Path):
