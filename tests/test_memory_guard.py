@@ -25,6 +25,7 @@ from toolchain.memory_guard import (
 from toolchain.models.registry import embedded_path
 from toolchain.runtime.artifact import open_artifact
 from toolchain.runtime.layered_reference import memory_need
+from toolchain.runtime.torch_reference import release_reference
 
 MODEL = "r1-distill-qwen-tiny"  # the artifacts' model
 
@@ -101,6 +102,7 @@ def test_eval_refuses_a_reference_that_does_not_fit_after_its_artifact_did(monke
 
 
 def test_export_parity_refuses_a_reference_that_does_not_fit(monkeypatch, capsys, tmp_path, stage_cache):
+    release_reference()  # an earlier test's reference still loaded in this process would be reused, not loaded
     monkeypatch.setenv("DSTC_CACHE_DIR", str(stage_cache))
     monkeypatch.setenv(MEMORY_LIMIT_ENV, str(reference_bytes(embedded_path(MODEL)) - 1))
     code, err = run_cli(monkeypatch, capsys, "export", MODEL, "-o", tmp_path / "e", "--parity", "onnxruntime",
