@@ -31,25 +31,13 @@ from toolchain import source as sources
 from toolchain.checkpoint import reference as ref
 from toolchain.checkpoint.reader import EMBEDDING, LM_HEAD, open_checkpoint
 from toolchain.errors import UnsupportedModelError
+from toolchain.hardware import available_memory_bytes
 from toolchain.runtime.decoder import positions
 
 HEAD_ROWS = 8192  # lm_head rows widened to fp32 at a time
 LOGIT_ROWS = 256  # positions whose logits are computed at a time in score()
 RESIDENT_MAX = 4 * 2**30  # fp32 bytes of every layer below which the layers stay built
 RESIDENT_SHARE = 0.25  # ... and at most this share of the memory available when the reference opens
-
-
-def _available() -> int:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    from toolchain.hardware import memory_bytes
-
-    return memory_bytes()
 
 
 def additive_mask(mask: np.ndarray, new: int) -> torch.Tensor:
@@ -73,7 +61,7 @@ def memory_need(path, hidden_bytes: int) -> int:
         ends = sum(math.prod(reader.shape(n)) * reader.natural_dtype(n).itemsize for n in (EMBEDDING, LM_HEAD))
         vocab = reader.shape(EMBEDDING)[0]
     total = sum(sizes.values())
-    layers = total if total <= min(RESIDENT_MAX, RESIDENT_SHARE * _available()) else 2 * max(sizes.values(), default=0)
+    layers = total if total <= min(RESIDENT_MAX, RESIDENT_SHARE * available_memory_bytes()) else 2 * max(sizes.values(), default=0)
     return ends + layers + hidden_bytes + LOGIT_ROWS * vocab * (4 + 8 + 8)
 
 
@@ -95,7 +83,7 @@ class LayeredReference:
         self.reader = self._stack.enter_context(open_checkpoint(source.path))
         self.layer_bytes = self._layer_bytes()
         total = sum(self.layer_bytes)
-        self.resident = total <= min(RESIDENT_MAX, RESIDENT_SHARE * _available())
+        self.resident = total <= min(RESIDENT_MAX, RESIDENT_SHARE * available_memory_bytes())
         # The table and the head in the dtype that holds them exactly (bf16 for bf16 and FP8 checkpoints): rows
         # gathered, or blocks widened, are the fp32 reference's values at half its memory.
         self.table = self.reader.tensor(EMBEDDING, self.reader.natural_dtype(EMBEDDING))
