@@ -61,7 +61,8 @@ def memory_need(path, hidden_bytes: int) -> int:
         ends = sum(math.prod(reader.shape(n)) * reader.natural_dtype(n).itemsize for n in (EMBEDDING, LM_HEAD))
         vocab = reader.shape(EMBEDDING)[0]
     total = sum(sizes.values())
-    layers = total if total <= min(RESIDENT_MAX, RESIDENT_SHARE * available_memory_bytes()) else 2 * max(sizes.values(), default=0)
+    resident = total <= min(RESIDENT_MAX, RESIDENT_SHARE * available_memory_bytes())
+    layers = total if resident else 2 * max(sizes.values(), default=0)
     return ends + layers + hidden_bytes + LOGIT_ROWS * vocab * (4 + 8 + 8)
 
 
