@@ -5,9 +5,10 @@ prompts are not served from the cache), then N concurrent streaming clients (1, 
 a request, reads its stream to the end, sends the next, until it has sent ``--requests-per-client`` or the level's
 ``--time-limit`` has passed. Every request is the same token ids and generates exactly ``--max-tokens`` tokens
 (``ignore_eos``). Then the same workload, N requests in flight, on the batching without the server:
-openvino_genai's ContinuousBatchingPipeline (OpenVINO artifacts) or dstc's batched ORT runner (ONNX Runtime ones),
-in this process. Printed per backend, level and side: requests, tokens, throughput (generated tokens per second of
-wall time), TTFT P50/P99 and ITL P50/P99, and the server's ratios to the bare batching.
+openvino_genai's ContinuousBatchingPipeline (OpenVINO artifacts it can page) or dstc's batched runner (ONNX Runtime
+artifacts, and OpenVINO ones with MLA's latent cache), in this process. Printed per backend, level and side:
+requests, tokens, throughput (generated tokens per second of wall time), TTFT P50/P99 and ITL P50/P99, and the
+server's ratios to the bare batching.
 
 ``layouts``: the ONNX Runtime KV-cache layouts of toolchain/runtime/batching.py, "batch" (one cache per layer for
 the running batch, rebuilt when sequences join) and "gather" (a cache per sequence, gathered every step): decode
@@ -17,8 +18,8 @@ step, join and leave times for batches of 1, 4, 16 at contexts of 64 and 512 tok
         artifacts/deepseek-v3-tiny-onnxruntime-int4
     .venv/bin/python benchmarks/serve_load.py layouts artifacts/deepseek-v3-tiny-onnxruntime-int4
 
-The OpenVINO artifact must be built with ``export: {mla_cache: per-head}``: openvino_genai's continuous batching
-refuses the latent KV cache the shipped recipes export.
+An OpenVINO artifact built with ``export: {mla_cache: per-head}`` runs on openvino_genai's pipeline; the shipped
+recipes' latent one on dstc's runner (its cache in the stateful IR's variables).
 
 Measured on the 2-core Xeon (AMX) this project runs on, embedded DeepSeek-V3 INT4 with the per-head KV cache (the
 default then), --threads 2 ("layouts", one run; median ms per decode step, batch / gather): B=1: 64 tokens
@@ -232,7 +233,7 @@ def bare_openvino(pipeline, prompt: list[int], clients: int, per_client: int, ma
     return run
 
 
-def bare_onnxruntime(batch, prompt: list[int], clients: int, per_client: int, max_tokens: int,
+def bare_runner(batch, prompt: list[int], clients: int, per_client: int, max_tokens: int,
                      time_limit: float) -> Run:
     run = Run("onnxruntime", "bare", clients)
     total = clients * per_client
@@ -299,7 +300,9 @@ def load(args) -> None:
                 print(json.dumps(rows[-1]), flush=True)
         finally:
             server.stop()
-        if artifact.backend == "openvino":
+        from toolchain.runtime.batching_openvino import pageable
+
+        if artifact.backend == "openvino" and pageable(artifact.path / "openvino_model.xml"):
             from toolchain.runtime.batching import PipelineSettings, openvino_pipeline
 
             pipeline, _, _ = openvino_pipeline(artifact, PipelineSettings(
@@ -307,12 +310,15 @@ def load(args) -> None:
                 prefix_caching=False))
             bare = lambda c, n, t: bare_openvino(pipeline, prompt, c, n, args.max_tokens, t,  # noqa: E731
                                                  artifact.eos_token_ids)
-        else:
+        else:  # dstc's runner, as the server batches these artifacts (toolchain/serve/engine_runner.py)
             from toolchain.runtime.batching import batched_decoder
+            from toolchain.runtime.batching_openvino import StatefulBatch
             from toolchain.runtime.decoder import open_decoder
 
-            batch = batched_decoder(open_decoder(artifact, threads=args.threads), artifact.pad_token_id)
-            bare = lambda c, n, t: bare_onnxruntime(batch, prompt, c, n, args.max_tokens, t)  # noqa: E731
+            decoder = open_decoder(artifact, threads=args.threads)
+            batch = StatefulBatch(decoder, artifact.pad_token_id) if decoder.backend == "openvino" else \
+                batched_decoder(decoder, artifact.pad_token_id)
+            bare = lambda c, n, t: bare_runner(batch, prompt, c, n, args.max_tokens, t)  # noqa: E731
         bare(1, 2, 30)  # warm-up
         for clients in levels:
             rows.append(bare(clients, args.requests_per_client, args.time_limit).row())

@@ -21,17 +21,22 @@ from toolchain.runtime.artifact import open_artifact
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = "deepseek-v3-tiny"
-BACKENDS = ("openvino", "onnxruntime")
+# the artifacts served: OpenVINO's two engines, and ONNX Runtime
+BACKENDS = ("openvino", "openvino-latent", "onnxruntime")
+ENGINES = {"openvino": "openvino_genai", "openvino-latent": "dstc", "onnxruntime": "dstc"}
 
 
 def build_artifacts(root: Path, stage_cache: Path) -> dict:
     """{backend: Artifact}: the embedded DeepSeek-V3 model, INT4 on OpenVINO (a compression.json to export) with the
-    per-head KV cache, which openvino_genai's continuous batching needs (it refuses the latent one), and fp32 on
-    ONNX Runtime with the latent cache (the default). Built from the stages the session has cached, if any."""
+    per-head KV cache, which openvino_genai's continuous batching pages; the same with the latent cache (what the
+    shipped recipe builds), which dstc's runner batches on OpenVINO; and fp32 on ONNX Runtime with the latent cache.
+    Built from the stages the session has cached, if any."""
+    int4 = {"scheme": "int4-grouped", "group_size": 128}
     recipes = {
-        "openvino": {"export": {"parity": [], "mla_cache": "per-head"},
-                     "compress": {"scheme": "int4-grouped", "group_size": 128},
+        "openvino": {"export": {"parity": [], "mla_cache": "per-head"}, "compress": int4,
                      "compile": {"backend": "openvino", "verify": False}},
+        "openvino-latent": {"export": {"parity": []}, "compress": int4,
+                            "compile": {"backend": "openvino", "verify": False}},
         "onnxruntime": {"export": {"parity": []}, "compile": {"backend": "onnxruntime", "verify": False}},
     }
     out = {}

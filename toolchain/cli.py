@@ -85,9 +85,9 @@ EXPORT_HELP = {
     "moe": "MoE routed experts: per-expert sparse dispatch (any runtime), one com.microsoft.MoE node per layer (ONNX "
            "Runtime only), or the tiled block OpenVINO's CPU plugin runs as GatherMatmul.",
     "mla_cache": "What MLA attention (DeepSeek-V2/V3) caches per token: the normalized latent and the rotary key, with "
-                 "kv_b_proj absorbed, or transformers' per-head keys and values, which `dstc serve` on OpenVINO "
-                 "(continuous batching refuses the latent cache) and ONNX Runtime's fused attention "
-                 "(fuse-mla-attention) need  [default: latent; refused for models without MLA]",
+                 "kv_b_proj absorbed, or transformers' per-head keys and values, which openvino_genai's paged "
+                 "continuous batching and ONNX Runtime's fused attention (fuse-mla-attention) need  [default: latent; "
+                 "refused for models without MLA]",
     "weights": "Weight storage: bfloat16 keeps a bf16 or FP8 checkpoint's values as bf16 initializers widened by a "
                "Cast in the graph (the same float32 values, half the bytes); auto does so above 1 GiB of float32 "
                "weights.",

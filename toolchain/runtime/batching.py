@@ -22,8 +22,7 @@ OpenVINO. openvino_genai's ContinuousBatchingPipeline does this itself (paged at
 chunked prefill, prefix caching): ``openvino_pipeline`` builds one over a dstc artifact's stateful IR, which the
 pipeline converts to paged attention when it loads it. It finds the attention to convert as
 ScaledDotProductAttention, which MLA's latent cache (toolchain/export/deepseek.py) does not have: such an artifact
-is refused, and served on ONNX Runtime or built with the per-head cache instead. (openvino_genai's LLMPipeline
-falls back to the stateful IR and runs it.)
+is batched by dstc's runner on its stateful IR instead (batching_openvino.py).
 """
 
 from __future__ import annotations
@@ -47,28 +46,18 @@ _DTYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16}
 
 
 class BatchedDecoder:
-    """A running batch of sequences, each named by a key, on an ONNX Runtime decoder's session.
+    """A running batch of sequences, each named by a key, on a decoder's graph.
 
     ``join(prompts)`` prefills new sequences and returns the logits [vocab] of each one's last prompt position;
     ``step(tokens)`` feeds one token to every running sequence and returns each one's next-token logits;
-    ``leave(keys)`` drops sequences (their cache is freed). Calls come from one thread.
+    ``leave(keys)`` drops sequences (their cache is freed). Calls come from one thread. The layouts here run an
+    ONNX Runtime decoder's session; batching_openvino.StatefulBatch runs an OpenVINO one.
     """
 
     layout = ""
 
-    def __init__(self, decoder, pad_id: int) -> None:
-        if getattr(decoder, "backend", None) != "onnxruntime":
-            raise InputError("batched decoding over dstc's own runner is for ONNX Runtime artifacts; OpenVINO "
-                             "artifacts use openvino_genai's continuous-batching pipeline (openvino_pipeline)")
-        self.session = decoder.session
+    def __init__(self, pad_id: int) -> None:
         self.pad_id = pad_id
-        self._past = {i.name: (i.shape[1], i.shape[3], _DTYPES[i.type]) for i in self.session.get_inputs()
-                      if i.name.startswith(PAST_PREFIX)}
-        self._present = {name: PRESENT_PREFIX + name[len(PAST_PREFIX):] for name in self._past}
-        self._outputs = ["logits", *self._present.values()]
-        # A runner that adds a logits_to_keep input to the graph (toolchain/runtime/last_logits.py) gets 1: only the
-        # last position's logits are read, so a prefill computes the lm_head for one position, not the whole prompt.
-        self._keep_last = any(i.name == "logits_to_keep" for i in self.session.get_inputs())
 
     # -- what every layout provides ----------------------------------------------------------------------------
 
@@ -105,6 +94,21 @@ class BatchedDecoder:
         if set(tokens) != set(self.keys):
             raise ValueError("a step feeds one token to every running sequence, and to no other")
 
+
+class _OnnxRuntimeBatch(BatchedDecoder):
+    """What both ONNX Runtime layouts share: the session, its cache inputs, one run of it."""
+
+    def __init__(self, decoder, pad_id: int) -> None:
+        super().__init__(pad_id)
+        self.session = decoder.session
+        self._past = {i.name: (i.shape[1], i.shape[3], _DTYPES[i.type]) for i in self.session.get_inputs()
+                      if i.name.startswith(PAST_PREFIX)}
+        self._present = {name: PRESENT_PREFIX + name[len(PAST_PREFIX):] for name in self._past}
+        self._outputs = ["logits", *self._present.values()]
+        # A runner that adds a logits_to_keep input to the graph (toolchain/runtime/last_logits.py) gets 1: only the
+        # last position's logits are read, so a prefill computes the lm_head for one position, not the whole prompt.
+        self._keep_last = any(i.name == "logits_to_keep" for i in self.session.get_inputs())
+
     def _run(self, ids: np.ndarray, mask: np.ndarray, past: dict) -> tuple[np.ndarray, dict]:
         """Logits [B, S or 1, vocab] (numpy; the last position is what callers read) and the presents as OrtValues
         (ORT's own buffers, not copied)."""
@@ -128,7 +132,7 @@ class BatchedDecoder:
                 for name, (heads, dim, dtype) in self._past.items()}
 
 
-class PersistentBatch(BatchedDecoder):
+class PersistentBatch(_OnnxRuntimeBatch):
     """One cache tensor per layer for the whole running batch, rebuilt only when sequences join.
 
     A sequence that leaves becomes a dead row, fed padding, until the next join rebuilds the cache anyway (or until
@@ -223,7 +227,7 @@ class _Sequence:
     cache: dict  # past name -> np.ndarray [heads, length, dim] (a view into the step's present)
 
 
-class GatheredBatch(BatchedDecoder):
+class GatheredBatch(_OnnxRuntimeBatch):
     """A cache per sequence; every step gathers them into a left-padded batch and slices the rows back out."""
 
     layout = "gather"
@@ -281,7 +285,11 @@ class GatheredBatch(BatchedDecoder):
 
 
 def batched_decoder(decoder, pad_id: int, layout: str = "batch") -> BatchedDecoder:
-    """A BatchedDecoder over an ONNX Runtime Decoder (toolchain.runtime.decoder.open_decoder) in one of LAYOUTS."""
+    """A BatchedDecoder over an ONNX Runtime Decoder (toolchain.runtime.decoder.open_decoder) in one of LAYOUTS (an
+    OpenVINO decoder's is batching_openvino.StatefulBatch)."""
+    if getattr(decoder, "backend", None) != "onnxruntime":
+        raise InputError("these KV-cache layouts run an ONNX Runtime decoder; an OpenVINO one is batched by "
+                         "toolchain.runtime.batching_openvino.StatefulBatch")
     if layout not in LAYOUTS:
         raise InputError(f"unknown KV-cache layout {layout!r} (one of {', '.join(LAYOUTS)})")
     return (PersistentBatch if layout == "batch" else GatheredBatch)(decoder, pad_id)

@@ -144,7 +144,8 @@ class OpenVINODecoder:
                 "(openvinotoolkit/openvino#28550); use 2 or more threads, or f32 (--openvino-f32)")
         started = time.perf_counter()  # the check is dstc's, not part of loading the model
         compiled = engines.openvino_compile(model, "deployment", config=config)
-        self._request = compiled.create_infer_request()
+        self.compiled = compiled
+        self.request = compiled.create_infer_request()  # the cache lives in its variables
         self.load_seconds = read_seconds + time.perf_counter() - started
         self.threads = int(compiled.get_property("INFERENCE_NUM_THREADS"))
         self.runtime_config = {"device": "CPU", **{
@@ -155,12 +156,12 @@ class OpenVINODecoder:
         self.extras: dict[str, np.ndarray] = {}
 
     def reset(self) -> None:
-        self._request.reset_state()
+        self.request.reset_state()
 
     def forward(self, input_ids: np.ndarray, attention_mask: np.ndarray, logits_to_keep: int = 0) -> np.ndarray:
         ids = np.ascontiguousarray(input_ids, np.int64)
         mask = np.ascontiguousarray(attention_mask, np.int64)
-        result = self._request.infer({"input_ids": ids, "attention_mask": mask,
+        result = self.request.infer({"input_ids": ids, "attention_mask": mask,
                                       "position_ids": np.ascontiguousarray(positions(mask, ids.shape[1])),
                                       "beam_idx": np.arange(len(ids), dtype=np.int32),
                                       LOGITS_TO_KEEP: np.array(logits_to_keep, np.int64)},

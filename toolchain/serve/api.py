@@ -112,7 +112,8 @@ def create_app(service) -> Intake:
     @app.get("/health")
     async def health() -> JSONResponse:
         engine = service.engine
-        body = {"state": engine.state, "model": service.model_name, "backend": service.artifact.backend}
+        body = {"state": engine.state, "model": service.model_name, "backend": service.artifact.backend,
+                "engine": getattr(engine, "engine_name", None)}
         if engine.state == "ready":
             body.update(service.health.report())
             body.update(load_seconds=engine.load_seconds, running=engine.running, queue_depth=engine.queue_depth,

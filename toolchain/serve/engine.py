@@ -1,7 +1,7 @@
 """The scheduling loop both backends share: admission with bounds, a thread that runs decode steps, requests that
 join and leave the running batch between steps, cancellation, and the per-token timings the metrics need.
 
-A backend (engine_openvino.py, engine_onnxruntime.py) provides ``load()``, ``add(requests)`` (start them; may
+A backend (engine_openvino.py, engine_runner.py) provides ``load()``, ``add(requests)`` (start them; may
 already return their first tokens), ``drop(requests)`` (free them at once), ``step()`` (one decode step of every
 running request: ``[(request, new tokens, finish reason or None)]``; a request reported finished is already freed),
 ``reset()`` (forget every request, after an error), ``kv_cache_usage()`` (0..1) and ``close()``. Every call to it

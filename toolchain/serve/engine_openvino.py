@@ -22,7 +22,7 @@ from toolchain.serve.engine import Request, failure
 
 
 class OpenVINOBackend:
-    name = "openvino"
+    name = "openvino_genai"
 
     def __init__(self, artifact: Artifact, settings: PipelineSettings) -> None:
         self.artifact = artifact

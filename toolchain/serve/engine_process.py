@@ -41,17 +41,21 @@ log = logging.getLogger("dstc.serve")
 
 def make_backend(backend: str, artifact_path: str, options: dict):
     """The backend object of toolchain/serve/engine.py for an artifact (in the engine's process)."""
+    from toolchain.compile.openvino_ir import MODEL_XML
     from toolchain.runtime.artifact import open_artifact
+    from toolchain.runtime.batching_openvino import pageable
+    from toolchain.serve.engine_runner import RunnerBackend
 
     artifact = open_artifact(artifact_path)
     if backend == "openvino":
+        if not pageable(artifact.path / MODEL_XML):  # e.g. MLA's latent cache: dstc's runner batches it
+            return RunnerBackend(artifact, threads=options["threads"], max_batch=options["max_batch"],
+                                 max_context=options["max_context"], f32=options["f32"])
         from toolchain.runtime.batching import PipelineSettings
         from toolchain.serve.engine_openvino import OpenVINOBackend
 
         return OpenVINOBackend(artifact, PipelineSettings(**options))
-    from toolchain.serve.engine_onnxruntime import OnnxRuntimeBackend
-
-    return OnnxRuntimeBackend(artifact, **options)
+    return RunnerBackend(artifact, **options)
 
 
 def _exit_reason(code: int | None) -> str:
@@ -83,6 +87,7 @@ class RemoteEngine:
         self.state = "loading"
         self.load_error: str | None = None
         self.load_seconds: float | None = None
+        self.engine_name: str | None = None  # the backend the child chose for the artifact (its ``name``)
         self.restarts = 0
         self.dispatch: Callable[[Callable[[], None]], None] = lambda deliver: deliver()
         self._ids = itertools.count(1)
@@ -186,7 +191,7 @@ class RemoteEngine:
             while True:
                 message = conn.recv()
                 if message[0] == "state":
-                    _, state, load_seconds, load_error = message
+                    _, state, load_seconds, load_error, self.engine_name = message
                     self.load_seconds, self.load_error = load_seconds, load_error
                     self.state = state
                 elif message[0] == "step":
@@ -300,7 +305,7 @@ def worker(fd: int) -> None:
     try:
         backend = make_backend(spec["backend"], spec["artifact"], spec["options"])
     except Exception as e:
-        send(("state", "failed", None, f"{type(e).__name__}: {e}"))
+        send(("state", "failed", None, f"{type(e).__name__}: {e}", None))
         return
     engine = Engine(backend, max_batch=spec["max_batch"], max_queue=1 << 30, observer=recorder)
     outbox: list[tuple] = []  # filled and sent on the engine's thread
@@ -316,7 +321,7 @@ def worker(fd: int) -> None:
     engine.after_iteration = flush
     engine.start()
     engine.wait_ready()
-    send(("state", engine.state, engine.load_seconds, engine.load_error))
+    send(("state", engine.state, engine.load_seconds, engine.load_error, backend.name))
     if engine.state != "ready":
         return
     try:

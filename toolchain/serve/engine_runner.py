@@ -1,4 +1,5 @@
-"""The ONNX Runtime backend of the engine: dstc's own runner, batched (toolchain/runtime/batching.py).
+"""The engine's backend on dstc's own runner, batched: ONNX Runtime artifacts (toolchain/runtime/batching.py), and
+OpenVINO artifacts that openvino_genai cannot page, such as MLA's latent cache (toolchain/runtime/batching_openvino.py).
 
 Requests that arrive together are prefilled as one left-padded batch and join the running batch; every engine
 iteration is then one decode step of all running sequences. Tokens are chosen here (toolchain/runtime/sampling.py):
@@ -32,30 +33,44 @@ class _State:
     count: int = 0
 
 
-class OnnxRuntimeBackend:
-    name = "onnxruntime"
+class RunnerBackend:
+    name = "dstc"
 
     def __init__(self, artifact: Artifact, *, threads: int | None, max_batch: int, max_context: int,
-                 layout: str = "batch") -> None:
+                 layout: str = "batch", f32: bool = False) -> None:
         self.artifact = artifact
         self.threads = threads
         self.max_batch = max_batch
         self.max_context = max_context
         self.layout = layout
+        self.f32 = f32  # OpenVINO: f32 compute and cache instead of the plugin's deployment defaults
         self.decoder: Decoder | None = None
         self.batch: BatchedDecoder | None = None
         self._live: dict[int, Request] = {}
 
     def load(self) -> None:
-        from toolchain.runtime.batching import batched_decoder
         from toolchain.runtime.decoder import open_decoder
 
-        self.decoder = open_decoder(self.artifact, threads=self.threads)
-        self.batch = batched_decoder(self.decoder, self.artifact.pad_token_id, self.layout)
+        self.decoder = open_decoder(self.artifact, threads=self.threads, openvino_f32=self.f32)
+        self.batch = self._batch()
+
+    def _batch(self) -> BatchedDecoder:
+        from toolchain.errors import InputError
+        from toolchain.runtime.batching import batched_decoder
+        from toolchain.runtime.batching_openvino import StatefulBatch
+
+        if self.decoder is None:
+            raise RuntimeError("the runner backend is used before it is loaded")
+        if self.decoder.backend != "openvino":
+            return batched_decoder(self.decoder, self.artifact.pad_token_id, self.layout)
+        if self.layout != "batch":
+            raise InputError(f"KV-cache layout {self.layout!r} is ONNX Runtime's; an OpenVINO artifact is batched in "
+                             "its infer request's variables (layout 'batch')")
+        return StatefulBatch(self.decoder, self.artifact.pad_token_id)
 
     def _loaded(self) -> BatchedDecoder:
         if self.batch is None:
-            raise RuntimeError("the ONNX Runtime backend is used before it is loaded")
+            raise RuntimeError("the runner backend is used before it is loaded")
         return self.batch
 
     @property
@@ -147,10 +162,8 @@ class OnnxRuntimeBackend:
             del self._live[key]
 
     def reset(self) -> None:
-        from toolchain.runtime.batching import batched_decoder
-
         self._live = {}
-        self.batch = batched_decoder(self.decoder, self.artifact.pad_token_id, self.layout)
+        self.batch = self._batch()
 
     def kv_cache_usage(self) -> float:
         return self.batch.tokens_held() / (self.max_batch * self.max_context) if self.batch else 0.0

@@ -1,0 +1,135 @@
+"""Continuous batching on an OpenVINO artifact with dstc's own runner, for the graphs openvino_genai cannot page.
+
+openvino_genai's ContinuousBatchingPipeline replaces the graph's ScaledDotProductAttention by paged attention;
+MLA's latent cache (toolchain/export/deepseek.py, the default of every DeepSeek-V2/V3 export) has no such node
+(its scores are two products over two cached tensors), so the pipeline refuses those artifacts. They are batched
+here instead, as ONNX Runtime artifacts are in batching.py's PersistentBatch: one infer request of the stateful IR
+holds the whole running batch's cache in its variables, so a decode step copies no cache in or out.
+
+- A join prefills the new sequences on a second infer request, then merges both caches (left-padded to one width)
+  into the running request's variables: one copy of the cache, as PersistentBatch's rebuild.
+- A sequence that leaves is dropped at the next step by the graph's ``beam_idx`` input (the Gather that the
+  compile stage puts on every cache variable, toolchain/compile/openvino_ir.py): the running rows are selected in
+  the graph, with no copy through Python.
+
+Variables are read and written in f32: the CPU plugin converts to and from the cache precision the artifact asks
+for (its rt_info ``runtime_options``). With an f16 or bf16 cache that is exact (they widen to f32 and back without
+loss); with a u8 cache a merged row would be quantized again, so the artifact's precision is used as it is and a u8
+cache is not asked for here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Iterable
+from pathlib import Path
+
+import numpy as np
+
+from toolchain.runtime.batching import BatchedDecoder
+from toolchain.runtime.decoder import positions
+from toolchain.runtime.generate import left_pad
+from toolchain.runtime.last_logits import INPUT as LOGITS_TO_KEEP
+
+
+def pageable(xml: Path) -> bool:
+    """Whether openvino_genai's continuous batching can page this IR's KV cache: it converts the graph's
+    ScaledDotProductAttention nodes, and refuses an IR without them."""
+    import openvino as ov
+
+    return any(op.get_type_name() == "ScaledDotProductAttention" for op in ov.Core().read_model(xml).get_ops())
+
+
+class StatefulBatch(BatchedDecoder):
+    """A running batch of sequences in the variables of one infer request of a stateful OpenVINO IR (an
+    OpenVINODecoder's); the interface is BatchedDecoder's."""
+
+    layout = "batch"
+
+    def __init__(self, decoder, pad_id: int) -> None:
+        super().__init__(pad_id)
+        self._request = decoder.request
+        self._side = decoder.compiled.create_infer_request()  # prefills of joining sequences
+        self._rows: list[Hashable | None] = []  # None: left, dropped at the next step
+        self._mask = np.zeros((0, 0), np.int64)
+
+    @property
+    def keys(self) -> list[Hashable]:
+        return [key for key in self._rows if key is not None]
+
+    def tokens_held(self) -> int:
+        live = self._live()
+        return int(self._mask[live].sum()) if live else 0
+
+    def _live(self) -> list[int]:
+        return [row for row, key in enumerate(self._rows) if key is not None]
+
+    def join(self, prompts: dict[Hashable, list[int]]) -> dict[Hashable, np.ndarray]:
+        self._check_join(prompts)
+        keys = list(prompts)
+        ids, mask = left_pad([list(prompts[k]) for k in keys], self.pad_id)
+        if not self.keys:
+            self._request.reset_state()
+            logits = _run(self._request, ids, mask, np.arange(len(keys), dtype=np.int32))
+            self._rows, self._mask = keys, mask
+        else:
+            self._side.reset_state()
+            logits = _run(self._side, ids, mask, np.arange(len(keys), dtype=np.int32))
+            self._merge(keys, mask)
+        return {key: logits[row] for row, key in enumerate(keys)}
+
+    def _merge(self, keys: list[Hashable], mask: np.ndarray) -> None:
+        """The live rows' cache, then the side request's, left-padded to one width with the columns only padding
+        occupies cut off, written into the running request's variables."""
+        live = self._live()
+        old_mask = self._mask[live]
+        first = int(np.argmax(old_mask.any(axis=0)))
+        old_width, new_width = old_mask.shape[1] - first, mask.shape[1]
+        width = max(old_width, new_width)
+        merged_mask = np.zeros((len(live) + len(keys), width), np.int64)
+        merged_mask[:len(live), width - old_width:] = old_mask[:, first:]
+        merged_mask[len(live):, width - new_width:] = mask
+        side = {state.name: state for state in self._side.query_state()}
+        for state in self._request.query_state():
+            old = state.state.data[live, :, first:]
+            new = side[state.name].state.data
+            merged = np.zeros((len(live) + len(keys), old.shape[1], width, old.shape[3]), np.float32)
+            merged[:len(live), :, width - old_width:] = old
+            merged[len(live):, :, width - new_width:] = new
+            state.state = _tensor(merged)
+        self._rows = [self._rows[row] for row in live] + keys
+        self._mask = merged_mask
+
+    def step(self, tokens: dict[Hashable, int]) -> dict[Hashable, np.ndarray]:
+        self._check_step(tokens)
+        live = self._live()
+        self._rows = [self._rows[row] for row in live]
+        mask = np.concatenate([self._mask[live], np.ones((len(live), 1), np.int64)], axis=1)
+        ids = np.array([[tokens[key]] for key in self._rows], np.int64)
+        # beam_idx = the live rows: the graph's Gather drops the rows that left from every variable
+        logits = _run(self._request, ids, mask, np.asarray(live, np.int32))
+        self._mask = mask
+        return {key: logits[row] for row, key in enumerate(self._rows)}
+
+    def leave(self, keys: Iterable[Hashable]) -> None:
+        drop = set(keys)
+        self._rows = [None if key in drop else key for key in self._rows]
+        if not self.keys:
+            self._rows, self._mask = [], np.zeros((0, 0), np.int64)
+            self._request.reset_state()
+
+
+def _run(request, ids: np.ndarray, mask: np.ndarray, beam_idx: np.ndarray) -> np.ndarray:
+    """The last position's logits [B, vocab] of one infer (the IR computes the lm_head for it alone)."""
+    ids = np.ascontiguousarray(ids, np.int64)
+    mask = np.ascontiguousarray(mask, np.int64)
+    result = request.infer({"input_ids": ids, "attention_mask": mask,
+                            "position_ids": np.ascontiguousarray(positions(mask, ids.shape[1])),
+                            "beam_idx": beam_idx, LOGITS_TO_KEEP: np.array(1, np.int64)},
+                           share_inputs=True)  # as the decoder feeds the same request (no copy into its tensors)
+    return np.array(result["logits"], np.float32)[:, -1]
+
+
+def _tensor(array: np.ndarray):
+    import openvino as ov
+
+    return ov.Tensor(np.ascontiguousarray(array))
