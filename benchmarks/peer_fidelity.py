@@ -388,7 +388,7 @@ def compare(reference: list[np.ndarray], candidate: list[np.ndarray]) -> dict:
     q_log = np.concatenate(candidate)
     kl = (np.exp(p_log) * (p_log - q_log)).sum(-1)
     return {"kl_mean": float(kl.mean()), "kl_max": float(kl.max()),
-            "top1": float((p_log.argmax(-1) == q_log.argmax(-1)).mean()), "positions": int(len(kl))}
+            "top1": float((p_log.argmax(-1) == q_log.argmax(-1)).mean()), "positions": len(kl)}
 
 
 def heldout_sequences(tokenizer, positions: int) -> list[list[int]]:

@@ -67,52 +67,52 @@ _log_callbacks: list = []  # llama.cpp keeps calling the one given: it must outl
 
 
 def _llama_model(path: str, n_ctx: int, threads: int):
-    import llama_cpp.llama_cpp as L
+    import llama_cpp.llama_cpp as lc
 
-    @L.llama_log_callback
+    @lc.llama_log_callback
     def errors_only(level: int, text: bytes, user_data) -> None:
         if level == 4:  # GGML_LOG_LEVEL_ERROR
             sys.stderr.write(text.decode(errors="replace"))
     _log_callbacks.append(errors_only)
-    L.llama_log_set(errors_only, None)
-    L.llama_backend_init()
-    params = L.llama_model_default_params()
+    lc.llama_log_set(errors_only, None)
+    lc.llama_backend_init()
+    params = lc.llama_model_default_params()
     params.use_extra_bufts = False  # no repacked (AMX / AVX-512) weight buffers: one crashed on this kind of machine
-    model = L.llama_model_load_from_file(path.encode(), params)
+    model = lc.llama_model_load_from_file(path.encode(), params)
     if not model:
         raise SystemExit(f"llama.cpp could not load {path}")
-    ctx_params = L.llama_context_default_params()
+    ctx_params = lc.llama_context_default_params()
     ctx_params.n_ctx = ctx_params.n_batch = ctx_params.n_ubatch = n_ctx
     ctx_params.n_threads = ctx_params.n_threads_batch = threads
     # f32 throughout: an f32 KV cache (f16 by default) and no flash attention (f16 internally on CPU)
-    ctx_params.type_k = ctx_params.type_v = L.GGML_TYPE_F32
-    ctx_params.flash_attn_type = L.LLAMA_FLASH_ATTN_TYPE_DISABLED
-    ctx = L.llama_init_from_model(model, ctx_params)
+    ctx_params.type_k = ctx_params.type_v = lc.GGML_TYPE_F32
+    ctx_params.flash_attn_type = lc.LLAMA_FLASH_ATTN_TYPE_DISABLED
+    ctx = lc.llama_init_from_model(model, ctx_params)
     if not ctx:
         raise SystemExit(f"llama.cpp could not create a context for {path}")
-    return L, model, ctx
+    return lc, model, ctx
 
 
 def gguf_logits(path: str, sequences: str, out: str, threads: str) -> None:
     seqs = json.loads(Path(sequences).read_text())
-    L, model, ctx = _llama_model(path, max(len(s) for s in seqs), int(threads))
-    vocab = L.llama_vocab_n_tokens(L.llama_model_get_vocab(model))
+    lc, model, ctx = _llama_model(path, max(len(s) for s in seqs), int(threads))
+    vocab = lc.llama_vocab_n_tokens(lc.llama_model_get_vocab(model))
     rows = []
     for seq in seqs:
-        L.llama_memory_clear(L.llama_get_memory(ctx), True)
-        batch = L.llama_batch_init(len(seq), 0, 1)
+        lc.llama_memory_clear(lc.llama_get_memory(ctx), True)
+        batch = lc.llama_batch_init(len(seq), 0, 1)
         for i, token in enumerate(seq):
             batch.token[i], batch.pos[i], batch.n_seq_id[i], batch.logits[i] = token, i, 1, 1
             batch.seq_id[i][0] = 0
         batch.n_tokens = len(seq)
-        status = L.llama_decode(ctx, batch)
+        status = lc.llama_decode(ctx, batch)
         if status != 0:
             raise SystemExit(f"llama_decode returned {status}")
-        rows.append(np.ctypeslib.as_array(L.llama_get_logits(ctx), shape=(len(seq) * vocab,))
+        rows.append(np.ctypeslib.as_array(lc.llama_get_logits(ctx), shape=(len(seq) * vocab,))
                      .reshape(len(seq), vocab).copy())
-        L.llama_batch_free(batch)
-    L.llama_free(ctx)
-    L.llama_model_free(model)
+        lc.llama_batch_free(batch)
+    lc.llama_free(ctx)
+    lc.llama_model_free(model)
     np.save(out, np.concatenate(rows).astype(np.float32))
 
 
@@ -120,11 +120,11 @@ def tokenize_gguf(path: str, text_file: str, hf_dir: str) -> None:
     from transformers import AutoTokenizer
 
     text = Path(text_file).read_text()
-    L, model, ctx = _llama_model(path, 64, 1)
-    vocab = L.llama_model_get_vocab(model)
+    lc, model, _ctx = _llama_model(path, 64, 1)
+    vocab = lc.llama_model_get_vocab(model)
     data = text.encode()
-    buffer = (L.llama_token * (len(data) + 8))()
-    n = L.llama_tokenize(vocab, data, len(data), buffer, len(buffer), True, False)
+    buffer = (lc.llama_token * (len(data) + 8))()
+    n = lc.llama_tokenize(vocab, data, len(data), buffer, len(buffer), True, False)
     theirs = AutoTokenizer.from_pretrained(hf_dir)(text)["input_ids"]
     print(json.dumps({"llamacpp": list(buffer[:n]), "transformers": theirs}))
 
