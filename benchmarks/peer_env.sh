@@ -27,6 +27,7 @@ OPENVINO=2026.4.1
 OPENVINO_TOKENIZERS=2026.4.1.0
 LLAMA_CPP_PYTHON=0.3.36
 SENTENCEPIECE=0.2.3          # llama.cpp's GGUF converter imports it
+DISKCACHE=5.6.3              # llama-cpp-python's bindings import it
 
 stamp() { [ -e "$env_dir/.stamps/$1" ]; }
 done_() { date -u +%FT%TZ >"$env_dir/.stamps/$1"; }
@@ -36,6 +37,7 @@ pip() { "$env_dir/bin/python" -m pip --disable-pip-version-check "$@"; }
 
 packages="torch==$TORCH transformers==$TRANSFORMERS optimum-intel==$OPTIMUM_INTEL optimum==$OPTIMUM nncf==$NNCF"
 packages+=" openvino==$OPENVINO openvino-tokenizers==$OPENVINO_TOKENIZERS sentencepiece==$SENTENCEPIECE"
+packages+=" diskcache==$DISKCACHE"
 packages_stamp="python-packages-$(echo "$packages" | sha256sum | cut -c1-12)"  # new pins: install again
 if ! stamp "$packages_stamp"; then
     pip install -q "torch==$TORCH"

@@ -96,3 +96,15 @@ def test_peer_checkpoint_keeps_rope_for_transformers_4(peers, tmp_path, name) ->
     assert tokenizer["tokenizer_class"] == "PreTrainedTokenizerFast"
     assert "<think>" in tokenizer["additional_special_tokens"]
     assert (out / "model.safetensors").resolve() == (source / "model.safetensors").resolve()
+
+
+def test_a_refusal_is_the_peers_cause_not_its_wrapper(peers) -> None:
+    quantize = ("main: quantizing 'model-f32.gguf' to 'model-q4_k_m.gguf' as Q4_K_M\n"
+                "llama_model_quantize: failed to quantize: key not found in model: deepseek2.attention.q_lora_rank\n"
+                "llama_quantize: failed to quantize model from 'model-f32.gguf'\n")
+    assert peers._error_line(quantize) == ("llama_model_quantize: failed to quantize: key not found in model: "
+                                           "deepseek2.attention.q_lora_rank")
+    traceback = ("Traceback (most recent call last):\n  File \"x.py\", line 1, in <module>\n"
+                 "ValueError: The current version of Transformers does not allow for the export of the model. "
+                 "Maximum required is 4.53.3, got: 4.57.6\n")
+    assert peers._error_line(traceback).startswith("ValueError: The current version of Transformers")
