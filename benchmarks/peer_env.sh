@@ -10,7 +10,6 @@
 # llama-imatrix / llama-quantize tools; the sdist's pure-Python ctypes bindings (llama_cpp) are copied into the
 # venv with the libraries beside them, so that llama.cpp is compiled once, not a second time by pip.
 # Idempotent: each step leaves a stamp in ENV_DIR/.stamps and is skipped when its stamp is there.
-# GGML_NATIVE compiles for this CPU: on a machine whose CPU differs, remove ENV_DIR/.stamps/llama-build to rebuild.
 set -euo pipefail
 env_dir=${1:?usage: peer_env.sh ENV_DIR}
 mkdir -p "$env_dir/.stamps"
@@ -56,12 +55,15 @@ if ! stamp llama-source; then
 fi
 
 build="$env_dir/llama.cpp-build"
-if ! stamp llama-build; then
+# GGML_NATIVE compiles for this CPU's instructions: keyed on its flags, a machine with another CPU builds again
+cpu=$(grep -m1 '^flags' /proc/cpuinfo | sha256sum | cut -c1-12)
+if ! stamp "llama-build-$cpu"; then
     cmake -S "$src/vendor/llama.cpp" -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=ON \
         -DGGML_NATIVE=ON -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
         -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_TOOLS=ON
     cmake --build "$build" -j "$jobs" --target llama llama-imatrix llama-quantize
-    done_ llama-build
+    rm -f "$env_dir/.stamps/llama-python"  # the libraries beside the bindings are copied again
+    done_ "llama-build-$cpu"
 fi
 
 if ! stamp llama-python; then
