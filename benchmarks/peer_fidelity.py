@@ -30,6 +30,10 @@ Known refusals (raised as ``Skipped`` with the peer's own line): optimum-intel 2
 transformers <= 4.53.3 ("Maximum required is 4.53.3"); on 4.53.3 itself its DeepSeek patches, written for the hub
 checkpoints' remote code (modeling_deepseek.py), fail on transformers' own DeepseekV3 ("deepseek_v3_attn_forward()
 got an unexpected keyword argument 'cache_position'"), and 4.53.3 has no DeepseekV2 at all. Qwen2 needs >= 4.57.
+llama.cpp converts deepseek-v2-lite-tiny but cannot load or quantize it ("key not found in model:
+deepseek2.attention.q_lora_rank": it takes a DeepSeek-V2 without q_lora_rank for V2-Lite only at 26 or 27 layers).
+On deepseek-v3-tiny llama.cpp's f32 GGUF is itself 5.3e-3 nats of KL from the reference (1e-12 on Qwen2 / Llama):
+``__main__`` prints each llama.cpp build's KL against its own f32 beside the KL against the reference.
 
 API:
 
