@@ -61,6 +61,24 @@ def test_recipe_error_exits_2_and_writes_nothing(tmp_path, env):
     assert not (tmp_path / "out").exists()
 
 
+def test_a_calibration_file_is_read_beside_the_recipe_and_a_missing_one_stops_before_any_stage(tmp_path, env):
+    from toolchain.build import _calibration_beside_recipe
+
+    recipes = tmp_path / "recipes"
+    (recipes / "data").mkdir(parents=True)
+    (recipes / "data" / "calibration.txt").write_text("The old man walked to the market.\n")
+    compress = {"scheme": "int4-grouped", "awq": True, "dataset": "data/calibration.txt"}
+    path = write_recipe(recipes / "r.yaml", compress=compress)
+    resolved = _calibration_beside_recipe(load_recipe(path), path)
+    assert resolved.compress.dataset == str((recipes / "data" / "calibration.txt").resolve())  # not from the CWD
+
+    missing = write_recipe(recipes / "m.yaml", compress={**compress, "dataset": "data/absent.txt"})
+    proc = dstc("build", missing, "-o", tmp_path / "out", env=env)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 2 and "compress.dataset data/absent.txt does not exist" in err
+    assert "Traceback" not in err and not (tmp_path / "out").exists() and not (tmp_path / "cache").exists()
+
+
 @pytest.mark.parametrize("backend", ["openvino", "onnxruntime"])
 def test_two_fresh_builds_are_byte_identical(tiny_checkpoints, tmp_path, env, backend):
     recipe = write_recipe(tmp_path / "r.yaml", compile={"backend": backend, "verify": False})

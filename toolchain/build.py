@@ -16,6 +16,7 @@ from pathlib import Path
 
 from toolchain import source as sources
 from toolchain.atomic import atomic_output_dir
+from toolchain.compress.calibration import EMBEDDED
 from toolchain.errors import InputError
 from toolchain.gates import GateFailed
 from toolchain.manifest import REPORT_FILES, digest, git_commit, versions, write_manifest
@@ -67,6 +68,7 @@ def build(recipe_path: Path, out_dir: Path | None = None, *, model: str | None =
     out_dir = Path(out_dir or Path("artifacts") / recipe.name)
     baseline = _gate_baseline(recipe, Path(recipe_path))
     eval_settings = _eval_settings(recipe, Path(recipe_path))
+    recipe = _calibration_beside_recipe(recipe, Path(recipe_path))
     # hashed while the config check imports transformers (seconds)
     hashing = Hashing(sources.locate(recipe.model, revision=recipe.revision)[0])
     source = sources.resolve(recipe.model, revision=recipe.revision)
@@ -152,6 +154,19 @@ def _eval_settings(recipe: Recipe, recipe_path: Path):
             raise InputError(f"{recipe_path}: eval.dataset {settings.dataset} is not a file (looked for {dataset})")
         settings = settings.model_copy(update={"dataset": str(dataset)})
     return settings
+
+
+def _calibration_beside_recipe(recipe: Recipe, recipe_path: Path) -> Recipe:
+    """The recipe with a relative compress.dataset read from the recipe's directory, as eval.dataset is (not from
+    wherever the build was started), and checked to be there before anything is built."""
+    if recipe.compress is None or recipe.compress.dataset == EMBEDDED or Path(recipe.compress.dataset).is_absolute():
+        return recipe
+    dataset = recipe_path.parent / recipe.compress.dataset
+    if not dataset.exists():
+        raise InputError(f"{recipe_path}: compress.dataset {recipe.compress.dataset} does not exist (looked for "
+                         f"{dataset})")
+    compress = recipe.compress.model_copy(update={"dataset": str(dataset.resolve())})
+    return recipe.model_copy(update={"compress": compress})
 
 
 def _evaluate(recipe: Recipe, settings, baseline, artifact: Path, final: Path, events: Events):
