@@ -20,6 +20,9 @@ Contenders:
 * ``llamacpp-q4km-imatrix``: the same, quantized with an importance matrix that ``llama-imatrix`` computed on the
   calibration texts (one per line in ``calibration.txt``; chunks of ``min(128, tokens // 2)`` tokens). The build
   checks that llama.cpp tokenizes that file as transformers does (``tokenization_match`` in its result).
+* ``llamacpp-q4_0`` / ``llamacpp-q4_0-imatrix``: ``Q4_0`` (blocks of 32 weights, an f16 scale each: 4.5 bits) in
+  place of Q4_K_M, which the embedded models' 128-wide rows push to about 6 bits: llama.cpp's point at the bits
+  of the others.
 
 The checkpoint is given to the peers rewritten for transformers 4.x (``peer_checkpoint``): the embedded
 checkpoints were saved by transformers 5, whose ``rope_parameters`` transformers 4.57 does not read (it would run
@@ -68,7 +71,10 @@ from pathlib import Path
 
 import numpy as np
 
-CONTENDERS = ("optimum-int4", "optimum-int4-awq-se", "llamacpp-q4km", "llamacpp-q4km-imatrix")
+# llama.cpp's contenders -> the llama-quantize type
+LLAMACPP = {"llamacpp-q4km": "Q4_K_M", "llamacpp-q4km-imatrix": "Q4_K_M", "llamacpp-q4_0": "Q4_0",
+            "llamacpp-q4_0-imatrix": "Q4_0"}
+CONTENDERS = ("optimum-int4", "optimum-int4-awq-se", *LLAMACPP)
 REPO = Path(__file__).resolve().parent.parent
 WORKER = REPO / "benchmarks" / "peer_worker.py"
 LLAMA_CPP_PYTHON = "0.3.36"  # benchmarks/peer_env.sh's pin: where its source and build are
@@ -174,7 +180,7 @@ def _worker(env: Path, *args: str) -> list[str]:
 
 
 def _gguf(built: Path) -> Path:
-    return built / "model-q4_k_m.gguf"
+    return built / "model.gguf"
 
 
 def _ir(built: Path) -> Path:
@@ -205,7 +211,7 @@ def build(contender: str, checkpoint: Path, out: Path, calibration: list[str], e
         steps["convert"] = _run(_worker(env, "convert-gguf", str(paths["converter"]), str(source), str(f32)),
                                 out / "convert.log")
         quantize = [str(paths["quantize"])]
-        if contender == "llamacpp-q4km-imatrix":
+        if contender.endswith("-imatrix"):
             text = out / "calibration.txt"
             text.write_text("\n".join(calibration) + "\n")
             result["tokenization_match"], tokens = _tokenization_match(env, f32, text, source, out)
@@ -215,7 +221,8 @@ def build(contender: str, checkpoint: Path, out: Path, calibration: list[str], e
                                      "--no-repack", "--no-ppl"], out / "imatrix.log")
             result["imatrix_chunks"] = f"{tokens // context} chunks of {context} tokens ({tokens} tokens)"
             quantize += ["--imatrix", str(out / "imatrix.gguf")]
-        steps["quantize"] = _run([*quantize, str(f32), str(_gguf(out)), "Q4_K_M", "2"], out / "quantize.log")
+        steps["quantize"] = _run([*quantize, str(f32), str(_gguf(out)), LLAMACPP[contender], "2"],
+                                 out / "quantize.log")
     return {"wall_s": round(sum(s["wall_s"] for s in steps.values()), 2),
             "peak_rss_gib": max(s["peak_rss_gib"] for s in steps.values()), "steps": steps, **result}
 
@@ -482,7 +489,7 @@ def main() -> None:
             except Skipped as reason:
                 rows[name] = {"skipped": str(reason)}
             print(name, json.dumps(rows[name]), flush=True)
-    for contender in ("llamacpp-q4km", "llamacpp-q4km-imatrix"):
+    for contender in LLAMACPP:
         if contender in outputs and "llamacpp-f32" in outputs:
             rows[contender]["kl_vs_own_f32"] = compare(outputs["llamacpp-f32"], outputs[contender])["kl_mean"]
     print(f"\n{args.model}: {sum(len(s) for s in sequences)} positions in {len(sequences)} held-out sequences")
