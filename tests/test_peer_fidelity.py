@@ -4,24 +4,19 @@ Building and running the peers needs benchmarks/peer_env.sh's environment and is
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
 import numpy as np
 import pytest
+from benchmark_modules import load
 
 from toolchain.models.registry import embedded_path
-
-PATH = Path(__file__).resolve().parent.parent / "benchmarks" / "peer_fidelity.py"
 
 
 @pytest.fixture(scope="module")
 def peers():
-    spec = importlib.util.spec_from_file_location("peer_fidelity", PATH)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load("peer_fidelity", "peer_fidelity")
 
 
 def tiny_ir(path: Path) -> Path:

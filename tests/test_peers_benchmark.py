@@ -3,23 +3,17 @@ table. Nothing is built or timed here."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
 import numpy as np
 import onnx
 import pytest
-
-PATH = Path(__file__).resolve().parent.parent / "benchmarks" / "peers.py"
+from benchmark_modules import load
 
 
 @pytest.fixture(scope="module")
 def peers():
-    spec = importlib.util.spec_from_file_location("peers_benchmark", PATH)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load("peers", "peers_benchmark")
 
 
 def sample(ttft_s: float, decode_s: float, batch4: float | None = None) -> dict:

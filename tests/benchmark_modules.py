@@ -1,0 +1,18 @@
+"""The benchmark scripts (benchmarks/, not a package) imported by path, for the tests of their pure parts."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+from types import ModuleType
+
+BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
+
+
+def load(script: str, name: str) -> ModuleType:
+    """benchmarks/<script>.py as a module called ``name``."""
+    spec = importlib.util.spec_from_file_location(name, BENCHMARKS / f"{script}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
