@@ -15,6 +15,7 @@ import onnx_ir as ir
 import pytest
 
 from toolchain.errors import InputError
+from toolchain.interface.graph import cache_spec
 from toolchain.stages.compile import compile_artifact
 from toolchain.stages.compress import compress
 from toolchain.stages.export import export
@@ -252,7 +253,7 @@ def test_routed_experts_statistics_are_their_inputs_in_the_exported_graph(export
     sequences = [rng.integers(0, vocab, n).tolist() for n in (24, 40, 64)]
     stats = linear_statistics(tiny_checkpoints["deepseek_v3"], sequences, set(experts))
     run = GraphRunner(model_path, "onnxruntime", extra_outputs=sorted(set(inputs.values())))
-    specs = calibration.past_specs((v.name, v.shape) for v in model.graph.inputs)
+    specs = cache_spec((v.name, v.shape) for v in model.graph.inputs)
     outputs = [run(calibration.feeds(ids, specs)) for ids in sequences]
     compared = 0
     for weight, value in inputs.items():

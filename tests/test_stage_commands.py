@@ -16,7 +16,7 @@ from toolchain.cli import PASSES_EXCLUDED, cli
 from toolchain.errors import RecipeError
 from toolchain.manifest import file_hashes
 from toolchain.recipe import CompileSection, CompressSection, ExportSection, PassesSection, load_recipe
-from toolchain.stages.reports import CompressionReport, ExportReport, StageRecord
+from toolchain.interface.reports import CompressionReport, ExportReport, StageRecord
 from toolchain.stages.runner import STAGE_RECORD, cache_damage
 
 MODEL = "r1-distill-qwen-tiny"

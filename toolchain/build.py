@@ -18,10 +18,10 @@ from toolchain import source as sources
 from toolchain.atomic import atomic_output_dir
 from toolchain.errors import InputError
 from toolchain.gates import GateFailed
+from toolchain.interface.reports import STAGE_REPORTS
 from toolchain.manifest import REPORT_FILES, digest, git_commit, versions, write_manifest
 from toolchain.recipe import Recipe, load_recipe
 from toolchain.source_hashes import Hashing
-from toolchain.stages.reports import STAGE_REPORTS
 from toolchain.stages.runner import (
     STAGE_RECORD,
     Stage,

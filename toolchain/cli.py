@@ -330,7 +330,7 @@ def _parity_line(results: dict) -> str:
 
 def _stage_check(name: str, provenance) -> str:
     """One line of what a stage checked, from its report in the manifest's provenance."""
-    from toolchain.stages.reports import CompileReport, CompressionReport, ExportReport, PassesReport
+    from toolchain.interface.reports import CompileReport, CompressionReport, ExportReport, PassesReport
 
     if name == "export" and (export := provenance.report("export", ExportReport)):
         layers = " layer by layer" if export.parity_mode == "layer by layer" else ""

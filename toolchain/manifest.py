@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 from toolchain import __version__
 from toolchain.atomic import MARKER
 from toolchain.errors import InputError
-from toolchain.stages.reports import read_json_file
+from toolchain.interface.reports import read_json_file
 
 if TYPE_CHECKING:
     from toolchain.manifest_schema import Manifest

@@ -14,8 +14,8 @@ from typing import ClassVar, Literal, TypeVar
 
 from pydantic import Field, ValidationError, field_serializer, field_validator
 
+from toolchain.interface.reports import STAGE_REPORTS, Schema, StageReport, _Model
 from toolchain.recipe import Recipe
-from toolchain.stages.reports import STAGE_REPORTS, Schema, StageReport, _Model
 
 R = TypeVar("R", bound=StageReport)
 

@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 
 from toolchain.errors import InputError
+from toolchain.interface.graph import ATTENTION_MASK, INPUT_IDS, POSITION_IDS
 
 EMBEDDED = "embedded"
 MAX_TOKENS = 64
@@ -78,13 +79,9 @@ def token_sequences(texts: list[str], checkpoint: Path | None, vocab_size: int,
 def feeds(ids: list[int], past_specs: dict[str, tuple[int, int]]) -> dict[str, np.ndarray]:
     """Prefill feeds for one sequence (batch 1, empty cache). past_specs: input name -> (heads, head dim)."""
     n = len(ids)
-    out = {"input_ids": np.asarray([ids], np.int64), "attention_mask": np.ones((1, n), np.int64),
-           "position_ids": np.arange(n, dtype=np.int64)[None]}
+    out = {INPUT_IDS: np.asarray([ids], np.int64), ATTENTION_MASK: np.ones((1, n), np.int64),
+           POSITION_IDS: np.arange(n, dtype=np.int64)[None]}
     for name, (heads, dim) in past_specs.items():
         out[name] = np.zeros((1, heads, 0, dim), np.float32)
     return out
 
-
-def past_specs(model_inputs) -> dict[str, tuple[int, int]]:
-    """From (name, shape) pairs of the graph's inputs: past_key_values.* -> (heads, head dim)."""
-    return {name: (int(shape[1]), int(shape[3])) for name, shape in model_inputs if name.startswith("past_key_values.")}

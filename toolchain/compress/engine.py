@@ -37,6 +37,7 @@ from passes.base import CountedResult
 from passes.graph import name_of, stored_weight, tensor_of
 from passes.quantize._weights import MS_DOMAIN
 from toolchain.errors import InputError
+from toolchain.interface.graph import LAYER, ROLE
 from toolchain.recipe import CompressSection
 
 MIN_ADJUSTED_GROUP_SIZE = 32
@@ -88,10 +89,10 @@ def graph_weights(model: ir.Model, with_arrays: bool = True) -> list[Weight]:
                 len(shape) not in (2, 3) or (node.op_type == "Gather" and len(shape) != 2):
             continue
         props = value.const_value.metadata_props
-        layer = props.get("dstc.layer")
+        layer = props.get(LAYER)
         out.append(Weight(name_of(value), name_of(node), name_of(node.outputs[0]), node.op_type.lower(), shape,
                           value.const_value.numpy().astype(np.float32, copy=False) if with_arrays else None,
-                          props.get("dstc.role"), int(layer) if layer and layer.isdigit() else None,
+                          props.get(ROLE), int(layer) if layer and layer.isdigit() else None,
                           "bfloat16" if stored else "float32"))
     return out
 

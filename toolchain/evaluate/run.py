@@ -17,9 +17,9 @@ import numpy as np
 
 from toolchain.evaluate.settings import EvalSettings
 from toolchain.hardware import describe_cpu
+from toolchain.interface.reports import CompressionReport
 from toolchain.manifest import MANIFEST, REPORT_FILES, versions
 from toolchain.report.schema import SCHEMA, HeadError, LatencyCase, LayerError, Metric, Report, Series
-from toolchain.stages.reports import CompressionReport
 
 if TYPE_CHECKING:
     from toolchain.manifest_schema import Manifest

@@ -14,8 +14,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from toolchain.compile.onnxruntime_artifact import MODEL as ONNX_MODEL
-from toolchain.compile.openvino_ir import MODEL_XML
+from toolchain.interface.files import MODEL_XML, ONNX_MODEL
 from toolchain.runtime.artifact import Artifact
 
 

@@ -38,9 +38,10 @@ from toolchain.compress import calibration, engine, metrics, moe as fused_moe
 from toolchain.compress.policy import Policy, layer_of, role_of
 from toolchain.compress.streaming import blocked_dq_to_nbits
 from toolchain.errors import InputError
+from toolchain.interface.graph import HEAD_LAYOUT, cache_spec
+from toolchain.interface.reports import CompressionReport
 from toolchain.recipe import CompressSection
 from toolchain.runtime.engines import GraphRunner, ort_kernels
-from toolchain.stages.reports import CompressionReport
 
 TARGETS = ("onnxruntime", "openvino")
 CALIBRATION_SEQUENCES = 16
@@ -55,7 +56,7 @@ def head_layout(model: ir.Model) -> dict[str, tuple[str, int]]:
     """projection -> ("out", head width) for projections whose output channels are heads, ("in", width) for the
     output projection, whose input rows are: what the exporter's architecture module wrote into the graph
     (``dstc.head_layout``); {} for a graph without it (no per-head treatment)."""
-    layout = json.loads(model.metadata_props.get("dstc.head_layout") or "{}")
+    layout = json.loads(model.metadata_props.get(HEAD_LAYOUT) or "{}")
     return {projection: (side, int(width)) for projection, (side, width) in layout.items()}
 
 
@@ -157,7 +158,7 @@ def compress(in_dir: Path, out_dir: Path, *, target: str = "onnxruntime", source
     engine.widen_stored_weights(model)  # NNCF and the metrics take float32 weights
     weights = engine.graph_weights(model)
     plan = policy.plan(weights)
-    specs = calibration.past_specs((v.name, v.shape) for v in model.graph.inputs)
+    specs = cache_spec((v.name, v.shape) for v in model.graph.inputs)
     texts = calibration.load_texts(opts.dataset, CALIBRATION_SEQUENCES)
     sequences, tokenization = calibration.token_sequences(texts, source, config["vocab_size"])
     feed_list = [calibration.feeds(ids, specs) for ids in sequences]

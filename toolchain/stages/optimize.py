@@ -28,8 +28,8 @@ from passes.targets import PIPELINES, expectations_for, pipeline
 from toolchain import __version__
 from toolchain.atomic import atomic_output_dir
 from toolchain.errors import InputError, ParityError
+from toolchain.interface.reports import PassesReport
 from toolchain.pass_errors import to_dstc_error
-from toolchain.stages.reports import PassesReport
 
 TARGETS = tuple(PIPELINES)
 # OpenVINO CPU runtime layer types of the fusions the openvino target is shaped for.

@@ -4,7 +4,7 @@
 A stage is a name, its configuration (the recipe section it runs with, validated before anything runs), the
 function that runs it and the module whose import closure is its code. Its id hashes its parent's id, its
 configuration and that code (as Olive chains pass ids). A finished stage directory holds stage.json
-(toolchain/stages/reports.py StageRecord): the id, parent and configuration, and the BLAKE3 of every file, checked
+(toolchain/interface/reports.py StageRecord): the id, parent and configuration, and the BLAKE3 of every file, checked
 before the directory is reused. Finished stages are kept in the stage cache under their id.
 
 `dstc build` runs each stage into its cache entry (the first parent is the checkpoint's file hashes) and
@@ -24,10 +24,7 @@ from typing import TypeVar
 
 from toolchain.atomic import MARKER, atomic_output_dir, check_writable_dir, check_writable_target, lock_file
 from toolchain.errors import InputError
-from toolchain.manifest import blake3_file, code_digest, digest, file_hashes
-from toolchain.recipe import CompileSection, CompressSection, ExportSection, PassesSection
-from toolchain.source_hashes import checkpoint_hashes
-from toolchain.stages.reports import (
+from toolchain.interface.reports import (
     STAGE_REPORTS,
     CompileReport,
     CompressionReport,
@@ -36,6 +33,9 @@ from toolchain.stages.reports import (
     StageRecord,
     StageReport,
 )
+from toolchain.manifest import blake3_file, code_digest, digest, file_hashes
+from toolchain.recipe import CompileSection, CompressSection, ExportSection, PassesSection
+from toolchain.source_hashes import checkpoint_hashes
 
 STAGE_RECORD = "stage.json"
 R = TypeVar("R", bound=StageReport)
