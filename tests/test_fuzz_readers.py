@@ -111,7 +111,7 @@ def test_report_reader(tmp_path, report_doc, data):
 
 @pytest.fixture(scope="module")
 def manifest_doc():
-    from toolchain.manifest import self_digest
+    from toolchain.hashing import self_digest
     from toolchain.manifest_schema import Manifest
     from toolchain.interface.reports import CompileReport
 

@@ -18,12 +18,13 @@ from toolchain import source as sources
 from toolchain.atomic import atomic_output_dir
 from toolchain.errors import InputError
 from toolchain.gates import GateFailed
+from toolchain.hashing import digest
+from toolchain.interface.files import REPORT_FILES, STAGE_RECORD
 from toolchain.interface.reports import STAGE_REPORTS
-from toolchain.manifest import REPORT_FILES, digest, git_commit, versions, write_manifest
+from toolchain.manifest import git_commit, versions, write_manifest
 from toolchain.recipe import Recipe, load_recipe
 from toolchain.source_hashes import Hashing
 from toolchain.stages.runner import (
-    STAGE_RECORD,
     Stage,
     compile_stage,
     compress_stage,

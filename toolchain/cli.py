@@ -38,7 +38,7 @@ def models() -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON.")
 def models_list(as_json: bool) -> None:
     """List the embedded models with their architecture, size and training metrics."""
-    from toolchain.models.registry import list_embedded
+    from toolchain.models.catalog import list_embedded
 
     rows = list_embedded()
     if as_json:
@@ -454,7 +454,7 @@ def verify_cmd(artifact: Path, public_key: Path | None) -> None:
 def sign_cmd(artifact: Path, key: Path) -> None:
     """Sign ARTIFACT's manifest.json with an Ed25519 key (manifest.json.sig), after checking every file against
     it. `dstc verify ARTIFACT --public-key PUB` checks the signature."""
-    from toolchain.signing import sign_artifact
+    from toolchain.manifest import sign_artifact
 
     click.echo(str(sign_artifact(artifact, key)))
 

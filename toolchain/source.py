@@ -7,12 +7,12 @@ Nothing is ever downloaded: the CLI runs with HF_HUB_OFFLINE=1.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 from toolchain.errors import InputError
+from toolchain.models.registry import EMBEDDED, embedded_path
+from toolchain.quiet_transformers import quiet_transformers
 
 
 @dataclass(frozen=True)
@@ -32,8 +32,6 @@ def resolve(spec: str, revision: str | None = None, hint: str = "--model DIR") -
 
 def locate(spec: str, revision: str | None = None, hint: str = "--model DIR") -> tuple[Path, str]:
     """The checkpoint's directory and kind, as ``resolve`` finds them, before its config is read and checked."""
-    from toolchain.models.registry import EMBEDDED, embedded_path
-
     if revision and not _looks_like_hub_id(spec):
         raise InputError(f"{spec}: a pinned revision needs a hub id (org/name) in the local Hugging Face cache")
     if spec in EMBEDDED:
@@ -187,22 +185,6 @@ def _check_tensors(source: Source, model, reader) -> None:
         raise InputError(f"{source.spec}: the weights do not fit its config.json: {name} is "
                          f"{list(reader.shape(name))} in the checkpoint, the config implies {list(expected[name])}"
                          + (f" (and {len(wrong) - 1} more)" if len(wrong) > 1 else ""))
-
-
-@contextmanager
-def quiet_transformers() -> Iterator[None]:
-    """transformers' load report, warnings and progress bar off: they repeat, in 10-15 lines on stderr, what a
-    one-line error says (and say nothing when all is well)."""
-    from transformers.utils import logging as hf_logging
-
-    verbosity = hf_logging.get_verbosity()
-    hf_logging.set_verbosity_error()
-    hf_logging.disable_progress_bar()
-    try:
-        yield
-    finally:
-        hf_logging.set_verbosity(verbosity)
-        hf_logging.enable_progress_bar()
 
 
 def load(source: Source):

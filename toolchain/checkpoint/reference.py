@@ -21,6 +21,7 @@ from torch import nn
 from toolchain.checkpoint.reader import EMBEDDING, CheckpointReader, open_checkpoint, read_config
 from toolchain.errors import InputError
 from toolchain.export.architectures import architecture_for
+from toolchain.quiet_transformers import quiet_transformers
 
 # model_type -> the prefix of its transformers module classes
 M = TypeVar("M", bound=nn.Module)
@@ -32,8 +33,6 @@ def reference_config(path: str | Path):
     """The transformers config of the checkpoint as the reference runs it: fp32, eager attention, without its
     quantization_config (the reader dequantizes)."""
     from transformers import AutoConfig
-
-    from toolchain.source import quiet_transformers
 
     raw = {k: v for k, v in read_config(Path(path)).items() if k != "quantization_config"}
     architecture_for(raw.get("model_type"))  # UnsupportedModelError for any other model_type

@@ -17,8 +17,9 @@ import numpy as np
 
 from toolchain.evaluate.settings import EvalSettings
 from toolchain.hardware import describe_cpu
+from toolchain.interface.files import MANIFEST, REPORT_FILES
 from toolchain.interface.reports import CompressionReport
-from toolchain.manifest import MANIFEST, REPORT_FILES, versions
+from toolchain.manifest import versions
 from toolchain.report.schema import SCHEMA, HeadError, LatencyCase, LayerError, Metric, Report, Series
 
 if TYPE_CHECKING:
@@ -250,7 +251,7 @@ def write_report(report: Report, directory: Path) -> list[Path]:
     import json
 
     from toolchain.atomic import write_file_atomically
-    from toolchain.manifest import self_digest
+    from toolchain.hashing import self_digest
     from toolchain.report.html import render_html
     from toolchain.report.markdown import render_markdown
 

@@ -15,7 +15,6 @@ checkpoint's file hashes for an export, else the hashes of the input directory a
 
 from __future__ import annotations
 
-import os
 import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -23,7 +22,10 @@ from pathlib import Path
 from typing import TypeVar
 
 from toolchain.atomic import MARKER, atomic_output_dir, check_writable_dir, check_writable_target, lock_file
+from toolchain.cache import cache_dir
 from toolchain.errors import InputError
+from toolchain.hashing import blake3_file, digest, file_hashes
+from toolchain.interface.files import STAGE_RECORD
 from toolchain.interface.reports import (
     STAGE_REPORTS,
     CompileReport,
@@ -33,17 +35,12 @@ from toolchain.interface.reports import (
     StageRecord,
     StageReport,
 )
-from toolchain.manifest import blake3_file, code_digest, digest, file_hashes
+from toolchain.manifest import code_digest
 from toolchain.recipe import CompileSection, CompressSection, ExportSection, PassesSection
 from toolchain.source_hashes import checkpoint_hashes
 
-STAGE_RECORD = "stage.json"
 R = TypeVar("R", bound=StageReport)
 Log = Callable[[str], None]
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("DSTC_CACHE_DIR") or Path.home() / ".cache" / "dstc")
 
 
 def cache_root() -> Path:
