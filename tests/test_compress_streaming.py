@@ -543,17 +543,17 @@ def test_streamed_compression_on_two_writer_threads_writes_one_threads_bytes(exp
     files, byte for byte, as one thread writes."""
     from nncf.quantization.algorithms.weight_compression import weight_lowering
 
-    from toolchain.export import graph
+    from toolchain.stages import compress as stage
 
     monkeypatch.setattr(weight_lowering, "MIN_INPUT_SIZE_FOR_OPTIMIZED_COMPRESSION", 0)
-    real = graph.save_graph
+    real = stage.save_graph
     threads = []
 
     def save(model, path, external=None, workers=None):
         threads.append(workers)
         return real(model, path, external, workers=forced)
 
-    monkeypatch.setattr(graph, "save_graph", save)
+    monkeypatch.setattr(stage, "save_graph", save)
     outputs = {}
     for forced in (None, 2):
         out = tmp_path / f"workers-{forced}"

@@ -4,7 +4,8 @@ reaches itself through its imports, passes/ stands on its own, and the graph/art
 
 Every import of a project module counts, wherever it is written: at the top of a file, inside a function or under
 ``if TYPE_CHECKING``. An import moved into a function still makes the module depend on the other one; it only
-hides a circle from the interpreter.
+hides a circle from the interpreter. So an import of a project module inside a function is there for one reason,
+a heavy dependency loaded late (torch, the runtimes, lm-evaluation-harness), and says so in a comment.
 """
 
 from __future__ import annotations
@@ -143,3 +144,50 @@ def test_the_contract_stands_below_the_stages_and_runtimes():
              for target, line in GRAPH[m].items()
              if not target.startswith(CONTRACT) and target not in CONTRACT_MAY_IMPORT]
     assert not wrong, "\n".join(wrong)
+
+
+def _late_imports_without_reason(path: Path) -> list[int]:
+    """Lines of the imports of project modules inside functions that no comment explains: the comment stands on
+    the line above the run of import statements the import belongs to (blank lines between them allowed)."""
+    lines = path.read_text().splitlines()
+    found = []
+
+    def visit(body: list[ast.stmt], in_function: bool) -> None:
+        run_start = None  # first statement of the current run of imports
+        for statement in body:
+            if isinstance(statement, (ast.Import, ast.ImportFrom)):
+                run_start = run_start or statement
+                names = [a.name for a in statement.names] if isinstance(statement, ast.Import) else \
+                    [statement.module or ""]
+                project = getattr(statement, "level", 0) > 0 or any(n.split(".")[0] in PACKAGES for n in names)
+                if in_function and project:
+                    above = run_start.lineno - 2
+                    while above >= 0 and not lines[above].strip():
+                        above -= 1
+                    if above < 0 or not lines[above].strip().startswith("#"):
+                        found.append(statement.lineno)
+                continue
+            run_start = None
+            inner = in_function or isinstance(statement, (ast.FunctionDef, ast.AsyncFunctionDef))
+            blocks = [getattr(statement, name, []) for name in ("body", "orelse", "finalbody")]
+            blocks += [handler.body for handler in getattr(statement, "handlers", [])]
+            for block in blocks:
+                if isinstance(block, list):
+                    visit(block, inner)
+
+    visit(ast.parse(path.read_text(), str(path)).body, False)
+    return found
+
+
+def test_imports_inside_functions_say_why():
+    wrong = [f"{path.relative_to(ROOT)}:{line}" for path in MODULES.values()
+             for line in _late_imports_without_reason(path)]
+    assert not wrong, "imports of project modules inside functions without a comment giving the reason:\n" + \
+        "\n".join(wrong)
+
+
+def test_the_reason_check_reads_comments(tmp_path):
+    code = tmp_path / "m.py"
+    code.write_text("import os\n\n\ndef f():\n    from toolchain import errors\n\n\n"
+                    "def g():\n    # torch loads only here\n    import json\n\n    from toolchain import errors\n")
+    assert _late_imports_without_reason(code) == [5]

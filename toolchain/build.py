@@ -17,12 +17,15 @@ from pathlib import Path
 from toolchain import source as sources
 from toolchain.atomic import atomic_output_dir
 from toolchain.errors import InputError
-from toolchain.gates import GateFailed
+from toolchain.evaluate.run import evaluate_artifact, write_report
+from toolchain.evaluate.settings import EvalSettings
+from toolchain.gates import GateFailed, check_baseline_model, check_gates
 from toolchain.hashing import digest
 from toolchain.interface.files import REPORT_FILES, STAGE_RECORD
 from toolchain.interface.reports import STAGE_REPORTS
 from toolchain.manifest import git_commit, versions, write_manifest
 from toolchain.recipe import Recipe, load_recipe
+from toolchain.report.schema import load_report
 from toolchain.source_hashes import Hashing
 from toolchain.stages.runner import (
     Stage,
@@ -123,10 +126,6 @@ def build(recipe_path: Path, out_dir: Path | None = None, *, model: str | None =
 
 def _gate_baseline(recipe: Recipe, recipe_path: Path):
     """The recipe's gate baseline report (its path is relative to the recipe), read before anything is built."""
-    from toolchain.errors import InputError
-    from toolchain.gates import check_baseline_model
-    from toolchain.report.schema import load_report
-
     gates = recipe.gates
     if gates is None:
         return None
@@ -142,8 +141,6 @@ def _gate_baseline(recipe: Recipe, recipe_path: Path):
 def _eval_settings(recipe: Recipe, recipe_path: Path):
     """The recipe's eval settings (None: no eval), its dataset relative to the recipe's directory and checked to
     be there before anything is built."""
-    from toolchain.evaluate.settings import EvalSettings
-
     if not (recipe.eval or recipe.gates):
         return None
     settings = recipe.eval or EvalSettings()
@@ -158,9 +155,6 @@ def _eval_settings(recipe: Recipe, recipe_path: Path):
 def _evaluate(recipe: Recipe, settings, baseline, artifact: Path, final: Path, events: Events):
     """Evaluate the assembled artifact before it is renamed into place, write its report into it, and check the
     recipe's gates. Returns the gate results."""
-    from toolchain.evaluate.run import evaluate_artifact, write_report
-    from toolchain.gates import check_gates
-
     events.stage_started("eval", "", False)
     t0 = time.perf_counter()
     report = evaluate_artifact(artifact, settings, display_path=final, log=events.log)

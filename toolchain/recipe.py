@@ -31,8 +31,6 @@ class Section(BaseModel):
         """The section from a command's or a function's options, as a recipe would hold it; an InputError with the
         recipe's message for the first bad one (``where``: how to name a field's location there, e.g. as its
         command-line option)."""
-        from toolchain.errors import InputError
-
         try:
             return cls(**fields)
         except ValidationError as e:
@@ -57,7 +55,7 @@ class ExportSection(Section):
     def _parity_runs_the_lowering(self) -> ExportSection:
         """Unless given, parity runs on every backend that runs the lowering's graph; a given one it cannot run
         on is an error."""
-        from toolchain.errors import InputError
+        # the exporter (torch, onnx_ir) loads only where an export section is checked
         from toolchain.export.moe import parity_backends
 
         try:

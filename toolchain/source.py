@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from toolchain.errors import InputError
+from toolchain.memory_guard import require_reference_memory
 from toolchain.models.registry import EMBEDDED, embedded_path
 from toolchain.quiet_transformers import quiet_transformers
 
@@ -88,6 +89,7 @@ POSITIVE_FIELDS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num
 def _check_config(config: dict, config_file: Path) -> None:
     """Types through transformers' own config class (its strict fields), then the sizes it accepts but no model
     can have; one line naming the field."""
+    # torch and the exporter load only once a config is checked: a build hashes the checkpoint meanwhile
     from toolchain.export.architectures import ARCHITECTURES
 
     if config["model_type"] not in ARCHITECTURES:
@@ -128,6 +130,7 @@ def check_weights(source: Source) -> list[Path]:
 def skeleton(source: Source, reader):
     """The transformers model of the checkpoint on the meta device (structure and attributes, no weights), checked
     against the tensors ``reader`` holds: every weight present with the shape the config implies."""
+    # torch, transformers and the exporter load only where a model is built
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -193,9 +196,9 @@ def load(source: Source):
     dequantized to bf16, as DeepSeek's own cast does; transformers cannot load the FP8 hub format on a CPU).
     Transformers' own implementation of the architecture is used, never code shipped with the checkpoint.
     InputError before anything is read when it would not fit in the memory available (toolchain/memory_guard.py)."""
+    # torch loads only where the model is built
     from toolchain.checkpoint.reader import open_checkpoint
     from toolchain.checkpoint.reference import load_weights, rotary_embedding
-    from toolchain.memory_guard import require_reference_memory
 
     require_reference_memory(source.path, source.spec)
     with open_checkpoint(source.path) as reader:

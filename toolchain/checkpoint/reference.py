@@ -18,6 +18,7 @@ from typing import TypeVar
 import torch
 from torch import nn
 
+from toolchain import hardware
 from toolchain.checkpoint.reader import EMBEDDING, CheckpointReader, open_checkpoint, read_config
 from toolchain.errors import InputError
 from toolchain.export.architectures import architecture_for
@@ -119,10 +120,8 @@ def largest_layer(path: str | Path) -> tuple[int, int]:
 def layer_too_large(path: str | Path, factor: float, what: str) -> str | None:
     """Why ``what`` (which holds ``factor`` x the largest layer's fp32 reference) does not run on this machine,
     or None."""
-    from toolchain.hardware import memory_bytes
-
     index, size = largest_layer(path)
-    need, ram = factor * size, memory_bytes()
+    need, ram = factor * size, hardware.memory_bytes()
     if need <= ram:
         return None
     return (f"{what} builds each decoder layer's transformers module in fp32, and layer {index}'s is "

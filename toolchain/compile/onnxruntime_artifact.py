@@ -28,6 +28,7 @@ from pathlib import Path
 
 from toolchain.interface.files import GENAI_CONFIG, ONNX_MODEL, ONNX_WEIGHTS
 from toolchain.interface.graph import GENAI_MODEL_TYPE, PAST_PREFIX, PRESENT_PREFIX, graph_cache_spec, graph_metadata
+from toolchain.runtime.engines import ort_options, ort_session
 
 # Initialisers smaller than this stay inside model.onnx (shapes, axes, scalars); the weights go to ONNX_WEIGHTS.
 INLINE_MAX_BYTES = 1024
@@ -35,8 +36,6 @@ INLINE_MAX_BYTES = 1024
 
 def optimize(src: Path, dst: Path) -> None:
     """Apply ORT's basic-level graph optimisations to src and save the result as dst + external weights."""
-    from toolchain.runtime.engines import ort_options, ort_session
-
     ort_session(src, ort_options(level="basic", optimized_path=dst, optimized_external=ONNX_WEIGHTS,
                                  external_min_bytes=INLINE_MAX_BYTES))
 

@@ -31,6 +31,8 @@ import numpy as np
 from toolchain.errors import RuntimeCrashError
 from toolchain.interface.files import CONFIG, GENERATION_CONFIG
 from toolchain.interface.reports import read_json
+from toolchain.runtime.artifact import Artifact
+from toolchain.runtime.decoder import open_decoder
 
 PROMPT_LENGTHS = (1, 2, 7, 16)
 PADDED_BATCH = (16, 7)  # a batch of two prompts, the shorter left-padded to the longer
@@ -105,9 +107,6 @@ def _raise_requested(length: int) -> None:
 
 
 def _child(backend: str, path: str) -> int:
-    from toolchain.runtime.artifact import Artifact
-    from toolchain.runtime.decoder import open_decoder
-
     # Artifact by hand: the stage has not written compile.json yet, which open_artifact requires.
     generation = Path(path) / GENERATION_CONFIG
     artifact = Artifact(Path(path), backend, None, read_json(Path(path) / CONFIG),

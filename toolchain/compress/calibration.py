@@ -10,23 +10,17 @@ import numpy as np
 
 from toolchain.errors import InputError
 from toolchain.interface.graph import ATTENTION_MASK, INPUT_IDS, POSITION_IDS
+from toolchain.models.corpus import calibration_texts
 
 EMBEDDED = "embedded"
-MAX_TOKENS = 64
 # per sequence: enough context for every layer's statistics, small enough for 2 CPU cores
-FALLBACK_TEXTS = ["The old man walked to the market with a basket of apples.", "321+654=9750",
-                  "Where is the red book? It was on the table in the kitchen.", "706+85=7941",
-                  "The children followed him along the river to see the boats in the morning."]
+MAX_TOKENS = 64
 
 
 def load_texts(dataset: str | Path, n: int) -> list[str]:
     """``n`` texts: "embedded" is the project's corpus; a path is a JSONL file (a "text" field per line), a plain
     text file (one text per non-empty line) or a directory of such files (sorted by name)."""
     if str(dataset) == EMBEDDED:
-        try:
-            from toolchain.models.corpus import calibration_texts
-        except ImportError:  # the corpus module is not in this tree: a few fixed lines of the same two kinds
-            return [FALLBACK_TEXTS[i % len(FALLBACK_TEXTS)] for i in range(n)]
         return calibration_texts(n)
     path = Path(dataset)
     files = sorted(p for p in path.iterdir() if p.is_file()) if path.is_dir() else [path]

@@ -25,6 +25,8 @@ import numpy as np
 import onnx
 import torch
 
+from toolchain.checkpoint import reference as ref
+from toolchain.checkpoint.reader import EMBEDDING, open_checkpoint
 from toolchain.export.parity import TOLERANCES, Case
 from toolchain.interface.graph import PRESENT_PREFIX, cache_spec, onnx_inputs, present_of
 from toolchain.runtime.engines import GraphRunner
@@ -167,9 +169,6 @@ def compare_layers_on(graph_path: Path, source_path: Path, backends: Sequence[st
     every backend (one after the other, each released before the next is built), then the reference layer once,
     so the checkpoint is read and the reference computed once however many backends are checked."""
     from transformers import DynamicCache
-
-    from toolchain.checkpoint import reference as ref
-    from toolchain.checkpoint.reader import EMBEDDING, open_checkpoint
 
     # shapes of the values between pieces (OpenVINO needs their ranks); the weights stay on disk
     model = onnx.shape_inference.infer_shapes(onnx.load(str(graph_path), load_external_data=False))

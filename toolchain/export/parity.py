@@ -36,6 +36,7 @@ FULL_PARITY_BYTES = 1 << 30
 
 def too_large_for_end_to_end(source_path: Path) -> str | None:
     """Why the end-to-end check against the whole fp32 model is not run on this checkpoint, or None."""
+    # torch loads only where a checkpoint is read
     from toolchain.checkpoint.reader import open_checkpoint
 
     with open_checkpoint(source_path) as reader:

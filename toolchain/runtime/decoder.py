@@ -36,7 +36,11 @@ from toolchain.interface.graph import (
 from toolchain.memory_guard import require_artifact_memory
 from toolchain.runtime import engines
 from toolchain.runtime.artifact import Artifact, load_error
-from toolchain.runtime.last_logits import INPUT as LOGITS_TO_KEEP, openvino_with_logits_to_keep
+from toolchain.runtime.last_logits import (
+    INPUT as LOGITS_TO_KEEP,
+    onnx_with_logits_to_keep,
+    openvino_with_logits_to_keep,
+)
 
 
 class Decoder(Protocol):
@@ -75,8 +79,6 @@ class OnnxRuntimeDecoder:
 
     def __init__(self, path: Path, threads: int | None, extra_outputs: Sequence[str]) -> None:
         import onnx
-
-        from toolchain.runtime.last_logits import onnx_with_logits_to_keep
 
         started = time.perf_counter()
         # The graph goes as bytes (with logits_to_keep, and any extra outputs): it finds its external weights in

@@ -27,10 +27,11 @@ from contextlib import ExitStack
 import numpy as np
 import torch
 
-from toolchain import source as sources
+from toolchain import hardware, source as sources
 from toolchain.checkpoint import reference as ref
 from toolchain.checkpoint.reader import EMBEDDING, LM_HEAD, open_checkpoint
 from toolchain.errors import UnsupportedModelError
+from toolchain.export.architectures import architecture_for
 from toolchain.runtime.decoder import positions
 
 HEAD_ROWS = 8192  # lm_head rows widened to fp32 at a time
@@ -47,9 +48,7 @@ def _available() -> int:
                     return int(line.split()[1]) * 1024
     except OSError:
         pass
-    from toolchain.hardware import memory_bytes
-
-    return memory_bytes()
+    return hardware.memory_bytes()
 
 
 def additive_mask(mask: np.ndarray, new: int) -> torch.Tensor:
@@ -135,8 +134,6 @@ class LayeredReference:
         return {layer: f"router.{layer}" for layer in self._moe_layer_indices()}
 
     def _moe_layer_indices(self) -> list[int]:
-        from toolchain.export.architectures import architecture_for
-
         return list(architecture_for(self.config.model_type).moe_layers(self.config))
 
     def _layer(self, i: int) -> torch.nn.Module:

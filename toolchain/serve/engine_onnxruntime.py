@@ -17,6 +17,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from toolchain.runtime.artifact import Artifact
+from toolchain.runtime.batching import batched_decoder
+from toolchain.runtime.decoder import open_decoder
 from toolchain.runtime.sampling import next_token
 from toolchain.serve.engine import Request, failure
 
@@ -47,9 +49,6 @@ class OnnxRuntimeBackend:
         self._live: dict[int, Request] = {}
 
     def load(self) -> None:
-        from toolchain.runtime.batching import batched_decoder
-        from toolchain.runtime.decoder import open_decoder
-
         self.decoder = open_decoder(self.artifact, threads=self.threads)
         self.batch = batched_decoder(self.decoder, self.artifact.pad_token_id, self.layout)
 
@@ -147,8 +146,6 @@ class OnnxRuntimeBackend:
             del self._live[key]
 
     def reset(self) -> None:
-        from toolchain.runtime.batching import batched_decoder
-
         self._live = {}
         self.batch = batched_decoder(self.decoder, self.artifact.pad_token_id, self.layout)
 

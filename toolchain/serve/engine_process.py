@@ -33,7 +33,12 @@ from functools import partial
 from multiprocessing.connection import Connection
 from typing import TypedDict
 
+from toolchain.runtime.artifact import open_artifact
+from toolchain.runtime.batching import PipelineSettings
+from toolchain.runtime.sampling import Sampling
 from toolchain.serve.engine import Engine, Event, NotReady, Observer, QueueFull, Request, deliver_events
+from toolchain.serve.engine_onnxruntime import OnnxRuntimeBackend
+from toolchain.serve.engine_openvino import OpenVINOBackend
 
 RESTART_DELAY_S = 0.5
 log = logging.getLogger("dstc.serve")
@@ -41,16 +46,9 @@ log = logging.getLogger("dstc.serve")
 
 def make_backend(backend: str, artifact_path: str, options: dict):
     """The backend object of toolchain/serve/engine.py for an artifact (in the engine's process)."""
-    from toolchain.runtime.artifact import open_artifact
-
     artifact = open_artifact(artifact_path)
     if backend == "openvino":
-        from toolchain.runtime.batching import PipelineSettings
-        from toolchain.serve.engine_openvino import OpenVINOBackend
-
         return OpenVINOBackend(artifact, PipelineSettings(**options))
-    from toolchain.serve.engine_onnxruntime import OnnxRuntimeBackend
-
     return OnnxRuntimeBackend(artifact, **options)
 
 
@@ -282,8 +280,6 @@ class _Recorder(Observer):
 def worker(fd: int) -> None:
     """The engine process: reads the spec, loads the backend, serves submissions and cancellations until told to
     stop or the server goes away."""
-    from toolchain.runtime.sampling import Sampling
-
     # Ctrl-C, and a SIGTERM sent to the process group, reach this process too: the server stops it (and when the
     # server is gone, the socket's end of file does)
     signal.signal(signal.SIGINT, signal.SIG_IGN)

@@ -28,10 +28,11 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from toolchain import __version__
+from toolchain import __version__, source as sources
 from toolchain.atomic import atomic_output_dir
 from toolchain.compile import copy_checkpoint_files, onnxruntime_artifact, openvino_ir, smoke as smoke_test
 from toolchain.errors import InputError, ParityError
+from toolchain.export.parity import TOLERANCES, compare_decoders, graph_decoder, parity_cases, too_large_for_end_to_end
 from toolchain.hardware import memory_bytes
 from toolchain.interface.files import (
     COMPILE_REPORT,
@@ -45,6 +46,7 @@ from toolchain.interface.files import (
     weights_of,
 )
 from toolchain.interface.reports import CompileReport, read_json
+from toolchain.runtime.decoder import Decoder, OnnxRuntimeDecoder, OpenVINODecoder
 from toolchain.stages.inputs import read_export
 
 BACKENDS = ("openvino", "onnxruntime")
@@ -77,15 +79,7 @@ def _verify(backend: str, artifact: Path, input_dir: Path, source: Path, new_tok
     from the checkpoint's by design (compression.json measures by how much), so compiling is checked against
     the compressed graph itself, run stateless on the same runtime.
     """
-    from toolchain import source as sources
-    from toolchain.export.parity import (
-        TOLERANCES,
-        compare_decoders,
-        graph_decoder,
-        parity_cases,
-        too_large_for_end_to_end,
-    )
-    from toolchain.runtime.decoder import Decoder, OnnxRuntimeDecoder, OpenVINODecoder
+    # torch loads only where the verification runs
     from toolchain.runtime.torch_reference import TorchDecoder
 
     config = read_json(source / CONFIG)

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from toolchain import __version__, source as sources
 from toolchain.atomic import atomic_output_dir, check_writable_target
+from toolchain.checkpoint.reader import open_checkpoint
 from toolchain.checkpoint.reference import layer_too_large
 from toolchain.errors import ParityError
 from toolchain.export import moe as moe_lowering
@@ -25,6 +26,7 @@ from toolchain.export.deepseek import with_mla_cache
 from toolchain.export.graph import save_graph
 from toolchain.export.layer_parity import MEMORY_FACTOR, compare_layers_on
 from toolchain.export.parity import compare, parity_cases, too_large_for_end_to_end
+from toolchain.export.weights import storage_for
 from toolchain.interface.graph import KV_CACHE
 from toolchain.interface.reports import ExportReport, ExportSource
 from toolchain.runtime.torch_reference import TorchDecoder
@@ -41,9 +43,6 @@ def export(spec: str, out_dir: Path, *, parity: tuple[str, ...] | None = None, n
     cache holds (toolchain/export/deepseek.py; None: the architecture's default); ``parity``: the backends to
     check the graph on, None for every backend that runs it; ``weights``: their storage, "auto", "float32" or
     "bfloat16" (toolchain/export/weights.py storage_for)."""
-    from toolchain.checkpoint.reader import open_checkpoint
-    from toolchain.export.weights import storage_for
-
     source = sources.resolve(spec, revision)
     arch, parity = moe_lowering.lower(architecture_for(source.config["model_type"]), moe, parity)
     arch = with_mla_cache(arch, mla_cache)
