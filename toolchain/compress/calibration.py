@@ -71,7 +71,8 @@ def token_sequences(texts: list[str], checkpoint: Path | None, vocab_size: int,
 
 
 def feeds(ids: list[int], past_specs: dict[str, tuple[int, int]]) -> dict[str, np.ndarray]:
-    """Prefill feeds for one sequence (batch 1, empty cache). past_specs: input name -> (heads, head dim)."""
+    """Prefill feeds for one sequence (batch 1, empty cache). past_specs: the graph's cache spec
+    (toolchain/interface/graph.py cache_spec)."""
     n = len(ids)
     out = {INPUT_IDS: np.asarray([ids], np.int64), ATTENTION_MASK: np.ones((1, n), np.int64),
            POSITION_IDS: np.arange(n, dtype=np.int64)[None]}
