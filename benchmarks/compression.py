@@ -35,6 +35,7 @@ import onnx_ir as ir
 
 from toolchain.compress import metrics
 from toolchain.export.parity import graph_decoder
+from toolchain.interface.graph import cache_spec
 from toolchain.runtime.engines import ort_options, ort_session, openvino_compile
 from toolchain.runtime.generate import greedy_logits
 from toolchain.models.registry import EMBEDDED, embedded_path
@@ -143,7 +144,7 @@ def granularity_rows(export_dir: Path, tokenizer, problems, texts, reference, he
 
     base = ir.load(export_dir / "model.onnx")
     weights = engine.graph_weights(base)
-    specs = calibration.past_specs((v.name, v.shape) for v in base.graph.inputs)
+    specs = cache_spec((v.name, v.shape) for v in base.graph.inputs)
     feeds = [calibration.feeds(ids, specs) for ids in texts[:16]]
     rows_x, _, _ = metrics.capture(base, weights, feeds, {})
     heads = [w for w in weights if projection_of(w.name) in HEAD_PROJECTIONS]

@@ -72,9 +72,9 @@ def build(work: Path, args, log) -> dict[tuple[str, str, str], Path]:
 
 
 def cache_bytes_per_token_layer(path: Path) -> int:
-    from toolchain.export.parity import cache_specs
+    from toolchain.interface.graph import graph_cache_spec
 
-    specs = cache_specs(path)
+    specs = graph_cache_spec(path)
     return sum(h * d * 4 for name, (h, d) in specs.items() if name.startswith("past_key_values.0."))
 
 
@@ -97,7 +97,7 @@ def decode_ms(runner, specs: dict, vocab: int, context: int, steps: int, rng) ->
 
 def measure_child(args) -> None:
     """One (backend, precision) group: both layouts loaded, contexts in turn, rounds alternating the layouts."""
-    from toolchain.export.parity import cache_specs
+    from toolchain.interface.graph import graph_cache_spec
     from toolchain.runtime.engines import GraphRunner
 
     backend, precision = args.measure
@@ -108,7 +108,7 @@ def measure_child(args) -> None:
         started = time.perf_counter()
         runners[layout] = GraphRunner(Path(graphs[layout]), backend, numerics=args.numerics, threads=args.threads)
         creation[layout] = time.perf_counter() - started
-        specs[layout] = cache_specs(Path(graphs[layout]))
+        specs[layout] = graph_cache_spec(Path(graphs[layout]))
     rng = np.random.default_rng(0)
     rows = []
     for layout in LAYOUTS:  # an unmeasured round first: the weights' pages read in, the kernels' first runs

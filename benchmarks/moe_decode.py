@@ -103,13 +103,13 @@ def node_count(path: Path) -> int:
 
 
 def open_graph(path: Path, backend: str, threads: int, numerics: str):
-    from toolchain.export.parity import cache_specs
+    from toolchain.interface.graph import graph_cache_spec
     from toolchain.runtime.decoder import StatelessDecoder
     from toolchain.runtime.engines import GraphRunner
 
     started = time.perf_counter()
     runner = GraphRunner(path, backend, numerics=numerics, threads=threads)
-    return StatelessDecoder(runner, cache_specs(path)), time.perf_counter() - started
+    return StatelessDecoder(runner, graph_cache_spec(path)), time.perf_counter() - started
 
 
 def prefill_ms(decoder, prompt: np.ndarray) -> float:

@@ -14,7 +14,7 @@ import pytest
 import yaml
 
 from toolchain.build import build
-from toolchain.manifest import blake3_file
+from toolchain.hashing import blake3_file
 from toolchain.errors import RecipeError
 from toolchain.recipe import load_recipe
 

@@ -15,6 +15,7 @@ import onnx_ir as ir
 import pytest
 
 from toolchain.errors import InputError
+from toolchain.interface.graph import cache_spec
 from toolchain.stages.compile import compile_artifact
 from toolchain.stages.compress import compress
 from toolchain.stages.export import export
@@ -252,7 +253,7 @@ def test_routed_experts_statistics_are_their_inputs_in_the_exported_graph(export
     sequences = [rng.integers(0, vocab, n).tolist() for n in (24, 40, 64)]
     stats = linear_statistics(tiny_checkpoints["deepseek_v3"], sequences, set(experts))
     run = GraphRunner(model_path, "onnxruntime", extra_outputs=sorted(set(inputs.values())))
-    specs = calibration.past_specs((v.name, v.shape) for v in model.graph.inputs)
+    specs = cache_spec((v.name, v.shape) for v in model.graph.inputs)
     outputs = [run(calibration.feeds(ids, specs)) for ids in sequences]
     compared = 0
     for weight, value in inputs.items():
@@ -542,17 +543,17 @@ def test_streamed_compression_on_two_writer_threads_writes_one_threads_bytes(exp
     files, byte for byte, as one thread writes."""
     from nncf.quantization.algorithms.weight_compression import weight_lowering
 
-    from toolchain.export import graph
+    from toolchain.stages import compress as stage
 
     monkeypatch.setattr(weight_lowering, "MIN_INPUT_SIZE_FOR_OPTIMIZED_COMPRESSION", 0)
-    real = graph.save_graph
+    real = stage.save_graph
     threads = []
 
     def save(model, path, external=None, workers=None):
         threads.append(workers)
         return real(model, path, external, workers=forced)
 
-    monkeypatch.setattr(graph, "save_graph", save)
+    monkeypatch.setattr(stage, "save_graph", save)
     outputs = {}
     for forced in (None, 2):
         out = tmp_path / f"workers-{forced}"

@@ -111,9 +111,9 @@ def test_report_reader(tmp_path, report_doc, data):
 
 @pytest.fixture(scope="module")
 def manifest_doc():
-    from toolchain.manifest import self_digest
+    from toolchain.hashing import self_digest
     from toolchain.manifest_schema import Manifest
-    from toolchain.stages.reports import CompileReport
+    from toolchain.interface.reports import CompileReport
 
     compiled = CompileReport(dstc_version="0", backend="onnxruntime", export={}, model_type="qwen2", tokenizer=True,
                              files=["model.onnx"])

@@ -14,7 +14,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from toolchain.errors import InputError
 from toolchain.models import corpus
 from toolchain.models.make import evaluate, make_models
-from toolchain.models.registry import EMBEDDED, REFERENCES, embedded_path, list_embedded, reference_config
+from toolchain.models.catalog import list_embedded
+from toolchain.models.registry import EMBEDDED, REFERENCES, embedded_path, reference_config
 from toolchain.models.shape_faithful import make_shape_faithful, reference_to_config
 from toolchain.models.tokenizer import ASSISTANT, BOS, EOS, USER
 from toolchain.models.train import exact_match, perplexity

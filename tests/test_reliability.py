@@ -19,7 +19,8 @@ import yaml
 from test_export_errors import assert_one_line_error, run_cli
 from toolchain.atomic import MARKER
 from toolchain.build import build
-from toolchain.manifest import MANIFEST, SIGNATURE, verify_artifact
+from toolchain.interface.files import MANIFEST, SIGNATURE
+from toolchain.manifest import verify_artifact
 from toolchain.stages.runner import cache_root
 
 REPO = Path(__file__).resolve().parent.parent
@@ -214,7 +215,7 @@ def test_sign_and_verify_with_ed25519(monkeypatch, capsys, tmp_path, art_copy):
     run_cli(monkeypatch, capsys, "keygen", other_key, other_pub)
     assert verify_artifact(art_copy, other_pub)[0].startswith("bad signature")
     # a rewritten manifest (even with a recomputed digest) no longer matches the signature
-    from toolchain.manifest import self_digest
+    from toolchain.hashing import self_digest
 
     manifest = json.loads((art_copy / MANIFEST).read_text())
     manifest["git_commit"] = "forged"

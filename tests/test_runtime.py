@@ -24,7 +24,7 @@ from toolchain.errors import InputError
 from toolchain.export.parity import PROMPTS, graph_decoder
 from toolchain.runtime.generate import greedy_logits, left_pad
 from toolchain.runtime.torch_reference import TorchDecoder
-from toolchain.stages.reports import CompileReport
+from toolchain.interface.reports import CompileReport
 from toolchain.models.corpus import task_examples
 from toolchain.runtime.artifact import open_artifact
 from toolchain.runtime.decoder import open_decoder

@@ -9,14 +9,14 @@ import time
 import numpy as np
 import pytest
 
-from toolchain import manifest, source_hashes
+from toolchain import hashing, source_hashes
 
 
 @pytest.fixture
 def counted(monkeypatch, tmp_path):
     monkeypatch.setenv("DSTC_CACHE_DIR", str(tmp_path / "cache"))
     calls: list[str] = []
-    real = manifest.sha256_file
+    real = hashing.sha256_file
     monkeypatch.setattr(source_hashes, "sha256_file", lambda p: calls.append(p.name) or real(p))
     return calls
 
@@ -87,7 +87,7 @@ def test_the_stage_cache_hash_holds_a_buffer_not_the_file(tmp_path):
     data.tofile(path)
     expected = blake3.blake3(data.tobytes()).hexdigest()
     del data
-    code = ("import sys; from pathlib import Path; from toolchain.manifest import blake3_file\n"
+    code = ("import sys; from pathlib import Path; from toolchain.hashing import blake3_file\n"
             "def hwm():\n"
             "    return next(int(l.split()[1]) for l in open('/proc/self/status') if l.startswith('VmHWM:'))\n"
             "before = hwm(); digest = blake3_file(Path(sys.argv[1])); print(digest, (hwm() - before) * 1024)")

@@ -14,10 +14,11 @@ import yaml
 from test_export_errors import assert_one_line_error, run_cli
 from toolchain.cli import PASSES_EXCLUDED, cli
 from toolchain.errors import RecipeError
-from toolchain.manifest import file_hashes
+from toolchain.hashing import file_hashes
 from toolchain.recipe import CompileSection, CompressSection, ExportSection, PassesSection, load_recipe
-from toolchain.stages.reports import CompressionReport, ExportReport, StageRecord
-from toolchain.stages.runner import STAGE_RECORD, cache_damage
+from toolchain.interface.reports import CompressionReport, ExportReport, StageRecord
+from toolchain.interface.files import STAGE_RECORD
+from toolchain.stages.runner import cache_damage
 
 MODEL = "r1-distill-qwen-tiny"
 COMMANDS = [("export", ExportSection, ()), ("optimize", PassesSection, PASSES_EXCLUDED),

@@ -12,9 +12,11 @@ import yaml
 
 from test_export_errors import assert_one_line_error, run_cli
 from toolchain.errors import InputError
-from toolchain.manifest import MANIFEST, read_manifest, self_digest, verify_artifact
+from toolchain.hashing import self_digest
+from toolchain.interface.files import MANIFEST
+from toolchain.manifest import read_manifest, verify_artifact
 from toolchain.manifest_schema import Manifest
-from toolchain.stages.reports import CompressionReport, StageRecord
+from toolchain.interface.reports import CompressionReport, StageRecord
 
 MODEL = "r1-distill-qwen-tiny"
 

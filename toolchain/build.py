@@ -18,13 +18,17 @@ from toolchain import source as sources
 from toolchain.atomic import atomic_output_dir
 from toolchain.compress.calibration import EMBEDDED
 from toolchain.errors import InputError
-from toolchain.gates import GateFailed
-from toolchain.manifest import REPORT_FILES, digest, git_commit, versions, write_manifest
+from toolchain.evaluate.run import evaluate_artifact, write_report
+from toolchain.evaluate.settings import EvalSettings
+from toolchain.gates import GateFailed, check_baseline_model, check_gates
+from toolchain.hashing import digest
+from toolchain.interface.files import REPORT_FILES, STAGE_RECORD
+from toolchain.interface.reports import STAGE_REPORTS
+from toolchain.manifest import git_commit, versions, write_manifest
 from toolchain.recipe import Recipe, load_recipe
+from toolchain.report.schema import load_report
 from toolchain.source_hashes import Hashing
-from toolchain.stages.reports import STAGE_REPORTS
 from toolchain.stages.runner import (
-    STAGE_RECORD,
     Stage,
     compile_stage,
     compress_stage,
@@ -124,10 +128,6 @@ def build(recipe_path: Path, out_dir: Path | None = None, *, model: str | None =
 
 def _gate_baseline(recipe: Recipe, recipe_path: Path):
     """The recipe's gate baseline report (its path is relative to the recipe), read before anything is built."""
-    from toolchain.errors import InputError
-    from toolchain.gates import check_baseline_model
-    from toolchain.report.schema import load_report
-
     gates = recipe.gates
     if gates is None:
         return None
@@ -143,8 +143,6 @@ def _gate_baseline(recipe: Recipe, recipe_path: Path):
 def _eval_settings(recipe: Recipe, recipe_path: Path):
     """The recipe's eval settings (None: no eval), its dataset relative to the recipe's directory and checked to
     be there before anything is built."""
-    from toolchain.evaluate.settings import EvalSettings
-
     if not (recipe.eval or recipe.gates):
         return None
     settings = recipe.eval or EvalSettings()
@@ -172,9 +170,6 @@ def _calibration_beside_recipe(recipe: Recipe, recipe_path: Path) -> Recipe:
 def _evaluate(recipe: Recipe, settings, baseline, artifact: Path, final: Path, events: Events):
     """Evaluate the assembled artifact before it is renamed into place, write its report into it, and check the
     recipe's gates. Returns the gate results."""
-    from toolchain.evaluate.run import evaluate_artifact, write_report
-    from toolchain.gates import check_gates
-
     events.stage_started("eval", "", False)
     t0 = time.perf_counter()
     report = evaluate_artifact(artifact, settings, display_path=final, log=events.log)

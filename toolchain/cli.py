@@ -11,9 +11,28 @@ from typing import TYPE_CHECKING
 import click
 
 from toolchain import __version__
+from toolchain.atomic import (
+    check_writable_file,
+    check_writable_target,
+    ensure_output_dir,
+    is_write_error,
+    write_file_atomically,
+)
 from toolchain.cli_options import FiniteFloatRange, given_section, section_options
 from toolchain.errors import DstcError
-from toolchain.recipe import CompileSection, CompressSection, ExportSection, PassesSection
+from toolchain.evaluate.settings import EvalSettings
+from toolchain.gates import GateFailed, GateLimits, check_gates
+from toolchain.interface.reports import CompileReport, CompressionReport, ExportReport, PassesReport
+from toolchain.manifest import read_manifest, sign_artifact, verify_artifact
+from toolchain.manifest_schema import Manifest
+from toolchain.memory_guard import require_artifact_memory
+from toolchain.recipe import CompileSection, CompressSection, ExportSection, PassesSection, load_recipe
+from toolchain.report.comparison import comparison_rows, render_comparison_html, render_comparison_text
+from toolchain.report.markdown import render_summary
+from toolchain.report.schema import load_report
+from toolchain.runtime.artifact import open_artifact
+from toolchain.serve.auth import load_api_keys
+from toolchain.signing import generate_keys
 
 if TYPE_CHECKING:
     from rich.status import Status
@@ -38,7 +57,8 @@ def models() -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON.")
 def models_list(as_json: bool) -> None:
     """List the embedded models with their architecture, size and training metrics."""
-    from toolchain.models.registry import list_embedded
+    # loaded when the command runs: the CLI starts without numpy, torch or the runtimes
+    from toolchain.models.catalog import list_embedded
 
     rows = list_embedded()
     if as_json:
@@ -54,6 +74,7 @@ def models_list(as_json: bool) -> None:
               help="Where to write the checkpoints (default: the package's embedded model folder).")
 def models_make(names: tuple[str, ...], out_root: Path | None) -> None:
     """Build, train and save the embedded models deterministically (all of them when no NAMES are given)."""
+    # loaded when the command runs: the CLI starts without numpy, torch or the runtimes
     from toolchain.models.make import make_models
 
     for name, path, metrics in make_models(list(names) or None, out_root):
@@ -71,6 +92,7 @@ def models_make(names: tuple[str, ...], out_root: Path | None) -> None:
 def models_shape_faithful(reference: str, out_dir: Path, layers: int, experts: int | None, seed: int,
                           fp8: bool) -> None:
     """Write a random-weight checkpoint with a real model's widths (REFERENCE: see `dstc models list`)."""
+    # loaded when the command runs: the CLI starts without numpy, torch or the runtimes
     from toolchain.models.shape_faithful import make_shape_faithful
 
     path = make_shape_faithful(reference, out_dir, num_layers=layers, num_experts=experts, seed=seed, fp8=fp8)
@@ -160,6 +182,7 @@ def export_cmd(model: str, out_dir: Path, no_cache: bool, as_json: bool, **optio
     stage (same input, options and code) is reused from the stage cache unless --no-cache; OUT/stage.json records
     the stage's id, parent and configuration.
     """
+    # loaded when the command runs: the CLI starts without numpy, torch or the runtimes
     from toolchain.stages.runner import run_export
 
     report, _ = run_export(model, given_section(ExportSection, options), out_dir, use_cache=not no_cache,
@@ -198,6 +221,7 @@ def optimize_cmd(in_dir: Path, out_dir: Path, no_parity: bool, no_cache: bool, a
     stage (same input, options and code) is reused from the stage cache unless --no-cache; OUT/stage.json records
     the stage's id, parent and configuration.
     """
+    # loaded when the command runs: the CLI starts without numpy, torch or the runtimes
     from toolchain.stages.runner import run_passes
 
     section = given_section(PassesSection, options)
@@ -236,6 +260,7 @@ def compress_cmd(in_dir: Path, out_dir: Path, target: str, no_cache: bool, as_js
     stage (same input, options and code) is reused from the stage cache unless --no-cache; OUT/stage.json records
     the stage's id, parent and configuration.
     """
+    # loaded when the command runs: the CLI starts without numpy, torch or the runtimes
     from toolchain.stages.runner import run_compress
 
     section = given_section(CompressSection, options, COMPRESS_SPELLINGS)
@@ -271,6 +296,7 @@ def compile_cmd(export_dir: Path, out_dir: Path, no_cache: bool, as_json: bool, 
     stage (same input, options and code) is reused from the stage cache unless --no-cache; OUT/stage.json records
     the stage's id, parent and configuration.
     """
+    # loaded when the command runs: the CLI starts without numpy, torch or the runtimes
     from toolchain.stages.runner import run_compile
 
     section = given_section(CompileSection, options)
@@ -330,8 +356,6 @@ def _parity_line(results: dict) -> str:
 
 def _stage_check(name: str, provenance) -> str:
     """One line of what a stage checked, from its report in the manifest's provenance."""
-    from toolchain.stages.reports import CompileReport, CompressionReport, ExportReport, PassesReport
-
     if name == "export" and (export := provenance.report("export", ExportReport)):
         layers = " layer by layer" if export.parity_mode == "layer by layer" else ""
         return f"parity{layers} " + _parity_line(export.parity)
@@ -374,9 +398,6 @@ def _print_build_summary(manifest, out_dir: Path) -> None:
     console.print(f"artifact {out_dir}  ({len(manifest.files)} files, {size / 1e6:.1f} MB, "
                   f"built in {prov.durations_s['total']:.1f} s)")
     if (out_dir / "report.json").is_file():
-        from toolchain.report.markdown import render_summary
-        from toolchain.report.schema import load_report
-
         report = load_report(out_dir / "report.json")
         click.echo(render_summary(report))  # plain text: its own line breaks, not the console's wrapping
         if report.gates:
@@ -401,11 +422,8 @@ def build_cmd(recipe: Path, out_dir: Path | None, model: str | None, no_cache: b
     and configuration are unchanged. The artifact is assembled beside its target and renamed into place at the
     end: an interrupted build leaves the previous artifact as it was.
     """
+    # loaded when the command runs: the CLI starts without numpy, torch or the runtimes
     from toolchain.build import build
-    from toolchain.gates import GateFailed
-    from toolchain.manifest import read_manifest
-    from toolchain.manifest_schema import Manifest
-    from toolchain.recipe import load_recipe
 
     display = _BuildDisplay()
     try:
@@ -435,8 +453,6 @@ def verify_cmd(artifact: Path, public_key: Path | None) -> None:
     """Check ARTIFACT: manifest.json against its own digest (and its signature, with --public-key), every file
     against manifest.json, and the report files against report.json. Exit 0 if all match, 1 naming each
     changed, missing or extra file, 2 if ARTIFACT is not an artifact."""
-    from toolchain.manifest import verify_artifact
-
     problems = verify_artifact(artifact, public_key)
     for problem in problems:
         click.echo(problem)
@@ -454,8 +470,6 @@ def verify_cmd(artifact: Path, public_key: Path | None) -> None:
 def sign_cmd(artifact: Path, key: Path) -> None:
     """Sign ARTIFACT's manifest.json with an Ed25519 key (manifest.json.sig), after checking every file against
     it. `dstc verify ARTIFACT --public-key PUB` checks the signature."""
-    from toolchain.signing import sign_artifact
-
     click.echo(str(sign_artifact(artifact, key)))
 
 
@@ -465,8 +479,6 @@ def sign_cmd(artifact: Path, key: Path) -> None:
 def keygen_cmd(private_key: Path, public_key: Path) -> None:
     """Write a new Ed25519 key pair (PEM) for `dstc sign` and `dstc verify --public-key`; existing files are
     never overwritten."""
-    from toolchain.signing import generate_keys
-
     generate_keys(private_key, public_key)
     click.echo(f"private key {private_key} (mode 0600), public key {public_key}")
 
@@ -538,8 +550,6 @@ def _eval_options(command):
 def _eval_settings(*, texts, problems, dataset, window, stride, windows, tasks, task_data, task_limit, num_fewshot,
                    greedy_prompts, no_reference_cache, no_latency, prompt_lengths, batches, new_tokens, warmup,
                    repetitions, threads, openvino_f32):
-    from toolchain.evaluate.settings import EvalSettings
-
     if stride is not None and stride > window:
         raise click.BadParameter(f"{stride} is longer than the window ({window} tokens)", param_hint="--stride")
     if dataset is not None and not dataset.is_file():
@@ -577,11 +587,8 @@ def eval_cmd(artifact: Path, reference: str | None, out_dir: Path | None, as_jso
     process): load time, time to first token P50/P90/P99, inter-token latency P50/P90, tokens/s, peak RSS, for
     every prompt length x batch. Writes report.json (schema dstc.report/3), report.md and report.html.
     """
-    from toolchain.atomic import check_writable_target, ensure_output_dir
+    # loaded when the command runs: the CLI starts without numpy, torch or the runtimes
     from toolchain.evaluate.run import evaluate_artifact, write_report
-    from toolchain.memory_guard import require_artifact_memory
-    from toolchain.report.markdown import render_summary
-    from toolchain.runtime.artifact import open_artifact
 
     settings = _eval_settings(**options)
     if out_dir is not None:
@@ -606,11 +613,8 @@ def compare_cmd(artifacts: tuple[Path, ...], reference: str | None, html_out: Pa
                 **options) -> None:
     """Evaluate several ARTIFACTS in one run with the same prompts (typically one recipe built for ONNX Runtime
     and OpenVINO) and print them side by side, with each value's ratio to the first artifact's."""
-    from toolchain.atomic import check_writable_file, write_file_atomically
+    # loaded when the command runs: the CLI starts without numpy, torch or the runtimes
     from toolchain.evaluate.compare import compare_artifacts, labels_for
-    from toolchain.memory_guard import require_artifact_memory
-    from toolchain.report.comparison import comparison_rows, render_comparison_html, render_comparison_text
-    from toolchain.runtime.artifact import open_artifact
 
     if len(artifacts) < 2:
         raise click.BadParameter("give at least two artifacts", param_hint="ARTIFACTS")
@@ -659,9 +663,6 @@ def gate_cmd(report_path: Path, baseline: Path | None, max_ppl_increase: float |
     """Check REPORT (a report.json or an artifact) against release gates. Exit 0 when every gate passes, 1 when
     any fails, 2 for bad input (no gates given, a limit that is not a finite number, an unreadable report, a
     baseline of another model)."""
-    from toolchain.gates import GateLimits, check_gates
-    from toolchain.report.schema import load_report
-
     limits = GateLimits(max_perplexity_increase=max_ppl_increase, min_top1_agreement=min_top1,
                         max_exact_match_drop=max_em_drop, max_kl_mean=max_kl, max_task_drop=max_task_drop,
                         max_latency_ratio=max_latency_ratio, allow_unmeasured=allow_unmeasured,
@@ -698,7 +699,7 @@ def _print_gates(results) -> None:
 @click.option("--threads", type=click.IntRange(1), default=None)
 def generate_cmd(artifact: Path, prompt: str, max_new_tokens: int, chat: bool | None, threads: int | None) -> None:
     """Generate greedily from PROMPT with ARTIFACT, streaming tokens as they come."""
-    from toolchain.runtime.artifact import open_artifact
+    # loaded when the command runs: the CLI starts without numpy, torch or the runtimes
     from toolchain.runtime.decoder import open_decoder
     from toolchain.runtime.generate import prompt_ids, stream_text
 
@@ -723,6 +724,7 @@ def passes_group() -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON.")
 def passes_list(target: str | None, as_json: bool) -> None:
     """List the registered passes: name, targets, one-line description."""
+    # loaded when the command runs: the CLI starts without numpy, torch or the runtimes
     from passes.registry import list_passes
 
     rows = list_passes(target)
@@ -789,7 +791,7 @@ def serve_cmd(artifact: Path, host: str, port: int, threads: int | None, max_bat
               header_timeout: float, body_timeout: float, stream_idle_timeout: float) -> None:
     """Serve ARTIFACT over HTTP with OpenAI's API (/v1/completions, /v1/chat/completions, /v1/models; streaming
     as server-sent events), continuous batching, /health and Prometheus /metrics, until interrupted."""
-    from toolchain.serve.auth import load_api_keys
+    # loaded when the command runs: the CLI starts without numpy, torch or the runtimes
     from toolchain.serve.server import ServeSettings, serve
 
     settings = ServeSettings(
@@ -819,8 +821,6 @@ def main() -> None:
         click.echo(f"dstc: error: {e}", err=True)
         sys.exit(e.exit_code)
     except OSError as e:
-        from toolchain.atomic import is_write_error
-
         if not is_write_error(e):
             raise
         click.echo(f"dstc: error: {e.strerror}: {e.filename}", err=True)  # a full disk is not a bug: no traceback

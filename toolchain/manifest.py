@@ -14,71 +14,29 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import hashlib
 import importlib.metadata
 import json
 import platform
 import subprocess
-from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from toolchain import __version__
 from toolchain.atomic import MARKER
 from toolchain.errors import InputError
-from toolchain.stages.reports import read_json_file
+from toolchain.hashing import digest, file_hashes, self_digest, sha256_file
+from toolchain.interface.files import MANIFEST, REPORT_FILES, SIGNATURE
+from toolchain.interface.reports import read_json_file
+from toolchain.manifest_schema import Manifest
+from toolchain.report.schema import check_report_binding, read_report_data
+from toolchain.signing import load_private_key, verify_signature, write_signature
 
-if TYPE_CHECKING:
-    from toolchain.manifest_schema import Manifest
-
-MANIFEST = "manifest.json"
-SIGNATURE = "manifest.json.sig"
-# Written by `dstc eval` into the artifact: measured latencies and the host, so no hash covers them.
-REPORT_FILES = ("report.json", "report.md", "report.html")
+# The report files are written by `dstc eval` into the artifact: measured latencies and the host, so no hash
+# covers them.
 UNHASHED = (MANIFEST, SIGNATURE, MARKER, *REPORT_FILES)
 SCHEMA_VERSION = 1
 # Packages whose code reads or writes the model on its way to an artifact.
 PACKAGES = ("torch", "transformers", "tokenizers", "safetensors", "numpy", "onnx", "onnx-ir", "onnxscript",
             "onnxruntime", "openvino", "openvino-tokenizers", "nncf", "pydantic", "pyyaml")
-
-
-def sha256_file(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
-def blake3_file(path: Path) -> str:
-    """BLAKE3 of a file on every core (the stage cache's hash: toolchain/stages/runner.py), read 16 MB at a time
-    into one buffer: memory-mapping it (blake3's update_mmap, 2x faster) puts the whole file in the process's
-    resident set while it is hashed, 14.5 GiB for an R1-Distill-Qwen-7B export."""
-    import blake3
-
-    hasher = blake3.blake3(max_threads=blake3.blake3.AUTO)
-    buffer = bytearray(16 << 20)
-    view = memoryview(buffer)
-    with open(path, "rb", buffering=0) as f:
-        while n := f.readinto(buffer):
-            hasher.update(view[:n])
-    return hasher.hexdigest()
-
-
-def file_hashes(root: Path, exclude: tuple[str, ...] = (),
-                hash_file: Callable[[Path], str] = sha256_file) -> dict[str, str]:
-    """The hash of every file below root (sha256 unless ``hash_file`` says otherwise), by relative POSIX path."""
-    return {p.relative_to(root).as_posix(): hash_file(p)
-            for p in sorted(root.rglob("*")) if p.is_file() and p.relative_to(root).as_posix() not in exclude}
-
-
-def digest(data) -> str:
-    return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()
-
-
-def self_digest(document: dict) -> str:
-    """sha256 of a JSON document without its own ``digest`` field."""
-    return digest({k: v for k, v in document.items() if k != "digest"})
 
 
 def versions() -> dict[str, str]:
@@ -162,8 +120,6 @@ def git_commit() -> str | None:
 def write_manifest(artifact: Path, fields: dict, provenance: dict) -> dict:
     """Write manifest.json from the build's fields (those of toolchain/manifest_schema.py Manifest but files,
     provenance and digest); returns its content."""
-    from toolchain.manifest_schema import Manifest
-
     manifest = Manifest(schema_version=SCHEMA_VERSION, **fields, files=file_hashes(artifact, exclude=UNHASHED),
                         provenance=provenance, digest="").dump()
     manifest["digest"] = self_digest(manifest)
@@ -173,8 +129,6 @@ def write_manifest(artifact: Path, fields: dict, provenance: dict) -> dict:
 
 def _manifest_data(path: Path) -> dict:
     """manifest.json's JSON, refused in one line when it is not a manifest this dstc reads."""
-    from toolchain.manifest_schema import Manifest
-
     data = read_json_file(path, "manifest")
     if "schema" not in data and data.get("schema_version") == SCHEMA_VERSION:
         raise InputError(f"{path} was written by an earlier dstc, before manifests had a schema (this one reads "
@@ -187,8 +141,6 @@ def _manifest_data(path: Path) -> dict:
 def read_manifest(artifact: Path) -> Manifest:
     """An artifact's manifest.json (toolchain/manifest_schema.py Manifest), checked against its own digest
     (InputError if unreadable, of another version or edited)."""
-    from toolchain.manifest_schema import Manifest
-
     path = Path(artifact) / MANIFEST
     if not path.is_file():
         raise InputError(f"{artifact} has no {MANIFEST}: not a dstc artifact")
@@ -198,28 +150,10 @@ def read_manifest(artifact: Path) -> Manifest:
     return Manifest.parse(data, str(path))
 
 
-def manifest_sha256(artifact: Path) -> str:
-    return sha256_file(Path(artifact) / MANIFEST)
-
-
-def check_report_binding(report: dict, artifact: Path, path: Path) -> None:
-    """InputError unless the report (read from ``path``) was written for this artifact's manifest.json."""
-    recorded = (report.get("artifact") or {}).get("manifest_sha256")
-    actual = manifest_sha256(artifact)
-    if recorded != actual:
-        raise InputError(f"{path} was not written for the artifact in {artifact}: it records manifest sha256 "
-                         f"{str(recorded)[:12]}, the artifact's manifest.json is {actual[:12]} (copied from another "
-                         f"artifact, or the artifact was rebuilt: run dstc eval again)")
-
-
 def verify_artifact(artifact: Path, public_key: Path | None = None) -> list[str]:
     """Problems found checking the artifact: manifest.json against its digest (and signature, given a public
     key), every file against the manifest (changed, missing, extra), and the report files against report.json
     and report.json against the manifest."""
-    from toolchain.manifest_schema import Manifest
-    from toolchain.report.schema import read_report_data
-    from toolchain.signing import verify_signature
-
     artifact = Path(artifact)
     if not (artifact / MANIFEST).is_file():
         raise InputError(f"{artifact} has no {MANIFEST}: not a dstc artifact")
@@ -252,3 +186,14 @@ def verify_artifact(artifact: Path, public_key: Path | None = None) -> list[str]
             elif sha256_file(artifact / name) != sha:
                 problems.append(f"changed: {name} (since dstc eval wrote it)")
     return problems
+
+
+def sign_artifact(artifact: Path, key_path: Path) -> Path:
+    """Sign ARTIFACT's manifest.json after checking every file against it; returns the signature's path."""
+    artifact = Path(artifact)
+    key = load_private_key(key_path)
+    problems = verify_artifact(artifact)
+    if problems:
+        raise InputError(f"refusing to sign {artifact}: it does not match its manifest ({problems[0]}"
+                         f"{f' and {len(problems) - 1} more' if len(problems) > 1 else ''})")
+    return write_signature(artifact / MANIFEST, key)

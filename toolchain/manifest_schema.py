@@ -14,8 +14,8 @@ from typing import ClassVar, Literal, TypeVar
 
 from pydantic import Field, ValidationError, field_serializer, field_validator
 
+from toolchain.interface.reports import STAGE_REPORTS, Schema, StageReport, _Model
 from toolchain.recipe import Recipe
-from toolchain.stages.reports import STAGE_REPORTS, Schema, StageReport, _Model
 
 R = TypeVar("R", bound=StageReport)
 
@@ -94,7 +94,7 @@ class Manifest(Schema):
     nondeterministic: dict[str, str]
     files: dict[str, str]  # sha256 of every artifact file but the unhashed ones (toolchain/manifest.py UNHASHED)
     provenance: Provenance
-    digest: str  # sha256 of everything else (toolchain/manifest.py self_digest)
+    digest: str  # sha256 of everything else (toolchain/hashing.py self_digest)
 
     def dump(self) -> dict:
         return self.model_dump(mode="json", by_alias=True)

@@ -51,6 +51,7 @@ def require_memory(need_bytes: int, what: str, way_out: str) -> None:
 
 def reference_bytes(source_path: Path | str) -> int:
     """What the whole fp32 PyTorch reference of a checkpoint holds, from its tensors' shapes (the headers alone)."""
+    # torch loads only where a checkpoint is read: running an artifact needs none
     from toolchain.checkpoint.reader import open_checkpoint
 
     with open_checkpoint(Path(source_path)) as reader:

@@ -15,7 +15,7 @@ from typing import Literal, Self, cast
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from toolchain.errors import RecipeError
+from toolchain.errors import InputError, RecipeError
 from toolchain.evaluate.settings import EvalSettings
 from toolchain.gates import GateLimits
 
@@ -31,8 +31,6 @@ class Section(BaseModel):
         """The section from a command's or a function's options, as a recipe would hold it; an InputError with the
         recipe's message for the first bad one (``where``: how to name a field's location there, e.g. as its
         command-line option)."""
-        from toolchain.errors import InputError
-
         try:
             return cls(**fields)
         except ValidationError as e:
@@ -57,7 +55,7 @@ class ExportSection(Section):
     def _parity_runs_the_lowering(self) -> ExportSection:
         """Unless given, parity runs on every backend that runs the lowering's graph; a given one it cannot run
         on is an error."""
-        from toolchain.errors import InputError
+        # the exporter (torch, onnx_ir) loads only where an export section is checked
         from toolchain.export.moe import parity_backends
 
         try:
@@ -128,6 +126,22 @@ class CompileSection(Section):
     smoke: bool = True
 
 
+# The metrics /health judges against thresholds (toolchain/serve/health.py measures them); higher is worse.
+LATENCY_METRICS = tuple(f"{kind}_p{q}_ms" for kind in ("ttft", "itl") for q in (50, 90, 99))
+HEALTH_METRICS = (*LATENCY_METRICS, "queue_depth", "running_batch", "kv_cache_usage", "rejected_per_minute")
+
+
+def check_threshold(metric: str, warn: float, ok: float | None, alert: float | None) -> None:
+    """InputError unless ``metric`` is one /health judges and its limits are in order (ok <= warn <= alert), the
+    rule of a recipe's thresholds and of ``dstc serve --threshold`` alike."""
+    if metric not in HEALTH_METRICS:
+        raise InputError(f"unknown health metric {metric!r} (one of {', '.join(HEALTH_METRICS)})")
+    if ok is not None and ok > warn:
+        raise InputError(f"{metric}: ok={ok:g} is above warn={warn:g}")
+    if alert is not None and alert < warn:
+        raise InputError(f"{metric}: alert={alert:g} is below warn={warn:g}")
+
+
 class ServeThreshold(Section):
     warn: float
     ok: float | None = None  # back to ok below this (default: warn)
@@ -135,19 +149,16 @@ class ServeThreshold(Section):
 
 
 class ServeSection(Section):
-    """What ``dstc serve`` reads from the artifact's manifest: /health thresholds by metric
-    (toolchain/serve/health.py METRICS); ``--threshold`` replaces one at serve time. Not part of any stage id."""
+    """What ``dstc serve`` reads from the artifact's manifest: /health thresholds by metric (HEALTH_METRICS);
+    ``--threshold`` replaces one at serve time. Not part of any stage id."""
 
     thresholds: dict[str, ServeThreshold] = Field(default_factory=dict)
 
     @model_validator(mode="after")
     def _known_metrics(self) -> ServeSection:
-        from toolchain.errors import InputError
-        from toolchain.serve.health import Threshold
-
         for metric, limits in self.thresholds.items():
             try:
-                Threshold(metric, limits.warn, limits.ok, limits.alert)
+                check_threshold(metric, limits.warn, limits.ok, limits.alert)
             except InputError as e:
                 raise ValueError(str(e)) from None
         return self

@@ -1,8 +1,9 @@
 """Ed25519 signatures over an artifact's manifest.json, so that a CI can prove an artifact was built by it.
 
 manifest.json holds the sha256 of every artifact file and a digest of itself, so one signature over its bytes
-covers the whole artifact. The signature is written beside it as ``manifest.json.sig`` (base64 text). Keys are
-PEM files, as `openssl genpkey -algorithm ed25519` writes them (or ``generate_keys``).
+covers the whole artifact. The signature is written beside it as ``manifest.json.sig`` (base64 text), once every
+file is checked against the manifest (toolchain/manifest.py sign_artifact). Keys are PEM files, as
+`openssl genpkey -algorithm ed25519` writes them (or ``generate_keys``).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import os
 from pathlib import Path
 
 from toolchain.errors import InputError
-from toolchain.manifest import MANIFEST, SIGNATURE, verify_artifact
+from toolchain.interface.files import MANIFEST, SIGNATURE
 
 
 def _read_pem(path: Path, what: str) -> bytes:
@@ -22,7 +23,8 @@ def _read_pem(path: Path, what: str) -> bytes:
         raise InputError(f"cannot read {what} {path}: {e.strerror}") from None
 
 
-def _private_key(path: Path):
+def load_private_key(path: Path):
+    """The Ed25519 private key of a PEM file (InputError in one line for anything else)."""
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
     from cryptography.hazmat.primitives.serialization import load_pem_private_key
 
@@ -35,7 +37,8 @@ def _private_key(path: Path):
     return key
 
 
-def _public_key(path: Path):
+def load_public_key(path: Path):
+    """The Ed25519 public key of a PEM file (InputError in one line for anything else)."""
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
     from cryptography.hazmat.primitives.serialization import load_pem_public_key
 
@@ -71,16 +74,11 @@ def generate_keys(private_path: Path, public_path: Path) -> None:
         raise InputError(f"cannot write the keys: {e.strerror} ({e.filename})") from None
 
 
-def sign_artifact(artifact: Path, private_key: Path) -> Path:
-    """Sign ARTIFACT's manifest.json after checking every file against it; returns the signature's path."""
-    artifact = Path(artifact)
-    key = _private_key(private_key)
-    problems = verify_artifact(artifact)
-    if problems:
-        raise InputError(f"refusing to sign {artifact}: it does not match its manifest ({problems[0]}"
-                         f"{f' and {len(problems) - 1} more' if len(problems) > 1 else ''})")
-    signature = base64.b64encode(key.sign((artifact / MANIFEST).read_bytes())).decode() + "\n"
-    target = artifact / SIGNATURE
+def write_signature(manifest: Path, key) -> Path:
+    """``manifest``'s signature by ``key`` (a loaded private key) written beside it, replacing any earlier one at
+    once (a reader sees the old signature or the new one); returns its path."""
+    signature = base64.b64encode(key.sign(Path(manifest).read_bytes())).decode() + "\n"
+    target = Path(manifest).with_name(SIGNATURE)
     tmp = target.with_name(f".{SIGNATURE}.tmp-{os.getpid()}")
     try:
         tmp.write_text(signature)
@@ -95,7 +93,7 @@ def verify_signature(manifest: Path, signature: Path, public_key: Path) -> list[
     """[] when ``signature`` is a valid signature of ``manifest`` by ``public_key``, else the problem."""
     from cryptography.exceptions import InvalidSignature
 
-    key = _public_key(public_key)
+    key = load_public_key(public_key)
     if not Path(signature).is_file():
         return [f"unsigned: no {SIGNATURE} (run dstc sign)"]
     try:

@@ -7,12 +7,13 @@ Nothing is ever downloaded: the CLI runs with HF_HUB_OFFLINE=1.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 from toolchain.errors import InputError
+from toolchain.memory_guard import require_reference_memory
+from toolchain.models.registry import EMBEDDED, embedded_path
+from toolchain.quiet_transformers import quiet_transformers
 
 
 @dataclass(frozen=True)
@@ -32,8 +33,6 @@ def resolve(spec: str, revision: str | None = None, hint: str = "--model DIR") -
 
 def locate(spec: str, revision: str | None = None, hint: str = "--model DIR") -> tuple[Path, str]:
     """The checkpoint's directory and kind, as ``resolve`` finds them, before its config is read and checked."""
-    from toolchain.models.registry import EMBEDDED, embedded_path
-
     if revision and not _looks_like_hub_id(spec):
         raise InputError(f"{spec}: a pinned revision needs a hub id (org/name) in the local Hugging Face cache")
     if spec in EMBEDDED:
@@ -90,6 +89,7 @@ POSITIVE_FIELDS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num
 def _check_config(config: dict, config_file: Path) -> None:
     """Types through transformers' own config class (its strict fields), then the sizes it accepts but no model
     can have; one line naming the field."""
+    # torch and the exporter load only once a config is checked: a build hashes the checkpoint meanwhile
     from toolchain.export.architectures import ARCHITECTURES
 
     if config["model_type"] not in ARCHITECTURES:
@@ -130,6 +130,7 @@ def check_weights(source: Source) -> list[Path]:
 def skeleton(source: Source, reader):
     """The transformers model of the checkpoint on the meta device (structure and attributes, no weights), checked
     against the tensors ``reader`` holds: every weight present with the shape the config implies."""
+    # torch, transformers and the exporter load only where a model is built
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -189,31 +190,15 @@ def _check_tensors(source: Source, model, reader) -> None:
                          + (f" (and {len(wrong) - 1} more)" if len(wrong) > 1 else ""))
 
 
-@contextmanager
-def quiet_transformers() -> Iterator[None]:
-    """transformers' load report, warnings and progress bar off: they repeat, in 10-15 lines on stderr, what a
-    one-line error says (and say nothing when all is well)."""
-    from transformers.utils import logging as hf_logging
-
-    verbosity = hf_logging.get_verbosity()
-    hf_logging.set_verbosity_error()
-    hf_logging.disable_progress_bar()
-    try:
-        yield
-    finally:
-        hf_logging.set_verbosity(verbosity)
-        hf_logging.enable_progress_bar()
-
-
 def load(source: Source):
     """The whole model in fp32 with eager attention, the reference the exported graph is compared with: the
     skeleton given every weight by dstc's checkpoint reader, exactly the values the exporter writes (FP8 weights
     dequantized to bf16, as DeepSeek's own cast does; transformers cannot load the FP8 hub format on a CPU).
     Transformers' own implementation of the architecture is used, never code shipped with the checkpoint.
     InputError before anything is read when it would not fit in the memory available (toolchain/memory_guard.py)."""
+    # torch loads only where the model is built
     from toolchain.checkpoint.reader import open_checkpoint
     from toolchain.checkpoint.reference import load_weights, rotary_embedding
-    from toolchain.memory_guard import require_reference_memory
 
     require_reference_memory(source.path, source.spec)
     with open_checkpoint(source.path) as reader:

@@ -17,14 +17,13 @@ import threading
 import time
 from pathlib import Path
 
-from toolchain.manifest import file_hashes, sha256_file
+from toolchain.cache import cache_dir
+from toolchain.hashing import file_hashes, sha256_file
 
 SETTLED_S = 2.0
 
 
 def _store() -> Path:
-    from toolchain.stages.runner import cache_dir
-
     return cache_dir() / "source-hashes.json"
 
 

@@ -18,9 +18,11 @@ from typing import TypeVar
 import torch
 from torch import nn
 
+from toolchain import hardware
 from toolchain.checkpoint.reader import EMBEDDING, CheckpointReader, open_checkpoint, read_config
 from toolchain.errors import InputError
 from toolchain.export.architectures import architecture_for
+from toolchain.quiet_transformers import quiet_transformers
 
 # model_type -> the prefix of its transformers module classes
 M = TypeVar("M", bound=nn.Module)
@@ -32,8 +34,6 @@ def reference_config(path: str | Path):
     """The transformers config of the checkpoint as the reference runs it: fp32, eager attention, without its
     quantization_config (the reader dequantizes)."""
     from transformers import AutoConfig
-
-    from toolchain.source import quiet_transformers
 
     raw = {k: v for k, v in read_config(Path(path)).items() if k != "quantization_config"}
     architecture_for(raw.get("model_type"))  # UnsupportedModelError for any other model_type
@@ -120,10 +120,8 @@ def largest_layer(path: str | Path) -> tuple[int, int]:
 def layer_too_large(path: str | Path, factor: float, what: str) -> str | None:
     """Why ``what`` (which holds ``factor`` x the largest layer's fp32 reference) does not run on this machine,
     or None."""
-    from toolchain.hardware import memory_bytes
-
     index, size = largest_layer(path)
-    need, ram = factor * size, memory_bytes()
+    need, ram = factor * size, hardware.memory_bytes()
     if need <= ram:
         return None
     return (f"{what} builds each decoder layer's transformers module in fp32, and layer {index}'s is "

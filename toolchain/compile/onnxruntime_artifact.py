@@ -26,41 +26,24 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
-MODEL = "model.onnx"
-WEIGHTS = "model.onnx.data"
-GENAI_CONFIG = "genai_config.json"
-# Initialisers smaller than this stay inside model.onnx (shapes, axes, scalars); the weights go to WEIGHTS.
+from toolchain.interface.files import GENAI_CONFIG, ONNX_MODEL, ONNX_WEIGHTS
+from toolchain.interface.graph import GENAI_MODEL_TYPE, PAST_PREFIX, PRESENT_PREFIX, graph_cache_spec, graph_metadata
+from toolchain.runtime.engines import ort_options, ort_session
+
+# Initialisers smaller than this stay inside model.onnx (shapes, axes, scalars); the weights go to ONNX_WEIGHTS.
 INLINE_MAX_BYTES = 1024
 
 
 def optimize(src: Path, dst: Path) -> None:
     """Apply ORT's basic-level graph optimisations to src and save the result as dst + external weights."""
-    from toolchain.runtime.engines import ort_options, ort_session
-
-    ort_session(src, ort_options(level="basic", optimized_path=dst, optimized_external=WEIGHTS,
+    ort_session(src, ort_options(level="basic", optimized_path=dst, optimized_external=ONNX_WEIGHTS,
                                  external_min_bytes=INLINE_MAX_BYTES))
-
-
-def cache_dims(onnx_path: Path) -> dict[str, tuple[int, int]]:
-    """past_key_values.* input name -> (kv heads, head dim), from the graph's input shapes."""
-    import onnx
-
-    graph = onnx.load(str(onnx_path), load_external_data=False).graph
-    dims = {}
-    for value in graph.input:
-        if value.name.startswith("past_key_values."):
-            shape = value.type.tensor_type.shape.dim
-            dims[value.name] = (shape[1].dim_value, shape[3].dim_value)
-    return dims
 
 
 def genai_model_type(onnx_path: Path) -> str | None:
     """onnxruntime-genai's model type, as the exporter wrote it from the architecture module (``dstc.genai_model_type``
     in the graph's metadata; empty where genai's config cannot describe the model)."""
-    import onnx
-
-    props = {p.key: p.value for p in onnx.load(str(onnx_path), load_external_data=False).metadata_props}
-    return props.get("dstc.genai_model_type") or None
+    return graph_metadata(onnx_path).get(GENAI_MODEL_TYPE) or None
 
 
 def genai_unsupported_reason(model_type: str, genai_type: str | None, dims: dict[str, tuple[int, int]]) -> str | None:
@@ -92,7 +75,7 @@ def genai_config(config: dict, generation: dict, dims: dict[str, tuple[int, int]
             "vocab_size": config["vocab_size"],
             "context_length": context,
             "decoder": {
-                "filename": MODEL,
+                "filename": ONNX_MODEL,
                 "session_options": {"log_id": "onnxruntime-genai", "provider_options": []},
                 "hidden_size": config["hidden_size"],
                 "num_attention_heads": config["num_attention_heads"],
@@ -101,9 +84,10 @@ def genai_config(config: dict, generation: dict, dims: dict[str, tuple[int, int]
                 "head_size": head_size,
                 "inputs": {"input_ids": "input_ids", "attention_mask": "attention_mask",
                            "position_ids": "position_ids",
-                           "past_key_names": "past_key_values.%d.key", "past_value_names": "past_key_values.%d.value"},
+                           "past_key_names": f"{PAST_PREFIX}%d.key", "past_value_names": f"{PAST_PREFIX}%d.value"},
                 "outputs": {"logits": "logits",
-                            "present_key_names": "present.%d.key", "present_value_names": "present.%d.value"},
+                            "present_key_names": f"{PRESENT_PREFIX}%d.key",
+                            "present_value_names": f"{PRESENT_PREFIX}%d.value"},
             },
         },
         "search": {
@@ -131,9 +115,9 @@ def write(onnx_path: Path, out_dir: Path, config: dict, generation: dict, log: C
     import json
 
     log("applying ONNX Runtime's basic graph optimisations; weights to external data")
-    optimize(onnx_path, out_dir / MODEL)
-    files = [MODEL] + ([WEIGHTS] if (out_dir / WEIGHTS).exists() else [])
-    dims = cache_dims(out_dir / MODEL)
+    optimize(onnx_path, out_dir / ONNX_MODEL)
+    files = [ONNX_MODEL] + ([ONNX_WEIGHTS] if (out_dir / ONNX_WEIGHTS).exists() else [])
+    dims = graph_cache_spec(out_dir / ONNX_MODEL)
     genai_type = genai_model_type(onnx_path)
     reason = genai_unsupported_reason(config["model_type"], genai_type, dims)
     if reason is None:

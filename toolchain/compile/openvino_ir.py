@@ -23,12 +23,9 @@ from pathlib import Path
 
 import numpy as np
 
-MODEL_XML = "openvino_model.xml"
-TOKENIZER_XML = "openvino_tokenizer.xml"
-DETOKENIZER_XML = "openvino_detokenizer.xml"
-PAST_PREFIX = "past_key_values."
-PRESENT_PREFIX = "present."
-BATCH_AXIS = 0  # of input_ids and of every cache tensor [batch, heads, seq, dim]
+from toolchain.interface.files import DETOKENIZER_XML, MODEL_XML, TOKENIZER_XML, weights_of
+from toolchain.interface.graph import BATCH_AXIS, BEAM_IDX, INPUT_IDS, PAST_PREFIX, present_of
+
 # CPU plugin settings the artifact records in the IR's rt_info ``runtime_options``, which OpenVINO's compile_model
 # applies (checked by benchmarks/openvino_settings.py), so openvino_genai, optimum-intel and dstc's runner all get
 # them. KV cache f16, chosen by that benchmark (openvino_genai's stateful pipeline, R1-Distill-Qwen-1.5B and
@@ -45,27 +42,17 @@ def _names(ports) -> list[str]:
     return [p.get_any_name() for p in ports]
 
 
-def cache_dims(graph_path: Path) -> dict[str, tuple[int, int]]:
-    """{past_key_values.* input: (heads, head dim)} of a stateless graph (ONNX or IR)."""
-    import openvino as ov
-
-    model = ov.Core().read_model(str(graph_path))
-    return {name: (model.input(name).get_partial_shape()[1].get_length(),
-                   model.input(name).get_partial_shape()[3].get_length())
-            for name in _names(model.inputs) if name.startswith(PAST_PREFIX)}
-
-
 def fuse_beam_reorder(model) -> None:
     """Add the ``beam_idx`` [batch] int32 input and read every past_key_values.* input through
     Gather(past, beam_idx, axis=batch)."""
     import openvino as ov
     from openvino import opset13 as ops
 
-    if "beam_idx" in _names(model.inputs):
-        raise ValueError("the model already has a beam_idx input")
-    batch = model.input("input_ids").get_partial_shape()[BATCH_AXIS]
-    beam_idx = ops.parameter(ov.PartialShape([batch]), ov.Type.i32, name="beam_idx")
-    beam_idx.output(0).get_tensor().set_names({"beam_idx"})
+    if BEAM_IDX in _names(model.inputs):
+        raise ValueError(f"the model already has a {BEAM_IDX} input")
+    batch = model.input(INPUT_IDS).get_partial_shape()[BATCH_AXIS]
+    beam_idx = ops.parameter(ov.PartialShape([batch]), ov.Type.i32, name=BEAM_IDX)
+    beam_idx.output(0).get_tensor().set_names({BEAM_IDX})
     model.add_parameters([beam_idx])
     axis = ops.constant(np.int64(BATCH_AXIS))
     for name in _names(model.inputs):
@@ -89,7 +76,7 @@ def make_stateful(model) -> int:
     pairs = {}
     for name in _names(model.inputs):
         if name.startswith(PAST_PREFIX):
-            present = PRESENT_PREFIX + name[len(PAST_PREFIX):]
+            present = present_of(name)
             if present not in outputs:
                 raise ValueError(f"{name} has no {present} output")
             pairs[name] = present
@@ -97,7 +84,7 @@ def make_stateful(model) -> int:
         raise ValueError("the model has no past_key_values.* inputs")
     apply_make_stateful_transformation(model, pairs)
 
-    shape = ops.shape_of(model.input("input_ids"), output_type="i64")
+    shape = ops.shape_of(model.input(INPUT_IDS), output_type="i64")
     batch = ops.gather(shape, ops.constant(np.array([BATCH_AXIS], np.int64)), ops.constant(np.int64(0)))
     read_values = [op for op in model.get_ops() if op.get_type_name() == "ReadValue"]
     for read_value in read_values:
@@ -144,8 +131,7 @@ def convert_tokenizers(source: Path, out_dir: Path) -> list[str]:
     tokenizer_model, detokenizer_model = convert_tokenizer(tokenizer, with_detokenizer=True)
     ov.save_model(tokenizer_model, out_dir / TOKENIZER_XML)
     ov.save_model(detokenizer_model, out_dir / DETOKENIZER_XML)
-    return [TOKENIZER_XML, TOKENIZER_XML.replace(".xml", ".bin"), DETOKENIZER_XML,
-            DETOKENIZER_XML.replace(".xml", ".bin")]
+    return [TOKENIZER_XML, weights_of(TOKENIZER_XML), DETOKENIZER_XML, weights_of(DETOKENIZER_XML)]
 
 
 def write(onnx_path: Path, source: Path, out_dir: Path, versions: dict[str, str], has_tokenizer: bool,
@@ -155,7 +141,7 @@ def write(onnx_path: Path, source: Path, out_dir: Path, versions: dict[str, str]
     log("converting model.onnx to OpenVINO IR and making the KV cache stateful")
     model = convert(onnx_path, versions)
     ov.save_model(model, out_dir / MODEL_XML, compress_to_fp16=False)
-    files = [MODEL_XML, MODEL_XML.replace(".xml", ".bin")]
+    files = [MODEL_XML, weights_of(MODEL_XML)]
     if has_tokenizer:
         log("converting the tokenizer with openvino-tokenizers")
         files += convert_tokenizers(source, out_dir)

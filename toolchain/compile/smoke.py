@@ -29,6 +29,10 @@ from pathlib import Path
 import numpy as np
 
 from toolchain.errors import RuntimeCrashError
+from toolchain.interface.files import CONFIG, GENERATION_CONFIG
+from toolchain.interface.reports import read_json
+from toolchain.runtime.artifact import Artifact
+from toolchain.runtime.decoder import open_decoder
 
 PROMPT_LENGTHS = (1, 2, 7, 16)
 PADDED_BATCH = (16, 7)  # a batch of two prompts, the shorter left-padded to the longer
@@ -103,13 +107,9 @@ def _raise_requested(length: int) -> None:
 
 
 def _child(backend: str, path: str) -> int:
-    from toolchain.runtime.artifact import Artifact
-    from toolchain.runtime.decoder import open_decoder
-    from toolchain.stages.inputs import read_json
-
     # Artifact by hand: the stage has not written compile.json yet, which open_artifact requires.
-    generation = Path(path) / "generation_config.json"
-    artifact = Artifact(Path(path), backend, None, read_json(Path(path) / "config.json"),
+    generation = Path(path) / GENERATION_CONFIG
+    artifact = Artifact(Path(path), backend, None, read_json(Path(path) / CONFIG),
                         read_json(generation) if generation.is_file() else {})
     try:
         decoder = open_decoder(artifact)  # no threads, no f32: the runtime's defaults

@@ -9,23 +9,18 @@ from pathlib import Path
 import numpy as np
 
 from toolchain.errors import InputError
+from toolchain.interface.graph import ATTENTION_MASK, INPUT_IDS, POSITION_IDS
+from toolchain.models.corpus import calibration_texts
 
 EMBEDDED = "embedded"
-MAX_TOKENS = 64
 # per sequence: enough context for every layer's statistics, small enough for 2 CPU cores
-FALLBACK_TEXTS = ["The old man walked to the market with a basket of apples.", "321+654=9750",
-                  "Where is the red book? It was on the table in the kitchen.", "706+85=7941",
-                  "The children followed him along the river to see the boats in the morning."]
+MAX_TOKENS = 64
 
 
 def load_texts(dataset: str | Path, n: int) -> list[str]:
     """``n`` texts: "embedded" is the project's corpus; a path is a JSONL file (a "text" field per line), a plain
     text file (one text per non-empty line) or a directory of such files (sorted by name)."""
     if str(dataset) == EMBEDDED:
-        try:
-            from toolchain.models.corpus import calibration_texts
-        except ImportError:  # the corpus module is not in this tree: a few fixed lines of the same two kinds
-            return [FALLBACK_TEXTS[i % len(FALLBACK_TEXTS)] for i in range(n)]
         return calibration_texts(n)
     path = Path(dataset)
     files = sorted(p for p in path.iterdir() if p.is_file()) if path.is_dir() else [path]
@@ -76,15 +71,12 @@ def token_sequences(texts: list[str], checkpoint: Path | None, vocab_size: int,
 
 
 def feeds(ids: list[int], past_specs: dict[str, tuple[int, int]]) -> dict[str, np.ndarray]:
-    """Prefill feeds for one sequence (batch 1, empty cache). past_specs: input name -> (heads, head dim)."""
+    """Prefill feeds for one sequence (batch 1, empty cache). past_specs: the graph's cache spec
+    (toolchain/interface/graph.py cache_spec)."""
     n = len(ids)
-    out = {"input_ids": np.asarray([ids], np.int64), "attention_mask": np.ones((1, n), np.int64),
-           "position_ids": np.arange(n, dtype=np.int64)[None]}
+    out = {INPUT_IDS: np.asarray([ids], np.int64), ATTENTION_MASK: np.ones((1, n), np.int64),
+           POSITION_IDS: np.arange(n, dtype=np.int64)[None]}
     for name, (heads, dim) in past_specs.items():
         out[name] = np.zeros((1, heads, 0, dim), np.float32)
     return out
 
-
-def past_specs(model_inputs) -> dict[str, tuple[int, int]]:
-    """From (name, shape) pairs of the graph's inputs: past_key_values.* -> (heads, head dim)."""
-    return {name: (int(shape[1]), int(shape[3])) for name, shape in model_inputs if name.startswith("past_key_values.")}

@@ -36,7 +36,11 @@ from pydantic import Field
 from passes.base import CountedResult
 from passes.graph import name_of, stored_weight, tensor_of
 from passes.quantize._weights import MS_DOMAIN
+from passes.quantize.int8_per_head import Int8PerHead
+from passes.quantize.matmul_nbits import ToMatMulNBits
+from passes.quantize.prefill_int8 import PrefillInt8
 from toolchain.errors import InputError
+from toolchain.interface.graph import LAYER, ROLE
 from toolchain.recipe import CompressSection
 
 MIN_ADJUSTED_GROUP_SIZE = 32
@@ -88,10 +92,10 @@ def graph_weights(model: ir.Model, with_arrays: bool = True) -> list[Weight]:
                 len(shape) not in (2, 3) or (node.op_type == "Gather" and len(shape) != 2):
             continue
         props = value.const_value.metadata_props
-        layer = props.get("dstc.layer")
+        layer = props.get(LAYER)
         out.append(Weight(name_of(value), name_of(node), name_of(node.outputs[0]), node.op_type.lower(), shape,
                           value.const_value.numpy().astype(np.float32, copy=False) if with_arrays else None,
-                          props.get("dstc.role"), int(layer) if layer and layer.isdigit() else None,
+                          props.get(ROLE), int(layer) if layer and layer.isdigit() else None,
                           "bfloat16" if stored else "float32"))
     return out
 
@@ -191,8 +195,6 @@ def _check_nncf_options(options: Options, groups: dict[str, list[str]], dataset)
 def _per_head(model: ir.Model, weights: list[Weight], plan: dict[str, str], options: Options,
               log: Callable[[str], None]) -> dict:
     """Run the int8-per-head pass on the weights planned for it (in place); its counts and near-misses."""
-    from passes.quantize.int8_per_head import Int8PerHead
-
     names = [w.name for w in weights if plan[w.name] == "int8-per-head" and len(w.shape) == 2]
     if not names:
         return {"per_head": {}}
@@ -252,9 +254,6 @@ def compress_openvino(onnx_model: ir.Model, plan: dict[str, str], options: Optio
 
 
 def to_ort_kernels(model: ir.Model, accuracy_level: int | None, prefill_int8: bool = False) -> dict:
-    from passes.quantize.matmul_nbits import ToMatMulNBits
-    from passes.quantize.prefill_int8 import PrefillInt8
-
     counts = dict(cast(CountedResult, ToMatMulNBits(accuracy_level)(model)).counts)  # a CountingPass's result
     if prefill_int8:
         counts.update(cast(CountedResult, PrefillInt8()(model)).counts)

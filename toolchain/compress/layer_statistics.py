@@ -23,7 +23,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from toolchain.checkpoint import reference as ref
+from toolchain.checkpoint.reader import EMBEDDING, open_checkpoint
 from toolchain.errors import InputError
+from toolchain.export.decoder import expert_weight_name, linear_weight_name
+from toolchain.runtime.layered_reference import additive_mask
 
 # one layer's fp32 reference and its calibration inputs and outputs; nothing else runs beside it
 MEMORY_FACTOR = 1.5
@@ -37,11 +41,6 @@ def linear_statistics(source: Path, sequences: list[list[int]], wanted: set[str]
     them to NNCF)."""
     from nncf.common.tensor_statistics.statistics import WCTensorStatistic
     from nncf.tensor import Tensor
-
-    from toolchain.checkpoint import reference as ref
-    from toolchain.checkpoint.reader import EMBEDDING, open_checkpoint
-    from toolchain.export.decoder import expert_weight_name, linear_weight_name
-    from toolchain.runtime.layered_reference import additive_mask
 
     if not sequences:
         raise InputError("data-aware compression needs calibration text: no sequence of 2 tokens or more")

@@ -43,6 +43,7 @@ from toolchain.compress.policy import role_of
 from toolchain.compress.streaming import ComputedOnSave, adjusted_group, raise_opset
 from toolchain.errors import InputError
 from toolchain.export.moe import MS_DOMAIN
+from toolchain.interface.graph import ROLE
 
 _LAYER = re.compile(r"^layers\.(\d+)/")
 
@@ -67,7 +68,7 @@ class Stacked(HeldInitializer):
     @property
     def role(self) -> str | None:
         """What the exporter wrote on the initializer (GraphBuilder.role): routed_expert."""
-        return self.tensor.metadata_props.get("dstc.role")
+        return self.tensor.metadata_props.get(ROLE)
 
 
 @dataclass

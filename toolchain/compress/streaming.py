@@ -48,8 +48,10 @@ from typing import cast
 import numpy as np
 import onnx_ir as ir
 
-from passes.graph import initializer_data, name_of, present, stored_weight
-from passes.quantize._weights import MS_DOMAIN
+from passes.graph import Names, initializer_data, name_of, present, stored_weight
+from passes.quantize._weights import MS_DOMAIN, quantize_int8
+from passes.quantize.int8_per_head import HEAD_PROJECTIONS, projection_of
+from passes.quantize.matmul_nbits import ToMatMulNBits, nbits_layout, pack_nibbles
 from toolchain.compress import lowering
 from toolchain.compress.engine import MIN_ADJUSTED_GROUP_SIZE, Options, Weight
 from toolchain.errors import InputError
@@ -210,8 +212,6 @@ class Job(ComputedOnSave):
             return {"quantized": q, "scale": scale.reshape(-1, 1)} | \
                 ({} if zp is None else {"zero_point": zp.astype(np.float32).reshape(-1, 1)})
         if spec.form == "nbits":
-            from passes.quantize.matmul_nbits import pack_nibbles
-
             out["quantized"] = pack_int4_to_uint8(q, spec.group, signed=spec.sym)
             out["scale"] = np.ascontiguousarray(scale.T)
             if zp is not None:  # packed as ORT reads them, so that to-matmul-nbits has nothing to read here
@@ -252,8 +252,6 @@ class Job(ComputedOnSave):
         return out
 
     def _compute_int8_per_head(self, width: int) -> dict[str, np.ndarray]:
-        from passes.quantize._weights import quantize_int8
-
         spec, tensor = self.spec, self._tensor()
         weight = tensor.numpy()
         rows_axis = spec.form == "dq-rows"  # a table's channels are its rows
@@ -300,8 +298,6 @@ def _nbits8(q: np.ndarray, scale: np.ndarray, zp: np.ndarray | None) -> dict[str
     """NNCF's INT8 per output channel of a [K, N] weight (``q`` transposed: [N, K]) as to-matmul-nbits writes it:
     MatMulNBits' 8-bit B [N, blocks, block], symmetric values offset to uint8 (its default zero point 128),
     the per-channel scale and zero point repeated per block, padding that dequantizes to exactly 0."""
-    from passes.quantize.matmul_nbits import nbits_layout
-
     n, k = q.shape
     block, blocks = nbits_layout(k, 4 if zp is None else 5)
     u = (q.astype(np.int16) + 128).astype(np.uint8) if zp is None else q.astype(np.uint8, copy=False)
@@ -350,8 +346,6 @@ def _shapes(spec: Spec, shape: tuple[int, ...]) -> dict[str, tuple[int, ...]]:
         return {"quantized": shape, "scale": side} | ({} if spec.sym else {"zero_point": side})
     first, second = shape
     if spec.form == "nbits8":  # [K, N] -> [N, blocks, block]; scales (and zero points) [N, blocks]
-        from passes.quantize.matmul_nbits import nbits_layout
-
         block, blocks = nbits_layout(first, 4 if spec.sym else 5)
         side = (second, blocks)
         return {"quantized": (second, blocks, block), "scale": side} | ({} if spec.sym else {"zero_point": side})
@@ -372,8 +366,6 @@ def _shapes(spec: Spec, shape: tuple[int, ...]) -> dict[str, tuple[int, ...]]:
 def plan_specs(weights: list[Weight], plan: dict[str, str], options: Options, target: str) -> list[Spec]:
     """What to do with each weight the plan compresses (fp32 ones are left out); raises InputError for what the
     streaming form does not do."""
-    from passes.quantize.int8_per_head import HEAD_PROJECTIONS, projection_of
-
     specs = []
     for w in weights:
         precision = plan[w.name]
@@ -500,9 +492,6 @@ def _to_matmul_nbits(model: ir.Model, matmul: ir.Node, source: ir.Value, tensors
 def _to_gathered_rows(model: ir.Model, source: ir.Value, tensors: dict) -> None:
     """Each Gather of the table as to-matmul-nbits rewrites it: the quantized rows, Cast, minus their zero points,
     times their scales."""
-    from passes.graph import Names
-    from passes.quantize.matmul_nbits import ToMatMulNBits
-
     names = Names(model.graph)
     for gather, _ in list(source.uses()):
         ToMatMulNBits._dequantized_rows(model.graph, names, gather, tensors["quantized"], tensors["scale"],
@@ -542,6 +531,7 @@ def _to_dequantize(model: ir.Model, consumer: ir.Node, source: ir.Value, tensors
 
 
 def raise_opset(model: ir.Model) -> None:
+    # onnxscript, which the MLA fusion imports, loads only where an opset is raised
     from passes.fusions.mla_attention import opset_blocker
 
     blocker = opset_blocker(model, DQ_OPSET)

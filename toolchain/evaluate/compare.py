@@ -7,9 +7,11 @@ from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 
+from toolchain.evaluate.reference import resolve_reference
 from toolchain.evaluate.run import evaluate_artifact
 from toolchain.evaluate.settings import EvalSettings
 from toolchain.report.schema import Report
+from toolchain.runtime.artifact import open_artifact
 
 
 def labels_for(reports: list[Report]) -> list[str]:
@@ -25,9 +27,6 @@ def compare_artifacts(paths: list[Path], settings: EvalSettings, *, reference: s
                       log: Callable[[str, str], None] = lambda _a, _m: None) -> list[Report]:
     """One Report per artifact, in order; ``log(artifact, message)``. The reference's outputs are computed once
     for all the artifacts of one source model and data (kept in memory here even when the cache is off)."""
-    from toolchain.evaluate.reference import resolve_reference
-    from toolchain.runtime.artifact import open_artifact
-
     # Every artifact and its reference are checked before any is evaluated: a bad one fails at once.
     for path in paths:
         resolve_reference(open_artifact(path).manifest, reference)

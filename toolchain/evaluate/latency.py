@@ -29,6 +29,10 @@ import traceback
 from pathlib import Path
 
 from toolchain.errors import InputError
+from toolchain.models.corpus import text_samples
+from toolchain.runtime.artifact import open_artifact
+from toolchain.runtime.decoder import open_decoder
+from toolchain.runtime.generate import greedy_generate
 
 
 def measure_latency(artifact_path: Path | str, *, prompt_lengths: tuple[int, ...] = (32, 128, 512),
@@ -74,8 +78,6 @@ def _peak_rss_mb() -> float:
 
 def _prompts(tokenizer, length: int, batch: int) -> list[list[int]]:
     """``batch`` rows of exactly ``length`` tokens: consecutive stretches of held-out corpus text."""
-    from toolchain.models.corpus import text_samples
-
     n = 16
     while True:
         stream = tokenizer(" ".join(text_samples("heldout", n)), add_special_tokens=False)["input_ids"]
@@ -85,14 +87,9 @@ def _prompts(tokenizer, length: int, batch: int) -> list[list[int]]:
 
 
 def _measure(settings: dict) -> dict:
-    from toolchain.runtime.artifact import open_artifact
-
     artifact = open_artifact(settings["artifact"])
     tokenizer = artifact.tokenizer()
     __import__("openvino" if artifact.backend == "openvino" else "onnxruntime")
-    from toolchain.runtime.decoder import open_decoder
-    from toolchain.runtime.generate import greedy_generate
-
     baseline = _peak_rss_mb()
     decoder = open_decoder(artifact, threads=settings["threads"], openvino_f32=settings.get("openvino_f32", False))
     new_tokens, repetitions = settings["new_tokens"], settings["repetitions"]

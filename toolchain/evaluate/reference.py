@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 
 from toolchain import source as sources
 from toolchain.errors import InputError
+from toolchain.source_hashes import checkpoint_hashes
 
 if TYPE_CHECKING:
     from toolchain.manifest_schema import Manifest
@@ -14,8 +15,6 @@ if TYPE_CHECKING:
 
 def source_changes(manifest: Manifest, source: sources.Source) -> list[str]:
     """How the checkpoint at ``source`` differs from the files the artifact was built from ([] when identical)."""
-    from toolchain.source_hashes import checkpoint_hashes
-
     recorded = manifest.source.files
     actual = checkpoint_hashes(source.path)
     changes = [f"changed {n}" for n in sorted(recorded) if n in actual and actual[n] != recorded[n]]

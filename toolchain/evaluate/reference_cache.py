@@ -13,11 +13,12 @@ import json
 import os
 from pathlib import Path
 
+from toolchain.cache import cache_dir
 from toolchain.evaluate.dataset import EvalData
 from toolchain.evaluate.reference_record import ReferenceRecord
 from toolchain.evaluate.settings import ARTIFACT_ONLY, TASK_SETTINGS, EvalSettings
-from toolchain.manifest import blake3_file, code_digest, digest
-from toolchain.stages.runner import cache_dir
+from toolchain.hashing import blake3_file, digest
+from toolchain.manifest import code_digest
 
 SCHEMA = "dstc.reference/1"
 

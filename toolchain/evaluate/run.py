@@ -15,11 +15,25 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from toolchain.atomic import write_file_atomically
+from toolchain.evaluate import tasks
+from toolchain.evaluate.dataset import load_data
+from toolchain.evaluate.latency import measure_latency
+from toolchain.evaluate.reference import resolve_reference
 from toolchain.evaluate.settings import EvalSettings
 from toolchain.hardware import describe_cpu
-from toolchain.manifest import MANIFEST, REPORT_FILES, versions
+from toolchain.hashing import self_digest
+from toolchain.interface.files import MANIFEST, REPORT_FILES
+from toolchain.interface.reports import CompressionReport
+from toolchain.manifest import versions
+from toolchain.memory_guard import RETRY, require_memory, size
+from toolchain.report.html import render_html
+from toolchain.report.markdown import render_markdown
 from toolchain.report.schema import SCHEMA, HeadError, LatencyCase, LayerError, Metric, Report, Series
-from toolchain.stages.reports import CompressionReport
+from toolchain.runtime.artifact import open_artifact
+from toolchain.runtime.decoder import open_decoder
+from toolchain.runtime.routing import router_outputs
+from toolchain.source_hashes import checkpoint_hashes
 
 if TYPE_CHECKING:
     from toolchain.manifest_schema import Manifest
@@ -68,9 +82,9 @@ def quantization_series(manifest: Manifest | None) -> tuple[list[LayerError], li
 def require_layered_reference_memory(source, data=None) -> None:
     """Before the layer-by-layer reference runs: what it holds at most (toolchain/runtime/layered_reference.py
     memory_need, the data's hidden states up to a group) against the memory available, refused in one line."""
+    # torch loads only where the reference runs: a cached reference's outputs need none
     from toolchain.checkpoint.reference import reference_config
     from toolchain.evaluate.reference_record import GROUP_BYTES
-    from toolchain.memory_guard import RETRY, require_memory, size
     from toolchain.runtime.layered_reference import memory_need
 
     tokens = max((len(s.ids) for s in data.sequences), default=0) if data is not None else 0
@@ -87,11 +101,10 @@ def reference_record(artifact, data, settings: EvalSettings, *, reference: str |
     """The reference's record on ``data``: from ``records`` (what `dstc compare` computed for an earlier artifact),
     from the reference cache, or computed by the layer-by-layer reference (released before it returns, so that it
     and the artifact are never in memory together). Returns it and what the report records of the reference."""
+    # torch loads only where the reference runs: a cached reference's outputs need none
     from toolchain.evaluate import reference_cache
-    from toolchain.evaluate.reference import resolve_reference
     from toolchain.evaluate.reference_record import ReferenceRecord, compute_record
     from toolchain.runtime.layered_reference import LayeredReference
-    from toolchain.source_hashes import checkpoint_hashes
 
     source, choice = resolve_reference(artifact.manifest, reference)
     key = reference_cache.reference_key(checkpoint_hashes(source.path), data, settings)
@@ -131,10 +144,9 @@ def reference_task_scores(artifact, settings: EvalSettings, *, reference: str | 
                           log: Callable[[str], None] = lambda _: None) -> tuple[dict, dict]:
     """The reference's lm-eval scores on settings.tasks: from the reference cache, or computed by the layer-by-layer
     reference (released before it returns). Returns them and what the report records of their cache entry."""
+    # torch loads only where the reference runs: a cached reference's outputs need none
     from toolchain.evaluate import reference_cache, tasks
-    from toolchain.evaluate.reference import resolve_reference
     from toolchain.runtime.layered_reference import LayeredReference
-    from toolchain.source_hashes import checkpoint_hashes
 
     source, choice = resolve_reference(artifact.manifest, reference)
     key = reference_cache.task_key(checkpoint_hashes(source.path), tasks.task_files(Path(str(settings.task_data))),
@@ -164,13 +176,9 @@ def evaluate_artifact(path: Path, settings: EvalSettings | None = None, *, refer
     """Measure the artifact at ``path``. ``records``: reference records by cache key, shared by the artifacts of
     one `dstc compare`. ``display_path``: where the artifact will live, when ``path`` is the temporary directory of
     a build that has not been renamed into place yet."""
+    # torch loads only when accuracy is measured
     from toolchain.evaluate.accuracy import measure_accuracy
-    from toolchain.evaluate.dataset import load_data
-    from toolchain.evaluate.latency import measure_latency
     from toolchain.models.train import END_OF_LINE
-    from toolchain.runtime.artifact import open_artifact
-    from toolchain.runtime.decoder import open_decoder
-    from toolchain.runtime.routing import router_outputs
 
     settings = settings if settings is not None else EvalSettings()
     artifact = open_artifact(path)
@@ -192,8 +200,6 @@ def evaluate_artifact(path: Path, settings: EvalSettings | None = None, *, refer
                                        pad_id=artifact.pad_token_id, newline_id=newline_id, settings=settings,
                                        log=log)
     if settings.tasks:
-        from toolchain.evaluate import tasks
-
         log(f"lm-eval {', '.join(settings.tasks)} on the artifact")
         scores = tasks.score(decoder, tokenizer, settings, max_length=artifact.context_length or settings.window,
                              stop_ids=artifact.eos_token_ids, log=log)
@@ -248,11 +254,6 @@ def write_report(report: Report, directory: Path) -> list[Path]:
     ``directory``, each written to a temporary name and renamed, so a reader never sees half a report."""
     import hashlib
     import json
-
-    from toolchain.atomic import write_file_atomically
-    from toolchain.manifest import self_digest
-    from toolchain.report.html import render_html
-    from toolchain.report.markdown import render_markdown
 
     texts = {"report.md": render_markdown(report), "report.html": render_html(report)}
     report.files = {name: hashlib.sha256(text.encode()).hexdigest() for name, text in texts.items()}

@@ -23,6 +23,7 @@ def task_files(task_data: Path) -> dict[str, str]:
 
 def score(decoder, tokenizer, settings: EvalSettings, *, max_length: int, stop_ids: list[int],
           log: Callable[[str], None]) -> dict[str, dict]:
+    # lm-evaluation-harness loads only when tasks are scored
     from toolchain.evaluate.harness import score_tasks
 
     return score_tasks(decoder, tokenizer, settings.tasks, Path(str(settings.task_data)), max_length=max_length,

@@ -17,6 +17,21 @@ import onnx_ir as ir
 from toolchain.export import blocks
 from toolchain.export.graph import GraphBuilder, rename_output, tensor_input
 from toolchain.export.weights import HFModule, Params
+from toolchain.interface.graph import (
+    ATTENTION,
+    ATTENTION_MASK,
+    GENAI_MODEL_TYPE,
+    HEAD_LAYOUT,
+    INPUT_IDS,
+    KV_CACHE,
+    LOGITS,
+    MODEL_TYPE,
+    MOE_LAYERS,
+    NUM_LAYERS,
+    PAST_PREFIX,
+    POSITION_IDS,
+    PRESENT_PREFIX,
+)
 
 FLOAT, INT64 = ir.DataType.FLOAT, ir.DataType.INT64
 
@@ -108,9 +123,9 @@ def build_decoder(model: HFModule, arch: Architecture, reader=None,
     arch.check(config)
     cached_heads, key_dim, value_dim = arch.cache_dims(config)
     g = GraphBuilder(Params(model, reader), weights)
-    input_ids = tensor_input("input_ids", INT64, ["batch_size", "sequence_length"])
-    mask_2d = tensor_input("attention_mask", INT64, ["batch_size", "total_sequence_length"])
-    position_ids = tensor_input("position_ids", INT64, ["batch_size", "sequence_length"])
+    input_ids = tensor_input(INPUT_IDS, INT64, ["batch_size", "sequence_length"])
+    mask_2d = tensor_input(ATTENTION_MASK, INT64, ["batch_size", "total_sequence_length"])
+    position_ids = tensor_input(POSITION_IDS, INT64, ["batch_size", "sequence_length"])
     inputs, outputs = [input_ids, mask_2d, position_ids], []
     present_dims = {"key": key_dim, "value": value_dim}
 
@@ -122,7 +137,7 @@ def build_decoder(model: HFModule, arch: Architecture, reader=None,
     mask = blocks.attention_mask(g, input_ids, mask_2d)
     presents = []
     for i, layer in enumerate(decoder.layers):
-        past = {kind: tensor_input(f"past_key_values.{i}.{kind}", FLOAT,
+        past = {kind: tensor_input(f"{PAST_PREFIX}{i}.{kind}", FLOAT,
                                    ["batch_size", cached_heads, "past_sequence_length", dim])
                 for kind, dim in present_dims.items()}
         inputs += [past["key"], past["value"]]
@@ -145,14 +160,14 @@ def build_decoder(model: HFModule, arch: Architecture, reader=None,
     else:
         with g.role("lm_head"):
             logits = blocks.matmul_weight(g, h, g.params.array(model.lm_head.weight), "lm_head")
-    outputs.append(rename_output(logits, "logits", FLOAT, ["batch_size", "sequence_length", config.vocab_size]))
+    outputs.append(rename_output(logits, LOGITS, FLOAT, ["batch_size", "sequence_length", config.vocab_size]))
     for i, kind, value in presents:
-        outputs.append(rename_output(value, f"present.{i}.{kind}", FLOAT,
+        outputs.append(rename_output(value, f"{PRESENT_PREFIX}{i}.{kind}", FLOAT,
                                      ["batch_size", cached_heads, "total_sequence_length", present_dims[kind]]))
     ir_model = g.model(inputs, outputs, doc=f"{config.model_type} exported by dstc")
     ir_model.metadata_props.update({
-        "dstc.model_type": config.model_type,
-        "dstc.num_layers": str(len(decoder.layers)),
+        MODEL_TYPE: config.model_type,
+        NUM_LAYERS: str(len(decoder.layers)),
         **architecture_metadata(arch, config),
     })
     return ir_model
@@ -162,7 +177,7 @@ def architecture_metadata(arch: Architecture, config) -> dict[str, str]:
     """The architecture's facts as graph metadata (JSON values), for the stages that read the graph."""
     import json
 
-    return {"dstc.attention": arch.attention_kind, "dstc.kv_cache": arch.kv_cache,
-            "dstc.head_layout": json.dumps(arch.head_layout(config)),
-            "dstc.moe_layers": json.dumps(arch.moe_layers(config)),
-            "dstc.genai_model_type": arch.genai_model_type or ""}
+    return {ATTENTION: arch.attention_kind, KV_CACHE: arch.kv_cache,
+            HEAD_LAYOUT: json.dumps(arch.head_layout(config)),
+            MOE_LAYERS: json.dumps(arch.moe_layers(config)),
+            GENAI_MODEL_TYPE: arch.genai_model_type or ""}

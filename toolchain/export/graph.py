@@ -18,6 +18,7 @@ import onnx_ir as ir
 import torch
 
 from toolchain.export.weights import ChunkedTensor, LazyArray, Params
+from toolchain.interface.graph import LAYER, ROLE
 
 OPSET = 18
 
@@ -53,10 +54,10 @@ class GraphBuilder:
 
     def _annotate(self, tensor) -> None:
         if self._roles:
-            tensor.metadata_props["dstc.role"] = self._roles[-1]
+            tensor.metadata_props[ROLE] = self._roles[-1]
         layer = next((part[len("layers."):] for part in self._scope if part.startswith("layers.")), None)
         if layer is not None:
-            tensor.metadata_props["dstc.layer"] = layer
+            tensor.metadata_props[LAYER] = layer
 
     def _path(self, name: str) -> str:
         return "/".join([*self._scope, name])

@@ -25,7 +25,10 @@ import numpy as np
 import onnx
 import torch
 
+from toolchain.checkpoint import reference as ref
+from toolchain.checkpoint.reader import EMBEDDING, open_checkpoint
 from toolchain.export.parity import TOLERANCES, Case
+from toolchain.interface.graph import PRESENT_PREFIX, cache_spec, onnx_inputs, present_of
 from toolchain.runtime.engines import GraphRunner
 from toolchain.runtime.generate import left_pad
 from toolchain.runtime.layered_reference import additive_mask
@@ -167,15 +170,11 @@ def compare_layers_on(graph_path: Path, source_path: Path, backends: Sequence[st
     so the checkpoint is read and the reference computed once however many backends are checked."""
     from transformers import DynamicCache
 
-    from toolchain.checkpoint import reference as ref
-    from toolchain.checkpoint.reader import EMBEDDING, open_checkpoint
-
     # shapes of the values between pieces (OpenVINO needs their ranks); the weights stay on disk
     model = onnx.shape_inference.infer_shapes(onnx.load(str(graph_path), load_external_data=False))
     pieces = cut(model.graph)
     layers = sorted((s for s in pieces if s.startswith("layers.")), key=lambda s: int(s.split(".")[1]))
-    past_dims = {i.name: (i.type.tensor_type.shape.dim[1].dim_value, i.type.tensor_type.shape.dim[3].dim_value)
-                 for i in model.graph.input if i.name.startswith("past_key_values.")}
+    past_dims = cache_spec(onnx_inputs(model.graph))
     tables = {GRAPH_TABLE} | {n.output[0] for n in pieces["prologue"].nodes if n.op_type == "Cast"
                               and n.input[0] == GRAPH_TABLE}  # the table, or its Cast when stored in bf16
     embedded = next(n.output[0] for n in pieces["prologue"].nodes if n.op_type == "Gather" and n.input[0] in tables)
@@ -215,7 +214,7 @@ def compare_layers_on(graph_path: Path, source_path: Path, backends: Sequence[st
                 # next is built: the check holds the largest one, not two (a MoE layer's experts are most of it)
                 piece = pieces[scope]
                 past_names = [n for n in piece.inputs if n in past_dims]
-                hidden_out = next(n for n in piece.outputs if not n.startswith("present."))
+                hidden_out = next(n for n in piece.outputs if not n.startswith(PRESENT_PREFIX))
                 graph_out: dict[str, list[list[np.ndarray]]] = {}
                 for backend in backends:
                     run = GraphRunner(paths[scope], backend)
@@ -228,7 +227,7 @@ def compare_layers_on(graph_path: Path, source_path: Path, backends: Sequence[st
                         for step, step_shared in zip(case_steps, case_shared):
                             feeds = {n: step_shared[n] for n in piece.inputs if n in step_shared}
                             out = run({**feeds, **past, hidden_in: step.hidden.numpy()})
-                            past = {n: out["present." + n[len("past_key_values."):]] for n in past_names}
+                            past = {n: out[present_of(n)] for n in past_names}
                             graph_out[backend][-1].append(out[hidden_out])
                     del run
                 layer = ref.decoder_layer(config, reader, int(scope.split(".")[1]))

@@ -14,6 +14,7 @@ from typing import Protocol, runtime_checkable
 
 import numpy as np
 
+from toolchain.interface.graph import graph_cache_spec
 from toolchain.runtime.decoder import Decoder, StatelessDecoder
 from toolchain.runtime.engines import GraphRunner
 from toolchain.runtime.generate import greedy_logits
@@ -35,6 +36,7 @@ FULL_PARITY_BYTES = 1 << 30
 
 def too_large_for_end_to_end(source_path: Path) -> str | None:
     """Why the end-to-end check against the whole fp32 model is not run on this checkpoint, or None."""
+    # torch loads only where a checkpoint is read
     from toolchain.checkpoint.reader import open_checkpoint
 
     with open_checkpoint(source_path) as reader:
@@ -103,22 +105,9 @@ def _runs(decoder: Decoder | Callable[[], Decoder], cases: list[Case], new_token
     return [greedy_logits(made, case.prompts, new_tokens, pad_id) for case in cases]
 
 
-def cache_specs(path: Path) -> dict[str, tuple[int, int]]:
-    """{past_key_values.* input: (heads, head dim)} of a stateless graph (ONNX, or an OpenVINO IR)."""
-    if Path(path).suffix == ".xml":
-        from toolchain.compile.openvino_ir import cache_dims
-
-        return cache_dims(path)
-    import onnx
-
-    graph = onnx.load(str(path), load_external_data=False).graph
-    return {i.name: (i.type.tensor_type.shape.dim[1].dim_value, i.type.tensor_type.shape.dim[3].dim_value)
-            for i in graph.input if i.name.startswith("past_key_values.")}
-
-
 def graph_decoder(path: Path, backend: str) -> StatelessDecoder:
-    """A graph file run stateless at exact numerics, as a Decoder."""
-    return StatelessDecoder(GraphRunner(path, backend), cache_specs(path))
+    """A graph file (ONNX, or a stateless OpenVINO IR) run stateless at exact numerics, as a Decoder."""
+    return StatelessDecoder(GraphRunner(path, backend), graph_cache_spec(path))
 
 
 def compare(reference: Decoder, path: Path, backend: str, cases: list[Case], new_tokens: int, pad_id: int) -> dict:

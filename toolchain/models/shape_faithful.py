@@ -11,6 +11,8 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig, PreTrainedConfig
 
 from toolchain.atomic import atomic_output_dir, check_writable_target
+from toolchain.checkpoint.fp8 import QUANTIZATION_CONFIG, quantize_fp8, quantized_in_hub_layout
+from toolchain.checkpoint.reader import SCALE_SUFFIX
 from toolchain.errors import InputError
 from toolchain.models.registry import embedded_path, reference_config
 
@@ -104,9 +106,6 @@ def _write_shards(model, config, directory: Path, generator: torch.Generator, fp
     as write_fp8_checkpoint quantizes a bf16 checkpoint."""
     from safetensors.torch import save_file
 
-    from toolchain.checkpoint.fp8 import quantize_fp8, quantized_in_hub_layout
-    from toolchain.checkpoint.reader import SCALE_SUFFIX
-
     shapes = _shapes(model, bool(config.tie_word_embeddings))
     shards: list[list[tuple]] = [[]]
     size = 0
@@ -164,8 +163,6 @@ def make_shape_faithful(reference: str, out_dir: Path, num_layers: int = 4, num_
     as write_fp8_checkpoint makes of the bf16 checkpoint, without writing that first (V3's real widths at 4
     layers: 17 GB instead of 30 + 17).
     """
-    from toolchain.checkpoint.fp8 import QUANTIZATION_CONFIG
-
     raw = reference_config(reference)
     if fp8 and raw.get("model_type") != "deepseek_v3":
         raise InputError(f"--fp8 writes DeepSeek-V3's hub layout; {reference} is {raw.get('model_type')}")

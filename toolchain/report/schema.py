@@ -17,7 +17,9 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from toolchain.errors import InputError
-from toolchain.manifest import MANIFEST, REPORT_FILES, check_report_binding, read_json_file, self_digest
+from toolchain.hashing import self_digest, sha256_file
+from toolchain.interface.files import MANIFEST, REPORT_FILES
+from toolchain.interface.reports import read_json_file
 
 SCHEMA = "dstc.report/3"
 # Reports of these schemas are read too, upgraded to SCHEMA (_upgrade); /3 added Metric.stderr.
@@ -165,6 +167,16 @@ def read_report_data(path: Path) -> dict:
     if data.get("digest") is not None and data["digest"] != self_digest(data):
         raise InputError(f"{path} was changed after dstc wrote it (its content does not match its digest)")
     return data
+
+
+def check_report_binding(report: dict, artifact: Path, path: Path) -> None:
+    """InputError unless the report (read from ``path``) was written for this artifact's manifest.json."""
+    recorded = (report.get("artifact") or {}).get("manifest_sha256")
+    actual = sha256_file(Path(artifact) / MANIFEST)
+    if recorded != actual:
+        raise InputError(f"{path} was not written for the artifact in {artifact}: it records manifest sha256 "
+                         f"{str(recorded)[:12]}, the artifact's manifest.json is {actual[:12]} (copied from another "
+                         f"artifact, or the artifact was rebuilt: run dstc eval again)")
 
 
 def _upgrade(data: dict) -> dict:

@@ -19,17 +19,24 @@ from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from toolchain.compile.onnxruntime_artifact import MODEL as ONNX_MODEL, WEIGHTS as ONNX_WEIGHTS
-from toolchain.compile.openvino_ir import MODEL_XML
 from toolchain.errors import InputError
-from toolchain.manifest import MANIFEST, read_manifest
-from toolchain.stages.inputs import check_onnx_graph, read_json
-from toolchain.stages.reports import CompileReport
+from toolchain.interface.files import (
+    COMPILE_REPORT,
+    CONFIG,
+    GENERATION_CONFIG,
+    MANIFEST,
+    MODEL_XML,
+    ONNX_MODEL,
+    ONNX_WEIGHTS,
+    TOKENIZER,
+    weights_of,
+)
+from toolchain.interface.graph import check_onnx_graph
+from toolchain.interface.reports import CompileReport, read_json
+from toolchain.manifest import read_manifest
 
 if TYPE_CHECKING:
     from toolchain.manifest_schema import Manifest
-
-COMPILE_REPORT = "compile.json"
 
 
 @dataclass(frozen=True)
@@ -46,7 +53,7 @@ class Artifact:
 
     @cached_property  # writes the instance __dict__ directly, so it works on a frozen dataclass
     def _tokenizer(self):
-        if not (self.path / "tokenizer.json").is_file():
+        if not (self.path / TOKENIZER).is_file():
             raise InputError(f"{self.path} has no tokenizer.json (its checkpoint had no tokenizer)")
         from transformers import AutoTokenizer
 
@@ -83,8 +90,7 @@ class Artifact:
     @property
     def model_files(self) -> list[Path]:
         """The graph and weight files (what a deployment loads besides configs and tokenizer)."""
-        names = (MODEL_XML, MODEL_XML.replace(".xml", ".bin")) if self.backend == "openvino" else \
-            (ONNX_MODEL, ONNX_WEIGHTS)
+        names = (MODEL_XML, weights_of(MODEL_XML)) if self.backend == "openvino" else (ONNX_MODEL, ONNX_WEIGHTS)
         return [self.path / n for n in names if (self.path / n).is_file()]
 
     @property
@@ -105,9 +111,9 @@ def open_artifact(path: Path | str) -> Artifact:
     if not (path / MANIFEST).is_file() and not (path / COMPILE_REPORT).is_file():
         raise InputError(f"{path} is not a compiled artifact: no {MANIFEST} or {COMPILE_REPORT} "
                          f"(an export? run dstc compile or dstc build)")
-    if not (path / "config.json").is_file():
-        raise InputError(f"{path} is not a compiled artifact: no config.json")
-    generation = path / "generation_config.json"
+    if not (path / CONFIG).is_file():
+        raise InputError(f"{path} is not a compiled artifact: no {CONFIG}")
+    generation = path / GENERATION_CONFIG
     manifest = read_manifest(path) if (path / MANIFEST).is_file() else None
     listed = manifest.files if manifest else CompileReport.read(path / COMPILE_REPORT).files
     missing = sorted(name for name in listed if not (path / name).is_file())
@@ -118,7 +124,7 @@ def open_artifact(path: Path | str) -> Artifact:
         check_onnx_graph(path / ONNX_MODEL)
     for xml in sorted(path.glob("openvino_*.xml")):  # the model's IR and the tokenizer's
         _check_ir_weights(xml)
-    return Artifact(path=path, backend=backend, manifest=manifest, config=read_json(path / "config.json"),
+    return Artifact(path=path, backend=backend, manifest=manifest, config=read_json(path / CONFIG),
                     generation=read_json(generation) if generation.is_file() else {})
 
 

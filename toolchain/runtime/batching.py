@@ -22,7 +22,8 @@ OpenVINO. openvino_genai's ContinuousBatchingPipeline does this itself (paged at
 chunked prefill, prefix caching): ``openvino_pipeline`` builds one over a dstc artifact's stateful IR, which the
 pipeline converts to paged attention when it loads it. It finds the attention to convert as
 ScaledDotProductAttention, which MLA's latent cache (toolchain/export/deepseek.py) does not have: such an artifact
-is batched by dstc's runner on its stateful IR instead (batching_openvino.py).
+is batched by dstc's runner on its stateful IR instead (batching_openvino.py; told apart by ``dstc.kv_cache``
+``latent`` in the graph's metadata).
 """
 
 from __future__ import annotations
@@ -34,15 +35,24 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from toolchain.compile.openvino_ir import PAST_PREFIX, PRESENT_PREFIX
 from toolchain.errors import InputError
+from toolchain.interface.files import MODEL_XML
+from toolchain.interface.graph import (
+    ATTENTION_MASK,
+    INPUT_IDS,
+    KV_CACHE,
+    LATENT,
+    LOGITS,
+    POSITION_IDS,
+    graph_metadata,
+    present_of,
+)
 from toolchain.runtime.artifact import Artifact
-from toolchain.runtime.decoder import positions
+from toolchain.runtime.decoder import ort_cache, positions
 from toolchain.runtime.engines import NUMERICS
 from toolchain.runtime.generate import left_pad
 
 LAYOUTS = ("batch", "gather")
-_DTYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16}
 
 
 class BatchedDecoder:
@@ -101,10 +111,9 @@ class _OnnxRuntimeBatch(BatchedDecoder):
     def __init__(self, decoder, pad_id: int) -> None:
         super().__init__(pad_id)
         self.session = decoder.session
-        self._past = {i.name: (i.shape[1], i.shape[3], _DTYPES[i.type]) for i in self.session.get_inputs()
-                      if i.name.startswith(PAST_PREFIX)}
-        self._present = {name: PRESENT_PREFIX + name[len(PAST_PREFIX):] for name in self._past}
-        self._outputs = ["logits", *self._present.values()]
+        self._past = ort_cache(self.session)
+        self._present = {name: present_of(name) for name in self._past}
+        self._outputs = [LOGITS, *self._present.values()]
         # A runner that adds a logits_to_keep input to the graph (toolchain/runtime/last_logits.py) gets 1: only the
         # last position's logits are read, so a prefill computes the lm_head for one position, not the whole prompt.
         self._keep_last = any(i.name == "logits_to_keep" for i in self.session.get_inputs())
@@ -117,13 +126,13 @@ class _OnnxRuntimeBatch(BatchedDecoder):
         ids = np.ascontiguousarray(ids, np.int64)
         mask = np.ascontiguousarray(mask, np.int64)
         pos = np.ascontiguousarray(positions(mask, ids.shape[1]))
-        feeds = {"input_ids": OrtValue.ortvalue_from_numpy(ids), "attention_mask": OrtValue.ortvalue_from_numpy(mask),
-                 "position_ids": OrtValue.ortvalue_from_numpy(pos), **past}
+        feeds = {INPUT_IDS: OrtValue.ortvalue_from_numpy(ids), ATTENTION_MASK: OrtValue.ortvalue_from_numpy(mask),
+                 POSITION_IDS: OrtValue.ortvalue_from_numpy(pos), **past}
         if self._keep_last:
             keep = np.array(1, np.int64)
             feeds["logits_to_keep"] = OrtValue.ortvalue_from_numpy(keep)
         values = dict(zip(self._outputs, self.session.run_with_ort_values(self._outputs, feeds)))
-        return values["logits"].numpy(), {name: values[present] for name, present in self._present.items()}
+        return values[LOGITS].numpy(), {name: values[present] for name, present in self._present.items()}
 
     def _empty(self, batch: int) -> dict:
         from onnxruntime import OrtValue
@@ -341,6 +350,13 @@ def openvino_pipeline(artifact: Artifact, settings: PipelineSettings):
     SchedulerConfig). The KV cache is sized for ``max_batch`` sequences of ``max_context`` tokens."""
     if artifact.backend != "openvino":
         raise InputError(f"{artifact.path} is an {artifact.backend} artifact, not an OpenVINO one")
+    if graph_metadata(artifact.path / MODEL_XML).get(KV_CACHE) == LATENT:
+        # genai's paged attention replaces the graph's attention and its cache; MLA's latent cache has neither
+        # form (scores are two products over two cached tensors, toolchain/export/deepseek.py)
+        raise InputError(f"{artifact.path}: openvino_genai's continuous batching needs the graph's attention as "
+                         f"ScaledDotProductAttention, to page its KV cache, and this artifact has none (an MLA latent "
+                         f"cache); dstc's runner batches it (batching_openvino.StatefulBatch, what dstc serve uses), "
+                         f"or build it with export.mla_cache: per-head (dstc export --mla-cache per-head)")
     import openvino_genai
 
     scheduler = openvino_genai.SchedulerConfig()
@@ -353,17 +369,7 @@ def openvino_pipeline(artifact: Artifact, settings: PipelineSettings):
     scheduler.num_kv_blocks = settings.max_batch * (blocks_per_sequence + 1)
     properties = {**(NUMERICS['exact'] if settings.f32 else {}), "KV_CACHE_PRECISION": kv_cache_precision(settings),
                   **({"INFERENCE_NUM_THREADS": settings.threads} if settings.threads else {})}
-    try:
-        pipeline = openvino_genai.ContinuousBatchingPipeline(str(artifact.path), scheduler, "CPU", properties)
-    except RuntimeError as e:
-        if "ScaledDotProductAttention" not in str(e):
-            raise
-        # genai's paged attention replaces the graph's attention and its cache; MLA's latent cache has neither
-        # form (scores are two products over two cached tensors, toolchain/export/deepseek.py)
-        raise InputError(f"{artifact.path}: openvino_genai's continuous batching needs the graph's attention as "
-                         f"ScaledDotProductAttention, to page its KV cache, and this artifact has none (an MLA latent "
-                         f"cache); serve it on ONNX Runtime, or build it with export.mla_cache: per-head "
-                         f"(dstc export --mla-cache per-head)") from None
+    pipeline = openvino_genai.ContinuousBatchingPipeline(str(artifact.path), scheduler, "CPU", properties)
     return pipeline, properties, scheduler
 
 

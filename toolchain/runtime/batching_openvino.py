@@ -25,6 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
+from toolchain.interface.graph import KV_CACHE, LATENT, graph_metadata
 from toolchain.runtime.batching import BatchedDecoder
 from toolchain.runtime.decoder import positions
 from toolchain.runtime.generate import left_pad
@@ -33,10 +34,8 @@ from toolchain.runtime.last_logits import INPUT as LOGITS_TO_KEEP
 
 def pageable(xml: Path) -> bool:
     """Whether openvino_genai's continuous batching can page this IR's KV cache: it converts the graph's
-    ScaledDotProductAttention nodes, and refuses an IR without them."""
-    import openvino as ov
-
-    return any(op.get_type_name() == "ScaledDotProductAttention" for op in ov.Core().read_model(xml).get_ops())
+    ScaledDotProductAttention, which every cache but MLA's latent one is read by (the graph's ``dstc.kv_cache``)."""
+    return graph_metadata(xml).get(KV_CACHE) != LATENT
 
 
 class StatefulBatch(BatchedDecoder):

@@ -21,14 +21,26 @@ from typing import Protocol
 
 import numpy as np
 
-from toolchain.compile.onnxruntime_artifact import MODEL as ONNX_MODEL
-from toolchain.compile.openvino_ir import MODEL_XML, PAST_PREFIX, PRESENT_PREFIX
 from toolchain.errors import InputError
 from toolchain.hardware import cpu_flags
+from toolchain.interface.files import MODEL_XML, ONNX_MODEL
+from toolchain.interface.graph import (
+    ATTENTION_MASK,
+    BEAM_IDX,
+    INPUT_IDS,
+    LOGITS,
+    POSITION_IDS,
+    cache_spec,
+    present_of,
+)
 from toolchain.memory_guard import require_artifact_memory
 from toolchain.runtime import engines
 from toolchain.runtime.artifact import Artifact, load_error
-from toolchain.runtime.last_logits import INPUT as LOGITS_TO_KEEP, openvino_with_logits_to_keep
+from toolchain.runtime.last_logits import (
+    INPUT as LOGITS_TO_KEEP,
+    onnx_with_logits_to_keep,
+    openvino_with_logits_to_keep,
+)
 
 
 class Decoder(Protocol):
@@ -50,13 +62,23 @@ def positions(attention_mask: np.ndarray, new: int) -> np.ndarray:
     return np.clip(attention_mask.cumsum(-1) - 1, 0, None)[:, -new:]
 
 
+# ONNX Runtime's element types of a cache input, as numpy's
+ORT_CACHE_DTYPES: dict[str, type[np.floating]] = {"tensor(float)": np.float32, "tensor(float16)": np.float16}
+
+
+def ort_cache(session) -> dict[str, tuple[int, int, type[np.floating]]]:
+    """{past_key_values.* input: (heads, head dim, numpy dtype)} of an ONNX Runtime session's graph."""
+    inputs = session.get_inputs()
+    types = {i.name: i.type for i in inputs}
+    return {name: (heads, dim, ORT_CACHE_DTYPES[types[name]])
+            for name, (heads, dim) in cache_spec((i.name, i.shape) for i in inputs).items()}
+
+
 class OnnxRuntimeDecoder:
     backend = "onnxruntime"
 
     def __init__(self, path: Path, threads: int | None, extra_outputs: Sequence[str]) -> None:
         import onnx
-
-        from toolchain.runtime.last_logits import onnx_with_logits_to_keep
 
         started = time.perf_counter()
         # The graph goes as bytes (with logits_to_keep, and any extra outputs): it finds its external weights in
@@ -77,9 +99,7 @@ class OnnxRuntimeDecoder:
             "enable_cpu_mem_arena": applied.enable_cpu_mem_arena,
             "enable_mem_pattern": applied.enable_mem_pattern,
         }
-        dtypes = {"tensor(float)": np.float32, "tensor(float16)": np.float16}
-        self._past = {i.name: (i.shape[1], i.shape[3], dtypes[i.type]) for i in self.session.get_inputs()
-                      if i.name.startswith(PAST_PREFIX)}
+        self._past = ort_cache(self.session)
         self._outputs = [o.name for o in self.session.get_outputs()]
         self._extra = list(extra_outputs)
         self._binding = self.session.io_binding()
@@ -93,10 +113,10 @@ class OnnxRuntimeDecoder:
         ids = np.ascontiguousarray(input_ids, np.int64)
         mask = np.ascontiguousarray(attention_mask, np.int64)
         binding = self._binding
-        binding.bind_cpu_input("input_ids", ids)
-        binding.bind_cpu_input("attention_mask", mask)
+        binding.bind_cpu_input(INPUT_IDS, ids)
+        binding.bind_cpu_input(ATTENTION_MASK, mask)
         binding.bind_cpu_input(LOGITS_TO_KEEP, np.array(logits_to_keep, np.int64))
-        binding.bind_cpu_input("position_ids", np.ascontiguousarray(positions(mask, ids.shape[1])))
+        binding.bind_cpu_input(POSITION_IDS, np.ascontiguousarray(positions(mask, ids.shape[1])))
         for name, value in (self.cache or self._empty_cache(len(ids))).items():
             binding.bind_ortvalue_input(name, value)
         # Outputs are re-bound to the device each step rather than to last step's buffers: present.* grows by
@@ -108,9 +128,9 @@ class OnnxRuntimeDecoder:
         values = dict(zip(self._outputs, binding.get_outputs()))
         # The cache stays in ORT's OrtValues: each present.* is bound as the next step's past input as is, with
         # no copy to numpy and back per step (that copy grows with the context and the layer count).
-        self.cache = {name: values[PRESENT_PREFIX + name[len(PAST_PREFIX):]] for name in self._past}
+        self.cache = {name: values[present_of(name)] for name in self._past}
         self.extras = {name: values[name].numpy() for name in self._extra}
-        return values["logits"].numpy()
+        return values[LOGITS].numpy()
 
     def _empty_cache(self, batch: int) -> dict:
         from onnxruntime import OrtValue
@@ -151,7 +171,7 @@ class OpenVINODecoder:
         self.runtime_config = {"device": "CPU", **{
             name: _plain(compiled.get_property(name)) for name in compiled.get_property("SUPPORTED_PROPERTIES")
             if name != "SUPPORTED_PROPERTIES"}}
-        self._logits = compiled.output("logits")
+        self._logits = compiled.output(LOGITS)
         self._extra = {name: compiled.output(name) for name in extra_outputs}
         self.extras: dict[str, np.ndarray] = {}
 
@@ -161,9 +181,9 @@ class OpenVINODecoder:
     def forward(self, input_ids: np.ndarray, attention_mask: np.ndarray, logits_to_keep: int = 0) -> np.ndarray:
         ids = np.ascontiguousarray(input_ids, np.int64)
         mask = np.ascontiguousarray(attention_mask, np.int64)
-        result = self.request.infer({"input_ids": ids, "attention_mask": mask,
-                                      "position_ids": np.ascontiguousarray(positions(mask, ids.shape[1])),
-                                      "beam_idx": np.arange(len(ids), dtype=np.int32),
+        result = self.request.infer({INPUT_IDS: ids, ATTENTION_MASK: mask,
+                                     POSITION_IDS: np.ascontiguousarray(positions(mask, ids.shape[1])),
+                                     BEAM_IDX: np.arange(len(ids), dtype=np.int32),
                                       LOGITS_TO_KEEP: np.array(logits_to_keep, np.int64)},
                                      share_inputs=True, share_outputs=True)
         # Shared outputs are the request's own buffers, overwritten by the next infer: keep copies.
@@ -261,11 +281,11 @@ class StatelessDecoder:
 
     def forward(self, input_ids: np.ndarray, attention_mask: np.ndarray, logits_to_keep: int = 0) -> np.ndarray:
         del logits_to_keep  # a stateless graph (a check's) computes every position; the caller reads the last
-        feeds = {"input_ids": np.ascontiguousarray(input_ids, np.int64),
-                 "attention_mask": np.ascontiguousarray(attention_mask, np.int64),
-                 "position_ids": np.ascontiguousarray(positions(attention_mask, input_ids.shape[1]))}
+        feeds = {INPUT_IDS: np.ascontiguousarray(input_ids, np.int64),
+                 ATTENTION_MASK: np.ascontiguousarray(attention_mask, np.int64),
+                 POSITION_IDS: np.ascontiguousarray(positions(attention_mask, input_ids.shape[1]))}
         for name, (heads, dim) in self._past_specs.items():
             feeds[name] = self._past.get(name, np.zeros((len(input_ids), heads, 0, dim), np.float32))
         outputs = self._run(feeds)
-        self._past = {name: outputs[PRESENT_PREFIX + name[len(PAST_PREFIX):]] for name in self._past_specs}
-        return outputs["logits"]
+        self._past = {name: outputs[present_of(name)] for name in self._past_specs}
+        return outputs[LOGITS]

@@ -31,6 +31,7 @@ from toolchain import source as sources
 from toolchain.checkpoint import reference as ref
 from toolchain.checkpoint.reader import EMBEDDING, LM_HEAD, open_checkpoint
 from toolchain.errors import UnsupportedModelError
+from toolchain.export.architectures import architecture_for
 from toolchain.hardware import available_memory_bytes
 from toolchain.runtime.decoder import positions
 
@@ -124,8 +125,6 @@ class LayeredReference:
         return {layer: f"router.{layer}" for layer in self._moe_layer_indices()}
 
     def _moe_layer_indices(self) -> list[int]:
-        from toolchain.export.architectures import architecture_for
-
         return list(architecture_for(self.config.model_type).moe_layers(self.config))
 
     def _layer(self, i: int) -> torch.nn.Module:

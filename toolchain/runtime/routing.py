@@ -14,13 +14,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from toolchain.compile.onnxruntime_artifact import MODEL as ONNX_MODEL
-from toolchain.compile.openvino_ir import MODEL_XML
+from toolchain.interface.files import MODEL_XML, ONNX_MODEL
 from toolchain.runtime.artifact import Artifact
 
 
 def moe_layers(config: dict) -> list[int]:
     """Indices of the MoE layers of the artifact's config.json, by its architecture module's rule."""
+    # the exporter (torch, onnx_ir) loads only where routing is asked
     from toolchain.export.architectures import architecture_for
 
     return architecture_for(config.get("model_type")).moe_layers(config)

@@ -33,7 +33,14 @@ from functools import partial
 from multiprocessing.connection import Connection
 from typing import TypedDict
 
+from toolchain.interface.files import MODEL_XML
+from toolchain.runtime.artifact import open_artifact
+from toolchain.runtime.batching import PipelineSettings
+from toolchain.runtime.batching_openvino import pageable
+from toolchain.runtime.sampling import Sampling
 from toolchain.serve.engine import Engine, Event, NotReady, Observer, QueueFull, Request, deliver_events
+from toolchain.serve.engine_openvino import OpenVINOBackend
+from toolchain.serve.engine_runner import RunnerBackend
 
 RESTART_DELAY_S = 0.5
 log = logging.getLogger("dstc.serve")
@@ -41,19 +48,11 @@ log = logging.getLogger("dstc.serve")
 
 def make_backend(backend: str, artifact_path: str, options: dict):
     """The backend object of toolchain/serve/engine.py for an artifact (in the engine's process)."""
-    from toolchain.compile.openvino_ir import MODEL_XML
-    from toolchain.runtime.artifact import open_artifact
-    from toolchain.runtime.batching_openvino import pageable
-    from toolchain.serve.engine_runner import RunnerBackend
-
     artifact = open_artifact(artifact_path)
     if backend == "openvino":
         if not pageable(artifact.path / MODEL_XML):  # e.g. MLA's latent cache: dstc's runner batches it
             return RunnerBackend(artifact, threads=options["threads"], max_batch=options["max_batch"],
                                  max_context=options["max_context"], f32=options["f32"])
-        from toolchain.runtime.batching import PipelineSettings
-        from toolchain.serve.engine_openvino import OpenVINOBackend
-
         return OpenVINOBackend(artifact, PipelineSettings(**options))
     return RunnerBackend(artifact, **options)
 
@@ -287,8 +286,6 @@ class _Recorder(Observer):
 def worker(fd: int) -> None:
     """The engine process: reads the spec, loads the backend, serves submissions and cancellations until told to
     stop or the server goes away."""
-    from toolchain.runtime.sampling import Sampling
-
     # Ctrl-C, and a SIGTERM sent to the process group, reach this process too: the server stops it (and when the
     # server is gone, the socket's end of file does)
     signal.signal(signal.SIGINT, signal.SIG_IGN)

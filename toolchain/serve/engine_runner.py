@@ -17,7 +17,11 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from toolchain.errors import InputError
 from toolchain.runtime.artifact import Artifact
+from toolchain.runtime.batching import batched_decoder
+from toolchain.runtime.batching_openvino import StatefulBatch
+from toolchain.runtime.decoder import open_decoder
 from toolchain.runtime.sampling import next_token
 from toolchain.serve.engine import Request, failure
 
@@ -49,16 +53,10 @@ class RunnerBackend:
         self._live: dict[int, Request] = {}
 
     def load(self) -> None:
-        from toolchain.runtime.decoder import open_decoder
-
         self.decoder = open_decoder(self.artifact, threads=self.threads, openvino_f32=self.f32)
         self.batch = self._batch()
 
     def _batch(self) -> BatchedDecoder:
-        from toolchain.errors import InputError
-        from toolchain.runtime.batching import batched_decoder
-        from toolchain.runtime.batching_openvino import StatefulBatch
-
         if self.decoder is None:
             raise RuntimeError("the runner backend is used before it is loaded")
         if self.decoder.backend != "openvino":

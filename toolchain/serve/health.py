@@ -17,17 +17,12 @@ import re
 import threading
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import numpy as np
 
 from toolchain.errors import InputError
+from toolchain.recipe import ServeSection, check_threshold
 
-if TYPE_CHECKING:
-    from toolchain.recipe import ServeSection
-
-LATENCY_METRICS = tuple(f"{kind}_p{q}_ms" for kind in ("ttft", "itl") for q in (50, 90, 99))
-METRICS = (*LATENCY_METRICS, "queue_depth", "running_batch", "kv_cache_usage", "rejected_per_minute")
 STATUSES = ("ok", "warn", "alert")
 
 
@@ -39,12 +34,7 @@ class Threshold:
     alert: float | None = None
 
     def __post_init__(self) -> None:
-        if self.metric not in METRICS:
-            raise InputError(f"unknown health metric {self.metric!r} (one of {', '.join(METRICS)})")
-        if self.ok is not None and self.ok > self.warn:
-            raise InputError(f"{self.metric}: ok={self.ok:g} is above warn={self.warn:g}")
-        if self.alert is not None and self.alert < self.warn:
-            raise InputError(f"{self.metric}: alert={self.alert:g} is below warn={self.warn:g}")
+        check_threshold(self.metric, self.warn, self.ok, self.alert)
 
     @property
     def clear(self) -> float:

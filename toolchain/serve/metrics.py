@@ -23,9 +23,9 @@ from typing import Protocol
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 
+from toolchain.interface.reports import CompressionReport
 from toolchain.serve.engine import Observer
 from toolchain.serve.health import STATUSES, HealthMonitor
-from toolchain.stages.reports import CompressionReport
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 TTFT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.25, 0.3, 0.35, 0.5, 0.75, 1.0,

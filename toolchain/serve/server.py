@@ -22,9 +22,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from toolchain.errors import InputError
-from toolchain.runtime.artifact import Artifact
+from toolchain.memory_guard import require_artifact_memory
+from toolchain.runtime.artifact import Artifact, open_artifact
+from toolchain.runtime.generate import prompt_ids
 from toolchain.runtime.sampling import Sampling
+from toolchain.serve.api import ApiError, create_app
 from toolchain.serve.auth import check_exposure, is_loopback
+from toolchain.serve.connections import guarded_protocol
 from toolchain.serve.engine_process import RemoteEngine
 from toolchain.serve.health import (
     DEFAULT_THRESHOLDS,
@@ -130,21 +134,15 @@ class Service:
     # -- what the API layer asks -------------------------------------------------------------------------------
 
     def check_model(self, model: str) -> None:
-        from toolchain.serve.api import ApiError
-
         if model != self.model_name:
             raise ApiError(400, f"the model {model!r} is not served here; this server serves {self.model_name!r} "
                                 f"(GET /v1/models)", param="model", code="model_not_found")
 
     def completion_prompt(self, prompt) -> list[int]:
         """Token ids of a completion's prompt: text encoded as ``dstc generate --raw`` does, or token ids."""
-        from toolchain.serve.api import ApiError
-
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
             prompt = prompt[0]
         if isinstance(prompt, str):
-            from toolchain.runtime.generate import prompt_ids
-
             self._check_chars(len(prompt), "prompt")
             try:
                 ids = prompt_ids(self.artifact, prompt, chat=False)
@@ -167,8 +165,6 @@ class Service:
     def chat_prompt(self, messages: list[dict]) -> list[int]:
         """Token ids of a conversation through the artifact tokenizer's chat template, with the assistant's
         generation prompt (as ``dstc generate`` without --raw, for one user message)."""
-        from toolchain.serve.api import ApiError
-
         if not getattr(self.tokenizer, "chat_template", None):
             raise ApiError(400, "the artifact's tokenizer has no chat template; use /v1/completions",
                            param="messages", code="no_chat_template")
@@ -185,8 +181,6 @@ class Service:
         return list(encoded["input_ids"])
 
     def _check_chars(self, chars: int, param: str) -> None:
-        from toolchain.serve.api import ApiError
-
         if chars > self.max_prompt_chars:
             raise ApiError(400, f"the {param} is {chars} characters; this server takes at most "
                                 f"{self.max_prompt_chars} (dstc serve --max-prompt-chars; its context is "
@@ -195,8 +189,6 @@ class Service:
     def budget(self, prompt_tokens: int, requested: int | None, *, default: int | None, param: str) -> int:
         """max_tokens for a request: ``requested`` when it fits the context, else a 400 with the numbers; when not
         given, ``default`` (None: the rest of the context), cut to the room the context leaves."""
-        from toolchain.serve.api import ApiError
-
         room = self.context - prompt_tokens
         if room < 1:
             raise ApiError(400, f"the prompt is {prompt_tokens} tokens; this server's context is {self.context} "
@@ -267,11 +259,6 @@ def serve(artifact_path, settings: ServeSettings, *, host: str = "127.0.0.1", po
     import asyncio
 
     import uvicorn
-
-    from toolchain.memory_guard import require_artifact_memory
-    from toolchain.runtime.artifact import open_artifact
-    from toolchain.serve.api import create_app
-    from toolchain.serve.connections import guarded_protocol
 
     check_exposure(host, settings.api_keys, settings.allow_unauthenticated)
     artifact = open_artifact(artifact_path)

@@ -28,13 +28,26 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from toolchain import __version__
+from toolchain import __version__, source as sources
 from toolchain.atomic import atomic_output_dir
 from toolchain.compile import copy_checkpoint_files, onnxruntime_artifact, openvino_ir, smoke as smoke_test
 from toolchain.errors import InputError, ParityError
+from toolchain.export.parity import TOLERANCES, compare_decoders, graph_decoder, parity_cases, too_large_for_end_to_end
 from toolchain.hardware import memory_bytes
-from toolchain.stages.inputs import read_export, read_json
-from toolchain.stages.reports import CompileReport
+from toolchain.interface.files import (
+    COMPILE_REPORT,
+    COMPRESSION_REPORT,
+    CONFIG,
+    GENERATION_CONFIG,
+    MODEL_XML,
+    ONNX_MODEL,
+    ONNX_WEIGHTS,
+    TOKENIZER,
+    weights_of,
+)
+from toolchain.interface.reports import CompileReport, read_json
+from toolchain.runtime.decoder import Decoder, OnnxRuntimeDecoder, OpenVINODecoder
+from toolchain.stages.inputs import read_export
 
 BACKENDS = ("openvino", "onnxruntime")
 VERIFY_TOKENS = 8
@@ -44,7 +57,7 @@ VERIFY_TOKENS = 8
 # buffers (7.95 GiB measured for the 4.3 GB INT4 IR of R1-Distill-Qwen-7B widths after a prefill); the compressed
 # reference of a verification runs after the artifact, not beside it.
 RUN_MEMORY_FACTOR = 2.0
-WEIGHT_FILES = (openvino_ir.MODEL_XML.replace(".xml", ".bin"), onnxruntime_artifact.MODEL, onnxruntime_artifact.WEIGHTS)
+WEIGHT_FILES = (weights_of(MODEL_XML), ONNX_MODEL, ONNX_WEIGHTS)
 
 
 def too_large_to_run(artifact: Path) -> str | None:
@@ -66,25 +79,17 @@ def _verify(backend: str, artifact: Path, input_dir: Path, source: Path, new_tok
     from the checkpoint's by design (compression.json measures by how much), so compiling is checked against
     the compressed graph itself, run stateless on the same runtime.
     """
-    from toolchain import source as sources
-    from toolchain.export.parity import (
-        TOLERANCES,
-        compare_decoders,
-        graph_decoder,
-        parity_cases,
-        too_large_for_end_to_end,
-    )
-    from toolchain.runtime.decoder import Decoder, OnnxRuntimeDecoder, OpenVINODecoder
+    # torch loads only where the verification runs
     from toolchain.runtime.torch_reference import TorchDecoder
 
-    config = read_json(source / "config.json")
+    config = read_json(source / CONFIG)
     cases = parity_cases(source, config["vocab_size"])
     ref_decoder: Decoder | Callable[[], Decoder]
     decoder: Callable[[], Decoder]
-    if (input_dir / "compression.json").is_file():
-        input_graph = input_dir / openvino_ir.MODEL_XML
+    if (input_dir / COMPRESSION_REPORT).is_file():
+        input_graph = input_dir / MODEL_XML
         if backend == "onnxruntime" or not input_graph.is_file():  # compressed in ONNX (ORT, or streamed)
-            input_graph = input_dir / "model.onnx"
+            input_graph = input_dir / ONNX_MODEL
         reference, ref_decoder = "compressed input graph", lambda: graph_decoder(input_graph, backend)
     else:
         skipped = too_large_for_end_to_end(source)
@@ -94,9 +99,9 @@ def _verify(backend: str, artifact: Path, input_dir: Path, source: Path, new_tok
         reference, ref_decoder = "pytorch fp32", TorchDecoder(sources.resolve(str(source)))
     log(f"verifying the {backend} artifact against {reference}: {len(cases)} cases, {new_tokens} greedy tokens")
     if backend == "openvino":
-        decoder = lambda: OpenVINODecoder(artifact / openvino_ir.MODEL_XML, None, (), "exact")  # noqa: E731
+        decoder = lambda: OpenVINODecoder(artifact / MODEL_XML, None, (), "exact")  # noqa: E731
     else:
-        decoder = lambda: OnnxRuntimeDecoder(artifact / onnxruntime_artifact.MODEL, None, ())  # noqa: E731
+        decoder = lambda: OnnxRuntimeDecoder(artifact / ONNX_MODEL, None, ())  # noqa: E731
     result = compare_decoders(ref_decoder, decoder, cases, new_tokens, config.get("pad_token_id") or 0,
                               TOLERANCES[backend])
     return {**result, "reference": reference, "new_tokens": new_tokens}
@@ -109,20 +114,20 @@ def compile_artifact(export_dir: Path, out_dir: Path, backend: str, *, verify: b
     if backend not in BACKENDS:
         raise InputError(f"unknown backend {backend!r}; known: {', '.join(BACKENDS)}")
     report, source = read_export(export_dir, source)
-    config = read_json(source / "config.json")
-    generation = read_json(source / "generation_config.json") if (source / "generation_config.json").is_file() else {}
-    has_tokenizer = (source / "tokenizer.json").is_file()
+    config = read_json(source / CONFIG)
+    generation = read_json(source / GENERATION_CONFIG) if (source / GENERATION_CONFIG).is_file() else {}
+    has_tokenizer = (source / TOKENIZER).is_file()
     timings = {}
     with atomic_output_dir(out_dir) as tmp:
         t0 = time.perf_counter()
         if backend == "openvino":
             versions = {"transformers_version": config.get("transformers_version", ""),
                         "dstc_version": __version__}
-            graph = export_dir / openvino_ir.MODEL_XML
-            details = openvino_ir.write(graph if graph.is_file() else export_dir / "model.onnx", source, tmp,
+            graph = export_dir / MODEL_XML
+            details = openvino_ir.write(graph if graph.is_file() else export_dir / ONNX_MODEL, source, tmp,
                                         versions, has_tokenizer, log)
         else:
-            details = onnxruntime_artifact.write(export_dir / "model.onnx", tmp, config, generation, log)
+            details = onnxruntime_artifact.write(export_dir / ONNX_MODEL, tmp, config, generation, log)
         files = details.pop("files") + copy_checkpoint_files(source, tmp)
         timings["compile_s"] = time.perf_counter() - t0
         smoke_result = verification = None
@@ -143,13 +148,13 @@ def compile_artifact(export_dir: Path, out_dir: Path, backend: str, *, verify: b
         typed = CompileReport(dstc_version=__version__, backend=backend,
                               export={"dir": str(export_dir), "source": report["source"]},
                               model_type=config["model_type"], tokenizer=has_tokenizer,
-                              files=sorted([*files, "compile.json"]), smoke=smoke_result, verification=verification,
+                              files=sorted([*files, COMPILE_REPORT]), smoke=smoke_result, verification=verification,
                               timings={k: round(v, 3) for k, v in timings.items()}, **{backend: details})
-        typed.write(tmp / "compile.json")
+        typed.write(tmp / COMPILE_REPORT)
         manifest = typed.dump()
     if verification is not None and not verification["passed"]:
         raise ParityError(f"the {backend} artifact disagrees with {verification['reference']} (relative diff "
                           f"{verification['max_relative_diff']:.2e}, tokens identical: "
                           f"{verification['tokens_identical']}); "
-                          f"details in {out_dir / 'compile.json'}")
+                          f"details in {out_dir / COMPILE_REPORT}")
     return manifest

@@ -34,13 +34,17 @@ import onnx_ir as ir
 
 from toolchain import __version__
 from toolchain.atomic import atomic_output_dir
-from toolchain.compress import calibration, engine, metrics, moe as fused_moe
+from toolchain.compress import calibration, engine, metrics, moe as fused_moe, streamed_awq, streaming as stream
+from toolchain.compress.layer_statistics import linear_statistics
 from toolchain.compress.policy import Policy, layer_of, role_of
 from toolchain.compress.streaming import blocked_dq_to_nbits
 from toolchain.errors import InputError
+from toolchain.export.graph import float32_bytes, load_graph, save_graph
+from toolchain.interface.graph import HEAD_LAYOUT, cache_spec
+from toolchain.interface.reports import CompressionReport
 from toolchain.recipe import CompressSection
 from toolchain.runtime.engines import GraphRunner, ort_kernels
-from toolchain.stages.reports import CompressionReport
+from toolchain.stages.inputs import read_export
 
 TARGETS = ("onnxruntime", "openvino")
 CALIBRATION_SEQUENCES = 16
@@ -55,7 +59,7 @@ def head_layout(model: ir.Model) -> dict[str, tuple[str, int]]:
     """projection -> ("out", head width) for projections whose output channels are heads, ("in", width) for the
     output projection, whose input rows are: what the exporter's architecture module wrote into the graph
     (``dstc.head_layout``); {} for a graph without it (no per-head treatment)."""
-    layout = json.loads(model.metadata_props.get("dstc.head_layout") or "{}")
+    layout = json.loads(model.metadata_props.get(HEAD_LAYOUT) or "{}")
     return {projection: (side, int(width)) for projection, (side, width) in layout.items()}
 
 
@@ -124,9 +128,6 @@ def compress(in_dir: Path, out_dir: Path, *, target: str = "onnxruntime", source
     described), ``scheme`` int4-grouped unless given. ``streaming`` "auto" compresses one weight at a time
     (toolchain/compress/streaming.py) when the export's float weights exceed STREAMING_BYTES.
     """
-    from toolchain.export.graph import float32_bytes, load_graph, save_graph
-    from toolchain.stages.inputs import read_export
-
     in_dir, out_dir = Path(in_dir), Path(out_dir)
     section = compress_options(target, {k: str(v) if isinstance(v, Path) else v for k, v in options.items()})
     policy = Policy(section.scheme, embeddings=section.embeddings, lm_head=section.lm_head, router=section.router,
@@ -157,7 +158,7 @@ def compress(in_dir: Path, out_dir: Path, *, target: str = "onnxruntime", source
     engine.widen_stored_weights(model)  # NNCF and the metrics take float32 weights
     weights = engine.graph_weights(model)
     plan = policy.plan(weights)
-    specs = calibration.past_specs((v.name, v.shape) for v in model.graph.inputs)
+    specs = cache_spec((v.name, v.shape) for v in model.graph.inputs)
     texts = calibration.load_texts(opts.dataset, CALIBRATION_SEQUENCES)
     sequences, tokenization = calibration.token_sequences(texts, source, config["vocab_size"])
     feed_list = [calibration.feeds(ids, specs) for ids in sequences]
@@ -265,17 +266,11 @@ def _compress_streaming(model, in_dir, out_dir, target, options, policy, report,
     compressed; what needs the whole model run on calibration text (activations, next-token agreement,
     routing) is not measured, and compression.json says so. Scale estimation takes its statistics from the
     checkpoint's layers run one at a time on the calibration text (toolchain/compress/layer_statistics.py)."""
-    from toolchain.compress import streaming as stream
-    from toolchain.export.graph import save_graph
-
     weights = engine.graph_weights(model, with_arrays=False)
     plan = policy.plan(weights)
     specs = stream.plan_specs(weights, plan, options, target)
     calibration_report, data_aware = None, {}
     if options.scale_estimation or options.awq:
-        from toolchain.compress import streamed_awq
-        from toolchain.compress.layer_statistics import linear_statistics
-
         int4 = {s.weight.name: s for s in specs if s.bits == 4 and s.form in ("nbits", "dq-blocked")}
         if not int4:
             raise InputError("awq and scale estimation apply to INT4 weights, and this plan has none")

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from toolchain import __version__, source as sources
 from toolchain.atomic import atomic_output_dir, check_writable_target
+from toolchain.checkpoint.reader import open_checkpoint
 from toolchain.checkpoint.reference import layer_too_large
 from toolchain.errors import ParityError
 from toolchain.export import moe as moe_lowering
@@ -25,8 +26,10 @@ from toolchain.export.deepseek import with_mla_cache
 from toolchain.export.graph import save_graph
 from toolchain.export.layer_parity import MEMORY_FACTOR, compare_layers_on
 from toolchain.export.parity import compare, parity_cases, too_large_for_end_to_end
+from toolchain.export.weights import storage_for
+from toolchain.interface.graph import KV_CACHE
+from toolchain.interface.reports import ExportReport, ExportSource
 from toolchain.runtime.torch_reference import TorchDecoder
-from toolchain.stages.reports import ExportReport, ExportSource
 
 # Decode steps of the layer-by-layer check: each step of each layer is checked on the reference's inputs (errors do
 # not compound as they do over greedy steps end to end), and 4 go through a growing KV cache as 16 do.
@@ -40,9 +43,6 @@ def export(spec: str, out_dir: Path, *, parity: tuple[str, ...] | None = None, n
     cache holds (toolchain/export/deepseek.py; None: the architecture's default); ``parity``: the backends to
     check the graph on, None for every backend that runs it; ``weights``: their storage, "auto", "float32" or
     "bfloat16" (toolchain/export/weights.py storage_for)."""
-    from toolchain.checkpoint.reader import open_checkpoint
-    from toolchain.export.weights import storage_for
-
     source = sources.resolve(spec, revision)
     arch, parity = moe_lowering.lower(architecture_for(source.config["model_type"]), moe, parity)
     arch = with_mla_cache(arch, mla_cache)
@@ -66,7 +66,7 @@ def export(spec: str, out_dir: Path, *, parity: tuple[str, ...] | None = None, n
         graph_info = {"files": files, "opset": graph.opset_imports[""], "nodes": len(graph.graph),
                       "inputs": [v.name for v in graph.graph.inputs],
                       "outputs": [v.name for v in graph.graph.outputs],
-                      "kv_cache": graph.metadata_props["dstc.kv_cache"],
+                      "kv_cache": graph.metadata_props[KV_CACHE],
                       "size_bytes": sum((tmp / f).stat().st_size for f in files), "weights": storage}
         del graph
         timings["build_s"] = time.perf_counter() - t0

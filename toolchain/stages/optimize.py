@@ -25,11 +25,15 @@ import onnx_ir as ir
 
 from passes import PassError, get_pass, run_pipeline
 from passes.targets import PIPELINES, expectations_for, pipeline
-from toolchain import __version__
+from toolchain import __version__, source as sources
 from toolchain.atomic import atomic_output_dir
+from toolchain.compile import openvino_ir
 from toolchain.errors import InputError, ParityError
+from toolchain.export.parity import compare, parity_cases, too_large_for_end_to_end
+from toolchain.interface.reports import PassesReport
 from toolchain.pass_errors import to_dstc_error
-from toolchain.stages.reports import PassesReport
+from toolchain.runtime.engines import openvino_compile
+from toolchain.stages.inputs import read_export
 
 TARGETS = tuple(PIPELINES)
 # OpenVINO CPU runtime layer types of the fusions the openvino target is shaped for.
@@ -68,9 +72,6 @@ def openvino_fusions(onnx_path: Path) -> dict[str, dict[str, int]]:
     """
     import openvino as ov
 
-    from toolchain.compile import openvino_ir
-    from toolchain.runtime.engines import openvino_compile
-
     def layer_types(model) -> dict[str, int]:
         compiled = openvino_compile(model, "exact")
         counts = Counter(op.get_rt_info()["layerType"].astype(str) for op in compiled.get_runtime_model().get_ops())
@@ -81,8 +82,7 @@ def openvino_fusions(onnx_path: Path) -> dict[str, dict[str, int]]:
 
 
 def _parity(source: Path, onnx_path: Path, backend: str, new_tokens: int, log: Callable[[str], None]) -> dict:
-    from toolchain import source as sources
-    from toolchain.export.parity import compare, parity_cases
+    # torch loads only where parity runs
     from toolchain.runtime.torch_reference import TorchDecoder
 
     reference = TorchDecoder(sources.resolve(str(source)))
@@ -103,9 +103,8 @@ def optimize(in_dir: Path, out_dir: Path, target: str, passes: list[str] | None 
     OptimizeError when a pass fails or misses an expectation (nothing is written), and
     ParityError when the optimised graph disagrees with PyTorch (the output is kept for inspection).
     """
+    # torch loads only when the stage runs, not when its pass names are checked
     from toolchain.export.graph import load_graph, save_graph
-    from toolchain.export.parity import too_large_for_end_to_end
-    from toolchain.stages.inputs import read_export
 
     in_dir, out_dir = Path(in_dir), Path(out_dir)
     names = pass_names(target, passes)

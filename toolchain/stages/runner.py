@@ -4,7 +4,7 @@
 A stage is a name, its configuration (the recipe section it runs with, validated before anything runs), the
 function that runs it and the module whose import closure is its code. Its id hashes its parent's id, its
 configuration and that code (as Olive chains pass ids). A finished stage directory holds stage.json
-(toolchain/stages/reports.py StageRecord): the id, parent and configuration, and the BLAKE3 of every file, checked
+(toolchain/interface/reports.py StageRecord): the id, parent and configuration, and the BLAKE3 of every file, checked
 before the directory is reused. Finished stages are kept in the stage cache under their id.
 
 `dstc build` runs each stage into its cache entry (the first parent is the checkpoint's file hashes) and
@@ -15,19 +15,19 @@ checkpoint's file hashes for an export, else the hashes of the input directory a
 
 from __future__ import annotations
 
-import os
 import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
 
+from toolchain import source as sources
 from toolchain.atomic import MARKER, atomic_output_dir, check_writable_dir, check_writable_target, lock_file
+from toolchain.cache import cache_dir
 from toolchain.errors import InputError
-from toolchain.manifest import blake3_file, code_digest, digest, file_hashes
-from toolchain.recipe import CompileSection, CompressSection, ExportSection, PassesSection
-from toolchain.source_hashes import checkpoint_hashes
-from toolchain.stages.reports import (
+from toolchain.hashing import blake3_file, digest, file_hashes
+from toolchain.interface.files import STAGE_RECORD
+from toolchain.interface.reports import (
     STAGE_REPORTS,
     CompileReport,
     CompressionReport,
@@ -36,14 +36,14 @@ from toolchain.stages.reports import (
     StageRecord,
     StageReport,
 )
+from toolchain.manifest import code_digest
+from toolchain.recipe import CompileSection, CompressSection, ExportSection, PassesSection
+from toolchain.source_hashes import checkpoint_hashes
+from toolchain.stages.compile import compile_artifact
+from toolchain.stages.inputs import read_export
 
-STAGE_RECORD = "stage.json"
 R = TypeVar("R", bound=StageReport)
 Log = Callable[[str], None]
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("DSTC_CACHE_DIR") or Path.home() / ".cache" / "dstc")
 
 
 def cache_root() -> Path:
@@ -63,6 +63,7 @@ class Stage:
 
 
 def export_stage(model: str, section: ExportSection, revision: str | None = None) -> Stage:
+    # each stage's code loads when its stage is made: `dstc compile` needs no exporter
     from toolchain.stages.export import export
 
     # every field of the section is a keyword of the stage's function
@@ -75,6 +76,7 @@ def export_stage(model: str, section: ExportSection, revision: str | None = None
 def passes_stage(section: PassesSection, source: Path, parity: bool = True) -> Stage:
     """``parity``: `dstc optimize --no-parity` skips the parity check; a recipe always runs it, so the option is
     part of the configuration only when off (a build's stage id is what it was before the option existed)."""
+    # each stage's code loads when its stage is made: `dstc compile` needs no exporter
     from toolchain.stages.optimize import optimize
 
     config = {**section.model_dump(mode="json"), **({} if parity else {"parity": False})}
@@ -86,6 +88,7 @@ def passes_stage(section: PassesSection, source: Path, parity: bool = True) -> S
 
 
 def compress_stage(section: CompressSection, target: str, source: Path) -> Stage:
+    # each stage's code loads when its stage is made: `dstc compile` needs no exporter
     from toolchain.stages.compress import compress
 
     # inp: a stage after export has one (the previous stage's output)
@@ -96,8 +99,6 @@ def compress_stage(section: CompressSection, target: str, source: Path) -> Stage
 
 
 def compile_stage(section: CompileSection, source: Path) -> Stage:
-    from toolchain.stages.compile import compile_artifact
-
     # inp: a stage after export has one (the previous stage's output)
     # smoke is part of the configuration only when off (a build's stage id is what it was before the option existed)
     config = section.model_dump(mode="json", exclude={"smoke"} if section.smoke else set())
@@ -194,8 +195,6 @@ def _run_into(stage: Stage, input_dir: Path | None, parent: str, out_dir: Path, 
 def _input_parent(input_dir: Path) -> tuple[Path, str]:
     """The source checkpoint of a stage's input directory (checked as the stage checks it) and the parent id of
     what is run on it: its files' hashes and the checkpoint's."""
-    from toolchain.stages.inputs import read_export
-
     _, source = read_export(input_dir)
     files = file_hashes(input_dir, exclude=(STAGE_RECORD, MARKER), hash_file=blake3_file)
     return source, digest({"input": files, "source": digest(checkpoint_hashes(source))})
@@ -203,8 +202,6 @@ def _input_parent(input_dir: Path) -> tuple[Path, str]:
 
 def run_export(model: str, section: ExportSection, out_dir: Path, *, use_cache: bool = True,
                log: Log = lambda _: None) -> tuple[ExportReport, bool]:
-    from toolchain import source as sources
-
     source = sources.resolve(model)
     return _run_into(export_stage(model, section), None, digest(checkpoint_hashes(source.path)), out_dir, ExportReport,
                      use_cache=use_cache, log=log)
@@ -212,6 +209,7 @@ def run_export(model: str, section: ExportSection, out_dir: Path, *, use_cache: 
 
 def run_passes(input_dir: Path, section: PassesSection, out_dir: Path, *, parity: bool = True,
                use_cache: bool = True, log: Log = lambda _: None) -> tuple[PassesReport, bool]:
+    # the stage's code (onnx_ir) loads only when its options are checked
     from toolchain.stages.optimize import pass_names
 
     pass_names(section.target, section.passes)  # before the input is read, as the stage itself does
@@ -222,6 +220,7 @@ def run_passes(input_dir: Path, section: PassesSection, out_dir: Path, *, parity
 
 def run_compress(input_dir: Path, section: CompressSection, target: str, out_dir: Path, *, use_cache: bool = True,
                  log: Log = lambda _: None) -> tuple[CompressionReport, bool]:
+    # the stage's code (torch, onnx_ir) loads only when its options are checked
     from toolchain.stages.compress import compress_options
 
     compress_options(target, section.model_dump())  # the cross-field rules, before the input is read

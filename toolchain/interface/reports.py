@@ -1,7 +1,8 @@
 """What each stage writes about itself: export.json, passes.json, compression.json and compile.json as pydantic
 models with a schema version each (as report.json has), so that a reader gets fields, not string keys, and a
 report from another version or edited by hand is one InputError naming the file and the field. stage.json, the
-record the stage runner writes beside a stage's output (toolchain/stages/runner.py), is one too.
+record the stage runner writes beside a stage's output (toolchain/stages/runner.py), is one too; and the JSON
+readers that every reader of a stage directory or an artifact uses.
 
 The free-form parts (per-pass statistics, backend details, per-case parity figures) stay dicts: their shape is
 the producing module's, and nothing reads them by key but the terminal summary.
@@ -16,6 +17,7 @@ from typing import ClassVar, Literal, TypeVar
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from toolchain.errors import InputError
+from toolchain.interface.files import COMPILE_REPORT, COMPRESSION_REPORT, EXPORT_REPORT, PASSES_REPORT
 
 S = TypeVar("S", bound="Schema")
 
@@ -34,6 +36,17 @@ def read_json_file(path: Path, what: str) -> dict:
         raise InputError(f"{path} is not valid JSON: {str(e).splitlines()[0]}") from None
     except RecursionError:
         raise InputError(f"{path} is nested too deeply to be a {what}") from None
+    if not isinstance(data, dict):
+        raise InputError(f"{path} is not a JSON object")
+    return data
+
+
+def read_json(path: Path) -> dict:
+    """A JSON object from a checkpoint's or an artifact's file (config.json, generation_config.json)."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise InputError(f"cannot read {path}: {e}") from None
     if not isinstance(data, dict):
         raise InputError(f"{path} is not a JSON object")
     return data
@@ -289,5 +302,5 @@ class StageRecord(Schema):
 
 
 # The reports by file name, as a stage directory holds them.
-STAGE_REPORTS: dict[str, type[StageReport]] = {"export.json": ExportReport, "passes.json": PassesReport,
-                                               "compression.json": CompressionReport, "compile.json": CompileReport}
+STAGE_REPORTS: dict[str, type[StageReport]] = {EXPORT_REPORT: ExportReport, PASSES_REPORT: PassesReport,
+                                               COMPRESSION_REPORT: CompressionReport, COMPILE_REPORT: CompileReport}

@@ -1,0 +1,129 @@
+"""The exported graph's interface (optimum's names, which optimum-intel, openvino_genai and onnxruntime-genai
+expect), the facts the exporter records in its metadata, and the one reader of its KV cache's shape.
+
+Inputs ``input_ids``, ``attention_mask``, ``position_ids`` and, per layer, ``past_key_values.N.key`` / ``.value``
+of shape [batch, heads, past, head dim]; outputs ``logits`` and ``present.N.key`` / ``.value``, the cache grown by
+the new positions. The stateful OpenVINO IR adds ``beam_idx`` and keeps the cache in variables.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+from toolchain.errors import InputError
+
+INPUT_IDS = "input_ids"
+ATTENTION_MASK = "attention_mask"
+POSITION_IDS = "position_ids"
+REQUIRED_INPUTS = (INPUT_IDS, ATTENTION_MASK, POSITION_IDS)
+BEAM_IDX = "beam_idx"  # the stateful IR's: the batch order of the cache (greedy passes arange(batch))
+LOGITS = "logits"
+PAST_PREFIX = "past_key_values."
+PRESENT_PREFIX = "present."
+# The axes of every cache tensor [batch, heads, sequence, head dim] (and the batch axis of input_ids).
+BATCH_AXIS, HEADS_AXIS, SEQUENCE_AXIS, HEAD_DIM_AXIS = 0, 1, 2, 3
+
+# The exporter's facts in the graph's metadata (ONNX metadata_props; the OpenVINO IR keeps them in its rt_info
+# under "framework"), each a string.
+MODEL_TYPE = "dstc.model_type"
+NUM_LAYERS = "dstc.num_layers"
+ATTENTION = "dstc.attention"
+KV_CACHE = "dstc.kv_cache"  # "per-head" keys and values, or MLA's "latent" (toolchain/export/deepseek.py)
+HEAD_LAYOUT = "dstc.head_layout"  # JSON: projection -> how its heads lie in the weight
+MOE_LAYERS = "dstc.moe_layers"  # JSON: the indices of the mixture-of-experts layers
+GENAI_MODEL_TYPE = "dstc.genai_model_type"  # onnxruntime-genai's model type; empty where its config cannot say
+# ... and on each weight initializer of the exported graph.
+ROLE = "dstc.role"
+LAYER = "dstc.layer"
+
+LATENT = "latent"
+
+
+def present_of(past: str) -> str:
+    """The output that returns a cache input grown (``past_key_values.0.key`` -> ``present.0.key``)."""
+    return PRESENT_PREFIX + past[len(PAST_PREFIX):]
+
+
+def cache_spec(inputs: Iterable[tuple[str | None, Any]]) -> dict[str, tuple[int, int]]:
+    """{past_key_values.* input: (heads, head dim)} from a graph's (input name, shape) pairs, in the graph's order;
+    a cache input's heads and head dim are static (ints, or what ``int()`` takes)."""
+    spec = {}
+    for name, shape in inputs:
+        if name and name.startswith(PAST_PREFIX):
+            if shape is None:
+                raise ValueError(f"the graph's cache input {name} has no shape")
+            spec[name] = (int(shape[HEADS_AXIS]), int(shape[HEAD_DIM_AXIS]))
+    return spec
+
+
+def graph_inputs(path: Path) -> list[tuple[str, list[int]]]:
+    """(name, shape) of every input of a graph file: an ONNX model (its weights are not read) or an OpenVINO IR
+    (.xml). A dynamic axis is 0 in ONNX and -1 in an IR."""
+    if Path(path).suffix == ".xml":
+        import openvino as ov  # loaded only where an IR is read
+
+        model = ov.Core().read_model(str(path))
+        return [(port.get_any_name(), [d.get_length() if d.is_static else -1 for d in port.get_partial_shape()])
+                for port in model.inputs]
+    return onnx_inputs(_onnx_model(path).graph)
+
+
+def onnx_inputs(graph) -> list[tuple[str, list[int]]]:
+    """(name, shape) of every input of an ONNX graph (a GraphProto); a dynamic axis is 0."""
+    return [(value.name, [d.dim_value for d in value.type.tensor_type.shape.dim]) for value in graph.input]
+
+
+def graph_cache_spec(path: Path) -> dict[str, tuple[int, int]]:
+    """The cache spec (``cache_spec``) of a graph file."""
+    return cache_spec(graph_inputs(path))
+
+
+def graph_metadata(path: Path) -> dict[str, str]:
+    """The exporter's metadata of a graph file (an ONNX model, or an OpenVINO IR converted from one)."""
+    if Path(path).suffix == ".xml":
+        import openvino as ov  # loaded only where an IR is read
+
+        model = ov.Core().read_model(str(path))
+        if not model.has_rt_info(["framework"]):
+            return {}
+        return {str(key): value.astype(str) for key, value in model.get_rt_info(["framework"]).astype(dict).items()}
+    return {p.key: p.value for p in _onnx_model(path).metadata_props}
+
+
+def _onnx_model(path: Path):
+    import onnx  # the graph's structure only: its external weights stay on disk
+
+    return onnx.load(str(path), load_external_data=False)
+
+
+def check_onnx_graph(path: Path) -> None:
+    """InputError unless ``path`` parses as an ONNX model whose external weights are all present: a truncated
+    or foreign file fails here, in one line, instead of deep inside a runtime or NNCF."""
+    import onnx
+    from google.protobuf.message import DecodeError
+
+    try:
+        model = onnx.load(str(path), load_external_data=False)
+    except (DecodeError, ValueError, RuntimeError, OSError) as e:
+        reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise InputError(f"{path} is not a readable ONNX model: {reason}") from None
+    if not model.graph.node:
+        raise InputError(f"{path} is not a readable ONNX model: its graph is empty")
+    ends: dict[str, int] = {}
+    for tensor in model.graph.initializer:
+        if tensor.data_location != onnx.TensorProto.EXTERNAL:
+            continue
+        info = {entry.key: entry.value for entry in tensor.external_data}
+        name = info.get("location", "")
+        end = int(info.get("offset", 0) or 0) + int(info.get("length", 0) or 0)
+        ends[name] = max(ends.get(name, 0), end)
+    for name, end in ends.items():
+        data = path.parent / name
+        if Path(name).is_absolute() or ".." in Path(name).parts:
+            raise InputError(f"{path} refers to weights outside its directory ({name})")
+        if not data.is_file():
+            raise InputError(f"{path} needs its weights file {data}, which is missing")
+        if data.stat().st_size < end:
+            raise InputError(f"{data} is truncated: {data.stat().st_size} bytes, the graph reads up to byte {end}")
