@@ -187,13 +187,13 @@ def server_level(base: str, model: str, prompt: list[int], clients: int, per_cli
 
 
 def bare_openvino(pipeline, prompt: list[int], clients: int, per_client: int, max_tokens: int, time_limit: float,
-                  stop_ids) -> Run:
+                  stop_ids, label: str) -> Run:
     import openvino as ov
     import openvino_genai as genai
 
     from toolchain.runtime.batching import openvino_generation_config
 
-    run = Run("openvino", "bare", clients)
+    run = Run(label, "bare", clients)
     config = openvino_generation_config(max_new_tokens=max_tokens, stop_ids=stop_ids, temperature=0, top_p=1,
                                         seed=None, ignore_eos=True)
     tensor = ov.Tensor(np.array([prompt], np.int64))
@@ -234,8 +234,8 @@ def bare_openvino(pipeline, prompt: list[int], clients: int, per_client: int, ma
 
 
 def bare_runner(batch, prompt: list[int], clients: int, per_client: int, max_tokens: int,
-                     time_limit: float) -> Run:
-    run = Run("onnxruntime", "bare", clients)
+                time_limit: float, label: str) -> Run:
+    run = Run(label, "bare", clients)
     total = clients * per_client
     ids = iter(range(10**9))
     live: dict[int, list] = {}  # id -> [added, last time, last token, count]
@@ -289,27 +289,29 @@ def load(args) -> None:
         max_batch = max(levels)
         print(f"== {artifact.path.name} ({artifact.backend}): prompt {len(prompt)} tokens, {args.max_tokens} new "
               f"tokens per request, {args.requests_per_client} requests per client", flush=True)
+        from toolchain.runtime.batching_openvino import pageable
+
+        genai = artifact.backend == "openvino" and pageable(artifact.path / "openvino_model.xml")
+        label = f"{artifact.backend} ({'openvino_genai' if genai else 'dstc runner'})"  # the engine the server uses
         server = ServerProcess(artifact, args.threads, max_batch)
         try:
             name = artifact.path.resolve().name
-            server_level(server.base, name, prompt, 1, 2, args.max_tokens, 30, artifact.backend)  # warm-up
+            server_level(server.base, name, prompt, 1, 2, args.max_tokens, 30, label)  # warm-up
             for clients in levels:
                 run = server_level(server.base, name, prompt, clients, args.requests_per_client, args.max_tokens,
-                                   args.time_limit, artifact.backend)
+                                   args.time_limit, label)
                 rows.append(run.row())
                 print(json.dumps(rows[-1]), flush=True)
         finally:
             server.stop()
-        from toolchain.runtime.batching_openvino import pageable
-
-        if artifact.backend == "openvino" and pageable(artifact.path / "openvino_model.xml"):
+        if genai:
             from toolchain.runtime.batching import PipelineSettings, openvino_pipeline
 
             pipeline, _, _ = openvino_pipeline(artifact, PipelineSettings(
                 threads=args.threads, max_batch=max_batch, max_context=min(artifact.context_length or 4096, 4096),
                 prefix_caching=False))
             bare = lambda c, n, t: bare_openvino(pipeline, prompt, c, n, args.max_tokens, t,  # noqa: E731
-                                                 artifact.eos_token_ids)
+                                                 artifact.eos_token_ids, label)
         else:  # dstc's runner, as the server batches these artifacts (toolchain/serve/engine_runner.py)
             from toolchain.runtime.batching import batched_decoder
             from toolchain.runtime.batching_openvino import StatefulBatch
@@ -318,7 +320,7 @@ def load(args) -> None:
             decoder = open_decoder(artifact, threads=args.threads)
             batch = StatefulBatch(decoder, artifact.pad_token_id) if decoder.backend == "openvino" else \
                 batched_decoder(decoder, artifact.pad_token_id)
-            bare = lambda c, n, t: bare_runner(batch, prompt, c, n, args.max_tokens, t)  # noqa: E731
+            bare = lambda c, n, t: bare_runner(batch, prompt, c, n, args.max_tokens, t, label)  # noqa: E731
         bare(1, 2, 30)  # warm-up
         for clients in levels:
             rows.append(bare(clients, args.requests_per_client, args.time_limit).row())
