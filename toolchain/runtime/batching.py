@@ -55,6 +55,22 @@ from toolchain.runtime.generate import left_pad
 LAYOUTS = ("batch", "gather")
 
 
+def stack_left_padded(parts: list[np.ndarray], axis: int) -> np.ndarray:
+    """``parts`` stacked on axis 0 (rows of a batch), each left-padded with zeros on ``axis`` to the widest: the
+    masks or KV caches of running and joining sequences of different lengths, in one new buffer."""
+    width = max(part.shape[axis] for part in parts)
+    shape = list(parts[0].shape)
+    shape[0], shape[axis] = sum(len(part) for part in parts), width
+    out = np.zeros(shape, parts[0].dtype)
+    row = 0
+    for part in parts:
+        index = [slice(row, row + len(part))] + [slice(None)] * (part.ndim - 1)
+        index[axis] = slice(width - part.shape[axis], None)
+        out[tuple(index)] = part
+        row += len(part)
+    return out
+
+
 class BatchedDecoder:
     """A running batch of sequences, each named by a key, on a decoder's graph.
 
@@ -191,22 +207,12 @@ class PersistentBatch(_OnnxRuntimeBatch):
         from onnxruntime import OrtValue
 
         live = [row for row, key in enumerate(self._rows) if key is not None]
-        old_mask = self._mask[live]
-        first = int(np.argmax(old_mask.any(axis=0)))
-        old_width = old_mask.shape[1] - first
-        new_width = 0 if mask is None else mask.shape[1]
-        width = max(old_width, new_width)
-        rows = len(live) + (0 if mask is None else len(mask))
-        merged_mask = np.zeros((rows, width), np.int64)
-        merged_mask[:len(live), width - old_width:] = old_mask[:, first:]
-        if mask is not None:
-            merged_mask[len(live):, width - new_width:] = mask
+        first = int(np.argmax(self._mask[live].any(axis=0)))
+        merged_mask = stack_left_padded([self._mask[live, first:], *([] if mask is None else [mask])], axis=1)
         cache, held = {}, []
-        for name, (heads, dim, dtype) in self._past.items():
-            merged = np.zeros((rows, heads, width, dim), dtype)
-            merged[:len(live), :, width - old_width:] = self._cache[name].numpy()[live, :, first:]
-            if present is not None:
-                merged[len(live):, :, width - new_width:] = present[name].numpy()
+        for name in self._past:
+            old = self._cache[name].numpy()[live, :, first:]
+            merged = stack_left_padded([old, *([] if present is None else [present[name].numpy()])], axis=2)
             held.append(merged)
             cache[name] = OrtValue.ortvalue_from_numpy(merged)
         self._rows = [self._rows[row] for row in live] + keys

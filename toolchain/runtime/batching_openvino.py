@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 
 from toolchain.interface.graph import KV_CACHE, LATENT, graph_metadata
-from toolchain.runtime.batching import BatchedDecoder
+from toolchain.runtime.batching import BatchedDecoder, stack_left_padded
 from toolchain.runtime.decoder import positions
 from toolchain.runtime.generate import left_pad
 from toolchain.runtime.last_logits import INPUT as LOGITS_TO_KEEP
@@ -80,21 +80,12 @@ class StatefulBatch(BatchedDecoder):
         """The live rows' cache, then the side request's, left-padded to one width with the columns only padding
         occupies cut off, written into the running request's variables."""
         live = self._live()
-        old_mask = self._mask[live]
-        first = int(np.argmax(old_mask.any(axis=0)))
-        old_width, new_width = old_mask.shape[1] - first, mask.shape[1]
-        width = max(old_width, new_width)
-        merged_mask = np.zeros((len(live) + len(keys), width), np.int64)
-        merged_mask[:len(live), width - old_width:] = old_mask[:, first:]
-        merged_mask[len(live):, width - new_width:] = mask
+        first = int(np.argmax(self._mask[live].any(axis=0)))
+        merged_mask = stack_left_padded([self._mask[live, first:], mask], axis=1)
         side = {state.name: state for state in self._side.query_state()}
         for state in self._request.query_state():
-            old = state.state.data[live, :, first:]
-            new = side[state.name].state.data
-            merged = np.zeros((len(live) + len(keys), old.shape[1], width, old.shape[3]), np.float32)
-            merged[:len(live), :, width - old_width:] = old
-            merged[len(live):, :, width - new_width:] = new
-            state.state = _tensor(merged)
+            old = np.array(state.state.data[live, :, first:], np.float32)
+            state.state = _tensor(stack_left_padded([old, np.asarray(side[state.name].state.data, np.float32)], axis=2))
         self._rows = [self._rows[row] for row in live] + keys
         self._mask = merged_mask
 
