@@ -425,3 +425,39 @@ def test_duplicate_recipe_key_negative_perplexity_and_unmeasured_gates(monkeypat
     assert code == 1
     code, _ = run_cli(monkeypatch, capsys, "gate", unmeasured, "--max-em-drop", "2", "--allow-unmeasured")
     assert code == 0
+
+
+def test_an_interrupt_a_finalizer_swallows_still_leaves_the_target(tmp_path):
+    """Ctrl-C raised inside a finalizer is printed as "Exception ignored" and lost by Python; the output is
+    still not committed, and the process still exits as interrupted. In a child: it signals itself."""
+    target = tmp_path / "out"
+    target.mkdir()
+    (target / MARKER).write_text("")
+    (target / "kept").write_text("before")
+    script = textwrap.dedent(f"""
+        import gc, os, signal, sys, time
+        from pathlib import Path
+        from toolchain import interrupts
+        from toolchain.atomic import atomic_output_dir
+
+        class Session:
+            def __del__(self):
+                os.kill(os.getpid(), signal.SIGINT)
+                time.sleep(0.2)  # the handler runs here, inside the finalizer
+
+        interrupts.install()
+        try:
+            with atomic_output_dir(Path({str(target)!r})) as tmp:
+                (tmp / "kept").write_text("after")
+                Session()
+                gc.collect()
+                print("survived the finalizer", flush=True)
+        except KeyboardInterrupt:
+            sys.exit(130)
+        """)
+    proc = subprocess.run([sys.executable, "-c", script], cwd=Path(__file__).parent.parent, capture_output=True,
+                          text=True, timeout=120)
+    assert "survived the finalizer" in proc.stdout and "Exception ignored" in proc.stderr, proc.stderr
+    assert proc.returncode == 130, proc.stderr
+    assert (target / "kept").read_text() == "before"
+    assert not list(tmp_path.glob(".out.*"))

@@ -23,6 +23,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from toolchain.errors import InputError, OutputError
+from toolchain.interrupts import raise_if_interrupted
 
 MARKER = ".dstc-output"
 _MARKER_TEXT = "This directory was written by dstc; dstc may replace it.\n"
@@ -232,6 +233,7 @@ def atomic_output_dir(target: Path, *, wait: bool = False) -> Iterator[Path]:
             raise write_error(target, e) from None
         try:
             yield tmp
+            raise_if_interrupted()  # an interrupt a finalizer swallowed still leaves the target as it was
             old = None
             if target.exists():
                 old = Path(tempfile.mkdtemp(prefix=f".{target.name}.old-{os.getpid()}-", dir=target.parent))

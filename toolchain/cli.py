@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 import click
 
-from toolchain import __version__
+from toolchain import __version__, interrupts
 from toolchain.atomic import (
     check_writable_file,
     check_writable_target,
@@ -806,8 +806,10 @@ def serve_cmd(artifact: Path, host: str, port: int, threads: int | None, max_bat
 
 def main() -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never download: checkpoints come from disk or the HF cache
+    interrupts.install()
     try:
         cli(standalone_mode=False)
+        interrupts.raise_if_interrupted()
     except (click.exceptions.Abort, KeyboardInterrupt):
         click.echo("dstc: interrupted", err=True)
         sys.exit(130)
