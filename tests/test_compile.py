@@ -11,7 +11,7 @@ import numpy as np
 import onnx
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, DeepseekV3Config, PreTrainedTokenizerFast, Qwen2Config
+from transformers import AutoModelForCausalLM, DeepseekV3Config, PreTrainedTokenizerFast, Qwen2Config
 
 from toolchain.atomic import MARKER
 from toolchain.compile import onnxruntime_artifact
@@ -22,6 +22,7 @@ from toolchain.runtime.torch_reference import TorchDecoder
 from toolchain.models.registry import EMBEDDED, embedded_path
 from toolchain.stages.compile import compile_artifact
 from toolchain.stages.export import export
+from toolchain.source import load_tokenizer
 
 from conftest import COMMON, MLA, make_checkpoint
 
@@ -98,7 +99,7 @@ def source_of(export_dir: Path) -> Path:
 
 def reference_chat_tokens(source: Path, new_tokens: int = NEW_TOKENS) -> tuple[list[int], list[int]]:
     """(prompt ids, greedy ids) of PyTorch fp32 on the chat-templated MESSAGES."""
-    tok = AutoTokenizer.from_pretrained(source)
+    tok = load_tokenizer(source)
     model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).eval()
     prompt = tok.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
     tokens, _ = greedy_logits(TorchDecoder.over(model), [prompt], new_tokens, model.config.pad_token_id or 0)
@@ -217,7 +218,7 @@ def test_openvino_artifact_generates_through_llm_pipeline_and_optimum_intel(toke
         assert (out / f).is_file(), f
     source = source_of(tokenized_exports[name])
     prompt, expected = reference_chat_tokens(source)
-    reference = AutoTokenizer.from_pretrained(source)
+    reference = load_tokenizer(source)
 
     pipe, config = llm_pipeline(out, **F32)
     tokenizer = pipe.get_tokenizer()
@@ -282,7 +283,7 @@ def test_onnxruntime_artifact_generates_through_onnxruntime_genai(tokenized_expo
     # the tokenizer files are read by onnxruntime-extensions: same ids and text as Hugging Face's (a random model's
     # tokens can split UTF-8 sequences, which the two decoders render differently, so decode a real text)
     text = TEXTS[0]
-    ids = AutoTokenizer.from_pretrained(source)(text, add_special_tokens=False)["input_ids"]
+    ids = load_tokenizer(source)(text, add_special_tokens=False)["input_ids"]
     assert tokenizer.encode(text).tolist() == ids
     assert tokenizer.decode(np.array(ids, np.int32)) == text
 
@@ -351,7 +352,7 @@ def test_embedded_model_loads_in_every_runtime(tmp_path, name):
     assert chat_prompt_ids(pipe.get_tokenizer()) == prompt
     assert pipeline_greedy(pipe, config, prompt) == expected
     assert pipe.generate(MESSAGES[0]["content"], config) == \
-        AutoTokenizer.from_pretrained(embedded_path(name)).decode(expected)
+        load_tokenizer(embedded_path(name)).decode(expected)
     assert optimum_intel_greedy(ov_dir, prompt, 16) == expected
 
     manifest = compile_artifact(tmp_path / "export", ort_dir, "onnxruntime", new_tokens=16)
