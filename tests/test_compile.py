@@ -162,10 +162,10 @@ def optimum_intel_python() -> str:
     if OPTIMUM_INTEL_PYTHON.is_file():
         return str(OPTIMUM_INTEL_PYTHON)
     try:
-        import optimum.intel  # noqa: F401
-    except ImportError as e:
+        from optimum.intel import OVModelForCausalLM  # noqa: F401
+    except ImportError as e:  # not installed, or beside a transformers it does not import with
         pytest.skip(f"optimum-intel's environment {OPTIMUM_INTEL_PYTHON} is missing (./install.sh makes it), and "
-                    f"optimum-intel does not import here: {e}")
+                    f"optimum-intel does not import here: {str(e).splitlines()[0]}")
     return sys.executable
 
 
