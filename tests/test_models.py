@@ -127,7 +127,7 @@ def test_embedded_tokenizer_splits_digits_and_applies_the_chat_template(tokenize
 @pytest.mark.parametrize("name", list(EMBEDDED))
 def test_embedded_tokenizer_loads_as_its_tokenizer_json_is_written(name):
     """load_tokenizer runs tokenizer.json's own pre-tokenizer, with no token beyond the model's vocabulary, whatever
-    the model type (transformers 5.23's AutoTokenizer swaps a qwen2 checkpoint's for Qwen2's and adds a token)."""
+    the model type (transformers 5.24's AutoTokenizer swaps a qwen2 checkpoint's for Qwen2's and adds a token)."""
     path = embedded_path(name)
     tokenizer = load_tokenizer(path)
     written = json.loads((path / "tokenizer.json").read_text())

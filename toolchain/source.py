@@ -196,7 +196,7 @@ GENERIC_TOKENIZERS = ("TokenizersBackend", "PreTrainedTokenizerFast")
 def load_tokenizer(path: Path):
     """The Hugging Face tokenizer of the checkpoint (or artifact) at ``path``. One that names the generic class
     (GENERIC_TOKENIZERS: the embedded models', and the stand-in of the shape-faithful ones) is loaded by it, so that
-    tokenizer.json runs as written: transformers 5.23's AutoTokenizer gives every qwen2 checkpoint Qwen2Tokenizer,
+    tokenizer.json runs as written: transformers 5.24's AutoTokenizer gives every qwen2 checkpoint Qwen2Tokenizer,
     which puts Qwen2's own pre-tokenizer in place of the file's and adds <|endoftext|> beyond the model's
     vocabulary. Any other goes through AutoTokenizer, which picks its class."""
     from transformers import AutoTokenizer, PreTrainedTokenizerFast

@@ -59,7 +59,7 @@ def reference_config(path: str | Path):
 @functools.cache
 def cache_argument() -> str:
     """The name of the KV-cache argument of transformers' models, decoder layers and mask functions: ``cache``
-    since transformers 5.23 (the old ``past_key_values`` still works there, with a warning), ``past_key_values``
+    since transformers 5.24 (the old ``past_key_values`` still works there, with a warning), ``past_key_values``
     in 5.5."""
     from transformers.masking_utils import create_causal_mask
 
@@ -73,7 +73,7 @@ def is_moe(module: nn.Module) -> bool:
 
 def watch_expert_choice(moe: nn.Module, record: Callable[[np.ndarray], None]) -> Callable[[], None]:
     """Call ``record(indices)`` ([tokens, top_k] int64) each time the MoE layer ``moe`` routes tokens; returns what
-    stops it. transformers 5.23 routes in the ``gate`` module, whose outputs are (logits, weights, indices); 5.5 in
+    stops it. transformers 5.24 routes in the ``gate`` module, whose outputs are (logits, weights, indices); 5.5 in
     the layer's own ``route_tokens_to_experts``, which returns (indices, weights)."""
     route = getattr(moe, "route_tokens_to_experts", None)
     if route is None:

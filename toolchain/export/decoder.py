@@ -93,7 +93,7 @@ def tied_embeddings(model: HFModule) -> bool:
 def rotary_module(model: HFModule) -> HFModule:
     """The model's rotary embedding with real inv_freq: a meta-device skeleton's is rebuilt from its config (it
     holds no checkpoint weights, only what the config and RoPE scaling define). The device is set around the
-    constructor: transformers 5.23 dropped its ``device`` argument."""
+    constructor: transformers 5.24 dropped its ``device`` argument."""
     rotary = model.model.rotary_emb
     if rotary.inv_freq.device.type != "meta":
         return rotary

@@ -19,7 +19,7 @@ class DeepseekV2Architecture(DeepseekArchitecture):
 
     def fix_reference(self, model) -> None:
         # transformers 5.5's group_limited_greedy routing reads self.num_experts, which DeepseekV2Moe never sets
-        # (5.23 routes in a router module that sets it)
+        # (5.24 routes in a router module that sets it)
         for layer in model.model.layers:
             if hasattr(layer.mlp, "route_tokens_to_experts") and not hasattr(layer.mlp, "num_experts"):
                 layer.mlp.num_experts = model.config.n_routed_experts

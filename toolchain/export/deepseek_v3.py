@@ -21,7 +21,7 @@ class DeepseekV3Architecture(DeepseekArchitecture):
                                               g.params.array(moe.gate.e_score_correction_bias)))
         top2, _ = g.op("TopK", grouped(g, biased, config.n_group), g.const([2]), axis=-1, outputs=2)
         group_scores = g.op("ReduceSum", top2, g.const([-1]), keepdims=0)
-        # -inf outside the chosen groups, as transformers 5.23 (and DeepSeek's own inference code) masks them: a
+        # -inf outside the chosen groups, as transformers 5.24 (and DeepSeek's own inference code) masks them: a
         # biased score below zero inside them still wins over any expert outside
         choice = limit_to_top_groups(g, biased, group_scores, config.topk_group, config.n_group,
                                      config.n_routed_experts, float("-inf"))
