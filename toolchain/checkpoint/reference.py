@@ -77,7 +77,8 @@ def watch_expert_choice(moe: nn.Module, record: Callable[[np.ndarray], None]) ->
     the layer's own ``route_tokens_to_experts``, which returns (indices, weights)."""
     route = getattr(moe, "route_tokens_to_experts", None)
     if route is None:
-        hook = moe.gate.register_forward_hook(lambda _module, _inputs, out: record(out[2].numpy().astype(np.int64)))
+        gate: nn.Module = moe.gate  # type: ignore[assignment]
+        hook = gate.register_forward_hook(lambda _module, _inputs, out: record(out[2].numpy().astype(np.int64)))
         return hook.remove
 
     def wrapped(router_logits):
@@ -85,7 +86,7 @@ def watch_expert_choice(moe: nn.Module, record: Callable[[np.ndarray], None]) ->
         record(indices.numpy().astype(np.int64))
         return indices, weights
 
-    moe.route_tokens_to_experts = wrapped
+    setattr(moe, "route_tokens_to_experts", wrapped)  # noqa: B010  (nn.Module's attribute type is Tensor | Module)
     return lambda: setattr(moe, "route_tokens_to_experts", route)
 
 

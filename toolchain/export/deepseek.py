@@ -17,9 +17,9 @@ experts run (toolchain/export/moe.py), ``kv_cache`` what the cache holds (``dstc
   2 layers) measured it at least as fast at decode at every context, and faster from 1k on, on both backends:
   1.3x (ONNX Runtime fp32) to 5.5x (OpenVINO INT4) for the whole step at 4k (README, "MLA KV cache").
 * ``per-head``: transformers 5.5's form (5.24 caches the latent), per-head keys [H, nope + rope] and values
-  [H, v], kv_b_proj applied to the latent of every new token. Chosen for what only it has: ``fuse-mla-attention`` fuses it into ONNX
-  Attention for ONNX Runtime, and openvino_genai's continuous batching (``dstc serve`` on OpenVINO) pages only
-  ScaledDotProductAttention, so it refuses a latent artifact.
+  [H, v], kv_b_proj applied to the latent of every new token. Chosen for what only it has: ``fuse-mla-attention``
+  fuses it into ONNX Attention for ONNX Runtime, and openvino_genai's continuous batching (``dstc serve`` on
+  OpenVINO) pages only ScaledDotProductAttention, so it refuses a latent artifact.
 """
 
 from __future__ import annotations

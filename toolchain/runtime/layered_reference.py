@@ -19,6 +19,7 @@ Each MoE layer's expert choice is recorded per call (``extras``, ``routes``), as
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 from collections.abc import Callable
@@ -134,10 +135,13 @@ class LayeredReference:
         layer = ref.decoder_layer(self.config, self.reader, i)
         for module in layer.modules():
             if ref.is_moe(module):
-                ref.watch_expert_choice(module, lambda indices, _i=i: self._routes.setdefault(_i, []).append(indices))
+                ref.watch_expert_choice(module, functools.partial(self._record_route, i))
         if self.resident:
             self._built[i] = layer
         return layer
+
+    def _record_route(self, layer: int, indices: np.ndarray) -> None:
+        self._routes.setdefault(layer, []).append(indices)
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [..., H] @ head.T in fp32, the head widened HEAD_ROWS rows at a time."""

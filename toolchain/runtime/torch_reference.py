@@ -9,6 +9,7 @@ fp32). ``release_reference`` drops it.
 
 from __future__ import annotations
 
+import functools
 import time
 
 import numpy as np
@@ -78,8 +79,7 @@ class TorchDecoder:
             layer = int(name.split("layers.")[1].split(".")[0])
             names[layer] = key = f"router.{layer}"
             if record is None:  # else watched by an earlier decoder over this (cached) model
-                watch_expert_choice(module, lambda indices, _key=key, _routing=self.model._dstc_routing:
-                                    _routing.__setitem__(_key, indices))
+                watch_expert_choice(module, functools.partial(self.model._dstc_routing.__setitem__, key))
         return names
 
     def router_outputs(self) -> dict[int, str]:
