@@ -42,6 +42,7 @@ import yaml
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+from benchmarks import optimum_intel_env  # noqa: E402
 from benchmarks.process_memory import tree_memory  # noqa: E402
 from toolchain.hardware import describe_cpu  # noqa: E402
 
@@ -186,7 +187,7 @@ def dstc_build(checkpoint: Path, backend: str, out: Path, work: Path, checks: bo
 
 def optimum_build(checkpoint: Path, out: Path, work: Path) -> dict:
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    return measure([str(Path(sys.executable).parent / "optimum-cli"), "export", "openvino", "--model",
+    return measure([str(optimum_intel_env.OPTIMUM_CLI), "export", "openvino", "--model",
                     str(checkpoint), "--weight-format", "int4", "--task", "text-generation-with-past", str(out)], env)
 
 

@@ -25,7 +25,6 @@ import argparse
 import json
 import shutil
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -234,7 +233,9 @@ def kernel_speed(k: int = 2048, n: int = 2048, repeats: int = 200) -> list[dict]
 def peer(checkpoint: Path, work: Path, tokenizer, texts, reference, ours: dict) -> dict:
     """optimum-cli export openvino --weight-format int4 (its defaults) on the same checkpoint: KL vs fp32."""
     out = work / "optimum-int4"
-    command = [str(Path(sys.executable).parent / "optimum-cli"), "export", "openvino", "-m", str(checkpoint),
+    from optimum_intel_env import OPTIMUM_CLI  # benchmarks/, this script's directory
+
+    command = [str(OPTIMUM_CLI), "export", "openvino", "-m", str(checkpoint),
                "--weight-format", "int4", "--task", "text-generation-with-past", str(out)]
     started = time.perf_counter()
     done = subprocess.run(command, capture_output=True, text=True)

@@ -69,6 +69,7 @@ import yaml
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+from benchmarks import optimum_intel_env  # noqa: E402
 from benchmarks.process_memory import tree_rss  # noqa: E402
 from toolchain.hardware import cpu_line, describe_cpu  # noqa: E402
 
@@ -128,9 +129,9 @@ def build_dstc(checkpoint: Path, backend: str, out: Path, work: Path, max_rss: i
 
 
 def build_optimum(checkpoint: Path, out: Path, max_rss: int) -> dict:
-    cli = Path(sys.executable).parent / "optimum-cli"
+    cli = optimum_intel_env.OPTIMUM_CLI  # optimum-intel's own environment: it needs transformers<5.6
     if not cli.is_file():
-        raise Failed("optimum-cli is not installed (pip install optimum-intel)")
+        raise Failed(f"optimum-cli is not installed in {cli.parent.parent} (./install.sh makes it)")
     return run_measured([str(cli), "export", "openvino", "--model", str(checkpoint), "--weight-format", "int4",
                          "--task", "text-generation-with-past", str(out)], env={"HF_HUB_OFFLINE": "1"},
                         max_rss=max_rss)
@@ -727,6 +728,7 @@ def versions() -> dict:
             out[name] = metadata.version(name)
         except metadata.PackageNotFoundError:
             out[name] = None
+    out["optimum-intel"] = out["optimum-intel"] or optimum_intel_env.version()  # in its own environment
     if out["llama-cpp-python"] is None:  # a source tree on PYTHONPATH has no metadata
         with contextlib.suppress(ImportError):
             import llama_cpp

@@ -125,7 +125,7 @@ def test_windows_with_a_stride_score_every_token_once(tmp_path):
     text = " ".join(corpus.text_samples("heldout", 60, seed=3))
     path = tmp_path / "doc.txt"
     path.write_text(text)
-    tokenizer = __import__("transformers").AutoTokenizer.from_pretrained(sources.resolve("r1-distill-qwen-tiny").path)
+    tokenizer = sources.load_tokenizer(sources.resolve("r1-distill-qwen-tiny").path)
     stream = tokenizer(text)["input_ids"]
     data = load_data(EvalSettings(dataset=str(path), window=128, stride=96, windows=1000), tokenizer, task=False,
                      max_length=1024)
@@ -182,7 +182,7 @@ def test_eval_on_a_users_jsonl_records_the_data_and_reuses_the_cached_reference(
 def test_bad_data_is_an_input_error(tmp_path, content, fields, message):
     path = tmp_path / "mine.jsonl"
     path.write_bytes(content)
-    tokenizer = __import__("transformers").AutoTokenizer.from_pretrained(sources.resolve("r1-distill-qwen-tiny").path)
+    tokenizer = sources.load_tokenizer(sources.resolve("r1-distill-qwen-tiny").path)
     with pytest.raises(InputError, match=re.escape(message)):
         load_data(EvalSettings(dataset=str(path), **fields), tokenizer, task=False, max_length=1024)
 
@@ -225,7 +225,7 @@ def test_sequences_in_groups_give_the_record_of_one_group(monkeypatch):
     from toolchain.evaluate.reference_record import compute_record
 
     source = sources.resolve("deepseek-v3-tiny")
-    tokenizer = __import__("transformers").AutoTokenizer.from_pretrained(source.path)
+    tokenizer = sources.load_tokenizer(source.path)
     settings = EvalSettings(texts=12, greedy_prompts=2, greedy_tokens=4)
     data = load_data(settings, tokenizer, task=False, max_length=1024)
     args = dict(eos_ids=[1], pad_id=0, newline_id=None)

@@ -84,8 +84,10 @@ def hflm():
     from lm_eval.models.huggingface import HFLM
 
     def make(max_length: int):
-        lm = HFLM(pretrained=str(sources.resolve(MODEL).path), dtype="float32", attn_implementation="eager",
-                  device="cpu", batch_size=8, max_length=max_length)
+        path = sources.resolve(MODEL).path
+        # the tokenizer as the checkpoint ships it, as dstc loads it (AutoTokenizer gives a qwen2 model Qwen2's)
+        lm = HFLM(pretrained=str(path), tokenizer=sources.load_tokenizer(path), dtype="float32",
+                  attn_implementation="eager", device="cpu", batch_size=8, max_length=max_length)
         assert lm.model.config._attn_implementation == "eager" and lm.model.dtype == torch.float32
         return lm
 
@@ -101,10 +103,8 @@ def hflm_scores(hflm, task_data) -> dict:
 @pytest.fixture(scope="module")
 def reference():
     """The fp32 PyTorch reference as a Decoder, and the checkpoint's tokenizer."""
-    from transformers import AutoTokenizer
-
     source = sources.resolve(MODEL)
-    return TorchDecoder(source), AutoTokenizer.from_pretrained(source.path)
+    return TorchDecoder(source), sources.load_tokenizer(source.path)
 
 
 @pytest.fixture(scope="module")

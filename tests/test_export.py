@@ -9,6 +9,7 @@ import numpy as np
 import onnx
 import pytest
 
+from toolchain.checkpoint.reference import is_moe, watch_expert_choice
 from toolchain.export.architectures import architecture_for
 from toolchain.export.decoder import build_decoder
 from toolchain.export.parity import Case, compare
@@ -104,24 +105,14 @@ def test_moe_experts_run_sparse_per_expert(tiny_checkpoints):
 def recorded_routing(model):
     """Record, per MoE layer, the set of experts the PyTorch model routes tokens to."""
     used: dict[int, set[int]] = {}
-    originals = {}
-    for i, layer in enumerate(model.model.layers):
-        moe = layer.mlp
-        if not hasattr(moe, "experts"):
-            continue
-        originals[i] = moe.route_tokens_to_experts
-
-        def record(logits, _i=i, _orig=originals[i]):
-            idx, weights = _orig(logits)
-            used.setdefault(_i, set()).update(idx.flatten().tolist())
-            return idx, weights
-
-        moe.route_tokens_to_experts = record
+    stops = [watch_expert_choice(layer.mlp, lambda idx, _i=i: used.setdefault(_i, set()).update(idx.flatten()))
+             for i, layer in enumerate(model.model.layers) if is_moe(layer.mlp)]
+    assert stops, "the model has no MoE layer to watch"
     try:
         yield used
     finally:
-        for i, orig in originals.items():
-            model.model.layers[i].mlp.route_tokens_to_experts = orig
+        for stop in stops:
+            stop()
 
 
 @pytest.mark.parametrize("name", ["deepseek_v3", "deepseek_v2_group_limited"])

@@ -408,7 +408,6 @@ def test_latent_artifact_of_an_embedded_model_generates_and_evaluates(tmp_path, 
         prompt, expected = reference_chat_tokens(embedded_path(name), 16)
         pipe, config = llm_pipeline(art, 16, **F32)
         assert pipeline_greedy(pipe, config, prompt) == expected
-        assert optimum_intel_greedy(art, prompt, 16) == expected
     proc = subprocess.run([sys.executable, "-m", "toolchain", "eval", str(art), "--reference", name, *EVAL_SMALL,
                            *(["--openvino-f32"] if backend == "openvino" else [])], capture_output=True,
                           text=True, timeout=900, env={**os.environ, "DSTC_CACHE_DIR": str(tmp_path / "cache")})
@@ -416,3 +415,5 @@ def test_latent_artifact_of_an_embedded_model_generates_and_evaluates(tmp_path, 
     report = load_report(art / "report.json")
     assert report.value("top1_agreement") > 0.99 and report.value("greedy_match_rate") == 1.0
     assert report.value("routing_agreement") > 0.99
+    if backend == "openvino":  # last: it skips where optimum-intel is missing
+        assert optimum_intel_greedy(art, prompt, 16) == expected

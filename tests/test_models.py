@@ -9,7 +9,7 @@ import math
 import numpy as np
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM
 
 from toolchain.errors import InputError
 from toolchain.models import corpus
@@ -19,11 +19,12 @@ from toolchain.models.registry import EMBEDDED, REFERENCES, embedded_path, refer
 from toolchain.models.shape_faithful import make_shape_faithful, reference_to_config
 from toolchain.models.tokenizer import ASSISTANT, BOS, EOS, USER
 from toolchain.models.train import exact_match, perplexity
+from toolchain.source import load_tokenizer
 
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    return AutoTokenizer.from_pretrained(embedded_path("r1-distill-qwen-tiny"))
+    return load_tokenizer(embedded_path("r1-distill-qwen-tiny"))
 
 
 def _load(name: str):
@@ -124,6 +125,18 @@ def test_embedded_tokenizer_splits_digits_and_applies_the_chat_template(tokenize
             (embedded_path("r1-distill-qwen-tiny") / "tokenizer.json").read_bytes()
 
 
+@pytest.mark.parametrize("name", list(EMBEDDED))
+def test_embedded_tokenizer_loads_as_its_tokenizer_json_is_written(name):
+    """load_tokenizer runs tokenizer.json's own pre-tokenizer, with no token beyond the model's vocabulary, whatever
+    the model type (transformers 5.24's AutoTokenizer swaps a qwen2 checkpoint's for Qwen2's and adds a token)."""
+    path = embedded_path(name)
+    tokenizer = load_tokenizer(path)
+    written = json.loads((path / "tokenizer.json").read_text())
+    assert json.loads(tokenizer.backend_tokenizer.to_str())["pre_tokenizer"] == written["pre_tokenizer"]
+    vocab = json.loads((path / "config.json").read_text())["vocab_size"]
+    assert len(tokenizer) == vocab and max(tokenizer.all_special_ids) < vocab
+
+
 # --- corpus and evaluation helpers ----------------------------------------------------------------------------
 
 def test_corpus_is_deterministic_and_its_splits_are_disjoint():
@@ -177,7 +190,7 @@ def _check_shape_faithful(path, reference: str, layers: int, experts: int, token
     with torch.no_grad():
         logits = model(torch.tensor([[0, 17, raw["vocab_size"] - 1]])).logits
     assert logits.shape == (1, 3, raw["vocab_size"]) and torch.isfinite(logits).all()
-    assert AutoTokenizer.from_pretrained(path).get_vocab() == tokenizer.get_vocab()
+    assert load_tokenizer(path).get_vocab() == tokenizer.get_vocab()
 
 
 def test_shape_faithful_deepseek_v2_lite(tmp_path, tokenizer):

@@ -17,6 +17,7 @@ from toolchain.compress import moe as fused_moe
 from toolchain.compress.streaming import blocked_dq_to_nbits
 from toolchain.errors import InputError
 from toolchain.export import moe
+from toolchain.checkpoint.reference import is_moe, watch_expert_choice
 from toolchain.export.architectures import architecture_for
 from toolchain.export.decoder import build_decoder
 from toolchain.runtime.engines import GraphRunner, openvino_compile
@@ -119,23 +120,15 @@ def test_fused_graph_does_not_grow_with_experts(lowering):
 def pytorch_choices(model, ids: np.ndarray) -> dict[int, np.ndarray]:
     """Per MoE layer, the experts transformers' router picks for each token of a prefill of ``ids``."""
     chosen: dict[int, np.ndarray] = {}
-    originals = {}
-    for i, layer in enumerate(model.model.layers):
-        if hasattr(layer.mlp, "route_tokens_to_experts"):
-            originals[i] = layer.mlp.route_tokens_to_experts
-
-            def record(logits, _i=i, _orig=originals[i]):
-                idx, weights = _orig(logits)
-                chosen[_i] = idx.numpy().copy()
-                return idx, weights
-
-            layer.mlp.route_tokens_to_experts = record
+    stops = [watch_expert_choice(layer.mlp, lambda idx, _i=i: chosen.__setitem__(_i, idx))
+             for i, layer in enumerate(model.model.layers) if is_moe(layer.mlp)]
     try:
         with torch.no_grad():
             model(input_ids=torch.from_numpy(ids))
     finally:
-        for i, orig in originals.items():
-            model.model.layers[i].mlp.route_tokens_to_experts = orig
+        for stop in stops:
+            stop()
+    assert chosen, "no MoE layer routed"
     return chosen
 
 

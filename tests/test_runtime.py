@@ -20,6 +20,7 @@ from transformers import DynamicCache
 
 from toolchain import source as sources
 from toolchain.build import build
+from toolchain.checkpoint.reference import cache_argument, is_moe, watch_expert_choice
 from toolchain.errors import InputError
 from toolchain.export.parity import PROMPTS, graph_decoder
 from toolchain.runtime.generate import greedy_logits, left_pad
@@ -295,18 +296,11 @@ def test_onnxruntime_binding_decodes_like_the_numpy_feed_path(artifact):
 
 
 def torch_routing(model) -> dict[int, list[np.ndarray]]:
-    """Wrap each MoE layer's route_tokens_to_experts to record its selected experts [tokens, top_k] per call."""
+    """Record each MoE layer's selected experts [tokens, top_k] per call."""
     captured: dict[int, list[np.ndarray]] = {}
     for index, layer in enumerate(model.model.layers):
-        if hasattr(layer.mlp, "route_tokens_to_experts"):
-            original = layer.mlp.route_tokens_to_experts
-
-            def route(router_logits, original=original, index=index):
-                experts, weights = original(router_logits)
-                captured.setdefault(index, []).append(experts.numpy().copy())
-                return experts, weights
-
-            layer.mlp.route_tokens_to_experts = route
+        if is_moe(layer.mlp):
+            watch_expert_choice(layer.mlp, lambda experts, index=index: captured.setdefault(index, []).append(experts))
     return captured
 
 
@@ -329,7 +323,7 @@ def test_router_outputs_agree_with_pytorch_routing(artifact, model_name, backend
         for _ in range(steps):
             positions = np.clip(feed_mask.cumsum(-1) - 1, 0, None)[:, -feed.shape[1]:]
             logits = model(input_ids=torch.from_numpy(feed), attention_mask=torch.from_numpy(feed_mask),
-                           position_ids=torch.from_numpy(positions), past_key_values=cache).logits
+                           position_ids=torch.from_numpy(positions), **{cache_argument(): cache}).logits
             feed = logits[:, -1].argmax(-1, keepdim=True).numpy()
             ref_tokens.append(feed[:, 0])
             feed_mask = np.concatenate([feed_mask, np.ones((2, 1), np.int64)], axis=1)

@@ -9,12 +9,16 @@ the way the model's forward does, and agrees with the whole model loaded by ``fr
 
 from __future__ import annotations
 
+import functools
 import importlib
+import inspect
 import math
+from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
 from typing import TypeVar
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -50,6 +54,40 @@ def reference_config(path: str | Path):
     if getattr(config, "n_routed_experts", None):
         config._experts_implementation = "grouped_mm"
     return config
+
+
+@functools.cache
+def cache_argument() -> str:
+    """The name of the KV-cache argument of transformers' models, decoder layers and mask functions: ``cache``
+    since transformers 5.24 (the old ``past_key_values`` still works there, with a warning), ``past_key_values``
+    in 5.5."""
+    from transformers.masking_utils import create_causal_mask
+
+    return "cache" if "cache" in inspect.signature(create_causal_mask).parameters else "past_key_values"
+
+
+def is_moe(module: nn.Module) -> bool:
+    """Whether ``module`` is a DeepSeek MoE layer (its router ``gate`` and its routed ``experts``)."""
+    return hasattr(module, "gate") and hasattr(module, "experts")
+
+
+def watch_expert_choice(moe: nn.Module, record: Callable[[np.ndarray], None]) -> Callable[[], None]:
+    """Call ``record(indices)`` ([tokens, top_k] int64) each time the MoE layer ``moe`` routes tokens; returns what
+    stops it. transformers 5.24 routes in the ``gate`` module, whose outputs are (logits, weights, indices); 5.5 in
+    the layer's own ``route_tokens_to_experts``, which returns (indices, weights)."""
+    route = getattr(moe, "route_tokens_to_experts", None)
+    if route is None:
+        gate: nn.Module = moe.gate  # type: ignore[assignment]
+        hook = gate.register_forward_hook(lambda _module, _inputs, out: record(out[2].numpy().astype(np.int64)))
+        return hook.remove
+
+    def wrapped(router_logits):
+        indices, weights = route(router_logits)
+        record(indices.numpy().astype(np.int64))
+        return indices, weights
+
+    setattr(moe, "route_tokens_to_experts", wrapped)  # noqa: B010  (nn.Module's attribute type is Tensor | Module)
+    return lambda: setattr(moe, "route_tokens_to_experts", route)
 
 
 def _module_class(config, name: str) -> type:
@@ -170,8 +208,8 @@ def logits(path: str | Path, input_ids: torch.Tensor, attention_mask: torch.Tens
     with open_checkpoint(path) as reader:
         hidden = embeddings(reader)(input_ids)
         position_ids = torch.arange(input_ids.shape[1]).unsqueeze(0)
-        mask_args = dict(config=config, inputs_embeds=hidden, attention_mask=attention_mask, past_key_values=None,
-                         position_ids=position_ids)
+        mask_args = dict(config=config, inputs_embeds=hidden, attention_mask=attention_mask, position_ids=position_ids,
+                         **{cache_argument(): None})
         layer_types = getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers
         masks = {"full_attention": create_causal_mask(**mask_args)}
         if "sliding_attention" in layer_types:  # Qwen2 with use_sliding_window

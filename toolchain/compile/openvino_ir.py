@@ -124,9 +124,10 @@ def convert_tokenizers(source: Path, out_dir: Path) -> list[str]:
     """openvino_tokenizer.xml and openvino_detokenizer.xml from the checkpoint's Hugging Face tokenizer."""
     import openvino as ov
     from openvino_tokenizers import convert_tokenizer
-    from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(source)
+    from toolchain.source import load_tokenizer
+
+    tokenizer = load_tokenizer(source)
     tokenizer.padding_side = "left"  # as optimum-intel exports it for text generation
     tokenizer_model, detokenizer_model = convert_tokenizer(tokenizer, with_detokenizer=True)
     ov.save_model(tokenizer_model, out_dir / TOKENIZER_XML)

@@ -60,9 +60,9 @@ def token_sequences(texts: list[str], checkpoint: Path | None, vocab_size: int,
     lengths stand in: the statistics then describe random tokens, and compression.json says so.
     """
     if checkpoint is not None and (checkpoint / "tokenizer.json").is_file():
-        from transformers import AutoTokenizer
+        from toolchain.source import load_tokenizer
 
-        tok = AutoTokenizer.from_pretrained(checkpoint)
+        tok = load_tokenizer(checkpoint)
         ids = [[t for t in tok(text)["input_ids"] if t < vocab_size][:MAX_TOKENS] for text in texts]
         return [s for s in ids if len(s) >= 2], "checkpoint tokenizer"
     rng = np.random.default_rng(seed)

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import onnx_ir as ir
+import torch
 
 from toolchain.export import blocks
 from toolchain.export.graph import GraphBuilder, rename_output, tensor_input
@@ -106,11 +107,13 @@ def tied_embeddings(model: HFModule) -> bool:
 
 def rotary_module(model: HFModule) -> HFModule:
     """The model's rotary embedding with real inv_freq: a meta-device skeleton's is rebuilt from its config (it
-    holds no checkpoint weights, only what the config and RoPE scaling define)."""
+    holds no checkpoint weights, only what the config and RoPE scaling define). The device is set around the
+    constructor: transformers 5.24 dropped its ``device`` argument."""
     rotary = model.model.rotary_emb
     if rotary.inv_freq.device.type != "meta":
         return rotary
-    return type(rotary)(config=model.config, device="cpu")
+    with torch.device("cpu"):
+        return type(rotary)(config=model.config)
 
 
 def build_decoder(model: HFModule, arch: Architecture, reader=None,

@@ -16,10 +16,10 @@ experts run (toolchain/export/moe.py), ``kv_cache`` what the cache holds (``dstc
   per token and layer instead of 128 x (192 + 128). The default because benchmarks/mla_cache.py (V2-Lite widths,
   2 layers) measured it at least as fast at decode at every context, and faster from 1k on, on both backends:
   1.3x (ONNX Runtime fp32) to 5.5x (OpenVINO INT4) for the whole step at 4k (README, "MLA KV cache").
-* ``per-head``: transformers' own form, per-head keys [H, nope + rope] and values [H, v], kv_b_proj applied to
-  the latent of every new token. Chosen for what only it has: ``fuse-mla-attention`` fuses it into ONNX
-  Attention for ONNX Runtime, and openvino_genai's continuous batching (``dstc serve`` on OpenVINO) pages only
-  ScaledDotProductAttention, so it refuses a latent artifact.
+* ``per-head``: transformers 5.5's form (5.24 caches the latent), per-head keys [H, nope + rope] and values
+  [H, v], kv_b_proj applied to the latent of every new token. Chosen for what only it has: ``fuse-mla-attention``
+  fuses it into ONNX Attention for ONNX Runtime, and openvino_genai's continuous batching (``dstc serve`` on
+  OpenVINO) pages only ScaledDotProductAttention, so it refuses a latent artifact.
 """
 
 from __future__ import annotations
@@ -193,7 +193,8 @@ class DeepseekArchitecture:
             logits = blocks.matmul_weight(g, x2d, self.router_weight(g, mlp), "gate")
             topk_idx, topk_w = self.route(g, mlp, logits)
         with g.role("routed_expert"):
-            routed = moe.routed_experts(g, self.moe_lowering, x2d, topk_idx, topk_w, mlp.experts, mlp.top_k)
+            routed = moe.routed_experts(g, self.moe_lowering, x2d, topk_idx, topk_w, mlp.experts,
+                                        mlp.config.num_experts_per_tok)
         routed = g.op("Reshape", routed, g.op("Shape", h))
         with g.role("shared_expert"):
             shared = blocks.mlp_module(g, h, mlp.shared_experts, "shared_experts")
@@ -205,8 +206,10 @@ def _get(config, name: str):
     return config.get(name) if isinstance(config, dict) else getattr(config, name, None)
 
 
-def limit_to_top_groups(g: GraphBuilder, scores, group_scores, topk_group: int, num_groups: int, num_experts: int):
-    """Zero the scores of experts outside the topk_group best groups, as transformers' masked_fill(..., 0.0) does.
+def limit_to_top_groups(g: GraphBuilder, scores, group_scores, topk_group: int, num_groups: int, num_experts: int,
+                        fill: float):
+    """Set the scores of experts outside the topk_group best groups to ``fill``, as transformers' masked_fill does
+    (0.0 for V2's softmax scores, -inf for V3's biased ones).
 
     scores: [tokens, experts]; group_scores: [tokens, groups] with experts split evenly and in order over groups.
     """
@@ -216,7 +219,7 @@ def limit_to_top_groups(g: GraphBuilder, scores, group_scores, topk_group: int, 
     group_mask = g.op("ScatterElements", zeros, group_idx, ones, axis=1)
     per_group = g.op("Expand", g.op("Unsqueeze", group_mask, g.const([-1])), g.const([1, 1, num_experts // num_groups]))
     expert_mask = g.op("Reshape", per_group, g.const([-1, num_experts]))
-    return g.op("Where", g.op("Cast", expert_mask, to=ir.DataType.BOOL), scores, g.const(0.0, np.float32))
+    return g.op("Where", g.op("Cast", expert_mask, to=ir.DataType.BOOL), scores, g.const(fill, np.float32))
 
 
 def grouped(g: GraphBuilder, scores, num_groups: int):

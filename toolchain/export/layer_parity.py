@@ -237,7 +237,7 @@ def compare_layers_on(graph_path: Path, source_path: Path, backends: Sequence[st
                     cache = DynamicCache(config=config)
                     for k, step in enumerate(case_steps):
                         result = layer(step.hidden, attention_mask=step.mask, position_ids=step.positions,
-                                       past_key_values=cache, position_embeddings=step.rope, use_cache=True)
+                                       position_embeddings=step.rope, use_cache=True, **{ref.cache_argument(): cache})
                         result = result[0] if isinstance(result, tuple) else result
                         for backend in backends:
                             worst[backend][scope] = max(worst[backend][scope],

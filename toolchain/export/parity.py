@@ -129,9 +129,9 @@ def parity_cases(source_path: Path, vocab_size: int) -> list[Case]:
     tokenizer, seeded random ids otherwise."""
     prompts = []
     if (source_path / "tokenizer.json").is_file():
-        from transformers import AutoTokenizer
+        from toolchain.source import load_tokenizer
 
-        tok = AutoTokenizer.from_pretrained(source_path)
+        tok = load_tokenizer(source_path)
         prompts = [[t for t in tok(p, add_special_tokens=False)["input_ids"] if t < vocab_size] for p in PROMPTS]
     if not prompts or not all(prompts):
         rng = np.random.default_rng(0)

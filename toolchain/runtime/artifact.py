@@ -55,9 +55,9 @@ class Artifact:
     def _tokenizer(self):
         if not (self.path / TOKENIZER).is_file():
             raise InputError(f"{self.path} has no tokenizer.json (its checkpoint had no tokenizer)")
-        from transformers import AutoTokenizer
+        from toolchain.source import load_tokenizer
 
-        return AutoTokenizer.from_pretrained(self.path)
+        return load_tokenizer(self.path)
 
     @property
     def eos_token_ids(self) -> list[int]:

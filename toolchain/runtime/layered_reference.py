@@ -19,6 +19,7 @@ Each MoE layer's expert choice is recorded per call (``extras``, ``routes``), as
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 from collections.abc import Callable
@@ -132,18 +133,14 @@ class LayeredReference:
             return self._built[i]
         layer = ref.decoder_layer(self.config, self.reader, i)
         for module in layer.modules():
-            if hasattr(module, "route_tokens_to_experts"):
-                original = module.route_tokens_to_experts
-
-                def wrapped(router_logits, _original=original, _i=i):
-                    indices, weights = _original(router_logits)
-                    self._routes.setdefault(_i, []).append(indices.numpy().astype(np.int64))
-                    return indices, weights
-
-                module.route_tokens_to_experts = wrapped  # type: ignore[assignment]
+            if ref.is_moe(module):
+                ref.watch_expert_choice(module, functools.partial(self._record_route, i))
         if self.resident:
             self._built[i] = layer
         return layer
+
+    def _record_route(self, layer: int, indices: np.ndarray) -> None:
+        self._routes.setdefault(layer, []).append(indices)
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [..., H] @ head.T in fp32, the head widened HEAD_ROWS rows at a time."""
@@ -168,8 +165,8 @@ class LayeredReference:
         rope, amask = self.rotary(hidden, pos), additive_mask(mask, new)
         self._routes.clear()
         for i in range(self.num_layers):
-            out = self._layer(i)(hidden, attention_mask=amask, position_ids=pos, past_key_values=self.cache,
-                                 position_embeddings=rope, use_cache=True)
+            out = self._layer(i)(hidden, attention_mask=amask, position_ids=pos, position_embeddings=rope,
+                                 use_cache=True, **{ref.cache_argument(): self.cache})
             hidden = out[0] if isinstance(out, tuple) else out
         self.extras = {f"router.{layer}": np.concatenate(arrays) for layer, arrays in self._routes.items()}
         hidden = self.norm(hidden)
@@ -201,8 +198,8 @@ class LayeredReference:
                     pos = torch.arange(a, b)[None]
                     part = hidden[:, a:b]
                     out = layer(part, attention_mask=additive_mask(np.ones((1, b), np.int64), b - a),
-                                position_ids=pos, past_key_values=cache, position_embeddings=self.rotary(part, pos),
-                                use_cache=True)
+                                position_ids=pos, position_embeddings=self.rotary(part, pos), use_cache=True,
+                                **{ref.cache_argument(): cache})
                     outs.append(out[0] if isinstance(out, tuple) else out)
                 hiddens[s] = torch.cat(outs, dim=1)
                 for layer_index, arrays in self._routes.items():

@@ -9,12 +9,14 @@ fp32). ``release_reference`` drops it.
 
 from __future__ import annotations
 
+import functools
 import time
 
 import numpy as np
 import torch
 
 from toolchain import source as sources
+from toolchain.checkpoint.reference import cache_argument, is_moe, watch_expert_choice
 from toolchain.runtime.decoder import positions
 
 _loaded: dict[str, object] = {}  # source path -> the loaded model (one at a time)
@@ -65,27 +67,19 @@ class TorchDecoder:
         return decoder
 
     def _capture_routing(self) -> dict[int, str]:
-        """Wrap each MoE layer's route_tokens_to_experts (transformers 5.5 DeepSeek-V2/V3), once per model, to keep
-        its indices in the model's routing record, which each forward reads into ``extras``."""
+        """Watch each MoE layer's expert choice, once per model, to keep its indices in the model's routing record,
+        which each forward reads into ``extras``."""
         names = {}
         record = getattr(self.model, "_dstc_routing", None)
+        if record is None:
+            self.model._dstc_routing = {}
         for name, module in self.model.named_modules():
-            if not hasattr(module, "route_tokens_to_experts"):
+            if not is_moe(module):
                 continue
             layer = int(name.split("layers.")[1].split(".")[0])
             names[layer] = key = f"router.{layer}"
-            if record is not None:
-                continue  # wrapped by an earlier decoder over this (cached) model
-            original = module.route_tokens_to_experts
-
-            def wrapped(router_logits, _original=original, _key=key, _model=self.model):
-                indices, weights = _original(router_logits)
-                _model._dstc_routing[_key] = indices.numpy().astype(np.int64)
-                return indices, weights
-
-            module.route_tokens_to_experts = wrapped
-        if record is None:
-            self.model._dstc_routing = {}
+            if record is None:  # else watched by an earlier decoder over this (cached) model
+                watch_expert_choice(module, functools.partial(self.model._dstc_routing.__setitem__, key))
         return names
 
     def router_outputs(self) -> dict[int, str]:
@@ -102,6 +96,6 @@ class TorchDecoder:
         with torch.no_grad():
             out = self.model(input_ids=torch.from_numpy(ids), attention_mask=torch.from_numpy(mask),
                              position_ids=torch.from_numpy(np.ascontiguousarray(positions(mask, ids.shape[1]))),
-                             past_key_values=self.cache, use_cache=True)
+                             use_cache=True, **{cache_argument(): self.cache})
         self.extras = dict(self.model._dstc_routing)
         return out.logits.float().numpy()
