@@ -64,8 +64,11 @@ def test_bf16_storage_holds_the_float32_exports_values_at_half_the_bytes(exports
     bf, model = initializers(bf_dir)
     stored = {name for name, t in bf.items() if t.data_type == onnx.TensorProto.BFLOAT16}
     assert stored and all(len(bf[name].dims) >= 2 for name in stored)  # matrices only; norms stay float32
-    assert stored == {name for name, t in f32.items() if len(t.dims) >= 2 and t.data_type == onnx.TensorProto.FLOAT
-                      and name in bf}
+    # every matrix the checkpoint holds in bf16: transformers 5.24 saves V3's router in float32
+    # (_keep_in_fp32_modules_strict "gate.weight"), which stays float32
+    matrices = {name for name, t in f32.items() if len(t.dims) >= 2 and t.data_type == onnx.TensorProto.FLOAT
+                and name in bf}
+    assert stored == {name for name in matrices if not (arch == "deepseek_v3" and "/router/" in name)}
     casts = {n.input[0]: n for n in model.graph.node if n.op_type == "Cast"}
     for name in stored:
         assert casts[name].attribute[0].i == onnx.TensorProto.FLOAT  # read through its widening Cast only

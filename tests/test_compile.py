@@ -25,7 +25,7 @@ from toolchain.runtime.torch_reference import TorchDecoder
 from toolchain.models.registry import EMBEDDED, embedded_path
 from toolchain.stages.compile import compile_artifact
 from toolchain.stages.export import export
-from toolchain.source import load_tokenizer
+from toolchain.tokenizer_loading import load_tokenizer
 
 from conftest import COMMON, MLA, make_checkpoint
 

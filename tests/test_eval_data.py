@@ -23,6 +23,7 @@ from toolchain.evaluate.dataset import load_data
 from toolchain.evaluate.settings import EvalSettings
 from toolchain.models import corpus
 from toolchain.report.schema import load_report
+from toolchain.tokenizer_loading import load_tokenizer
 from toolchain.runtime import layered_reference
 from toolchain.runtime.generate import left_pad
 from toolchain.runtime.layered_reference import LayeredReference
@@ -125,7 +126,7 @@ def test_windows_with_a_stride_score_every_token_once(tmp_path):
     text = " ".join(corpus.text_samples("heldout", 60, seed=3))
     path = tmp_path / "doc.txt"
     path.write_text(text)
-    tokenizer = sources.load_tokenizer(sources.resolve("r1-distill-qwen-tiny").path)
+    tokenizer = load_tokenizer(sources.resolve("r1-distill-qwen-tiny").path)
     stream = tokenizer(text)["input_ids"]
     data = load_data(EvalSettings(dataset=str(path), window=128, stride=96, windows=1000), tokenizer, task=False,
                      max_length=1024)
@@ -182,7 +183,7 @@ def test_eval_on_a_users_jsonl_records_the_data_and_reuses_the_cached_reference(
 def test_bad_data_is_an_input_error(tmp_path, content, fields, message):
     path = tmp_path / "mine.jsonl"
     path.write_bytes(content)
-    tokenizer = sources.load_tokenizer(sources.resolve("r1-distill-qwen-tiny").path)
+    tokenizer = load_tokenizer(sources.resolve("r1-distill-qwen-tiny").path)
     with pytest.raises(InputError, match=re.escape(message)):
         load_data(EvalSettings(dataset=str(path), **fields), tokenizer, task=False, max_length=1024)
 
@@ -225,7 +226,7 @@ def test_sequences_in_groups_give_the_record_of_one_group(monkeypatch):
     from toolchain.evaluate.reference_record import compute_record
 
     source = sources.resolve("deepseek-v3-tiny")
-    tokenizer = sources.load_tokenizer(source.path)
+    tokenizer = load_tokenizer(source.path)
     settings = EvalSettings(texts=12, greedy_prompts=2, greedy_tokens=4)
     data = load_data(settings, tokenizer, task=False, max_length=1024)
     args = dict(eos_ids=[1], pad_id=0, newline_id=None)

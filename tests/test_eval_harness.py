@@ -18,6 +18,7 @@ from toolchain.errors import InputError
 from toolchain.evaluate import harness
 from toolchain.evaluate.harness import DecoderLM, evaluate_lm, score_tasks
 from toolchain.models.corpus import _NAMES, _VERBS_OBJ, task_examples, text_samples
+from toolchain.tokenizer_loading import load_tokenizer
 from toolchain.runtime.artifact import open_artifact
 from toolchain.runtime.decoder import open_decoder
 from toolchain.runtime.torch_reference import TorchDecoder
@@ -86,7 +87,7 @@ def hflm():
     def make(max_length: int):
         path = sources.resolve(MODEL).path
         # the tokenizer as the checkpoint ships it, as dstc loads it (AutoTokenizer gives a qwen2 model Qwen2's)
-        lm = HFLM(pretrained=str(path), tokenizer=sources.load_tokenizer(path), dtype="float32",
+        lm = HFLM(pretrained=str(path), tokenizer=load_tokenizer(path), dtype="float32",
                   attn_implementation="eager", device="cpu", batch_size=8, max_length=max_length)
         assert lm.model.config._attn_implementation == "eager" and lm.model.dtype == torch.float32
         return lm
@@ -104,7 +105,7 @@ def hflm_scores(hflm, task_data) -> dict:
 def reference():
     """The fp32 PyTorch reference as a Decoder, and the checkpoint's tokenizer."""
     source = sources.resolve(MODEL)
-    return TorchDecoder(source), sources.load_tokenizer(source.path)
+    return TorchDecoder(source), load_tokenizer(source.path)
 
 
 @pytest.fixture(scope="module")

@@ -19,7 +19,7 @@ from toolchain.models.registry import EMBEDDED, REFERENCES, embedded_path, refer
 from toolchain.models.shape_faithful import make_shape_faithful, reference_to_config
 from toolchain.models.tokenizer import ASSISTANT, BOS, EOS, USER
 from toolchain.models.train import exact_match, perplexity
-from toolchain.source import load_tokenizer
+from toolchain.tokenizer_loading import load_tokenizer
 
 
 @pytest.fixture(scope="module")

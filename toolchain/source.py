@@ -190,25 +190,6 @@ def _check_tensors(source: Source, model, reader) -> None:
                          + (f" (and {len(wrong) - 1} more)" if len(wrong) > 1 else ""))
 
 
-# The class names under which a tokenizer_config.json asks for tokenizer.json as it is, with no model's own class
-GENERIC_TOKENIZERS = ("TokenizersBackend", "PreTrainedTokenizerFast")
-
-
-def load_tokenizer(path: Path):
-    """The Hugging Face tokenizer of the checkpoint (or artifact) at ``path``. One that names the generic class
-    (GENERIC_TOKENIZERS: the embedded models', and the stand-in of the shape-faithful ones) is loaded by it, so that
-    tokenizer.json runs as written: transformers 5.24's AutoTokenizer gives every qwen2 checkpoint Qwen2Tokenizer,
-    which puts Qwen2's own pre-tokenizer in place of the file's and adds <|endoftext|> beyond the model's
-    vocabulary. Any other goes through AutoTokenizer, which picks its class."""
-    from transformers import AutoTokenizer, PreTrainedTokenizerFast
-
-    config_file = Path(path) / "tokenizer_config.json"
-    declared = json.loads(config_file.read_text()).get("tokenizer_class") if config_file.is_file() else None
-    if declared in GENERIC_TOKENIZERS and (Path(path) / "tokenizer.json").is_file():
-        return PreTrainedTokenizerFast.from_pretrained(path)
-    return AutoTokenizer.from_pretrained(path)
-
-
 def load(source: Source):
     """The whole model in fp32 with eager attention, the reference the exported graph is compared with: the
     skeleton given every weight by dstc's checkpoint reader, exactly the values the exporter writes (FP8 weights

@@ -25,6 +25,7 @@ import numpy as np
 
 from toolchain.interface.files import DETOKENIZER_XML, MODEL_XML, TOKENIZER_XML, weights_of
 from toolchain.interface.graph import BATCH_AXIS, BEAM_IDX, INPUT_IDS, PAST_PREFIX, present_of
+from toolchain.tokenizer_loading import load_tokenizer
 
 # CPU plugin settings the artifact records in the IR's rt_info ``runtime_options``, which OpenVINO's compile_model
 # applies (checked by benchmarks/openvino_settings.py), so openvino_genai, optimum-intel and dstc's runner all get
@@ -124,8 +125,6 @@ def convert_tokenizers(source: Path, out_dir: Path) -> list[str]:
     """openvino_tokenizer.xml and openvino_detokenizer.xml from the checkpoint's Hugging Face tokenizer."""
     import openvino as ov
     from openvino_tokenizers import convert_tokenizer
-
-    from toolchain.source import load_tokenizer
 
     tokenizer = load_tokenizer(source)
     tokenizer.padding_side = "left"  # as optimum-intel exports it for text generation

@@ -11,6 +11,7 @@ import numpy as np
 from toolchain.errors import InputError
 from toolchain.interface.graph import ATTENTION_MASK, INPUT_IDS, POSITION_IDS
 from toolchain.models.corpus import calibration_texts
+from toolchain.tokenizer_loading import load_tokenizer
 
 EMBEDDED = "embedded"
 # per sequence: enough context for every layer's statistics, small enough for 2 CPU cores
@@ -60,8 +61,6 @@ def token_sequences(texts: list[str], checkpoint: Path | None, vocab_size: int,
     lengths stand in: the statistics then describe random tokens, and compression.json says so.
     """
     if checkpoint is not None and (checkpoint / "tokenizer.json").is_file():
-        from toolchain.source import load_tokenizer
-
         tok = load_tokenizer(checkpoint)
         ids = [[t for t in tok(text)["input_ids"] if t < vocab_size][:MAX_TOKENS] for text in texts]
         return [s for s in ids if len(s) >= 2], "checkpoint tokenizer"

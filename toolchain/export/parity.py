@@ -18,6 +18,7 @@ from toolchain.interface.graph import graph_cache_spec
 from toolchain.runtime.decoder import Decoder, StatelessDecoder
 from toolchain.runtime.engines import GraphRunner
 from toolchain.runtime.generate import greedy_logits
+from toolchain.tokenizer_loading import load_tokenizer
 
 # ONNX Runtime runs the graph with fp32 kernels close to PyTorch's: the issue's bound, 1e-4 of the logits' range.
 ORT_TOLERANCE = 1e-4
@@ -129,8 +130,6 @@ def parity_cases(source_path: Path, vocab_size: int) -> list[Case]:
     tokenizer, seeded random ids otherwise."""
     prompts = []
     if (source_path / "tokenizer.json").is_file():
-        from toolchain.source import load_tokenizer
-
         tok = load_tokenizer(source_path)
         prompts = [[t for t in tok(p, add_special_tokens=False)["input_ids"] if t < vocab_size] for p in PROMPTS]
     if not prompts or not all(prompts):

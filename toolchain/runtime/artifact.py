@@ -34,6 +34,7 @@ from toolchain.interface.files import (
 from toolchain.interface.graph import check_onnx_graph
 from toolchain.interface.reports import CompileReport, read_json
 from toolchain.manifest import read_manifest
+from toolchain.tokenizer_loading import load_tokenizer
 
 if TYPE_CHECKING:
     from toolchain.manifest_schema import Manifest
@@ -55,8 +56,6 @@ class Artifact:
     def _tokenizer(self):
         if not (self.path / TOKENIZER).is_file():
             raise InputError(f"{self.path} has no tokenizer.json (its checkpoint had no tokenizer)")
-        from toolchain.source import load_tokenizer
-
         return load_tokenizer(self.path)
 
     @property
