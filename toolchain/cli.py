@@ -18,7 +18,7 @@ from toolchain.atomic import (
     is_write_error,
     write_file_atomically,
 )
-from toolchain.cli_options import FiniteFloatRange, given_section, section_options
+from toolchain.cli_options import given_section, section_options
 from toolchain.errors import DstcError
 from toolchain.evaluate.settings import EvalSettings
 from toolchain.gates import GateFailed, GateLimits, check_gates
@@ -483,92 +483,25 @@ def keygen_cmd(private_key: Path, public_key: Path) -> None:
     click.echo(f"private key {private_key} (mode 0600), public key {public_key}")
 
 
-def _int_list(value: str, option: str) -> list[int]:
-    try:
-        numbers = [int(v) for v in value.split(",") if v.strip()]
-    except ValueError:
-        raise click.BadParameter(f"expected comma-separated integers, got {value!r}", param_hint=option) from None
-    if not numbers or min(numbers) < 1:
-        raise click.BadParameter(f"expected positive integers, got {value!r}", param_hint=option)
-    return numbers
+EVAL_SPELLINGS = {"reference_cache": "--reference-cache/--no-reference-cache", "latency": "--latency/--no-latency",
+                  "openvino_f32": "--openvino-f32/--deployment-defaults"}
 
 
 def _eval_options(command):
-    """Options shared by `dstc eval` and `dstc compare`: how much to measure."""
-    options = [
-        click.option("--reference", default=None,
-                     help="fp32 PyTorch reference checkpoint (default: the source model named in the manifest)."),
-        click.option("--texts", type=click.IntRange(1), default=200, show_default=True,
-                     help="Held-out texts for perplexity, KL, top-1 and routing agreement."),
-        click.option("--problems", type=click.IntRange(1), default=200, show_default=True,
-                     help="Held-out arithmetic problems for exact match (embedded models), or at most this many "
-                          "prompt/answer records of --dataset."),
-        click.option("--dataset", type=click.Path(path_type=Path, dir_okay=False), default=None,
-                     help="The data to measure accuracy on instead of the embedded corpus: JSONL (text; prompt + "
-                          "answer; or chat messages) or plain text. Its sha256 goes into report.json."),
-        click.option("--window", type=click.IntRange(2), default=2048, show_default=True,
-                     help="Tokens per perplexity window of --dataset (at most the model's context)."),
-        click.option("--stride", type=click.IntRange(1), default=None,
-                     help="Tokens between windows of --dataset (default: the window; less overlaps them, each token "
-                          "still scored once)."),
-        click.option("--windows", type=click.IntRange(1), default=64, show_default=True,
-                     help="At most this many windows of --dataset."),
-        click.option("--tasks", default=None,
-                     help="lm-evaluation-harness tasks to score the artifact and the reference on, comma-separated "
-                          "(e.g. gsm8k,arc_easy); their data from --task-data."),
-        click.option("--task-data", type=click.Path(path_type=Path, file_okay=False), default=None,
-                     help="Directory of the tasks' data: TASK/SPLIT.jsonl (or .parquet) in the schema of the task's "
-                          "dataset. dstc never downloads."),
-        click.option("--task-limit", type=click.IntRange(1), default=None,
-                     help="Score the first N examples of each task only."),
-        click.option("--num-fewshot", type=click.IntRange(0), default=None,
-                     help="Few-shot examples per task (default: each task's own)."),
-        click.option("--greedy-prompts", type=click.IntRange(0), default=32, show_default=True,
-                     help="Prefixes continued greedily (16 tokens) by both sides; 0 skips the greedy match."),
-        click.option("--no-reference-cache", is_flag=True,
-                     help="Compute the reference's outputs again instead of reusing them from the reference cache "
-                          "(DSTC_CACHE_DIR/references), and do not store them."),
-        click.option("--no-latency", is_flag=True, help="Measure accuracy only."),
-        click.option("--prompt-lengths", default="32,128,512", show_default=True, help="Latency prompt lengths."),
-        click.option("--batches", default="1,4", show_default=True, help="Latency batch sizes."),
-        click.option("--new-tokens", type=click.IntRange(2), default=32, show_default=True,
-                     help="Tokens generated per latency run (stop tokens ignored)."),
-        click.option("--warmup", type=click.IntRange(0), default=2, show_default=True,
-                     help="Unmeasured runs before each latency case."),
-        click.option("--repetitions", type=click.IntRange(1), default=5, show_default=True,
-                     help="Measured runs per latency case."),
-        click.option("--threads", type=click.IntRange(1), default=None, help="Runtime threads (default: every core)."),
-        click.option("--openvino-f32", is_flag=True,
-                     help="Run OpenVINO at f32 compute and KV cache instead of the CPU plugin's deployment defaults "
-                          "(bf16 and a u8 KV cache where the CPU has bf16), to see the weights' own error."),
-    ]
-    for option in reversed(options):
-        command = option(command)
-    return command
+    """Options shared by `dstc eval` and `dstc compare`: the reference, and how much to measure (a recipe's
+    `eval:` section, toolchain/evaluate/settings.py)."""
+    command = section_options(EvalSettings, spellings=EVAL_SPELLINGS,
+                              comma=("tasks", "prompt_lengths", "batches"))(command)
+    return click.option("--reference", default=None,
+                        help="fp32 PyTorch reference checkpoint (default: the source model named in the "
+                             "manifest).")(command)
 
 
-def _eval_settings(*, texts, problems, dataset, window, stride, windows, tasks, task_data, task_limit, num_fewshot,
-                   greedy_prompts, no_reference_cache, no_latency, prompt_lengths, batches, new_tokens, warmup,
-                   repetitions, threads, openvino_f32):
-    if stride is not None and stride > window:
-        raise click.BadParameter(f"{stride} is longer than the window ({window} tokens)", param_hint="--stride")
-    if dataset is not None and not dataset.is_file():
-        raise click.BadParameter(f"{dataset} is not a file", param_hint="--dataset")
-    names = [t.strip() for t in tasks.split(",") if t.strip()] if tasks else []
-    if names and task_data is None:
-        raise click.BadParameter("give the tasks' data with --task-data DIR (dstc never downloads)",
-                                 param_hint="--tasks")
-    if task_data is not None and not task_data.is_dir():
-        raise click.BadParameter(f"{task_data} is not a directory", param_hint="--task-data")
-    return EvalSettings(texts=texts, problems=problems, dataset=str(dataset) if dataset else None, window=window,
-                        stride=stride, windows=windows, greedy_prompts=greedy_prompts, tasks=names,
-                        task_data=str(task_data) if task_data else None, task_limit=task_limit,
-                        num_fewshot=num_fewshot,
-                        reference_cache=not no_reference_cache,
-                        latency=not no_latency, openvino_f32=openvino_f32,
-                        prompt_lengths=_int_list(prompt_lengths, "--prompt-lengths"),
-                        batches=_int_list(batches, "--batches"), new_tokens=new_tokens, warmup=warmup,
-                        repetitions=repetitions, threads=threads)
+def _eval_settings(options: dict) -> EvalSettings:
+    settings = given_section(EvalSettings, options, EVAL_SPELLINGS)
+    if settings.dataset is not None and not Path(settings.dataset).is_file():
+        raise click.BadParameter(f"{settings.dataset} is not a file", param_hint="--dataset")
+    return settings
 
 
 @cli.command("eval")
@@ -590,7 +523,7 @@ def eval_cmd(artifact: Path, reference: str | None, out_dir: Path | None, as_jso
     # loaded when the command runs: the CLI starts without numpy, torch or the runtimes
     from toolchain.evaluate.run import evaluate_artifact, write_report
 
-    settings = _eval_settings(**options)
+    settings = _eval_settings(options)
     if out_dir is not None:
         check_writable_target(out_dir)  # before the work, not after it
     require_artifact_memory(open_artifact(artifact))  # whole, and fits, before the reference is loaded
@@ -622,7 +555,7 @@ def compare_cmd(artifacts: tuple[Path, ...], reference: str | None, html_out: Pa
         check_writable_file(html_out)
     for path in artifacts:  # each whole, and fitting, before the reference is loaded
         require_artifact_memory(open_artifact(path))
-    settings = _eval_settings(**options)
+    settings = _eval_settings(options)
     reports = compare_artifacts(list(artifacts), settings, reference=reference,
                                 log=lambda a, m: click.echo(f"[compare {a}] {m}", err=True))
     labels = labels_for(reports)
@@ -637,39 +570,25 @@ def compare_cmd(artifacts: tuple[Path, ...], reference: str | None, html_out: Pa
         click.echo(f"comparison: {html_out}")
 
 
+GATE_SPELLINGS = {"max_perplexity_increase": "--max-ppl-increase", "min_top1_agreement": "--min-top1",
+                  "max_exact_match_drop": "--max-em-drop", "max_kl_mean": "--max-kl",
+                  "allow_unmeasured": "--allow-unmeasured/--no-allow-unmeasured",
+                  "allow_other_model": "--allow-other-model/--no-allow-other-model"}
+
+
 @cli.command("gate")
 @click.argument("report_path", metavar="REPORT", type=click.Path(path_type=Path))
-@click.option("--baseline", type=click.Path(path_type=Path), default=None,
-              help="A baseline report.json (or artifact): accuracy and latency are judged against it. Without one, "
-                   "accuracy is judged against the fp32 reference inside REPORT.")
-@click.option("--max-ppl-increase", type=FiniteFloatRange(0), default=None,
-              help="Largest allowed relative perplexity increase (0.05 = +5 %).")
-@click.option("--min-top1", type=FiniteFloatRange(0, 1), default=None, help="Smallest allowed top-1 agreement.")
-@click.option("--max-em-drop", type=FiniteFloatRange(0), default=None, help="Largest allowed exact-match drop, points.")
-@click.option("--max-kl", type=FiniteFloatRange(0), default=None, help="Largest allowed mean KL, nats.")
-@click.option("--max-task-drop", type=FiniteFloatRange(0), default=None,
-              help="Largest allowed drop, in points, of each lm-eval task's main metric (eval --tasks).")
-@click.option("--max-latency-ratio", type=FiniteFloatRange(0, min_open=True), default=None,
-              help="Largest allowed TTFT and ITL P50 ratio to the baseline's (needs --baseline).")
-@click.option("--allow-unmeasured", is_flag=True,
-              help="Report a gate whose metric the report could not measure (exact match on a model not trained "
-                   "on the embedded task) as skipped instead of failed.")
-@click.option("--allow-other-model", is_flag=True,
-              help="Accept a --baseline that measured another model than REPORT (refused otherwise).")
+@section_options(GateLimits, spellings=GATE_SPELLINGS)
 @click.option("--json", "as_json", is_flag=True, help="Print the gate results as JSON.")
-def gate_cmd(report_path: Path, baseline: Path | None, max_ppl_increase: float | None, min_top1: float | None,
-             max_em_drop: float | None, max_kl: float | None, max_task_drop: float | None,
-             max_latency_ratio: float | None, allow_unmeasured: bool, allow_other_model: bool, as_json: bool) -> None:
-    """Check REPORT (a report.json or an artifact) against release gates. Exit 0 when every gate passes, 1 when
-    any fails, 2 for bad input (no gates given, a limit that is not a finite number, an unreadable report, a
-    baseline of another model)."""
-    limits = GateLimits(max_perplexity_increase=max_ppl_increase, min_top1_agreement=min_top1,
-                        max_exact_match_drop=max_em_drop, max_kl_mean=max_kl, max_task_drop=max_task_drop,
-                        max_latency_ratio=max_latency_ratio, allow_unmeasured=allow_unmeasured,
-                        allow_other_model=allow_other_model)
+def gate_cmd(report_path: Path, as_json: bool, **options) -> None:
+    """Check REPORT (a report.json or an artifact) against release gates, the options of a recipe's `gates:`.
+    Exit 0 when every gate passes, 1 when any fails, 2 for bad input (no gates given, a limit that is not a finite
+    number, an unreadable report, a baseline of another model)."""
+    limits = given_section(GateLimits, options, GATE_SPELLINGS)
     if not limits.any():
         raise click.UsageError("no gates given: set at least one --max-*/--min-* option")
-    results = check_gates(load_report(report_path), limits, load_report(baseline) if baseline else None)
+    baseline = load_report(Path(limits.baseline)) if limits.baseline else None
+    results = check_gates(load_report(report_path), limits, baseline)
     if as_json:
         click.echo(json.dumps([r.model_dump() for r in results], indent=2))
     else:

@@ -18,7 +18,7 @@ import annotated_types
 import click
 from click.core import ParameterSource
 
-from toolchain.recipe import Section
+from toolchain.section import Section
 
 NONE = "none"  # a comma-separated list's spelling of the empty list
 
@@ -80,8 +80,13 @@ def _option(name: str, field, help_text: str, spellings: dict[str, str], default
     if origin is list:
         (item,) = typing.get_args(kind)
         if typing.get_origin(item) is typing.Literal or name in comma:
-            choices = f" ({', '.join(map(str, typing.get_args(item)))})" if typing.get_origin(item) else ""
+            literal = typing.get_origin(item) is typing.Literal
+            choices = f" ({', '.join(map(str, typing.get_args(item)))})" if literal else ""
+            listed = None  # the default list, shown unless the help says what the default is
+            if field.default_factory and "(default:" not in help_text:
+                listed = field.default_factory()  # type: ignore[call-arg]
             return click.option(names, name, default=None, metavar="A,B,...",
+                                show_default=",".join(map(str, listed)) if listed else False,
                                 help=f"{help_text}  Comma-separated{choices}; '{NONE}' for none.")
         return click.option(names, name, multiple=True, help=f"{help_text}  Repeat for more.")
     if kind in (int, float):
@@ -92,15 +97,26 @@ def _option(name: str, field, help_text: str, spellings: dict[str, str], default
     raise TypeError(f"{name}: no command-line form for {field.annotation}; exclude it")
 
 
-def section_options(section: type[Section], help: dict[str, str], *, spellings: dict[str, str] | None = None,
-                    defaults: dict | None = None, comma: tuple[str, ...] = (), exclude: tuple[str, ...] = ()):
-    """A decorator adding an option for every field of ``section`` but those in ``exclude``: ``help`` by field,
-    ``spellings`` of names other than ``--field-name`` (``"--sym/--asym"``), ``defaults`` where the command's
-    differs from the section's, ``comma``: lists of names given comma-separated."""
+def section_options(section: type[Section], help: dict[str, str] | None = None, *,
+                    spellings: dict[str, str] | None = None, defaults: dict | None = None, comma: tuple[str, ...] = (),
+                    exclude: tuple[str, ...] = ()):
+    """A decorator adding an option for every field of ``section`` but those in ``exclude``: its help is the
+    field's description (or ``help``'s entry), ``spellings`` of names other than ``--field-name``
+    (``"--sym/--asym"``), ``defaults`` where the command's differs from the section's, ``comma``: lists of names
+    given comma-separated. A field without help, or help, a spelling or a default for no field, is a TypeError
+    when the command is defined: the options cannot drift from the section."""
+    help = help or {}
+    fields = {name: field for name, field in section.model_fields.items() if name not in exclude}
+    stray = (set(help) | set(spellings or {}) | set(defaults or {}) | set(comma)) - set(fields)
+    undocumented = [name for name, field in fields.items() if not (help.get(name) or field.description)]
+    if stray or undocumented:
+        raise TypeError(f"{section.__name__}: options for no field {sorted(stray)}, fields without help "
+                        f"{undocumented}")
+
     def decorate(command):
-        for name, field in reversed(section.model_fields.items()):
-            if name not in exclude:
-                command = _option(name, field, help.get(name, ""), spellings or {}, defaults or {}, comma)(command)
+        for name, field in reversed(fields.items()):
+            command = _option(name, field, help.get(name) or field.description or "", spellings or {}, defaults or {},
+                              comma)(command)
         return command
 
     return decorate

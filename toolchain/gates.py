@@ -6,10 +6,11 @@ A gate reads metrics by name from report.json and compares them with a limit; th
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import ConfigDict, Field
 
 from toolchain.errors import DstcError, InputError
 from toolchain.report.schema import GateResult, Report
+from toolchain.section import Section
 
 
 class GateFailed(DstcError):
@@ -18,22 +19,28 @@ class GateFailed(DstcError):
     exit_code = 1
 
 
-class GateLimits(BaseModel):
+class GateLimits(Section):
     # an infinite limit passes every value: a mistake, refused as nan is (by its bounds)
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
-    max_perplexity_increase: float | None = Field(None, ge=0)  # relative: 0.05 allows +5 %
-    min_top1_agreement: float | None = Field(None, ge=0, le=1)
-    max_exact_match_drop: float | None = Field(None, ge=0)  # points (0-100)
-    max_kl_mean: float | None = Field(None, ge=0)  # nats
-    max_task_drop: float | None = Field(None, ge=0)  # points lost on each lm-eval task's main metric
-    max_latency_ratio: float | None = Field(None, gt=0)  # TTFT and ITL P50 over the baseline's
-    baseline: str | None = None  # a report.json; in a recipe, relative to the recipe's directory
-    # A gate whose metric the report could not measure (exact match on a model not trained on the embedded task):
-    # False counts it as failed, True reports it as skipped and lets it pass.
-    allow_unmeasured: bool = False
-    # A baseline measured on another model than the report's is refused unless this says it is meant.
-    allow_other_model: bool = False
+    max_perplexity_increase: float | None = Field(
+        None, ge=0, description="Largest allowed relative perplexity increase (0.05 = +5 %).")
+    min_top1_agreement: float | None = Field(None, ge=0, le=1, description="Smallest allowed top-1 agreement.")
+    max_exact_match_drop: float | None = Field(None, ge=0, description="Largest allowed exact-match drop, points.")
+    max_kl_mean: float | None = Field(None, ge=0, description="Largest allowed mean KL, nats.")
+    max_task_drop: float | None = Field(
+        None, ge=0, description="Largest allowed drop, in points, of each lm-eval task's main metric (eval --tasks).")
+    max_latency_ratio: float | None = Field(
+        None, gt=0, description="Largest allowed TTFT and ITL P50 ratio to the baseline's (needs a baseline).")
+    baseline: str | None = Field(
+        None, description="A baseline report.json (or artifact): accuracy and latency are judged against it. Without "
+                          "one, accuracy is judged against the fp32 reference inside the report. In a recipe, "
+                          "relative to the recipe's directory.")
+    allow_unmeasured: bool = Field(
+        False, description="Report a gate whose metric the report could not measure (exact match on a model not "
+                           "trained on the embedded task) as skipped instead of failed.")
+    allow_other_model: bool = Field(
+        False, description="Accept a baseline that measured another model than the report (refused otherwise).")
 
     def any(self) -> bool:
         return any(v is not None for k, v in self.model_dump().items()

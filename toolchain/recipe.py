@@ -8,35 +8,19 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Callable
 from pathlib import Path
-from typing import Literal, Self, cast
+from typing import Literal, cast
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import Field, ValidationError, model_validator
 
 from toolchain.errors import InputError, RecipeError
 from toolchain.evaluate.settings import EvalSettings
 from toolchain.gates import GateLimits
+from toolchain.section import Section
 
 Backend = Literal["openvino", "onnxruntime"]
 _PARITY: tuple[Backend, ...] = ("onnxruntime", "openvino")
-
-
-class Section(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    @classmethod
-    def check(cls, fields: dict, where: Callable[[tuple], str] = lambda loc: ".".join(map(str, loc))) -> Self:
-        """The section from a command's or a function's options, as a recipe would hold it; an InputError with the
-        recipe's message for the first bad one (``where``: how to name a field's location there, e.g. as its
-        command-line option)."""
-        try:
-            return cls(**fields)
-        except ValidationError as e:
-            first = e.errors()[0]
-            problem = first["msg"].removeprefix("Value error, ")
-            raise InputError(f"{where(first['loc'])}: {problem}" if first["loc"] else problem) from None
 
 
 class ExportSection(Section):

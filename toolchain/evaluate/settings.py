@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import Field, PositiveInt, model_validator
+
+from toolchain.section import Section
 
 # Settings that change only the artifact's side of an evaluation (latency, the artifact's runtime): the
 # reference's outputs, and so its cache entry, do not depend on them.
@@ -15,39 +17,50 @@ TASK_SETTINGS = ("tasks", "task_data", "task_limit", "num_fewshot")
 WHOLE_VOCABULARY, TOP_K = 1024, 128
 
 
-class EvalSettings(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    texts: int = Field(200, ge=1)  # held-out texts: perplexity, KL, top-1, routing agreement
-    problems: int = Field(200, ge=1)  # held-out arithmetic problems (or the data file's prompt/answer records)
-    greedy_prompts: int = Field(32, ge=0)  # held-out text prefixes continued greedily by both sides
-    greedy_tokens: int = Field(16, ge=1)
-    batch: int = Field(8, ge=1)  # prompts per left-padded batch when generating for accuracy
-    # the user's data (toolchain/evaluate/dataset.py): a JSONL or text file instead of the embedded corpus
-    dataset: str | None = None
-    window: int = Field(2048, ge=2)  # tokens per perplexity window of a data file
-    stride: int | None = Field(None, ge=1)  # tokens between windows (default: the window, no overlap)
-    windows: int = Field(64, ge=1)  # at most this many windows
-    answer_tokens: int = Field(32, ge=1)  # greedy tokens for an answer of a prompt/answer record
-    # next-token distributions are compared on the reference's top-k tokens and the rest as one outcome (what the
-    # reference cache keeps per position); None: the whole distribution of a vocabulary up to WHOLE_VOCABULARY
-    # tokens (the embedded models'), else the top TOP_K
-    kl_top_k: int | None = Field(None, ge=1)
-    # standard tasks through lm-evaluation-harness (toolchain/evaluate/harness.py), their data read from task_data
-    tasks: list[str] = Field(default_factory=list)
-    task_data: str | None = None  # task_data/<task>/<split>.jsonl in the schema of the task's dataset
-    task_limit: int | None = Field(None, ge=1)  # the first examples of each task only
-    num_fewshot: int | None = Field(None, ge=0)  # default: each task's own
-    reference_cache: bool = True  # reuse the reference's outputs from the cache (toolchain/evaluate/reference_cache.py)
-    latency: bool = True
-    prompt_lengths: list[int] = Field(default_factory=lambda: [32, 128, 512])
-    batches: list[int] = Field(default_factory=lambda: [1, 4])
-    new_tokens: int = Field(32, ge=2)
-    warmup: int = Field(2, ge=0)
-    repetitions: int = Field(5, ge=1)
-    threads: int | None = Field(None, ge=1)  # None: every core
-    openvino_f32: bool = False  # OpenVINO at f32 compute and KV cache instead of the plugin's deployment defaults
-    seed: int = 0
+class EvalSettings(Section):
+    texts: int = Field(200, ge=1, description="Held-out texts for perplexity, KL, top-1 and routing agreement.")
+    problems: int = Field(200, ge=1, description="Held-out arithmetic problems for exact match (embedded models), "
+                                                 "or at most this many prompt/answer records of --dataset.")
+    greedy_prompts: int = Field(32, ge=0, description="Prefixes continued greedily by both sides; 0 skips the "
+                                                      "greedy match.")
+    greedy_tokens: int = Field(16, ge=1, description="Tokens each greedy continuation runs for.")
+    batch: int = Field(8, ge=1, description="Prompts per left-padded batch when generating for accuracy.")
+    dataset: str | None = Field(
+        None, description="The data to measure accuracy on instead of the embedded corpus: JSONL (text; prompt + "
+                          "answer; or chat messages) or plain text. Its sha256 goes into report.json.")
+    window: int = Field(2048, ge=2, description="Tokens per perplexity window of --dataset (at most the model's "
+                                                "context).")
+    stride: int | None = Field(None, ge=1, description="Tokens between windows of --dataset (default: the window; "
+                                                       "less overlaps them, each token still scored once).")
+    windows: int = Field(64, ge=1, description="At most this many windows of --dataset.")
+    answer_tokens: int = Field(32, ge=1, description="Greedy tokens for the answer of a prompt/answer record.")
+    kl_top_k: int | None = Field(
+        None, ge=1, description=f"Compare next-token distributions on the reference's top K tokens and the rest as "
+                                f"one outcome (what the reference cache keeps per position) (default: the whole "
+                                f"distribution up to {WHOLE_VOCABULARY} tokens of vocabulary, else {TOP_K}).")
+    tasks: list[str] = Field(
+        default_factory=list, description="lm-evaluation-harness tasks to score the artifact and the reference on "
+                                          "(e.g. gsm8k,arc_easy); their data from --task-data.")
+    task_data: str | None = Field(
+        None, description="Directory of the tasks' data: TASK/SPLIT.jsonl (or .parquet) in the schema of the task's "
+                          "dataset. dstc never downloads.")
+    task_limit: int | None = Field(None, ge=1, description="Score the first N examples of each task only.")
+    num_fewshot: int | None = Field(None, ge=0, description="Few-shot examples per task (default: each task's own).")
+    reference_cache: bool = Field(
+        True, description="Reuse the reference's outputs from the reference cache (DSTC_CACHE_DIR/references) and "
+                          "store new ones; --no-reference-cache computes them again.")
+    latency: bool = Field(True, description="Measure latency too; --no-latency measures accuracy only.")
+    prompt_lengths: list[PositiveInt] = Field(default_factory=lambda: [32, 128, 512],
+                                              description="Latency prompt lengths.")
+    batches: list[PositiveInt] = Field(default_factory=lambda: [1, 4], description="Latency batch sizes.")
+    new_tokens: int = Field(32, ge=2, description="Tokens generated per latency run (stop tokens ignored).")
+    warmup: int = Field(2, ge=0, description="Unmeasured runs before each latency case.")
+    repetitions: int = Field(5, ge=1, description="Measured runs per latency case.")
+    threads: int | None = Field(None, ge=1, description="Runtime threads (default: every core).")
+    openvino_f32: bool = Field(
+        False, description="Run OpenVINO at f32 compute and KV cache instead of the CPU plugin's deployment defaults "
+                           "(bf16 and a u8 KV cache where the CPU has bf16), to see the weights' own error.")
+    seed: int = Field(0, description="Seed of the held-out sample of the embedded corpus.")
 
     def top_k(self, vocab: int) -> int:
         if self.kl_top_k is None:
