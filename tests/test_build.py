@@ -222,3 +222,29 @@ def test_a_stage_id_hashes_the_code_the_stage_imports_and_nothing_else():
     assert not {"toolchain/report/plots.py", "toolchain/cli.py", "toolchain/evaluate/run.py"} & closure
     optimize = {p.relative_to(root).as_posix() for p in module_closure("toolchain.stages.optimize")}
     assert "passes/fusions/mla_attention.py" in optimize  # imported inside a function, through the registry
+
+
+@pytest.mark.parametrize("backend,lowering", [("onnxruntime", "dispatch"), ("onnxruntime", "fused-onnxruntime"),
+                                              ("openvino", "dispatch"), ("openvino", "fused-openvino")])
+def test_qwen3_moe_builds_int4_on_both_backends(tiny_checkpoints, tmp_path, env, backend, lowering):
+    """An architecture added with the MoE component alone (toolchain/export/qwen3_moe.py) goes through every stage:
+    export with parity, the passes, INT4 (the fused experts too), compile verified against the compressed graph;
+    the artifact keeps the lowering in its metadata, and its router outputs are found by it."""
+    from toolchain.interface.graph import MOE_LOWERING, graph_metadata
+    from toolchain.runtime.artifact import open_artifact
+    from toolchain.runtime.routing import router_outputs
+
+    recipe = write_recipe(tmp_path / "r.yaml", export={"moe": lowering}, passes={"target": backend},
+                          compress={"scheme": "int4-grouped", "group_size": 32},
+                          compile={"backend": backend, "verify": True})
+    proc = dstc("build", recipe, "-o", tmp_path / "art", "--model", tiny_checkpoints["qwen3_moe"], "--no-cache",
+                env=env)
+    _, err = proc.communicate(timeout=600)
+    assert proc.returncode == 0, err
+    art = tmp_path / "art"
+    manifest = json.loads((art / "manifest.json").read_text())
+    assert [s["name"] for s in manifest["stages"]] == ["export", "passes", "compress", "compile"]
+    graph = art / ("openvino_model.xml" if backend == "openvino" else "model.onnx")
+    assert graph_metadata(graph)[MOE_LOWERING] == lowering
+    routers = router_outputs(open_artifact(art))
+    assert sorted(routers) == [0, 2]  # mlp_only_layers keeps layer 1 dense
