@@ -244,7 +244,20 @@ def test_qwen3_moe_builds_int4_on_both_backends(tiny_checkpoints, tmp_path, env,
     art = tmp_path / "art"
     manifest = json.loads((art / "manifest.json").read_text())
     assert [s["name"] for s in manifest["stages"]] == ["export", "passes", "compress", "compile"]
+    stages = Path(env["DSTC_CACHE_DIR"]) / "stages"
+    (export_dir,), (compress_dir,), (compile_dir,) = (list(stages.glob(f"{n}-*")) for n in ("export", "compress",
+                                                                                              "compile"))
+    parity = json.loads((export_dir / "export.json").read_text())["parity"]
+    assert sorted(parity) == (["onnxruntime"] if lowering == "fused-onnxruntime" else ["onnxruntime", "openvino"])
+    assert all(r["passed"] and r["tokens_identical"] for r in parity.values())
+    summary = json.loads((compress_dir / "compression.json").read_text())
+    experts = [r for r in summary["per_weight"] if r["role"] == "routed_expert"]
+    assert len(experts) == 2 * 8 * 3 and {r["precision"] for r in experts} == {"int4-asym-g32"}
+    assert [r["layer"] for r in summary["routing"]] == [0, 2]  # mlp_only_layers keeps layer 1 dense
+    assert all(0.5 < r["agreement"] <= 1.0 for r in summary["routing"])
+    if lowering == "fused-onnxruntime":
+        assert summary["details"]["onnxruntime_kernels"].get("QMoE") == 2
+    assert json.loads((compile_dir / "compile.json").read_text())["verification"]["passed"]
     graph = art / ("openvino_model.xml" if backend == "openvino" else "model.onnx")
     assert graph_metadata(graph)[MOE_LOWERING] == lowering
-    routers = router_outputs(open_artifact(art))
-    assert sorted(routers) == [0, 2]  # mlp_only_layers keeps layer 1 dense
+    assert sorted(router_outputs(open_artifact(art))) == [0, 2]
