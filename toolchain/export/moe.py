@@ -113,8 +113,7 @@ def routed_experts(g: GraphBuilder, lowering: str, x2d: ir.Value, topk_idx: ir.V
         return _openvino_tiled(g, x2d, topk_idx, topk_w, weights, inter, hidden)
 
 
-def dispatch(g: GraphBuilder, x2d: ir.Value, topk_idx: ir.Value, topk_w: ir.Value,
-                 experts: HFModule) -> ir.Value:
+def dispatch(g: GraphBuilder, x2d: ir.Value, topk_idx: ir.Value, topk_w: ir.Value, experts: HFModule) -> ir.Value:
     """Routed experts, sparse and routed at run time: each expert runs only on the tokens sent to it.
 
     For expert e: tokens = NonZero(any(topk_idx == e)); y = expert_e(x[tokens]) * weight; ScatterND-add into the

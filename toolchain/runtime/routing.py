@@ -15,8 +15,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from toolchain.interface.files import MODEL_XML, ONNX_MODEL
-from toolchain.interface.graph import MOE_LAYERS, MOE_LOWERING, graph_metadata
+from toolchain.interface.graph import MOE_LAYERS
 from toolchain.runtime.artifact import Artifact
 
 
@@ -34,14 +33,12 @@ def moe_layers(metadata: dict[str, str], config: dict) -> list[int]:
 def router_outputs(artifact: Artifact) -> dict[int, str]:
     """MoE layer -> name of the value holding its selected expert indices in this artifact's graph; {} for a
     dense model."""
-    path = artifact.path / (MODEL_XML if artifact.backend == "openvino" else ONNX_MODEL)
-    metadata = graph_metadata(path)
-    layers = moe_layers(metadata, artifact.config)
+    layers = moe_layers(artifact.metadata, artifact.config)
     if not layers:
         return {}
-    names = router_values(path, metadata.get(MOE_LOWERING))
+    names = router_values(artifact.graph, artifact.moe_lowering)
     if len(names) != len(layers):
-        raise ValueError(f"{path}: found {len(names)} router TopK outputs feeding an expert dispatch, "
+        raise ValueError(f"{artifact.graph}: found {len(names)} router TopK outputs feeding an expert dispatch, "
                          f"expected one per MoE layer ({len(layers)})")
     return dict(zip(layers, names))
 
