@@ -79,7 +79,8 @@ class Architecture(Protocol):
         per index of axis 0 (per-head quantization and its errors)."""
 
     def moe_layers(self, config) -> list[int]:
-        """Indices of the layers whose MLP is a mixture of experts."""
+        """Indices of the layers whose MLP is a mixture of experts (a family with MoE layers builds them with
+        toolchain/export/moe_layer.py's MoeArchitecture)."""
 
     def attention(self, g: GraphBuilder, attn: HFModule, h: ir.Value, inputs: LayerInputs):
         """Return (output, present key, present value)."""
