@@ -14,11 +14,14 @@ Transposes); they are there for graphs that do.
   keeps SDPA only in stateful models), and so does its RMS fusion.
 
 :func:`default_expectations` gives each fusion's expected count for an attention kind and depth (from the
-``dstc.attention`` / ``dstc.num_layers`` / ``dstc.kv_cache`` metadata the exporter writes from the architecture
-module), so a fusion that misses a layer fails the pipeline with the pass's closest near-miss.
+``dstc.attention`` / ``dstc.num_layers`` / ``dstc.kv_cache`` / ``dstc.moe_layers`` / ``dstc.moe_lowering``
+metadata the exporter writes from the architecture module), so a fusion that misses a layer fails the pipeline
+with the pass's closest near-miss.
 """
 
 from __future__ import annotations
+
+import json
 
 import onnx_ir as ir
 
@@ -55,9 +58,11 @@ def model_info(model: ir.Model) -> tuple[str | None, int | None]:
 
 
 def default_expectations(target: str, attention: str | None, num_layers: int | None,
-                         kv_cache: str | None = None) -> dict[str, dict]:
+                         kv_cache: str | None = None, opaque_mlps: int = 0) -> dict[str, dict]:
     """Expected counts per pass for a decoder of ``num_layers`` layers whose attention is ``attention`` ("gqa"
-    or "mla"; none for a graph of unknown kind) over a ``kv_cache`` ("per-head", or MLA's "latent")."""
+    or "mla"; none for a graph of unknown kind) over a ``kv_cache`` ("per-head", or MLA's "latent"), of which
+    ``opaque_mlps`` MoE layers run their experts in one com.microsoft.MoE node (the fused-onnxruntime lowering),
+    with no SiLU outside it unless the layer has shared experts."""
     pipeline(target)
     if attention not in ATTENTION_KINDS or not num_layers:
         return {}
@@ -71,7 +76,7 @@ def default_expectations(target: str, attention: str | None, num_layers: int | N
         # every norm but the first layer's input norm follows a residual Add
         "fuse-skip-rms-norm": {"min": 2 * layers, "max": 2 * layers},
         "fuse-rotary-embedding": {"min": 2 * layers, "max": 2 * layers, "count": "rotary_embedding"},
-        "fuse-silu": {"min": layers},
+        "fuse-silu": {"min": layers - opaque_mlps},
     }
     if attention == "gqa":
         expectations["fuse-group-query-attention"] = {"min": layers, "max": layers}
@@ -88,7 +93,11 @@ def default_expectations(target: str, attention: str | None, num_layers: int | N
 
 def expectations_for(model: ir.Model, target: str, pass_names: list[str] | None = None) -> dict[str, dict]:
     """:func:`default_expectations` for ``model``, restricted to the passes in ``pass_names`` when given."""
-    expectations = default_expectations(target, *model_info(model), kv_cache=model.metadata_props.get("dstc.kv_cache"))
+    props = model.metadata_props
+    opaque = len(json.loads(props.get("dstc.moe_layers", "[]"))) \
+        if props.get("dstc.moe_lowering") == "fused-onnxruntime" else 0
+    expectations = default_expectations(target, *model_info(model), kv_cache=props.get("dstc.kv_cache"),
+                                        opaque_mlps=opaque)
     if pass_names is not None:
         expectations = {name: spec for name, spec in expectations.items() if name in pass_names}
     return expectations

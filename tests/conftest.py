@@ -33,7 +33,7 @@ MLA = dict(num_key_value_heads=4, kv_lora_rank=32, qk_rope_head_dim=8, qk_nope_h
 
 def tiny_configs() -> dict:
     # transformers and torch are imported where used: every isolated test's child process loads this file
-    from transformers import DeepseekV2Config, DeepseekV3Config, LlamaConfig, Qwen2Config
+    from transformers import DeepseekV2Config, DeepseekV3Config, LlamaConfig, Qwen2Config, Qwen3MoeConfig
 
     return {
         "llama": LlamaConfig(**COMMON, num_key_value_heads=2, rope_parameters={
@@ -50,6 +50,12 @@ def tiny_configs() -> dict:
         "deepseek_v3_plain_rope": DeepseekV3Config(**COMMON, **MLA, q_lora_rank=24, n_routed_experts=8, n_group=2,
                                                    topk_group=1, routed_scaling_factor=1.0, rope_interleave=False,
                                                    norm_topk_prob=False),
+        # no shared experts; a dense layer between two MoE ones (mlp_only_layers); head_dim apart from hidden/heads
+        "qwen3_moe": Qwen3MoeConfig(**COMMON, num_key_value_heads=2, head_dim=24, num_experts=8, num_experts_per_tok=2,
+                                    moe_intermediate_size=32, norm_topk_prob=True, mlp_only_layers=[1]),
+        # every second layer MoE (decoder_sparse_step), the top-k weights as softmax gives them
+        "qwen3_moe_sparse_step": Qwen3MoeConfig(**COMMON, num_key_value_heads=1, num_experts=16, num_experts_per_tok=4,
+                                                moe_intermediate_size=32, decoder_sparse_step=2, attention_bias=True),
     }
 
 
@@ -63,6 +69,9 @@ def make_checkpoint(config, path):
         for module in model.modules():  # a bias that decides routing, as a trained V3 has
             if hasattr(module, "e_score_correction_bias"):
                 module.e_score_correction_bias.normal_(0, 0.1)
+            for norm in ("q_norm", "k_norm"):  # per-head norms that are not the identity, each its own
+                if hasattr(module, norm):
+                    getattr(module, norm).weight.normal_(1, 0.2)
     model.save_pretrained(path)
     return path
 

@@ -222,3 +222,40 @@ def test_a_stage_id_hashes_the_code_the_stage_imports_and_nothing_else():
     assert not {"toolchain/report/plots.py", "toolchain/cli.py", "toolchain/evaluate/run.py"} & closure
     optimize = {p.relative_to(root).as_posix() for p in module_closure("toolchain.stages.optimize")}
     assert "passes/fusions/mla_attention.py" in optimize  # imported inside a function, through the registry
+
+
+@pytest.mark.parametrize("backend,lowering", [("onnxruntime", "dispatch"), ("onnxruntime", "fused-onnxruntime"),
+                                              ("openvino", "dispatch"), ("openvino", "fused-openvino")])
+def test_qwen3_moe_builds_int4_on_both_backends(tiny_checkpoints, tmp_path, env, backend, lowering):
+    """An architecture added with the MoE component alone (toolchain/export/qwen3_moe.py) goes through every stage:
+    export with parity, the passes, INT4 (the fused experts too), compile verified against the compressed graph;
+    the artifact keeps the lowering in its metadata, and its router outputs are found by it."""
+    from toolchain.runtime.artifact import open_artifact
+    from toolchain.runtime.routing import router_outputs
+
+    recipe = write_recipe(tmp_path / "r.yaml", export={"moe": lowering}, passes={"target": backend},
+                          compress={"scheme": "int4-grouped", "group_size": 32},
+                          compile={"backend": backend, "verify": True})
+    proc = dstc("build", recipe, "-o", tmp_path / "art", "--model", tiny_checkpoints["qwen3_moe"], "--no-cache",
+                env=env)
+    _, err = proc.communicate(timeout=600)
+    assert proc.returncode == 0, err
+    art = tmp_path / "art"
+    manifest = json.loads((art / "manifest.json").read_text())
+    assert [s["name"] for s in manifest["stages"]] == ["export", "passes", "compress", "compile"]
+    stages = Path(env["DSTC_CACHE_DIR"]) / "stages"
+    (export_dir,), (compress_dir,), (compile_dir,) = (list(stages.glob(f"{n}-*")) for n in ("export", "compress",
+                                                                                              "compile"))
+    parity = json.loads((export_dir / "export.json").read_text())["parity"]
+    assert sorted(parity) == (["onnxruntime"] if lowering == "fused-onnxruntime" else ["onnxruntime", "openvino"])
+    assert all(r["passed"] and r["tokens_identical"] for r in parity.values())
+    summary = json.loads((compress_dir / "compression.json").read_text())
+    experts = [r for r in summary["per_weight"] if r["role"] == "routed_expert"]
+    assert len(experts) == 2 * 8 * 3 and {r["precision"] for r in experts} == {"int4-asym-g32"}
+    assert [r["layer"] for r in summary["routing"]] == [0, 2]  # mlp_only_layers keeps layer 1 dense
+    assert all(0.5 < r["agreement"] <= 1.0 for r in summary["routing"])
+    if lowering == "fused-onnxruntime":
+        assert summary["details"]["onnxruntime_kernels"].get("QMoE") == 2
+    assert json.loads((compile_dir / "compile.json").read_text())["verification"]["passed"]
+    artifact = open_artifact(art)  # the compiled graph keeps the record, where routing and serving read it
+    assert artifact.moe_lowering == lowering and sorted(router_outputs(artifact)) == [0, 2]

@@ -157,6 +157,7 @@ def test_the_architecture_module_s_facts_are_written_into_the_graph(tiny_checkpo
     mla = name.startswith("deepseek")
     assert props["dstc.attention"] == ("mla" if mla else "gqa")
     assert json.loads(props["dstc.moe_layers"]) == ([1, 2] if mla else [])
+    assert props.get("dstc.moe_lowering") == ("dispatch" if mla else None)  # only a graph with MoE layers has one
     assert props["dstc.genai_model_type"] == ("" if mla else "qwen2")
     layout = json.loads(props["dstc.head_layout"])
     assert layout["o_proj"] == ["in", 12 if mla else 16]

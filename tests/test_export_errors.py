@@ -92,3 +92,18 @@ def test_remote_code_is_not_run_without_the_flag(monkeypatch, capsys, tiny_check
     code, _ = run_cli(monkeypatch, capsys, "export", model, "-o", out, "--parity", "none")
     assert code == 0 and (out / "model.onnx").exists()
     assert not sentinel.exists()
+
+
+@pytest.mark.parametrize("fields,fragment", [
+    ({"decoder_sparse_step": 0}, "decoder_sparse_step must be a positive integer"),
+    ({"use_sliding_window": True, "sliding_window": 16},
+     "qwen3_moe: sliding-window attention (use_sliding_window) is not supported"),
+])
+def test_qwen3_moe_config_that_cannot_be_exported(monkeypatch, capsys, tiny_checkpoints, tmp_path, out, fields,
+                                                  fragment):
+    model = tmp_path / "m"
+    shutil.copytree(tiny_checkpoints["qwen3_moe"], model)
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, **fields}))
+    assert_one_line_error(*run_cli(monkeypatch, capsys, "export", model, "-o", out), fragment)
+    assert not out.exists()

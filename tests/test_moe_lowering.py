@@ -21,14 +21,16 @@ from toolchain.checkpoint.reference import is_moe, watch_expert_choice
 from toolchain.export.architectures import architecture_for
 from toolchain.export.decoder import build_decoder
 from toolchain.runtime.engines import GraphRunner, openvino_compile
-from toolchain.runtime.routing import _onnx_dispatch_indices, _openvino_dispatch_indices
+from toolchain.runtime.routing import router_values
 from toolchain.source import load, resolve
 from toolchain.stages.compress import compress
 from toolchain.stages.export import export
 from toolchain.stages.optimize import optimize
 
-# greedy and group-limited V2 routing; V3 with norm_topk_prob true (deepseek_v3) and false (plain_rope)
-ROUTINGS = ("deepseek_v2", "deepseek_v2_group_limited", "deepseek_v3", "deepseek_v3_plain_rope")
+# greedy and group-limited V2 routing; V3 with norm_topk_prob true (deepseek_v3) and false (plain_rope); Qwen3-MoE
+# without shared experts, norm_topk_prob true (with a dense layer between) and false (every second layer MoE)
+ROUTINGS = ("deepseek_v2", "deepseek_v2_group_limited", "deepseek_v3", "deepseek_v3_plain_rope", "qwen3_moe",
+            "qwen3_moe_sparse_step")
 FUSED = ("fused-onnxruntime", "fused-openvino")
 
 
@@ -43,7 +45,7 @@ def runtime_types(compiled) -> dict[str, int]:
 
 def moe_layer_count(name: str) -> int:
     config = tiny_configs()[name]
-    return config.num_hidden_layers - config.first_k_dense_replace
+    return len(architecture_for(config.model_type).moe_layers(config))
 
 
 @pytest.fixture(scope="module")
@@ -133,18 +135,18 @@ def pytorch_choices(model, ids: np.ndarray) -> dict[int, np.ndarray]:
 
 
 @pytest.mark.parametrize("lowering", FUSED)
-@pytest.mark.parametrize("name", ["deepseek_v3", "deepseek_v2_group_limited"])
+@pytest.mark.parametrize("name", ["deepseek_v3", "deepseek_v2_group_limited", "qwen3_moe"])
 def test_router_choice_is_found_and_agrees_with_pytorch(fused_exports, tiny_checkpoints, tmp_path, name, lowering):
     """routing.py finds each MoE layer's TopK indices by structure in the ONNX graph and in OpenVINO's IR (what the
     eval's routing agreement reads); they are the experts PyTorch chose."""
     import openvino as ov
 
     out, _ = fused_exports(name, lowering)
-    names = _onnx_dispatch_indices(out / "model.onnx")
+    names = router_values(out / "model.onnx", lowering)
     assert len(names) == moe_layer_count(name)
     if lowering == "fused-openvino":
         ov.save_model(ov.convert_model(str(out / "model.onnx")), tmp_path / "model.xml")
-        assert _openvino_dispatch_indices(tmp_path / "model.xml") == names
+        assert router_values(tmp_path / "model.xml", lowering) == names
     model = load(resolve(str(tiny_checkpoints[name])))
     ids = np.random.default_rng(3).integers(0, model.config.vocab_size, (1, 24))
     expected = pytorch_choices(model, ids)
@@ -408,3 +410,42 @@ def test_fused_lowering_passes_layer_by_layer_parity(tiny_checkpoints, tmp_path,
     assert sorted(report["parity"]) == expected
     for result in report["parity"].values():
         assert result["passed"] and "layers.2" in result["pieces"] and result["pieces"]["layers.2"] < 1e-4
+
+
+@pytest.mark.parametrize("lowering", moe.LOWERINGS)
+def test_the_lowering_is_recorded_in_the_graph_and_read_from_there(tiny_checkpoints, tmp_path, lowering):
+    """The export writes its lowering into the graph's metadata; compression and routing agreement take it from
+    there. A graph exported before the record (no key) is told by its nodes, with the same answers; a record that
+    names another lowering finds no routers, so it is the record that is read."""
+    from toolchain.export.graph import save_graph
+    from toolchain.interface.graph import MOE_LOWERING, moe_lowering
+
+    model = load(resolve(str(tiny_checkpoints["qwen3_moe"])))
+    graph = build_decoder(model, moe.with_lowering(architecture_for("qwen3_moe"), lowering))
+    assert graph.metadata_props[MOE_LOWERING] == lowering
+    assert json.loads(graph.metadata_props["dstc.moe_layers"]) == [0, 2]
+    assert fused_moe.lowering_of(graph) == lowering
+    fused = [(f.layer, f.form) for f in fused_moe.fused_layers(graph)]
+    assert fused == ([] if lowering == "dispatch" else [(0, lowering.split("-")[1]), (2, lowering.split("-")[1])])
+    save_graph(graph, tmp_path / "model.onnx")
+    names = router_values(tmp_path / "model.onnx", lowering)
+    assert len(names) == 2
+    other = "fused-openvino" if lowering == "dispatch" else "dispatch"
+    assert router_values(tmp_path / "model.onnx", other) == []
+
+    older = {k: v for k, v in graph.metadata_props.items() if k != MOE_LOWERING}
+    assert moe_lowering(older, (n.op_type for n in graph.graph)) == lowering
+    assert router_values(tmp_path / "model.onnx", None) == names
+    del graph.metadata_props[MOE_LOWERING]
+    assert [(f.layer, f.form) for f in fused_moe.fused_layers(graph)] == fused
+
+
+def test_a_dense_graph_records_no_lowering(tiny_checkpoints):
+    """Nothing is lowered in a dense model, whatever was asked: no key, no fused layer."""
+    from toolchain.interface.graph import MOE_LOWERING, moe_lowering
+
+    model = load(resolve(str(tiny_checkpoints["qwen2"])))
+    graph = build_decoder(model, moe.with_lowering(architecture_for("qwen2"), "fused-openvino"))
+    assert MOE_LOWERING not in graph.metadata_props and graph.metadata_props["dstc.moe_layers"] == "[]"
+    assert moe_lowering(graph.metadata_props, (n.op_type for n in graph.graph)) is None
+    assert fused_moe.fused_layers(graph) == []

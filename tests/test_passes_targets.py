@@ -50,3 +50,14 @@ def test_expectations_for_reads_the_exporters_metadata_and_the_pass_list():
     assert model_info(model) == ("gqa", 2)
     only = expectations_for(model, "onnxruntime", ["infer-shapes", "fuse-group-query-attention"])
     assert only == {"fuse-group-query-attention": {"min": 2, "max": 2}}
+
+
+def test_moe_layers_fused_into_one_node_are_not_expected_to_show_a_silu():
+    """The fused-onnxruntime lowering runs a MoE layer's experts inside com.microsoft.MoE: a family without shared
+    experts (qwen3_moe) shows no SiLU there; the other lowerings keep one per layer."""
+    model = attention_model()
+    model.metadata_props.update({"dstc.attention": "gqa", "dstc.num_layers": "3", "dstc.moe_layers": "[0, 2]",
+                                 "dstc.moe_lowering": "fused-onnxruntime"})
+    assert expectations_for(model, "onnxruntime")["fuse-silu"] == {"min": 1}
+    model.metadata_props["dstc.moe_lowering"] = "fused-openvino"
+    assert expectations_for(model, "onnxruntime")["fuse-silu"] == {"min": 3}

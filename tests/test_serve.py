@@ -262,7 +262,7 @@ def test_metrics_parse_with_prometheus_client(servers):
     layers = {s.labels["layer"] for s in families["dstc_quantization_output_error_max"].samples}
     assert {"0", "1", "2"} <= layers
     info = families["dstc_artifact_info"].samples[0].labels
-    assert info == {"model": server.name, "backend": "openvino", "scheme": "int4-grouped"}
+    assert info == {"model": server.name, "backend": "openvino", "scheme": "int4-grouped", "moe_lowering": "dispatch"}
 
 
 # -- in process ------------------------------------------------------------------------------------------------------

@@ -83,7 +83,7 @@ POSITIVE_FIELDS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num
                    "num_key_value_heads", "vocab_size", "max_position_embeddings", "head_dim",
                    "moe_intermediate_size", "n_routed_experts", "n_shared_experts", "num_experts_per_tok",
                    "kv_lora_rank", "q_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim", "n_group",
-                   "topk_group")
+                   "topk_group", "decoder_sparse_step")
 
 
 def _check_config(config: dict, config_file: Path) -> None:

@@ -28,10 +28,7 @@ from toolchain.errors import InputError
 from toolchain.export.architectures import architecture_for
 from toolchain.quiet_transformers import quiet_transformers
 
-# model_type -> the prefix of its transformers module classes
 M = TypeVar("M", bound=nn.Module)
-
-_CLASSES = {"llama": "Llama", "qwen2": "Qwen2", "deepseek_v2": "DeepseekV2", "deepseek_v3": "DeepseekV3"}
 
 
 def reference_config(path: str | Path):
@@ -40,7 +37,7 @@ def reference_config(path: str | Path):
     from transformers import AutoConfig
 
     raw = {k: v for k, v in read_config(Path(path)).items() if k != "quantization_config"}
-    architecture_for(raw.get("model_type"))  # UnsupportedModelError for any other model_type
+    arch = architecture_for(raw.get("model_type"))  # UnsupportedModelError for any other model_type
     try:
         with quiet_transformers():
             config = AutoConfig.for_model(**raw)
@@ -49,9 +46,9 @@ def reference_config(path: str | Path):
             from None
     config.dtype = torch.float32
     config._attn_implementation = "eager"
-    # What from_pretrained picks for experts that have a choice of implementation (DeepSeek's); a dense model's
-    # class refuses the setting.
-    if getattr(config, "n_routed_experts", None):
+    # What from_pretrained picks for experts that have a choice of implementation (every MoE family's); a dense
+    # model's class refuses the setting.
+    if arch.moe_layers(config):
         config._experts_implementation = "grouped_mm"
     return config
 
@@ -67,7 +64,7 @@ def cache_argument() -> str:
 
 
 def is_moe(module: nn.Module) -> bool:
-    """Whether ``module`` is a DeepSeek MoE layer (its router ``gate`` and its routed ``experts``)."""
+    """Whether ``module`` is a transformers MoE block (its router ``gate`` and its routed ``experts``)."""
     return hasattr(module, "gate") and hasattr(module, "experts")
 
 
@@ -91,9 +88,13 @@ def watch_expert_choice(moe: nn.Module, record: Callable[[np.ndarray], None]) ->
 
 
 def _module_class(config, name: str) -> type:
+    """transformers' ``<Prefix><name>`` class of the model type, the prefix its causal LM's class name has
+    (Qwen3MoeForCausalLM: Qwen3MoeDecoderLayer)."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
     model_type = config.model_type
     module = importlib.import_module(f"transformers.models.{model_type}.modeling_{model_type}")
-    return getattr(module, _CLASSES[model_type] + name)
+    return getattr(module, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type].removesuffix("ForCausalLM") + name)
 
 
 def load_weights(module: M, reader: CheckpointReader, prefix: str) -> M:

@@ -43,7 +43,7 @@ from toolchain.compress.policy import role_of
 from toolchain.compress.streaming import ComputedOnSave, adjusted_group, raise_opset
 from toolchain.errors import InputError
 from toolchain.export.moe import MS_DOMAIN
-from toolchain.interface.graph import ROLE
+from toolchain.interface.graph import ROLE, moe_lowering
 
 _LAYER = re.compile(r"^layers\.(\d+)/")
 
@@ -91,14 +91,23 @@ class FusedLayer:
         return [(e, p, f"{self.scope}/{e}/{p}/weight") for e in range(self.num_experts) for p in stacked.projections]
 
 
+def lowering_of(model: ir.Model) -> str | None:
+    """The export's MoE lowering as its metadata records it (toolchain/interface/graph.py moe_lowering); None for a
+    dense model."""
+    return moe_lowering(model.metadata_props, (node.op_type for node in model.graph))
+
+
 def fused_layers(model: ir.Model) -> list[FusedLayer]:
-    """The fused MoE layers of an export, in graph order."""
+    """The fused MoE layers of an export, in graph order: none unless its lowering is a fused one."""
+    lowering = lowering_of(model)
+    if lowering not in ("fused-onnxruntime", "fused-openvino"):
+        return []
     layers = []
     for node in model.graph:
         name = name_of(node)
         scope = name.rsplit("/", 1)[0]
         match = _LAYER.match(name)
-        if node.op_type == "MoE" and node.domain == MS_DOMAIN:
+        if lowering == "fused-onnxruntime" and node.op_type == "MoE" and node.domain == MS_DOMAIN:
             if match is None:
                 raise ValueError(f"the MoE node {name} is in no layer")
             scatter = produced(node.inputs[1])
@@ -106,7 +115,7 @@ def fused_layers(model: ir.Model) -> list[FusedLayer]:
                        Stacked(present(node.inputs[4]), ("down_proj",), name)]
             layers.append(FusedLayer(int(match.group(1)), "onnxruntime", scope, name_of(node.inputs[0]),
                                      name_of(scatter.inputs[1]), weights, node))
-        elif node.op_type == "Tile" and match and scope.endswith("/mlp/experts"):
+        elif lowering == "fused-openvino" and node.op_type == "Tile" and match and scope.endswith("/mlp/experts"):
             nodes = [n for n in model.graph if name_of(n).startswith(scope + "/")]
             scatter = next(n for n in nodes if n.op_type == "ScatterElements")
             weights = [Stacked(weight, (name_of(weight).rsplit("/", 1)[-1],), name_of(n)) for n in nodes
@@ -114,7 +123,6 @@ def fused_layers(model: ir.Model) -> list[FusedLayer]:
             layers.append(FusedLayer(int(match.group(1)), "openvino", scope, name_of(node.inputs[0]),
                                      name_of(scatter.inputs[1]), weights))
     return layers
-
 
 
 def router_indices(layers: list[FusedLayer]) -> dict[int, str]:

@@ -8,10 +8,12 @@ from toolchain.export.deepseek_v2 import DeepseekV2Architecture
 from toolchain.export.deepseek_v3 import DeepseekV3Architecture
 from toolchain.export.llama import LlamaArchitecture
 from toolchain.export.qwen2 import Qwen2Architecture
+from toolchain.export.qwen3_moe import Qwen3MoeArchitecture
 
 ARCHITECTURES: dict[str, Architecture] = {
     t: arch
-    for arch in (LlamaArchitecture(), Qwen2Architecture(), DeepseekV2Architecture(), DeepseekV3Architecture())
+    for arch in (LlamaArchitecture(), Qwen2Architecture(), DeepseekV2Architecture(), DeepseekV3Architecture(),
+                 Qwen3MoeArchitecture())
     for t in arch.model_types
 }
 

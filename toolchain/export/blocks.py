@@ -163,31 +163,3 @@ def mlp_module(g: GraphBuilder, x: ir.Value, module: HFModule, name: str) -> ir.
     with g.scope(name):
         gate, up, down = (g.params.array(p.weight) for p in parts)
         return gated_mlp(g, x, gate, up, down, biases=biases)
-
-
-def moe_dispatch(g: GraphBuilder, x2d: ir.Value, topk_idx: ir.Value, topk_w: ir.Value,
-                 experts: HFModule) -> ir.Value:
-    """Routed experts, sparse and routed at run time: each expert runs only on the tokens sent to it.
-
-    For expert e: tokens = NonZero(any(topk_idx == e)); y = expert_e(x[tokens]) * weight; ScatterND-add into the
-    output. The loop over experts is unrolled at export (a fixed count) while the token sets stay dynamic, so the
-    work is the routed experts' own; no weights are copied per token (unlike transformers' batched_mm) and no
-    routing decision is frozen at export (unlike tracing its eager loop). Experts accumulate in index order, as
-    transformers' index_add_ does. Each expert keeps plain 2-D MatMul weights, the form weight compression handles.
-
-    ``experts``: transformers' fused-experts module; each expert's weights come from ``g.params.expert``.
-    """
-    num_experts = experts.gate_up_proj.shape[0]
-    with g.scope("experts"):
-        out = g.op("ConstantOfShape", g.op("Shape", x2d), value=ir.tensor(np.zeros(1, np.float32)))
-        for e in range(num_experts):
-            with g.scope(str(e)):
-                chosen = g.op("Cast", g.op("Equal", topk_idx, g.const(e)), to=ir.DataType.FLOAT)
-                tokens = g.op("Squeeze", g.op("NonZero", g.op("ReduceSum", chosen, g.const([1]), keepdims=0)),
-                              g.const([0]))
-                weight = g.op("ReduceSum", g.op("Mul", chosen, topk_w), g.const([1]), keepdims=0)
-                gate, up, down = g.params.expert(experts, e)
-                y = gated_mlp(g, g.op("Gather", x2d, tokens, axis=0), gate, up, down)
-                y = g.op("Mul", y, g.op("Unsqueeze", g.op("Gather", weight, tokens, axis=0), g.const([1])))
-                out = g.op("ScatterND", out, g.op("Unsqueeze", tokens, g.const([1])), y, reduction="add")
-        return out

@@ -28,6 +28,7 @@ from toolchain.interface.graph import (
     LOGITS,
     MODEL_TYPE,
     MOE_LAYERS,
+    MOE_LOWERING,
     NUM_LAYERS,
     PAST_PREFIX,
     POSITION_IDS,
@@ -59,6 +60,8 @@ class Architecture(Protocol):
     attention_kind: str  # "gqa" (the fusion passes expect GroupQueryAttention) or "mla" (ONNX Attention)
     kv_cache: str  # what the cache holds: "per-head" keys and values, or MLA's "latent" (toolchain/export/deepseek.py)
     genai_model_type: str | None  # onnxruntime-genai's model type; None where its config cannot describe the model
+    # how MoE layers' routed experts are lowered (toolchain/export/moe.py); None for a family without MoE layers
+    moe_lowering: str | None
 
     def check(self, config) -> None:
         """Raise UnsupportedModelError for a config variant the builder does not reproduce exactly."""
@@ -76,7 +79,8 @@ class Architecture(Protocol):
         per index of axis 0 (per-head quantization and its errors)."""
 
     def moe_layers(self, config) -> list[int]:
-        """Indices of the layers whose MLP is a mixture of experts."""
+        """Indices of the layers whose MLP is a mixture of experts (a family with MoE layers builds them with
+        toolchain/export/moe_layer.py's MoeArchitecture)."""
 
     def attention(self, g: GraphBuilder, attn: HFModule, h: ir.Value, inputs: LayerInputs):
         """Return (output, present key, present value)."""
@@ -96,7 +100,7 @@ def linear_weight_name(layer: int, module_path: str, dense_mlp: bool) -> str:
 
 def expert_weight_name(layer: int, expert: int, projection: str) -> str:
     """The graph's name for routed expert ``expert``'s ``projection`` (gate_proj, up_proj, down_proj) weight in
-    layer ``layer`` of the dispatch lowering (blocks.moe_dispatch: scopes mlp / experts / <e>)."""
+    layer ``layer`` of the dispatch lowering (moe.dispatch: scopes mlp / experts / <e>)."""
     return f"layers.{layer}/mlp/experts/{expert}/{projection}/weight"
 
 
@@ -125,7 +129,7 @@ def build_decoder(model: HFModule, arch: Architecture, reader=None,
     config = model.config
     arch.check(config)
     cached_heads, key_dim, value_dim = arch.cache_dims(config)
-    g = GraphBuilder(Params(model, reader), weights)
+    g = GraphBuilder(Params(model, reader), weights, config)
     input_ids = tensor_input(INPUT_IDS, INT64, ["batch_size", "sequence_length"])
     mask_2d = tensor_input(ATTENTION_MASK, INT64, ["batch_size", "total_sequence_length"])
     position_ids = tensor_input(POSITION_IDS, INT64, ["batch_size", "sequence_length"])
@@ -177,10 +181,13 @@ def build_decoder(model: HFModule, arch: Architecture, reader=None,
 
 
 def architecture_metadata(arch: Architecture, config) -> dict[str, str]:
-    """The architecture's facts as graph metadata (JSON values), for the stages that read the graph."""
+    """The architecture's facts as graph metadata (JSON values), for the stages that read the graph. The MoE
+    lowering only where there are MoE layers: a dense graph has nothing lowered."""
     import json
 
+    moe_layers = arch.moe_layers(config)
     return {ATTENTION: arch.attention_kind, KV_CACHE: arch.kv_cache,
             HEAD_LAYOUT: json.dumps(arch.head_layout(config)),
-            MOE_LAYERS: json.dumps(arch.moe_layers(config)),
-            GENAI_MODEL_TYPE: arch.genai_model_type or ""}
+            MOE_LAYERS: json.dumps(moe_layers),
+            GENAI_MODEL_TYPE: arch.genai_model_type or "",
+            **({MOE_LOWERING: arch.moe_lowering or ""} if moe_layers else {})}

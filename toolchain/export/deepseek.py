@@ -1,8 +1,8 @@
-"""What DeepSeek-V2 and V3 share: MLA attention with its KV cache in one of two layouts, and the MoE layer around
-the router.
+"""What DeepSeek-V2 and V3 share: MLA attention with its KV cache in one of two layouts, and MoE layers with shared
+experts (toolchain/export/moe_layer.py) from first_k_dense_replace on.
 
-The subclasses in deepseek_v2.py / deepseek_v3.py supply their routing; ``moe_lowering`` chooses how the routed
-experts run (toolchain/export/moe.py), ``kv_cache`` what the cache holds (``dstc export --mla-cache``, recipe
+The subclasses in deepseek_v2.py / deepseek_v3.py declare their router (``moe``); ``moe_lowering`` chooses how the
+routed experts run (toolchain/export/moe.py), ``kv_cache`` what the cache holds (``dstc export --mla-cache``, recipe
 ``export.mla_cache``; ``with_mla_cache``):
 
 * ``latent`` (the default): per token and layer, the normalized latent (kv_lora_rank values, after
@@ -28,12 +28,12 @@ import copy
 from dataclasses import replace
 
 import numpy as np
-import onnx_ir as ir
 
 from toolchain.errors import InputError, UnsupportedModelError
-from toolchain.export import blocks, moe
+from toolchain.export import blocks
 from toolchain.export.decoder import LayerInputs
 from toolchain.export.graph import GraphBuilder
+from toolchain.export.moe_layer import MoeArchitecture, config_value
 from toolchain.export.weights import LazyArray
 
 MLA_CACHES = ("latent", "per-head")
@@ -72,13 +72,12 @@ def absorbed_weights(kv_b, heads: int, nope: int, v_dim: int):
     return np.ascontiguousarray(per_head[:, :nope]), np.ascontiguousarray(per_head[:, nope:].transpose(0, 2, 1))
 
 
-class DeepseekArchitecture:
+class DeepseekArchitecture(MoeArchitecture):
     model_types: tuple[str, ...] = ()
     attention_kind = "mla"
     # onnxruntime-genai's config has one head_size for keys and values; MLA's differ (toolchain/compile/
     # onnxruntime_artifact.py writes no genai_config.json, and says why)
     genai_model_type: str | None = None
-    moe_lowering = "dispatch"  # moe.with_lowering gives a copy with another
     kv_cache = "latent"  # with_mla_cache gives a copy with another (MLA_CACHES)
 
     def check(self, config) -> None:
@@ -111,9 +110,10 @@ class DeepseekArchitecture:
 
     def moe_layers(self, config) -> list[int]:
         """transformers' rule for DeepSeek-V2/V3: every layer from first_k_dense_replace on."""
-        if not _get(config, "n_routed_experts"):
+        if not config_value(config, "n_routed_experts"):
             return []
-        return list(range(_get(config, "first_k_dense_replace") or 0, _get(config, "num_hidden_layers")))
+        first = config_value(config, "first_k_dense_replace") or 0
+        return list(range(first, config_value(config, "num_hidden_layers")))
 
     def rope_interleaved(self, config) -> bool:
         raise NotImplementedError
@@ -177,51 +177,3 @@ class DeepseekArchitecture:
             out = g.op("MatMul", ctx, g.weight("v_absorbed", w_uv))  # [B, H, S, v]
         out = g.op("Reshape", g.op("Transpose", out, perm=[0, 2, 1, 3]), g.const([0, 0, -1]))
         return blocks.linear(g, out, attn.o_proj, "o_proj"), key, value
-
-    def route(self, g: GraphBuilder, moe, logits):
-        """Return (top-k expert indices [tokens, k] int64, their weights [tokens, k])."""
-        raise NotImplementedError
-
-    def router_weight(self, g: GraphBuilder, moe):
-        return g.params.array(moe.gate.weight)
-
-    def mlp(self, g: GraphBuilder, mlp, h):
-        if not hasattr(mlp, "experts"):
-            return blocks.mlp_module(g, h, mlp, blocks.DENSE_MLP)
-        x2d = g.op("Reshape", h, g.const([-1, mlp.config.hidden_size]))
-        with g.scope("router"), g.role("router"):
-            logits = blocks.matmul_weight(g, x2d, self.router_weight(g, mlp), "gate")
-            topk_idx, topk_w = self.route(g, mlp, logits)
-        with g.role("routed_expert"):
-            routed = moe.routed_experts(g, self.moe_lowering, x2d, topk_idx, topk_w, mlp.experts,
-                                        mlp.config.num_experts_per_tok)
-        routed = g.op("Reshape", routed, g.op("Shape", h))
-        with g.role("shared_expert"):
-            shared = blocks.mlp_module(g, h, mlp.shared_experts, "shared_experts")
-        return g.op("Add", routed, shared)
-
-
-def _get(config, name: str):
-    """A config field of a transformers config or of its config.json (a runtime reads the artifact's file)."""
-    return config.get(name) if isinstance(config, dict) else getattr(config, name, None)
-
-
-def limit_to_top_groups(g: GraphBuilder, scores, group_scores, topk_group: int, num_groups: int, num_experts: int,
-                        fill: float):
-    """Set the scores of experts outside the topk_group best groups to ``fill``, as transformers' masked_fill does
-    (0.0 for V2's softmax scores, -inf for V3's biased ones).
-
-    scores: [tokens, experts]; group_scores: [tokens, groups] with experts split evenly and in order over groups.
-    """
-    _, group_idx = g.op("TopK", group_scores, g.const([topk_group]), axis=-1, outputs=2)
-    zeros = g.op("ConstantOfShape", g.op("Shape", group_scores), value=ir.tensor(np.zeros(1, np.float32)))
-    ones = g.op("ConstantOfShape", g.op("Shape", group_idx), value=ir.tensor(np.ones(1, np.float32)))
-    group_mask = g.op("ScatterElements", zeros, group_idx, ones, axis=1)
-    per_group = g.op("Expand", g.op("Unsqueeze", group_mask, g.const([-1])), g.const([1, 1, num_experts // num_groups]))
-    expert_mask = g.op("Reshape", per_group, g.const([-1, num_experts]))
-    return g.op("Where", g.op("Cast", expert_mask, to=ir.DataType.BOOL), scores, g.const(fill, np.float32))
-
-
-def grouped(g: GraphBuilder, scores, num_groups: int):
-    """[tokens, experts] -> [tokens, groups, experts/groups]."""
-    return g.op("Reshape", scores, g.const([0, num_groups, -1]))

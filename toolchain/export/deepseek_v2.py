@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import numpy as np
-
 from toolchain.errors import UnsupportedModelError
-from toolchain.export.deepseek import DeepseekArchitecture, grouped, limit_to_top_groups
-from toolchain.export.graph import GraphBuilder
+from toolchain.export.deepseek import DeepseekArchitecture
+from toolchain.export.moe_layer import MoeLayer
+from toolchain.export.routers import GroupLimit, SoftmaxTopK
 
 
 class DeepseekV2Architecture(DeepseekArchitecture):
@@ -27,12 +26,9 @@ class DeepseekV2Architecture(DeepseekArchitecture):
     def rope_interleaved(self, config) -> bool:
         return True  # transformers' V2 rotates adjacent pairs as complex numbers
 
-    def route(self, g: GraphBuilder, moe, logits):
-        config = moe.config
-        scores = g.op("Softmax", logits, axis=-1)
-        if config.topk_method == "group_limited_greedy":
-            group_scores = g.op("ReduceMax", grouped(g, scores, config.n_group), g.const([-1]), keepdims=0)
-            scores = limit_to_top_groups(g, scores, group_scores, config.topk_group, config.n_group,
-                                         config.n_routed_experts, 0.0)
-        topk_w, topk_idx = g.op("TopK", scores, g.const([config.num_experts_per_tok]), axis=-1, outputs=2)
-        return topk_idx, g.op("Mul", topk_w, g.const(config.routed_scaling_factor, np.float32))
+    def moe(self, config) -> MoeLayer:
+        # norm_topk_prob is V3's: transformers' V2 router ignores it
+        groups = GroupLimit(config.n_group, config.topk_group) if config.topk_method == "group_limited_greedy" \
+            else None
+        return MoeLayer(SoftmaxTopK(config.num_experts_per_tok, config.n_routed_experts, groups=groups,
+                                    scaling=config.routed_scaling_factor), shared_experts="shared_experts")

@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import numpy as np
-
-from toolchain.export.deepseek import DeepseekArchitecture, grouped, limit_to_top_groups
-from toolchain.export.graph import GraphBuilder
+from toolchain.export.deepseek import DeepseekArchitecture
+from toolchain.export.moe_layer import MoeLayer
+from toolchain.export.routers import GroupLimit, SigmoidTopK
 
 
 class DeepseekV3Architecture(DeepseekArchitecture):
@@ -14,20 +13,8 @@ class DeepseekV3Architecture(DeepseekArchitecture):
     def rope_interleaved(self, config) -> bool:
         return bool(config.rope_interleave)
 
-    def route(self, g: GraphBuilder, moe, logits):
-        config = moe.config
-        scores = g.op("Sigmoid", logits)
-        biased = g.op("Add", scores, g.weight("e_score_correction_bias",
-                                              g.params.array(moe.gate.e_score_correction_bias)))
-        top2, _ = g.op("TopK", grouped(g, biased, config.n_group), g.const([2]), axis=-1, outputs=2)
-        group_scores = g.op("ReduceSum", top2, g.const([-1]), keepdims=0)
-        # -inf outside the chosen groups, as transformers 5.24 (and DeepSeek's own inference code) masks them: a
-        # biased score below zero inside them still wins over any expert outside
-        choice = limit_to_top_groups(g, biased, group_scores, config.topk_group, config.n_group,
-                                     config.n_routed_experts, float("-inf"))
-        _, topk_idx = g.op("TopK", choice, g.const([config.num_experts_per_tok]), axis=-1, outputs=2)
-        topk_w = g.op("GatherElements", scores, topk_idx, axis=1)
-        if config.norm_topk_prob:
-            total = g.op("Add", g.op("ReduceSum", topk_w, g.const([-1]), keepdims=1), g.const(1e-20, np.float32))
-            topk_w = g.op("Div", topk_w, total)
-        return topk_idx, g.op("Mul", topk_w, g.const(config.routed_scaling_factor, np.float32))
+    def moe(self, config) -> MoeLayer:
+        router = SigmoidTopK(config.num_experts_per_tok, config.n_routed_experts,
+                             groups=GroupLimit(config.n_group, config.topk_group),
+                             normalize=bool(config.norm_topk_prob), scaling=config.routed_scaling_factor)
+        return MoeLayer(router, shared_experts="shared_experts")

@@ -24,8 +24,9 @@ OPSET = 18
 
 
 class GraphBuilder:
-    def __init__(self, params: Params, weights: str = "float32") -> None:
+    def __init__(self, params: Params, weights: str = "float32", config=None) -> None:
         self.params = params  # the model's tensors: g.params.array(module.weight) for a weight's values
+        self.config = config  # the model's transformers config, for modules that hold none (transformers' MoE blocks)
         self.bf16 = weights == "bfloat16"  # matrices with bf16 values stored as bf16 and widened by a Cast
         self.tape = ir.tape.Tape()
         self._scope: list[str] = []
@@ -52,12 +53,16 @@ class GraphBuilder:
         finally:
             self._roles.pop()
 
+    @property
+    def layer(self) -> int | None:
+        """The decoder layer being built (the index of its ``layers.N`` scope); None outside the layers."""
+        return next((int(part[len("layers."):]) for part in self._scope if part.startswith("layers.")), None)
+
     def _annotate(self, tensor) -> None:
         if self._roles:
             tensor.metadata_props[ROLE] = self._roles[-1]
-        layer = next((part[len("layers."):] for part in self._scope if part.startswith("layers.")), None)
-        if layer is not None:
-            tensor.metadata_props[LAYER] = layer
+        if self.layer is not None:
+            tensor.metadata_props[LAYER] = str(self.layer)
 
     def _path(self, name: str) -> str:
         return "/".join([*self._scope, name])

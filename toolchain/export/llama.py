@@ -13,6 +13,7 @@ class LlamaArchitecture:
     attention_kind = "gqa"
     kv_cache = "per-head"
     genai_model_type: str | None = "llama"
+    moe_lowering: str | None = None  # no MoE layers
 
     def check(self, config) -> None:
         if config.hidden_act != "silu":

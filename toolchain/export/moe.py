@@ -1,10 +1,11 @@
-"""Lowerings of a DeepSeek MoE layer's routed experts, chosen at export (``dstc export --moe``, recipe ``export.moe``).
+"""Lowerings of a MoE layer's routed experts, chosen at export (``dstc export --moe``, recipe ``export.moe``) and
+recorded in the graph's metadata (``dstc.moe_lowering``), where compression, routing agreement and the runtime read
+it.
 
-The router runs in the graph in every lowering (toolchain/export/deepseek_v2.py, deepseek_v3.py): its TopK
-indices and weights are computed exactly as transformers computes them, at run time. What differs is how the
-chosen experts run:
+The router runs in the graph in every lowering (toolchain/export/routers.py): its TopK indices and weights are
+computed exactly as transformers computes them, at run time. What differs is how the chosen experts run:
 
-* ``dispatch`` (blocks.moe_dispatch): per expert, NonZero picks its tokens and three 2-D MatMuls run on them;
+* ``dispatch`` (``dispatch`` below): per expert, NonZero picks its tokens and three 2-D MatMuls run on them;
   ~20 nodes per expert. Any runtime; but every idle expert still costs its nodes at each step and at session
   creation (measured in benchmarks/moe_decode.py).
 * ``fused-onnxruntime``: one ``com.microsoft.MoE`` node per layer over stacked weights (fc1 [E, 2I, H] with gate
@@ -50,15 +51,15 @@ def lower(arch: Architecture, lowering: str, parity: tuple[str, ...] | None) -> 
     """For an export: the architecture lowered as ``lowering`` and the backends to check it on (``parity``, or when
     None every backend that runs the graph; a dense model's graph runs on both)."""
     arch = with_lowering(arch, lowering)
-    return arch, parity_backends(lowering if hasattr(arch, "moe_lowering") else "dispatch", parity)
+    return arch, parity_backends(arch.moe_lowering or "dispatch", parity)
 
 
 def with_lowering(arch: Architecture, lowering: str) -> Architecture:
-    """The architecture with its MoE layers lowered as ``lowering``; a dense architecture as it is (it has no
-    MoE layer to lower)."""
+    """The architecture with its MoE layers lowered as ``lowering``; a dense family (``moe_lowering`` None) as it
+    is: it has no MoE layer to lower."""
     if lowering not in LOWERINGS:
         raise InputError(f"unknown MoE lowering {lowering!r}; lowerings: {', '.join(LOWERINGS)}")
-    if not hasattr(arch, "moe_lowering") or lowering == arch.moe_lowering:
+    if arch.moe_lowering is None or lowering == arch.moe_lowering:
         return arch
     arch = copy.copy(arch)
     arch.moe_lowering = lowering
@@ -103,13 +104,40 @@ def routed_experts(g: GraphBuilder, lowering: str, x2d: ir.Value, topk_idx: ir.V
                    experts: HFModule, top_k: int) -> ir.Value:
     """The routed experts' weighted sum [tokens, hidden] for the router's choice (topk_idx, topk_w: [tokens, k])."""
     if lowering == "dispatch":
-        return blocks.moe_dispatch(g, x2d, topk_idx, topk_w, experts)
+        return dispatch(g, x2d, topk_idx, topk_w, experts)
     weights = [g.params.expert(experts, e) for e in range(experts.gate_up_proj.shape[0])]
     inter, hidden = experts.gate_up_proj.shape[1] // 2, experts.gate_up_proj.shape[2]
     with g.scope("experts"):
         if lowering == "fused-onnxruntime":
             return _ort_moe(g, x2d, topk_idx, topk_w, weights, inter, hidden, top_k)
         return _openvino_tiled(g, x2d, topk_idx, topk_w, weights, inter, hidden)
+
+
+def dispatch(g: GraphBuilder, x2d: ir.Value, topk_idx: ir.Value, topk_w: ir.Value, experts: HFModule) -> ir.Value:
+    """Routed experts, sparse and routed at run time: each expert runs only on the tokens sent to it.
+
+    For expert e: tokens = NonZero(any(topk_idx == e)); y = expert_e(x[tokens]) * weight; ScatterND-add into the
+    output. The loop over experts is unrolled at export (a fixed count) while the token sets stay dynamic, so the
+    work is the routed experts' own; no weights are copied per token (unlike transformers' batched_mm) and no
+    routing decision is frozen at export (unlike tracing its eager loop). Experts accumulate in index order, as
+    transformers' index_add_ does. Each expert keeps plain 2-D MatMul weights, the form weight compression handles.
+
+    ``experts``: transformers' fused-experts module; each expert's weights come from ``g.params.expert``.
+    """
+    num_experts = experts.gate_up_proj.shape[0]
+    with g.scope("experts"):
+        out = g.op("ConstantOfShape", g.op("Shape", x2d), value=ir.tensor(np.zeros(1, np.float32)))
+        for e in range(num_experts):
+            with g.scope(str(e)):
+                chosen = g.op("Cast", g.op("Equal", topk_idx, g.const(e)), to=ir.DataType.FLOAT)
+                tokens = g.op("Squeeze", g.op("NonZero", g.op("ReduceSum", chosen, g.const([1]), keepdims=0)),
+                              g.const([0]))
+                weight = g.op("ReduceSum", g.op("Mul", chosen, topk_w), g.const([1]), keepdims=0)
+                gate, up, down = g.params.expert(experts, e)
+                y = blocks.gated_mlp(g, g.op("Gather", x2d, tokens, axis=0), gate, up, down)
+                y = g.op("Mul", y, g.op("Unsqueeze", g.op("Gather", weight, tokens, axis=0), g.const([1])))
+                out = g.op("ScatterND", out, g.op("Unsqueeze", tokens, g.const([1])), y, reduction="add")
+        return out
 
 
 def _ort_moe(g, x2d, topk_idx, topk_w, weights, inter, hidden, top_k):

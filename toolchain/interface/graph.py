@@ -8,7 +8,7 @@ the new positions. The stateful OpenVINO IR adds ``beam_idx`` and keeps the cach
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +33,9 @@ ATTENTION = "dstc.attention"
 KV_CACHE = "dstc.kv_cache"  # "per-head" keys and values, or MLA's "latent" (toolchain/export/deepseek.py)
 HEAD_LAYOUT = "dstc.head_layout"  # JSON: projection -> how its heads lie in the weight
 MOE_LAYERS = "dstc.moe_layers"  # JSON: the indices of the mixture-of-experts layers
+# how the MoE layers' routed experts are lowered: "dispatch", "fused-onnxruntime" or "fused-openvino"
+# (toolchain/export/moe.py); only in a graph with MoE layers
+MOE_LOWERING = "dstc.moe_lowering"
 GENAI_MODEL_TYPE = "dstc.genai_model_type"  # onnxruntime-genai's model type; empty where its config cannot say
 # ... and on each weight initializer of the exported graph.
 ROLE = "dstc.role"
@@ -90,6 +93,21 @@ def graph_metadata(path: Path) -> dict[str, str]:
             return {}
         return {str(key): value.astype(str) for key, value in model.get_rt_info(["framework"]).astype(dict).items()}
     return {p.key: p.value for p in _onnx_model(path).metadata_props}
+
+
+def moe_lowering(metadata: Mapping[str, str], op_types: Iterable[str]) -> str | None:
+    """The MoE lowering of an ONNX graph (MOE_LOWERING), None for a graph without MoE layers. ``metadata``: the
+    graph's; ``op_types``: its node types, read only for a graph exported before the exporter recorded its
+    lowering, which is told by its nodes as the stages told it then (com.microsoft MoE, or QMoE once compressed:
+    fused-onnxruntime; the tiled block's FusedMatMul: fused-openvino)."""
+    if metadata.get(MOE_LAYERS) == "[]":
+        return None
+    if MOE_LOWERING in metadata:
+        return metadata[MOE_LOWERING]
+    kinds = set(op_types)
+    if kinds & {"MoE", "QMoE"}:
+        return "fused-onnxruntime"
+    return "fused-openvino" if "FusedMatMul" in kinds else "dispatch"
 
 
 def _onnx_model(path: Path):

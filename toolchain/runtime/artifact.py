@@ -31,7 +31,7 @@ from toolchain.interface.files import (
     TOKENIZER,
     weights_of,
 )
-from toolchain.interface.graph import check_onnx_graph
+from toolchain.interface.graph import MOE_LOWERING, check_onnx_graph, graph_metadata
 from toolchain.interface.reports import CompileReport, read_json
 from toolchain.manifest import read_manifest
 from toolchain.tokenizer_loading import load_tokenizer
@@ -85,6 +85,22 @@ class Artifact:
         if context is not None and prompt_tokens + new_tokens > context:
             raise InputError(f"the prompt is {prompt_tokens} tokens and {new_tokens} more are to be generated: "
                              f"{prompt_tokens + new_tokens} exceeds the model's context of {context} tokens")
+
+    @property
+    def graph(self) -> Path:
+        """The graph file: the OpenVINO IR's .xml, or model.onnx."""
+        return self.path / (MODEL_XML if self.backend == "openvino" else ONNX_MODEL)
+
+    @cached_property
+    def metadata(self) -> dict[str, str]:
+        """The exporter's facts about the graph (toolchain/interface/graph.py), carried through every stage."""
+        return graph_metadata(self.graph)
+
+    @property
+    def moe_lowering(self) -> str | None:
+        """How the MoE layers' experts run (toolchain/export/moe.py), as the exporter recorded it; None for a dense
+        model, or one exported before the record."""
+        return self.metadata.get(MOE_LOWERING)
 
     @property
     def model_files(self) -> list[Path]:

@@ -8,7 +8,8 @@
 - gauges read when scraped: ``dstc_queue_depth``, ``dstc_running_batch_size``, ``dstc_kv_cache_usage_ratio``,
   ``dstc_generation_tokens_per_second`` (over the last 10 s), ``dstc_ready``, ``dstc_health_status`` (0 ok, 1 warn,
   2 alert) and ``dstc_health_check_status{metric}``;
-- the artifact: ``dstc_artifact_info{model,backend,scheme}`` and the compression stage's error summary from
+- the artifact: ``dstc_artifact_info{model,backend,scheme,moe_lowering}`` (the lowering from the graph's metadata,
+  empty for a dense model) and the compression stage's error summary from
   compression.json (``dstc_quantization_*``: bits per weight, KL and top-1 agreement against the uncompressed
   model, MoE routing agreement, and per layer the largest weight and output errors).
 """
@@ -126,9 +127,10 @@ class ServerMetrics(Observer):
         self.engine = engine
         self.registry.register(_LiveGauges(self))
         compression = artifact.manifest.provenance.report("compress", CompressionReport) if artifact.manifest else None
-        info = Gauge("dstc_artifact_info", "The artifact served (value 1).", ["model", "backend", "scheme"],
-                     registry=self.registry)
-        info.labels(model_name, artifact.backend, compression.scheme if compression else "none").set(1)
+        info = Gauge("dstc_artifact_info", "The artifact served (value 1).",
+                     ["model", "backend", "scheme", "moe_lowering"], registry=self.registry)
+        info.labels(model_name, artifact.backend, compression.scheme if compression else "none",
+                    artifact.moe_lowering or "").set(1)
         _quantization_gauges(self.registry, compression)
 
 

@@ -162,7 +162,9 @@ def compress(in_dir: Path, out_dir: Path, *, target: str = "onnxruntime", source
     texts = calibration.load_texts(opts.dataset, CALIBRATION_SEQUENCES)
     sequences, tokenization = calibration.token_sequences(texts, source, config["vocab_size"])
     feed_list = [calibration.feeds(ids, specs) for ids in sequences]
-    routers = metrics.router_indices(model) | fused_moe.router_indices(fused)
+    # the routers' choices: what the dispatch's experts compare with, or what the fused layers are fed
+    routers = metrics.router_indices(model) if fused_moe.lowering_of(model) == "dispatch" else \
+        fused_moe.router_indices(fused)
     log(f"fp32 reference on {len(feed_list)} calibration sequences ({tokenization})")
     rows, ref_logits, ref_routing = metrics.capture(model, weights, feed_list, routers)
     activations = None
