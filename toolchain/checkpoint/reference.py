@@ -31,7 +31,8 @@ from toolchain.quiet_transformers import quiet_transformers
 # model_type -> the prefix of its transformers module classes
 M = TypeVar("M", bound=nn.Module)
 
-_CLASSES = {"llama": "Llama", "qwen2": "Qwen2", "deepseek_v2": "DeepseekV2", "deepseek_v3": "DeepseekV3"}
+_CLASSES = {"llama": "Llama", "qwen2": "Qwen2", "deepseek_v2": "DeepseekV2", "deepseek_v3": "DeepseekV3",
+            "deepseek_v32": "DeepseekV32"}
 
 
 def reference_config(path: str | Path):

@@ -29,6 +29,9 @@ class LlamaArchitecture:
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         return config.num_key_value_heads, head_dim, head_dim
 
+    def extra_caches(self, config) -> dict[str, tuple[int, int]]:
+        return {}
+
     def head_layout(self, config) -> dict[str, tuple[str, int]]:
         head_dim = self.cache_dims(config)[1]
         return dict.fromkeys(("q_proj", "k_proj", "v_proj"), ("out", head_dim)) | {"o_proj": ("in", head_dim)}
