@@ -22,6 +22,7 @@ from toolchain.export.weights import HFModule, Params
 from toolchain.interface.graph import (
     ATTENTION,
     ATTENTION_MASK,
+    CACHE_KINDS,
     GENAI_MODEL_TYPE,
     HEAD_LAYOUT,
     INPUT_IDS,
@@ -194,4 +195,5 @@ def architecture_metadata(arch: Architecture, config) -> dict[str, str]:
     return {ATTENTION: arch.attention_kind, KV_CACHE: arch.kv_cache,
             HEAD_LAYOUT: json.dumps(arch.head_layout(config)),
             MOE_LAYERS: json.dumps(arch.moe_layers(config)),
-            GENAI_MODEL_TYPE: arch.genai_model_type or ""}
+            GENAI_MODEL_TYPE: arch.genai_model_type or "",
+            CACHE_KINDS: json.dumps(["key", "value", *arch.extra_caches(config)])}

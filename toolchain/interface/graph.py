@@ -8,6 +8,7 @@ the new positions. The stateful OpenVINO IR adds ``beam_idx`` and keeps the cach
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -33,6 +34,7 @@ ATTENTION = "dstc.attention"
 KV_CACHE = "dstc.kv_cache"  # "per-head" keys and values, or MLA's "latent" (toolchain/export/deepseek.py)
 HEAD_LAYOUT = "dstc.head_layout"  # JSON: projection -> how its heads lie in the weight
 MOE_LAYERS = "dstc.moe_layers"  # JSON: the indices of the mixture-of-experts layers
+CACHE_KINDS = "dstc.cache_kinds"  # JSON: each layer's cache tensors (key, value, and any more), in input order
 GENAI_MODEL_TYPE = "dstc.genai_model_type"  # onnxruntime-genai's model type; empty where its config cannot say
 # ... and on each weight initializer of the exported graph.
 ROLE = "dstc.role"
@@ -56,6 +58,13 @@ def cache_spec(inputs: Iterable[tuple[str | None, Any]]) -> dict[str, tuple[int,
                 raise ValueError(f"the graph's cache input {name} has no shape")
             spec[name] = (int(shape[HEADS_AXIS]), int(shape[HEAD_DIM_AXIS]))
     return spec
+
+
+def extra_cache_kinds(metadata: dict[str, str]) -> list[str]:
+    """The per-layer cache kinds beyond key and value (``past_key_values.N.<kind>``, e.g. DeepSeek-V3.2's
+    ``index_key``) that a graph's metadata records (``CACHE_KINDS``; a graph without it has key and value only).
+    Read from the metadata because a stateful IR has its caches as variables, not inputs."""
+    return [kind for kind in json.loads(metadata.get(CACHE_KINDS) or "[]") if kind not in ("key", "value")]
 
 
 def graph_inputs(path: Path) -> list[tuple[str, list[int]]]:
