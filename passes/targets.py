@@ -55,14 +55,16 @@ def model_info(model: ir.Model) -> tuple[str | None, int | None]:
 
 
 def default_expectations(target: str, attention: str | None, num_layers: int | None,
-                         kv_cache: str | None = None) -> dict[str, dict]:
+                         kv_cache: str | None = None, rotations_per_layer: int = 2) -> dict[str, dict]:
     """Expected counts per pass for a decoder of ``num_layers`` layers whose attention is ``attention`` ("gqa"
-    or "mla"; none for a graph of unknown kind) over a ``kv_cache`` ("per-head", or MLA's "latent")."""
+    or "mla"; none for a graph of unknown kind) over a ``kv_cache`` ("per-head", or MLA's "latent"), rotating
+    ``rotations_per_layer`` tensors by RoPE in each layer."""
     pipeline(target)
     if attention not in ATTENTION_KINDS or not num_layers:
         return {}
     layers = num_layers
-    rotations = {"min": 2 * layers, "max": 2 * layers}  # q and k in every layer
+    rotated = rotations_per_layer * layers
+    rotations = {"min": rotated, "max": rotated}
     if target == "openvino":
         return {"rotate-half-split": rotations}
     expectations: dict[str, dict] = {
@@ -70,7 +72,7 @@ def default_expectations(target: str, attention: str | None, num_layers: int | N
         "fuse-rms-norm": {"min": 2 * layers + 1},
         # every norm but the first layer's input norm follows a residual Add
         "fuse-skip-rms-norm": {"min": 2 * layers, "max": 2 * layers},
-        "fuse-rotary-embedding": {"min": 2 * layers, "max": 2 * layers, "count": "rotary_embedding"},
+        "fuse-rotary-embedding": {**rotations, "count": "rotary_embedding"},
         "fuse-silu": {"min": layers},
     }
     if attention == "gqa":
@@ -88,7 +90,11 @@ def default_expectations(target: str, attention: str | None, num_layers: int | N
 
 def expectations_for(model: ir.Model, target: str, pass_names: list[str] | None = None) -> dict[str, dict]:
     """:func:`default_expectations` for ``model``, restricted to the passes in ``pass_names`` when given."""
-    expectations = default_expectations(target, *model_info(model), kv_cache=model.metadata_props.get("dstc.kv_cache"))
+    props = model.metadata_props
+    # q and k in every layer, where the exporter does not say otherwise (DeepSeek-V3.2's indexer rotates two more)
+    rotations = int(props.get("dstc.rotations_per_layer") or 2)
+    expectations = default_expectations(target, *model_info(model), kv_cache=props.get("dstc.kv_cache"),
+                                        rotations_per_layer=rotations)
     if pass_names is not None:
         expectations = {name: spec for name, spec in expectations.items() if name in pass_names}
     return expectations

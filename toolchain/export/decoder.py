@@ -34,6 +34,7 @@ from toolchain.interface.graph import (
     PAST_PREFIX,
     POSITION_IDS,
     PRESENT_PREFIX,
+    ROTATIONS_PER_LAYER,
 )
 
 FLOAT, INT64 = ir.DataType.FLOAT, ir.DataType.INT64
@@ -65,6 +66,7 @@ class Architecture(Protocol):
     attention_kind: str  # "gqa" (the fusion passes expect GroupQueryAttention) or "mla" (ONNX Attention)
     kv_cache: str  # what the cache holds: "per-head" keys and values, or MLA's "latent" (toolchain/export/deepseek.py)
     genai_model_type: str | None  # onnxruntime-genai's model type; None where its config cannot describe the model
+    rotations_per_layer: int  # tensors RoPE rotates in each layer (q and k: 2), for the passes' fusion counts
 
     def check(self, config) -> None:
         """Raise UnsupportedModelError for a config variant the builder does not reproduce exactly."""
@@ -196,4 +198,5 @@ def architecture_metadata(arch: Architecture, config) -> dict[str, str]:
             HEAD_LAYOUT: json.dumps(arch.head_layout(config)),
             MOE_LAYERS: json.dumps(arch.moe_layers(config)),
             GENAI_MODEL_TYPE: arch.genai_model_type or "",
-            CACHE_KINDS: json.dumps(["key", "value", *arch.extra_caches(config)])}
+            CACHE_KINDS: json.dumps(["key", "value", *arch.extra_caches(config)]),
+            ROTATIONS_PER_LAYER: str(arch.rotations_per_layer)}

@@ -78,6 +78,7 @@ class DeepseekArchitecture:
     # onnxruntime-genai's config has one head_size for keys and values; MLA's differ (toolchain/compile/
     # onnxruntime_artifact.py writes no genai_config.json, and says why)
     genai_model_type: str | None = None
+    rotations_per_layer = 2  # q and k
     moe_lowering = "dispatch"  # moe.with_lowering gives a copy with another
     kv_cache = "latent"  # with_mla_cache gives a copy with another (MLA_CACHES)
 

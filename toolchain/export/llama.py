@@ -13,6 +13,7 @@ class LlamaArchitecture:
     attention_kind = "gqa"
     kv_cache = "per-head"
     genai_model_type: str | None = "llama"
+    rotations_per_layer = 2  # q and k
 
     def check(self, config) -> None:
         if config.hidden_act != "silu":

@@ -34,6 +34,7 @@ ATTENTION = "dstc.attention"
 KV_CACHE = "dstc.kv_cache"  # "per-head" keys and values, or MLA's "latent" (toolchain/export/deepseek.py)
 HEAD_LAYOUT = "dstc.head_layout"  # JSON: projection -> how its heads lie in the weight
 MOE_LAYERS = "dstc.moe_layers"  # JSON: the indices of the mixture-of-experts layers
+ROTATIONS_PER_LAYER = "dstc.rotations_per_layer"  # tensors RoPE rotates in each layer (the passes' expectations)
 CACHE_KINDS = "dstc.cache_kinds"  # JSON: each layer's cache tensors (key, value, and any more), in input order
 GENAI_MODEL_TYPE = "dstc.genai_model_type"  # onnxruntime-genai's model type; empty where its config cannot say
 # ... and on each weight initializer of the exported graph.
