@@ -10,7 +10,7 @@ import json
 import numpy as np
 import onnx
 import pytest
-from conftest import run_cli, tiny_configs
+from conftest import COMMON, MLA, make_checkpoint, run_cli, tiny_configs
 from test_export import check_report
 
 from toolchain.errors import InputError
@@ -70,6 +70,24 @@ def test_per_head_export_checks_itself_on_both_backends(tiny_checkpoints, tmp_pa
     report = export(str(tiny_checkpoints[NAME]), tmp_path / "out", mla_cache="per-head")
     check_report(report)
     assert report["graph"]["kv_cache"] == "per-head"
+
+
+def test_yarn_an_unrotated_free_indexer_head_and_no_dense_layer(tmp_path):
+    """Another V3.2: YaRN (its mscale in the attention scale and the RoPE tables the indexer shares), an indexer
+    head no wider than the RoPE it rotates (no pass-through part), index_topk 3, 8 heads of odd sizes, every layer
+    MoE. 16 indexer heads: with 2, relu zeroes both heads' scores of several tokens at once and the tie at the k-th
+    place is broken differently by torch.topk (unspecified) and ONNX's TopK (lower position), as the module says."""
+    from transformers import DeepseekV32Config
+
+    yarn = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 64,
+            "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0}
+    config = DeepseekV32Config(**{**COMMON, "num_attention_heads": 8}, **{
+        **MLA, "num_key_value_heads": 8, "first_k_dense_replace": 0, "kv_lora_rank": 24, "qk_rope_head_dim": 4,
+        "qk_nope_head_dim": 12, "v_head_dim": 6, "num_experts_per_tok": 3}, q_lora_rank=40, n_routed_experts=12,
+        n_group=3, topk_group=2, routed_scaling_factor=2.0, rope_parameters=yarn, index_topk=3, index_head_dim=4,
+        index_n_heads=16)
+    report = export(str(make_checkpoint(config, tmp_path / "ckpt")), tmp_path / "out")
+    check_report(report)
 
 
 def test_the_cases_exercise_the_sparse_selection(tiny_checkpoints):
