@@ -58,16 +58,19 @@ def model_info(model: ir.Model) -> tuple[str | None, int | None]:
 
 
 def default_expectations(target: str, attention: str | None, num_layers: int | None,
-                         kv_cache: str | None = None, opaque_mlps: int = 0) -> dict[str, dict]:
+                         kv_cache: str | None = None, opaque_mlps: int = 0,
+                         rotations_per_layer: int = 2) -> dict[str, dict]:
     """Expected counts per pass for a decoder of ``num_layers`` layers whose attention is ``attention`` ("gqa"
-    or "mla"; none for a graph of unknown kind) over a ``kv_cache`` ("per-head", or MLA's "latent"), of which
-    ``opaque_mlps`` MoE layers run their experts in one com.microsoft.MoE node (the fused-onnxruntime lowering),
-    with no SiLU outside it unless the layer has shared experts."""
+    or "mla"; none for a graph of unknown kind) over a ``kv_cache`` ("per-head", or MLA's "latent"), rotating
+    ``rotations_per_layer`` tensors by RoPE in each layer, of which ``opaque_mlps`` MoE layers run their experts
+    in one com.microsoft.MoE node (the fused-onnxruntime lowering), with no SiLU outside it unless the layer has
+    shared experts."""
     pipeline(target)
     if attention not in ATTENTION_KINDS or not num_layers:
         return {}
     layers = num_layers
-    rotations = {"min": 2 * layers, "max": 2 * layers}  # q and k in every layer
+    rotated = rotations_per_layer * layers
+    rotations = {"min": rotated, "max": rotated}
     if target == "openvino":
         return {"rotate-half-split": rotations}
     expectations: dict[str, dict] = {
@@ -75,7 +78,7 @@ def default_expectations(target: str, attention: str | None, num_layers: int | N
         "fuse-rms-norm": {"min": 2 * layers + 1},
         # every norm but the first layer's input norm follows a residual Add
         "fuse-skip-rms-norm": {"min": 2 * layers, "max": 2 * layers},
-        "fuse-rotary-embedding": {"min": 2 * layers, "max": 2 * layers, "count": "rotary_embedding"},
+        "fuse-rotary-embedding": {**rotations, "count": "rotary_embedding"},
         "fuse-silu": {"min": layers - opaque_mlps},
     }
     if attention == "gqa":
@@ -96,8 +99,10 @@ def expectations_for(model: ir.Model, target: str, pass_names: list[str] | None 
     props = model.metadata_props
     opaque = len(json.loads(props.get("dstc.moe_layers", "[]"))) \
         if props.get("dstc.moe_lowering") == "fused-onnxruntime" else 0
+    # q and k in every layer, where the exporter does not say otherwise (DeepSeek-V3.2's indexer rotates two more)
+    rotations = int(props.get("dstc.rotations_per_layer") or 2)
     expectations = default_expectations(target, *model_info(model), kv_cache=props.get("dstc.kv_cache"),
-                                        opaque_mlps=opaque)
+                                        opaque_mlps=opaque, rotations_per_layer=rotations)
     if pass_names is not None:
         expectations = {name: spec for name, spec in expectations.items() if name in pass_names}
     return expectations

@@ -33,7 +33,8 @@ MLA = dict(num_key_value_heads=4, kv_lora_rank=32, qk_rope_head_dim=8, qk_nope_h
 
 def tiny_configs() -> dict:
     # transformers and torch are imported where used: every isolated test's child process loads this file
-    from transformers import DeepseekV2Config, DeepseekV3Config, LlamaConfig, Qwen2Config, Qwen3MoeConfig
+    from transformers import (DeepseekV2Config, DeepseekV3Config, DeepseekV32Config, LlamaConfig, Qwen2Config,
+                              Qwen3MoeConfig)
 
     return {
         "llama": LlamaConfig(**COMMON, num_key_value_heads=2, rope_parameters={
@@ -56,6 +57,11 @@ def tiny_configs() -> dict:
         # every second layer MoE (decoder_sparse_step), the top-k weights as softmax gives them
         "qwen3_moe_sparse_step": Qwen3MoeConfig(**COMMON, num_key_value_heads=1, num_experts=16, num_experts_per_tok=4,
                                                 moe_intermediate_size=32, decoder_sparse_step=2, attention_bias=True),
+        # index_topk 6: the parity prompts (5, 11 and 48 tokens, 16 steps) are below it at prefill and cross it in
+        # decode, or are above it from the start
+        "deepseek_v32": DeepseekV32Config(**COMMON, **MLA, q_lora_rank=24, n_routed_experts=16, n_group=4,
+                                          topk_group=2, routed_scaling_factor=2.5, index_topk=6, index_head_dim=16,
+                                          index_n_heads=8),
     }
 
 

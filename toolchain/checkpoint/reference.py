@@ -215,6 +215,8 @@ def logits(path: str | Path, input_ids: torch.Tensor, attention_mask: torch.Tens
         masks = {"full_attention": create_causal_mask(**mask_args)}
         if "sliding_attention" in layer_types:  # Qwen2 with use_sliding_window
             masks["sliding_attention"] = create_sliding_window_causal_mask(**mask_args)
+        if "indexed_attention" in layer_types:  # DeepSeek-V3.2: its indexer reads the mask, which is always built
+            masks["indexed_attention"] = create_causal_mask(**mask_args, allow_is_causal_skip=False)
         position_embeddings = rotary_embedding(config)(hidden, position_ids)
         for i in range(config.num_hidden_layers):
             layer = decoder_layer(config, reader, i)

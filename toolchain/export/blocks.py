@@ -64,6 +64,14 @@ def rms_norm(g: GraphBuilder, x: ir.Value, module: HFModule, name: str) -> ir.Va
         return g.op("Mul", g.weight("weight", g.params.array(module.weight)), g.op("Div", x, denom))
 
 
+def layer_norm(g: GraphBuilder, x: ir.Value, module: torch.nn.LayerNorm, name: str) -> ir.Value:
+    """torch's LayerNorm over the last axis (biased variance, eps inside the root): ONNX LayerNormalization."""
+    with g.scope(name):
+        bias = None if module.bias is None else g.weight("bias", g.params.array(module.bias))
+        return g.op("LayerNormalization", x, g.weight("weight", g.params.array(module.weight)), bias, axis=-1,
+                    epsilon=float(module.eps))
+
+
 def rope_tables(g: GraphBuilder, position_ids: ir.Value, rotary: HFModule):
     """cos and sin, [batch, 1, seq, rope_dim], from a transformers rotary module's inv_freq and scaling.
 

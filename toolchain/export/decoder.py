@@ -1,7 +1,8 @@
 """The decoder-only skeleton every architecture shares: embeddings, N pre-norm layers with a KV cache, lm_head.
 
 Graph interface (optimum's names): inputs input_ids, attention_mask, position_ids, past_key_values.N.key/.value;
-outputs logits, present.N.key/.value. Batch and sequence axes are dynamic, so one graph serves prefill (empty
+outputs logits, present.N.key/.value (and any further per-layer cache, past_key_values.N.<kind> -> present.N.<kind>,
+that an architecture adds: extra_caches). Batch and sequence axes are dynamic, so one graph serves prefill (empty
 past) and decode. An architecture module supplies the attention and MLP of a layer; everything else is here.
 With tied embeddings (tie_word_embeddings) the lm_head reads the embedding table itself: one copy is stored.
 """
@@ -9,7 +10,7 @@ With tied embeddings (tie_word_embeddings) the lm_head reads the embedding table
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import onnx_ir as ir
@@ -21,6 +22,7 @@ from toolchain.export.weights import HFModule, Params
 from toolchain.interface.graph import (
     ATTENTION,
     ATTENTION_MASK,
+    CACHE_KINDS,
     GENAI_MODEL_TYPE,
     HEAD_LAYOUT,
     INPUT_IDS,
@@ -33,6 +35,7 @@ from toolchain.interface.graph import (
     PAST_PREFIX,
     POSITION_IDS,
     PRESENT_PREFIX,
+    ROTATIONS_PER_LAYER,
 )
 
 FLOAT, INT64 = ir.DataType.FLOAT, ir.DataType.INT64
@@ -47,6 +50,10 @@ class LayerInputs:
     mask: ir.Value
     past_key: ir.Value
     past_value: ir.Value
+    # The layer's caches beyond key and value (Architecture.extra_caches), by kind: their past inputs, and the
+    # grown tensors, which attention sets in ``present`` (its return value stays (output, key, value)).
+    past: dict[str, ir.Value] = field(default_factory=dict)
+    present: dict[str, ir.Value] = field(default_factory=dict)
 
 
 class Architecture(Protocol):
@@ -62,6 +69,7 @@ class Architecture(Protocol):
     genai_model_type: str | None  # onnxruntime-genai's model type; None where its config cannot describe the model
     # how MoE layers' routed experts are lowered (toolchain/export/moe.py); None for a family without MoE layers
     moe_lowering: str | None
+    rotations_per_layer: int  # tensors RoPE rotates in each layer (q and k: 2), for the passes' fusion counts
 
     def check(self, config) -> None:
         """Raise UnsupportedModelError for a config variant the builder does not reproduce exactly."""
@@ -72,6 +80,10 @@ class Architecture(Protocol):
     def cache_dims(self, config) -> tuple[int, int, int]:
         """(cached heads, key dim, value dim) of one layer's KV cache (for MLA's latent cache: 1, the rotary key's
         and the latent's widths)."""
+
+    def extra_caches(self, config) -> dict[str, tuple[int, int]]:
+        """Per-layer cache tensors beyond key and value: kind -> (heads, dim) of ``past_key_values.N.<kind>``
+        [batch, heads, past, dim], grown along the sequence with them (DeepSeek-V3.2's indexer keys); {} for most."""
 
     def head_layout(self, config) -> dict[str, tuple[str, int]]:
         """projection -> ("out", head width) for projections whose output channels are heads, ("in", width) for
@@ -134,7 +146,7 @@ def build_decoder(model: HFModule, arch: Architecture, reader=None,
     mask_2d = tensor_input(ATTENTION_MASK, INT64, ["batch_size", "total_sequence_length"])
     position_ids = tensor_input(POSITION_IDS, INT64, ["batch_size", "sequence_length"])
     inputs, outputs = [input_ids, mask_2d, position_ids], []
-    present_dims = {"key": key_dim, "value": value_dim}
+    present_dims = {"key": (cached_heads, key_dim), "value": (cached_heads, value_dim), **arch.extra_caches(config)}
 
     decoder = model.model
     with g.role("embeddings"):
@@ -145,19 +157,20 @@ def build_decoder(model: HFModule, arch: Architecture, reader=None,
     presents = []
     for i, layer in enumerate(decoder.layers):
         past = {kind: tensor_input(f"{PAST_PREFIX}{i}.{kind}", FLOAT,
-                                   ["batch_size", cached_heads, "past_sequence_length", dim])
-                for kind, dim in present_dims.items()}
-        inputs += [past["key"], past["value"]]
+                                   ["batch_size", heads, "past_sequence_length", dim])
+                for kind, (heads, dim) in present_dims.items()}
+        inputs += past.values()
+        extra = {kind: value for kind, value in past.items() if kind not in ("key", "value")}
+        layer_inputs = LayerInputs(cos, sin, mask, past["key"], past["value"], past=extra)
         with g.scope(f"layers.{i}"):
             normed = blocks.rms_norm(g, h, layer.input_layernorm, "input_layernorm")
             with g.scope("self_attn"), g.role("attention"):
-                attn, key, value = arch.attention(
-                    g, layer.self_attn, normed, LayerInputs(cos, sin, mask, past["key"], past["value"]))
+                attn, key, value = arch.attention(g, layer.self_attn, normed, layer_inputs)
             h = g.op("Add", h, attn)
             normed = blocks.rms_norm(g, h, layer.post_attention_layernorm, "post_attention_layernorm")
             with g.scope("mlp"), g.role("mlp"):
                 h = g.op("Add", h, arch.mlp(g, layer.mlp, normed))
-        presents += [(i, "key", key), (i, "value", value)]
+        presents += [(i, "key", key), (i, "value", value), *((i, kind, layer_inputs.present[kind]) for kind in extra)]
         if on_layer:
             on_layer(i + 1, len(decoder.layers))
 
@@ -169,8 +182,9 @@ def build_decoder(model: HFModule, arch: Architecture, reader=None,
             logits = blocks.matmul_weight(g, h, g.params.array(model.lm_head.weight), "lm_head")
     outputs.append(rename_output(logits, LOGITS, FLOAT, ["batch_size", "sequence_length", config.vocab_size]))
     for i, kind, value in presents:
+        heads, dim = present_dims[kind]
         outputs.append(rename_output(value, f"{PRESENT_PREFIX}{i}.{kind}", FLOAT,
-                                     ["batch_size", cached_heads, "total_sequence_length", present_dims[kind]]))
+                                     ["batch_size", heads, "total_sequence_length", dim]))
     ir_model = g.model(inputs, outputs, doc=f"{config.model_type} exported by dstc")
     ir_model.metadata_props.update({
         MODEL_TYPE: config.model_type,
@@ -190,4 +204,6 @@ def architecture_metadata(arch: Architecture, config) -> dict[str, str]:
             HEAD_LAYOUT: json.dumps(arch.head_layout(config)),
             MOE_LAYERS: json.dumps(moe_layers),
             GENAI_MODEL_TYPE: arch.genai_model_type or "",
+            CACHE_KINDS: json.dumps(["key", "value", *arch.extra_caches(config)]),
+            ROTATIONS_PER_LAYER: str(arch.rotations_per_layer),
             **({MOE_LOWERING: arch.moe_lowering or ""} if moe_layers else {})}

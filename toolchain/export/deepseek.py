@@ -78,6 +78,7 @@ class DeepseekArchitecture(MoeArchitecture):
     # onnxruntime-genai's config has one head_size for keys and values; MLA's differ (toolchain/compile/
     # onnxruntime_artifact.py writes no genai_config.json, and says why)
     genai_model_type: str | None = None
+    rotations_per_layer = 2  # q and k
     kv_cache = "latent"  # with_mla_cache gives a copy with another (MLA_CACHES)
 
     def check(self, config) -> None:
@@ -99,6 +100,9 @@ class DeepseekArchitecture(MoeArchitecture):
         if self.kv_cache == "latent":  # key: the rotary key, value: the latent, both shared by every head
             return 1, config.qk_rope_head_dim, config.kv_lora_rank
         return config.num_attention_heads, config.qk_nope_head_dim + config.qk_rope_head_dim, config.v_head_dim
+
+    def extra_caches(self, config) -> dict[str, tuple[int, int]]:
+        return {}
 
     def head_layout(self, config) -> dict[str, tuple[str, int]]:
         """With the latent cache kv_b_proj's weights are W_uk / W_uv, [heads, K, N]: "stacked", a head per index
@@ -126,12 +130,14 @@ class DeepseekArchitecture(MoeArchitecture):
             per_head = np.concatenate([np.arange(nope), nope + blocks.deinterleave_rows(rope)])
             q_rows = np.concatenate([hd * (nope + rope) + per_head for hd in range(num_heads)])
             kv_rows = np.concatenate([np.arange(kv_rank), kv_rank + blocks.deinterleave_rows(rope)])
+        q_a = None
         if attn.q_lora_rank is None:
             q = blocks.linear(g, h, attn.q_proj, "q_proj", rows=q_rows)
         else:
             q_a = blocks.rms_norm(g, blocks.linear(g, h, attn.q_a_proj, "q_a_proj"), attn.q_a_layernorm,
                                   "q_a_layernorm")
             q = blocks.linear(g, q_a, attn.q_b_proj, "q_b_proj", rows=q_rows)
+        inputs = self.attention_inputs(g, attn, h, q_a, inputs)
         q_nope, q_rot = g.op("Split", blocks.heads(g, q, num_heads, nope + rope), g.const([nope, rope]), axis=-1,
                              outputs=2)
         latent, k_rot = g.op("Split", blocks.linear(g, h, attn.kv_a_proj_with_mqa, "kv_a_proj_with_mqa", rows=kv_rows),
@@ -150,6 +156,12 @@ class DeepseekArchitecture(MoeArchitecture):
         value = g.op("Concat", inputs.past_value, v, axis=2)
         out = blocks.sdpa(g, q, key, value, inputs.mask, attn.scaling, num_heads)
         return blocks.linear(g, out, attn.o_proj, "o_proj"), key, value
+
+    def attention_inputs(self, g: GraphBuilder, attn, h, q_a, inputs: LayerInputs) -> LayerInputs:
+        """What the layer's attention reads (its mask, caches): ``inputs`` as they are; DeepSeek-V3.2's indexer
+        narrows the mask to the tokens it picks (deepseek_v32.py). h: the normed hidden state, q_a: the query's
+        normed latent (None without q_lora)."""
+        return inputs
 
     def _latent_attention(self, g: GraphBuilder, attn, q_nope, q_rot, latent, k_rot, inputs: LayerInputs):
         """Attention over the latent cache with kv_b_proj absorbed (module doc). q_nope, q_rot: [B, H, S, *];

@@ -14,6 +14,7 @@ class LlamaArchitecture:
     kv_cache = "per-head"
     genai_model_type: str | None = "llama"
     moe_lowering: str | None = None  # no MoE layers
+    rotations_per_layer = 2  # q and k
 
     def check(self, config) -> None:
         if config.hidden_act != "silu":
@@ -29,6 +30,9 @@ class LlamaArchitecture:
     def cache_dims(self, config) -> tuple[int, int, int]:
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         return config.num_key_value_heads, head_dim, head_dim
+
+    def extra_caches(self, config) -> dict[str, tuple[int, int]]:
+        return {}
 
     def head_layout(self, config) -> dict[str, tuple[str, int]]:
         head_dim = self.cache_dims(config)[1]

@@ -8,6 +8,7 @@ the new positions. The stateful OpenVINO IR adds ``beam_idx`` and keeps the cach
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
@@ -36,6 +37,8 @@ MOE_LAYERS = "dstc.moe_layers"  # JSON: the indices of the mixture-of-experts la
 # how the MoE layers' routed experts are lowered: "dispatch", "fused-onnxruntime" or "fused-openvino"
 # (toolchain/export/moe.py); only in a graph with MoE layers
 MOE_LOWERING = "dstc.moe_lowering"
+ROTATIONS_PER_LAYER = "dstc.rotations_per_layer"  # tensors RoPE rotates in each layer (the passes' expectations)
+CACHE_KINDS = "dstc.cache_kinds"  # JSON: each layer's cache tensors (key, value, and any more), in input order
 GENAI_MODEL_TYPE = "dstc.genai_model_type"  # onnxruntime-genai's model type; empty where its config cannot say
 # ... and on each weight initializer of the exported graph.
 ROLE = "dstc.role"
@@ -59,6 +62,13 @@ def cache_spec(inputs: Iterable[tuple[str | None, Any]]) -> dict[str, tuple[int,
                 raise ValueError(f"the graph's cache input {name} has no shape")
             spec[name] = (int(shape[HEADS_AXIS]), int(shape[HEAD_DIM_AXIS]))
     return spec
+
+
+def extra_cache_kinds(metadata: dict[str, str]) -> list[str]:
+    """The per-layer cache kinds beyond key and value (``past_key_values.N.<kind>``, e.g. DeepSeek-V3.2's
+    ``index_key``) that a graph's metadata records (``CACHE_KINDS``; a graph without it has key and value only).
+    Read from the metadata because a stateful IR has its caches as variables, not inputs."""
+    return [kind for kind in json.loads(metadata.get(CACHE_KINDS) or "[]") if kind not in ("key", "value")]
 
 
 def graph_inputs(path: Path) -> list[tuple[str, list[int]]]:

@@ -44,6 +44,7 @@ from toolchain.interface.graph import (
     LATENT,
     LOGITS,
     POSITION_IDS,
+    extra_cache_kinds,
     graph_metadata,
     present_of,
 )
@@ -363,6 +364,11 @@ def openvino_pipeline(artifact: Artifact, settings: PipelineSettings):
                          f"ScaledDotProductAttention, to page its KV cache, and this artifact has none (an MLA latent "
                          f"cache); dstc's runner batches it (batching_openvino.StatefulBatch, what dstc serve uses), "
                          f"or build it with export.mla_cache: per-head (dstc export --mla-cache per-head)")
+    extra = extra_cache_kinds(graph_metadata(artifact.path / MODEL_XML))
+    if extra:
+        raise InputError(f"{artifact.path}: openvino_genai's continuous batching pages keys and values only, and "
+                         f"this artifact's layers cache {', '.join(extra)} too (DeepSeek-V3.2's indexer); dstc's "
+                         f"runner batches it (batching_openvino.StatefulBatch, what dstc serve uses)")
     import openvino_genai
 
     scheduler = openvino_genai.SchedulerConfig()

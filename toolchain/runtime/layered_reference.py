@@ -79,7 +79,8 @@ class LayeredReference:
         self.chunk = chunk
         self.config = ref.reference_config(source.path)
         layer_types = getattr(self.config, "layer_types", None) or []
-        if any(t != "full_attention" for t in layer_types):
+        # DeepSeek-V3.2's indexed_attention layers take the same additive mask (their indexer reads it too)
+        if any(t not in ("full_attention", "indexed_attention") for t in layer_types):
             raise UnsupportedModelError("the layer-by-layer reference runs full-attention layers only "
                                         f"({source.spec} has {sorted(set(layer_types))})")
         self._stack = ExitStack()
