@@ -27,13 +27,23 @@ sys.modules["openvino_telemetry"] = None
 
 COMMON = dict(vocab_size=97, hidden_size=64, num_hidden_layers=3, num_attention_heads=4, intermediate_size=96,
               max_position_embeddings=256)
+# DeepSeek-V4 at a scale where a prompt and 16 decode steps cross the sliding window (8), several CSA blocks (4) and
+# HCA blocks (16), and the indexer's top-k (3) is below the compressed entries a query sees
+V4 = dict(vocab_size=97, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, head_dim=32,
+          partial_rotary_factor=0.25, q_lora_rank=24, o_groups=2, o_lora_rank=16, n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+          sliding_window=8, compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 16},
+          index_n_heads=8, index_head_dim=16, index_topk=3, hc_mult=3, hc_sinkhorn_iters=5, swiglu_limit=0.5,
+          routed_scaling_factor=1.5, max_position_embeddings=256,
+          layer_types=["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention",
+                       "compressed_sparse_attention"],
+          mlp_layer_types=["hash_moe", "moe", "hash_moe", "moe"])
 MLA = dict(num_key_value_heads=4, kv_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=12,
            n_shared_experts=1, num_experts_per_tok=2, moe_intermediate_size=64, first_k_dense_replace=1)
 
 
 def tiny_configs() -> dict:
     # transformers and torch are imported where used: every isolated test's child process loads this file
-    from transformers import DeepseekV2Config, DeepseekV3Config, LlamaConfig, Qwen2Config
+    from transformers import DeepseekV2Config, DeepseekV3Config, DeepseekV4Config, LlamaConfig, Qwen2Config
 
     return {
         "llama": LlamaConfig(**COMMON, num_key_value_heads=2, rope_parameters={
@@ -50,6 +60,7 @@ def tiny_configs() -> dict:
         "deepseek_v3_plain_rope": DeepseekV3Config(**COMMON, **MLA, q_lora_rank=24, n_routed_experts=8, n_group=2,
                                                    topk_group=1, routed_scaling_factor=1.0, rope_interleave=False,
                                                    norm_topk_prob=False),
+        "deepseek_v4": DeepseekV4Config(**V4),
     }
 
 
@@ -63,8 +74,26 @@ def make_checkpoint(config, path):
         for module in model.modules():  # a bias that decides routing, as a trained V3 has
             if hasattr(module, "e_score_correction_bias"):
                 module.e_score_correction_bias.normal_(0, 0.1)
+        randomize_v4_initial_constants(model)
     model.save_pretrained(path)
     return path
+
+
+def randomize_v4_initial_constants(model) -> None:
+    """DeepSeek-V4's constants that transformers initializes to zeros or ones (hash routing table, attention sinks,
+    compressors' position biases, hyper-connection biases and scales) given values that make each of them decide
+    something, as a trained checkpoint's do: a zero table would send every token to expert 0 twice."""
+    import torch
+
+    for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+        leaf = name.rsplit(".", 1)[-1]
+        if leaf == "tid2eid":  # distinct experts per token, as the hub's table has
+            experts = model.config.n_routed_experts
+            tensor.copy_(torch.stack([torch.randperm(experts)[:tensor.shape[1]] for _ in range(tensor.shape[0])]))
+        elif leaf in ("sinks", "position_bias", "base", "hc_base"):
+            tensor.normal_(0, 0.5)
+        elif leaf in ("scale", "hc_scale"):
+            tensor.uniform_(0.5, 1.5)
 
 
 @pytest.fixture(scope="session")

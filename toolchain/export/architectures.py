@@ -6,12 +6,14 @@ from toolchain.errors import UnsupportedModelError
 from toolchain.export.decoder import Architecture
 from toolchain.export.deepseek_v2 import DeepseekV2Architecture
 from toolchain.export.deepseek_v3 import DeepseekV3Architecture
+from toolchain.export.deepseek_v4 import DeepseekV4Architecture
 from toolchain.export.llama import LlamaArchitecture
 from toolchain.export.qwen2 import Qwen2Architecture
 
 ARCHITECTURES: dict[str, Architecture] = {
     t: arch
-    for arch in (LlamaArchitecture(), Qwen2Architecture(), DeepseekV2Architecture(), DeepseekV3Architecture())
+    for arch in (LlamaArchitecture(), Qwen2Architecture(), DeepseekV2Architecture(), DeepseekV3Architecture(),
+                 DeepseekV4Architecture())
     for t in arch.model_types
 }
 
