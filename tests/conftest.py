@@ -28,11 +28,12 @@ sys.modules["openvino_telemetry"] = None
 COMMON = dict(vocab_size=97, hidden_size=64, num_hidden_layers=3, num_attention_heads=4, intermediate_size=96,
               max_position_embeddings=256)
 # DeepSeek-V4 at a scale where a prompt and 16 decode steps cross the sliding window (8), several CSA blocks (4) and
-# HCA blocks (16), and the indexer's top-k (3) is below the compressed entries a query sees
+# HCA blocks (16), the indexer's top-k (3) is below the compressed entries a query sees, and swiglu_limit clips
+# about half the gate and up values of random weights
 V4 = dict(vocab_size=97, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, head_dim=32,
-          partial_rotary_factor=0.25, q_lora_rank=24, o_groups=2, o_lora_rank=16, n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
-          sliding_window=8, compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 16},
-          index_n_heads=8, index_head_dim=16, index_topk=3, hc_mult=3, hc_sinkhorn_iters=5, swiglu_limit=0.5,
+          partial_rotary_factor=0.25, q_lora_rank=24, o_groups=2, o_lora_rank=16, n_routed_experts=8,
+          num_experts_per_tok=2, moe_intermediate_size=32, sliding_window=8, compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 16},
+          index_n_heads=8, index_head_dim=16, index_topk=3, hc_mult=3, hc_sinkhorn_iters=5, swiglu_limit=0.1,
           routed_scaling_factor=1.5, max_position_embeddings=256,
           layer_types=["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention",
                        "compressed_sparse_attention"],
@@ -62,6 +63,18 @@ def tiny_configs() -> dict:
                                                    norm_topk_prob=False),
         "deepseek_v4": DeepseekV4Config(**V4),
     }
+
+
+# Tiny configs whose checkpoint dstc's reader cannot read yet: transformers saves V4 in the hub's layout (renamed
+# tensors, an int64 tid2eid), which is issue 24's deliverable 4; tests/test_export_deepseek_v4.py builds V4's graph
+# from the model transformers loads.
+READER_PENDING = {"deepseek_v4": "dstc's checkpoint reader does not read DeepSeek-V4's hub layout yet (issue 24, 4)"}
+
+
+def read_through_the_reader() -> list:
+    """tiny_configs' names as pytest parameters, READER_PENDING's skipped with their reason."""
+    return [pytest.param(name, marks=pytest.mark.skip(reason=READER_PENDING[name])) if name in READER_PENDING
+            else name for name in sorted(tiny_configs())]
 
 
 def make_checkpoint(config, path):

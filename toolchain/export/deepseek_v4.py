@@ -22,8 +22,7 @@ import onnx_ir as ir
 import torch
 
 from toolchain.errors import UnsupportedModelError
-from toolchain.export import blocks
-from toolchain.export import deepseek_v4_attention as v4attn
+from toolchain.export import blocks, deepseek_v4_attention as v4attn
 from toolchain.export.decoder import architecture_metadata
 from toolchain.export.graph import GraphBuilder, rename_output, tensor_input
 from toolchain.export.weights import HFModule, Params, to_numpy

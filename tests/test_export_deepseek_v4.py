@@ -1,0 +1,101 @@
+"""DeepSeek-V4's graph against transformers 5.24 on both backends, one attention type added at a time: sliding
+window alone (with hyper-connections and hash / top-k MoE), then HCA, then CSA with its indexer.
+
+The graph is built from the model transformers loads (tests/conftest.py READER_PENDING: dstc's reader does not read
+V4's hub layout yet). Prompts and decode cross the sliding window (8), many CSA blocks (4, index_topk 3 of up to
+17 entries) and four HCA blocks (16); the left-padded batch checks transformers' slot-based windows.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+import torch
+
+from toolchain.export.architectures import architecture_for
+from toolchain.export.decoder import build_decoder
+from toolchain.export.graph import save_graph
+from toolchain.export.parity import TOLERANCES, Case, compare
+from toolchain.runtime.torch_reference import TorchDecoder
+
+from conftest import make_checkpoint, tiny_configs
+
+SLIDING, CSA, HCA = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
+STEPS = 20
+LAYERS = {
+    "sliding": [SLIDING, SLIDING],
+    "sliding+hca": [SLIDING, HCA],
+    "sliding+csa+hca": [SLIDING, CSA, HCA, CSA],  # tiny_configs' own
+}
+
+
+def v4_config(layer_types: list[str]):
+    config = tiny_configs()["deepseek_v4"]
+    config.num_hidden_layers = len(layer_types)
+    config.layer_types = list(layer_types)
+    config.mlp_layer_types = ["hash_moe", "moe", "hash_moe", "moe"][:len(layer_types)]
+    return config
+
+
+def v4_model(config, path):
+    from transformers import AutoModelForCausalLM
+
+    make_checkpoint(config, path)
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
+
+
+def cases(vocab: int) -> list[Case]:
+    rng = np.random.default_rng(0)
+    return [Case("short", [rng.integers(0, vocab, 5).tolist()]),
+            Case("long", [rng.integers(0, vocab, 48).tolist()]),
+            Case("batch2-left-padded", [rng.integers(0, vocab, 11).tolist(), rng.integers(0, vocab, 5).tolist()])]
+
+
+@pytest.mark.parametrize("layers", sorted(LAYERS))
+def test_deepseek_v4_matches_transformers_on_both_backends(tmp_path, layers):
+    config = v4_config(LAYERS[layers])
+    model = v4_model(config, tmp_path / "ckpt")
+    save_graph(build_decoder(model, architecture_for("deepseek_v4")), tmp_path / "model.onnx")
+    rates = config.compress_rates
+    longest = 48 + STEPS
+    # what the cases cross: the window, several HCA blocks, more CSA entries than the indexer keeps
+    assert longest > 3 * rates[HCA] and longest > 2 * config.sliding_window
+    assert longest // rates[CSA] > 4 * config.index_topk
+    for backend in ("onnxruntime", "openvino"):
+        result = compare(TorchDecoder.over(model), tmp_path / "model.onnx", backend, cases(config.vocab_size), STEPS,
+                         pad_id=0)
+        assert result["tokens_identical"], backend
+        assert result["max_relative_diff"] <= TOLERANCES[backend], (backend, result["max_relative_diff"])
+        assert result["passed"]
+        assert all(c["steps"] == STEPS for c in result["cases"])
+
+
+def test_deepseek_v4_cache_is_per_token_state_named_by_layer_type(tmp_path):
+    """Every cache input grows along the sequence axis like a KV cache and is paired to its present.* by name:
+    the K=V of every layer, the compressor's projections of HCA and CSA layers, the indexer's of CSA layers."""
+    config = v4_config(LAYERS["sliding+csa+hca"])
+    model = v4_model(config, tmp_path / "ckpt")
+    save_graph(build_decoder(model, architecture_for("deepseek_v4")), tmp_path / "model.onnx")
+    graph = onnx.load(tmp_path / "model.onnx").graph
+    dims = {v.name: [d.dim_param or d.dim_value for d in v.type.tensor_type.shape.dim]
+            for v in [*graph.input, *graph.output]}
+    head, index = config.head_dim, config.index_head_dim
+    expected = {
+        0: {"key": head},
+        1: {"key": head, "compressor_kv": 2 * head, "compressor_gate": 2 * head, "indexer_kv": 2 * index,
+            "indexer_gate": 2 * index},
+        2: {"key": head, "compressor_kv": head, "compressor_gate": head},
+        3: {"key": head, "compressor_kv": 2 * head, "compressor_gate": 2 * head, "indexer_kv": 2 * index,
+            "indexer_gate": 2 * index},
+    }
+    past = {n for n in dims if n.startswith("past_key_values.")}
+    assert past == {f"past_key_values.{i}.{name}" for i, names in expected.items() for name in names}
+    for layer, names in expected.items():
+        for name, width in names.items():
+            assert dims[f"past_key_values.{layer}.{name}"] == ["batch_size", 1, "past_sequence_length", width]
+            assert dims[f"present.{layer}.{name}"] == ["batch_size", 1, "total_sequence_length", width]
+    props = {p.key: p.value for p in onnx.load(tmp_path / "model.onnx", load_external_data=False).metadata_props}
+    assert props["dstc.model_type"] == "deepseek_v4"
+    assert props["dstc.kv_cache"] == "per-token"
+    assert props["dstc.moe_layers"] == "[0, 1, 2, 3]"
