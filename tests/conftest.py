@@ -77,11 +77,11 @@ def read_through_the_reader() -> list:
             else name for name in sorted(tiny_configs())]
 
 
-def make_checkpoint(config, path):
+def make_checkpoint(config, path, seed: int = 0):
     import torch
     from transformers import AutoModelForCausalLM
 
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config)
     with torch.no_grad():
         for module in model.modules():  # a bias that decides routing, as a trained V3 has

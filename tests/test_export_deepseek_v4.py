@@ -16,7 +16,7 @@ import torch
 from toolchain.export.architectures import architecture_for
 from toolchain.export.decoder import build_decoder
 from toolchain.export.graph import save_graph
-from toolchain.export.parity import TOLERANCES, Case, compare
+from toolchain.export.parity import TOLERANCES, Case, compare, compare_decoders
 from toolchain.runtime.torch_reference import TorchDecoder
 
 from conftest import make_checkpoint, tiny_configs
@@ -71,13 +71,40 @@ def test_deepseek_v4_matches_transformers_on_both_backends(tmp_path, layers):
         assert all(c["steps"] == STEPS for c in result["cases"])
 
 
-def test_deepseek_v4_cache_is_per_token_state_named_by_layer_type(tmp_path):
+@pytest.fixture(scope="module")
+def every_type(tmp_path_factory):
+    """(config, model, graph path) of tiny_configs' V4: sliding, CSA and HCA layers."""
+    root = tmp_path_factory.mktemp("v4")
+    config = v4_config(LAYERS["sliding+csa+hca"])
+    model = v4_model(config, root / "ckpt")
+    save_graph(build_decoder(model, architecture_for("deepseek_v4")), root / "model.onnx")
+    return config, model, root / "model.onnx"
+
+
+def test_deepseek_v4_stateful_openvino_ir_matches_transformers(every_type, tmp_path):
+    """The compile stage's stateful IR (each past/present pair a variable, whatever its name) decodes as the
+    stateless graph does: the per-token caches need nothing of OpenVINO's conversion beyond a KV cache's."""
+    import openvino as ov
+
+    from toolchain.compile.openvino_ir import convert
+    from toolchain.runtime.decoder import OpenVINODecoder
+
+    config, model, path = every_type
+    stateful = convert(path, {})
+    assert len(stateful.get_sinks()) == 1 + 5 + 3 + 5  # one variable per cache input: sliding, CSA, HCA, CSA
+    ov.save_model(stateful, str(tmp_path / "stateful.xml"), compress_to_fp16=False)
+    result = compare_decoders(TorchDecoder.over(model), lambda: OpenVINODecoder(tmp_path / "stateful.xml", None, (),
+                                                                                "exact"),
+                              cases(config.vocab_size), STEPS, 0, TOLERANCES["openvino"])
+    assert result["tokens_identical"]
+    assert result["max_relative_diff"] <= TOLERANCES["openvino"], result["max_relative_diff"]
+
+
+def test_deepseek_v4_cache_is_per_token_state_named_by_layer_type(every_type):
     """Every cache input grows along the sequence axis like a KV cache and is paired to its present.* by name:
     the K=V of every layer, the compressor's projections of HCA and CSA layers, the indexer's of CSA layers."""
-    config = v4_config(LAYERS["sliding+csa+hca"])
-    model = v4_model(config, tmp_path / "ckpt")
-    save_graph(build_decoder(model, architecture_for("deepseek_v4")), tmp_path / "model.onnx")
-    graph = onnx.load(tmp_path / "model.onnx").graph
+    config, _, path = every_type
+    graph = onnx.load(path).graph
     dims = {v.name: [d.dim_param or d.dim_value for d in v.type.tensor_type.shape.dim]
             for v in [*graph.input, *graph.output]}
     head, index = config.head_dim, config.index_head_dim
@@ -95,7 +122,7 @@ def test_deepseek_v4_cache_is_per_token_state_named_by_layer_type(tmp_path):
         for name, width in names.items():
             assert dims[f"past_key_values.{layer}.{name}"] == ["batch_size", 1, "past_sequence_length", width]
             assert dims[f"present.{layer}.{name}"] == ["batch_size", 1, "total_sequence_length", width]
-    props = {p.key: p.value for p in onnx.load(tmp_path / "model.onnx", load_external_data=False).metadata_props}
+    props = {p.key: p.value for p in onnx.load(path, load_external_data=False).metadata_props}
     assert props["dstc.model_type"] == "deepseek_v4"
     assert props["dstc.kv_cache"] == "per-token"
     assert props["dstc.moe_layers"] == "[0, 1, 2, 3]"
