@@ -3,8 +3,8 @@ window alone (with hyper-connections and hash / top-k MoE), then HCA, then CSA w
 
 The graph is built from the model transformers loads (tests/conftest.py READER_PENDING: dstc's reader does not read
 V4's hub layout yet). Prompts and decode cross the sliding window (8), many CSA blocks (4, index_topk 3 of up to
-17 entries) and four HCA blocks (16); the left-padded batch checks transformers' slot-based windows.
-"""
+17 entries) and four HCA blocks (16). The left-padded batch is compared with transformers running each row alone
+(toolchain/runtime/torch_reference.py ROW_BY_ROW): its own batched V4 pools the padding into a row's entries."""
 
 from __future__ import annotations
 
@@ -126,3 +126,65 @@ def test_deepseek_v4_cache_is_per_token_state_named_by_layer_type(every_type):
     assert props["dstc.model_type"] == "deepseek_v4"
     assert props["dstc.kv_cache"] == "per-token"
     assert props["dstc.moe_layers"] == "[0, 1, 2, 3]"
+
+
+def test_transformers_batched_v4_pools_a_padded_row_s_padding(every_type):
+    """Why the reference runs V4's batches row by row (ROW_BY_ROW): transformers 5.24's own batch gives a
+    left-padded row other logits than the row alone. Should an upgrade fix it, this fails: drop ROW_BY_ROW."""
+    from transformers import DynamicCache
+
+    config, model, _ = every_type
+    rng = np.random.default_rng(3)
+    long, short = rng.integers(0, config.vocab_size, 30), rng.integers(0, config.vocab_size, 9)
+    ids = np.zeros((2, 30), np.int64)
+    ids[0], ids[1, -9:] = long, short
+    mask = (ids != 0) | (np.arange(30) >= 21)
+    mask[0] = True
+    positions = np.clip(mask.cumsum(-1) - 1, 0, None)
+    with torch.no_grad():
+        batched = model(input_ids=torch.from_numpy(ids), attention_mask=torch.from_numpy(mask.astype(np.int64)),
+                        position_ids=torch.from_numpy(positions), cache=DynamicCache(config=config)).logits[1, -9:]
+        alone = model(input_ids=torch.from_numpy(short[None]), cache=DynamicCache(config=config)).logits[0]
+    span = float(alone.max() - alone.min())
+    assert float((batched - alone).abs().max()) > 0.01 * span
+
+
+@pytest.mark.parametrize("backend", ["onnxruntime-batch", "onnxruntime-gather", "openvino-stateful"])
+def test_v4_sequences_joining_a_running_batch_get_their_batch_one_tokens(every_type, tmp_path, backend):
+    """dstc's continuous batching left-pads the running cache when sequences join: the pooled windows follow each
+    row's positions, so a row's tokens are those it decodes alone (on ONNX Runtime's two cache layouts and on
+    OpenVINO's stateful IR)."""
+    from toolchain.runtime.batching import batched_decoder
+    from toolchain.runtime.batching_openvino import StatefulBatch
+    from toolchain.runtime.decoder import OnnxRuntimeDecoder, OpenVINODecoder
+    from toolchain.runtime.generate import greedy_generate
+
+    config, _, path = every_type
+    if backend == "openvino-stateful":
+        import openvino as ov
+
+        from toolchain.compile.openvino_ir import convert
+
+        ov.save_model(convert(path, {}), str(tmp_path / "stateful.xml"), compress_to_fp16=False)
+        decoder = OpenVINODecoder(tmp_path / "stateful.xml", 2, (), "exact")
+        batch = StatefulBatch(decoder, 0)
+    else:
+        decoder = OnnxRuntimeDecoder(path, 2, ())
+        batch = batched_decoder(decoder, 0, backend.split("-")[1])
+    rng = np.random.default_rng(5)
+    prompts = [rng.integers(1, config.vocab_size, n).tolist() for n in (23, 5, 14, 37, 9)]
+    new = 20
+    alone = [greedy_generate(decoder, [p], new, set(), 0).tokens[0] for p in prompts]
+    out: dict[int, list[int]] = {}
+    waiting, step = list(range(len(prompts))), 0
+    while waiting or len(batch):
+        if waiting and step % 3 == 0:  # two join every third step, beside the ones running
+            joining, waiting = waiting[:2], waiting[2:]
+            for key, logits in batch.join({k: prompts[k] for k in joining}).items():
+                out[key] = [int(logits.argmax())]
+        batch.leave([k for k in batch.keys if len(out[k]) == new])
+        if len(batch):
+            for key, logits in batch.step({k: out[k][-1] for k in batch.keys}).items():
+                out[key].append(int(logits.argmax()))
+        step += 1
+    assert [out[k] for k in range(len(prompts))] == alone

@@ -144,7 +144,7 @@ class DeepseekV4Architecture:
 
 
 def step_inputs(g: GraphBuilder, model: HFModule, input_ids, mask_2d, position_ids) -> v4attn.StepInputs:
-    """The step's rotaries (main and compress), the sliding-window mask and the lone-query flag."""
+    """The step's rotaries (main and compress), the sliding-window mask and where each row's tokens start."""
     config = model.config
     rotary = model.model.rotary_emb
     if rotary.main_inv_freq.device.type == "meta":  # a skeleton's: rebuilt from the config (no weights in it)
@@ -169,8 +169,8 @@ def step_inputs(g: GraphBuilder, model: HFModule, input_ids, mask_2d, position_i
         allowed = g.op("And", g.op("LessOrEqual", key_idx, query_idx), recent)
         allowed = g.op("And", allowed, g.op("Unsqueeze", g.op("Cast", mask_2d, to=ir.DataType.BOOL), g.const([1, 2])))
         mask = g.op("Where", allowed, g.const(0.0, np.float32), g.const(blocks.MASK_MIN, np.float32))
-        single = g.op("Equal", seq, g.const(1))
-    return v4attn.StepInputs(ropes, mask, position_ids, single, {})
+        first_slot = g.op("Sub", total, g.op("ReduceSum", mask_2d, g.const([1]), keepdims=1))
+    return v4attn.StepInputs(ropes, mask, position_ids, first_slot, {})
 
 
 def hyper_connection(g: GraphBuilder, hc, h: ir.Value):

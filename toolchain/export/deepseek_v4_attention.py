@@ -11,9 +11,10 @@ The cache holds what grows by one entry per token (graph interface, toolchain/in
 
 At every step the graph pools every complete window from these (transformers' DeepseekV4HCACache and CSACache
 hold exactly those pooled entries, emitted as windows complete), so it is exact by construction whatever the
-prefill / decode split; the cost is that each step re-pools T / rate windows. Windows are counted over cache
-slots and their RoPE positions are slot-based while a query's causal threshold uses its position id, as
-transformers does (the two differ only for left-padded rows).
+prefill / decode split; the cost is that each step re-pools T / rate windows. Windows are over each row's
+positions: a left-padded row's padding is skipped, so a row in a batch gets its answer alone. transformers 5.24
+counts cache slots instead, pooling padding into a padded row's entries; the reference runs such a batch row by
+row (toolchain/runtime/torch_reference.py ROW_BY_ROW).
 
 transformers' interleaved RoPE on the trailing rope dims of each head is turned into the rotate-half form by
 reordering those channels in every weight that produces or consumes them (``channel_order``): projections'
@@ -66,7 +67,7 @@ class StepInputs:
     rope: dict[str, Rope]  # "main" (sliding layers) and "compress" (CSA / HCA layers and their compressors)
     sliding_mask: ir.Value  # [B, 1, S, T] additive
     position_ids: ir.Value  # [B, S]
-    single_query: ir.Value  # bool scalar: S == 1 (transformers' HCA lets a lone query see every pooled entry)
+    first_slot: ir.Value  # [B, 1] int64: the cache slot of each row's position 0 (after its left padding)
     past: dict[str, ir.Value]  # this layer's cache inputs by name
 
 
@@ -198,14 +199,14 @@ def compressed(g: GraphBuilder, compressor, layer_type: str, h, q_residual, step
     rope = step.rope[compressor.rope_layer_type]
     kv_all, gate_all, presents = projections(g, compressor, h, step, "compressor", overlap)
     count = entries(g, kv_all, compressor.compress_rate)
-    pooled = g.op("Unsqueeze", pool(g, compressor, kv_all, gate_all, count, rope, overlap), g.const([1]))
+    pooled = g.op("Unsqueeze", pool(g, compressor, kv_all, gate_all, count, rope, overlap, step), g.const([1]))
     future = after_threshold(g, step.position_ids, count, compressor.compress_rate)
     if overlap:
         with g.scope("indexer"):
             allowed, indexer_presents = indexer(g, compressor.indexer, h, q_residual, step, future, count)
         presents |= indexer_presents
     else:
-        allowed = g.op("Or", g.op("Not", future), step.single_query)
+        allowed = g.op("Not", future)
     bias = g.op("Where", allowed, g.const(0.0, np.float32), g.const(blocks.MASK_MIN, np.float32))
     return pooled, g.op("Unsqueeze", bias, g.const([1])), presents
 
@@ -224,7 +225,7 @@ def entries(g: GraphBuilder, cached: ir.Value, rate: int) -> ir.Value:
     return g.op("Div", g.op("Shape", cached, start=2, end=3), g.const([rate]))
 
 
-def pool(g: GraphBuilder, module, kv_all, gate_all, count, rope: Rope, overlap: bool) -> ir.Value:
+def pool(g: GraphBuilder, module, kv_all, gate_all, count, rope: Rope, overlap: bool, step: StepInputs) -> ir.Value:
     """[B, n, dim]: each window's tokens softmax-pooled over the window with the position bias, normalized, with
     RoPE at the window's first slot. With ``overlap`` (CSA) entry w pools window w-1's first series with window
     w's second (2 x rate slots); entry 0 has only the second."""
@@ -233,10 +234,15 @@ def pool(g: GraphBuilder, module, kv_all, gate_all, count, rope: Rope, overlap: 
     width = 2 * dim if overlap else dim
     batch = g.op("Shape", kv_all, start=0, end=1)
     windows = g.op("Concat", batch, count, g.const([rate, width]), axis=0)
-    usable = g.op("Mul", count, g.const([rate]))
+    # a row's token at position p sits in slot first_slot + p (left padding before it); slots past the row's last
+    # token only fill entries its queries cannot see yet (after_threshold)
+    positions = g.op("Range", g.const(0), g.op("Squeeze", g.op("Mul", count, g.const([rate])), g.const([0])),
+                     g.const(1))
+    last = g.op("Sub", g.op("Shape", kv_all, start=2, end=3), g.const([1]))
+    slots = g.op("Unsqueeze", g.op("Min", g.op("Add", step.first_slot, positions), last), g.const([-1]))
     # allowzero: no complete window yet is n = 0 windows, not "copy that axis"
-    kv, gate = (g.op("Reshape", g.op("Slice", t, g.const([0]), usable, g.const([2])), windows, allowzero=1)
-                for t in (kv_all, gate_all))
+    kv, gate = (g.op("Reshape", g.op("GatherND", g.op("Squeeze", t, g.const([1])), slots, batch_dims=1), windows,
+                     allowzero=1) for t in (kv_all, gate_all))
     bias_order = np.concatenate([order, dim + order]) if overlap else order
     gate = g.op("Add", gate, g.weight("position_bias", columns(g, module.position_bias, bias_order)))
     if overlap:
@@ -271,7 +277,7 @@ def indexer(g: GraphBuilder, module, h, q_residual, step: StepInputs, future, co
     heads, dim, rope_dim = module.num_heads, module.head_dim, rope_dim_of(module)
     rope = step.rope[module.rope_layer_type]
     kv_all, gate_all, presents = projections(g, module, h, step, "indexer", True)
-    keys = pool(g, module, kv_all, gate_all, count, rope, True)  # [B, n, dim]
+    keys = pool(g, module, kv_all, gate_all, count, rope, True, step)  # [B, n, dim]
     order = channel_order(dim, rope_dim)
     q = blocks.heads(g, blocks.linear(g, q_residual, module.q_b_proj, "q_b_proj", rows=per_head(order, heads)),
                      heads, dim)
