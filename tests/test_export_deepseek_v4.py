@@ -188,3 +188,22 @@ def test_v4_sequences_joining_a_running_batch_get_their_batch_one_tokens(every_t
                 out[key].append(int(logits.argmax()))
         step += 1
     assert [out[k] for k in range(len(prompts))] == alone
+
+
+def test_deepseek_v4_router_scores_above_softplus_overflow(tmp_path):
+    """Router logits beyond float32's exp range (~88): torch's softplus is linear above 20, the graph's too (ONNX's
+    Softplus alone would give inf and route nowhere)."""
+    config = v4_config(LAYERS["sliding"])
+    model = v4_model(config, tmp_path / "ckpt")
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.mlp.gate.weight.mul_(3000.0)
+    save_graph(build_decoder(model, architecture_for("deepseek_v4")), tmp_path / "model.onnx")
+    cases_ = cases(config.vocab_size)[:2]
+    reference = TorchDecoder.over(model)
+    reference.forward(np.array([cases_[1].prompts[0]]), np.ones((1, 48), np.int64))
+    logits = model.model.layers[1].mlp.gate.weight @ torch.ones(config.hidden_size)
+    assert float(logits.abs().max()) > 88
+    for backend in ("onnxruntime", "openvino"):
+        result = compare(TorchDecoder.over(model), tmp_path / "model.onnx", backend, cases_, 4, pad_id=0)
+        assert result["passed"], (backend, result["max_relative_diff"])

@@ -246,6 +246,22 @@ def moe(g: GraphBuilder, mlp, h, input_ids, scoring: str):
 def score(g: GraphBuilder, logits, scoring: str):
     """The router's scores (scoring_func, SCORES): sqrt(softplus(logits)) (V4's) or sigmoid(logits)."""
     if scoring == "sqrtsoftplus":
-        return g.op("Sqrt", g.op("Softplus", logits))
+        return g.op("Sqrt", softplus(g, logits))
     return g.op("Sigmoid", logits)
+
+
+def softplus(g: GraphBuilder, x):
+    """torch's softplus to rounding for every x: x above 20 (its threshold), else max(x, 0) + log1p(exp(-|x|)).
+    ONNX's Softplus is not (ONNX Runtime's overflows to inf above ~88, OpenVINO's is 0 below -20 and slightly
+    negative at -20, whose sqrt is NaN), nor is OpenVINO's Log near 1; log1p(y), y in (0, 1], is its series
+    2 atanh(z) = 2 (z + z^3/3 + ... + z^15/15), z = y / (2 + y) <= 1/3 (truncation below 1e-8 relative)."""
+    y = g.op("Exp", g.op("Neg", g.op("Abs", x)))
+    z = g.op("Div", y, g.op("Add", y, g.const(2.0, np.float32)))
+    z2 = g.op("Mul", z, z)
+    series = g.const(1.0 / 15, np.float32)
+    for k in range(13, 0, -2):
+        series = g.op("Add", g.op("Mul", series, z2), g.const(1.0 / k, np.float32))
+    log1p = g.op("Mul", g.op("Mul", z, series), g.const(2.0, np.float32))
+    soft = g.op("Add", g.op("Max", x, g.const(0.0, np.float32)), log1p)
+    return g.op("Where", g.op("Greater", x, g.const(20.0, np.float32)), x, soft)
 
