@@ -119,7 +119,7 @@ class TorchDecoder:
             self.row_caches = [DynamicCache(config=self.model.config) for _ in ids]
         new = ids.shape[1]
         logits = np.zeros((*ids.shape, self.model.config.vocab_size), np.float32)
-        routing = {}
+        routing: dict[str, list[np.ndarray]] = {}
         for row, cache in enumerate(self.row_caches):
             real = mask[row, -new:].astype(bool)
             if not real.any():
