@@ -87,12 +87,15 @@ def test_deepseek_v4_stateful_openvino_ir_matches_transformers(every_type, tmp_p
     import openvino as ov
 
     from toolchain.compile.openvino_ir import convert
+    from toolchain.runtime.batching_openvino import pageable
     from toolchain.runtime.decoder import OpenVINODecoder
 
     config, model, path = every_type
     stateful = convert(path, {})
     assert len(stateful.get_sinks()) == 1 + 5 + 3 + 5  # one variable per cache input: sliding, CSA, HCA, CSA
     ov.save_model(stateful, str(tmp_path / "stateful.xml"), compress_to_fp16=False)
+    # no ScaledDotProductAttention reads the state: dstc's runner batches it, not openvino_genai's paging
+    assert not pageable(tmp_path / "stateful.xml")
     result = compare_decoders(TorchDecoder.over(model), lambda: OpenVINODecoder(tmp_path / "stateful.xml", None, (),
                                                                                 "exact"),
                               cases(config.vocab_size), STEPS, 0, TOLERANCES["openvino"])

@@ -33,6 +33,7 @@ from toolchain.interface.graph import (
     MODEL_TYPE,
     NUM_LAYERS,
     PAST_PREFIX,
+    PER_TOKEN,
     POSITION_IDS,
     PRESENT_PREFIX,
 )
@@ -49,7 +50,7 @@ def _get(config, name: str):
 class DeepseekV4Architecture:
     model_types: tuple[str, ...] = ("deepseek_v4",)
     attention_kind = "compressed"  # sliding-window K=V attention with CSA / HCA pooled entries
-    kv_cache = "per-token"  # K=V and the compressors' projections per token (deepseek_v4_attention.py)
+    kv_cache = PER_TOKEN  # K=V and the compressors' projections per token (deepseek_v4_attention.py)
     genai_model_type: str | None = None  # onnxruntime-genai's config describes no hyper-connections
     moe_lowering = "dispatch"
 
