@@ -103,14 +103,16 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=64)
     parser.add_argument("--seeds", type=int, nargs="+", default=[11, 12])
     args = parser.parse_args()
-    rows = [run(name, seed, args.steps, args.workdir) for name in CONFIGS for seed in args.seeds]
-    for row in rows:
-        for backend, result in row["parity"].items():
-            print(f"{row['config']:<11} seed {row['seed']:<3} {backend:<18} passed {result['passed']!s:<5} "
-                  f"max rel diff {result['max_relative_diff']:.2e}")
-        print(f"{'':<11} cache bytes per token and layer: {row['cache_bytes_per_token_per_layer']}")
-    if args.json:
-        args.json.write_text(json.dumps(rows, indent=2) + "\n")
+    rows = []
+    for name in CONFIGS:
+        for seed in args.seeds:
+            rows.append(row := run(name, seed, args.steps, args.workdir))
+            for backend, result in row["parity"].items():
+                print(f"{row['config']:<11} seed {row['seed']:<3} {backend:<18} passed {result['passed']!s:<5} "
+                      f"max rel diff {result['max_relative_diff']:.2e}", flush=True)
+            print(f"{'':<11} cache bytes per token and layer: {row['cache_bytes_per_token_per_layer']}", flush=True)
+            if args.json:  # written as each row completes
+                args.json.write_text(json.dumps(rows, indent=2) + "\n")
 
 
 if __name__ == "__main__":
