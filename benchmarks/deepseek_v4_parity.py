@@ -23,7 +23,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
-from conftest import make_checkpoint  # noqa: E402  (tests/ holds the random-checkpoint writer)
+from conftest import make_checkpoint  # tests/ holds the random-checkpoint writer
 
 SLIDING, CSA, HCA = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
 
@@ -38,7 +38,8 @@ CONFIGS = {
                        layer_types=[HCA, CSA, HCA, CSA, SLIDING], mlp_layer_types=["hash_moe"] * 3 + ["moe"] * 2),
     "yarn": dict(hidden_size=96, num_attention_heads=6, head_dim=48, partial_rotary_factor=1 / 3, q_lora_rank=32,
                  o_groups=3, o_lora_rank=24, n_routed_experts=12, num_experts_per_tok=3, moe_intermediate_size=40,
-                 sliding_window=12, compress_rates={"compressed_sparse_attention": 8, "heavily_compressed_attention": 24},
+                 sliding_window=12,
+                 compress_rates={"compressed_sparse_attention": 8, "heavily_compressed_attention": 24},
                  index_n_heads=12, index_head_dim=24, index_topk=4, hc_mult=2, hc_sinkhorn_iters=7,
                  swiglu_limit=0.3, routed_scaling_factor=2.0, scoring_func="sqrtsoftplus",
                  rope_parameters={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64,
