@@ -27,14 +27,25 @@ sys.modules["openvino_telemetry"] = None
 
 COMMON = dict(vocab_size=97, hidden_size=64, num_hidden_layers=3, num_attention_heads=4, intermediate_size=96,
               max_position_embeddings=256)
+# DeepSeek-V4 at a scale where a prompt and 16 decode steps cross the sliding window (8), several CSA blocks (4) and
+# HCA blocks (16), the indexer's top-k (3) is below the compressed entries a query sees, and swiglu_limit clips
+# about half the gate and up values of random weights
+V4 = dict(vocab_size=97, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, head_dim=32,
+          partial_rotary_factor=0.25, q_lora_rank=24, o_groups=2, o_lora_rank=16, n_routed_experts=8,
+          num_experts_per_tok=2, moe_intermediate_size=32, sliding_window=8, compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 16},
+          index_n_heads=8, index_head_dim=16, index_topk=3, hc_mult=3, hc_sinkhorn_iters=5, swiglu_limit=0.1,
+          routed_scaling_factor=1.5, max_position_embeddings=256,
+          layer_types=["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention",
+                       "compressed_sparse_attention"],
+          mlp_layer_types=["hash_moe", "moe", "hash_moe", "moe"])
 MLA = dict(num_key_value_heads=4, kv_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=12,
            n_shared_experts=1, num_experts_per_tok=2, moe_intermediate_size=64, first_k_dense_replace=1)
 
 
 def tiny_configs() -> dict:
     # transformers and torch are imported where used: every isolated test's child process loads this file
-    from transformers import (DeepseekV2Config, DeepseekV3Config, DeepseekV32Config, LlamaConfig, Qwen2Config,
-                              Qwen3MoeConfig)
+    from transformers import (DeepseekV2Config, DeepseekV3Config, DeepseekV4Config, DeepseekV32Config, LlamaConfig,
+                              Qwen2Config, Qwen3MoeConfig)
 
     return {
         "llama": LlamaConfig(**COMMON, num_key_value_heads=2, rope_parameters={
@@ -62,14 +73,27 @@ def tiny_configs() -> dict:
         "deepseek_v32": DeepseekV32Config(**COMMON, **MLA, q_lora_rank=24, n_routed_experts=16, n_group=4,
                                           topk_group=2, routed_scaling_factor=2.5, index_topk=6, index_head_dim=16,
                                           index_n_heads=8),
+        "deepseek_v4": DeepseekV4Config(**V4),
     }
 
 
-def make_checkpoint(config, path):
+# Tiny configs whose checkpoint dstc's reader cannot read yet: transformers saves V4 in the hub's layout (renamed
+# tensors, an int64 tid2eid), which is issue 24's deliverable 4; tests/test_export_deepseek_v4.py builds V4's graph
+# from the model transformers loads.
+READER_PENDING = {"deepseek_v4": "dstc's checkpoint reader does not read DeepSeek-V4's hub layout yet (issue 24, 4)"}
+
+
+def read_through_the_reader() -> list:
+    """tiny_configs' names as pytest parameters, READER_PENDING's skipped with their reason."""
+    return [pytest.param(name, marks=pytest.mark.skip(reason=READER_PENDING[name])) if name in READER_PENDING
+            else name for name in sorted(tiny_configs())]
+
+
+def make_checkpoint(config, path, seed: int = 0):
     import torch
     from transformers import AutoModelForCausalLM
 
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config)
     with torch.no_grad():
         for module in model.modules():  # a bias that decides routing, as a trained V3 has
@@ -78,8 +102,26 @@ def make_checkpoint(config, path):
             for norm in ("q_norm", "k_norm"):  # per-head norms that are not the identity, each its own
                 if hasattr(module, norm):
                     getattr(module, norm).weight.normal_(1, 0.2)
+        randomize_v4_initial_constants(model)
     model.save_pretrained(path)
     return path
+
+
+def randomize_v4_initial_constants(model) -> None:
+    """DeepSeek-V4's constants that transformers initializes to zeros or ones (hash routing table, attention sinks,
+    compressors' position biases, hyper-connection biases and scales) given values that make each of them decide
+    something, as a trained checkpoint's do: a zero table would send every token to expert 0 twice."""
+    import torch
+
+    for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+        leaf = name.rsplit(".", 1)[-1]
+        if leaf == "tid2eid":  # distinct experts per token, as the hub's table has
+            experts = model.config.n_routed_experts
+            tensor.copy_(torch.stack([torch.randperm(experts)[:tensor.shape[1]] for _ in range(tensor.shape[0])]))
+        elif leaf in ("sinks", "position_bias", "base", "hc_base"):
+            tensor.normal_(0, 0.5)
+        elif leaf in ("scale", "hc_scale"):
+            tensor.uniform_(0.5, 1.5)
 
 
 @pytest.fixture(scope="session")

@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from conftest import COMMON, make_checkpoint, tiny_configs
+from conftest import COMMON, make_checkpoint, read_through_the_reader
 from test_checkpoint_reader import wide_v3_config
 from toolchain.checkpoint import open_checkpoint, reference
 from toolchain.checkpoint.fp8 import write_fp8_checkpoint
@@ -56,7 +56,7 @@ def test_embedded_models_layer_by_layer(name):
     check_layer_by_layer(embedded_path(name))
 
 
-@pytest.mark.parametrize("name", sorted(tiny_configs()))
+@pytest.mark.parametrize("name", read_through_the_reader())
 def test_tiny_configs_layer_by_layer(name, tiny_checkpoints):
     check_layer_by_layer(tiny_checkpoints[name])
 

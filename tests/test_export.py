@@ -20,7 +20,7 @@ from toolchain.export.graph import save_graph
 from toolchain.export.parity import parity_cases
 from toolchain.stages.export import export
 
-from conftest import tiny_configs
+from conftest import read_through_the_reader
 
 
 def check_report(report: dict, backends=("onnxruntime", "openvino")) -> None:
@@ -34,7 +34,7 @@ def check_report(report: dict, backends=("onnxruntime", "openvino")) -> None:
         assert all(c["steps"] >= 16 for c in result["cases"])
 
 
-@pytest.mark.parametrize("name", sorted(tiny_configs()))
+@pytest.mark.parametrize("name", read_through_the_reader())
 def test_random_architecture_matches_pytorch_on_both_backends(tiny_checkpoints, tmp_path, name):
     report = export(str(tiny_checkpoints[name]), tmp_path / "out")
     check_report(report)

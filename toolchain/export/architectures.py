@@ -6,6 +6,7 @@ from toolchain.errors import UnsupportedModelError
 from toolchain.export.decoder import Architecture
 from toolchain.export.deepseek_v2 import DeepseekV2Architecture
 from toolchain.export.deepseek_v3 import DeepseekV3Architecture
+from toolchain.export.deepseek_v4 import DeepseekV4Architecture
 from toolchain.export.deepseek_v32 import DeepseekV32Architecture
 from toolchain.export.llama import LlamaArchitecture
 from toolchain.export.qwen2 import Qwen2Architecture
@@ -14,7 +15,7 @@ from toolchain.export.qwen3_moe import Qwen3MoeArchitecture
 ARCHITECTURES: dict[str, Architecture] = {
     t: arch
     for arch in (LlamaArchitecture(), Qwen2Architecture(), DeepseekV2Architecture(), DeepseekV3Architecture(),
-                 DeepseekV32Architecture(), Qwen3MoeArchitecture())
+                 DeepseekV32Architecture(), DeepseekV4Architecture(), Qwen3MoeArchitecture())
     for t in arch.model_types
 }
 

@@ -153,21 +153,28 @@ def _repeat_kv(g: GraphBuilder, x: ir.Value, n_rep: int, num_heads: int, dim: in
 
 
 def gated_mlp(g: GraphBuilder, x: ir.Value, gate: Array, up: Array, down: Array,
-              biases: tuple | None = None) -> ir.Value:
-    """down(silu(gate(x)) * up(x)) for [out, in] weight matrices."""
+              biases: tuple | None = None, limit: float | None = None) -> ir.Value:
+    """down(silu(gate(x)) * up(x)) for [out, in] weight matrices. ``limit``: DeepSeek-V4's clipped SwiGLU
+    (swiglu_limit), gate(x) clamped from above and up(x) to [-limit, limit]."""
     gb, ub, db = biases or (None, None, None)
     g_out = matmul_weight(g, x, gate, "gate_proj", gb)
+    if limit is not None:
+        g_out = g.op("Min", g_out, g.const(limit, np.float32))
     act = g.op("Mul", g_out, g.op("Sigmoid", g_out))
-    return matmul_weight(g, g.op("Mul", act, matmul_weight(g, x, up, "up_proj", ub)), down, "down_proj", db)
+    up_out = matmul_weight(g, x, up, "up_proj", ub)
+    if limit is not None:
+        up_out = g.op("Clip", up_out, g.const(-limit, np.float32), g.const(limit, np.float32))
+    return matmul_weight(g, g.op("Mul", act, up_out), down, "down_proj", db)
 
 
 DENSE_MLP = "dense"  # the scope of a dense (non-MoE) MLP's projections inside a layer's "mlp"
 
 
-def mlp_module(g: GraphBuilder, x: ir.Value, module: HFModule, name: str) -> ir.Value:
-    """A transformers gate/up/down MLP module (silu, which the architecture check guarantees)."""
+def mlp_module(g: GraphBuilder, x: ir.Value, module: HFModule, name: str, limit: float | None = None) -> ir.Value:
+    """A transformers gate/up/down MLP module (silu, which the architecture check guarantees); ``limit`` as
+    gated_mlp's."""
     parts = [module.gate_proj, module.up_proj, module.down_proj]
     biases = tuple(None if p.bias is None else g.params.array(p.bias) for p in parts)
     with g.scope(name):
         gate, up, down = (g.params.array(p.weight) for p in parts)
-        return gated_mlp(g, x, gate, up, down, biases=biases)
+        return gated_mlp(g, x, gate, up, down, biases=biases, limit=limit)

@@ -138,6 +138,9 @@ def build_decoder(model: HFModule, arch: Architecture, reader=None,
     weights ``reader`` (toolchain/checkpoint/reader.py) reads when the graph is saved. on_layer(i, n) is called
     as each of the n layers is built (progress on large models). ``weights``: their storage, "float32" or
     "bfloat16" (toolchain/export/weights.py storage_for)."""
+    own_graph = getattr(arch, "build_graph", None)  # an architecture whose layers are not this skeleton's
+    if own_graph is not None:
+        return own_graph(model, reader, on_layer, weights)
     config = model.config
     arch.check(config)
     cached_heads, key_dim, value_dim = arch.cache_dims(config)

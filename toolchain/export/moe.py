@@ -113,7 +113,8 @@ def routed_experts(g: GraphBuilder, lowering: str, x2d: ir.Value, topk_idx: ir.V
         return _openvino_tiled(g, x2d, topk_idx, topk_w, weights, inter, hidden)
 
 
-def dispatch(g: GraphBuilder, x2d: ir.Value, topk_idx: ir.Value, topk_w: ir.Value, experts: HFModule) -> ir.Value:
+def dispatch(g: GraphBuilder, x2d: ir.Value, topk_idx: ir.Value, topk_w: ir.Value, experts: HFModule,
+             limit: float | None = None) -> ir.Value:
     """Routed experts, sparse and routed at run time: each expert runs only on the tokens sent to it.
 
     For expert e: tokens = NonZero(any(topk_idx == e)); y = expert_e(x[tokens]) * weight; ScatterND-add into the
@@ -123,6 +124,7 @@ def dispatch(g: GraphBuilder, x2d: ir.Value, topk_idx: ir.Value, topk_w: ir.Valu
     transformers' index_add_ does. Each expert keeps plain 2-D MatMul weights, the form weight compression handles.
 
     ``experts``: transformers' fused-experts module; each expert's weights come from ``g.params.expert``.
+    ``limit``: the experts' clipped SwiGLU (blocks.gated_mlp).
     """
     num_experts = experts.gate_up_proj.shape[0]
     with g.scope("experts"):
@@ -134,7 +136,7 @@ def dispatch(g: GraphBuilder, x2d: ir.Value, topk_idx: ir.Value, topk_w: ir.Valu
                               g.const([0]))
                 weight = g.op("ReduceSum", g.op("Mul", chosen, topk_w), g.const([1]), keepdims=0)
                 gate, up, down = g.params.expert(experts, e)
-                y = blocks.gated_mlp(g, g.op("Gather", x2d, tokens, axis=0), gate, up, down)
+                y = blocks.gated_mlp(g, g.op("Gather", x2d, tokens, axis=0), gate, up, down, limit=limit)
                 y = g.op("Mul", y, g.op("Unsqueeze", g.op("Gather", weight, tokens, axis=0), g.const([1])))
                 out = g.op("ScatterND", out, g.op("Unsqueeze", tokens, g.const([1])), y, reduction="add")
         return out

@@ -45,6 +45,9 @@ ROLE = "dstc.role"
 LAYER = "dstc.layer"
 
 LATENT = "latent"
+PER_TOKEN = "per-token"  # DeepSeek-V4's K=V and compressor projections per token (toolchain/export/deepseek_v4.py)
+# caches read by no ScaledDotProductAttention, which openvino_genai's continuous batching needs to page them
+UNPAGEABLE = (LATENT, PER_TOKEN)
 
 
 def present_of(past: str) -> str:

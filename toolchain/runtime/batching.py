@@ -44,6 +44,7 @@ from toolchain.interface.graph import (
     LATENT,
     LOGITS,
     POSITION_IDS,
+    UNPAGEABLE,
     extra_cache_kinds,
     graph_metadata,
     present_of,
@@ -357,13 +358,16 @@ def openvino_pipeline(artifact: Artifact, settings: PipelineSettings):
     SchedulerConfig). The KV cache is sized for ``max_batch`` sequences of ``max_context`` tokens."""
     if artifact.backend != "openvino":
         raise InputError(f"{artifact.path} is an {artifact.backend} artifact, not an OpenVINO one")
-    if graph_metadata(artifact.path / MODEL_XML).get(KV_CACHE) == LATENT:
-        # genai's paged attention replaces the graph's attention and its cache; MLA's latent cache has neither
-        # form (scores are two products over two cached tensors, toolchain/export/deepseek.py)
+    kv_cache = graph_metadata(artifact.path / MODEL_XML).get(KV_CACHE)
+    if kv_cache in UNPAGEABLE:
+        # genai's paged attention replaces the graph's attention and its cache; MLA's latent cache and V4's
+        # per-token state have neither form (toolchain/export/deepseek.py, deepseek_v4_attention.py)
+        remedy = (", or build it with export.mla_cache: per-head (dstc export --mla-cache per-head)"
+                  if kv_cache == LATENT else "")
         raise InputError(f"{artifact.path}: openvino_genai's continuous batching needs the graph's attention as "
-                         f"ScaledDotProductAttention, to page its KV cache, and this artifact has none (an MLA latent "
-                         f"cache); dstc's runner batches it (batching_openvino.StatefulBatch, what dstc serve uses), "
-                         f"or build it with export.mla_cache: per-head (dstc export --mla-cache per-head)")
+                         f"ScaledDotProductAttention, to page its KV cache, and this artifact has none (a {kv_cache} "
+                         f"cache); dstc's runner batches it (batching_openvino.StatefulBatch, what dstc serve "
+                         f"uses){remedy}")
     extra = extra_cache_kinds(graph_metadata(artifact.path / MODEL_XML))
     if extra:
         raise InputError(f"{artifact.path}: openvino_genai's continuous batching pages keys and values only, and "

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from toolchain.interface.graph import KV_CACHE, LATENT, extra_cache_kinds, graph_metadata
+from toolchain.interface.graph import KV_CACHE, UNPAGEABLE, extra_cache_kinds, graph_metadata
 from toolchain.runtime.batching import BatchedDecoder, stack_left_padded
 from toolchain.runtime.decoder import positions
 from toolchain.runtime.generate import left_pad
@@ -34,10 +34,10 @@ from toolchain.runtime.last_logits import INPUT as LOGITS_TO_KEEP
 
 def pageable(xml: Path) -> bool:
     """Whether openvino_genai's continuous batching can page this IR's KV cache: it converts the graph's
-    ScaledDotProductAttention, which every cache but MLA's latent one is read by (the graph's ``dstc.kv_cache``),
-    and pages keys and values only (not, e.g., DeepSeek-V3.2's indexer keys)."""
+    ScaledDotProductAttention, which every cache but MLA's latent one and DeepSeek-V4's per-token state is read by
+    (the graph's ``dstc.kv_cache``), and pages keys and values only (not, e.g., DeepSeek-V3.2's indexer keys)."""
     metadata = graph_metadata(xml)
-    return metadata.get(KV_CACHE) != LATENT and not extra_cache_kinds(metadata)
+    return metadata.get(KV_CACHE) not in UNPAGEABLE and not extra_cache_kinds(metadata)
 
 
 class StatefulBatch(BatchedDecoder):

@@ -21,6 +21,12 @@ from toolchain.runtime.decoder import positions
 
 _loaded: dict[str, object] = {}  # source path -> the loaded model (one at a time)
 
+# transformers 5.24's DeepSeek-V4 pools a left-padded row's padding into its compressed entries (its caches count
+# cache slots, not positions: a row's logits depend on its batch-mates' lengths, up to 0.7 of the logits' range on
+# the test suite's tiny V4). Its reference runs each row of a batch alone, with a cache of its own, as dstc's graph
+# computes each row.
+ROW_BY_ROW = ("deepseek_v4",)
+
 
 def reference_model(source: sources.Source):
     key = str(source.path.resolve())
@@ -89,13 +95,44 @@ class TorchDecoder:
         from transformers import DynamicCache
 
         self.cache = DynamicCache(config=self.model.config)
+        self.row_caches: list = []
 
     def forward(self, input_ids: np.ndarray, attention_mask: np.ndarray, logits_to_keep: int = 0) -> np.ndarray:
         del logits_to_keep  # the reference computes every position (transformers' own default)
         ids, mask = np.ascontiguousarray(input_ids, np.int64), np.ascontiguousarray(attention_mask, np.int64)
+        if len(ids) > 1 and self.model.config.model_type in ROW_BY_ROW:
+            return self._row_by_row(ids, mask)
         with torch.no_grad():
             out = self.model(input_ids=torch.from_numpy(ids), attention_mask=torch.from_numpy(mask),
                              position_ids=torch.from_numpy(np.ascontiguousarray(positions(mask, ids.shape[1]))),
                              use_cache=True, **{cache_argument(): self.cache})
         self.extras = dict(self.model._dstc_routing)
         return out.logits.float().numpy()
+
+    def _row_by_row(self, ids: np.ndarray, mask: np.ndarray) -> np.ndarray:
+        """Each row's new real tokens (its attention_mask's ones) through the model with the row's own cache; the
+        logits [B, S, vocab] left-padded as the batch's (zeros at padding, which no caller reads), and the expert
+        choices of the real tokens, row after row."""
+        from transformers import DynamicCache
+
+        if not self.row_caches:
+            self.row_caches = [DynamicCache(config=self.model.config) for _ in ids]
+        new = ids.shape[1]
+        logits = np.zeros((*ids.shape, self.model.config.vocab_size), np.float32)
+        routing: dict[str, list[np.ndarray]] = {}
+        for row, cache in enumerate(self.row_caches):
+            real = mask[row, -new:].astype(bool)
+            if not real.any():
+                continue
+            tokens = torch.from_numpy(ids[row, real][None])
+            past = cache.get_seq_length()
+            with torch.no_grad():
+                total = past + tokens.shape[1]
+                out = self.model(input_ids=tokens, attention_mask=torch.ones(1, total, dtype=torch.long),
+                                 position_ids=torch.arange(past, total)[None], use_cache=True,
+                                 **{cache_argument(): cache})
+            logits[row, new - tokens.shape[1]:] = out.logits[0].float().numpy()
+            for key, chosen in self.model._dstc_routing.items():
+                routing.setdefault(key, []).append(chosen)
+        self.extras = {key: np.concatenate(parts) for key, parts in routing.items()}
+        return logits

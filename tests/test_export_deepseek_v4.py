@@ -1,0 +1,212 @@
+"""DeepSeek-V4's graph against transformers 5.24 on both backends, one attention type added at a time: sliding
+window alone (with hyper-connections and hash / top-k MoE), then HCA, then CSA with its indexer.
+
+The graph is built from the model transformers loads (tests/conftest.py READER_PENDING: dstc's reader does not read
+V4's hub layout yet). Prompts and decode cross the sliding window (8), many CSA blocks (4, index_topk 3 of up to
+17 entries) and four HCA blocks (16). The left-padded batch is compared with transformers running each row alone
+(toolchain/runtime/torch_reference.py ROW_BY_ROW): its own batched V4 pools the padding into a row's entries."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+import torch
+
+from toolchain.export.architectures import architecture_for
+from toolchain.export.decoder import build_decoder
+from toolchain.export.graph import save_graph
+from toolchain.export.parity import TOLERANCES, Case, compare, compare_decoders
+from toolchain.runtime.torch_reference import TorchDecoder
+
+from conftest import make_checkpoint, tiny_configs
+
+SLIDING, CSA, HCA = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
+STEPS = 20
+LAYERS = {
+    "sliding": [SLIDING, SLIDING],
+    "sliding+hca": [SLIDING, HCA],
+    "sliding+csa+hca": [SLIDING, CSA, HCA, CSA],  # tiny_configs' own
+}
+
+
+def v4_config(layer_types: list[str]):
+    config = tiny_configs()["deepseek_v4"]
+    config.num_hidden_layers = len(layer_types)
+    config.layer_types = list(layer_types)
+    config.mlp_layer_types = ["hash_moe", "moe", "hash_moe", "moe"][:len(layer_types)]
+    return config
+
+
+def v4_model(config, path):
+    from transformers import AutoModelForCausalLM
+
+    make_checkpoint(config, path)
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
+
+
+def cases(vocab: int) -> list[Case]:
+    rng = np.random.default_rng(0)
+    return [Case("short", [rng.integers(0, vocab, 5).tolist()]),
+            Case("long", [rng.integers(0, vocab, 48).tolist()]),
+            Case("batch2-left-padded", [rng.integers(0, vocab, 11).tolist(), rng.integers(0, vocab, 5).tolist()])]
+
+
+@pytest.mark.parametrize("layers", sorted(LAYERS))
+def test_deepseek_v4_matches_transformers_on_both_backends(tmp_path, layers):
+    config = v4_config(LAYERS[layers])
+    model = v4_model(config, tmp_path / "ckpt")
+    save_graph(build_decoder(model, architecture_for("deepseek_v4")), tmp_path / "model.onnx")
+    rates = config.compress_rates
+    longest = 48 + STEPS
+    # what the cases cross: the window, several HCA blocks, more CSA entries than the indexer keeps
+    assert longest > 3 * rates[HCA] and longest > 2 * config.sliding_window
+    assert longest // rates[CSA] > 4 * config.index_topk
+    for backend in ("onnxruntime", "openvino"):
+        result = compare(TorchDecoder.over(model), tmp_path / "model.onnx", backend, cases(config.vocab_size), STEPS,
+                         pad_id=0)
+        assert result["tokens_identical"], backend
+        assert result["max_relative_diff"] <= TOLERANCES[backend], (backend, result["max_relative_diff"])
+        assert result["passed"]
+        assert all(c["steps"] == STEPS for c in result["cases"])
+
+
+@pytest.fixture(scope="module")
+def every_type(tmp_path_factory):
+    """(config, model, graph path) of tiny_configs' V4: sliding, CSA and HCA layers."""
+    root = tmp_path_factory.mktemp("v4")
+    config = v4_config(LAYERS["sliding+csa+hca"])
+    model = v4_model(config, root / "ckpt")
+    save_graph(build_decoder(model, architecture_for("deepseek_v4")), root / "model.onnx")
+    return config, model, root / "model.onnx"
+
+
+def test_deepseek_v4_stateful_openvino_ir_matches_transformers(every_type, tmp_path):
+    """The compile stage's stateful IR (each past/present pair a variable, whatever its name) decodes as the
+    stateless graph does: the per-token caches need nothing of OpenVINO's conversion beyond a KV cache's."""
+    import openvino as ov
+
+    from toolchain.compile.openvino_ir import convert
+    from toolchain.runtime.batching_openvino import pageable
+    from toolchain.runtime.decoder import OpenVINODecoder
+
+    config, model, path = every_type
+    stateful = convert(path, {})
+    assert len(stateful.get_sinks()) == 1 + 5 + 3 + 5  # one variable per cache input: sliding, CSA, HCA, CSA
+    ov.save_model(stateful, str(tmp_path / "stateful.xml"), compress_to_fp16=False)
+    # no ScaledDotProductAttention reads the state: dstc's runner batches it, not openvino_genai's paging
+    assert not pageable(tmp_path / "stateful.xml")
+    result = compare_decoders(TorchDecoder.over(model), lambda: OpenVINODecoder(tmp_path / "stateful.xml", None, (),
+                                                                                "exact"),
+                              cases(config.vocab_size), STEPS, 0, TOLERANCES["openvino"])
+    assert result["tokens_identical"]
+    assert result["max_relative_diff"] <= TOLERANCES["openvino"], result["max_relative_diff"]
+
+
+def test_deepseek_v4_cache_is_per_token_state_named_by_layer_type(every_type):
+    """Every cache input grows along the sequence axis like a KV cache and is paired to its present.* by name:
+    the K=V of every layer, the compressor's projections of HCA and CSA layers, the indexer's of CSA layers."""
+    config, _, path = every_type
+    graph = onnx.load(path).graph
+    dims = {v.name: [d.dim_param or d.dim_value for d in v.type.tensor_type.shape.dim]
+            for v in [*graph.input, *graph.output]}
+    head, index = config.head_dim, config.index_head_dim
+    expected = {
+        0: {"key": head},
+        1: {"key": head, "compressor_kv": 2 * head, "compressor_gate": 2 * head, "indexer_kv": 2 * index,
+            "indexer_gate": 2 * index},
+        2: {"key": head, "compressor_kv": head, "compressor_gate": head},
+        3: {"key": head, "compressor_kv": 2 * head, "compressor_gate": 2 * head, "indexer_kv": 2 * index,
+            "indexer_gate": 2 * index},
+    }
+    past = {n for n in dims if n.startswith("past_key_values.")}
+    assert past == {f"past_key_values.{i}.{name}" for i, names in expected.items() for name in names}
+    for layer, names in expected.items():
+        for name, width in names.items():
+            assert dims[f"past_key_values.{layer}.{name}"] == ["batch_size", 1, "past_sequence_length", width]
+            assert dims[f"present.{layer}.{name}"] == ["batch_size", 1, "total_sequence_length", width]
+    props = {p.key: p.value for p in onnx.load(path, load_external_data=False).metadata_props}
+    assert props["dstc.model_type"] == "deepseek_v4"
+    assert props["dstc.kv_cache"] == "per-token"
+    assert props["dstc.moe_layers"] == "[0, 1, 2, 3]"
+
+
+def test_transformers_batched_v4_pools_a_padded_row_s_padding(every_type):
+    """Why the reference runs V4's batches row by row (ROW_BY_ROW): transformers 5.24's own batch gives a
+    left-padded row other logits than the row alone. Should an upgrade fix it, this fails: drop ROW_BY_ROW."""
+    from transformers import DynamicCache
+
+    config, model, _ = every_type
+    rng = np.random.default_rng(3)
+    long, short = rng.integers(0, config.vocab_size, 30), rng.integers(0, config.vocab_size, 9)
+    ids = np.zeros((2, 30), np.int64)
+    ids[0], ids[1, -9:] = long, short
+    mask = (ids != 0) | (np.arange(30) >= 21)
+    mask[0] = True
+    positions = np.clip(mask.cumsum(-1) - 1, 0, None)
+    with torch.no_grad():
+        batched = model(input_ids=torch.from_numpy(ids), attention_mask=torch.from_numpy(mask.astype(np.int64)),
+                        position_ids=torch.from_numpy(positions), cache=DynamicCache(config=config)).logits[1, -9:]
+        alone = model(input_ids=torch.from_numpy(short[None]), cache=DynamicCache(config=config)).logits[0]
+    span = float(alone.max() - alone.min())
+    assert float((batched - alone).abs().max()) > 0.01 * span
+
+
+@pytest.mark.parametrize("backend", ["onnxruntime-batch", "onnxruntime-gather", "openvino-stateful"])
+def test_v4_sequences_joining_a_running_batch_get_their_batch_one_tokens(every_type, tmp_path, backend):
+    """dstc's continuous batching left-pads the running cache when sequences join: the pooled windows follow each
+    row's positions, so a row's tokens are those it decodes alone (on ONNX Runtime's two cache layouts and on
+    OpenVINO's stateful IR)."""
+    from toolchain.runtime.batching import batched_decoder
+    from toolchain.runtime.batching_openvino import StatefulBatch
+    from toolchain.runtime.decoder import OnnxRuntimeDecoder, OpenVINODecoder
+    from toolchain.runtime.generate import greedy_generate
+
+    config, _, path = every_type
+    if backend == "openvino-stateful":
+        import openvino as ov
+
+        from toolchain.compile.openvino_ir import convert
+
+        ov.save_model(convert(path, {}), str(tmp_path / "stateful.xml"), compress_to_fp16=False)
+        decoder = OpenVINODecoder(tmp_path / "stateful.xml", 2, (), "exact")
+        batch = StatefulBatch(decoder, 0)
+    else:
+        decoder = OnnxRuntimeDecoder(path, 2, ())
+        batch = batched_decoder(decoder, 0, backend.split("-")[1])
+    rng = np.random.default_rng(5)
+    prompts = [rng.integers(1, config.vocab_size, n).tolist() for n in (23, 5, 14, 37, 9)]
+    new = 20
+    alone = [greedy_generate(decoder, [p], new, set(), 0).tokens[0] for p in prompts]
+    out: dict[int, list[int]] = {}
+    waiting, step = list(range(len(prompts))), 0
+    while waiting or len(batch):
+        if waiting and step % 3 == 0:  # two join every third step, beside the ones running
+            joining, waiting = waiting[:2], waiting[2:]
+            for key, logits in batch.join({k: prompts[k] for k in joining}).items():
+                out[key] = [int(logits.argmax())]
+        batch.leave([k for k in batch.keys if len(out[k]) == new])
+        if len(batch):
+            for key, logits in batch.step({k: out[k][-1] for k in batch.keys}).items():
+                out[key].append(int(logits.argmax()))
+        step += 1
+    assert [out[k] for k in range(len(prompts))] == alone
+
+
+def test_deepseek_v4_router_scores_above_softplus_overflow(tmp_path):
+    """Router logits beyond float32's exp range (~88): torch's softplus is linear above 20, the graph's too (ONNX's
+    Softplus alone would give inf and route nowhere)."""
+    config = v4_config(LAYERS["sliding"])
+    model = v4_model(config, tmp_path / "ckpt")
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.mlp.gate.weight.mul_(3000.0)
+    save_graph(build_decoder(model, architecture_for("deepseek_v4")), tmp_path / "model.onnx")
+    cases_ = cases(config.vocab_size)[:2]
+    reference = TorchDecoder.over(model)
+    reference.forward(np.array([cases_[1].prompts[0]]), np.ones((1, 48), np.int64))
+    logits = model.model.layers[1].mlp.gate.weight @ torch.ones(config.hidden_size)
+    assert float(logits.abs().max()) > 88
+    for backend in ("onnxruntime", "openvino"):
+        result = compare(TorchDecoder.over(model), tmp_path / "model.onnx", backend, cases_, 4, pad_id=0)
+        assert result["passed"], (backend, result["max_relative_diff"])

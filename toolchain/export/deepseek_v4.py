@@ -1,0 +1,276 @@
+"""DeepSeek-V4 (V4-Flash / Pro): its own decoder skeleton, because manifold-constrained hyper-connections replace
+the residual stream with hc_mult streams [B, S, hc_mult, hidden]; and its MoE layers (hash and top-k routers,
+sqrt-softplus scores, clipped SwiGLU experts and shared expert).
+
+Per layer, twice (around the attention, then around the MLP): a hyper-connection reads the streams (flattened,
+unweighted RMSNorm, one projection) into ``pre`` (collapses the streams into the block's input), ``post``
+(spreads the block's output over the streams) and ``comb`` (mixes the streams: Sinkhorn-normalised towards a
+doubly stochastic matrix); streams' = post x block(collapse) + comb^T streams. hc_head collapses the streams
+before the final norm. The attention is in deepseek_v4_attention.py, which also says what the cache holds.
+
+Routing (written here until the MoE component folds it in): ``hash_moe`` layers take their experts from the
+frozen table tid2eid[input_ids], ``moe`` layers the top k of sqrt(softplus(logits)) + e_score_correction_bias;
+both weigh the chosen experts by their unbiased scores, normalised and times routed_scaling_factor.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+import onnx_ir as ir
+import torch
+
+from toolchain.errors import UnsupportedModelError
+from toolchain.export import blocks, deepseek_v4_attention as v4attn
+from toolchain.export.decoder import architecture_metadata
+from toolchain.export.graph import GraphBuilder, rename_output, tensor_input
+from toolchain.export.moe import dispatch as dispatch_experts
+from toolchain.export.weights import HFModule, Params, to_numpy
+from toolchain.interface.graph import (
+    ATTENTION_MASK,
+    INPUT_IDS,
+    LOGITS,
+    MODEL_TYPE,
+    NUM_LAYERS,
+    PAST_PREFIX,
+    PER_TOKEN,
+    POSITION_IDS,
+    PRESENT_PREFIX,
+)
+
+FLOAT, INT64 = ir.DataType.FLOAT, ir.DataType.INT64
+SCORES = ("sqrtsoftplus", "sigmoid")
+
+
+def _get(config, name: str):
+    """A config field of a transformers config or of its config.json (a runtime reads the artifact's file)."""
+    return config.get(name) if isinstance(config, dict) else getattr(config, name, None)
+
+
+class DeepseekV4Architecture:
+    model_types: tuple[str, ...] = ("deepseek_v4",)
+    attention_kind = "compressed"  # sliding-window K=V attention with CSA / HCA pooled entries
+    kv_cache = PER_TOKEN  # K=V and the compressors' projections per token (deepseek_v4_attention.py)
+    genai_model_type: str | None = None  # onnxruntime-genai's config describes no hyper-connections
+    moe_lowering = "dispatch"
+    # q, k and the output's inverse rotation; the passes expect nothing of "compressed" attention (passes/targets.py)
+    rotations_per_layer = 3
+
+    def extra_caches(self, config) -> dict[str, tuple[int, int]]:
+        """None recorded: each layer type caches its own tensors (cache_widths), and kv_cache "per-token" already
+        tells a runtime that openvino_genai cannot page them."""
+        return {}
+
+    def check(self, config) -> None:
+        if config.hidden_act != "silu":
+            raise UnsupportedModelError(f"deepseek_v4: hidden_act {config.hidden_act!r} is not supported")
+        if config.scoring_func not in SCORES:
+            raise UnsupportedModelError(f"deepseek_v4: scoring_func {config.scoring_func!r} is not supported "
+                                        f"(supported: {', '.join(SCORES)})")
+        if config.num_key_value_heads != 1:
+            raise UnsupportedModelError("deepseek_v4: the attention shares one K=V head (num_key_value_heads 1)")
+        if self.moe_lowering != "dispatch":
+            raise UnsupportedModelError(f"deepseek_v4: the {self.moe_lowering} MoE lowering is not implemented for "
+                                        f"its clipped SwiGLU experts; use dispatch")
+
+    def fix_reference(self, model) -> None:
+        pass
+
+    def cache_dims(self, config) -> tuple[int, int, int]:
+        """The K=V cache's (heads, key dim, value dim); the compressors' caches are named apart (cache_widths)."""
+        return 1, config.head_dim, config.head_dim
+
+    def head_layout(self, config) -> dict[str, tuple[str, int]]:
+        return {"q_b_proj": ("out", _get(config, "head_dim"))}
+
+    def moe_layers(self, config) -> list[int]:
+        """Every V4 layer's MLP is a mixture of experts (hash-routed or top-k)."""
+        return list(range(_get(config, "num_hidden_layers")))
+
+    def attention(self, g: GraphBuilder, attn, h, inputs):
+        raise NotImplementedError("DeepSeek-V4's layers are built by build_graph")
+
+    def mlp(self, g: GraphBuilder, mlp, h):
+        raise NotImplementedError("DeepSeek-V4's layers are built by build_graph")
+
+    def build_graph(self, model: HFModule, reader=None, on_layer: Callable[[int, int], None] | None = None,
+                    weights: str = "float32") -> ir.Model:
+        """The whole graph (decoder.build_decoder's contract): the interface's inputs and outputs, with each
+        layer's cache tensors named by deepseek_v4_attention.cache_widths."""
+        config = model.config
+        self.check(config)
+        g = GraphBuilder(Params(model, reader), weights)
+        input_ids = tensor_input(INPUT_IDS, INT64, ["batch_size", "sequence_length"])
+        mask_2d = tensor_input(ATTENTION_MASK, INT64, ["batch_size", "total_sequence_length"])
+        position_ids = tensor_input(POSITION_IDS, INT64, ["batch_size", "sequence_length"])
+        inputs, presents = [input_ids, mask_2d, position_ids], []
+        decoder = model.model
+        streams = config.hc_mult
+
+        with g.role("embeddings"):
+            table = g.weight("embed_tokens.weight", g.params.array(decoder.embed_tokens.weight))
+        x = g.op("Gather", table, input_ids, axis=0)
+        h = g.op("Expand", g.op("Unsqueeze", x, g.const([2])), g.const([1, 1, streams, 1]))  # [B, S, hc, hidden]
+        step = step_inputs(g, model, input_ids, mask_2d, position_ids)
+        for i, layer in enumerate(decoder.layers):
+            layer_type = config.layer_types[i]
+            step.past = {name: tensor_input(f"{PAST_PREFIX}{i}.{name}", FLOAT,
+                                            ["batch_size", 1, "past_sequence_length", width])
+                         for name, width in v4attn.cache_widths(config, layer_type).items()}
+            inputs += list(step.past.values())
+            with g.scope(f"layers.{i}"):
+                with g.scope("attn_hc"):
+                    post, comb, collapsed = hyper_connection(g, layer.attn_hc, h)
+                normed = blocks.rms_norm(g, collapsed, layer.input_layernorm, "input_layernorm")
+                with g.scope("self_attn"), g.role("attention"):
+                    out, layer_presents = v4attn.attention(g, layer.self_attn, normed, step)
+                h = mix(g, post, comb, out, h)
+                with g.scope("ffn_hc"):
+                    post, comb, collapsed = hyper_connection(g, layer.ffn_hc, h)
+                normed = blocks.rms_norm(g, collapsed, layer.post_attention_layernorm, "post_attention_layernorm")
+                with g.scope("mlp"), g.role("mlp"):
+                    out = moe(g, layer.mlp, normed, input_ids, config.scoring_func)
+                h = mix(g, post, comb, out, h)
+            presents += [(f"{i}.{name}", value, v4attn.cache_widths(config, layer_type)[name])
+                         for name, value in layer_presents.items()]
+            if on_layer:
+                on_layer(i + 1, len(decoder.layers))
+
+        with g.scope("hc_head"):
+            x = hyper_head(g, decoder.hc_head, h)
+        x = blocks.rms_norm(g, x, decoder.norm, "norm")
+        with g.role("lm_head"):
+            logits = blocks.matmul_weight(g, x, g.params.array(model.lm_head.weight), "lm_head")
+        outputs = [rename_output(logits, LOGITS, FLOAT, ["batch_size", "sequence_length", config.vocab_size])]
+        outputs += [rename_output(value, f"{PRESENT_PREFIX}{name}", FLOAT,
+                                  ["batch_size", 1, "total_sequence_length", width])
+                    for name, value, width in presents]
+        ir_model = g.model(inputs, outputs, doc=f"{config.model_type} exported by dstc")
+        ir_model.metadata_props.update({MODEL_TYPE: config.model_type, NUM_LAYERS: str(len(decoder.layers)),
+                                        **architecture_metadata(self, config)})
+        return ir_model
+
+
+def step_inputs(g: GraphBuilder, model: HFModule, input_ids, mask_2d, position_ids) -> v4attn.StepInputs:
+    """The step's rotaries (main and compress), the sliding-window mask and where each row's tokens start."""
+    config = model.config
+    rotary = model.model.rotary_emb
+    if rotary.main_inv_freq.device.type == "meta":  # a skeleton's: rebuilt from the config (no weights in it)
+        with torch.device("cpu"):
+            rotary = type(rotary)(config=config)
+    ropes = {}
+    with g.scope("rope"):
+        positions = g.op("Cast", position_ids, to=FLOAT)
+        for kind in ("main", "compress"):
+            rope = v4attn.Rope(None, None, to_numpy(getattr(rotary, f"{kind}_inv_freq")),  # type: ignore[arg-type]
+                               float(getattr(rotary, f"{kind}_attention_scaling")))
+            cos, sin = v4attn.rope_at(g, positions, rope)
+            rope.cos, rope.sin = (g.op("Unsqueeze", t, g.const([1])) for t in (cos, sin))
+            ropes[kind] = rope
+    with g.scope("mask"):
+        total = g.op("Gather", g.op("Shape", mask_2d), g.const(1), axis=0)
+        seq = g.op("Gather", g.op("Shape", input_ids), g.const(1), axis=0)
+        key_idx = g.op("Range", g.const(0), total, g.const(1))
+        query_idx = g.op("Unsqueeze", g.op("Range", g.op("Sub", total, seq), total, g.const(1)), g.const([1]))
+        # transformers' sliding-window mask, over cache slots: the window's last sliding_window keys, causal
+        recent = g.op("Greater", key_idx, g.op("Sub", query_idx, g.const(config.sliding_window)))
+        allowed = g.op("And", g.op("LessOrEqual", key_idx, query_idx), recent)
+        allowed = g.op("And", allowed, g.op("Unsqueeze", g.op("Cast", mask_2d, to=ir.DataType.BOOL), g.const([1, 2])))
+        mask = g.op("Where", allowed, g.const(0.0, np.float32), g.const(blocks.MASK_MIN, np.float32))
+        first_slot = g.op("Sub", total, g.op("ReduceSum", mask_2d, g.const([1]), keepdims=1))
+    return v4attn.StepInputs(ropes, mask, position_ids, first_slot, {})
+
+
+def hyper_connection(g: GraphBuilder, hc, h: ir.Value):
+    """(post [B, S, n], comb [B, S, n, n], the collapsed block input [B, S, hidden]) of streams h [B, S, n, hidden]
+    (transformers' DeepseekV4HyperConnection)."""
+    n, eps = hc.hc_mult, hc.hc_eps
+    flat = g.op("Reshape", h, g.const([0, 0, -1]))
+    normed = v4attn.rms_norm(g, flat, None, hc.input_norm.eps, "input_norm")
+    mixes = blocks.matmul_weight(g, normed, g.params.array(hc.fn), "fn")
+    pre, post, comb = g.op("Split", mixes, g.const([n, n, n * n]), axis=-1, outputs=3)
+    pre_b, post_b, comb_b = g.op("Split", g.weight("base", g.params.array(hc.base)), g.const([n, n, n * n]), axis=0,
+                                 outputs=3)
+    pre_s, post_s, comb_s = g.op("Split", g.weight("scale", g.params.array(hc.scale)), g.const([1, 1, 1]), axis=0,
+                                 outputs=3)
+    pre = g.op("Add", g.op("Sigmoid", g.op("Add", g.op("Mul", pre, pre_s), pre_b)), g.const(eps, np.float32))
+    post = g.op("Mul", g.op("Sigmoid", g.op("Add", g.op("Mul", post, post_s), post_b)), g.const(2.0, np.float32))
+    square = g.const([0, 0, n, n])
+    comb = g.op("Add", g.op("Reshape", g.op("Mul", comb, comb_s), square), g.op("Reshape", comb_b, g.const([n, n])))
+    comb = g.op("Add", g.op("Softmax", comb, axis=-1), g.const(eps, np.float32))
+    comb = _normalise(g, comb, -2, eps)
+    with g.scope("sinkhorn"):
+        for _ in range(hc.hc_sinkhorn_iters - 1):
+            comb = _normalise(g, _normalise(g, comb, -1, eps), -2, eps)
+    collapsed = g.op("ReduceSum", g.op("Mul", g.op("Unsqueeze", pre, g.const([-1])), h), g.const([2]), keepdims=0)
+    return post, comb, collapsed
+
+
+def _normalise(g: GraphBuilder, x, axis: int, eps: float):
+    return g.op("Div", x, g.op("Add", g.op("ReduceSum", x, g.const([axis]), keepdims=1), g.const(eps, np.float32)))
+
+
+def mix(g: GraphBuilder, post, comb, out, h):
+    """The streams after a block: post x out spread over the streams, plus comb^T h."""
+    spread = g.op("Mul", g.op("Unsqueeze", post, g.const([-1])), g.op("Unsqueeze", out, g.const([-2])))
+    return g.op("Add", spread, g.op("MatMul", g.op("Transpose", comb, perm=[0, 1, 3, 2]), h))
+
+
+def hyper_head(g: GraphBuilder, head, h):
+    """hc_head: the streams collapsed by their sigmoid weights (transformers' DeepseekV4HyperHead)."""
+    normed = v4attn.rms_norm(g, g.op("Reshape", h, g.const([0, 0, -1])), None, head.input_norm.eps, "input_norm")
+    mixes = blocks.matmul_weight(g, normed, g.params.array(head.hc_fn), "hc_fn")
+    pre = g.op("Add", g.op("Mul", mixes, g.weight("hc_scale", g.params.array(head.hc_scale))),
+               g.weight("hc_base", g.params.array(head.hc_base)))
+    pre = g.op("Add", g.op("Sigmoid", pre), g.const(head.eps, np.float32))
+    return g.op("ReduceSum", g.op("Mul", g.op("Unsqueeze", pre, g.const([-1])), h), g.const([2]), keepdims=0)
+
+
+def moe(g: GraphBuilder, mlp, h, input_ids, scoring: str):
+    """DeepseekV4SparseMoeBlock: routed experts (clipped SwiGLU, dispatched per expert) plus the shared expert."""
+    router, limit = mlp.gate, mlp.experts.limit
+    x2d = g.op("Reshape", h, g.const([-1, router.hidden_dim]))
+    with g.scope("router"), g.role("router"):
+        logits = blocks.matmul_weight(g, x2d, g.params.array(router.weight), "gate")
+        scores = score(g, logits, scoring)
+        if mlp.is_hash:  # the table's ids are small integers, exact in float32
+            table = g.weight("tid2eid", g.params.array(router.tid2eid))
+            idx = g.op("Cast", g.op("Gather", table, g.op("Reshape", input_ids, g.const([-1])), axis=0), to=INT64)
+        else:
+            biased = g.op("Add", scores, g.weight("e_score_correction_bias",
+                                                  g.params.array(router.e_score_correction_bias)))
+            _, idx = g.op("TopK", biased, g.const([router.top_k]), axis=-1, outputs=2)
+        weights = g.op("GatherElements", scores, idx, axis=1)
+        total = g.op("Add", g.op("ReduceSum", weights, g.const([-1]), keepdims=1), g.const(1e-20, np.float32))
+        weights = g.op("Mul", g.op("Div", weights, total), g.const(router.routed_scaling_factor, np.float32))
+    with g.role("routed_expert"):
+        routed = dispatch_experts(g, x2d, idx, weights, mlp.experts, limit=limit)
+    routed = g.op("Reshape", routed, g.op("Shape", h))
+    with g.role("shared_expert"):
+        shared = blocks.mlp_module(g, h, mlp.shared_experts, "shared_experts", limit=mlp.shared_experts.limit)
+    return g.op("Add", routed, shared)
+
+
+def score(g: GraphBuilder, logits, scoring: str):
+    """The router's scores (scoring_func, SCORES): sqrt(softplus(logits)) (V4's) or sigmoid(logits)."""
+    if scoring == "sqrtsoftplus":
+        return g.op("Sqrt", softplus(g, logits))
+    return g.op("Sigmoid", logits)
+
+
+def softplus(g: GraphBuilder, x):
+    """torch's softplus to rounding for every x: x above 20 (its threshold), else max(x, 0) + log1p(exp(-|x|)).
+    ONNX's Softplus is not (ONNX Runtime's overflows to inf above ~88, OpenVINO's is 0 below -20 and slightly
+    negative at -20, whose sqrt is NaN), nor is OpenVINO's Log near 1; log1p(y), y in (0, 1], is its series
+    2 atanh(z) = 2 (z + z^3/3 + ... + z^15/15), z = y / (2 + y) <= 1/3 (truncation below 1e-8 relative)."""
+    y = g.op("Exp", g.op("Neg", g.op("Abs", x)))
+    z = g.op("Div", y, g.op("Add", y, g.const(2.0, np.float32)))
+    z2 = g.op("Mul", z, z)
+    series = g.const(1.0 / 15, np.float32)
+    for k in range(13, 0, -2):
+        series = g.op("Add", g.op("Mul", series, z2), g.const(1.0 / k, np.float32))
+    log1p = g.op("Mul", g.op("Mul", z, series), g.const(2.0, np.float32))
+    soft = g.op("Add", g.op("Max", x, g.const(0.0, np.float32)), log1p)
+    return g.op("Where", g.op("Greater", x, g.const(20.0, np.float32)), x, soft)
+
