@@ -356,7 +356,7 @@ def bad_weight_block_size(fp8, d):
 
 @bad
 def unsupported_dtype(fp8, d):
-    return fp8_single(d, {W: torch.zeros(4, 4, dtype=torch.int64)}, quantization=None)
+    return fp8_single(d, {W: torch.zeros(4, 4, dtype=torch.float8_e5m2)}, quantization=None)
 
 
 @bad

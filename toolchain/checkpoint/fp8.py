@@ -39,6 +39,7 @@ from typing import BinaryIO
 import torch
 
 from toolchain.atomic import atomic_output_dir
+from toolchain.checkpoint.fp4 import power_of_two_scale
 from toolchain.checkpoint.reader import EMBEDDING, FP8, INDEX_FILE, LM_HEAD, SCALE_SUFFIX, open_checkpoint
 from toolchain.errors import InputError
 
@@ -56,8 +57,11 @@ def quantized_in_hub_layout(name: str, shape: tuple[int, ...]) -> bool:
     return bool(_QUANTIZED.fullmatch(name)) and len(shape) == 2
 
 
-def quantize_fp8(weight: torch.Tensor, block: tuple[int, int] = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
-    """(e4m3 weight, float32 scales of its ceil-divided blocks), one block row at a time."""
+def quantize_fp8(weight: torch.Tensor, block: tuple[int, int] = BLOCK,
+                 scale_fmt: str = "float") -> tuple[torch.Tensor, torch.Tensor]:
+    """(e4m3 weight, float32 scales of its ceil-divided blocks), one block row at a time. ``scale_fmt`` "ue8m0"
+    (DeepSeek-V3.1 and later): each scale rounded up to a power of two, as DeepSeek's ``act_quant`` kernel does with
+    ``scale_fmt`` set."""
     rows, cols = weight.shape
     block_rows, block_cols = block
     q = torch.empty((rows, cols), dtype=FP8)
@@ -66,7 +70,8 @@ def quantize_fp8(weight: torch.Tensor, block: tuple[int, int] = BLOCK) -> tuple[
         band = weight[start:start + block_rows].to(torch.float32)
         padded = torch.nn.functional.pad(band.abs(), (0, -cols % block_cols))
         amax = padded.view(band.shape[0], -1, block_cols).amax(dim=(0, 2))
-        scales[i] = amax.clamp(min=MIN_AMAX) / FP8_MAX
+        amax = amax.clamp(min=MIN_AMAX)
+        scales[i] = power_of_two_scale(amax, FP8_MAX) if scale_fmt == "ue8m0" else amax / FP8_MAX
         per_column = scales[i].repeat_interleave(block_cols)[:cols]
         q[start:start + block_rows] = (band / per_column).clamp(-FP8_MAX, FP8_MAX).to(FP8)
     return q, scales
