@@ -31,15 +31,13 @@ def unpack_e2m1(packed: torch.Tensor) -> torch.Tensor:
 def pack_e2m1(values: torch.Tensor) -> torch.Tensor:
     """int8 [..., n / 2]: ``values`` (float, [..., n], n even) rounded to the nearest e2m1 value (ties to the even
     code, as a cast rounds), two per byte."""
-    table = torch.tensor(E2M1_VALUES[:8], dtype=torch.float32)
-    magnitude = values.abs().clamp(max=E2M1_MAX).to(torch.float32)
-    # nearest of the eight magnitudes; at a tie the lower code, unless it is odd (1 = 0.5, 3 = 1.5, 5 = 3.0)
-    distance = (magnitude.unsqueeze(-1) - table).abs()
-    code = distance.argmin(dim=-1)
-    tie = distance.gather(-1, (code + 1).clamp(max=7).unsqueeze(-1)).squeeze(-1) == distance.amin(dim=-1)
-    code = torch.where(tie & (code % 2 == 1) & (code < 7), code + 1, code)
-    code = code + 8 * (values < 0).long() * (code > 0).long()
-    code = code.to(torch.uint8)
+    magnitude = values.abs().to(torch.float32)
+    # the code counts the midpoints between consecutive magnitudes that lie below; a value on midpoint i (between
+    # codes i and i + 1) goes to the even code
+    code = torch.zeros(values.shape, dtype=torch.uint8)
+    for i, (low, high) in enumerate(zip(E2M1_VALUES[:7], E2M1_VALUES[1:8])):
+        code += (magnitude >= (low + high) / 2 if i % 2 else magnitude > (low + high) / 2).to(torch.uint8)
+    code |= ((values < 0) & (code > 0)).to(torch.uint8) << 3
     packed = code[..., 0::2] | (code[..., 1::2] << 4)
     return packed.view(torch.int8)
 

@@ -29,18 +29,39 @@ def module_names(path: Path, config: dict, names: list[str]) -> dict[str, str] |
     """checkpoint name -> module name for each of ``names``, or None when the checkpoint's model type has no
     renaming in transformers. ``path``: the checkpoint directory (its config.json builds the model's skeleton,
     whose parameter names decide the ``model.`` prefix as transformers decides it)."""
-    from transformers.conversion_mapping import get_checkpoint_conversion_mapping
-    from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
-
     model_type = config.get("model_type")
-    mapping = get_checkpoint_conversion_mapping(model_type) if isinstance(model_type, str) else None
-    if isinstance(mapping, str):  # an alias of another model type's mapping
-        mapping = get_checkpoint_conversion_mapping(mapping)
+    transforms = _transforms(model_type) if isinstance(model_type, str) else None
+    if transforms is None:
+        return None
+    parameters, prefix = _skeleton_names(path)
+    return _rename(names, transforms, parameters, prefix)
+
+
+def model_module_names(model, names: list[str]) -> dict[str, str]:
+    """checkpoint name -> module name of transformers model ``model`` (a writer's check of its hub names)."""
+    transforms = _transforms(model.config.model_type)
+    if transforms is None:
+        return {name: name for name in names}
+    return _rename(names, transforms, dict.fromkeys(model.state_dict(), True), model.base_model_prefix)
+
+
+def _transforms(model_type: str) -> tuple[list, list] | None:
+    """(WeightRenamings, WeightConverters) of ``model_type`` in transformers, None when nothing is renamed."""
+    from transformers.conversion_mapping import get_checkpoint_conversion_mapping
+    from transformers.core_model_loading import WeightConverter, WeightRenaming
+
+    mapping = get_checkpoint_conversion_mapping(model_type)
     renamings = [t for t in mapping or [] if isinstance(t, WeightRenaming)]
     if not renamings:
         return None
-    converters = [t for t in mapping or [] if isinstance(t, WeightConverter)]
-    parameters, prefix = _skeleton_names(path)
+    return renamings, [t for t in mapping or [] if isinstance(t, WeightConverter)]
+
+
+def _rename(names: list[str], transforms: tuple[list, list], parameters: dict[str, bool],
+            prefix: str) -> dict[str, str]:
+    from transformers.core_model_loading import rename_source_key
+
+    renamings, converters = transforms
     out = {}
     for name in names:
         module, source = rename_source_key(name, renamings, converters, prefix, parameters)

@@ -348,11 +348,15 @@ class CheckpointReader:
         """The block one scale covers (rows, columns of values) of a quantized weight, None for another tensor;
         an InputError for a scale that does not fit its weight or config.json."""
         where = self.path / weight.file
+        quant = self.quantization
+        fp4_weights = quant is not None and quant.expert_dtype == "fp4"
+        if weight.dtype in PACKED_FP4 and scale is None and fp4_weights and weight.key.endswith(WEIGHT_SUFFIX):
+            raise InputError(f"{where}: FP4 weight {weight.key} has no {weight.key.removesuffix(WEIGHT_SUFFIX)}"
+                             f"{V4_SCALE_SUFFIX}")
         if weight.dtype not in QUANTIZED or (weight.dtype in PACKED_FP4 and scale is None):
             if scale is not None:
                 raise InputError(f"{where}: {weight.key} has a {SCALE_SUFFIX} but is {weight.dtype}, not FP8")
             return None  # an int8 tensor without scales is an integer tensor
-        quant = self.quantization
         if quant is None:
             raise InputError(f"{where}: {weight.key} is {'FP4' if weight.dtype in PACKED_FP4 else 'FP8'} but "
                              f"config.json has no quantization_config")
@@ -436,7 +440,11 @@ class CheckpointReader:
             end = min((start // band + 1) * band, stop)  # up to the end of this band
             q = self._read(entry.stored, entry.expert, (start, end))
             values = fp4.unpack_e2m1(q) if entry.fp4 else q.to(torch.float32)
-            s = scale[torch.arange(start, end) // block_rows].repeat_interleave(block_cols, dim=1)[:, :cols]
+            s = scale[start // block_rows:(end - 1) // block_rows + 1].repeat_interleave(block_cols, dim=1)[:, :cols]
+            if len(s) == 1:  # the band lies in one block row (FP8): its scales broadcast over the rows
+                s = s[0]
+            else:  # FP4: a scale per row
+                s = s.repeat_interleave(block_rows, dim=0)[start % block_rows:start % block_rows + end - start]
             torch.mul(values, s, out=out[start - first:end - first])
             start = end
         return out
