@@ -12,15 +12,14 @@ import sys
 import textwrap
 from pathlib import Path
 
+import conftest
 import pytest
 import torch
+from conftest import COMMON, make_checkpoint
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-import conftest
-from conftest import COMMON, make_checkpoint
-from toolchain.checkpoint import fp4, open_checkpoint
-from toolchain.checkpoint import reader as reader_module
+from toolchain.checkpoint import fp4, open_checkpoint, reader as reader_module
 from toolchain.checkpoint.fp8 import QUANTIZATION_CONFIG, quantize_fp8, write_fp8_checkpoint
 from toolchain.checkpoint.v4_layout import QUANTIZATION_CONFIG as V4_QUANTIZATION
 from toolchain.errors import InputError
@@ -595,7 +594,8 @@ def test_v32_reads_as_transformers_loads_it(tmp_path):
     prefix = "model.layers.1.self_attn.indexer."
     assert stored[prefix + "wq_b.weight"][0] == stored[prefix + "wk.weight"][0] == "F8_E4M3"
     assert stored[prefix + "wk.weight_scale_inv"] == ("F32", [1, 2])
-    assert stored[prefix + "weights_proj.weight"][0] == "BF16" and prefix + "weights_proj.weight_scale_inv" not in stored
+    assert stored[prefix + "weights_proj.weight"][0] == "BF16"
+    assert prefix + "weights_proj.weight_scale_inv" not in stored
     assert stored[prefix + "k_norm.weight"][0] == stored[prefix + "k_norm.bias"][0] == "F32"
     assert json.loads((path / "config.json").read_text())["quantization_config"]["scale_fmt"] == "ue8m0"
     scales = [raw_single(path, n) for n in stored if n.endswith("_scale_inv")]

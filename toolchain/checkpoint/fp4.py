@@ -10,6 +10,8 @@ that every value of its block divided by s lies within e2m1's range (+-6).
 
 from __future__ import annotations
 
+from itertools import pairwise
+
 import torch
 
 BLOCK = (1, 32)  # one scale per 32 values along a row
@@ -35,7 +37,7 @@ def pack_e2m1(values: torch.Tensor) -> torch.Tensor:
     # the code counts the midpoints between consecutive magnitudes that lie below; a value on midpoint i (between
     # codes i and i + 1) goes to the even code
     code = torch.zeros(values.shape, dtype=torch.uint8)
-    for i, (low, high) in enumerate(zip(E2M1_VALUES[:7], E2M1_VALUES[1:8])):
+    for i, (low, high) in enumerate(pairwise(E2M1_VALUES[:8])):
         code += (magnitude >= (low + high) / 2 if i % 2 else magnitude > (low + high) / 2).to(torch.uint8)
     code |= ((values < 0) & (code > 0)).to(torch.uint8) << 3
     packed = code[..., 0::2] | (code[..., 1::2] << 4)

@@ -12,8 +12,14 @@ from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig, Pre
 
 from toolchain.atomic import atomic_output_dir, check_writable_target
 from toolchain.checkpoint import v4_layout
-from toolchain.checkpoint.fp8 import (QUANTIZATION_CONFIG, float32_in_hub_layout, plan_shards, quantize_fp8,
-                                      quantized_in_hub_layout, write_shard)
+from toolchain.checkpoint.fp8 import (
+    QUANTIZATION_CONFIG,
+    float32_in_hub_layout,
+    plan_shards,
+    quantize_fp8,
+    quantized_in_hub_layout,
+    write_shard,
+)
 from toolchain.checkpoint.reader import INDEX_FILE, SCALE_SUFFIX
 from toolchain.errors import InputError
 from toolchain.models.registry import embedded_path, reference_config
