@@ -24,10 +24,10 @@ _MIN_AMAX = E2M1_MAX * 2.0**-126  # DeepSeek's floor: an all-zero block gets the
 
 def unpack_e2m1(packed: torch.Tensor) -> torch.Tensor:
     """float32 [..., 2n] of the e2m1 values packed two per byte in ``packed`` (int8 or uint8 [..., n])."""
-    codes = packed.contiguous().view(torch.uint8)
-    table = torch.tensor(E2M1_VALUES, dtype=torch.float32)
-    values = torch.stack([table[(codes & 0xF).long()], table[(codes >> 4).long()]], dim=-1)
-    return values.reshape(*packed.shape[:-1], 2 * packed.shape[-1])
+    values = torch.tensor(E2M1_VALUES, dtype=torch.float32)
+    pairs = torch.stack([values.repeat(16), values.repeat_interleave(16)], dim=-1)  # byte -> (low, high nibble)
+    codes = packed.contiguous().view(torch.uint8).flatten().to(torch.int32)
+    return torch.index_select(pairs, 0, codes).reshape(*packed.shape[:-1], 2 * packed.shape[-1])
 
 
 def pack_e2m1(values: torch.Tensor) -> torch.Tensor:
