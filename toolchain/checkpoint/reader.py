@@ -361,7 +361,9 @@ class CheckpointReader:
             raise InputError(f"{where}: {weight.key} is {'FP4' if weight.dtype in PACKED_FP4 else 'FP8'} but "
                              f"config.json has no quantization_config")
         if scale is None:
-            raise InputError(f"{where}: FP8 weight {weight.key} has no {weight.key}{SCALE_SUFFIX}")
+            v4_name = f" or {weight.key.removesuffix(WEIGHT_SUFFIX)}{V4_SCALE_SUFFIX}" \
+                if weight.key.endswith(WEIGHT_SUFFIX) else ""
+            raise InputError(f"{where}: FP8 weight {weight.key} has no scales ({weight.key}{SCALE_SUFFIX}{v4_name})")
         if len(weight.shape) not in (2, 3):
             raise InputError(f"{where}: quantized weight {weight.key} must be a matrix, not {list(weight.shape)}")
         scale_where = self.path / scale.file

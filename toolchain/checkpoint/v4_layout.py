@@ -46,15 +46,13 @@ Draw = Callable[[str, tuple[int, ...], torch.dtype], torch.Tensor]
 
 @dataclass(frozen=True)
 class HubTensor:
-    """One tensor of the hub layout: its name, how it is stored, and the transformers parameter it fills
-    (``expert``/``half``: which expert, and for gate_up_proj which half, of a fused parameter)."""
+    """One tensor of the hub layout: its name, how it is stored, the transformers parameter it fills (a routed
+    expert's: part of the fused gate_up_proj or down_proj) and the shape of its values."""
 
     name: str
     kind: str
     module: str
     shape: tuple[int, ...]
-    expert: int | None = None
-    half: int | None = None
 
 
 def layer_tensors(prefix: str, attention: str, mlp: str, experts: int) -> dict[str, str]:
@@ -67,9 +65,11 @@ def layer_tensors(prefix: str, attention: str, mlp: str, experts: int) -> dict[s
     if attention == "compressed_sparse_attention":
         out |= {f"{prefix}attn.indexer.compressor.{leaf}": kind for leaf, kind in _COMPRESSOR.items()}
         out |= {f"{prefix}attn.indexer.weights_proj.weight": BF16_KIND, f"{prefix}attn.indexer.wq_b.weight": FP8_KIND}
-    out |= {f"{prefix}ffn.gate.weight": BF16_KIND,
-            f"{prefix}ffn.gate." + ("tid2eid" if mlp == "hash_moe" else "bias"): I64_KIND if mlp == "hash_moe"
-            else F32_KIND}
+    out[f"{prefix}ffn.gate.weight"] = BF16_KIND
+    if mlp == "hash_moe":  # a hash layer's table replaces the router's bias
+        out[f"{prefix}ffn.gate.tid2eid"] = I64_KIND
+    else:
+        out[f"{prefix}ffn.gate.bias"] = F32_KIND
     out |= {f"{prefix}ffn.experts.{e}.{w}.weight": FP4_KIND for e in range(experts) for w in ("w1", "w2", "w3")}
     out |= {f"{prefix}ffn.shared_experts.{w}.weight": FP8_KIND for w in ("w1", "w2", "w3")}
     out |= {f"{prefix}attn_norm.weight": BF16_KIND, f"{prefix}ffn_norm.weight": BF16_KIND}
@@ -89,21 +89,12 @@ def hub_tensors(model) -> list[HubTensor]:
     parameters = model.state_dict()  # parameters and persistent buffers (the hash table)
     out, filled = [], set()
     for name, kind in kinds.items():
-        module = modules[name]
-        head, expert, proj = _expert_parts(module)
-        if head is None:
-            fused, shape, e, half = module, tuple(parameters[module].shape) if module in parameters else None, None, \
-                None
-        else:
-            fused = f"{head}.{'down_proj' if proj == 'down_proj' else 'gate_up_proj'}"
-            whole = parameters.get(fused)
-            shape = None if whole is None else \
-                (tuple(whole.shape[1:]) if proj == "down_proj" else (whole.shape[1] // 2, whole.shape[2]))
-            e, half = expert, None if proj == "down_proj" else ("gate_proj", "up_proj").index(proj)
+        module, shape = _parameter(modules[name], parameters)
         if shape is None:
-            raise ValueError(f"DeepSeek-V4's hub tensor {name} is {module}, which transformers' model does not have")
-        filled.add(fused)
-        out.append(HubTensor(name, kind, fused, shape, e, half))
+            raise ValueError(f"DeepSeek-V4's hub tensor {name} is {modules[name]}, which transformers' model does "
+                             f"not have")
+        filled.add(module)
+        out.append(HubTensor(name, kind, module, shape))
     missing = sorted(set(parameters) - filled)
     if missing:
         raise ValueError(f"transformers' DeepSeek-V4 has parameters the hub layout does not hold: {missing[:5]}")
@@ -181,10 +172,18 @@ def _scale_name(weight: str) -> str:
     return weight.removesuffix(".weight") + SCALE
 
 
-def _expert_parts(module: str) -> tuple[str | None, int | None, str | None]:
-    """(``model.layers.L.mlp.experts``, E, proj) of a per-expert module name, else Nones."""
+def _parameter(module: str, parameters: dict) -> tuple[str, tuple[int, ...] | None]:
+    """(the model's parameter that holds ``module``, the shape of ``module``'s values; None if there is none): a
+    per-expert name (``...experts.E.gate_proj.weight``) is part of the fused gate_up_proj [E, 2I, H] (gate rows
+    first) or down_proj [E, H, I]."""
     head, _, rest = module.partition(".experts.")
     parts = rest.split(".")
     if not rest or len(parts) != 3 or not parts[0].isdigit():
-        return None, None, None
-    return head + ".experts", int(parts[0]), parts[1]
+        whole = parameters.get(module)
+        return module, None if whole is None else tuple(whole.shape)
+    fused = f"{head}.experts.{'down_proj' if parts[1] == 'down_proj' else 'gate_up_proj'}"
+    whole = parameters.get(fused)
+    if whole is None:
+        return fused, None
+    _, rows, cols = whole.shape
+    return fused, (rows, cols) if parts[1] == "down_proj" else (rows // 2, cols)
