@@ -442,12 +442,13 @@ class CheckpointReader:
             end = min((start // band + 1) * band, stop)  # up to the end of this band
             q = self._read(entry.stored, entry.expert, (start, end))
             values = fp4.unpack_e2m1(q) if entry.fp4 else q.to(torch.float32)
-            s = scale[start // block_rows:(end - 1) // block_rows + 1].repeat_interleave(block_cols, dim=1)[:, :cols]
-            if len(s) == 1:  # the band lies in one block row (FP8): its scales broadcast over the rows
-                s = s[0]
-            else:  # FP4: a scale per row
-                s = s.repeat_interleave(block_rows, dim=0)[start % block_rows:start % block_rows + end - start]
-            torch.mul(values, s, out=out[start - first:end - first])
+            s = scale[torch.arange(start, end) // block_rows]  # [rows, column blocks]
+            target = out[start - first:end - first]
+            if cols % block_cols == 0:  # whole column blocks (always for FP4): each scale broadcasts over its block
+                blocks = (end - start, cols // block_cols, block_cols)
+                torch.mul(values.view(blocks), s.unsqueeze(-1), out=target.view(blocks))
+            else:
+                torch.mul(values, s.repeat_interleave(block_cols, dim=1)[:, :cols], out=target)
             start = end
         return out
 
