@@ -293,9 +293,9 @@ class CheckpointReader:
                                      f"hold")
                 scales[weight] = s
             elif key.endswith(V4_SCALE_SUFFIX):
-                weight = stored.get(key[:-len(V4_SCALE_SUFFIX)] + WEIGHT_SUFFIX)
-                if weight is not None and weight.dtype in QUANTIZED:
-                    scales[weight.key] = s
+                quantized = stored.get(key[:-len(V4_SCALE_SUFFIX)] + WEIGHT_SUFFIX)
+                if quantized is not None and quantized.dtype in QUANTIZED:
+                    scales[quantized.key] = s
         return scales
 
     def _index(self, stored: dict[str, _Stored]) -> dict[str, _Entry]:

@@ -139,13 +139,17 @@ def groups(tensors: list[HubTensor], draw: Draw, experts: int) -> list[Group]:
             else:
                 specs = [(t.name, torch.int8, (rows, cols // 2)), (_scale_name(t.name), fp4.E8M0, (rows, cols // 32))]
             out.append(Group(specs, _quantized(t, draw)))
-        elif t.kind == I64_KIND:
-            out.append(Group([(t.name, torch.int64, t.shape)], lambda t=t: [_hash_table(t.shape, experts, draw)]))
         else:
-            dtype = _PLAIN[t.kind]
-            out.append(Group([(t.name, dtype, t.shape)], lambda t=t, dtype=dtype: [draw(t.module or t.name, t.shape,
-                                                                                         dtype)]))
+            out.append(Group([(t.name, _PLAIN[t.kind], t.shape)], _plain(t, draw, experts)))
     return out
+
+
+def _plain(t: HubTensor, draw: Draw, experts: int) -> Callable[[], list[torch.Tensor]]:
+    def make() -> list[torch.Tensor]:
+        if t.kind == I64_KIND:
+            return [_hash_table(t.shape, experts, draw)]
+        return [draw(t.module or t.name, t.shape, _PLAIN[t.kind])]
+    return make
 
 
 def _quantized(t: HubTensor, draw: Draw) -> Callable[[], list[torch.Tensor]]:
