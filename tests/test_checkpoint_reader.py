@@ -1,6 +1,7 @@
-"""toolchain.checkpoint.reader and fp8: the hub's FP8 layout written and read back, sharded and single-file,
-fused experts, tied embeddings, the MTP layer, one-line errors for malformed checkpoints, one shard open at a
-time, and bounded memory while dequantizing."""
+"""toolchain.checkpoint.reader, fp8, fp4 and v4_layout: the hub's FP8 layout written and read back, sharded and
+single-file, fused experts, tied embeddings, the MTP layer, one-line errors for malformed checkpoints, one shard
+open at a time, and bounded memory while dequantizing; DeepSeek-V3.2's and V4's hub layouts (FP4 experts, ue8m0
+scales, DeepSeek's names) read as transformers 5.24 loads them."""
 
 from __future__ import annotations
 
@@ -11,16 +12,18 @@ import sys
 import textwrap
 from pathlib import Path
 
+import conftest
 import pytest
 import torch
+from conftest import COMMON, make_checkpoint
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from conftest import COMMON, make_checkpoint
-from toolchain.checkpoint import open_checkpoint
-from toolchain.checkpoint import reader as reader_module
+from toolchain.checkpoint import fp4, open_checkpoint, reader as reader_module
 from toolchain.checkpoint.fp8 import QUANTIZATION_CONFIG, quantize_fp8, write_fp8_checkpoint
+from toolchain.checkpoint.v4_layout import QUANTIZATION_CONFIG as V4_QUANTIZATION
 from toolchain.errors import InputError
+from toolchain.models.shape_faithful import write_random_checkpoint
 
 # Widths that are not multiples of 128, so that FP8 blocks on the right and bottom edges are partial.
 WIDE_V3 = dict(vocab_size=97, hidden_size=200, intermediate_size=300, moe_intermediate_size=136,
@@ -356,7 +359,7 @@ def bad_weight_block_size(fp8, d):
 
 @bad
 def unsupported_dtype(fp8, d):
-    return fp8_single(d, {W: torch.zeros(4, 4, dtype=torch.int64)}, quantization=None)
+    return fp8_single(d, {W: torch.zeros(4, 4, dtype=torch.float8_e5m2)}, quantization=None)
 
 
 @bad
@@ -465,3 +468,253 @@ def test_dequantizing_a_large_weight_needs_little_more_than_its_output(tmp_path)
     if out == "skip":
         pytest.skip("/proc/self/clear_refs is not writable here")
     assert float(out) < 2.5, f"peak RSS increase {float(out):.2f}x the fp32 output"
+
+
+# -- DeepSeek-V4 and V3.2 as shipped -----------------------------------------------------------------------------
+
+# FP8 widths in whole 128 x 128 blocks: transformers' dequantization derives the block from the scale grid's shape
+# (Fp8Dequantize._dequantize_one), which is only right for whole blocks. Layers: sliding + hash MoE, CSA, HCA.
+TINY_V4 = dict(vocab_size=300, hidden_size=256, moe_intermediate_size=128, num_hidden_layers=3, num_attention_heads=2,
+               num_key_value_heads=1, head_dim=128, qk_rope_head_dim=64, q_lora_rank=128, o_groups=2, o_lora_rank=128,
+               n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1, index_n_heads=2, index_head_dim=128,
+               index_topk=4, sliding_window=8, compress_ratios=[0, 4, 128], num_hash_layers=1,
+               max_position_embeddings=512, hc_mult=2, hc_sinkhorn_iters=3)
+TINY_V32 = dict(vocab_size=300, hidden_size=256, intermediate_size=256, moe_intermediate_size=128, num_hidden_layers=2,
+                num_attention_heads=2, num_key_value_heads=2, q_lora_rank=128, kv_lora_rank=192, qk_rope_head_dim=64,
+                qk_nope_head_dim=64, v_head_dim=128, n_routed_experts=4, num_experts_per_tok=2, n_group=2,
+                topk_group=1, first_k_dense_replace=1, index_n_heads=2, index_head_dim=128, index_topk=4,
+                max_position_embeddings=512)
+
+
+def tiny_config(model_type: str, fields: dict):
+    from transformers import AutoConfig
+
+    return AutoConfig.for_model(model_type, **fields)
+
+
+@pytest.fixture(scope="module")
+def v4(tmp_path_factory):
+    """A tiny DeepSeek-V4 in the hub layout, with one MTP block."""
+    return write_random_checkpoint(tiny_config("deepseek_v4", TINY_V4), tmp_path_factory.mktemp("v4") / "hub",
+                                   seed=3, mtp_layers=1)
+
+
+def header(checkpoint: Path) -> dict[str, tuple[str, list[int]]]:
+    """name -> (safetensors dtype, shape) of a single-file checkpoint."""
+    with safe_open(checkpoint / "model.safetensors", framework="pt") as f:
+        return {k: (f.get_slice(k).get_dtype(), f.get_slice(k).get_shape()) for k in f.keys()}
+
+
+def test_v4_hub_layout_is_deepseeks(v4):
+    """Names, dtypes and shapes as deepseek-ai/DeepSeek-V4-Flash's index and shard headers show them."""
+    stored = header(v4)
+    hidden, inter, experts = TINY_V4["hidden_size"], TINY_V4["moe_intermediate_size"], TINY_V4["n_routed_experts"]
+    assert stored["embed.weight"] == ("BF16", [300, hidden]) and stored["head.weight"] == ("BF16", [300, hidden])
+    assert stored["hc_head_fn"] == ("F32", [2, 2 * hidden]) and stored["norm.weight"][0] == "BF16"
+    assert stored["layers.0.attn.wq_a.weight"] == ("F8_E4M3", [128, hidden])
+    assert stored["layers.0.attn.wq_a.scale"] == ("F8_E8M0", [1, 2])
+    assert stored["layers.0.attn.wo_a.weight"] == ("F8_E4M3", [256, 128])  # o_groups x o_lora_rank
+    assert stored["layers.0.attn.attn_sink"] == ("F32", [2]) and stored["layers.0.attn.kv_norm.weight"][0] == "BF16"
+    assert stored["layers.0.ffn.experts.3.w1.weight"] == ("I8", [inter, hidden // 2])
+    assert stored["layers.0.ffn.experts.3.w1.scale"] == ("F8_E8M0", [inter, hidden // 32])
+    assert stored["layers.0.ffn.experts.3.w2.weight"] == ("I8", [hidden, inter // 2])
+    assert stored["layers.0.ffn.shared_experts.w2.scale"] == ("F8_E8M0", [2, 1])
+    assert stored["layers.0.ffn.gate.tid2eid"] == ("I64", [300, 2]) and "layers.0.ffn.gate.bias" not in stored
+    assert stored["layers.1.ffn.gate.bias"] == ("F32", [experts]) and "layers.1.ffn.gate.tid2eid" not in stored
+    assert not [n for n in stored if n.startswith("layers.0.attn.compressor.")]  # a sliding-window layer
+    for layer in (1, 2):  # compressor projections ship in bf16, without scales
+        assert stored[f"layers.{layer}.attn.compressor.wkv.weight"][0] == "BF16"
+        assert f"layers.{layer}.attn.compressor.wkv.scale" not in stored
+    assert stored["layers.1.attn.indexer.wq_b.weight"][0] == "F8_E4M3"  # CSA: the indexer
+    assert stored["layers.1.attn.indexer.weights_proj.weight"][0] == "BF16"
+    assert stored["layers.1.attn.indexer.compressor.ape"][0] == "F32"
+    assert not [n for n in stored if n.startswith("layers.2.attn.indexer.")]  # HCA: no indexer
+    assert stored["mtp.0.e_proj.weight"][0] == "F8_E4M3" and stored["mtp.0.ffn.experts.0.w3.weight"][0] == "I8"
+    assert not [n for n in stored if n.startswith("model.")]
+    config = json.loads((v4 / "config.json").read_text())
+    assert config["quantization_config"] == {**V4_QUANTIZATION, "expert_dtype": "fp4"}
+    assert config["num_nextn_predict_layers"] == 1
+
+
+def assert_reads_as_transformers_loads(checkpoint: Path) -> int:
+    """Every parameter of transformers' model loaded from ``checkpoint`` (on CPU its FP8 quantizer dequantizes)
+    equals the reader's tensor of that name, fused experts per expert. Returns how many were compared."""
+    from transformers import AutoModelForCausalLM
+
+    from toolchain.quiet_transformers import quiet_transformers
+
+    with quiet_transformers():
+        model = AutoModelForCausalLM.from_pretrained(checkpoint)
+    reader = open_checkpoint(checkpoint)
+    compared = 0
+    for name, value in model.state_dict().items():
+        head, _, leaf = name.rpartition(".")
+        if head.endswith(".experts") and leaf in ("gate_up_proj", "down_proj"):
+            for e in range(value.shape[0]):
+                parts = ("gate_proj", "up_proj") if leaf == "gate_up_proj" else ("down_proj",)
+                mine = torch.cat([reader.tensor(f"{head}.{e}.{p}.weight", torch.bfloat16) for p in parts])
+                assert torch.equal(mine.float(), value[e].float()), f"{name}[{e}]"
+                compared += len(parts)
+            continue
+        dtype = reader.natural_dtype(name)
+        mine = reader.tensor(name, dtype)
+        assert mine.dtype == dtype and mine.shape == value.shape, name
+        assert torch.equal(mine if dtype == torch.int64 else mine.float(),
+                           value if dtype == torch.int64 else value.float()), name
+        compared += 1
+    return compared
+
+
+def test_v4_reads_as_transformers_loads_it(v4):
+    reader = open_checkpoint(v4)
+    assert reader.stored_name("model.layers.1.self_attn.compressor.indexer.q_b_proj.weight") == \
+        "layers.1.attn.indexer.wq_b.weight"
+    assert reader.stored_name("model.layers.0.mlp.experts.3.up_proj.weight") == "layers.0.ffn.experts.3.w3.weight"
+    assert reader.stored_name("lm_head.weight") == "head.weight"
+    assert reader.shape("model.layers.0.mlp.experts.3.down_proj.weight") == (256, 128)  # values, not bytes
+    assert reader.stored_dtype("model.layers.0.mlp.experts.3.down_proj.weight") == torch.int8
+    assert reader.natural_dtype("model.layers.0.mlp.experts.3.down_proj.weight") == torch.bfloat16
+    assert reader.natural_dtype("model.layers.1.self_attn.compressor.kv_proj.weight") == torch.bfloat16
+    assert reader.natural_dtype("model.layers.0.mlp.gate.tid2eid") == torch.int64
+    experts = 3 * TINY_V4["n_routed_experts"] * TINY_V4["num_hidden_layers"]
+    assert assert_reads_as_transformers_loads(v4) == len(reader.names()) == 89 - 6 + experts
+
+
+def test_v4_mtp_block_is_skipped_and_said_so(v4):
+    reader = open_checkpoint(v4)
+    assert reader.skipped_layers == (TINY_V4["num_hidden_layers"],)
+    assert not [n for n in reader.names() if "mtp" in n or ".layers.3." in n]
+
+
+def test_v32_reads_as_transformers_loads_it(tmp_path):
+    """V3's FP8 layout with ue8m0 (power-of-two, float32) scales and the indexer: wq_b and wk in e4m3,
+    weights_proj in bf16, the k_norm LayerNorm in float32."""
+    path = write_random_checkpoint(tiny_config("deepseek_v32", TINY_V32), tmp_path / "v32", seed=1, scale_fmt="ue8m0")
+    stored = header(path)
+    prefix = "model.layers.1.self_attn.indexer."
+    assert stored[prefix + "wq_b.weight"][0] == stored[prefix + "wk.weight"][0] == "F8_E4M3"
+    assert stored[prefix + "wk.weight_scale_inv"] == ("F32", [1, 2])
+    assert stored[prefix + "weights_proj.weight"][0] == "BF16"
+    assert prefix + "weights_proj.weight_scale_inv" not in stored
+    assert stored[prefix + "k_norm.weight"][0] == stored[prefix + "k_norm.bias"][0] == "F32"
+    assert json.loads((path / "config.json").read_text())["quantization_config"]["scale_fmt"] == "ue8m0"
+    scales = [raw_single(path, n) for n in stored if n.endswith("_scale_inv")]
+    assert all(fp4.is_power_of_two(s).all() for s in scales)
+    assert assert_reads_as_transformers_loads(path) > 0
+
+
+def raw_single(checkpoint: Path, name: str) -> torch.Tensor:
+    with safe_open(checkpoint / "model.safetensors", framework="pt") as f:
+        return f.get_tensor(name)
+
+
+def v4_single(directory: Path, tensors: dict, quantization: dict | None = None, **config) -> Path:
+    """A single-file checkpoint with DeepSeek-V4's quantization_config (no model_type: names as stored)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, directory / "model.safetensors")
+    quant = {**V4_QUANTIZATION, **(quantization or {})}
+    (directory / "config.json").write_text(json.dumps({"num_hidden_layers": 1, "expert_dtype": "fp4",
+                                                       "quantization_config": quant, **config}))
+    return directory
+
+
+EXPERT = "layers.0.ffn.experts.0.w1.weight"
+EXPERT_SCALE = "layers.0.ffn.experts.0.w1.scale"
+ATTN = "layers.0.attn.wq_a.weight"
+ATTN_SCALE = "layers.0.attn.wq_a.scale"
+
+
+def test_fp4_nibble_order_and_scales(tmp_path):
+    """Column 2j in the low nibble, 2j + 1 in the high one; one e8m0 scale per 32 values of a row; and the same
+    values as transformers' own unpacking (Fp8Dequantize._unpack_fp4)."""
+    from transformers.integrations.finegrained_fp8 import Fp8Dequantize
+
+    packed = torch.randint(-128, 128, (3, 32), dtype=torch.int8)
+    packed[0, 0] = 0x21  # low nibble 1 (0.5), high nibble 2 (1.0)
+    packed[0, 1] = -0x46 + 0  # 0xBA: low nibble 0xA (-1.0), high nibble 0xB (-1.5)
+    scale = torch.tensor([[2.0, 0.25], [1.0, 1.0], [2.0**-20, 2.0**10]]).to(fp4.E8M0)
+    reader = open_checkpoint(v4_single(tmp_path, {EXPERT: packed, EXPERT_SCALE: scale}))
+    values = reader.tensor(EXPERT)
+    assert values.shape == reader.shape(EXPERT) == (3, 64)
+    assert values[0, :4].tolist() == [1.0, 2.0, -2.0, -3.0]  # times the first block's scale, 2
+    codes = packed.view(torch.uint8).long()
+    table = torch.tensor(fp4.E2M1_VALUES)
+    by_hand = torch.stack([table[codes & 15], table[codes >> 4]], dim=-1).reshape(3, 64)
+    assert torch.equal(values, by_hand * scale.float().repeat_interleave(32, dim=1))
+    unpacked = Fp8Dequantize(None)._unpack_fp4(packed)
+    assert torch.equal(values, unpacked * scale.float().repeat_interleave(32, dim=1))
+    assert torch.equal(reader.tensor(EXPERT, torch.bfloat16), values.to(torch.bfloat16))
+    assert torch.equal(reader.tensor(EXPERT, rows=(1, 3)), values[1:])
+
+
+def test_quantize_fp4_rounds_to_nearest_e2m1_with_power_of_two_scales():
+    weight = torch.randn(8, 64) * 0.03
+    weight[1, 32:] = 0
+    packed, scale = fp4.quantize_fp4(weight)
+    assert packed.dtype == torch.int8 and packed.shape == (8, 32) and scale.dtype == fp4.E8M0
+    s = scale.float()
+    assert fp4.is_power_of_two(s).all()
+    amax = weight.abs().reshape(8, 2, 32).amax(-1)
+    assert ((amax / s <= 6) & ((amax / s > 3) | (amax == 0))).all()  # the smallest power of two that fits
+    values = fp4.unpack_e2m1(packed) * s.repeat_interleave(32, dim=1)
+    grid = torch.tensor(fp4.E2M1_VALUES[:8])
+    nearest = (weight.abs() / s.repeat_interleave(32, dim=1)).unsqueeze(-1).sub(grid).abs().amin(-1)
+    assert torch.allclose((values - weight).abs() / s.repeat_interleave(32, dim=1), nearest, atol=1e-6)
+    assert torch.equal(fp4.unpack_e2m1(fp4.pack_e2m1(torch.tensor([0.25, 0.75, 2.5, 5.0]))),
+                       torch.tensor([0.0, 1.0, 2.0, 4.0]))  # ties to the even code
+
+
+def _e8m0(*shape, value=1.0):
+    return torch.full(shape, value).to(fp4.E8M0)
+
+
+Q8 = torch.zeros(128, 256, dtype=torch.float8_e4m3fn)
+P4 = torch.zeros(4, 32, dtype=torch.int8)
+V4_BAD = {  # case -> (tensors, quantization_config changes, config changes, raised when opened or when read)
+    "fp4 scale of the wrong shape": ({EXPERT: P4, EXPERT_SCALE: _e8m0(4, 1)}, {}, {}, "open"),
+    "fp4 weight without its scale": ({EXPERT: P4}, {}, {}, "open"),
+    "fp4 rows not whole blocks of 32": ({EXPERT: torch.zeros(4, 8, dtype=torch.int8),
+                                         EXPERT_SCALE: _e8m0(4, 1)}, {}, {}, "open"),
+    "fp4 weight while expert_dtype is fp8": ({EXPERT: P4, EXPERT_SCALE: _e8m0(4, 2)}, {}, {"expert_dtype": "fp8"},
+                                             "open"),
+    "fp8 scale of the wrong block grid": ({ATTN: Q8, ATTN_SCALE: _e8m0(1, 1)}, {}, {}, "open"),
+    "fp8 weight without its scale": ({ATTN: Q8}, {}, {}, "open"),
+    "e8m0 scales while scale_fmt is float": ({ATTN: Q8, ATTN_SCALE: _e8m0(1, 2)}, {"scale_fmt": "float"}, {},
+                                             "open"),
+    "scale in int8": ({ATTN: Q8, ATTN_SCALE: torch.ones(1, 2, dtype=torch.int8)}, {}, {}, "open"),
+    "unknown scale_fmt": ({ATTN: Q8, ATTN_SCALE: _e8m0(1, 2)}, {"scale_fmt": "ue4m3"}, {}, "open"),
+    "unknown expert_dtype": ({ATTN: Q8, ATTN_SCALE: _e8m0(1, 2)}, {}, {"expert_dtype": "int4"}, "open"),
+    "NaN e8m0 scale": ({EXPERT: P4, EXPERT_SCALE: torch.tensor([[1.0, 1.0]] * 3 + [[1.0, float("nan")]])
+                        .to(fp4.E8M0)}, {}, {}, "read"),
+    "infinite float32 scale": ({ATTN: Q8, ATTN_SCALE: torch.tensor([[1.0, float("inf")]])}, {}, {}, "read"),
+    "non-power-of-two scale with ue8m0": ({ATTN: Q8, ATTN_SCALE: torch.tensor([[1.0, 0.3]])}, {}, {}, "read"),
+    "zero float scale": ({ATTN: Q8, ATTN_SCALE: torch.tensor([[1.0, 0.0]])}, {"scale_fmt": "float"}, {}, "read"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(V4_BAD))
+def test_bad_or_mismatched_scales_are_one_line_input_errors(case, tmp_path):
+    tensors, quantization, config, when = V4_BAD[case]
+    directory = v4_single(tmp_path / "bad", tensors, quantization, **config)
+    if when == "open":
+        message = one_line_error(lambda: open_checkpoint(directory))
+    else:
+        reader = open_checkpoint(directory)
+        message = one_line_error(lambda: reader.tensor(reader.names()[0]))
+    assert str(directory) in message
+
+
+def test_bad_scales_exit_2_at_the_cli(v3, tmp_path, monkeypatch, capsys):
+    """A NaN among an FP8 checkpoint's scales, found when export reads the weight: one line, exit 2, nothing
+    written."""
+    bad = copy_of(v3[1], tmp_path / "nan")
+    name = "model.layers.0.self_attn.o_proj.weight_scale_inv"
+    weight_map = json.loads((bad / "model.safetensors.index.json").read_text())["weight_map"]
+    shard = bad / weight_map[name]
+    tensors = load_file(shard)
+    tensors[name][0, 0] = float("nan")
+    save_file(tensors, shard, metadata={"format": "pt"})
+    code, _, err = conftest.run_cli(monkeypatch, capsys, "export", bad, "-o", tmp_path / "out")
+    lines = [line for line in err.splitlines() if line.startswith("dstc: error:")]
+    assert code == 2 and len(lines) == 1 and name in lines[0] and "nan" in lines[0], err
+    assert "Traceback" not in err and not (tmp_path / "out").exists()

@@ -5,16 +5,18 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from toolchain.checkpoint import open_checkpoint
 from toolchain.errors import InputError
 from toolchain.models import corpus
-from toolchain.models.make import evaluate, make_models
 from toolchain.models.catalog import list_embedded
+from toolchain.models.make import evaluate, make_models
 from toolchain.models.registry import EMBEDDED, REFERENCES, embedded_path, reference_config
 from toolchain.models.shape_faithful import make_shape_faithful, reference_to_config
 from toolchain.models.tokenizer import ASSISTANT, BOS, EOS, USER
@@ -38,7 +40,7 @@ def test_unknown_names_are_input_errors_listing_the_known_ones():
         embedded_path("gpt-2")
     assert "\n" not in str(err.value)
     with pytest.raises(InputError, match="deepseek-v2-lite"):
-        reference_config("deepseek-v4")
+        reference_config("deepseek-v5")
     with pytest.raises(InputError, match="r1-distill-llama-tiny"):
         next(make_models(["nope"], None))
 
@@ -55,6 +57,8 @@ def test_list_embedded_rows():
     assert sum(rows[n]["size_bytes"] for n in EMBEDDED) <= 40 * 2**20
     assert 6.5e11 < rows["deepseek-v3"]["parameters"] < 7e11
     assert 7.9e9 < rows["deepseek-r1-distill-llama-8b"]["parameters"] < 8.1e9
+    assert 6.5e11 < rows["deepseek-v3.2"]["parameters"] < 7e11
+    assert 2.7e11 < rows["deepseek-v4-flash"]["parameters"] < 2.9e11  # DeepSeek: 284B
 
 
 # --- embedded models ------------------------------------------------------------------------------------------
@@ -177,6 +181,89 @@ def test_reference_configs_map_to_transformers_and_cut_consistently():
     assert v3.rope_parameters["rope_type"] == "yarn" and v3.rope_parameters["factor"] == 40
     with pytest.raises(InputError):
         reference_to_config(reference_config("deepseek-r1-distill-qwen-7b"), num_experts=4)
+
+
+SHARED_CONFIGS = Path(__file__).resolve().parents[1].parent / "shared" / "reference-configs"
+V3_FP8 = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8", "weight_block_size": [128, 128]}
+
+
+def _as_shipped(raw: dict, directory: Path):
+    """transformers' config of ``raw`` written as a checkpoint's config.json and loaded as from_pretrained does."""
+    from transformers import AutoConfig
+
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "config.json").write_text(json.dumps(raw))
+    return AutoConfig.from_pretrained(directory)
+
+
+def test_deepseek_configs_load_in_transformers_as_shipped(tmp_path):
+    """DeepSeek-V4-Flash's config.json (legacy compress_ratios, num_hash_layers, rope_scaling, top-level
+    expert_dtype), V3.2's, the shared references of V3.2 and V4-Flash-Base, and V3.1 / R1-0528-style deepseek_v3
+    configs (FP8, V3.1 with ue8m0 scales) load in transformers as they are, and dstc's reader accepts their
+    quantization_config."""
+    from toolchain.checkpoint.reader import _quantization
+
+    v4 = _as_shipped(reference_config("deepseek-v4-flash"), tmp_path / "v4")
+    assert type(v4).__name__ == "DeepseekV4Config" and v4.num_hidden_layers == 43
+    assert v4.layer_types[:4] == ["sliding_attention", "sliding_attention", "compressed_sparse_attention",
+                                  "heavily_compressed_attention"]
+    assert v4.layer_types[-1] == "compressed_sparse_attention"
+    assert v4.mlp_layer_types[:4] == ["hash_moe"] * 3 + ["moe"] and v4.qk_rope_head_dim == 64
+    assert v4.quantization_config["expert_dtype"] == "fp4" and v4.quantization_config["scale_fmt"] == "ue8m0"
+    assert v4.rope_parameters["compress"]["rope_type"] == "yarn" and v4.rope_parameters["compress"]["factor"] == 16
+    assert _quantization(reference_config("deepseek-v4-flash"), tmp_path).expert_dtype == "fp4"
+    v32 = _as_shipped(reference_config("deepseek-v3.2"), tmp_path / "v32")
+    assert type(v32).__name__ == "DeepseekV32Config" and (v32.index_topk, v32.index_n_heads) == (2048, 64)
+    assert _quantization(reference_config("deepseek-v3.2"), tmp_path).scale_fmt == "ue8m0"
+    v3 = reference_config("deepseek-v3")
+    for name, raw in {"v3.1": {**v3, "quantization_config": {**V3_FP8, "scale_fmt": "ue8m0"}},
+                      "r1-0528": {**v3, "quantization_config": V3_FP8, "num_nextn_predict_layers": 1}}.items():
+        config = _as_shipped(raw, tmp_path / name)
+        assert type(config).__name__ == "DeepseekV3Config" and config.rope_parameters["factor"] == 40, name
+        assert _quantization(raw, tmp_path).block == (128, 128)
+    for name in ("deepseek-v3.2", "deepseek-v4-flash-base"):
+        if not (SHARED_CONFIGS / f"{name}.json").is_file():
+            pytest.skip(f"{SHARED_CONFIGS} is not here")
+        config = _as_shipped(json.loads((SHARED_CONFIGS / f"{name}.json").read_text()), tmp_path / name)
+        assert config.model_type == ("deepseek_v32" if name == "deepseek-v3.2" else "deepseek_v4")
+
+
+def test_v4_cut_keeps_each_attention_type_and_a_top_k_moe_layer():
+    raw = reference_config("deepseek-v4-flash")
+    two = reference_to_config(raw, num_layers=2, num_experts=8)
+    assert two.layer_types == ["sliding_attention", "compressed_sparse_attention"]
+    assert two.mlp_layer_types == ["hash_moe", "moe"]
+    assert (two.n_routed_experts, two.num_experts_per_tok, two.hidden_size, two.head_dim) == (8, 6, 4096, 512)
+    four = reference_to_config(raw, num_layers=4)
+    assert four.layer_types == ["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention",
+                                "compressed_sparse_attention"]
+    assert four.mlp_layer_types == ["hash_moe"] * 3 + ["moe"] and four.n_routed_experts == 256
+    full = reference_to_config(raw)
+    assert full.layer_types.count("sliding_attention") == 2 and len(full.layer_types) == 43
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("reference", ["deepseek-v4-flash", "deepseek-v3.2"])
+def test_shape_faithful_hub_layouts_at_real_width(reference, tmp_path):
+    """Two layers at real widths in the hub layout: every tensor reads through the reader into the shapes of
+    transformers' skeleton (8 experts; on the 2-core machine: V4-Flash 184 s, V3.2 357 s)."""
+    from transformers import AutoConfig
+
+    path = make_shape_faithful(reference, tmp_path / "m", num_layers=2, num_experts=8)
+    config = AutoConfig.from_pretrained(path)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    shapes = {n: tuple(t.shape) for n, t in model.state_dict().items()}
+    with open_checkpoint(path) as reader:
+        for name in reader.names():
+            head, _, rest = name.partition(".experts.")
+            if rest and rest.split(".")[0].isdigit():
+                fused = shapes[f"{head}.experts.{'down_proj' if 'down_proj' in rest else 'gate_up_proj'}"]
+                assert reader.shape(name)[1] == fused[2], name
+            else:
+                assert reader.shape(name) == shapes[name], name
+            assert torch.isfinite(reader.tensor(name, reader.natural_dtype(name)).float()).all(), name
+    assert config.hidden_size == reference_config(reference)["hidden_size"]
 
 
 def _check_shape_faithful(path, reference: str, layers: int, experts: int, tokenizer):

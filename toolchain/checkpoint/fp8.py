@@ -39,6 +39,7 @@ from typing import BinaryIO
 import torch
 
 from toolchain.atomic import atomic_output_dir
+from toolchain.checkpoint.fp4 import power_of_two_scale
 from toolchain.checkpoint.reader import EMBEDDING, FP8, INDEX_FILE, LM_HEAD, SCALE_SUFFIX, open_checkpoint
 from toolchain.errors import InputError
 
@@ -47,8 +48,13 @@ FP8_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
 MIN_AMAX = 1e-4  # DeepSeek's clamp: an all-zero block gets a finite scale
 QUANTIZATION_CONFIG = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
                        "weight_block_size": list(BLOCK)}
-_QUANTIZED = re.compile(r"model\.layers\.\d+\.(self_attn|mlp)\..*_proj(_with_mqa)?\.weight")
-_SAFETENSORS_DTYPE = {FP8: "F8_E4M3", torch.bfloat16: "BF16", torch.float32: "F32"}
+# V3.2's indexer: wq_b and wk in e4m3, weights_proj unquantized (transformers keeps it out of FP8 too)
+_QUANTIZED = re.compile(r"model\.layers\.\d+\.(self_attn|mlp)\.((?!indexer\.weights_proj).*_proj(_with_mqa)?"
+                        r"|indexer\.(wq_b|wk))\.weight")
+# float32 in the hub's files: the router's bias, and V3.2's indexer LayerNorm (a float32 module in DeepSeek's code)
+_FLOAT32 = re.compile(r".*(\.e_score_correction_bias|\.indexer\.k_norm\.(weight|bias))")
+_SAFETENSORS_DTYPE = {FP8: "F8_E4M3", torch.bfloat16: "BF16", torch.float32: "F32", torch.int8: "I8",
+                      torch.float8_e8m0fnu: "F8_E8M0", torch.int64: "I64"}
 
 
 def quantized_in_hub_layout(name: str, shape: tuple[int, ...]) -> bool:
@@ -56,8 +62,16 @@ def quantized_in_hub_layout(name: str, shape: tuple[int, ...]) -> bool:
     return bool(_QUANTIZED.fullmatch(name)) and len(shape) == 2
 
 
-def quantize_fp8(weight: torch.Tensor, block: tuple[int, int] = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
-    """(e4m3 weight, float32 scales of its ceil-divided blocks), one block row at a time."""
+def float32_in_hub_layout(name: str) -> bool:
+    """Whether the hub's FP8 layout stores the unquantized tensor ``name`` in float32 (others are bf16)."""
+    return bool(_FLOAT32.fullmatch(name))
+
+
+def quantize_fp8(weight: torch.Tensor, block: tuple[int, int] = BLOCK,
+                 scale_fmt: str = "float") -> tuple[torch.Tensor, torch.Tensor]:
+    """(e4m3 weight, float32 scales of its ceil-divided blocks), one block row at a time. ``scale_fmt`` "ue8m0"
+    (DeepSeek-V3.1 and later): each scale rounded up to a power of two, as DeepSeek's ``act_quant`` kernel does with
+    ``scale_fmt`` set."""
     rows, cols = weight.shape
     block_rows, block_cols = block
     q = torch.empty((rows, cols), dtype=FP8)
@@ -66,14 +80,15 @@ def quantize_fp8(weight: torch.Tensor, block: tuple[int, int] = BLOCK) -> tuple[
         band = weight[start:start + block_rows].to(torch.float32)
         padded = torch.nn.functional.pad(band.abs(), (0, -cols % block_cols))
         amax = padded.view(band.shape[0], -1, block_cols).amax(dim=(0, 2))
-        scales[i] = amax.clamp(min=MIN_AMAX) / FP8_MAX
+        amax = amax.clamp(min=MIN_AMAX)
+        scales[i] = power_of_two_scale(amax, FP8_MAX) if scale_fmt == "ue8m0" else amax / FP8_MAX
         per_column = scales[i].repeat_interleave(block_cols)[:cols]
         q[start:start + block_rows] = (band / per_column).clamp(-FP8_MAX, FP8_MAX).to(FP8)
     return q, scales
 
 
 @dataclass
-class _Group:
+class Group:
     """Tensors written together (an FP8 weight and its scales): (name, dtype, shape) each, and what makes them."""
 
     specs: list[tuple[str, torch.dtype, tuple[int, ...]]]
@@ -93,13 +108,13 @@ def write_fp8_checkpoint(src_dir: str | Path, dst_dir: str | Path, shard_bytes: 
         if config.get("model_type") != "deepseek_v3":
             raise InputError(f"{src_dir}: the FP8 hub layout is DeepSeek-V3's, not {config.get('model_type')!r}")
         groups = _groups(reader, config, mtp_layers, torch.Generator().manual_seed(seed))
-        shards = _plan(groups, shard_bytes)
+        shards = plan_shards(groups, shard_bytes)
         config.update(quantization_config=QUANTIZATION_CONFIG, num_nextn_predict_layers=mtp_layers, dtype="bfloat16")
         with atomic_output_dir(Path(dst_dir)) as tmp:
             weight_map = {}
             for i, shard in enumerate(shards):
                 file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-                _write_shard(tmp / file, shard)
+                write_shard(tmp / file, shard)
                 weight_map.update({name: file for group in shard for name, _, _ in group.specs})
             index = {"metadata": {"total_size": sum(g.nbytes for g in groups)},
                      "weight_map": dict(sorted(weight_map.items()))}
@@ -112,19 +127,19 @@ def write_fp8_checkpoint(src_dir: str | Path, dst_dir: str | Path, shard_bytes: 
     return Path(dst_dir)
 
 
-def _groups(reader, config: dict, mtp_layers: int, generator: torch.Generator) -> list[_Group]:
-    def stored(name: str, source: str | None = None) -> _Group:
+def _groups(reader, config: dict, mtp_layers: int, generator: torch.Generator) -> list[Group]:
+    def stored(name: str, source: str | None = None) -> Group:
         source = source or name
         shape = reader.shape(source)
         if quantized_in_hub_layout(name, shape):
             grid = (math.ceil(shape[0] / BLOCK[0]), math.ceil(shape[1] / BLOCK[1]))
-            return _Group([(name, FP8, shape), (name + SCALE_SUFFIX, torch.float32, grid)],
+            return Group([(name, FP8, shape), (name + SCALE_SUFFIX, torch.float32, grid)],
                           lambda: list(quantize_fp8(reader.tensor(source))))
-        dtype = torch.float32 if name.endswith("e_score_correction_bias") else torch.bfloat16
-        return _Group([(name, dtype, shape)], lambda: [reader.tensor(source, dtype=dtype)])
+        dtype = torch.float32 if float32_in_hub_layout(name) else torch.bfloat16
+        return Group([(name, dtype, shape)], lambda: [reader.tensor(source, dtype=dtype)])
 
-    def made(name: str, shape: tuple[int, ...], fill: Callable[[], torch.Tensor]) -> _Group:
-        return _Group([(name, torch.bfloat16, shape)], lambda: [fill().to(torch.bfloat16)])
+    def made(name: str, shape: tuple[int, ...], fill: Callable[[], torch.Tensor]) -> Group:
+        return Group([(name, torch.bfloat16, shape)], lambda: [fill().to(torch.bfloat16)])
 
     groups = [stored(name) for name in reader.names() if not (reader.tied and name == LM_HEAD)]
     layers, hidden = config["num_hidden_layers"], config["hidden_size"]
@@ -145,9 +160,9 @@ def _groups(reader, config: dict, mtp_layers: int, generator: torch.Generator) -
     return groups
 
 
-def _plan(groups: list[_Group], shard_bytes: int) -> list[list[_Group]]:
+def plan_shards(groups: list[Group], shard_bytes: int) -> list[list[Group]]:
     """Groups in order into shards of at most ``shard_bytes`` (a larger group gets a shard of its own)."""
-    shards: list[list[_Group]] = [[]]
+    shards: list[list[Group]] = [[]]
     size = 0
     for group in groups:
         if shards[-1] and size + group.nbytes > shard_bytes:
@@ -158,7 +173,7 @@ def _plan(groups: list[_Group], shard_bytes: int) -> list[list[_Group]]:
     return shards
 
 
-def _write_shard(path: Path, groups: list[_Group]) -> None:
+def write_shard(path: Path, groups: list[Group]) -> None:
     """A safetensors file written tensor by tensor: the header (8-byte length, JSON padded to 8 bytes) from the
     planned shapes, then each group's data as it is made."""
     header: dict[str, dict] = {"__metadata__": {"format": "pt"}}

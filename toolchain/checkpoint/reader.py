@@ -12,11 +12,21 @@ saves them). What the reader hides:
   with a float32 ``<name>_scale_inv`` of one scale per ``weight_block_size`` block (128 x 128; the blocks on the
   right and bottom edges are partial) is returned dequantized, W = q * s per block, computed in float32 as
   DeepSeek's ``inference/kernel.py`` ``weight_dequant`` and llama.cpp's ``convert_hf_to_gguf.py`` do. The scales
-  are part of their weight and not listed as names of their own.
+  are part of their weight and not listed as names of their own. With ``scale_fmt: ue8m0`` (V3.1 and later)
+  every scale must be a power of two.
+- DeepSeek-V4's hub format (the same ``quantization_config`` with ``scale_fmt: ue8m0``, and ``expert_dtype: fp4``):
+  FP8 weights with ``float8_e8m0fnu`` scales named ``<prefix>.scale``, and routed experts in FP4 (int8, two e2m1
+  values per byte, with one e8m0 scale per 32 values of a row; toolchain/checkpoint/fp4.py), dequantized to
+  bf16-exact values; tensors stored in bf16 (V4's compressor and indexer projections) are read as they are.
+  Scales are checked against their weight's shape when the checkpoint is opened, and for NaN, infinities, zeros
+  and (with ue8m0) non-powers of two when their weight is read.
+- names other than transformers' module names (DeepSeek-V4's ``layers.0.attn.wq_a.weight``): renamed by
+  transformers' own conversion mapping (toolchain/checkpoint/hub_names.py), routed experts kept per expert.
 - transformers' fused experts (``mlp.experts.gate_up_proj`` [E, 2I, H], gate rows first, and
   ``mlp.experts.down_proj`` [E, H, I]) are listed and read as the per-expert hub names.
 - layers at index ``num_hidden_layers`` and beyond (DeepSeek-V3's multi-token-prediction layer) are not part of
-  the causal LM: they are left out and their indices listed in ``skipped_layers``.
+  the causal LM: they are left out and their indices listed in ``skipped_layers``; so are DeepSeek-V4's
+  ``mtp.N.`` blocks, listed as layer ``num_hidden_layers + N`` (the index V4's ``compress_ratios`` gives them).
 - tied embeddings (``tie_word_embeddings`` with no ``lm_head.weight`` stored): ``lm_head.weight`` is the
   embedding table, and ``tied`` is True.
 
@@ -36,15 +46,24 @@ import numpy as np
 import torch
 from safetensors import safe_open
 
+from toolchain.checkpoint import fp4
+from toolchain.checkpoint.hub_names import module_names
 from toolchain.errors import InputError
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 SCALE_SUFFIX = "_scale_inv"
+V4_SCALE_SUFFIX, WEIGHT_SUFFIX = ".scale", ".weight"  # DeepSeek-V4 names a weight's scales <prefix>.scale
 EMBEDDING, LM_HEAD = "model.embed_tokens.weight", "lm_head.weight"
-DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "F8_E4M3": torch.float8_e4m3fn}
 FP8 = torch.float8_e4m3fn
-_LAYER = re.compile(r"model\.layers\.(\d+)\.")
+DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "F8_E4M3": FP8,
+          "F8_E8M0": fp4.E8M0, "I8": torch.int8, "U8": torch.uint8, "I32": torch.int32, "I64": torch.int64}
+PACKED_FP4 = (torch.int8, torch.uint8)
+QUANTIZED = (FP8, *PACKED_FP4)
+SCALE_DTYPES = (torch.float32, fp4.E8M0)
+INTEGERS = (torch.int8, torch.uint8, torch.int32, torch.int64)
+_LAYER = re.compile(r"(?:model\.)?layers\.(\d+)\.")
+_MTP = re.compile(r"(?:model\.)?mtp\.(\d+)\.")
 _FUSED = re.compile(r"(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)")
 
 
@@ -59,22 +78,40 @@ class _Stored:
 
 
 @dataclass(frozen=True)
+class _Quantization:
+    """What config.json's ``quantization_config`` (and V4's top-level ``expert_dtype``) declare."""
+
+    block: tuple[int, int]  # FP8 weights' scale blocks
+    scale_fmt: str  # "float" or "ue8m0" (every scale a power of two)
+    expert_dtype: str  # "fp8" or "fp4" (routed experts packed two e2m1 values per byte)
+
+
+@dataclass(frozen=True)
 class _Entry:
     """Where a named tensor's values are: all of ``stored``, or rows [start, stop) of one expert of a fused
-    [E, rows, cols] tensor; with its FP8 scales when it has them."""
+    [E, rows, cols] tensor; with its scales when it is quantized (``block``: the rows and columns one scale
+    covers)."""
 
     stored: _Stored
     scale: _Stored | None = None
     expert: int | None = None
     rows: tuple[int, int] | None = None
+    block: tuple[int, int] | None = None
+
+    @property
+    def fp4(self) -> bool:
+        return self.scale is not None and self.stored.dtype in PACKED_FP4
 
     @property
     def shape(self) -> tuple[int, ...]:
+        """The shape of the values (an FP4 row holds twice as many values as it has bytes)."""
+        *lead, cols = self.stored.shape
+        cols *= 2 if self.fp4 else 1
         if self.expert is None:
-            return self.stored.shape
+            return (*lead, cols)
         assert self.rows is not None  # an expert's entry has its rows
         start, stop = self.rows
-        return (stop - start, self.stored.shape[-1])
+        return (stop - start, cols)
 
 
 def read_config(path: Path) -> dict:
@@ -102,20 +139,23 @@ class CheckpointReader:
     def __init__(self, path: Path) -> None:
         self.path = path
         self.config = read_config(path)
-        self.block_size = _block_size(self.config, path)
+        self.quantization = _quantization(self.config, path)
+        self.block_size = self.quantization.block if self.quantization else None
         self._handle = None
         self._open_file: str | None = None
         self._lock = threading.RLock()  # the open shard is shared: an exporter writes weights on two threads
         layers = self.config.get("num_hidden_layers")
         stored, skipped = {}, set()
         for key, file in self._weight_map().items():
-            match = _LAYER.match(key)
-            if isinstance(layers, int) and match and int(match.group(1)) >= layers:
-                skipped.add(int(match.group(1)))
+            layer, mtp = _LAYER.match(key), _MTP.match(key)
+            if isinstance(layers, int) and layer and int(layer.group(1)) >= layers:
+                skipped.add(int(layer.group(1)))
+            elif mtp:
+                skipped.add(int(mtp.group(1)) + (layers if isinstance(layers, int) else 0))
             else:
                 stored[key] = file
         self.skipped_layers: tuple[int, ...] = tuple(sorted(skipped))
-        self._entries = self._index(self._headers(stored))
+        self._entries = self._rename(self._index(self._headers(stored)))
         self.tied = bool(self.config.get("tie_word_embeddings")) and LM_HEAD not in self._entries \
             and EMBEDDING in self._entries
         if self.tied:
@@ -139,24 +179,33 @@ class CheckpointReader:
     def stored_dtype(self, name: str) -> torch.dtype:
         return self._entry(name).stored.dtype
 
+    def stored_name(self, name: str) -> str:
+        """The name the checkpoint's files give the tensor ``name``."""
+        return self._entry(name).stored.key
+
     # -- reading ------------------------------------------------------------------------------------------------
 
     def natural_dtype(self, name: str) -> torch.dtype:
         """The dtype that holds the tensor's values exactly with the least memory: bfloat16 for bf16 and for FP8
-        weights (dequantized to bf16, as DeepSeek's own fp8_cast_bf16 does), float32 otherwise."""
-        stored = self.stored_dtype(name)
-        return torch.bfloat16 if stored in (torch.bfloat16, FP8) else torch.float32
+        and FP4 weights (dequantized to bf16, as DeepSeek's own fp8_cast_bf16 does), int64 for integers (V4's
+        hash-routing table), float32 otherwise."""
+        entry = self._entry(name)
+        if entry.stored.dtype == torch.bfloat16 or entry.scale is not None:
+            return torch.bfloat16
+        return torch.int64 if entry.stored.dtype in INTEGERS else torch.float32
 
     def tensor(self, name: str, dtype: torch.dtype = torch.float32,
                rows: tuple[int, int] | None = None) -> torch.Tensor:
-        """The tensor in ``dtype`` (float32 or bfloat16), read now; FP8 weights dequantized. ``rows``: only rows
-        [start, stop) of its first axis.
+        """The tensor in ``dtype`` (float32 or bfloat16; int64 for an integer tensor), read now; FP8 and FP4
+        weights dequantized. ``rows``: only rows [start, stop) of its first axis.
 
         The shard is closed after each read, which unmaps the pages read: a shard is several GB, and its mapped
         pages would otherwise stay in the process's resident set until the next shard is opened."""
-        if dtype not in (torch.float32, torch.bfloat16):
-            raise ValueError(f"tensor(): dtype must be torch.float32 or torch.bfloat16, not {dtype}")
         entry = self._entry(name)
+        integer = entry.scale is None and entry.stored.dtype in INTEGERS
+        if dtype not in (torch.float32, torch.bfloat16) and not (integer and dtype == torch.int64):
+            raise ValueError(f"tensor(): dtype must be torch.float32 or torch.bfloat16 (or torch.int64 for an "
+                             f"integer tensor), not {dtype}")
         span = entry.rows
         if rows is not None:
             first = span[0] if span else 0
@@ -232,21 +281,36 @@ class CheckpointReader:
                     stored[key] = _Stored(file, key, tuple(info.get_shape()), dtype)
         return {key: stored[key] for key in weight_map}  # in the index's order
 
-    def _index(self, stored: dict[str, _Stored]) -> dict[str, _Entry]:
-        """Canonical name -> entry: scales attached to their weights, fused experts split."""
-        scales = {key[:-len(SCALE_SUFFIX)]: s for key, s in stored.items() if key.endswith(SCALE_SUFFIX)}
-        entries = {}
+    def _scales(self, stored: dict[str, _Stored]) -> dict[str, _Stored]:
+        """weight name -> its scales: ``<weight>_scale_inv`` (DeepSeek-V3) or, for a weight ``<prefix>.weight``
+        stored quantized, ``<prefix>.scale`` (DeepSeek-V4; other ``.scale`` tensors are parameters of their own)."""
+        scales = {}
         for key, s in stored.items():
             if key.endswith(SCALE_SUFFIX):
-                if key[:-len(SCALE_SUFFIX)] not in stored:
-                    raise InputError(f"{self.path}: {key} is the scale of {key[:-len(SCALE_SUFFIX)]}, "
-                                     f"which the checkpoint does not hold")
+                weight = key[:-len(SCALE_SUFFIX)]
+                if weight not in stored:
+                    raise InputError(f"{self.path}: {key} is the scale of {weight}, which the checkpoint does not "
+                                     f"hold")
+                scales[weight] = s
+            elif key.endswith(V4_SCALE_SUFFIX):
+                quantized = stored.get(key[:-len(V4_SCALE_SUFFIX)] + WEIGHT_SUFFIX)
+                if quantized is not None and quantized.dtype in QUANTIZED:
+                    scales[quantized.key] = s
+        return scales
+
+    def _index(self, stored: dict[str, _Stored]) -> dict[str, _Entry]:
+        """Canonical name -> entry: scales attached to their weights, fused experts split."""
+        scales = self._scales(stored)
+        scale_keys = {s.key for s in scales.values()}
+        entries = {}
+        for key, s in stored.items():
+            if key in scale_keys:
                 continue
             scale = scales.get(key)
-            self._check_scale(s, scale)
+            block = self._check_scale(s, scale)
             fused = _FUSED.fullmatch(key)
             if fused is None:
-                entries[key] = _Entry(s, scale)
+                entries[key] = _Entry(s, scale, block=block)
                 continue
             if len(s.shape) != 3:
                 raise InputError(f"{self.path}: fused experts {key} must be [experts, rows, cols], not "
@@ -257,35 +321,86 @@ class CheckpointReader:
                 parts = {"down_proj": (0, rows)}
             else:
                 half = rows // 2
-                # scales come with a block size (_check_scale)
-                if rows % 2 or (scale is not None and self.block_size is not None and half % self.block_size[0]):
+                if rows % 2 or (block is not None and half % block[0]):
                     raise InputError(f"{self.path}: {key} {list(s.shape)} does not split into gate and up "
-                                     f"halves" + (" on FP8 block rows" if rows % 2 == 0 else ""))
+                                     f"halves" + (" on scale block rows" if rows % 2 == 0 else ""))
                 parts = {"gate_proj": (0, half), "up_proj": (half, rows)}
             for e in range(experts):
                 for proj, span in parts.items():
-                    entries[f"{prefix}.{e}.{proj}.weight"] = _Entry(s, scale, e, span)
+                    entries[f"{prefix}.{e}.{proj}.weight"] = _Entry(s, scale, e, span, block)
         return entries
 
-    def _check_scale(self, weight: _Stored, scale: _Stored | None) -> None:
+    def _rename(self, entries: dict[str, _Entry]) -> dict[str, _Entry]:
+        """The entries under transformers' module names (hub_names.py), when the checkpoint's are others."""
+        names = module_names(self.path, self.config, list(entries))
+        if names is None:
+            return entries
+        renamed: dict[str, _Entry] = {}
+        for name, entry in entries.items():
+            module = names[name]
+            if module in renamed:
+                raise InputError(f"{self.path}: {renamed[module].stored.key} and {entry.stored.key} are both "
+                                 f"{module} in transformers' names")
+            renamed[module] = entry
+        return renamed
+
+    def _check_scale(self, weight: _Stored, scale: _Stored | None) -> tuple[int, int] | None:
+        """The block one scale covers (rows, columns of values) of a quantized weight, None for another tensor;
+        an InputError for a scale that does not fit its weight or config.json."""
         where = self.path / weight.file
-        if weight.dtype != FP8:
+        quant = self.quantization
+        fp4_weights = quant is not None and quant.expert_dtype == "fp4"
+        if weight.dtype in PACKED_FP4 and scale is None and fp4_weights and weight.key.endswith(WEIGHT_SUFFIX):
+            raise InputError(f"{where}: FP4 weight {weight.key} has no {weight.key.removesuffix(WEIGHT_SUFFIX)}"
+                             f"{V4_SCALE_SUFFIX}")
+        if weight.dtype not in QUANTIZED or (weight.dtype in PACKED_FP4 and scale is None):
             if scale is not None:
                 raise InputError(f"{where}: {weight.key} has a {SCALE_SUFFIX} but is {weight.dtype}, not FP8")
-            return
-        if self.block_size is None:
-            raise InputError(f"{where}: {weight.key} is FP8 but config.json has no quantization_config")
+            return None  # an int8 tensor without scales is an integer tensor
+        if quant is None:
+            raise InputError(f"{where}: {weight.key} is {'FP4' if weight.dtype in PACKED_FP4 else 'FP8'} but "
+                             f"config.json has no quantization_config")
         if scale is None:
-            raise InputError(f"{where}: FP8 weight {weight.key} has no {weight.key}{SCALE_SUFFIX}")
+            v4_name = f" or {weight.key.removesuffix(WEIGHT_SUFFIX)}{V4_SCALE_SUFFIX}" \
+                if weight.key.endswith(WEIGHT_SUFFIX) else ""
+            raise InputError(f"{where}: FP8 weight {weight.key} has no scales ({weight.key}{SCALE_SUFFIX}{v4_name})")
         if len(weight.shape) not in (2, 3):
-            raise InputError(f"{where}: FP8 weight {weight.key} must be a matrix, not {list(weight.shape)}")
+            raise InputError(f"{where}: quantized weight {weight.key} must be a matrix, not {list(weight.shape)}")
+        scale_where = self.path / scale.file
+        if scale.dtype not in SCALE_DTYPES:
+            raise InputError(f"{scale_where}: {scale.key} must be a float32 or float8_e8m0fnu scale, not "
+                             f"{scale.dtype}")
+        if scale.dtype == fp4.E8M0 and quant.scale_fmt != "ue8m0":
+            raise InputError(f"{scale_where}: {scale.key} is float8_e8m0fnu but config.json's quantization_config "
+                             f"has scale_fmt {quant.scale_fmt!r}, not 'ue8m0'")
         *lead, rows, cols = weight.shape
-        grid = [*lead, math.ceil(rows / self.block_size[0]), math.ceil(cols / self.block_size[1])]
+        if weight.dtype in PACKED_FP4:
+            if quant.expert_dtype != "fp4":
+                raise InputError(f"{where}: {weight.key} is packed FP4 ({weight.dtype}) but config.json declares "
+                                 f"expert_dtype {quant.expert_dtype!r}, not 'fp4'")
+            block = fp4.BLOCK
+            cols *= 2
+            if cols % block[1]:
+                raise InputError(f"{where}: FP4 weight {weight.key} has rows of {cols} values, not whole blocks of "
+                                 f"{block[1]}")
+        else:
+            block = quant.block
+        grid = [*lead, math.ceil(rows / block[0]), math.ceil(cols / block[1])]
         if list(scale.shape) != grid:
-            raise InputError(f"{self.path / scale.file}: {scale.key} is {list(scale.shape)}; {list(weight.shape)} "
-                             f"in {self.block_size[0]}x{self.block_size[1]} blocks needs {grid}")
-        if scale.dtype == FP8:
-            raise InputError(f"{self.path / scale.file}: {scale.key} must be a float32 scale, not FP8")
+            raise InputError(f"{scale_where}: {scale.key} is {list(scale.shape)}; {weight.key} of {rows}x{cols} "
+                             f"values in {block[0]}x{block[1]} blocks needs {grid}")
+        return block
+
+    def _check_scale_values(self, scale: _Stored, values: torch.Tensor) -> None:
+        """A one-line InputError for scales that are NaN, infinite, not positive or (with ue8m0) not powers of
+        two."""
+        power_of_two = self.quantization is not None and self.quantization.scale_fmt == "ue8m0"
+        good = fp4.is_power_of_two(values) if power_of_two else torch.isfinite(values) & (values > 0)
+        if not bool(good.all()):
+            value = values[~good].flatten()[0].item()
+            what = "finite positive powers of two (scale_fmt ue8m0)" if power_of_two else "finite and positive"
+            raise InputError(f"{self.path / scale.file}: {scale.key} holds {value!r} at {int((~good).sum())} "
+                             f"place(s); scales must be {what}")
 
     def _open(self, file: str):
         try:
@@ -310,27 +425,40 @@ class CheckpointReader:
         return handle.get_slice(stored.key)[index if rows is None else (*index, slice(*rows))]
 
     def _dequantize(self, entry: _Entry, dtype: torch.dtype, span: tuple[int, int] | None) -> torch.Tensor:
-        """W = q * s in float32 per block, one block row at a time: besides the output, only one block row of q
-        and its float32 product exist at once. ``span``: the stored rows to read (all by default)."""
-        if self.block_size is None or entry.scale is None:
-            raise ValueError(f"{entry.stored.key} is not an FP8 weight with its scales")
-        block_rows, block_cols = self.block_size
+        """W = q * s in float32 per block, a band of whole block rows (at least _BAND rows) at a time: besides the
+        output, only one band of q and its float32 product exist at once. ``span``: the stored rows to read (all
+        by default)."""
+        if entry.block is None or entry.scale is None:
+            raise ValueError(f"{entry.stored.key} is not a quantized weight with its scales")
+        block_rows, block_cols = entry.block
         scale = self._read(entry.scale, entry.expert).to(torch.float32)  # [row blocks, col blocks], small
+        self._check_scale_values(entry.scale, scale)
         first, stop = span or (0, entry.stored.shape[-2])
         cols = entry.shape[-1]
+        band = block_rows * math.ceil(_BAND / block_rows)
         out = torch.empty((stop - first, cols), dtype=dtype)
         start = first
         while start < stop:
-            end = min((start // block_rows + 1) * block_rows, stop)  # up to the end of this block row
+            end = min((start // band + 1) * band, stop)  # up to the end of this band
             q = self._read(entry.stored, entry.expert, (start, end))
-            s = scale[start // block_rows].repeat_interleave(block_cols)[:cols]
-            torch.mul(q.to(torch.float32), s, out=out[start - first:end - first])
+            values = fp4.unpack_e2m1(q) if entry.fp4 else q.to(torch.float32)
+            s = scale[torch.arange(start, end) // block_rows]  # [rows, column blocks]
+            target = out[start - first:end - first]
+            if cols % block_cols == 0:  # whole column blocks (always for FP4): each scale broadcasts over its block
+                blocks = (end - start, cols // block_cols, block_cols)
+                torch.mul(values.view(blocks), s.unsqueeze(-1), out=target.view(blocks))
+            else:
+                torch.mul(values, s.repeat_interleave(block_cols, dim=1)[:, :cols], out=target)
             start = end
         return out
 
 
-def _block_size(config: dict, path: Path) -> tuple[int, int] | None:
-    """The FP8 block shape from ``quantization_config`` (None without one); other quantizations are refused."""
+_BAND = 128  # rows dequantized at once: one FP8 block row, or 128 rows of an FP4 weight
+
+
+def _quantization(config: dict, path: Path) -> _Quantization | None:
+    """The scale blocks and formats from ``quantization_config`` (None without one); other quantizations are
+    refused."""
     quant = config.get("quantization_config")
     if quant is None:
         return None
@@ -346,4 +474,12 @@ def _block_size(config: dict, path: Path) -> tuple[int, int] | None:
     if not (isinstance(block, list) and len(block) == 2
             and all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block)):
         raise InputError(f"{where} has weight_block_size {block!r}; it must be two positive integers")
-    return tuple(block)
+    scale_fmt = quant.get("scale_fmt", "float")
+    if scale_fmt not in ("float", "ue8m0"):
+        raise InputError(f"{where} has scale_fmt {scale_fmt!r}; dstc reads 'float' and 'ue8m0'")
+    # V4's config.json declares expert_dtype at the top level, V4.1's in quantization_config (as transformers
+    # moves it)
+    expert_dtype = quant.get("expert_dtype", config.get("expert_dtype", "fp8"))
+    if expert_dtype not in ("fp8", "fp4"):
+        raise InputError(f"{where} has expert_dtype {expert_dtype!r}; dstc reads 'fp8' and 'fp4'")
+    return _Quantization((block[0], block[1]), scale_fmt, expert_dtype)

@@ -17,6 +17,7 @@ import onnx
 import onnx_ir as ir
 import torch
 
+from toolchain.errors import DstcError
 from toolchain.export.weights import ChunkedTensor, LazyArray, Params
 from toolchain.interface.graph import LAYER, ROLE
 
@@ -177,10 +178,24 @@ def save_graph(model: ir.Model, path: Path, external: bool | None = None, worker
     in flight), for lazy tensors whose computation releases the GIL."""
     if external or (external is None and float32_bytes(model) > EXTERNAL_DATA_BYTES):
         # small tensors (norms' scales, shape constants) stay in the graph file, as ORT's optimizer writes them
-        ir.save(model, path, external_data=path.name + ".data", size_threshold_bytes=1024, max_workers=workers)
+        _save(model, path, external_data=path.name + ".data", size_threshold_bytes=1024, max_workers=workers)
         return [path.name, path.name + ".data"]
     # Weights still in the input's external data file (a stage that read a large graph and made it small, e.g.
     # by compressing it) would be written as references to that file: they are read in, to be inlined.
     ir.external_data.load_to_model(model)
-    ir.save(model, path)
+    _save(model, path)
     return [path.name]
+
+
+def _save(model: ir.Model, path: Path, **options) -> None:
+    """ir.save; a lazy weight's read that finds bad input (a checkpoint's NaN scale) raises its own error, not
+    onnx-ir's wrappers of it."""
+    try:
+        ir.save(model, path, **options)
+    except ir.serde.SerdeError as e:
+        cause = e.__cause__
+        while cause is not None and not isinstance(cause, DstcError):
+            cause = cause.__cause__
+        if cause is None:
+            raise
+        raise cause from None

@@ -11,8 +11,16 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig, PreTrainedConfig
 
 from toolchain.atomic import atomic_output_dir, check_writable_target
-from toolchain.checkpoint.fp8 import QUANTIZATION_CONFIG, quantize_fp8, quantized_in_hub_layout
-from toolchain.checkpoint.reader import SCALE_SUFFIX
+from toolchain.checkpoint import v4_layout
+from toolchain.checkpoint.fp8 import (
+    QUANTIZATION_CONFIG,
+    float32_in_hub_layout,
+    plan_shards,
+    quantize_fp8,
+    quantized_in_hub_layout,
+    write_shard,
+)
+from toolchain.checkpoint.reader import INDEX_FILE, SCALE_SUFFIX
 from toolchain.errors import InputError
 from toolchain.models.registry import embedded_path, reference_config
 
@@ -27,9 +35,11 @@ def reference_to_config(raw: dict, num_layers: int | None = None, num_experts: i
     """The installed transformers config for a reference config.json, optionally cut to fewer layers/experts.
 
     The references use the original checkpoints' RoPE keys (rope_theta, rope_scaling with "type"); transformers
-    5 keeps them together in rope_parameters with "rope_type".
+    5 keeps them together in rope_parameters with "rope_type". Their quantization_config is the writer's to set
+    (make_shape_faithful), and keys starting with "_" are notes.
     """
-    fields = {k: v for k, v in raw.items() if k not in ("model_type", "rope_theta", "rope_scaling")}
+    fields = {k: v for k, v in raw.items()
+              if k not in ("model_type", "rope_theta", "rope_scaling", "quantization_config") and not k.startswith("_")}
     rope = dict(raw.get("rope_scaling") or {"rope_type": "default"})
     rope["rope_type"] = rope.pop("type", rope.get("rope_type"))
     # transformers validates the YaRN factors as floats; the original configs write some as integers.
@@ -46,7 +56,13 @@ def reference_to_config(raw: dict, num_layers: int | None = None, num_experts: i
 def _cut_layers(fields: dict, num_layers: int) -> None:
     if num_layers < 1:
         raise InputError(f"--layers must be at least 1, got {num_layers}")
-    fields["num_hidden_layers"] = num_layers
+    layers, fields["num_hidden_layers"] = fields.get("num_hidden_layers"), num_layers
+    if "compress_ratios" in fields and isinstance(layers, int) and num_layers < layers:
+        # DeepSeek-V4 (0 sliding, 4 CSA, 128 HCA; the shipped order is 0, 0, 4, 128, 4, 128, ...): one sliding layer
+        # less, so that three layers have each attention type; and at least one top-k MoE layer after the hash ones
+        ratios = fields["compress_ratios"]
+        fields["compress_ratios"] = (ratios[:1] + ratios[2:])[:num_layers]
+        fields["num_hash_layers"] = min(fields.get("num_hash_layers", 0), max(1, num_layers - 1))
     if "first_k_dense_replace" in fields:
         # Keep the leading dense layers, but leave at least one MoE layer whenever there are two layers or more.
         fields["first_k_dense_replace"] = min(fields["first_k_dense_replace"], max(1, num_layers - 1))
@@ -63,8 +79,10 @@ def _cut_experts(fields: dict, num_experts: int) -> None:
         raise InputError(f"--experts must be between 1 and {fields['n_routed_experts']} and allow expert groups "
                          f"of two or more, got {num_experts}")
     kept_groups = max(1, round(topk_group * groups / n_group))
-    fields.update(n_routed_experts=num_experts, n_group=groups, topk_group=kept_groups,
+    fields.update(n_routed_experts=num_experts,
                   num_experts_per_tok=min(fields["num_experts_per_tok"], kept_groups * num_experts // groups))
+    if "n_group" in fields:  # DeepSeek-V4 routes without groups
+        fields.update(n_group=groups, topk_group=kept_groups)
 
 
 @torch.no_grad()
@@ -99,11 +117,13 @@ def _shapes(model, tied: bool) -> list[tuple[str, tuple[int, ...], str, int | No
     return out
 
 
-def _write_shards(model, config, directory: Path, generator: torch.Generator, fp8: bool = False) -> None:
+def _write_shards(model, config, directory: Path, generator: torch.Generator, fp8: bool = False,
+                  scale_fmt: str = "float") -> None:
     """The weights as safetensors shards of about SHARD_BYTES, each tensor drawn when its shard is written, with
     model.safetensors.index.json when there is more than one: memory holds one shard, not the model. ``fp8``:
     DeepSeek-V3's hub layout (toolchain/checkpoint/fp8.py), each projection weight quantized from its bf16 draw
-    as write_fp8_checkpoint quantizes a bf16 checkpoint."""
+    as write_fp8_checkpoint quantizes a bf16 checkpoint (``scale_fmt`` "ue8m0": with power-of-two scales, as
+    V3.1 and later ship)."""
     from safetensors.torch import save_file
 
     shapes = _shapes(model, bool(config.tie_word_embeddings))
@@ -135,11 +155,11 @@ def _write_shards(model, config, directory: Path, generator: torch.Generator, fp
                 if half == 1:
                     del fused[key]
             if fp8 and quantized_in_hub_layout(hub_name, shape):
-                tensor, scale = quantize_fp8(tensor)
+                tensor, scale = quantize_fp8(tensor, scale_fmt=scale_fmt)
                 tensors[hub_name + SCALE_SUFFIX] = scale
                 weight_map[hub_name + SCALE_SUFFIX] = file
                 total += scale.numel() * 4
-            elif fp8 and hub_name.endswith("e_score_correction_bias"):  # float32 in the hub's files
+            elif fp8 and float32_in_hub_layout(hub_name):
                 tensor = tensor.float()
             tensors[hub_name] = tensor
             weight_map[hub_name] = file
@@ -151,8 +171,29 @@ def _write_shards(model, config, directory: Path, generator: torch.Generator, fp
             {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2) + "\n")
 
 
+def _write_v4_shards(model, config, directory: Path, generator: torch.Generator, mtp_layers: int) -> None:
+    """DeepSeek-V4 in its hub layout (toolchain/checkpoint/v4_layout.py), tensor by tensor as _write_shards."""
+    def draw(name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        tensor = torch.empty(shape, dtype=dtype)
+        _fill_random(tensor, name, generator, config.initializer_range)
+        return tensor
+
+    tensors = v4_layout.hub_tensors(model) + v4_layout.mtp_tensors(model, mtp_layers)
+    shards = plan_shards(v4_layout.groups(tensors, draw, config.n_routed_experts), SHARD_BYTES)
+    names = ["model.safetensors"] if len(shards) == 1 else \
+        [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    weight_map = {}
+    for file, shard in zip(names, shards):
+        write_shard(directory / file, shard)
+        weight_map.update({name: file for group in shard for name, _, _ in group.specs})
+    if len(names) > 1:
+        total = sum(group.nbytes for shard in shards for group in shard)
+        (directory / INDEX_FILE).write_text(json.dumps({"metadata": {"total_size": total},
+                                                        "weight_map": weight_map}, indent=2) + "\n")
+
+
 def make_shape_faithful(reference: str, out_dir: Path, num_layers: int = 4, num_experts: int | None = None,
-                        seed: int = 0, fp8: bool = False) -> Path:
+                        seed: int = 0, fp8: bool = False, mtp_layers: int = 0) -> Path:
     """Write a seeded random checkpoint of ``reference`` in Hugging Face layout to ``out_dir``.
 
     Weights are N(0, initializer_range) drawn in fp32 and stored in bf16, norms are ones; the router's
@@ -161,12 +202,27 @@ def make_shape_faithful(reference: str, out_dir: Path, num_layers: int = 4, num_
     Tensors are drawn and written a shard at a time (R1-Distill-Qwen-7B at 28 layers is 15 GB of bf16).
     ``fp8``: DeepSeek-V3 in its hub's FP8 layout (e4m3 projections with 128 x 128 block scales), the same values
     as write_fp8_checkpoint makes of the bf16 checkpoint, without writing that first (V3's real widths at 4
-    layers: 17 GB instead of 30 + 17).
+    layers: 17 GB instead of 30 + 17). DeepSeek-V3.2 and V4 are always written in their hub layouts: V3.2 as V3's
+    with power-of-two scales and its indexer (wq_b and wk in e4m3), V4 as toolchain/checkpoint/v4_layout.py
+    describes, with ``mtp_layers`` multi-token-prediction blocks.
     """
     raw = reference_config(reference)
-    if fp8 and raw.get("model_type") != "deepseek_v3":
-        raise InputError(f"--fp8 writes DeepSeek-V3's hub layout; {reference} is {raw.get('model_type')}")
+    model_type = raw.get("model_type")
+    if fp8 and model_type not in ("deepseek_v3", "deepseek_v32"):
+        raise InputError(f"--fp8 writes DeepSeek-V3's hub layout; {reference} is {model_type}")
     config = reference_to_config(raw, num_layers, num_experts)
+    scale_fmt = (raw.get("quantization_config") or {}).get("scale_fmt", "float")
+    return write_random_checkpoint(config, out_dir, seed, fp8, scale_fmt, mtp_layers)
+
+
+def write_random_checkpoint(config: PreTrainedConfig, out_dir: Path, seed: int = 0, fp8: bool = False,
+                            scale_fmt: str = "float", mtp_layers: int = 0) -> Path:
+    """make_shape_faithful's checkpoint of any transformers ``config``: bf16, or (``fp8``) DeepSeek-V3's FP8 hub
+    layout with ``scale_fmt`` scales; DeepSeek-V3.2 always in that layout, DeepSeek-V4 always in its own."""
+    model_type = config.model_type
+    fp8 = fp8 or model_type == "deepseek_v32"
+    if mtp_layers and model_type != "deepseek_v4":
+        raise InputError(f"multi-token-prediction blocks are written for DeepSeek-V4 only, not {model_type}")
     check_writable_target(out_dir)  # before drawing a model that may take minutes
     config.dtype = _DTYPE
     with torch.device("meta"):
@@ -175,9 +231,15 @@ def make_shape_faithful(reference: str, out_dir: Path, num_layers: int = 4, num_
     # Written beside the target and renamed into place: an existing checkpoint there is replaced only if dstc
     # wrote it, and never left half-overwritten.
     with atomic_output_dir(Path(out_dir)) as tmp:
-        _write_shards(model, config, tmp, generator, fp8)
-        if fp8:
-            config.quantization_config = dict(QUANTIZATION_CONFIG)
+        if model_type == "deepseek_v4":
+            _write_v4_shards(model, config, tmp, generator, mtp_layers)
+            config.quantization_config = {**v4_layout.QUANTIZATION_CONFIG, "expert_dtype": "fp4"}
+            config.num_nextn_predict_layers = mtp_layers
+        else:
+            _write_shards(model, config, tmp, generator, fp8, scale_fmt)
+            if fp8:
+                config.quantization_config = {**QUANTIZATION_CONFIG} if scale_fmt == "float" else \
+                    {**QUANTIZATION_CONFIG, "scale_fmt": scale_fmt}
         config.architectures = [type(model).__name__]  # as save_pretrained records it (optimum-cli reads it)
         config.save_pretrained(tmp)
         GenerationConfig(bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id).save_pretrained(tmp)
