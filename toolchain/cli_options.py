@@ -84,7 +84,7 @@ def _option(name: str, field, help_text: str, spellings: dict[str, str], default
             choices = f" ({', '.join(map(str, typing.get_args(item)))})" if literal else ""
             listed = None  # the default list, shown unless the help says what the default is
             if field.default_factory and "(default:" not in help_text:
-                listed = field.default_factory()  # type: ignore[call-arg]
+                listed = field.default_factory()
             return click.option(names, name, default=None, metavar="A,B,...",
                                 show_default=",".join(map(str, listed)) if listed else False,
                                 help=f"{help_text}  Comma-separated{choices}; '{NONE}' for none.")

@@ -53,7 +53,7 @@ class DeepseekV4Architecture:
     attention_kind = "compressed"  # sliding-window K=V attention with CSA / HCA pooled entries
     kv_cache = PER_TOKEN  # K=V and the compressors' projections per token (deepseek_v4_attention.py)
     genai_model_type: str | None = None  # onnxruntime-genai's config describes no hyper-connections
-    moe_lowering = "dispatch"
+    moe_lowering: str | None = "dispatch"
     # q, k and the output's inverse rotation; the passes expect nothing of "compressed" attention (passes/targets.py)
     rotations_per_layer = 3
 
