@@ -10,6 +10,7 @@ import json
 import numpy as np
 import onnx
 import pytest
+from batching_helpers import decode_joining_and_leaving
 from conftest import COMMON, MLA, make_checkpoint, run_cli, tiny_configs
 from test_export import check_report
 
@@ -228,17 +229,4 @@ def test_sequences_joining_and_leaving_a_batch_get_their_batch_one_tokens(export
     alone = [greedy_generate(decoder, [p], new, set(), art.pad_token_id).tokens[0] for p in prompts]
     batch = StatefulBatch(decoder, art.pad_token_id) if backend == "openvino" else \
         batched_decoder(decoder, art.pad_token_id, layout)
-    out: dict[int, list[int]] = {}
-    waiting = list(range(len(prompts)))
-    step = 0
-    while waiting or len(batch):
-        if waiting and step % 3 == 0:
-            joining, waiting = waiting[:2], waiting[2:]
-            for key, logits in batch.join({k: prompts[k] for k in joining}).items():
-                out[key] = [int(logits.argmax())]
-        batch.leave([k for k in batch.keys if len(out[k]) == new])
-        if len(batch):
-            for key, logits in batch.step({k: out[k][-1] for k in batch.keys}).items():
-                out[key].append(int(logits.argmax()))
-        step += 1
-    assert [out[k] for k in range(len(prompts))] == alone
+    assert decode_joining_and_leaving(batch, prompts, new) == alone

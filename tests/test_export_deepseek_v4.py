@@ -12,14 +12,14 @@ import numpy as np
 import onnx
 import pytest
 import torch
+from batching_helpers import decode_joining_and_leaving
+from conftest import make_checkpoint, tiny_configs
 
 from toolchain.export.architectures import architecture_for
 from toolchain.export.decoder import build_decoder
 from toolchain.export.graph import save_graph
 from toolchain.export.parity import TOLERANCES, Case, compare, compare_decoders
 from toolchain.runtime.torch_reference import TorchDecoder
-
-from conftest import make_checkpoint, tiny_configs
 
 SLIDING, CSA, HCA = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
 STEPS = 20
@@ -178,19 +178,7 @@ def test_v4_sequences_joining_a_running_batch_get_their_batch_one_tokens(every_t
     prompts = [rng.integers(1, config.vocab_size, n).tolist() for n in (23, 5, 14, 37, 9)]
     new = 20
     alone = [greedy_generate(decoder, [p], new, set(), 0).tokens[0] for p in prompts]
-    out: dict[int, list[int]] = {}
-    waiting, step = list(range(len(prompts))), 0
-    while waiting or len(batch):
-        if waiting and step % 3 == 0:  # two join every third step, beside the ones running
-            joining, waiting = waiting[:2], waiting[2:]
-            for key, logits in batch.join({k: prompts[k] for k in joining}).items():
-                out[key] = [int(logits.argmax())]
-        batch.leave([k for k in batch.keys if len(out[k]) == new])
-        if len(batch):
-            for key, logits in batch.step({k: out[k][-1] for k in batch.keys}).items():
-                out[key].append(int(logits.argmax()))
-        step += 1
-    assert [out[k] for k in range(len(prompts))] == alone
+    assert decode_joining_and_leaving(batch, prompts, new) == alone
 
 
 def test_deepseek_v4_router_scores_above_softplus_overflow(tmp_path):
