@@ -498,6 +498,9 @@ def _eval_options(command):
 
 
 def _eval_settings(options: dict) -> EvalSettings:
+    if options.get("tasks") and options.get("task_data") is None:  # the option to give, not the recipe key
+        raise click.BadParameter("give the tasks' data with --task-data DIR (dstc never downloads)",
+                                 param_hint="--tasks")
     settings = given_section(EvalSettings, options, EVAL_SPELLINGS)
     if settings.dataset is not None and not Path(settings.dataset).is_file():
         raise click.BadParameter(f"{settings.dataset} is not a file", param_hint="--dataset")
