@@ -19,7 +19,8 @@ from conftest import COMMON, make_checkpoint
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from toolchain.checkpoint import fp4, open_checkpoint, reader as reader_module
+from toolchain.checkpoint import fp4, reader as reader_module
+from toolchain.checkpoint.reader import open_checkpoint
 from toolchain.checkpoint.fp8 import QUANTIZATION_CONFIG, quantize_fp8, write_fp8_checkpoint
 from toolchain.checkpoint.v4_layout import QUANTIZATION_CONFIG as V4_QUANTIZATION
 from toolchain.errors import InputError
@@ -438,7 +439,7 @@ def test_one_shard_open_at_a_time(v3, monkeypatch):
 
 MEASURE = textwrap.dedent("""
     import sys, torch
-    from toolchain.checkpoint import open_checkpoint
+    from toolchain.checkpoint.reader import open_checkpoint
 
     def status(field):
         return next(int(line.split()[1]) * 1024 for line in open("/proc/self/status") if line.startswith(field))

@@ -13,7 +13,8 @@ from safetensors.torch import save_file
 
 from conftest import COMMON, make_checkpoint, read_through_the_reader
 from test_checkpoint_reader import wide_v3_config
-from toolchain.checkpoint import open_checkpoint, reference
+from toolchain.checkpoint import reference
+from toolchain.checkpoint.reader import open_checkpoint
 from toolchain.checkpoint.fp8 import write_fp8_checkpoint
 from toolchain.models.registry import EMBEDDED, embedded_path
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from toolchain.checkpoint import open_checkpoint
+from toolchain.checkpoint.reader import open_checkpoint
 from toolchain.errors import InputError
 from toolchain.models import corpus
 from toolchain.models.catalog import list_embedded
