@@ -35,9 +35,10 @@ import onnx_ir as ir
 from toolchain.compress import metrics
 from toolchain.export.parity import graph_decoder
 from toolchain.interface.graph import cache_spec
-from toolchain.runtime.engines import ort_options, ort_session, openvino_compile
-from toolchain.runtime.generate import greedy_logits
 from toolchain.models.registry import EMBEDDED, embedded_path
+from toolchain.recipe import CompressSection
+from toolchain.runtime.engines import openvino_compile, ort_options, ort_session
+from toolchain.runtime.generate import greedy_logits
 from toolchain.stages.compress import compress
 from toolchain.stages.export import export
 
@@ -72,12 +73,11 @@ def checkpoints(root: Path, names: list[str] | None) -> dict[str, tuple[Path, bo
         if (path / "model.safetensors").is_file():
             out[name] = (path, True)
             continue
+        import torch
         from transformers import AutoModelForCausalLM
 
         from toolchain.models.configs import build_config
         from toolchain.models.tokenizer import build_tokenizer, save_tokenizer
-
-        import torch
 
         torch.manual_seed(0)
         stand_in = root / "random" / name
@@ -180,11 +180,11 @@ def granularity_rows(export_dir: Path, tokenizer, problems, texts, reference, he
 def kernel_speed(k: int = 2048, n: int = 2048, repeats: int = 200) -> list[dict]:
     """ms per call of a [1, K] x [K, N] weight MatMul on ORT in each form the stage can write."""
     import onnxruntime as ort
+    from onnx import TensorProto, helper
 
     from passes.quantize.int8_per_head import Int8PerHead
     from passes.quantize.matmul_nbits import ToMatMulNBits
     from toolchain.compress import engine
-    from onnx import helper, TensorProto
 
     rng = np.random.default_rng(0)
     w = rng.normal(size=(k, n)).astype(np.float32)
@@ -295,7 +295,7 @@ def main() -> None:
         for label, target, options in variants:
             out = work / name / f"{label.replace(' ', '_')}-{target}"
             t0 = time.perf_counter()
-            report = compress(export_dir, out, target=target, **options)
+            report = compress(export_dir, out, CompressSection(**options), target=target)
             seconds = time.perf_counter() - t0
             weights_bytes = sum(v for f, v in report["file_sizes"].items() if not f.endswith(".xml"))
             row = {"variant": label, "target": target, "size_bytes": weights_bytes,

@@ -57,6 +57,7 @@ def build(work: Path, args, log) -> dict[tuple[str, str, str], Path]:
         for backend in ("onnxruntime", "openvino"):
             files[(backend, "fp32", layout)] = out / "model.onnx"
     if args.int4:
+        from toolchain.recipe import CompressSection
         from toolchain.stages.compress import compress
 
         for layout in LAYOUTS:
@@ -64,7 +65,7 @@ def build(work: Path, args, log) -> dict[tuple[str, str, str], Path]:
                 out = work / f"int4-{layout}-{backend}"
                 if not (out / "compression.json").is_file():
                     log(f"compress {layout} INT4 for {backend}")
-                    compress(work / f"export-{layout}", out, target=backend, scheme="int4-grouped")
+                    compress(work / f"export-{layout}", out, CompressSection(scheme="int4-grouped"), target=backend)
                 xml = out / "openvino_model.xml"
                 files[(backend, "int4", layout)] = xml if xml.is_file() else out / "model.onnx"
                 gc.collect()

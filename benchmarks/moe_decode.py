@@ -65,6 +65,7 @@ def checkpoint(path: Path, spec: str) -> Path:
 
 def build(work: Path, spec: str, log) -> dict[tuple[str, str, str], Path]:
     """(backend, precision, lowering) -> the graph file that backend runs, for one model (see checkpoint)."""
+    from toolchain.recipe import CompressSection
     from toolchain.stages.compress import compress
     from toolchain.stages.export import export
 
@@ -84,7 +85,8 @@ def build(work: Path, spec: str, log) -> dict[tuple[str, str, str], Path]:
             out = work / f"int4-{name}-{lowering}-{backend}"
             if not (out / "compression.json").is_file():
                 log(f"compress {spec} experts, {lowering}, INT4 for {backend}")
-                compress(work / f"export-{name}-{lowering}", out, target=backend, scheme="int4-grouped")
+                compress(work / f"export-{name}-{lowering}", out,
+                         CompressSection(scheme="int4-grouped"), target=backend)
             xml = out / "openvino_model.xml"  # a streamed compression writes ONNX for both targets
             files[(backend, "int4", lowering)] = xml if xml.is_file() else out / "model.onnx"
         gc.collect()

@@ -16,6 +16,7 @@ from toolchain.build import build
 from toolchain.errors import InputError
 from toolchain.export.layer_parity import compare_layers
 from toolchain.export.parity import parity_cases
+from toolchain.recipe import CompressSection
 from toolchain.stages.compress import compress
 from toolchain.stages.export import export
 from toolchain.stages.optimize import optimize
@@ -108,8 +109,8 @@ def test_whole_model_compression_of_bf16_storage_equals_the_float32_exports(expo
     """The whole-model path widens the stored weights first: NNCF sees the float32 export's graph."""
     written = {}
     for storage in ("float32", "bfloat16"):
-        compress(exports[arch, storage][0], tmp_path / storage, target="onnxruntime", streaming="never",
-                 scheme="int4-grouped", group_size=32)
+        compress(exports[arch, storage][0], tmp_path / storage,
+                 CompressSection(streaming="never", scheme="int4-grouped", group_size=32), target="onnxruntime")
         written[storage] = initializers(tmp_path / storage)[0]
     assert written["float32"].keys() == written["bfloat16"].keys()
     for name, tensor in written["float32"].items():
@@ -121,8 +122,8 @@ def test_streamed_compression_reads_through_the_cast(exports, tmp_path, scheme):
     """Streamed from bf16 storage: the tensors the stream writes from the float32 export (the values are equal)."""
     written = {}
     for storage in ("float32", "bfloat16"):
-        compress(exports["deepseek_v3", storage][0], tmp_path / storage, target="onnxruntime", streaming="always",
-                 scheme=scheme, group_size=32)
+        compress(exports["deepseek_v3", storage][0], tmp_path / storage,
+                 CompressSection(streaming="always", scheme=scheme, group_size=32), target="onnxruntime")
         written[storage] = initializers(tmp_path / storage)[0]
     quantized = {n for n, t in written["float32"].items() if t.data_type != onnx.TensorProto.FLOAT}
     assert quantized and quantized == {n for n, t in written["bfloat16"].items()

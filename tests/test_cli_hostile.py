@@ -12,9 +12,9 @@ import textwrap
 from pathlib import Path
 
 import pytest
-
 from conftest import run_cli as _run
 from test_export_errors import assert_one_line_error, run_cli
+
 from toolchain.atomic import MARKER
 
 REPO = Path(__file__).resolve().parent.parent
@@ -321,3 +321,24 @@ def test_whole_artifacts_still_generate(monkeypatch, capsys, artifacts, backend)
                           "--max-new-tokens", "4")
     assert code == 0, err
     assert out.startswith("9750")
+
+
+def test_serve_options_are_the_settings_fields_and_bad_ones_stop_before_any_load(monkeypatch, capsys, tmp_path):
+    """`dstc serve`'s options are generated from ServeSettings (toolchain/serve/settings.py): every field but the
+    keys (which come from --api-key/--api-key-file) is an option with the field's default; a value out of the
+    section's bounds is one line, exit 2, before the artifact is opened (it does not exist here)."""
+    from toolchain.cli import cli
+    from toolchain.errors import InputError
+    from toolchain.serve.settings import ServeSettings
+
+    params = {p.name: p for p in cli.commands["serve"].params}
+    assert set(ServeSettings.model_fields) - set(params) == {"api_keys"}
+    for name, field in ServeSettings.model_fields.items():
+        if name != "api_keys" and field.default_factory is None:
+            assert params[name].default == field.default, name
+    for option, value in (("--max-batch", "0"), ("--body-timeout", "0"), ("--max-queue", "-1"),
+                          ("--kv-layout", "paged")):
+        code, err = run_cli(monkeypatch, capsys, "serve", str(tmp_path / "missing"), option, value)
+        assert_one_line_error(code, err, option)
+    with pytest.raises(InputError, match="max_batch"):
+        ServeSettings.check({"max_batch": 0})

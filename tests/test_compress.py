@@ -11,15 +11,16 @@ import onnx
 import onnx_ir as ir
 import onnxruntime as ort
 import pytest
+from passes_helpers import make_model, node
 
 from toolchain.atomic import MARKER
-from toolchain.runtime.engines import openvino_compile
 from toolchain.compress import engine
 from toolchain.compress.policy import Policy, role_of
 from toolchain.errors import InputError
+from toolchain.recipe import CompressSection
+from toolchain.runtime.engines import openvino_compile
 from toolchain.stages.compress import compress
 from toolchain.stages.export import export
-from passes_helpers import make_model, node
 
 ARCHS = ("llama", "qwen2", "deepseek_v2", "deepseek_v3")
 TARGETS = ("onnxruntime", "openvino")
@@ -61,7 +62,7 @@ def runs(exports, tmp_path_factory):
         key = (arch, target, scheme, tuple(sorted(options.items())))
         if key not in cache:
             out = root / f"{len(cache)}-{arch}-{target}-{scheme}"
-            cache[key] = (compress(exports[arch], out, target=target, scheme=scheme, **options), out)
+            cache[key] = (compress(exports[arch], out, CompressSection(scheme=scheme, **options), target=target), out)
         return cache[key]
 
     return get
@@ -138,12 +139,12 @@ def test_prefill_int8_gives_every_4bit_weight_a_prompt_branch(runs, streaming):
 
 
 def test_prefill_int8_is_for_int4_on_onnxruntime():
-    from toolchain.stages.compress import compress_options
+    from toolchain.stages.compress import check_target
 
     with pytest.raises(InputError, match="prefill_int8 applies to the int4-grouped scheme on the onnxruntime"):
-        compress_options("openvino", {"scheme": "int4-grouped", "prefill_int8": True})
+        check_target(CompressSection(scheme="int4-grouped", prefill_int8=True), "openvino")
     with pytest.raises(InputError, match="prefill_int8"):
-        compress_options("onnxruntime", {"scheme": "int8-per-channel", "prefill_int8": True})
+        check_target(CompressSection(scheme="int8-per-channel", prefill_int8=True), "onnxruntime")
 
 
 def test_onnxruntime_runs_matmulnbits_with_accuracy_level(runs):
@@ -257,8 +258,10 @@ def test_calibration_from_files_and_bad_input(runs, exports, tmp_path):
     for kwargs in (dict(scheme="int3"), dict(group_size=48), dict(target="tensorrt"), dict(dataset=str(bad), awq=True),
                    dict(scheme="int8-per-head", awq=True), dict(ratio=0.5, scheme="int8-per-channel"),
                    dict(gptq=True), dict(lm_head="int2"), dict(embeddings="int4")):
+        options = {"scheme": "int4-grouped", "target": "onnxruntime", **kwargs}
+        target = options.pop("target")
         with pytest.raises(InputError):
-            compress(exports["qwen2"], out, **kwargs)
+            compress(exports["qwen2"], out, CompressSection.check(options), target=target)
         assert not out.exists()
 
 

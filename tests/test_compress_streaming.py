@@ -16,6 +16,7 @@ import pytest
 
 from toolchain.errors import InputError
 from toolchain.interface.graph import cache_spec
+from toolchain.recipe import CompressSection
 from toolchain.stages.compile import compile_artifact
 from toolchain.stages.compress import compress
 from toolchain.stages.export import export
@@ -50,8 +51,10 @@ def test_onnxruntime_streaming_writes_nncfs_own_tensors(exports, tmp_path, arch,
         from toolchain.compress import streaming
 
         monkeypatch.setattr(streaming, "CHUNK_BYTES", chunk_bytes)
-    whole = compress(exports[arch], tmp_path / "whole", target="onnxruntime", streaming="never")
-    streamed = compress(exports[arch], tmp_path / "streamed", target="onnxruntime", streaming="always")
+    whole = compress(exports[arch], tmp_path / "whole",
+                     CompressSection(scheme="int4-grouped", streaming="never"), target="onnxruntime")
+    streamed = compress(exports[arch], tmp_path / "streamed",
+                        CompressSection(scheme="int4-grouped", streaming="always"), target="onnxruntime")
     a, b = nbits_tensors(tmp_path / "whole" / "model.onnx"), nbits_tensors(tmp_path / "streamed" / "model.onnx")
     assert a.keys() == b.keys() and len(a) > 10
     for name in a:
@@ -77,8 +80,10 @@ def test_onnxruntime_streaming_writes_nncfs_own_tensors(exports, tmp_path, arch,
 def test_openvino_streaming_is_a_compressed_ir_that_verifies(exports, tmp_path):
     import openvino as ov
 
-    whole = compress(exports["deepseek_v3"], tmp_path / "whole", target="openvino", streaming="never")
-    streamed = compress(exports["deepseek_v3"], tmp_path / "streamed", target="openvino", streaming="always")
+    whole = compress(exports["deepseek_v3"], tmp_path / "whole",
+                     CompressSection(scheme="int4-grouped", streaming="never"), target="openvino")
+    streamed = compress(exports["deepseek_v3"], tmp_path / "streamed",
+                        CompressSection(scheme="int4-grouped", streaming="always"), target="openvino")
     assert ir.load(tmp_path / "streamed" / "model.onnx").opset_imports[""] == 21  # DequantizeLinear block_size
     manifest = compile_artifact(tmp_path / "streamed", tmp_path / "art", "openvino")
     assert manifest["verification"]["passed"] and manifest["verification"]["reference"] == "compressed input graph"
@@ -117,10 +122,10 @@ def quantized_tensors(path: Path) -> dict[str, np.ndarray]:
 
 @pytest.mark.parametrize("arch", ["deepseek_v3", "qwen2"])
 def test_int8_per_head_streaming_writes_the_passes_own_tensors(exports, tmp_path, arch):
-    whole = compress(exports[arch], tmp_path / "whole", target="onnxruntime", scheme="int8-per-head",
-                     streaming="never")
-    streamed = compress(exports[arch], tmp_path / "streamed", target="onnxruntime", scheme="int8-per-head",
-                        streaming="always")
+    whole = compress(exports[arch], tmp_path / "whole",
+                     CompressSection(scheme="int8-per-head", streaming="never"), target="onnxruntime")
+    streamed = compress(exports[arch], tmp_path / "streamed",
+                        CompressSection(scheme="int8-per-head", streaming="always"), target="onnxruntime")
     a = quantized_tensors(tmp_path / "whole" / "model.onnx")
     b = quantized_tensors(tmp_path / "streamed" / "model.onnx")
     assert a.keys() == b.keys() and len(a) > 20
@@ -149,8 +154,8 @@ def assert_scale_per_head(path: Path, heads: list[str]) -> None:
 
 
 def test_int8_per_head_streaming_compiles_and_verifies_for_openvino(exports, tmp_path):
-    summary = compress(exports["deepseek_v3"], tmp_path / "streamed", target="openvino", scheme="int8-per-head",
-             streaming="always")
+    summary = compress(exports["deepseek_v3"], tmp_path / "streamed",
+                       CompressSection(scheme="int8-per-head", streaming="always"), target="openvino")
     heads = [r["weight"] for r in summary["per_weight"] if r["precision"].endswith("per-head")]
     assert heads == [f"layers.{i}/self_attn/q_b_proj/weight" for i in range(3)]
     assert_scale_per_head(tmp_path / "streamed" / "model.onnx", heads)
@@ -168,7 +173,8 @@ def test_int8_per_head_streaming_compiles_and_verifies_for_openvino(exports, tmp
 def test_whole_model_data_aware_options_are_refused_in_streaming_form(exports, tmp_path):
     for options in ({"gptq": True}, {"ratio": 0.8}, {"awq": True, "ratio": 0.8}):
         with pytest.raises(InputError, match="not available in bounded memory"):
-            compress(exports["qwen2"], tmp_path / "o", target="openvino", streaming="always", **options)
+            compress(exports["qwen2"], tmp_path / "o",
+                     CompressSection(scheme="int4-grouped", streaming="always", **options), target="openvino")
         assert not (tmp_path / "o").exists()
 
 
@@ -182,11 +188,14 @@ def test_scale_estimation_streams_with_statistics_computed_layer_by_layer(export
     nn.Linear of the layers; routed experts and MLA's absorbed kv_b_proj not), per-weight errors within 1 %,
     scales within 1e-3 of NNCF's but for a few groups whose grid search went the other way on the two runs'
     rounding, and not the data-free scales."""
-    whole = compress(exports["qwen2"], tmp_path / "whole", target="onnxruntime", scale_estimation=True,
-                     streaming="never")
-    streamed = compress(exports["qwen2"], tmp_path / "streamed", target="onnxruntime", scale_estimation=True,
-                        streaming="always")
-    free = compress(exports["qwen2"], tmp_path / "free", target="onnxruntime", streaming="always")
+    whole = compress(exports["qwen2"], tmp_path / "whole",
+                     CompressSection(scheme="int4-grouped", scale_estimation=True, streaming="never"),
+                     target="onnxruntime")
+    streamed = compress(exports["qwen2"], tmp_path / "streamed",
+                        CompressSection(scheme="int4-grouped", scale_estimation=True, streaming="always"),
+                        target="onnxruntime")
+    free = compress(exports["qwen2"], tmp_path / "free",
+                    CompressSection(scheme="int4-grouped", streaming="always"), target="onnxruntime")
     estimated = streamed["details"]["scale_estimation"]
     rows = {r["weight"]: r for r in streamed["per_weight"]}
     assert set(estimated) == {n for n, r in rows.items() if r["precision"].startswith("int4")}
@@ -213,9 +222,11 @@ def test_streamed_scale_estimation_of_a_moe_mla_model_compiles_and_verifies(expo
     and the artifact compiles and verifies against its compressed input graph. (NNCF's whole-model scale
     estimation writes an INT8 absorbed kv_b_proj ORT refuses to run, so there is no whole-model reference for
     this model here.)"""
-    streamed = compress(exports["deepseek_v3"], tmp_path / "streamed", target="openvino", scale_estimation=True,
-                        streaming="always")
-    free = compress(exports["deepseek_v3"], tmp_path / "free", target="openvino", streaming="always")
+    streamed = compress(exports["deepseek_v3"], tmp_path / "streamed",
+                        CompressSection(scheme="int4-grouped", scale_estimation=True, streaming="always"),
+                        target="openvino")
+    free = compress(exports["deepseek_v3"], tmp_path / "free",
+                    CompressSection(scheme="int4-grouped", streaming="always"), target="openvino")
     rows = {r["weight"]: r for r in streamed["per_weight"]}
     int4 = {n for n, r in rows.items() if r["precision"].startswith("int4")}
     estimated = set(streamed["details"]["scale_estimation"])
@@ -274,8 +285,9 @@ def test_streamed_awq_scales_the_routed_experts_the_calibration_reaches(exports,
     """AWQ in bounded memory takes every up_proj -> down_proj pair whose two inputs have statistics: the dense
     MLP, the shared experts and the routed experts the calibration tokens reach (the pairs NNCF's MatMul_Mul_MatMul
     pattern matches in the dispatch graph)."""
-    both = compress(exports["deepseek_v3"], tmp_path / "both", target="openvino", streaming="always", awq=True,
-                    scale_estimation=True)
+    both = compress(exports["deepseek_v3"], tmp_path / "both",
+                    CompressSection(scheme="int4-grouped", streaming="always", awq=True, scale_estimation=True),
+                    target="openvino")
     awq, estimated = set(both["details"]["awq"]), set(both["details"]["scale_estimation"])
     assert awq == {n for n in estimated if n.endswith("/down_proj/weight")
                    and n.replace("/down_proj/", "/up_proj/") in estimated}
@@ -421,9 +433,12 @@ def test_the_whole_model_path_refuses_a_graph_above_protobufs_limit(exports, tmp
 
     monkeypatch.setattr(stage, "PROTOBUF_LIMIT", 1 << 10)
     with pytest.raises(InputError, match="at most 2 GiB; use streaming: auto"):
-        compress(exports["qwen2"], tmp_path / "o", target="onnxruntime", streaming="never")
+        compress(exports["qwen2"], tmp_path / "o",
+                 CompressSection(scheme="int4-grouped", streaming="never"), target="onnxruntime")
     assert not (tmp_path / "o").exists()
-    assert compress(exports["qwen2"], tmp_path / "s", target="onnxruntime", streaming="always")["streaming"] is True
+    assert compress(exports["qwen2"], tmp_path / "s",
+                    CompressSection(scheme="int4-grouped", streaming="always"),
+                    target="onnxruntime")["streaming"] is True
 
 
 def test_onnxruntime_streaming_computes_each_4bit_weight_once_when_saved(tmp_path):
@@ -496,9 +511,11 @@ def test_awq_streams_with_nncfs_own_step_on_the_same_inputs(exports, tiny_checkp
         return scale
 
     monkeypatch.setattr(AWQ, "_data_aware_step", record)
-    compress(exports["qwen2"], tmp_path / "whole", target="onnxruntime", awq=True, streaming="never")
+    compress(exports["qwen2"], tmp_path / "whole",
+             CompressSection(scheme="int4-grouped", awq=True, streaming="never"), target="onnxruntime")
     whole, calls[:] = list(calls), []
-    streamed = compress(exports["qwen2"], tmp_path / "streamed", target="openvino", awq=True, streaming="always")
+    streamed = compress(exports["qwen2"], tmp_path / "streamed",
+                        CompressSection(scheme="int4-grouped", awq=True, streaming="always"), target="openvino")
     assert streamed["details"]["awq"] == [f"layers.{i}/mlp/dense/down_proj/weight" for i in range(3)]
     assert len(whole) == len(calls) == 3
 
@@ -524,7 +541,8 @@ def test_awq_streams_with_nncfs_own_step_on_the_same_inputs(exports, tiny_checkp
         ref = next(c for c in whole if np.array_equal(c["weight"], got["weight"]))
         assert np.array_equal(ref["prev"], got["prev"]) and ref["config"] == got["config"]
         assert np.abs(ref["means"] - got["means"]).max() < 0.02 * np.abs(got["means"]).max()
-    free = compress(exports["qwen2"], tmp_path / "free", target="openvino", streaming="always")
+    free = compress(exports["qwen2"], tmp_path / "free",
+                    CompressSection(scheme="int4-grouped", streaming="always"), target="openvino")
     rows, free_rows = ({r["weight"]: r["weight_error"] for r in c["per_weight"]} for c in (streamed, free))
     changed = {n for n in rows if rows[n] != free_rows[n]}
     assert changed and changed <= {n.replace("down_proj", p) for n in streamed["details"]["awq"]
@@ -557,7 +575,8 @@ def test_streamed_compression_on_two_writer_threads_writes_one_threads_bytes(exp
     outputs = {}
     for forced in (None, 2):
         out = tmp_path / f"workers-{forced}"
-        compress(exports["deepseek_v3"], out, target=target, scheme="int4-grouped", streaming="always", **options)
+        compress(exports["deepseek_v3"], out,
+                 CompressSection(scheme="int4-grouped", streaming="always", **options), target=target)
         outputs[forced] = {name: (out / name).read_bytes() for name in ("model.onnx", "model.onnx.data")}
     assert threads == [2, 2]  # what the stage asks for
     assert outputs[None] == outputs[2] and len(outputs[2]["model.onnx.data"]) > 100_000

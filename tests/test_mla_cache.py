@@ -19,6 +19,7 @@ from test_export import check_report
 from toolchain.errors import InputError
 from toolchain.export.architectures import architecture_for
 from toolchain.export.deepseek import with_mla_cache
+from toolchain.recipe import CompressSection
 from toolchain.stages.compile import compile_artifact
 from toolchain.stages.compress import compress
 from toolchain.stages.export import export
@@ -213,7 +214,7 @@ def test_compression_of_a_latent_export_reports_the_absorbed_weights_per_head(la
     out, _ = latent_exports("deepseek_v3")
     config = config_of(out)
     heads, layers = config["num_attention_heads"], config["num_hidden_layers"]
-    summary = compress(out, tmp_path / "c", target=target, scheme=scheme, streaming=streaming)
+    summary = compress(out, tmp_path / "c", CompressSection(scheme=scheme, streaming=streaming), target=target)
     rows = absorbed_rows(summary)
     assert len(rows) == 2 * layers
     for row in rows:
@@ -246,7 +247,8 @@ def test_streamed_compression_of_a_latent_export_with_external_weights(checkpoin
     monkeypatch.setattr(graph, "EXTERNAL_DATA_BYTES", 1 << 10)
     export(str(checkpoints["v2-yarn"]), tmp_path / "export", parity=(), mla_cache="latent")
     assert (tmp_path / "export" / "model.onnx.data").is_file()
-    summary = compress(tmp_path / "export", tmp_path / "c", target="onnxruntime", scheme=scheme, streaming="always")
+    summary = compress(tmp_path / "export", tmp_path / "c",
+                       CompressSection(scheme=scheme, streaming="always"), target="onnxruntime")
     rows = absorbed_rows(summary)
     assert len(rows) == 2 * 3 and all(len(r["heads"]) == 2 and r["weight_error"] < 0.02 for r in rows)
     check_compressed_runs(tmp_path / "c" / "model.onnx", "onnxruntime", config_of(tmp_path / "export"))

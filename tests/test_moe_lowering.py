@@ -13,13 +13,14 @@ import torch
 from conftest import run_cli, tiny_configs
 from test_export import check_report
 
+from toolchain.checkpoint.reference import is_moe, watch_expert_choice
 from toolchain.compress import moe as fused_moe
 from toolchain.compress.streaming import blocked_dq_to_nbits
 from toolchain.errors import InputError
 from toolchain.export import moe
-from toolchain.checkpoint.reference import is_moe, watch_expert_choice
 from toolchain.export.architectures import architecture_for
 from toolchain.export.decoder import build_decoder
+from toolchain.recipe import CompressSection
 from toolchain.runtime.engines import GraphRunner, openvino_compile
 from toolchain.runtime.routing import router_values
 from toolchain.source import load, resolve
@@ -176,7 +177,7 @@ def compressed(fused_exports, tiny_checkpoints, tmp_path_factory):
             if lowering == "dispatch" and not (source / "export.json").is_file():
                 export(str(tiny_checkpoints["deepseek_v3"]), source, parity=())
             out = root / f"{lowering}-{target}-{len(done)}"
-            done[key] = out, compress(source, out, target=target, scheme="int4-grouped", **options)
+            done[key] = out, compress(source, out, CompressSection(scheme="int4-grouped", **options), target=target)
         return done[key]
 
     return get
@@ -246,8 +247,8 @@ def test_streamed_compression_of_fused_experts(compressed, fused_exports, tmp_pa
     """One weight at a time (bounded memory): the same expert errors as the whole-model path, no activations."""
     _, whole = compressed(f"fused-{target}", target)
     out = tmp_path / "streamed"
-    summary = compress(fused_exports("deepseek_v3", f"fused-{target}")[0], out, target=target,
-                       scheme="int4-grouped", streaming="always")
+    summary = compress(fused_exports("deepseek_v3", f"fused-{target}")[0], out,
+                       CompressSection(scheme="int4-grouped", streaming="always"), target=target)
     rows, whole_rows = expert_rows(summary), expert_rows(whole)
     assert sorted(rows) == sorted(whole_rows)
     assert all(rows[n]["weight_error"] == pytest.approx(whole_rows[n]["weight_error"], rel=1e-9) for n in rows)
@@ -268,10 +269,10 @@ def test_fused_experts_written_are_each_experts_own_with_nncfs_optimized_functio
 
     _, reference = compressed(f"fused-{target}", target)
     source = fused_exports("deepseek_v3", f"fused-{target}")[0]
-    compress(source, tmp_path / "reference", target=target, scheme="int4-grouped", streaming="always")
+    compress(source, tmp_path / "reference", CompressSection(scheme="int4-grouped", streaming="always"), target=target)
     monkeypatch.setattr(weight_lowering, "MIN_INPUT_SIZE_FOR_OPTIMIZED_COMPRESSION", 0)
-    optimized = compress(source, tmp_path / "whole", target=target, scheme="int4-grouped")
-    compress(source, tmp_path / "streamed", target=target, scheme="int4-grouped", streaming="always")
+    optimized = compress(source, tmp_path / "whole", CompressSection(scheme="int4-grouped"), target=target)
+    compress(source, tmp_path / "streamed", CompressSection(scheme="int4-grouped", streaming="always"), target=target)
     ref_rows, rows = expert_rows(reference), expert_rows(optimized)
     assert all(rows[n]["weight_error"] == pytest.approx(ref_rows[n]["weight_error"], rel=1e-5) for n in rows)
     assert optimized["model"]["kl_mean"] == pytest.approx(reference["model"]["kl_mean"], rel=0.05)
@@ -288,27 +289,28 @@ def test_fused_experts_written_are_each_experts_own_with_nncfs_optimized_functio
 
 def test_int8_fused_experts_and_what_is_refused(fused_exports, tmp_path):
     ort_export, ov_export = (fused_exports("deepseek_v3", lw)[0] for lw in FUSED)
-    summary = compress(ort_export, tmp_path / "int8", target="onnxruntime", scheme="int8-per-channel")
+    summary = compress(ort_export, tmp_path / "int8", CompressSection(scheme="int8-per-channel"), target="onnxruntime")
     assert {r["precision"] for r in expert_rows(summary).values()} == {"int8-asym-per-channel"}
     assert summary["details"]["onnxruntime_kernels"].get("QMoE") == 2
     assert max(r["weight_error"] for r in expert_rows(summary).values()) < 0.01
     with pytest.raises(InputError, match="lowered for onnxruntime"):
-        compress(ort_export, tmp_path / "a", target="openvino", scheme="int4-grouped")
+        compress(ort_export, tmp_path / "a", CompressSection(scheme="int4-grouped"), target="openvino")
     with pytest.raises(InputError, match="lowered for openvino"):
-        compress(ov_export, tmp_path / "b", target="onnxruntime", scheme="int4-grouped")
+        compress(ov_export, tmp_path / "b", CompressSection(scheme="int4-grouped"), target="onnxruntime")
     with pytest.raises(InputError, match="not available for fused MoE experts"):
-        compress(ort_export, tmp_path / "c", target="onnxruntime", scheme="int4-grouped", ratio=0.5)
+        compress(ort_export, tmp_path / "c", CompressSection(scheme="int4-grouped", ratio=0.5), target="onnxruntime")
     with pytest.raises(InputError, match="share one precision"):  # one expert kept fp32 in a QMoE layer
-        compress(ort_export, tmp_path / "d", target="onnxruntime", scheme="int4-grouped",
-                 ignore=[r"layers\.1/mlp/experts/3/"])
-    kept = compress(ort_export, tmp_path / "e", target="onnxruntime", scheme="int4-grouped",
-                    ignore=[r"layers\.1/mlp/experts/"])  # a whole layer's experts kept fp32: that layer stays MoE
+        compress(ort_export, tmp_path / "d",
+                 CompressSection(scheme="int4-grouped", ignore=[r"layers\.1/mlp/experts/3/"]), target="onnxruntime")
+    # a whole layer's experts kept fp32: that layer stays MoE
+    kept = compress(ort_export, tmp_path / "e",
+                    CompressSection(scheme="int4-grouped", ignore=[r"layers\.1/mlp/experts/"]), target="onnxruntime")
     precisions = {(r["layer"], r["precision"]) for r in expert_rows(kept).values()}
     assert precisions == {(1, "fp32"), (2, "int4-asym-g64")}
     assert {k: kept["details"]["onnxruntime_kernels"].get(k) for k in ("MoE", "QMoE")} == {"MoE": 1, "QMoE": 1}
     with pytest.raises(InputError, match="cannot stay fp32"):  # NNCF's OpenVINO call would compress them unasked
-        compress(ov_export, tmp_path / "f", target="openvino", scheme="int4-grouped",
-                 ignore=[r"layers\.1/mlp/experts/"])
+        compress(ov_export, tmp_path / "f",
+                 CompressSection(scheme="int4-grouped", ignore=[r"layers\.1/mlp/experts/"]), target="openvino")
 
 
 def test_int4_after_the_onnxruntime_passes_stage_is_matmulnbits(tiny_checkpoints, tmp_path):
@@ -319,7 +321,7 @@ def test_int4_after_the_onnxruntime_passes_stage_is_matmulnbits(tiny_checkpoints
     export(str(tiny_checkpoints["deepseek_v3"]), tmp_path / "exp", parity=(), mla_cache="per-head")
     optimize(tmp_path / "exp", tmp_path / "opt", "onnxruntime", parity=False)
     assert onnx.load(tmp_path / "opt" / "model.onnx", load_external_data=False).opset_import[0].version >= 21
-    summary = compress(tmp_path / "opt", tmp_path / "c", target="onnxruntime", scheme="int4-grouped")
+    summary = compress(tmp_path / "opt", tmp_path / "c", CompressSection(scheme="int4-grouped"), target="onnxruntime")
     assert summary["details"]["ort_rewrites"]["blocked_dq_to_matmul_nbits"] > 0
     graph = onnx.load(tmp_path / "c" / "model.onnx").graph
     assert not [n for n in graph.node if n.op_type == "DequantizeLinear"]

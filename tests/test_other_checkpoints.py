@@ -8,15 +8,15 @@ import json
 import onnx
 import onnx_ir as ir
 import pytest
+from conftest import COMMON, MLA, make_checkpoint
 from onnx import numpy_helper
 from transformers import DeepseekV2Config, DeepseekV3Config, Qwen2Config
 
+from toolchain.recipe import CompressSection
 from toolchain.stages.compile import compile_artifact
 from toolchain.stages.compress import compress
 from toolchain.stages.export import export
 from toolchain.stages.optimize import optimize
-
-from conftest import COMMON, MLA, make_checkpoint
 
 VOCAB, HIDDEN = COMMON["vocab_size"], COMMON["hidden_size"]
 
@@ -89,7 +89,7 @@ def one_table(readers: set[str], found: list[tuple[str, str, set[str]]]) -> None
 def test_tied_table_is_compressed_once_for_both_uses(tied_export, tmp_path, backend):
     export_dir, _ = tied_export
     optimize(export_dir, tmp_path / "passes", backend, new_tokens=4)
-    report = compress(tmp_path / "passes", tmp_path / "int4", target=backend, scheme="int4-grouped")
+    report = compress(tmp_path / "passes", tmp_path / "int4", CompressSection(scheme="int4-grouped"), target=backend)
     table = next(w for w in report["per_weight"] if w["weight"] == "embed_tokens.weight")
     assert table["planned"] == "int8" and table["precision"].startswith("int8-asym")  # the embeddings policy
     assert table["weight_error"] < 0.01

@@ -250,7 +250,8 @@ def test_an_error_inside_the_engine_fails_that_request_only(artifacts, backend, 
     from toolchain.runtime.sampling import Sampling
     from toolchain.serve.api import create_app
     from toolchain.serve.engine import Request as EngineRequest
-    from toolchain.serve.server import ServeSettings, Service
+    from toolchain.serve.server import Service
+    from toolchain.serve.settings import ServeSettings
 
     artifact = artifacts[backend]
     service = Service(artifact, ServeSettings(threads=2))

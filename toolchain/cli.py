@@ -32,6 +32,7 @@ from toolchain.report.markdown import render_summary
 from toolchain.report.schema import load_report
 from toolchain.runtime.artifact import open_artifact
 from toolchain.serve.auth import load_api_keys
+from toolchain.serve.settings import SERVE_SPELLINGS, ServeSettings
 from toolchain.signing import generate_keys
 
 if TYPE_CHECKING:
@@ -664,65 +665,22 @@ def passes_list(target: str | None, as_json: bool) -> None:
                    "or --allow-unauthenticated.")
 @click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True,
               help="Port to listen on (0: any free port, printed at startup).")
-@click.option("--threads", type=click.IntRange(1), default=None,
-              help="Runtime threads (default: the runtime's choice).")
-@click.option("--max-batch", type=click.IntRange(1), default=16, show_default=True,
-              help="Requests decoded together in the running batch.")
-@click.option("--max-context", type=click.IntRange(2), default=None,
-              help="Prompt + generated tokens per request (default: the model's context, at most 4096).")
-@click.option("--max-queue", type=click.IntRange(0), default=64, show_default=True,
-              help="Requests that may wait for a slot; more are refused with 429 and Retry-After.")
-@click.option("--threshold", "thresholds", multiple=True, metavar="METRIC:warn=X[,ok=Y][,alert=Z]",
-              help="A /health threshold (repeat), e.g. ttft_p99_ms:warn=350,ok=250; replaces the recipe's and the "
-                   "default for that metric.")
-@click.option("--openvino-f32", is_flag=True,
-              help="OpenVINO at f32 compute and KV cache instead of the CPU plugin's defaults (bf16, u8 KV cache).")
-@click.option("--no-prefix-caching", is_flag=True,
-              help="OpenVINO: do not reuse the KV cache of repeated prompt prefixes.")
 @click.option("--api-key", envvar="DSTC_API_KEY", default=None, metavar="KEY",
               help="Require this key from clients, as OpenAI's do: Authorization: Bearer KEY (also from "
                    "$DSTC_API_KEY). /health and /metrics stay open.")
 @click.option("--api-key-file", type=click.Path(path_type=Path), default=None, metavar="FILE",
               help="Require one of the keys in FILE (one per line), as --api-key; keeps the key off the command "
                    "line.")
-@click.option("--allow-unauthenticated", is_flag=True,
-              help="Serve an address other than the loopback's without an API key (refused otherwise).")
-@click.option("--max-connections", type=click.IntRange(1), default=4096, show_default=True,
-              help="Open connections; requests beyond get a 503.")
-@click.option("--max-body-bytes", type=click.IntRange(1), default=1 << 20, show_default=True,
-              help="Request body size; larger ones get a 413, refused on their Content-Length or as they arrive.")
-@click.option("--max-prompt-chars", type=click.IntRange(1), default=None,
-              help="Prompt characters (a chat's, all messages together), refused with a 400 before they are "
-                   "tokenized (default: the context times the tokenizer's longest token, the most that could fit).")
-@click.option("--max-messages", type=click.IntRange(1), default=256, show_default=True,
-              help="Messages in a chat request.")
-@click.option("--keep-alive-timeout", type=click.IntRange(1), default=5, show_default=True, metavar="SECONDS",
-              help="An idle connection between requests is closed after this.")
-@click.option("--header-timeout", type=click.FloatRange(0, min_open=True), default=10.0, show_default=True,
-              metavar="SECONDS", help="A request's headers must arrive within this, or the connection is closed.")
-@click.option("--body-timeout", type=click.FloatRange(0, min_open=True), default=30.0, show_default=True,
-              metavar="SECONDS", help="A request's body must arrive within this after its headers, or it gets a 408.")
-@click.option("--stream-idle-timeout", type=click.FloatRange(0, min_open=True), default=30.0, show_default=True,
-              metavar="SECONDS",
-              help="A client that reads nothing of its response for this long is disconnected, its request "
-                   "cancelled.")
-def serve_cmd(artifact: Path, host: str, port: int, threads: int | None, max_batch: int, max_context: int | None,
-              max_queue: int, thresholds: tuple[str, ...], openvino_f32: bool, no_prefix_caching: bool,
-              api_key: str | None, api_key_file: Path | None, allow_unauthenticated: bool, max_connections: int,
-              max_body_bytes: int, max_prompt_chars: int | None, max_messages: int, keep_alive_timeout: int,
-              header_timeout: float, body_timeout: float, stream_idle_timeout: float) -> None:
+@section_options(ServeSettings, spellings=SERVE_SPELLINGS, exclude=("api_keys",))
+def serve_cmd(artifact: Path, host: str, port: int, api_key: str | None, api_key_file: Path | None,
+              **options) -> None:
     """Serve ARTIFACT over HTTP with OpenAI's API (/v1/completions, /v1/chat/completions, /v1/models; streaming
     as server-sent events), continuous batching, /health and Prometheus /metrics, until interrupted."""
     # loaded when the command runs: the CLI starts without numpy, torch or the runtimes
-    from toolchain.serve.server import ServeSettings, serve
+    from toolchain.serve.server import serve
 
-    settings = ServeSettings(
-        threads=threads, max_batch=max_batch, max_context=max_context, max_queue=max_queue, thresholds=thresholds,
-        openvino_f32=openvino_f32, prefix_caching=not no_prefix_caching,
-        api_keys=load_api_keys(api_key, api_key_file), allow_unauthenticated=allow_unauthenticated,
-        max_connections=max_connections, max_body_bytes=max_body_bytes, max_prompt_chars=max_prompt_chars,
-        max_messages=max_messages, keep_alive_timeout_s=keep_alive_timeout, header_timeout_s=header_timeout,
-        body_timeout_s=body_timeout, stream_idle_timeout_s=stream_idle_timeout)
+    settings = given_section(ServeSettings, options, SERVE_SPELLINGS)
+    settings = settings.model_copy(update={"api_keys": load_api_keys(api_key, api_key_file)})
     serve(artifact, settings, host=host, port=port, log=lambda m: click.echo(m, err=True))
 
 

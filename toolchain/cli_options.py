@@ -70,6 +70,8 @@ def _option(name: str, field, help_text: str, spellings: dict[str, str], default
     required = field.is_required() and name not in defaults
     names = spellings.get(name, f"--{name.replace('_', '-')}")
     show = default is not None
+    extra = field.json_schema_extra if isinstance(field.json_schema_extra, dict) else {}
+    metavar = extra.get("metavar")  # a field's own, e.g. SECONDS
     if kind is bool:
         if "/" not in names:
             names = f"{names}/--no-{name.replace('_', '-')}"
@@ -88,12 +90,13 @@ def _option(name: str, field, help_text: str, spellings: dict[str, str], default
             return click.option(names, name, default=None, metavar="A,B,...",
                                 show_default=",".join(map(str, listed)) if listed else False,
                                 help=f"{help_text}  Comma-separated{choices}; '{NONE}' for none.")
-        return click.option(names, name, multiple=True, help=f"{help_text}  Repeat for more.")
+        return click.option(names, name, multiple=True, metavar=metavar, help=f"{help_text}  Repeat for more.")
     if kind in (int, float):
         return click.option(names, name, type=_number_type(kind, field.metadata), default=default,
-                            show_default=show, required=required, help=help_text)
+                            show_default=show, required=required, metavar=metavar, help=help_text)
     if kind is str:
-        return click.option(names, name, default=default, show_default=show, required=required, help=help_text)
+        return click.option(names, name, default=default, show_default=show, required=required, metavar=metavar,
+                            help=help_text)
     raise TypeError(f"{name}: no command-line form for {field.annotation}; exclude it")
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hmac
 import ipaddress
+from collections.abc import Sequence
 from pathlib import Path
 
 from toolchain.errors import InputError
@@ -24,7 +25,7 @@ def _checked(key: str, where: str) -> str:
     return key
 
 
-def load_api_keys(key: str | None, key_file: Path | None) -> tuple[str, ...]:
+def load_api_keys(key: str | None, key_file: Path | None) -> list[str]:
     """The accepted keys: ``key`` and each non-empty line of ``key_file`` (one per line, so that a key can be rotated
     without a moment where neither works); InputError for an unreadable file, a file without keys or a bad key."""
     keys = [] if key is None else [_checked(key.strip(), "--api-key")]
@@ -38,7 +39,7 @@ def load_api_keys(key: str | None, key_file: Path | None) -> tuple[str, ...]:
         if not from_file:
             raise InputError(f"the API key file {key_file} holds no key")
         keys += from_file
-    return tuple(keys)
+    return keys
 
 
 def is_loopback(host: str) -> bool:
@@ -50,7 +51,7 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-def check_exposure(host: str, keys: tuple[str, ...], allow_unauthenticated: bool) -> None:
+def check_exposure(host: str, keys: Sequence[str], allow_unauthenticated: bool) -> None:
     """InputError when ``host`` is reachable from other machines, no key is set and that was not asked for."""
     if keys or allow_unauthenticated or is_loopback(host):
         return
@@ -58,7 +59,7 @@ def check_exposure(host: str, keys: tuple[str, ...], allow_unauthenticated: bool
                      f"--api-key-file (clients send it as Authorization: Bearer KEY), or --allow-unauthenticated")
 
 
-def authorized(header: bytes | None, keys: tuple[str, ...]) -> bool:
+def authorized(header: bytes | None, keys: Sequence[str]) -> bool:
     """Whether an ``Authorization`` header value carries one of ``keys`` as a bearer token."""
     scheme, _, token = (header or b"").strip().partition(b" ")
     if scheme.lower() != b"bearer":

@@ -25,7 +25,7 @@ import ctypes
 import json
 import logging
 import secrets
-from collections.abc import Awaitable, Callable, MutableMapping
+from collections.abc import Awaitable, Callable, MutableMapping, Sequence
 from typing import Any
 
 import anyio
@@ -59,7 +59,7 @@ def internal_error(request_id: str, what: str = "") -> str:
 class Intake:
     """The ASGI middleware (see the module doc); ``reject(reason)`` counts each refusal in the metrics."""
 
-    def __init__(self, app: App, *, api_keys: tuple[str, ...], max_body_bytes: int, body_timeout_s: float,
+    def __init__(self, app: App, *, api_keys: Sequence[str], max_body_bytes: int, body_timeout_s: float,
                  reject: Callable[[str], None] = lambda reason: None) -> None:
         self.app = app
         self.api_keys = api_keys

@@ -19,7 +19,6 @@ import socket
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 from toolchain.errors import InputError
 from toolchain.memory_guard import require_artifact_memory
@@ -38,48 +37,14 @@ from toolchain.serve.health import (
     recipe_thresholds,
 )
 from toolchain.serve.metrics import ServerMetrics
+from toolchain.serve.settings import ServeSettings
 
 DEFAULT_MAX_CONTEXT = 4096  # when the model's own is longer: the OpenVINO KV cache is allocated for it
 
 
-@dataclass(frozen=True)
-class ServeSettings:
-    threads: int | None = None
-    max_batch: int = 16
-    max_context: int | None = None  # None: the model's context, at most DEFAULT_MAX_CONTEXT
-    max_queue: int = 64
-    thresholds: tuple[str, ...] = ()  # --threshold METRIC:warn=X[,ok=Y][,alert=Z]
-    health_window_s: float = 60.0
-    openvino_f32: bool = False
-    prefix_caching: bool = True  # OpenVINO
-    kv_layout: str = "batch"  # ONNX Runtime: see toolchain/runtime/batching.py
-    # who may ask (auth.py)
-    api_keys: tuple[str, ...] = field(default=(), repr=False)
-    allow_unauthenticated: bool = False  # serve an address other than the loopback's without a key
-    # what one client can make the server hold; the defaults keep a 24 GiB machine safe from any client
-    max_connections: int = 4096  # more get a 503 (uvicorn's limit_concurrency)
-    max_body_bytes: int = 1 << 20
-    max_prompt_chars: int | None = None  # None: the context times the tokenizer's longest token
-    max_messages: int = 256
-    keep_alive_timeout_s: int = 5  # an idle connection between requests (uvicorn takes whole seconds)
-    header_timeout_s: float = 10.0  # a request's headers, from the connection's start or the last response's end
-    body_timeout_s: float = 30.0  # a request's body, from the end of its headers
-    stream_idle_timeout_s: float = 30.0  # a client that reads nothing of a response being written
-
-
 class Service:
-    def __init__(self, artifact: Artifact, settings: ServeSettings = ServeSettings()) -> None:
-        if settings.max_batch < 1 or settings.max_queue < 0:
-            raise InputError("--max-batch must be at least 1 and --max-queue at least 0")
-        bounds = {"--max-connections": settings.max_connections, "--max-body-bytes": settings.max_body_bytes,
-                  "--max-messages": settings.max_messages, "--keep-alive-timeout": settings.keep_alive_timeout_s,
-                  "--header-timeout": settings.header_timeout_s, "--body-timeout": settings.body_timeout_s,
-                  "--stream-idle-timeout": settings.stream_idle_timeout_s}
-        if settings.max_prompt_chars is not None:
-            bounds["--max-prompt-chars"] = settings.max_prompt_chars
-        for option, value in bounds.items():
-            if not value > 0:
-                raise InputError(f"{option} must be positive, not {value}")
+    def __init__(self, artifact: Artifact, settings: ServeSettings | None = None) -> None:
+        settings = settings or ServeSettings()
         self.artifact = artifact
         self.settings = settings
         self.model_name = artifact.path.resolve().name

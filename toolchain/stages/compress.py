@@ -63,16 +63,13 @@ def head_layout(model: ir.Model) -> dict[str, tuple[str, int]]:
     return {projection: (side, int(width)) for projection, (side, width) in layout.items()}
 
 
-def compress_options(target: str, options: dict) -> CompressSection:
-    """The options as a recipe's compress section holds them (``scheme`` int4-grouped unless given), checked with
-    its cross-field rules for ``target``: an InputError before anything is read."""
+def check_target(section: CompressSection, target: str) -> None:
+    """The section's cross-field rules for ``target``: an InputError before anything is read."""
     if target not in TARGETS:
         raise InputError(f"unknown target {target!r}; targets: {', '.join(TARGETS)}")
-    section = CompressSection.check({"scheme": "int4-grouped", **options})
     problem = section.problem(target)
     if problem:
         raise InputError(problem)
-    return section
 
 
 def _weight_rows(weights, plan, restored, rows, layout) -> list[dict]:
@@ -120,16 +117,15 @@ def _layer_summary(rows: list[dict]) -> list[dict]:
     return out
 
 
-def compress(in_dir: Path, out_dir: Path, *, target: str = "onnxruntime", source: Path | None = None,
-             log: Callable[[str], None] = lambda _: None, **options) -> dict:
-    """Compress IN's model.onnx into OUT (see the module doc); returns compression.json's content.
-
-    ``options``: the fields of a recipe's compress section (toolchain/recipe.py CompressSection, where each is
-    described), ``scheme`` int4-grouped unless given. ``streaming`` "auto" compresses one weight at a time
-    (toolchain/compress/streaming.py) when the export's float weights exceed STREAMING_BYTES.
+def compress(in_dir: Path, out_dir: Path, section: CompressSection, *, target: str = "onnxruntime",
+             source: Path | None = None, log: Callable[[str], None] = lambda _: None) -> dict:
+    """Compress IN's model.onnx into OUT (see the module doc) as a recipe's compress ``section`` says
+    (toolchain/recipe.py CompressSection, where each field is described); returns compression.json's content.
+    ``streaming`` "auto" compresses one weight at a time (toolchain/compress/streaming.py) when the export's float
+    weights exceed STREAMING_BYTES.
     """
     in_dir, out_dir = Path(in_dir), Path(out_dir)
-    section = compress_options(target, {k: str(v) if isinstance(v, Path) else v for k, v in options.items()})
+    check_target(section, target)
     policy = Policy(section.scheme, embeddings=section.embeddings, lm_head=section.lm_head, router=section.router,
                     shared_experts=section.shared_experts, ignored_scope=tuple(section.ignore))
     report, source = read_export(in_dir, source)

@@ -93,8 +93,7 @@ def compress_stage(section: CompressSection, target: str, source: Path) -> Stage
 
     # inp: a stage after export has one (the previous stage's output)
     return Stage("compress", {"target": target, **section.model_dump(mode="json")},
-                 lambda inp, out, log: compress(inp, out, target=target, source=source, log=log,  # type: ignore[arg-type]
-                                                **section.model_dump()),
+                 lambda inp, out, log: compress(inp, out, section, target=target, source=source, log=log),
                  "toolchain.stages.compress")
 
 
@@ -221,9 +220,9 @@ def run_passes(input_dir: Path, section: PassesSection, out_dir: Path, *, parity
 def run_compress(input_dir: Path, section: CompressSection, target: str, out_dir: Path, *, use_cache: bool = True,
                  log: Log = lambda _: None) -> tuple[CompressionReport, bool]:
     # the stage's code (torch, onnx_ir) loads only when its options are checked
-    from toolchain.stages.compress import compress_options
+    from toolchain.stages.compress import check_target
 
-    compress_options(target, section.model_dump())  # the cross-field rules, before the input is read
+    check_target(section, target)  # the cross-field rules, before the input is read
     source, parent = _input_parent(Path(input_dir))
     return _run_into(compress_stage(section, target, source), Path(input_dir), parent, out_dir, CompressionReport,
                      use_cache=use_cache, log=log)

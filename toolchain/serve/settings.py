@@ -1,0 +1,70 @@
+"""How ``dstc serve`` runs an artifact, and what one client can make the server hold (README "Serving"). The
+command's options are generated from these fields (toolchain/cli_options.py): the help is each field's description,
+the bounds are checked by the section, from the command line as from Python."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import ConfigDict, Field
+
+from toolchain.section import Section
+
+SECONDS = {"metavar": "SECONDS"}
+
+
+class ServeSettings(Section):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    threads: int | None = Field(None, ge=1, description="Runtime threads (default: the runtime's choice).")
+    max_batch: int = Field(16, ge=1, description="Requests decoded together in the running batch.")
+    max_context: int | None = Field(
+        None, ge=2, description="Prompt + generated tokens per request (default: the model's context, at most 4096).")
+    max_queue: int = Field(64, ge=0,
+                           description="Requests that may wait for a slot; more are refused with 429 and Retry-After.")
+    thresholds: list[str] = Field(
+        default_factory=list, json_schema_extra={"metavar": "METRIC:warn=X[,ok=Y][,alert=Z]"},
+        description="A /health threshold, e.g. ttft_p99_ms:warn=350,ok=250; replaces the recipe's and the default "
+                    "for that metric.")
+    health_window_s: float = Field(60.0, gt=0, json_schema_extra=SECONDS,
+                                   description="/health judges the metrics of this many last seconds.")
+    openvino_f32: bool = Field(
+        False, description="OpenVINO at f32 compute and KV cache instead of the CPU plugin's defaults (bf16, u8 KV "
+                           "cache).")
+    prefix_caching: bool = Field(True, description="OpenVINO: reuse the KV cache of repeated prompt prefixes.")
+    kv_layout: Literal["batch", "gather"] = Field(
+        "batch", description="ONNX Runtime: the running batch's KV cache, one tensor for all rows (batch) or one per "
+                             "sequence gathered each step (gather); toolchain/runtime/batching.py.")
+    # who may ask (auth.py); the keys come from --api-key / --api-key-file, never from a generated option
+    api_keys: list[str] = Field(default_factory=list, repr=False, description="The accepted API keys.")
+    allow_unauthenticated: bool = Field(
+        False, description="Serve an address other than the loopback's without an API key (refused otherwise).")
+    # what one client can make the server hold; the defaults keep a 24 GiB machine safe from any client
+    max_connections: int = Field(4096, ge=1, description="Open connections; requests beyond get a 503.")
+    max_body_bytes: int = Field(
+        1 << 20, ge=1,
+        description="Request body size; larger ones get a 413, refused on their Content-Length or as they arrive.")
+    max_prompt_chars: int | None = Field(
+        None, ge=1,
+        description="Prompt characters (a chat's, all messages together), refused with a 400 before they are "
+                    "tokenized (default: the context times the tokenizer's longest token, the most that could fit).")
+    max_messages: int = Field(256, ge=1, description="Messages in a chat request.")
+    keep_alive_timeout_s: int = Field(5, ge=1, json_schema_extra=SECONDS,  # uvicorn takes whole seconds
+                                      description="An idle connection between requests is closed after this.")
+    header_timeout_s: float = Field(
+        10.0, gt=0, json_schema_extra=SECONDS,
+        description="A request's headers must arrive within this, or the connection is closed.")
+    body_timeout_s: float = Field(
+        30.0, gt=0, json_schema_extra=SECONDS,
+        description="A request's body must arrive within this after its headers, or it gets a 408.")
+    stream_idle_timeout_s: float = Field(
+        30.0, gt=0, json_schema_extra=SECONDS,
+        description="A client that reads nothing of its response for this long is disconnected, its request "
+                    "cancelled.")
+
+
+# the command's spellings of fields whose option is not --field-name
+SERVE_SPELLINGS = {"thresholds": "--threshold", "health_window_s": "--health-window",
+                   "prefix_caching": "--prefix-caching/--no-prefix-caching",
+                   "keep_alive_timeout_s": "--keep-alive-timeout", "header_timeout_s": "--header-timeout",
+                   "body_timeout_s": "--body-timeout", "stream_idle_timeout_s": "--stream-idle-timeout"}
