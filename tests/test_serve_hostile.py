@@ -476,8 +476,8 @@ def test_api_keys_and_addresses(tmp_path):
 
     keys = tmp_path / "keys"
     keys.write_text(f"  {KEY}  \n\n{SECOND_KEY}\n")
-    assert load_api_keys(None, keys) == (KEY, SECOND_KEY)
-    assert load_api_keys("k1", None) == ("k1",) and load_api_keys(None, None) == ()
+    assert load_api_keys(None, keys) == [KEY, SECOND_KEY]
+    assert load_api_keys("k1", None) == ["k1"] and load_api_keys(None, None) == []
     (tmp_path / "empty").write_text("\n \n")
     for bad_key, bad_file, message in ((None, tmp_path / "empty", "holds no key"),
                                        (None, tmp_path / "missing", "cannot read the API key file"),

@@ -7,10 +7,11 @@ from __future__ import annotations
 from typing import Literal
 
 from pydantic import ConfigDict, Field
+from pydantic.config import JsonDict
 
 from toolchain.section import Section
 
-SECONDS = {"metavar": "SECONDS"}
+SECONDS: JsonDict = {"metavar": "SECONDS"}  # the help's name for the value (toolchain/cli_options.py)
 
 
 class ServeSettings(Section):

@@ -93,7 +93,8 @@ def compress_stage(section: CompressSection, target: str, source: Path) -> Stage
 
     # inp: a stage after export has one (the previous stage's output)
     return Stage("compress", {"target": target, **section.model_dump(mode="json")},
-                 lambda inp, out, log: compress(inp, out, section, target=target, source=source, log=log),
+                 lambda inp, out, log: compress(inp, out, section, target=target, source=source,  # type: ignore[arg-type]
+                                                log=log),
                  "toolchain.stages.compress")
 
 
