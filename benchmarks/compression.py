@@ -33,7 +33,7 @@ import numpy as np
 import onnx_ir as ir
 
 from toolchain.compress import metrics
-from toolchain.export.parity import graph_decoder
+from toolchain.verify.parity import graph_decoder
 from toolchain.interface.graph import cache_spec
 from toolchain.models.registry import EMBEDDED, embedded_path
 from toolchain.recipe import CompressSection

@@ -49,7 +49,7 @@ CONFIGS = {
 
 
 def prompts(vocab: int, seed: int) -> list:
-    from toolchain.export.parity import Case
+    from toolchain.verify.parity import Case
 
     rng = np.random.default_rng(seed)
     return [Case("short", [rng.integers(0, vocab, 3).tolist()]),
@@ -65,7 +65,7 @@ def run(name: str, seed: int, steps: int, workdir: Path) -> dict:
     from toolchain.export.architectures import architecture_for
     from toolchain.export.decoder import build_decoder
     from toolchain.export.graph import save_graph
-    from toolchain.export.parity import OPENVINO_TOLERANCE, TOLERANCES, compare, compare_decoders
+    from toolchain.verify.parity import OPENVINO_TOLERANCE, TOLERANCES, compare, compare_decoders
     from toolchain.interface.graph import graph_cache_spec
     from toolchain.runtime.decoder import OpenVINODecoder
     from toolchain.runtime.torch_reference import TorchDecoder

@@ -14,8 +14,8 @@ from onnx import numpy_helper
 
 from toolchain.build import build
 from toolchain.errors import InputError
-from toolchain.export.layer_parity import compare_layers
-from toolchain.export.parity import parity_cases
+from toolchain.verify.layer_parity import compare_layers
+from toolchain.verify.parity import parity_cases
 from toolchain.recipe import CompressSection
 from toolchain.stages.compress import compress
 from toolchain.stages.export import export

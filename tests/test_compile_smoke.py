@@ -1,5 +1,5 @@
 """The compile stage's smoke inference at the runtime's deployment defaults, in a child process
-(toolchain/compile/smoke.py): recorded in compile.json when it passes; a crash (made here with the child's
+(toolchain/verify/smoke.py): recorded in compile.json when it passes; a crash (made here with the child's
 DSTC_SMOKE_RAISE hook where the runtime does not crash by itself), a hang or non-finite logits fail the stage
 with RuntimeCrashError, one line naming the signal and the prompt, and nothing is renamed into place."""
 
@@ -16,7 +16,7 @@ import torch
 import yaml
 from transformers import AutoModelForCausalLM, DeepseekV2Config
 
-from toolchain.compile.smoke import DECODE_STEPS, RAISE_ENV
+from toolchain.verify.smoke import DECODE_STEPS, RAISE_ENV
 from toolchain.errors import RuntimeCrashError
 from toolchain.stages.compile import compile_artifact
 from toolchain.stages.export import export

@@ -12,12 +12,12 @@ import pytest
 from toolchain.checkpoint.reference import is_moe, watch_expert_choice
 from toolchain.export.architectures import architecture_for
 from toolchain.export.decoder import build_decoder
-from toolchain.export.parity import Case, compare
+from toolchain.verify.parity import Case, compare
 from toolchain.runtime.torch_reference import TorchDecoder
 from toolchain.models.registry import EMBEDDED
 from toolchain.source import load, resolve
 from toolchain.export.graph import save_graph
-from toolchain.export.parity import parity_cases
+from toolchain.verify.parity import parity_cases
 from toolchain.stages.export import export
 
 from conftest import read_through_the_reader

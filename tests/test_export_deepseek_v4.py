@@ -18,7 +18,7 @@ from conftest import make_checkpoint, tiny_configs
 from toolchain.export.architectures import architecture_for
 from toolchain.export.decoder import build_decoder
 from toolchain.export.graph import save_graph
-from toolchain.export.parity import TOLERANCES, Case, compare, compare_decoders
+from toolchain.verify.parity import TOLERANCES, Case, compare, compare_decoders
 from toolchain.runtime.torch_reference import TorchDecoder
 
 SLIDING, CSA, HCA = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"

@@ -183,7 +183,7 @@ def test_passes_stage_keeps_the_latent_graph_exact(latent_exports, tmp_path, tar
 def test_layer_by_layer_parity_on_the_latent_cache(checkpoints, tmp_path, monkeypatch):
     """Above the end-to-end budget each layer is checked against its transformers module, on the latent cache
     (the reference's per-head cache is not what the graph takes)."""
-    import toolchain.export.parity as parity
+    import toolchain.verify.parity as parity
 
     monkeypatch.setattr(parity, "FULL_PARITY_BYTES", 1 << 10)
     report = export(str(checkpoints["v3-linear"]), tmp_path / "out", new_tokens=4, mla_cache="latent")

@@ -403,7 +403,7 @@ def test_dstc_export_moe_option_and_recipe_key(tiny_checkpoints, tmp_path, monke
 def test_fused_lowering_passes_layer_by_layer_parity(tiny_checkpoints, tmp_path, monkeypatch, lowering):
     """Above the end-to-end budget each layer is checked against its transformers module: the fused MoE layer is
     one piece like the others (its contrib domain imported in the piece)."""
-    import toolchain.export.parity as parity
+    import toolchain.verify.parity as parity
 
     monkeypatch.setattr(parity, "FULL_PARITY_BYTES", 1 << 10)
     report = export(str(tiny_checkpoints["deepseek_v3"]), tmp_path / "out", new_tokens=4, moe=lowering)

@@ -19,8 +19,8 @@ from conftest import COMMON, MLA, make_checkpoint
 from toolchain.build import build
 from toolchain.checkpoint.fp8 import write_fp8_checkpoint
 from toolchain.checkpoint.reader import open_checkpoint
-from toolchain.export.layer_parity import compare_layers
-from toolchain.export.parity import parity_cases
+from toolchain.verify.layer_parity import compare_layers
+from toolchain.verify.parity import parity_cases
 from toolchain.stages.export import export
 
 # widths that leave partial 128 x 128 FP8 blocks (200 = 128 + 72), three MoE layers, an MTP layer in the files
@@ -111,7 +111,7 @@ def test_a_256_expert_model_builds_through_the_passes_stage(tmp_path, monkeypatc
     experts and 4 layers crosses them), the passes stage used to reject it before any pass ran ('should be
     stored in model.onnx.data, but it is not regular file'), and its parity runs layer by layer."""
     import toolchain.export.graph as graph
-    import toolchain.export.parity as parity
+    import toolchain.verify.parity as parity
 
     monkeypatch.setattr(graph, "EXTERNAL_DATA_BYTES", 1 << 20)
     monkeypatch.setattr(parity, "FULL_PARITY_BYTES", 1 << 20)
@@ -159,7 +159,7 @@ def test_parity_and_scale_estimation_on_a_layer_too_large_for_the_machine(tiny_c
     """Layer by layer still builds one transformers layer in fp32 (a DeepSeek-V3 MoE layer at real width is
     45 GB): on a machine too small for that, the export skips its parity with the reason in export.json, and
     streamed scale estimation is refused in one line before anything is written."""
-    import toolchain.export.parity as parity
+    import toolchain.verify.parity as parity
     import toolchain.hardware as hardware
     from toolchain.errors import InputError
     from toolchain.stages.compress import compress

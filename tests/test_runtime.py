@@ -22,7 +22,7 @@ from toolchain import source as sources
 from toolchain.build import build
 from toolchain.checkpoint.reference import cache_argument, is_moe, watch_expert_choice
 from toolchain.errors import InputError
-from toolchain.export.parity import PROMPTS, graph_decoder
+from toolchain.verify.parity import PROMPTS, graph_decoder
 from toolchain.runtime.generate import greedy_logits, left_pad
 from toolchain.runtime.torch_reference import TorchDecoder
 from toolchain.interface.reports import CompileReport

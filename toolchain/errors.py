@@ -51,7 +51,7 @@ class OutputError(InputError):
 
 class RuntimeCrashError(DstcError):
     """The compiled artifact crashed (killed by a signal), hung, failed or produced non-finite logits when run at
-    its runtime's deployment defaults, in the compile stage's smoke inference (toolchain/compile/smoke.py). The
+    its runtime's deployment defaults, in the compile stage's smoke inference (toolchain/verify/smoke.py). The
     message names the signal or error and the step (prompt length, batch); nothing is written."""
 
     exit_code = 5

@@ -105,7 +105,7 @@ class CompressSection(Section):
 class CompileSection(Section):
     backend: Backend
     verify: bool = True
-    # run the artifact at the runtime's deployment defaults (toolchain/compile/smoke.py); both checks are skipped,
+    # run the artifact at the runtime's deployment defaults (toolchain/verify/smoke.py); both checks are skipped,
     # with the reason recorded, for an artifact too large to run on the building machine (stages/compile.py)
     smoke: bool = True
 

@@ -32,7 +32,7 @@ from toolchain.tokenizer_loading import load_tokenizer
 # them. KV cache f16, chosen by that benchmark (openvino_genai's stateful pipeline, R1-Distill-Qwen-1.5B and
 # V2-Lite widths, prompts of 128 and 2k): the same speed as u8 and f32 (within 1 ms/token), the greedy tokens of
 # the f32 cache (64 of 64), where the plugin's default u8 gave other tokens after 2-30 of 64, and NaN logits in a
-# batch of 2 after a batch of 1 (toolchain/compile/smoke.py). The dynamic quantization group (0/32/64/128) made no
+# batch of 2 after a batch of 1 (toolchain/verify/smoke.py). The dynamic quantization group (0/32/64/128) made no
 # measurable difference and threads belong to the machine: both stay the plugin's. Inference precision stays the
 # plugin's too (bf16 where the CPU has bf16 instructions): the plugin ignores one stored in rt_info. Checks
 # compile at toolchain/runtime/engines.py's "exact" numerics instead, passed as properties, which win over rt_info.

@@ -13,7 +13,7 @@ runtime, or a ParityError is raised (the artifact is kept for inspection).
 
 Before that, unless ``smoke=False``, the artifact runs at its runtime's deployment defaults (OpenVINO's bf16 where
 the CPU has it and the artifact's f16 KV cache, which the f32 verification does not exercise) in a child process
-(toolchain/compile/smoke.py): prompts of 1, 2, 7 and 16 tokens and a left-padded batch of two, prefill and a
+(toolchain/verify/smoke.py): prompts of 1, 2, 7 and 16 tokens and a left-padded batch of two, prefill and a
 few decode steps, every logit finite. A crash, a hang or non-finite logits raise RuntimeCrashError naming the
 signal and the prompt, and nothing is written. compile.json records the result under ``smoke``.
 
@@ -30,9 +30,8 @@ from pathlib import Path
 
 from toolchain import __version__, source as sources
 from toolchain.atomic import atomic_output_dir
-from toolchain.compile import copy_checkpoint_files, onnxruntime_artifact, openvino_ir, smoke as smoke_test
+from toolchain.compile import copy_checkpoint_files, onnxruntime_artifact, openvino_ir
 from toolchain.errors import InputError, ParityError
-from toolchain.export.parity import TOLERANCES, compare_decoders, graph_decoder, parity_cases, too_large_for_end_to_end
 from toolchain.hardware import memory_bytes
 from toolchain.interface.files import (
     COMPILE_REPORT,
@@ -48,6 +47,8 @@ from toolchain.interface.files import (
 from toolchain.interface.reports import CompileReport, read_json
 from toolchain.runtime.decoder import Decoder, OnnxRuntimeDecoder, OpenVINODecoder
 from toolchain.stages.inputs import read_export
+from toolchain.verify import smoke as smoke_test
+from toolchain.verify.parity import TOLERANCES, compare_decoders, graph_decoder, parity_cases, too_large_for_end_to_end
 
 BACKENDS = ("openvino", "onnxruntime")
 VERIFY_TOKENS = 8

@@ -5,7 +5,7 @@ The graph is built from a meta-device skeleton of the transformers model and the
 to model.onnx.data at once, so exporting holds a few tensors, not the model. The fp32 PyTorch reference is loaded
 whole only for the end-to-end parity check, and only for models whose fp32 weights fit its budget
 (parity.FULL_PARITY_BYTES); above it, each layer is checked against its transformers module
-(toolchain/export/layer_parity.py).
+(toolchain/verify/layer_parity.py).
 """
 
 from __future__ import annotations
@@ -24,12 +24,12 @@ from toolchain.export.architectures import architecture_for
 from toolchain.export.decoder import build_decoder
 from toolchain.export.deepseek import with_mla_cache
 from toolchain.export.graph import save_graph
-from toolchain.export.layer_parity import MEMORY_FACTOR, compare_layers_on
-from toolchain.export.parity import compare, parity_cases, too_large_for_end_to_end
 from toolchain.export.weights import storage_for
 from toolchain.interface.graph import KV_CACHE
 from toolchain.interface.reports import ExportReport, ExportSource
 from toolchain.runtime.torch_reference import TorchDecoder
+from toolchain.verify.layer_parity import MEMORY_FACTOR, compare_layers_on
+from toolchain.verify.parity import compare, parity_cases, too_large_for_end_to_end
 
 # Decode steps of the layer-by-layer check: each step of each layer is checked on the reference's inputs (errors do
 # not compound as they do over greedy steps end to end), and 4 go through a growing KV cache as 16 do.

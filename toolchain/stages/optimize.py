@@ -29,11 +29,11 @@ from toolchain import __version__, source as sources
 from toolchain.atomic import atomic_output_dir
 from toolchain.compile import openvino_ir
 from toolchain.errors import InputError, ParityError
-from toolchain.export.parity import compare, parity_cases, too_large_for_end_to_end
 from toolchain.interface.reports import PassesReport
 from toolchain.pass_errors import to_dstc_error
 from toolchain.runtime.engines import openvino_compile
 from toolchain.stages.inputs import read_export
+from toolchain.verify.parity import compare, parity_cases, too_large_for_end_to_end
 
 TARGETS = tuple(PIPELINES)
 # OpenVINO CPU runtime layer types of the fusions the openvino target is shaped for.

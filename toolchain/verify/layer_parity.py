@@ -27,11 +27,11 @@ import torch
 
 from toolchain.checkpoint import reference as ref
 from toolchain.checkpoint.reader import EMBEDDING, open_checkpoint
-from toolchain.export.parity import TOLERANCES, Case
 from toolchain.interface.graph import PRESENT_PREFIX, cache_spec, onnx_inputs, present_of
 from toolchain.runtime.engines import GraphRunner
 from toolchain.runtime.generate import left_pad
 from toolchain.runtime.layered_reference import additive_mask
+from toolchain.verify.parity import TOLERANCES, Case
 
 PIECE_PREFIX = ".parity-piece-"
 # a layer's fp32 reference module, or its graph piece on a runtime (which widens bf16-stored weights), one after

@@ -9,7 +9,7 @@ as verified. So the stage also runs the artifact as deployed, through dstc's run
 (``toolchain.runtime.decoder``: OpenVINO's stateful request with no properties set, ONNX Runtime's session with
 its defaults and IO binding), one request for all: a prefill of a left-padded batch of two and of each of
 ``PROMPT_LENGTHS`` at batch 1, each followed by ``DECODE_STEPS`` greedy steps, every logit finite. A crash kills
-the process it happens in, so this runs in a fresh child (``python -m toolchain.compile.smoke``, not a fork of a
+the process it happens in, so this runs in a fresh child (``python -m toolchain.verify.smoke``, not a fork of a
 process that has loaded torch and the runtimes); the parent reads which step the child had started from its
 progress lines and raises :class:`RuntimeCrashError` naming the signal and the prompt. ONNX Runtime runs fp32
 with the kernels the verification runs too, so there it mostly guards the parent (the in-process verification
@@ -33,9 +33,11 @@ from toolchain.interface.files import CONFIG, GENERATION_CONFIG
 from toolchain.interface.reports import read_json
 from toolchain.runtime.artifact import Artifact
 from toolchain.runtime.decoder import open_decoder
+from toolchain.runtime.generate import greedy_loop
 
 PROMPT_LENGTHS = (1, 2, 7, 16)
 PADDED_BATCH = (16, 7)  # a batch of two prompts, the shorter left-padded to the longer
+PAD_ID = 0  # any id: padded positions are masked
 DECODE_STEPS = 4
 TIMEOUT_S = 3600  # a hang; compiling and 25 steps of a 671B model take minutes, not an hour
 PROGRESS = "dstc-smoke "  # prefix of the child's progress lines on stdout (a runtime may print there too)
@@ -116,24 +118,17 @@ def _child(backend: str, path: str) -> int:
         vocab = int(artifact.config["vocab_size"])
         done = []
         for case in cases():
-            lengths, batch = case["prompt_lengths"], case["batch"]
-            width = max(lengths)
-            ids = np.zeros((batch, width), np.int64)
-            mask = np.zeros((batch, width), np.int64)
-            for row, n in enumerate(lengths):  # left padding, distinct tokens per row
-                ids[row, width - n:] = (np.arange(n) * 7 + 3 + 11 * row) % vocab
-                mask[row, width - n:] = 1
-            decoder.reset()
+            lengths = case["prompt_lengths"]
+            prompts = [[int(t) for t in (np.arange(n) * 7 + 3 + 11 * row) % vocab]  # distinct tokens per row
+                       for row, n in enumerate(lengths)]
+            # the one greedy loop, stepped by hand: each step is announced before it runs, so that a crash names it
+            steps = greedy_loop(decoder, prompts, set(), PAD_ID, ignore_stop=True, all_prefill_logits=True)
             _report({**case, "phase": "prefill"})
-            _raise_requested(width)
-            logits = decoder.forward(ids, mask)
-            _finite(logits, case, "prefill")
+            _raise_requested(max(lengths))
+            _finite(next(steps)[1], case, "prefill")
             for step in range(1, DECODE_STEPS + 1):
                 _report({**case, "phase": "decode", "step": step})
-                ids = logits[:, -1].argmax(-1)[:, None].astype(np.int64)
-                mask = np.concatenate([mask, np.ones((batch, 1), np.int64)], axis=1)
-                logits = decoder.forward(ids, mask)
-                _finite(logits, case, f"decode step {step}")
+                _finite(next(steps)[1], case, f"decode step {step}")
             done.append({**case, "decode_steps": DECODE_STEPS})
     except Exception as e:  # reported to the parent, which raises it as one line
         _report({"error": f"{type(e).__name__}: {e}"})
