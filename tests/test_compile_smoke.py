@@ -123,9 +123,14 @@ def bf16_openvino_2026_4() -> bool:
 @pytest.mark.skipif(not bf16_openvino_2026_4(), reason="the crash found with OpenVINO 2026.4's CPU plugin at bf16")
 def test_deepseek_v2_that_crashes_openvino_at_bf16_is_not_shipped(tmp_path):
     """The issue's case: a 3-head, hidden-96 DeepSeek-V2 segfaults in OpenVINO 2026.4's CPU plugin at its default
-    bf16 for steps of up to 16 tokens, and the f32 verification passes it. Measured: a gated MLP of intermediate
-    size 32 (here the shared expert, moe_intermediate_size x n_shared_experts), which the plugin fuses into its
-    LLMMLP kernel, crashes; 48 and 64 do not, heads and hidden size do not matter."""
+    bf16 for steps of up to 16 tokens, and the f32 verification passes it. Measured on the Intel Xeon (AMX): a gated
+    MLP of intermediate size 32 (here the shared expert, moe_intermediate_size x n_shared_experts), which the plugin
+    fuses into its LLMMLP kernel, crashes at decode step 1 after the left-padded batch; 48 and 64 do not, heads and
+    hidden size do not matter. It depends on the CPU's kernels (the AMD EPYC with AVX-512 BF16 runs it): the
+    artifact is first run as deployed alone, and where the runtime does not crash here the test is skipped (the
+    mechanism is tested with the DSTC_SMOKE_RAISE hook above)."""
+    from toolchain.verify.smoke import run_smoke
+
     config = DeepseekV2Config(vocab_size=97, hidden_size=96, num_hidden_layers=2, num_attention_heads=3,
                               num_key_value_heads=3, intermediate_size=128, max_position_embeddings=256,
                               kv_lora_rank=32, qk_rope_head_dim=16, qk_nope_head_dim=32, v_head_dim=32,
@@ -135,10 +140,15 @@ def test_deepseek_v2_that_crashes_openvino_at_bf16_is_not_shipped(tmp_path):
     export(str(make_checkpoint(config, tmp_path / "ckpt")), tmp_path / "export", parity=())
     verified = compile_artifact(tmp_path / "export", tmp_path / "f32-only", "openvino", smoke=False)
     assert verified["verification"]["passed"]
+    try:
+        run_smoke(tmp_path / "f32-only", "openvino")
+    except RuntimeCrashError as crash:
+        signal, where = crash.signal, crash.where
+    else:
+        pytest.skip("OpenVINO's CPU plugin does not crash on this model on this CPU")
     with pytest.raises(RuntimeCrashError) as info:
         compile_artifact(tmp_path / "export", tmp_path / "out", "openvino")
-    assert info.value.signal == "SIGSEGV"
-    assert info.value.where == "decode step 1 after prompts of 16 and 7 tokens, left-padded (batch 2)"
+    assert (info.value.signal, info.value.where) == (signal, where) and where.startswith(("the prefill of", "decode"))
     assert not (tmp_path / "out").exists()
 
 
