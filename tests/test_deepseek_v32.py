@@ -108,9 +108,11 @@ def test_the_cases_exercise_the_sparse_selection(tiny_checkpoints):
     for layer in model.model.layers:
         layer.self_attn.indexer.index_topk = 10**6
     dense = logits(below), logits(far_above)
-    np.testing.assert_array_equal(sparse[0], dense[0])
+    # equal up to float rounding: the two top-k sizes take other kernels (bit-equal on the Xeon, 1e-7 apart on the EPYC)
+    atol = 1e-6 * np.ptp(dense[1])
+    np.testing.assert_allclose(sparse[0], dense[0], rtol=0, atol=atol)
     k = index_topk()
-    np.testing.assert_array_equal(sparse[1][:k], dense[1][:k])  # positions with at most k tokens to attend
+    np.testing.assert_allclose(sparse[1][:k], dense[1][:k], rtol=0, atol=atol)  # at most k tokens to attend
     assert np.abs(sparse[1][k:] - dense[1][k:]).max() > 0.1 * np.ptp(dense[1])
 
 
