@@ -345,7 +345,9 @@ def test_memory_of_streaming_compression_does_not_grow_with_the_model(tmp_path):
             result = json.loads(proc.stdout.strip().splitlines()[-1])
             increases[count] = min(increases.get(count, result["increase"]), result["increase"])
     weight = 2048 * 2048 * 4
-    assert increases[16] < increases[4] + weight, increases
+    # Holding the 12 more inputs would add 12 weights; measured: about one (the allocator's arenas and onnx-ir's
+    # bookkeeping; 16.9 MB on the EPYC, 16.8 on the Xeon under load), so two is the bound.
+    assert increases[16] < increases[4] + 2 * weight, increases
     assert increases[16] < 16 * weight / 2, increases
 
 
