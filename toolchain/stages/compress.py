@@ -131,7 +131,8 @@ def compress(in_dir: Path, out_dir: Path, *, target: str = "onnxruntime", source
     in_dir, out_dir = Path(in_dir), Path(out_dir)
     section = compress_options(target, {k: str(v) if isinstance(v, Path) else v for k, v in options.items()})
     policy = Policy(section.scheme, embeddings=section.embeddings, lm_head=section.lm_head, router=section.router,
-                    shared_experts=section.shared_experts, ignored_scope=tuple(section.ignore))
+                    shared_experts=section.shared_experts, ignored_scope=tuple(section.ignore),
+                    int8_scope=tuple(section.int8))
     report, source = read_export(in_dir, source)
     config = json.loads((source / "config.json").read_text())
     timings: dict[str, float] = {}
