@@ -53,8 +53,42 @@ VARIANTS: dict[str, dict] = {
     "rtn attention fp32": {"ignore": ["/self_attn/"]},
     "rtn layer0 fp32": {"ignore": ["^layers\\.0/"]},
     "gptq attention fp32": {"gptq": True, "ignore": ["/self_attn/"]},
+    # INT8 per channel for small weights upstream of the first router, GPTQ for the rest (issue 21's routing target)
+    "gptq L0 attention int8": {"gptq": True, "int8": ["^layers\\.0/self_attn/"]},
+    "gptq L0 gate-up int8 router int8": {"gptq": True, "router": "int8",
+                                          "int8": ["^layers\\.0/mlp/dense/(gate|up)_proj/"]},
+    "gptq L0-1 q_a kv_a int8": {"gptq": True, "int8": ["^layers\\.[01]/self_attn/(q_a_proj|kv_a_proj_with_mqa)/"]},
+    "gptq q_a kv_a int8": {"gptq": True, "int8": ["/self_attn/(q_a_proj|kv_a_proj_with_mqa)/"]},
+    "gptq g64": {"gptq": True, "group_size": 64},
+    "gptq ratio0.95": {"gptq": True, "ratio": 0.95},
+    "gptq g64 router int8 L0 up int8": {"gptq": True, "group_size": 64, "router": "int8",
+                                        "int8": ["^layers\\.0/mlp/dense/up_proj/"]},
+    "gptq g64 router int8 L0 attention int8": {"gptq": True, "group_size": 64, "router": "int8",
+                                               "int8": ["^layers\\.0/self_attn/"]},
+    "gptq g64 router int8 L0 up kv_a int8": {"gptq": True, "group_size": 64, "router": "int8",
+                                             "int8": ["^layers\\.0/mlp/dense/up_proj/",
+                                                      "/self_attn/kv_a_proj_with_mqa/"]},
+    "gptq g64 router int8 L0 down int8": {"gptq": True, "group_size": 64, "router": "int8",
+                                          "int8": ["^layers\\.0/mlp/dense/down_proj/"]},
+    "gptq g64 router int8 L0 down kv_a int8": {"gptq": True, "group_size": 64, "router": "int8",
+                                               "int8": ["^layers\\.0/mlp/dense/down_proj/",
+                                                        "/self_attn/kv_a_proj_with_mqa/"]},
+    "gptq router int8 L0 down-up int8": {"gptq": True, "router": "int8",
+                                         "int8": ["^layers\\.0/mlp/dense/(down|up)_proj/"]},
+    "gptq router int8 L0 down attention int8": {"gptq": True, "router": "int8",
+                                                "int8": ["^layers\\.0/mlp/dense/down_proj/", "^layers\\.0/self_attn/"]},
+    "gptq g64 router int8 L0 down L1 shared down int8": {
+        "gptq": True, "group_size": 64, "router": "int8",
+        "int8": ["^layers\\.0/mlp/dense/down_proj/", "^layers\\.1/mlp/shared_experts/down_proj/"]},
 }
-MOE_ONLY = {"rtn router int8", "rtn shared int8", "rtn attention fp32", "rtn layer0 fp32", "gptq attention fp32"}
+# rows measured on the DeepSeek models only (README's routing rows)
+MOE_ONLY = {"rtn router int8", "rtn shared int8", "rtn attention fp32", "rtn layer0 fp32", "gptq attention fp32",
+            "gptq L0 attention int8", "gptq L0 gate-up int8 router int8", "gptq L0-1 q_a kv_a int8",
+            "gptq q_a kv_a int8", "gptq g64", "gptq ratio0.95", "gptq g64 router int8 L0 up int8",
+            "gptq g64 router int8 L0 attention int8", "gptq g64 router int8 L0 up kv_a int8",
+            "gptq g64 router int8 L0 down int8", "gptq g64 router int8 L0 down kv_a int8",
+            "gptq router int8 L0 down-up int8", "gptq router int8 L0 down attention int8",
+            "gptq g64 router int8 L0 down L1 shared down int8"}
 MODELS = ("r1-distill-qwen-tiny", "r1-distill-llama-tiny", "deepseek-v2-lite-tiny", "deepseek-v3-tiny")
 
 

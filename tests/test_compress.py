@@ -184,6 +184,16 @@ def test_trap_group_size_fallback_and_router_policy(runs, exports):
     assert by_role["lm_head"] == by_role["embeddings"] == {"int8-sym-per-axis"}
 
 
+def test_int8_scope_keeps_the_named_weights_at_int8_per_channel(runs):
+    """compress.int8: the named weights at INT8 per channel, the others as the scheme says (in this export only
+    q_a_proj and kv_a_proj_with_mqa, K = 64, have an INT4 group size)."""
+    report, _ = runs("deepseek_v3", "onnxruntime", "int4-grouped", int8=("/self_attn/q_a_proj/",))
+    rows = [row for row in report["per_weight"] if row["role"] == "attention"]
+    assert {row["precision"] for row in rows if "/q_a_proj/" in row["weight"]} == {"int8-asym-per-axis"}
+    assert {row["precision"] for row in rows if "/kv_a_proj_with_mqa/" in row["weight"]} == {"int4-asym-g64"}
+    assert report["policy"]["int8_scope"] == ["/self_attn/q_a_proj/"]
+
+
 def test_trap_3d_weights_stay_out_of_int4(tmp_path):
     """NNCF refuses INT4 on a 3-D MatMul weight below opset 21 and its INT8 of one does not run on ORT; the
     engine keeps such weights at INT8 in a form ORT runs. The exporter's MoE experts are 2-D MatMuls each: its only
@@ -276,6 +286,24 @@ def test_policy_roles_and_defaults():
         == "int8"
     assert Policy("int4-grouped", ignored_scope=("layers\\.0/",)).precision("layers.0/self_attn/q_proj/weight") \
         == "fp32"
+
+
+def test_policy_int8_scope():
+    """Named weights in INT8 per channel over their role's choice (a router's fp32 too); fp32 ignore wins."""
+    from toolchain.stages.compress import compress_options
+
+    policy = Policy("int4-grouped", int8_scope=("^layers\\.0/self_attn/", "layers.1/mlp/router/gate/weight"),
+                    ignored_scope=("q_b_proj",))
+    names = {"layers.0/self_attn/q_a_proj/weight": "int8", "layers.1/self_attn/q_a_proj/weight": "int4",
+             "layers.0/self_attn/q_b_proj/weight": "fp32", "layers.1/mlp/router/gate/weight": "int8",
+             "layers.2/mlp/router/gate/weight": "fp32", "layers.0/mlp/dense/up_proj/weight": "int4"}
+    assert {n: policy.precision(n) for n in names} == names
+    assert policy.as_dict()["int8_scope"] == ["^layers\\.0/self_attn/", "layers.1/mlp/router/gate/weight"]
+    assert Policy("int8-per-head", int8_scope=("self_attn",)).precision("layers.0/self_attn/q_proj/weight") \
+        == "int8-per-head"
+    with pytest.raises(InputError, match="int8 scope"):
+        Policy("int4-grouped", int8_scope=("layers.(",))
+    assert compress_options("openvino", {"int8": ["^layers\\.0/"]}).int8 == ["^layers\\.0/"]
 
 
 def test_openvino_output_is_what_the_compile_stage_makes_stateful(runs):

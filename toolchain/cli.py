@@ -133,6 +133,7 @@ COMPRESS_HELP = {
     "dataset": "Calibration text: 'embedded' (the project's corpus), a JSONL file with a \"text\" field, a text file "
                "or a directory of them. Never downloaded.",
     "ignore": "Keep matching weights/nodes in fp32 (name or regex).",
+    "int8": "Matching weights/nodes in INT8 per output channel (name or regex; ignore wins over it).",
     "accuracy_level": "MatMulNBits compute precision on onnxruntime (4: int8 activations, fastest).",
     "prefill_int8": "onnxruntime, int4: also store each 4-bit weight in int8 per column for prompts of 8+ tokens "
                     "(DynamicQuantizeMatMul on the int8 GEMM, AMX/VNNI): faster prefill, 3x the weight bytes.",

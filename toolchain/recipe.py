@@ -68,6 +68,7 @@ class CompressSection(Section):
     gptq: bool = False
     dataset: str = "embedded"
     ignore: list[str] = Field(default_factory=list)
+    int8: list[str] = Field(default_factory=list)
     accuracy_level: int | None = Field(4, ge=0, le=4)
     # onnxruntime: an int8 copy of the 4-bit weights for prompts (passes/quantize/prefill_int8.py)
     prefill_int8: bool = False

@@ -18,6 +18,9 @@ Defaults, and why (numbers in benchmarks/compression.py):
 * shared experts: the scheme's precision by default, like routed experts; ``int8`` keeps them at 8 bits. They
   run on every token (a routed expert on top_k / n_experts of them), so their error reaches every token, but
   they are 0.4 % of a V3 MoE layer's weights and the measured gain from 8 bits is small (see the benchmark).
+* named weights (``int8_scope``, a recipe's ``compress.int8``): INT8 per channel, for the few small weights
+  upstream of a router whose INT4 error flips its expert choice (README "INT4 fidelity"); ``ignored_scope``
+  (fp32) wins over it, and it over the roles.
 """
 
 from __future__ import annotations
@@ -69,6 +72,7 @@ class Policy:
     router: str = "fp32"
     shared_experts: str = "scheme"
     ignored_scope: tuple[str, ...] = ()
+    int8_scope: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.scheme not in SCHEMES:
@@ -79,24 +83,26 @@ class Policy:
                                      ("shared_experts", self.shared_experts, SHARED_CHOICES)):
             if value not in choices:
                 raise InputError(f"{name} policy {value!r} is not one of {', '.join(choices)}")
-        for pattern in self.ignored_scope:
-            try:
-                re.compile(pattern)
-            except re.error as e:
-                raise InputError(f"ignored scope {pattern!r} is not a regular expression: {e}") from None
+        for what, scope in (("ignored scope", self.ignored_scope), ("int8 scope", self.int8_scope)):
+            for pattern in scope:
+                try:
+                    re.compile(pattern)
+                except re.error as e:
+                    raise InputError(f"{what} pattern {pattern!r} is not a regular expression: {e}") from None
 
     def ignored(self, weight_name: str, node_name: str) -> bool:
-        """A pattern matches when it equals, or is a regular expression found in, the weight or node name."""
-        return any(p in (weight_name, node_name) or re.search(p, weight_name) or re.search(p, node_name)
-                   for p in self.ignored_scope)
+        return _matches(self.ignored_scope, weight_name, node_name)
 
     def precision(self, weight_name: str, node_name: str = "", role: str | None = None) -> str:
         body = SCHEME_PRECISION[self.scheme]
         if self.ignored(weight_name, node_name):
             return "fp32"
         role = role or role_of(weight_name)
-        choice = {"embeddings": self.embeddings, "lm_head": self.lm_head, "router": self.router,
-                  "shared_expert": self.shared_experts}.get(role, "scheme")
+        if _matches(self.int8_scope, weight_name, node_name):
+            choice = "int8"
+        else:
+            choice = {"embeddings": self.embeddings, "lm_head": self.lm_head, "router": self.router,
+                      "shared_expert": self.shared_experts}.get(role, "scheme")
         if choice == "scheme":
             return body
         if choice == "int8" and body == "int8-per-head":
@@ -110,4 +116,10 @@ class Policy:
 
     def as_dict(self) -> dict:
         return {"embeddings": self.embeddings, "lm_head": self.lm_head, "router": self.router,
-                "shared_experts": self.shared_experts, "ignored_scope": list(self.ignored_scope)}
+                "shared_experts": self.shared_experts, "ignored_scope": list(self.ignored_scope),
+                "int8_scope": list(self.int8_scope)}
+
+
+def _matches(scope: tuple[str, ...], weight_name: str, node_name: str) -> bool:
+    """A pattern matches when it equals, or is a regular expression found in, the weight or node name."""
+    return any(p in (weight_name, node_name) or re.search(p, weight_name) or re.search(p, node_name) for p in scope)

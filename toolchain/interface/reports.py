@@ -183,6 +183,7 @@ class CompressionPolicy(_Model):
     router: str
     shared_experts: str
     ignored_scope: list[str]
+    int8_scope: list[str] = Field(default_factory=list)  # absent from reports written before the option
 
 
 class WeightTotals(_Model):

@@ -127,7 +127,8 @@ def compress(in_dir: Path, out_dir: Path, section: CompressSection, *, target: s
     in_dir, out_dir = Path(in_dir), Path(out_dir)
     check_target(section, target)
     policy = Policy(section.scheme, embeddings=section.embeddings, lm_head=section.lm_head, router=section.router,
-                    shared_experts=section.shared_experts, ignored_scope=tuple(section.ignore))
+                    shared_experts=section.shared_experts, ignored_scope=tuple(section.ignore),
+                    int8_scope=tuple(section.int8))
     report, source = read_export(in_dir, source)
     config = json.loads((source / "config.json").read_text())
     timings: dict[str, float] = {}
