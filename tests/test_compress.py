@@ -290,8 +290,6 @@ def test_policy_roles_and_defaults():
 
 def test_policy_int8_scope():
     """Named weights in INT8 per channel over their role's choice (a router's fp32 too); fp32 ignore wins."""
-    from toolchain.stages.compress import compress_options
-
     policy = Policy("int4-grouped", int8_scope=("^layers\\.0/self_attn/", "layers.1/mlp/router/gate/weight"),
                     ignored_scope=("q_b_proj",))
     names = {"layers.0/self_attn/q_a_proj/weight": "int8", "layers.1/self_attn/q_a_proj/weight": "int4",
@@ -303,7 +301,7 @@ def test_policy_int8_scope():
         == "int8-per-head"
     with pytest.raises(InputError, match="int8 scope"):
         Policy("int4-grouped", int8_scope=("layers.(",))
-    assert compress_options("openvino", {"int8": ["^layers\\.0/"]}).int8 == ["^layers\\.0/"]
+    assert CompressSection.check({"scheme": "int4-grouped", "int8": ["^layers\\.0/"]}).int8 == ["^layers\\.0/"]
 
 
 def test_openvino_output_is_what_the_compile_stage_makes_stateful(runs):
