@@ -198,3 +198,43 @@ def test_deepseek_v4_router_scores_above_softplus_overflow(tmp_path):
     for backend in ("onnxruntime", "openvino"):
         result = compare(TorchDecoder.over(model), tmp_path / "model.onnx", backend, cases_, 4, pad_id=0)
         assert result["passed"], (backend, result["max_relative_diff"])
+
+
+def test_v4_routers_are_found_on_both_backends_and_hash_layers_route_by_the_table(tiny_checkpoints, tmp_path):
+    """V4's routers are the MoE component's (routers.HashRouter, BiasedTopK): the runtimes find one router output
+    per MoE layer by structure, in the ONNX graph and in the stateful IR; a hash layer's is the table's experts at
+    the token ids, a top-k layer's the experts transformers chooses."""
+    import openvino as ov
+
+    from toolchain.checkpoint.reader import open_checkpoint
+    from toolchain.compile.openvino_ir import convert
+    from toolchain.runtime.decoder import OnnxRuntimeDecoder, OpenVINODecoder
+    from toolchain.runtime.routing import router_values
+    from toolchain.source import load, resolve
+    from toolchain.stages.export import export
+
+    checkpoint = tiny_checkpoints["deepseek_v4"]
+    export(str(checkpoint), tmp_path / "out", parity=())
+    path = tmp_path / "out" / "model.onnx"
+    ov.save_model(convert(path, {}), str(tmp_path / "stateful.xml"), compress_to_fp16=False)
+    ids = np.random.default_rng(2).integers(0, 97, (1, 21))
+    mask = np.ones_like(ids)
+    model = load(resolve(str(checkpoint)))
+    reference = TorchDecoder.over(model)
+    reference.forward(ids, mask)
+    hash_layers = [i for i, t in enumerate(model.config.mlp_layer_types) if t == "hash_moe"]
+    assert hash_layers == [0, 2]
+    with open_checkpoint(checkpoint) as reader:
+        tables = {i: reader.tensor(f"model.layers.{i}.mlp.gate.tid2eid", torch.int64).numpy() for i in hash_layers}
+    for graph, decoder_of in ((path, lambda names: OnnxRuntimeDecoder(path, 1, names)),
+                              (tmp_path / "stateful.xml",
+                               lambda names: OpenVINODecoder(tmp_path / "stateful.xml", 1, names, "exact"))):
+        names = router_values(graph, "dispatch")
+        assert len(names) == 4, graph
+        decoder = decoder_of(tuple(names))
+        decoder.forward(ids, mask)
+        for layer, name in enumerate(names):
+            chosen = np.sort(decoder.extras[name].reshape(-1, 2), -1)
+            if layer in tables:
+                assert np.array_equal(chosen, np.sort(tables[layer][ids.reshape(-1)], -1)), (graph, layer)
+            assert np.array_equal(chosen, np.sort(reference.extras[f"router.{layer}"], -1)), (graph, layer)

@@ -173,6 +173,13 @@ def rotary_embedding(config) -> nn.Module:
     return _module_class(config, "RotaryEmbedding")(config=config).eval()
 
 
+def shared_decoder_layers(model_type: str) -> bool:
+    """Whether the architecture's layers are those of the shared decoder skeleton (toolchain/export/decoder.py: one
+    hidden stream, one rotary, a mask per layer type), which the layer-by-layer references run one at a time;
+    DeepSeek-V4 builds its own graph (hyper-connection streams, per-type rotaries, hash routing by input ids)."""
+    return getattr(architecture_for(model_type), "build_graph", None) is None
+
+
 def with_computed_buffers(module: M) -> M:
     """``module`` with every rotary embedding inside it that is still on the meta device built on the CPU from its
     config: their buffers are computed, not stored (the model's own, and DeepSeek-V4's compressors' and indexers')."""
@@ -218,7 +225,7 @@ def logits(path: str | Path, input_ids: torch.Tensor, attention_mask: torch.Tens
     from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
     config = reference_config(path)
-    if getattr(architecture_for(config.model_type), "build_graph", None) is not None:
+    if not shared_decoder_layers(config.model_type):
         return _logits_of_own_forward(path, config, input_ids, attention_mask, on_layer)
     with open_checkpoint(path) as reader:
         hidden = embeddings(reader)(input_ids)
