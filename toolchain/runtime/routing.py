@@ -7,8 +7,8 @@ id (``Equal``); the fused lowerings scatter them into [tokens, experts] (``Scatt
 ``ScatterElementsUpdate`` in OpenVINO) that feeds the experts, com.microsoft's MoE / QMoE or, in the tiled block, a
 Transpose to [experts, tokens]. They are found by that structure rather than by name, so they survive ORT's
 offline optimisation, OpenVINO's conversion and any graph pass that renames nodes: those TopK (and table Gather)
-nodes, in graph order, are the MoE layers in order. (The group selection of DeepSeek-V3 and of V2's group-limited routing is a
-TopK too, but its indices are scattered into a group mask that feeds an Unsqueeze.)
+nodes, in graph order, are the MoE layers in order. (The group selection of DeepSeek-V3 and of V2's group-limited
+routing is a TopK too, but its indices are scattered into a group mask that feeds an Unsqueeze.)
 """
 
 from __future__ import annotations
