@@ -76,6 +76,18 @@ def test_v4_hub_layout_exports_exactly(v4_hub, tmp_path):
     assert {i.name for i in graph.input} >= {"past_key_values.1.indexer_kv", "past_key_values.2.compressor_kv"}
 
 
+def test_v4_above_the_end_to_end_budget_skips_parity_and_says_why(tiny_checkpoints, tmp_path, monkeypatch):
+    """Layer-by-layer parity builds the shared decoder's layers: a V4 too large for the end-to-end check is exported
+    without parity, export.json saying why, rather than failing."""
+    from toolchain.export import parity
+
+    monkeypatch.setattr(parity, "FULL_PARITY_BYTES", 0)
+    report = export(str(tiny_checkpoints["deepseek_v4"]), tmp_path / "out")
+    assert report["parity"] == {}
+    assert "not deepseek_v4's" in report["parity_skipped"]
+    assert json.loads((tmp_path / "out" / "export.json").read_text())["parity_skipped"] == report["parity_skipped"]
+
+
 @pytest.mark.parametrize("name", sorted(EMBEDDED))
 def test_embedded_model_matches_pytorch_on_both_backends(tmp_path, name):
     report = export(name, tmp_path / "out")

@@ -121,8 +121,11 @@ def reference_record(artifact, data, settings: EvalSettings, *, reference: str |
 
     source, choice = resolve_reference(artifact.manifest, reference)
     key = reference_cache.reference_key(checkpoint_hashes(source.path), data, settings)
-    about = {"model": source.spec, "path": str(source.path), "runtime": "pytorch eager fp32, layer by layer",
-             **choice}
+    # torch loads only where the reference runs
+    from toolchain.checkpoint.reference import shared_decoder_layers
+
+    how = "layer by layer" if shared_decoder_layers(source.config["model_type"]) else "whole model"
+    about = {"model": source.spec, "path": str(source.path), "runtime": f"pytorch eager fp32, {how}", **choice}
     record: ReferenceRecord | None = (records or {}).get(key)
     why: str | None = "absent"
     reused = record is not None

@@ -99,7 +99,9 @@ class TorchDecoder:
         return self.model.config
 
     def close(self) -> None:
-        """Nothing of its own to release: the model stays loaded for the process (release_reference)."""
+        """Release the loaded model (eval's reference is let go before the artifact runs)."""
+        self.model = None
+        release_reference()
 
     def score(self, sequences: list[list[int]], reduce, log=lambda _: None) -> dict[int, list[np.ndarray]]:
         """LayeredReference.score's contract on the whole model: each sequence alone (positions from 0, no cache),
