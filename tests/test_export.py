@@ -65,12 +65,12 @@ def v4_hub(tmp_path_factory):
 
 def test_v4_hub_layout_exports_exactly(v4_hub, tmp_path):
     """The FP4 / FP8 hub layout through dstc's reader: the graph is exact against transformers on the dequantized
-    weights on both backends, the MTP block skipped and said so."""
-    report = export(str(v4_hub), tmp_path / "out", new_tokens=4)
-    for backend in ("onnxruntime", "openvino"):
-        result = report["parity"][backend]
-        assert result["passed"] and result["tokens_identical"], backend
-        assert result["max_relative_diff"] <= result["tolerance_relative_to_logits_range"]
+    weights (on ONNX Runtime: what is read does not depend on the backend, and OpenVINO runs V4's graph exactly in
+    tests/test_export_deepseek_v4.py), the MTP block skipped and said so."""
+    report = export(str(v4_hub), tmp_path / "out", parity=("onnxruntime",), new_tokens=4)
+    result = report["parity"]["onnxruntime"]
+    assert result["passed"] and result["tokens_identical"]
+    assert result["max_relative_diff"] <= result["tolerance_relative_to_logits_range"]
     assert report["source"]["skipped_layers"] == [3]
     graph = onnx.load(tmp_path / "out" / "model.onnx").graph
     assert {i.name for i in graph.input} >= {"past_key_values.1.indexer_kv", "past_key_values.2.compressor_kv"}

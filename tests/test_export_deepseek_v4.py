@@ -238,3 +238,29 @@ def test_v4_routers_are_found_on_both_backends_and_hash_layers_route_by_the_tabl
             if layer in tables:
                 assert np.array_equal(chosen, np.sort(tables[layer][ids.reshape(-1)], -1)), (graph, layer)
             assert np.array_equal(chosen, np.sort(reference.extras[f"router.{layer}"], -1)), (graph, layer)
+
+
+def test_whole_model_reference_scores_as_the_layered_one_promises(tiny_checkpoints, monkeypatch):
+    """Eval's reference for V4 (TorchDecoder.score): every position's logits of each sequence alone, in blocks, and
+    each MoE layer's experts per token; the hash layers' are the table's."""
+    from toolchain.runtime import torch_reference
+    from toolchain.source import resolve
+
+    monkeypatch.setattr(torch_reference, "SCORE_ROWS", 4)  # blocks that split the sequences
+    reference = TorchDecoder(resolve(str(tiny_checkpoints["deepseek_v4"])))
+    rng = np.random.default_rng(4)
+    sequences = [rng.integers(0, 97, n).tolist() for n in (9, 14)]
+    got: dict[int, list] = {0: [], 1: []}
+    routes = reference.score(sequences, lambda s, start, logits: got[s].append((start, logits)))
+    for s, ids in enumerate(sequences):
+        assert [start for start, _ in got[s]] == list(range(0, len(ids), 4))
+        with torch.no_grad():
+            want = reference.model(input_ids=torch.tensor([ids])).logits[0]
+        assert torch.equal(torch.cat([logits for _, logits in got[s]]), want)
+    assert sorted(routes) == [0, 1, 2, 3]
+    table = reference.model.model.layers[0].mlp.gate.tid2eid
+    for s, ids in enumerate(sequences):
+        assert routes[0][s].shape == (len(ids), 2)
+        assert np.array_equal(np.sort(routes[0][s], -1), np.sort(table[ids].numpy(), -1))
+    reference.close()
+    assert not torch_reference._loaded

@@ -116,14 +116,12 @@ def reference_record(artifact, data, settings: EvalSettings, *, reference: str |
     from the reference cache, or computed by the layer-by-layer reference (released before it returns, so that it
     and the artifact are never in memory together). Returns it and what the report records of the reference."""
     # torch loads only where the reference runs: a cached reference's outputs need none
+    from toolchain.checkpoint.reference import shared_decoder_layers
     from toolchain.evaluate import reference_cache
     from toolchain.evaluate.reference_record import ReferenceRecord, compute_record
 
     source, choice = resolve_reference(artifact.manifest, reference)
     key = reference_cache.reference_key(checkpoint_hashes(source.path), data, settings)
-    # torch loads only where the reference runs
-    from toolchain.checkpoint.reference import shared_decoder_layers
-
     how = "layer by layer" if shared_decoder_layers(source.config["model_type"]) else "whole model"
     about = {"model": source.spec, "path": str(source.path), "runtime": f"pytorch eager fp32, {how}", **choice}
     record: ReferenceRecord | None = (records or {}).get(key)
