@@ -5,8 +5,8 @@ layer type as the graph declares them.
 
 Each config is random in its seed (weights, and the constants transformers leaves at zero: tests/conftest.py
 randomize_v4_initial_constants) and differs from tests/conftest.py's V4 in its widths, hc_mult, window, rates,
-top-k and, for "yarn", a YaRN compress rotary. The graph is built from the model transformers loads (dstc's reader
-does not read V4's hub layout yet).
+top-k and, for "yarn", a YaRN compress rotary. The graph is built from the checkpoint through dstc's reader, as
+`dstc export` builds it; the reference is the model transformers' own from_pretrained loads.
 
     PYTHONPATH=. .venv/bin/python benchmarks/deepseek_v4_parity.py --workdir /tmp/v4-parity --json v4_parity.json
 """
@@ -61,6 +61,8 @@ def run(name: str, seed: int, steps: int, workdir: Path) -> dict:
     import openvino as ov
     from transformers import AutoModelForCausalLM, DeepseekV4Config
 
+    from toolchain import source as sources
+    from toolchain.checkpoint.reader import open_checkpoint
     from toolchain.compile.openvino_ir import convert
     from toolchain.export.architectures import architecture_for
     from toolchain.export.decoder import build_decoder
@@ -76,7 +78,10 @@ def run(name: str, seed: int, steps: int, workdir: Path) -> dict:
     make_checkpoint(config, out / "ckpt", seed)
     model = AutoModelForCausalLM.from_pretrained(out / "ckpt", dtype=torch.float32,
                                                  attn_implementation="eager").eval()
-    save_graph(build_decoder(model, architecture_for("deepseek_v4")), out / "model.onnx")
+    source = sources.resolve(str(out / "ckpt"))
+    with open_checkpoint(source.path) as reader:
+        save_graph(build_decoder(sources.skeleton(source, reader), architecture_for("deepseek_v4"), reader),
+                   out / "model.onnx")
     cases = prompts(config.vocab_size, seed)
     results = {}
     for backend in ("onnxruntime", "openvino"):

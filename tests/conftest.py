@@ -77,18 +77,6 @@ def tiny_configs() -> dict:
     }
 
 
-# Tiny configs whose checkpoint dstc's reader cannot read yet: transformers saves V4 in the hub's layout (renamed
-# tensors, an int64 tid2eid), which is issue 24's deliverable 4; tests/test_export_deepseek_v4.py builds V4's graph
-# from the model transformers loads.
-READER_PENDING = {"deepseek_v4": "dstc's checkpoint reader does not read DeepSeek-V4's hub layout yet (issue 24, 4)"}
-
-
-def read_through_the_reader() -> list:
-    """tiny_configs' names as pytest parameters, READER_PENDING's skipped with their reason."""
-    return [pytest.param(name, marks=pytest.mark.skip(reason=READER_PENDING[name])) if name in READER_PENDING
-            else name for name in sorted(tiny_configs())]
-
-
 def make_checkpoint(config, path, seed: int = 0):
     import torch
     from transformers import AutoModelForCausalLM

@@ -259,3 +259,45 @@ def test_qwen3_moe_builds_int4_on_both_backends(tiny_checkpoints, tmp_path, env,
     assert json.loads((compile_dir / "compile.json").read_text())["verification"]["passed"]
     artifact = open_artifact(art)  # the compiled graph keeps the record, where routing and serving read it
     assert artifact.moe_lowering == lowering and sorted(router_outputs(artifact)) == [0, 2]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", ["onnxruntime", "openvino"])
+def test_deepseek_v4_builds_int4_through_every_stage(tmp_path, env, backend):
+    """A random DeepSeek-V4 (sliding, CSA, HCA layers; hash and top-k MoE) read from its checkpoint through export
+    with parity, the passes with their parity, INT4, compile verified against the compressed graph, eval against
+    the fp32 reference (the whole model: the layer-by-layer one runs the shared decoder's layers only) and
+    `dstc generate`. The embedded tokenizer, with the vocabulary widened to it, gives eval its text."""
+    import shutil
+
+    from conftest import make_checkpoint, tiny_configs
+    from toolchain.models.registry import embedded_path
+
+    config = tiny_configs()["deepseek_v4"]
+    config.vocab_size = 640
+    checkpoint = make_checkpoint(config, tmp_path / "v4")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copyfile(embedded_path("deepseek-v3-tiny") / name, checkpoint / name)
+    recipe = write_recipe(tmp_path / "r.yaml", model=str(checkpoint), export={}, passes={"target": backend},
+                          compress={"scheme": "int4-grouped", "group_size": 32},
+                          compile={"backend": backend, "verify": True},
+                          eval={"texts": 24, "problems": 8, "greedy_prompts": 4, "latency": False})
+    proc = dstc("build", recipe, "-o", tmp_path / "art", "--no-cache", env=env)
+    _, err = proc.communicate(timeout=1800)
+    assert proc.returncode == 0, err
+    art = tmp_path / "art"
+    stages = Path(env["DSTC_CACHE_DIR"]) / "stages"
+    reports = {name: json.loads(next(stages.glob(f"{name}-*/{name if name != 'compress' else 'compression'}.json"))
+                                .read_text()) for name in ("export", "passes", "compress", "compile")}
+    assert all(r["passed"] and r["tokens_identical"] for r in reports["export"]["parity"].values())
+    assert reports["passes"]["parity"][backend]["passed"] and reports["passes"]["parity"][backend]["tokens_identical"]
+    routing = {r["layer"]: r["agreement"] for r in reports["compress"]["routing"]}
+    assert sorted(routing) == [0, 1, 2, 3] and routing[0] == routing[2] == 1.0  # hash layers route by token id
+    assert reports["compile"]["verification"]["passed"]
+    report = json.loads((art / "report.json").read_text())
+    assert 0.0 <= report["metrics"]["kl_mean"]["value"] < 0.01
+    assert report["metrics"]["routing_agreement"]["value"] > 0.5
+    out = subprocess.run([sys.executable, "-m", "toolchain", "generate", str(art), "the", "--raw"], cwd=REPO,
+                         env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip()

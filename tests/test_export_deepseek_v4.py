@@ -1,8 +1,8 @@
 """DeepSeek-V4's graph against transformers 5.24 on both backends, one attention type added at a time: sliding
 window alone (with hyper-connections and hash / top-k MoE), then HCA, then CSA with its indexer.
 
-The graph is built from the model transformers loads (tests/conftest.py READER_PENDING: dstc's reader does not read
-V4's hub layout yet). Prompts and decode cross the sliding window (8), many CSA blocks (4, index_topk 3 of up to
+The graph is built from the model transformers loads, for configs the test varies (tests/test_export.py exports V4
+checkpoints through dstc's reader). Prompts and decode cross the sliding window (8), many CSA blocks (4, index_topk 3 of up to
 17 entries) and four HCA blocks (16). The left-padded batch is compared with transformers running each row alone
 (toolchain/runtime/torch_reference.py ROW_BY_ROW): its own batched V4 pools the padding into a row's entries."""
 
@@ -198,3 +198,69 @@ def test_deepseek_v4_router_scores_above_softplus_overflow(tmp_path):
     for backend in ("onnxruntime", "openvino"):
         result = compare(TorchDecoder.over(model), tmp_path / "model.onnx", backend, cases_, 4, pad_id=0)
         assert result["passed"], (backend, result["max_relative_diff"])
+
+
+def test_v4_routers_are_found_on_both_backends_and_hash_layers_route_by_the_table(tiny_checkpoints, tmp_path):
+    """V4's routers are the MoE component's (routers.HashRouter, BiasedTopK): the runtimes find one router output
+    per MoE layer by structure, in the ONNX graph and in the stateful IR; a hash layer's is the table's experts at
+    the token ids, a top-k layer's the experts transformers chooses."""
+    import openvino as ov
+
+    from toolchain.checkpoint.reader import open_checkpoint
+    from toolchain.compile.openvino_ir import convert
+    from toolchain.runtime.decoder import OnnxRuntimeDecoder, OpenVINODecoder
+    from toolchain.runtime.routing import router_values
+    from toolchain.source import load, resolve
+    from toolchain.stages.export import export
+
+    checkpoint = tiny_checkpoints["deepseek_v4"]
+    export(str(checkpoint), tmp_path / "out", parity=())
+    path = tmp_path / "out" / "model.onnx"
+    ov.save_model(convert(path, {}), str(tmp_path / "stateful.xml"), compress_to_fp16=False)
+    ids = np.random.default_rng(2).integers(0, 97, (1, 21))
+    mask = np.ones_like(ids)
+    model = load(resolve(str(checkpoint)))
+    reference = TorchDecoder.over(model)
+    reference.forward(ids, mask)
+    hash_layers = [i for i, t in enumerate(model.config.mlp_layer_types) if t == "hash_moe"]
+    assert hash_layers == [0, 2]
+    with open_checkpoint(checkpoint) as reader:
+        tables = {i: reader.tensor(f"model.layers.{i}.mlp.gate.tid2eid", torch.int64).numpy() for i in hash_layers}
+    for graph, decoder_of in ((path, lambda names: OnnxRuntimeDecoder(path, 1, names)),
+                              (tmp_path / "stateful.xml",
+                               lambda names: OpenVINODecoder(tmp_path / "stateful.xml", 1, names, "exact"))):
+        names = router_values(graph, "dispatch")
+        assert len(names) == 4, graph
+        decoder = decoder_of(tuple(names))
+        decoder.forward(ids, mask)
+        for layer, name in enumerate(names):
+            chosen = np.sort(decoder.extras[name].reshape(-1, 2), -1)
+            if layer in tables:
+                assert np.array_equal(chosen, np.sort(tables[layer][ids.reshape(-1)], -1)), (graph, layer)
+            assert np.array_equal(chosen, np.sort(reference.extras[f"router.{layer}"], -1)), (graph, layer)
+
+
+def test_whole_model_reference_scores_as_the_layered_one_promises(tiny_checkpoints, monkeypatch):
+    """Eval's reference for V4 (TorchDecoder.score): every position's logits of each sequence alone, in blocks, and
+    each MoE layer's experts per token; the hash layers' are the table's."""
+    from toolchain.runtime import torch_reference
+    from toolchain.source import resolve
+
+    monkeypatch.setattr(torch_reference, "SCORE_ROWS", 4)  # blocks that split the sequences
+    reference = TorchDecoder(resolve(str(tiny_checkpoints["deepseek_v4"])))
+    rng = np.random.default_rng(4)
+    sequences = [rng.integers(0, 97, n).tolist() for n in (9, 14)]
+    got: dict[int, list] = {0: [], 1: []}
+    routes = reference.score(sequences, lambda s, start, logits: got[s].append((start, logits)))
+    for s, ids in enumerate(sequences):
+        assert [start for start, _ in got[s]] == list(range(0, len(ids), 4))
+        with torch.no_grad():
+            want = reference.model(input_ids=torch.tensor([ids])).logits[0]
+        assert torch.equal(torch.cat([logits for _, logits in got[s]]), want)
+    assert sorted(routes) == [0, 1, 2, 3]
+    table = reference.model.model.layers[0].mlp.gate.tid2eid
+    for s, ids in enumerate(sequences):
+        assert routes[0][s].shape == (len(ids), 2)
+        assert np.array_equal(np.sort(routes[0][s], -1), np.sort(table[ids].numpy(), -1))
+    reference.close()
+    assert not torch_reference._loaded

@@ -198,13 +198,13 @@ def load(source: Source):
     InputError before anything is read when it would not fit in the memory available (toolchain/memory_guard.py)."""
     # torch loads only where the model is built
     from toolchain.checkpoint.reader import open_checkpoint
-    from toolchain.checkpoint.reference import load_weights, rotary_embedding
+    from toolchain.checkpoint.reference import load_weights, with_computed_buffers
 
     require_reference_memory(source.path, source.spec)
     with open_checkpoint(source.path) as reader:
         model = skeleton(source, reader)
         load_weights(model, reader, "")
-    model.model.rotary_emb = rotary_embedding(model.config)  # its buffers are computed, not stored
+    with_computed_buffers(model)
     left = [name for name, t in [*model.named_parameters(), *model.named_buffers()] if t.device.type == "meta"]
     if left:
         raise RuntimeError(f"tensors left without values after loading {source.spec}: {', '.join(left[:3])}")

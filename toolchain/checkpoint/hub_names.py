@@ -65,6 +65,10 @@ def _rename(names: list[str], transforms: tuple[list, list], parameters: dict[st
     out = {}
     for name in names:
         module, source = rename_source_key(name, renamings, converters, prefix, parameters)
+        if module not in parameters and name in parameters:
+            # already a module name that a renaming matches by accident (transformers saves V4's final norm as
+            # model.norm.weight, which `.norm.` -> `.kv_norm.` renames): kept, as transformers' loader keeps it
+            module, source = rename_source_key(name, [], [], prefix, parameters)
         if source is not None:
             module = _per_expert(name, module, source, converters, renamings)
         out[name] = module

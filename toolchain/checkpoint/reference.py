@@ -173,12 +173,31 @@ def rotary_embedding(config) -> nn.Module:
     return _module_class(config, "RotaryEmbedding")(config=config).eval()
 
 
+def shared_decoder_layers(model_type: str) -> bool:
+    """Whether the architecture's layers are those of the shared decoder skeleton (toolchain/export/decoder.py: one
+    hidden stream, one rotary, a mask per layer type), which the layer-by-layer references run one at a time;
+    DeepSeek-V4 builds its own graph (hyper-connection streams, per-type rotaries, hash routing by input ids)."""
+    return getattr(architecture_for(model_type), "build_graph", None) is None
+
+
+def with_computed_buffers(module: M) -> M:
+    """``module`` with every rotary embedding inside it that is still on the meta device built on the CPU from its
+    config: their buffers are computed, not stored (the model's own, and DeepSeek-V4's compressors' and indexers')."""
+    for name, child in list(module.named_modules()):
+        if name and type(child).__name__.endswith("RotaryEmbedding") and \
+                any(b.is_meta for b in child.buffers(recurse=False)):
+            parent, _, leaf = name.rpartition(".")
+            with torch.device("cpu"):
+                module.get_submodule(parent).register_module(leaf, type(child)(config=child.config).eval())
+    return module
+
+
 def decoder_layer(config, reader: CheckpointReader, i: int) -> nn.Module:
     """Decoder layer ``i`` with its weights, fixed where transformers 5.5's own forward is broken (as
     ``toolchain.source.load`` fixes the whole model)."""
     with torch.device("meta"):
         layer = _module_class(config, "DecoderLayer")(config, i)
-    load_weights(layer, reader, f"model.layers.{i}.")
+    with_computed_buffers(load_weights(layer, reader, f"model.layers.{i}."))
     architecture_for(config.model_type).fix_reference(SimpleNamespace(config=config,
                                                                       model=SimpleNamespace(layers=[layer])))
     return layer
@@ -206,6 +225,8 @@ def logits(path: str | Path, input_ids: torch.Tensor, attention_mask: torch.Tens
     from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
     config = reference_config(path)
+    if not shared_decoder_layers(config.model_type):
+        return _logits_of_own_forward(path, config, input_ids, attention_mask, on_layer)
     with open_checkpoint(path) as reader:
         hidden = embeddings(reader)(input_ids)
         position_ids = torch.arange(input_ids.shape[1]).unsqueeze(0)
@@ -227,3 +248,35 @@ def logits(path: str | Path, input_ids: torch.Tensor, attention_mask: torch.Tens
                 on_layer(i + 1, config.num_hidden_layers)
         norm, head = final_norm_and_head(config, reader)
         return head(norm(hidden))
+
+
+class _LayerFromReader(nn.Module):
+    """Decoder layer ``i``, built from the reader when it is called and let go when it returns."""
+
+    def __init__(self, config, reader: CheckpointReader, i: int, on_layer) -> None:
+        super().__init__()
+        self.config, self.reader, self.i, self.on_layer = config, reader, i, on_layer
+
+    def forward(self, *args, **kwargs):
+        out = decoder_layer(self.config, self.reader, self.i)(*args, **kwargs)
+        if self.on_layer:
+            self.on_layer(self.i + 1, self.config.num_hidden_layers)
+        return out
+
+
+def _logits_of_own_forward(path, config, input_ids, attention_mask, on_layer) -> torch.Tensor:
+    """``logits`` of an architecture whose layers are not the shared decoder's (DeepSeek-V4: hyper-connection
+    streams, per-type rotaries, hash routing by input ids, hc_head): its causal LM's own forward, with every
+    weight outside the layers loaded and each layer built from the reader when the forward reaches it."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"), quiet_transformers():
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="eager")
+    with open_checkpoint(path) as reader:
+        model.model.layers = nn.ModuleList(_LayerFromReader(config, reader, i, on_layer)
+                                           for i in range(config.num_hidden_layers))
+        load_weights(model, reader, "")
+        with_computed_buffers(model)
+        position_ids = torch.arange(input_ids.shape[1]).unsqueeze(0)
+        return model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                     use_cache=False).logits

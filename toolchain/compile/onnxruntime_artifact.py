@@ -47,8 +47,9 @@ def genai_model_type(onnx_path: Path) -> str | None:
 
 
 def genai_unsupported_reason(model_type: str, genai_type: str | None, dims: dict[str, tuple[int, int]]) -> str | None:
-    mismatched = sorted({(dims[k][1], dims[k.replace(".key", ".value")][1])
-                         for k in dims if k.endswith(".key") and dims[k] != dims[k.replace(".key", ".value")]})
+    # a cache without value tensors (DeepSeek-V4's K=V) has no pair to compare: its model type decides
+    values = {k: dims.get(k.replace(".key", ".value")) for k in dims if k.endswith(".key")}
+    mismatched = sorted({(dims[k][1], v[1]) for k, v in values.items() if v is not None and dims[k] != v})
     if mismatched:
         k, v = mismatched[0]
         return (f"the KV cache has keys of head dim {k} and values of head dim {v} (MLA); onnxruntime-genai's "

@@ -95,6 +95,20 @@ def require_layered_reference_memory(source, data=None) -> None:
                    f"free memory, evaluate on a machine with more, {RETRY}")
 
 
+def open_reference(source, threads: int | None, choice: dict):
+    """The layer-by-layer reference, or for an architecture whose layers it does not run (DeepSeek-V4's own
+    skeleton) the whole model in fp32 (toolchain/runtime/torch_reference.py; refused in one line where it does not
+    fit)."""
+    # torch loads only where the reference runs
+    from toolchain.checkpoint.reference import shared_decoder_layers
+    from toolchain.runtime.layered_reference import LayeredReference
+    from toolchain.runtime.torch_reference import TorchDecoder
+
+    if shared_decoder_layers(source.config["model_type"]):
+        return LayeredReference(source, threads, choice)
+    return TorchDecoder(source, threads, choice)
+
+
 def reference_record(artifact, data, settings: EvalSettings, *, reference: str | None = None,
                      records: dict | None = None, eos_ids: list[int], pad_id: int, newline_id: int | None,
                      log: Callable[[str], None] = lambda _: None):
@@ -102,14 +116,14 @@ def reference_record(artifact, data, settings: EvalSettings, *, reference: str |
     from the reference cache, or computed by the layer-by-layer reference (released before it returns, so that it
     and the artifact are never in memory together). Returns it and what the report records of the reference."""
     # torch loads only where the reference runs: a cached reference's outputs need none
+    from toolchain.checkpoint.reference import shared_decoder_layers
     from toolchain.evaluate import reference_cache
     from toolchain.evaluate.reference_record import ReferenceRecord, compute_record
-    from toolchain.runtime.layered_reference import LayeredReference
 
     source, choice = resolve_reference(artifact.manifest, reference)
     key = reference_cache.reference_key(checkpoint_hashes(source.path), data, settings)
-    about = {"model": source.spec, "path": str(source.path), "runtime": "pytorch eager fp32, layer by layer",
-             **choice}
+    how = "layer by layer" if shared_decoder_layers(source.config["model_type"]) else "whole model"
+    about = {"model": source.spec, "path": str(source.path), "runtime": f"pytorch eager fp32, {how}", **choice}
     record: ReferenceRecord | None = (records or {}).get(key)
     why: str | None = "absent"
     reused = record is not None
@@ -120,7 +134,7 @@ def reference_record(artifact, data, settings: EvalSettings, *, reference: str |
             log(f"the reference cache entry {key[:16]} is not usable ({why}); computing the reference again")
     if record is None:
         require_layered_reference_memory(source, data)
-        ref = LayeredReference(source, settings.threads, choice)
+        ref = open_reference(source, settings.threads, choice)
         try:
             log(f"reference: {source.spec} (PyTorch fp32, eager, "
                 f"{'layers kept built' if ref.resident else 'one layer at a time'}) from {source.path}")
@@ -146,7 +160,6 @@ def reference_task_scores(artifact, settings: EvalSettings, *, reference: str | 
     reference (released before it returns). Returns them and what the report records of their cache entry."""
     # torch loads only where the reference runs: a cached reference's outputs need none
     from toolchain.evaluate import reference_cache, tasks
-    from toolchain.runtime.layered_reference import LayeredReference
 
     source, choice = resolve_reference(artifact.manifest, reference)
     key = reference_cache.task_key(checkpoint_hashes(source.path), tasks.task_files(Path(str(settings.task_data))),
@@ -155,7 +168,7 @@ def reference_task_scores(artifact, settings: EvalSettings, *, reference: str | 
     reused = scores is not None
     if scores is None:
         require_layered_reference_memory(source)
-        ref = LayeredReference(source, settings.threads, choice)
+        ref = open_reference(source, settings.threads, choice)
         try:
             log(f"reference: lm-eval {', '.join(settings.tasks)}")
             scores = tasks.score(ref, artifact.tokenizer(), settings,

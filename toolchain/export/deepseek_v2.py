@@ -26,7 +26,7 @@ class DeepseekV2Architecture(DeepseekArchitecture):
     def rope_interleaved(self, config) -> bool:
         return True  # transformers' V2 rotates adjacent pairs as complex numbers
 
-    def moe(self, config) -> MoeLayer:
+    def moe(self, config, layer: int) -> MoeLayer:
         # norm_topk_prob is V3's: transformers' V2 router ignores it
         groups = GroupLimit(config.n_group, config.topk_group) if config.topk_method == "group_limited_greedy" \
             else None

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from toolchain.export.deepseek import DeepseekArchitecture
 from toolchain.export.moe_layer import MoeLayer
-from toolchain.export.routers import GroupLimit, SigmoidTopK
+from toolchain.export.routers import BiasedTopK, GroupLimit
 
 
 class DeepseekV3Architecture(DeepseekArchitecture):
@@ -13,8 +13,8 @@ class DeepseekV3Architecture(DeepseekArchitecture):
     def rope_interleaved(self, config) -> bool:
         return bool(config.rope_interleave)
 
-    def moe(self, config) -> MoeLayer:
-        router = SigmoidTopK(config.num_experts_per_tok, config.n_routed_experts,
-                             groups=GroupLimit(config.n_group, config.topk_group),
-                             normalize=bool(config.norm_topk_prob), scaling=config.routed_scaling_factor)
+    def moe(self, config, layer: int) -> MoeLayer:
+        router = BiasedTopK(config.num_experts_per_tok, config.n_routed_experts,
+                            groups=GroupLimit(config.n_group, config.topk_group),
+                            normalize=bool(config.norm_topk_prob), scaling=config.routed_scaling_factor)
         return MoeLayer(router, shared_experts="shared_experts")

@@ -8,9 +8,10 @@ unweighted RMSNorm, one projection) into ``pre`` (collapses the streams into the
 doubly stochastic matrix); streams' = post x block(collapse) + comb^T streams. hc_head collapses the streams
 before the final norm. The attention is in deepseek_v4_attention.py, which also says what the cache holds.
 
-Routing (written here until the MoE component folds it in): ``hash_moe`` layers take their experts from the
-frozen table tid2eid[input_ids], ``moe`` layers the top k of sqrt(softplus(logits)) + e_score_correction_bias;
-both weigh the chosen experts by their unbiased scores, normalised and times routed_scaling_factor.
+Its MoE layers are the MoE component's (toolchain/export/moe_layer.py, ``moe``): ``hash_moe`` layers route by the
+frozen table tid2eid[input_ids] (routers.HashRouter), ``moe`` layers by the top k of the scores plus
+e_score_correction_bias (routers.BiasedTopK, sqrt(softplus) scores); both weigh the chosen experts by their unbiased
+scores, normalised and times routed_scaling_factor; experts and shared expert are clipped SwiGLU.
 """
 
 from __future__ import annotations
@@ -22,10 +23,11 @@ import onnx_ir as ir
 import torch
 
 from toolchain.errors import UnsupportedModelError
-from toolchain.export import blocks, deepseek_v4_attention as v4attn
+from toolchain.export import blocks, deepseek_v4_attention as v4attn, moe_layer
 from toolchain.export.decoder import architecture_metadata
 from toolchain.export.graph import GraphBuilder, rename_output, tensor_input
-from toolchain.export.moe import dispatch as dispatch_experts
+from toolchain.export.moe_layer import MoeLayer
+from toolchain.export.routers import SCORINGS, BiasedTopK, HashRouter
 from toolchain.export.weights import HFModule, Params, to_numpy
 from toolchain.interface.graph import (
     ATTENTION_MASK,
@@ -40,7 +42,6 @@ from toolchain.interface.graph import (
 )
 
 FLOAT, INT64 = ir.DataType.FLOAT, ir.DataType.INT64
-SCORES = ("sqrtsoftplus", "sigmoid")
 
 
 def _get(config, name: str):
@@ -65,9 +66,9 @@ class DeepseekV4Architecture:
     def check(self, config) -> None:
         if config.hidden_act != "silu":
             raise UnsupportedModelError(f"deepseek_v4: hidden_act {config.hidden_act!r} is not supported")
-        if config.scoring_func not in SCORES:
+        if config.scoring_func not in SCORINGS:
             raise UnsupportedModelError(f"deepseek_v4: scoring_func {config.scoring_func!r} is not supported "
-                                        f"(supported: {', '.join(SCORES)})")
+                                        f"(supported: {', '.join(SCORINGS)})")
         if config.num_key_value_heads != 1:
             raise UnsupportedModelError("deepseek_v4: the attention shares one K=V head (num_key_value_heads 1)")
         if self.moe_lowering != "dispatch":
@@ -87,6 +88,14 @@ class DeepseekV4Architecture:
     def moe_layers(self, config) -> list[int]:
         """Every V4 layer's MLP is a mixture of experts (hash-routed or top-k)."""
         return list(range(_get(config, "num_hidden_layers")))
+
+    def moe(self, config, layer: int) -> MoeLayer:
+        """Layer ``layer``'s MoE: a hash router in ``hash_moe`` layers, else the biased top-k; sqrt(softplus)
+        scores (scoring_func), the weights always renormalised (transformers' V4 routers ignore norm_topk_prob)."""
+        router_kind = HashRouter if config.mlp_layer_types[layer] == "hash_moe" else BiasedTopK
+        router = router_kind(config.num_experts_per_tok, config.n_routed_experts, scoring=config.scoring_func,
+                             normalize=True, scaling=config.routed_scaling_factor)
+        return MoeLayer(router, shared_experts="shared_experts", swiglu_limit=config.swiglu_limit)
 
     def attention(self, g: GraphBuilder, attn, h, inputs):
         raise NotImplementedError("DeepSeek-V4's layers are built by build_graph")
@@ -130,7 +139,8 @@ class DeepseekV4Architecture:
                     post, comb, collapsed = hyper_connection(g, layer.ffn_hc, h)
                 normed = blocks.rms_norm(g, collapsed, layer.post_attention_layernorm, "post_attention_layernorm")
                 with g.scope("mlp"), g.role("mlp"):
-                    out = moe(g, layer.mlp, normed, input_ids, config.scoring_func)
+                    out = moe_layer.block(g, self.moe(config, i), self.moe_lowering or "dispatch", layer.mlp, normed,
+                                          input_ids)
                 h = mix(g, post, comb, out, h)
             presents += [(f"{i}.{name}", value, v4attn.cache_widths(config, layer_type)[name])
                          for name, value in layer_presents.items()]
@@ -225,52 +235,3 @@ def hyper_head(g: GraphBuilder, head, h):
                g.weight("hc_base", g.params.array(head.hc_base)))
     pre = g.op("Add", g.op("Sigmoid", pre), g.const(head.eps, np.float32))
     return g.op("ReduceSum", g.op("Mul", g.op("Unsqueeze", pre, g.const([-1])), h), g.const([2]), keepdims=0)
-
-
-def moe(g: GraphBuilder, mlp, h, input_ids, scoring: str):
-    """DeepseekV4SparseMoeBlock: routed experts (clipped SwiGLU, dispatched per expert) plus the shared expert."""
-    router, limit = mlp.gate, mlp.experts.limit
-    x2d = g.op("Reshape", h, g.const([-1, router.hidden_dim]))
-    with g.scope("router"), g.role("router"):
-        logits = blocks.matmul_weight(g, x2d, g.params.array(router.weight), "gate")
-        scores = score(g, logits, scoring)
-        if mlp.is_hash:  # the table's ids are small integers, exact in float32
-            table = g.weight("tid2eid", g.params.array(router.tid2eid))
-            idx = g.op("Cast", g.op("Gather", table, g.op("Reshape", input_ids, g.const([-1])), axis=0), to=INT64)
-        else:
-            biased = g.op("Add", scores, g.weight("e_score_correction_bias",
-                                                  g.params.array(router.e_score_correction_bias)))
-            _, idx = g.op("TopK", biased, g.const([router.top_k]), axis=-1, outputs=2)
-        weights = g.op("GatherElements", scores, idx, axis=1)
-        total = g.op("Add", g.op("ReduceSum", weights, g.const([-1]), keepdims=1), g.const(1e-20, np.float32))
-        weights = g.op("Mul", g.op("Div", weights, total), g.const(router.routed_scaling_factor, np.float32))
-    with g.role("routed_expert"):
-        routed = dispatch_experts(g, x2d, idx, weights, mlp.experts, limit=limit)
-    routed = g.op("Reshape", routed, g.op("Shape", h))
-    with g.role("shared_expert"):
-        shared = blocks.mlp_module(g, h, mlp.shared_experts, "shared_experts", limit=mlp.shared_experts.limit)
-    return g.op("Add", routed, shared)
-
-
-def score(g: GraphBuilder, logits, scoring: str):
-    """The router's scores (scoring_func, SCORES): sqrt(softplus(logits)) (V4's) or sigmoid(logits)."""
-    if scoring == "sqrtsoftplus":
-        return g.op("Sqrt", softplus(g, logits))
-    return g.op("Sigmoid", logits)
-
-
-def softplus(g: GraphBuilder, x):
-    """torch's softplus to rounding for every x: x above 20 (its threshold), else max(x, 0) + log1p(exp(-|x|)).
-    ONNX's Softplus is not (ONNX Runtime's overflows to inf above ~88, OpenVINO's is 0 below -20 and slightly
-    negative at -20, whose sqrt is NaN), nor is OpenVINO's Log near 1; log1p(y), y in (0, 1], is its series
-    2 atanh(z) = 2 (z + z^3/3 + ... + z^15/15), z = y / (2 + y) <= 1/3 (truncation below 1e-8 relative)."""
-    y = g.op("Exp", g.op("Neg", g.op("Abs", x)))
-    z = g.op("Div", y, g.op("Add", y, g.const(2.0, np.float32)))
-    z2 = g.op("Mul", z, z)
-    series = g.const(1.0 / 15, np.float32)
-    for k in range(13, 0, -2):
-        series = g.op("Add", g.op("Mul", series, z2), g.const(1.0 / k, np.float32))
-    log1p = g.op("Mul", g.op("Mul", z, series), g.const(2.0, np.float32))
-    soft = g.op("Add", g.op("Max", x, g.const(0.0, np.float32)), log1p)
-    return g.op("Where", g.op("Greater", x, g.const(20.0, np.float32)), x, soft)
-

@@ -101,10 +101,13 @@ def _stacked(experts: list[tuple], rows: int, cols: int) -> StackedExperts:
 
 
 def routed_experts(g: GraphBuilder, lowering: str, x2d: ir.Value, topk_idx: ir.Value, topk_w: ir.Value,
-                   experts: HFModule, top_k: int) -> ir.Value:
-    """The routed experts' weighted sum [tokens, hidden] for the router's choice (topk_idx, topk_w: [tokens, k])."""
+                   experts: HFModule, top_k: int, limit: float | None = None) -> ir.Value:
+    """The routed experts' weighted sum [tokens, hidden] for the router's choice (topk_idx, topk_w: [tokens, k]);
+    ``limit``: clipped SwiGLU experts, which only dispatch lowers (an architecture with them refuses the others)."""
     if lowering == "dispatch":
-        return dispatch(g, x2d, topk_idx, topk_w, experts)
+        return dispatch(g, x2d, topk_idx, topk_w, experts, limit=limit)
+    if limit is not None:
+        raise ValueError(f"the {lowering} MoE lowering has no clipped SwiGLU experts")
     weights = [g.params.expert(experts, e) for e in range(experts.gate_up_proj.shape[0])]
     inter, hidden = experts.gate_up_proj.shape[1] // 2, experts.gate_up_proj.shape[2]
     with g.scope("experts"):

@@ -24,23 +24,26 @@ from toolchain.export.weights import HFModule
 class MoeLayer:
     router: Router
     shared_experts: str | None = None  # the MoE module's attribute holding the shared experts' MLP; None: none
+    swiglu_limit: float | None = None  # routed and shared experts' clipped SwiGLU (DeepSeek-V4, blocks.gated_mlp)
 
 
 def block(g: GraphBuilder, layer: MoeLayer, lowering: str, module: HFModule, h: ir.Value,
           input_ids: ir.Value | None = None) -> ir.Value:
     """The MoE layer's output for ``h`` [batch, seq, hidden]. ``input_ids`` [batch, seq] reach routers that choose
-    by token id (none of today's families: their decoder passes none)."""
+    by token id (DeepSeek-V4's hash router; the shared decoder passes none)."""
     x2d = g.op("Reshape", h, g.const([-1, module.gate.weight.shape[1]]))  # [tokens, hidden]
     with g.scope("router"), g.role("router"):
         logits = blocks.matmul_weight(g, x2d, g.params.array(module.gate.weight), "gate")
         topk_idx, topk_w = layer.router.route(g, RouterInputs(logits, module.gate, input_ids))
     with g.role("routed_expert"):
-        routed = moe.routed_experts(g, lowering, x2d, topk_idx, topk_w, module.experts, layer.router.top_k)
+        routed = moe.routed_experts(g, lowering, x2d, topk_idx, topk_w, module.experts, layer.router.top_k,
+                                    limit=layer.swiglu_limit)
     routed = g.op("Reshape", routed, g.op("Shape", h))
     if layer.shared_experts is None:
         return routed
     with g.role("shared_expert"):
-        shared = blocks.mlp_module(g, h, getattr(module, layer.shared_experts), layer.shared_experts)
+        shared = blocks.mlp_module(g, h, getattr(module, layer.shared_experts), layer.shared_experts,
+                                   limit=layer.swiglu_limit)
     return g.op("Add", routed, shared)
 
 
@@ -50,8 +53,8 @@ class MoeArchitecture:
 
     moe_lowering: str | None = "dispatch"  # moe.with_lowering gives a copy with another (moe.LOWERINGS)
 
-    def moe(self, config) -> MoeLayer:
-        """The family's MoE layer for ``config``: router kind and parameters, shared experts."""
+    def moe(self, config, layer: int) -> MoeLayer:
+        """The family's MoE layer ``layer`` for ``config``: router kind and parameters, shared experts."""
         raise NotImplementedError
 
     def moe_layers(self, config) -> list[int]:
@@ -62,9 +65,10 @@ class MoeArchitecture:
     def mlp(self, g: GraphBuilder, mlp: HFModule, h: ir.Value) -> ir.Value:
         # the family's own rule decides, not the module's attributes: a rule that disagrees with the layers
         # transformers built fails here (the module has no router) instead of exporting a wrong graph
-        if g.layer not in self.moe_layers(g.config):
+        layer = g.layer
+        if layer is None or layer not in self.moe_layers(g.config):
             return blocks.mlp_module(g, h, mlp, blocks.DENSE_MLP)
-        return block(g, self.moe(g.config), self.moe_lowering or "dispatch", mlp, h)
+        return block(g, self.moe(g.config, layer), self.moe_lowering or "dispatch", mlp, h)
 
 
 def config_value(config, name: str):

@@ -31,7 +31,7 @@ class Qwen3MoeArchitecture(MoeArchitecture, LlamaArchitecture):
         dense = config_value(config, "mlp_only_layers") or []
         return [i for i in range(config_value(config, "num_hidden_layers")) if (i + 1) % step == 0 and i not in dense]
 
-    def moe(self, config) -> MoeLayer:
+    def moe(self, config, layer: int) -> MoeLayer:
         return MoeLayer(SoftmaxTopK(config.num_experts_per_tok, config.num_experts,
                                     normalize=bool(config.norm_topk_prob)))
 

@@ -6,15 +6,16 @@ An architecture picks a router and its parameters from its config (toolchain/exp
 * ``SoftmaxTopK``: softmax over the experts, then the top k; optionally limited to the best groups (DeepSeek-V2's
   ``group_limited_greedy``: a group scores its best expert), renormalized over the k (``norm_topk_prob``, Qwen3-MoE)
   and scaled (``routed_scaling_factor``, DeepSeek-V2).
-* ``SigmoidTopK``: sigmoid scores; the choice on the scores plus a correction bias (``e_score_correction_bias``)
-  within the best groups (a group scores the sum of its two best), the weights the unbiased scores of the chosen
-  experts, renormalized and scaled (DeepSeek-V3).
+* ``BiasedTopK``: scores by a score function (sigmoid, DeepSeek-V3; sqrt(softplus), DeepSeek-V4), the choice on
+  the scores plus a correction bias (``e_score_correction_bias``), optionally within the best groups (a group
+  scores the sum of its two best), the weights the unbiased scores of the chosen experts, renormalized and scaled.
+* ``HashRouter``: the experts a frozen table gives each token id (DeepSeek-V4's ``tid2eid[input_ids]``, in its
+  ``hash_moe`` layers), weighted as BiasedTopK weighs its choice; it needs the token ids (``RouterInputs.input_ids``).
 
 A new kind subclasses ``Router``: ``route`` gets ``RouterInputs``, the logits and transformers' router module (for
-its own parameters) and, for routers that read the token ids, ``input_ids``. DeepSeek-V4's routers fit it so:
-``sqrtsoftplus`` top-k is SigmoidTopK's arithmetic with sqrt(softplus(logits)) as the scores; ``hash`` routing
-takes its experts from the gate's tid2eid table at ``input_ids`` (a Gather) and its weights from the scores there
-(GatherElements), which needs the caller to pass input_ids through ``moe_layer.block``.
+its own parameters) and, for routers that read the token ids, ``input_ids``. The chosen indices are int64 values
+that the expert lowering consumes directly (a TopK's indices, or the hash table's Gather), which is how the
+runtimes find them (toolchain/runtime/routing.py).
 """
 
 from __future__ import annotations
@@ -24,9 +25,10 @@ from dataclasses import dataclass
 
 import numpy as np
 import onnx_ir as ir
+import torch
 
 from toolchain.export.graph import GraphBuilder
-from toolchain.export.weights import HFModule
+from toolchain.export.weights import HFModule, LazyArray
 
 
 @dataclass(frozen=True)
@@ -72,27 +74,89 @@ class SoftmaxTopK(Router):
         return topk_idx, _scaled(g, topk_w, self.scaling)
 
 
+SCORINGS = ("sigmoid", "sqrtsoftplus")
+
+
 @dataclass(frozen=True)
-class SigmoidTopK(Router):
-    groups: GroupLimit  # a group scores the sum of its two best biased scores
+class BiasedTopK(Router):
+    groups: GroupLimit | None = None  # a group scores the sum of its two best biased scores; None: no group limit
     normalize: bool = True  # the k weights divided by their sum + 1e-20 (DeepSeek-V3's norm_topk_prob)
     scaling: float | None = None
     bias: str = "e_score_correction_bias"  # the router module's buffer added to the scores for the choice only
+    scoring: str = "sigmoid"  # SCORINGS
 
     def route(self, g: GraphBuilder, inputs: RouterInputs) -> tuple[ir.Value, ir.Value]:
-        scores = g.op("Sigmoid", inputs.logits)
+        scores = router_scores(g, inputs.logits, self.scoring)
         biased = g.op("Add", scores, g.weight(self.bias, g.params.array(getattr(inputs.gate, self.bias))))
-        top2, _ = g.op("TopK", grouped(g, biased, self.groups.groups), g.const([2]), axis=-1, outputs=2)
-        group_scores = g.op("ReduceSum", top2, g.const([-1]), keepdims=0)
-        # -inf outside the chosen groups, as transformers 5.24 (and DeepSeek's own inference code) masks them: a
-        # biased score below zero inside them still wins over any expert outside
-        choice = limit_to_top_groups(g, biased, group_scores, self.groups, self.num_experts, float("-inf"))
+        choice = biased
+        if self.groups is not None:
+            top2, _ = g.op("TopK", grouped(g, biased, self.groups.groups), g.const([2]), axis=-1, outputs=2)
+            group_scores = g.op("ReduceSum", top2, g.const([-1]), keepdims=0)
+            # -inf outside the chosen groups, as transformers 5.24 (and DeepSeek's own inference code) masks them: a
+            # biased score below zero inside them still wins over any expert outside
+            choice = limit_to_top_groups(g, biased, group_scores, self.groups, self.num_experts, float("-inf"))
         _, topk_idx = g.op("TopK", choice, g.const([self.top_k]), axis=-1, outputs=2)
-        topk_w = g.op("GatherElements", scores, topk_idx, axis=1)
-        if self.normalize:
-            total = g.op("Add", g.op("ReduceSum", topk_w, g.const([-1]), keepdims=1), g.const(1e-20, np.float32))
-            topk_w = g.op("Div", topk_w, total)
-        return topk_idx, _scaled(g, topk_w, self.scaling)
+        return topk_idx, _weighed(g, scores, topk_idx, self.normalize, self.scaling)
+
+
+@dataclass(frozen=True)
+class HashRouter(Router):
+    normalize: bool = True
+    scaling: float | None = None
+    table: str = "tid2eid"  # the router module's [vocab, top_k] expert ids per token id
+    scoring: str = "sqrtsoftplus"  # SCORINGS
+
+    def route(self, g: GraphBuilder, inputs: RouterInputs) -> tuple[ir.Value, ir.Value]:
+        if inputs.input_ids is None:
+            raise ValueError("a hash router chooses by token id: the MoE block needs input_ids")
+        # int64 as stored: the ids feed the experts' dispatch as a TopK's indices would, and no weight compression
+        # touches an integer table
+        table = g.weight(self.table, integer_table(g.params.array(getattr(inputs.gate, self.table))))
+        topk_idx = g.op("Gather", table, g.op("Reshape", inputs.input_ids, g.const([-1])), axis=0)
+        scores = router_scores(g, inputs.logits, self.scoring)
+        return topk_idx, _weighed(g, scores, topk_idx, self.normalize, self.scaling)
+
+
+def integer_table(array) -> np.ndarray:
+    """A small integer tensor's values as int64 numpy: read now from a checkpoint (where it is int64), or from a
+    loaded model's float32 copy (exact for small integers)."""
+    if isinstance(array, LazyArray) and array.read is not None:
+        return array.read().to(torch.int64).numpy()
+    return np.asarray(array).astype(np.int64)
+
+
+def _weighed(g: GraphBuilder, scores, topk_idx, normalize: bool, scaling: float | None) -> ir.Value:
+    """The unbiased scores of the chosen experts, divided by their sum + 1e-20 (``normalize``) and scaled."""
+    topk_w = g.op("GatherElements", scores, topk_idx, axis=1)
+    if normalize:
+        total = g.op("Add", g.op("ReduceSum", topk_w, g.const([-1]), keepdims=1), g.const(1e-20, np.float32))
+        topk_w = g.op("Div", topk_w, total)
+    return _scaled(g, topk_w, scaling)
+
+
+def router_scores(g: GraphBuilder, logits, scoring: str):
+    """The router's scores (SCORINGS): sigmoid(logits), or sqrt(softplus(logits)) (DeepSeek-V4's)."""
+    if scoring == "sqrtsoftplus":
+        return g.op("Sqrt", softplus(g, logits))
+    if scoring == "sigmoid":
+        return g.op("Sigmoid", logits)
+    raise ValueError(f"unknown router scoring {scoring!r} (known: {', '.join(SCORINGS)})")
+
+
+def softplus(g: GraphBuilder, x):
+    """torch's softplus to rounding for every x: x above 20 (its threshold), else max(x, 0) + log1p(exp(-|x|)).
+    ONNX's Softplus is not (ONNX Runtime's overflows to inf above ~88, OpenVINO's is 0 below -20 and slightly
+    negative at -20, whose sqrt is NaN), nor is OpenVINO's Log near 1; log1p(y), y in (0, 1], is its series
+    2 atanh(z) = 2 (z + z^3/3 + ... + z^15/15), z = y / (2 + y) <= 1/3 (truncation below 1e-8 relative)."""
+    y = g.op("Exp", g.op("Neg", g.op("Abs", x)))
+    z = g.op("Div", y, g.op("Add", y, g.const(2.0, np.float32)))
+    z2 = g.op("Mul", z, z)
+    series = g.const(1.0 / 15, np.float32)
+    for k in range(13, 0, -2):
+        series = g.op("Add", g.op("Mul", series, z2), g.const(1.0 / k, np.float32))
+    log1p = g.op("Mul", g.op("Mul", z, series), g.const(2.0, np.float32))
+    soft = g.op("Add", g.op("Max", x, g.const(0.0, np.float32)), log1p)
+    return g.op("Where", g.op("Greater", x, g.const(20.0, np.float32)), x, soft)
 
 
 def _scaled(g: GraphBuilder, weights: ir.Value, scaling: float | None) -> ir.Value:

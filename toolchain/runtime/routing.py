@@ -1,13 +1,14 @@
 """Where each MoE layer's routing decision lives in a compiled graph, to request it as an extra output.
 
-The value is the router's TopK indices, int64 [tokens, top_k], as the graph's MoE lowering (its metadata's
+The value is the router's TopK indices (a hash router's: the Gather of its constant table at the token ids), int64
+[tokens, top_k], as the graph's MoE lowering (its metadata's
 ``dstc.moe_lowering``, toolchain/export/moe.py) consumes them: the sparse dispatch compares them with each expert
 id (``Equal``); the fused lowerings scatter them into [tokens, experts] (``ScatterElements``,
 ``ScatterElementsUpdate`` in OpenVINO) that feeds the experts, com.microsoft's MoE / QMoE or, in the tiled block, a
 Transpose to [experts, tokens]. They are found by that structure rather than by name, so they survive ORT's
-offline optimisation, OpenVINO's conversion and any graph pass that renames nodes: those TopK nodes, in graph
-order, are the MoE layers in order. (The group selection of DeepSeek-V3 and of V2's group-limited routing is a
-TopK too, but its indices are scattered into a group mask that feeds an Unsqueeze.)
+offline optimisation, OpenVINO's conversion and any graph pass that renames nodes: those TopK (and table Gather)
+nodes, in graph order, are the MoE layers in order. (The group selection of DeepSeek-V3 and of V2's group-limited
+routing is a TopK too, but its indices are scattered into a group mask that feeds an Unsqueeze.)
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ def router_outputs(artifact: Artifact) -> dict[int, str]:
         return {}
     names = router_values(artifact.graph, artifact.moe_lowering)
     if len(names) != len(layers):
-        raise ValueError(f"{artifact.graph}: found {len(names)} router TopK outputs feeding an expert dispatch, "
+        raise ValueError(f"{artifact.graph}: found {len(names)} router outputs feeding an expert dispatch, "
                          f"expected one per MoE layer ({len(layers)})")
     return dict(zip(layers, names))
 
@@ -69,8 +70,14 @@ def _onnx_dispatch_indices(path: Path, consumers: tuple[str | None, tuple[str, .
             consumed_by.setdefault(name, set()).add(node.op_type)
     scattered = {node.input[1] for node in graph.node if node.op_type == "ScatterElements"
                  and consumed_by.get(node.output[0], set()) & set(of_scatter)}
-    return [node.output[1] for node in graph.node if node.op_type == "TopK" and len(node.output) > 1
-            and (direct in consumed_by.get(node.output[1], set()) or node.output[1] in scattered)]
+    tables = {t.name for t in graph.initializer}
+
+    def feeds_experts(name: str) -> bool:
+        return direct in consumed_by.get(name, set()) or name in scattered
+
+    return [out for node in graph.node for out in
+            ([node.output[1]] if node.op_type == "TopK" and len(node.output) > 1 else
+             [node.output[0]] if node.op_type == "Gather" and node.input[0] in tables else []) if feeds_experts(out)]
 
 
 def _openvino_dispatch_indices(path: Path, consumers: tuple[str | None, tuple[str, ...]]) -> list[str]:
@@ -83,6 +90,14 @@ def _openvino_dispatch_indices(path: Path, consumers: tuple[str | None, tuple[st
         return kind == direct or (kind == "ScatterElementsUpdate" and any(
             t.get_node().get_type_name() in of_scatter for t in op.output(0).get_target_inputs()))
 
+    def indices(op):
+        kind = op.get_type_name()
+        if kind == "TopK":
+            return op.output(1)
+        if kind == "Gather" and op.input_value(0).get_node().get_type_name() == "Constant":  # a hash router's table
+            return op.output(0)
+        return None
+
     model = ov.Core().read_model(str(path))
-    return [op.output(1).get_any_name() for op in model.get_ordered_ops() if op.get_type_name() == "TopK"
-            and any(feeds_experts(t.get_node()) for t in op.output(1).get_target_inputs())]
+    return [out.get_any_name() for out in map(indices, model.get_ordered_ops())
+            if out is not None and any(feeds_experts(t.get_node()) for t in out.get_target_inputs())]

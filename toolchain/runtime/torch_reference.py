@@ -26,6 +26,7 @@ _loaded: dict[str, object] = {}  # source path -> the loaded model (one at a tim
 # the test suite's tiny V4). Its reference runs each row of a batch alone, with a cache of its own, as dstc's graph
 # computes each row.
 ROW_BY_ROW = ("deepseek_v4",)
+SCORE_ROWS = 256  # positions reduced at a time by score()
 
 
 def reference_model(source: sources.Source):
@@ -44,9 +45,11 @@ def release_reference() -> None:
 
 
 class TorchDecoder:
-    """transformers' eager model with a DynamicCache, behind the runtime Decoder interface."""
+    """transformers' eager model with a DynamicCache, behind the runtime Decoder interface; and ``score``, the
+    layer-by-layer reference's (toolchain/runtime/layered_reference.py) for an architecture that one does not run."""
 
     backend = "pytorch"
+    resident = True  # every layer built (what eval's reference record asks of a reference)
 
     def __init__(self, source: sources.Source, threads: int | None = None, choice: dict | None = None) -> None:
         t0 = time.perf_counter()
@@ -90,6 +93,31 @@ class TorchDecoder:
 
     def router_outputs(self) -> dict[int, str]:
         return dict(self._routers)
+
+    @property
+    def config(self):
+        return self.model.config
+
+    def close(self) -> None:
+        """Release the loaded model (eval's reference is let go before the artifact runs)."""
+        self.model = None
+        release_reference()
+
+    def score(self, sequences: list[list[int]], reduce, log=lambda _: None) -> dict[int, list[np.ndarray]]:
+        """LayeredReference.score's contract on the whole model: each sequence alone (positions from 0, no cache),
+        ``reduce(sequence, first_position, logits [n, vocab])`` in blocks of SCORE_ROWS positions; returns each MoE
+        layer's expert indices per sequence ([length, top_k])."""
+        routes: dict[int, list[np.ndarray]] = {}
+        for s, ids in enumerate(sequences):
+            with torch.no_grad():
+                logits = self.model(input_ids=torch.tensor([ids], dtype=torch.int64), use_cache=False).logits[0]
+            for a in range(0, len(ids), SCORE_ROWS):
+                reduce(s, a, logits[a:a + SCORE_ROWS].float())
+            for layer, key in self._routers.items():
+                routes.setdefault(layer, []).append(self.model._dstc_routing[key])
+            if (s + 1) % 50 == 0 or s + 1 == len(sequences):
+                log(f"reference: {s + 1}/{len(sequences)} sequences, whole model")
+        return routes
 
     def reset(self) -> None:
         from transformers import DynamicCache

@@ -17,7 +17,7 @@ from pathlib import Path
 from toolchain import __version__, source as sources
 from toolchain.atomic import atomic_output_dir, check_writable_target
 from toolchain.checkpoint.reader import open_checkpoint
-from toolchain.checkpoint.reference import layer_too_large
+from toolchain.checkpoint.reference import layer_too_large, shared_decoder_layers
 from toolchain.errors import ParityError
 from toolchain.export import moe as moe_lowering
 from toolchain.export.architectures import architecture_for
@@ -76,7 +76,11 @@ def export(spec: str, out_dir: Path, *, parity: tuple[str, ...] | None = None, n
         results = {}
         model = None
         too_large = too_large_for_end_to_end(source.path) if parity else None
-        skipped = layer_too_large(source.path, MEMORY_FACTOR, "parity layer by layer") if too_large else None
+        skipped = None
+        if too_large and not shared_decoder_layers(config.model_type):
+            skipped = f"parity layer by layer runs the shared decoder's layers, not {config.model_type}'s"
+        elif too_large:
+            skipped = layer_too_large(source.path, MEMORY_FACTOR, "parity layer by layer")
         if skipped:
             log(f"parity skipped: {too_large}, and {skipped}")
             parity = ()
