@@ -79,7 +79,7 @@ def test_v4_hub_layout_exports_exactly(v4_hub, tmp_path):
 def test_v4_above_the_end_to_end_budget_skips_parity_and_says_why(tiny_checkpoints, tmp_path, monkeypatch):
     """Layer-by-layer parity builds the shared decoder's layers: a V4 too large for the end-to-end check is exported
     without parity, export.json saying why, rather than failing."""
-    from toolchain.export import parity
+    from toolchain.verify import parity
 
     monkeypatch.setattr(parity, "FULL_PARITY_BYTES", 0)
     report = export(str(tiny_checkpoints["deepseek_v4"]), tmp_path / "out")
