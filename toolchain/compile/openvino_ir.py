@@ -18,6 +18,7 @@ The layout they expect, and what this module builds:
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from pathlib import Path
 
@@ -38,6 +39,9 @@ from toolchain.tokenizer_loading import load_tokenizer
 # compile at toolchain/runtime/engines.py's "exact" numerics instead, passed as properties, which win over rt_info.
 RUNTIME_OPTIONS = {"KV_CACHE_PRECISION": "f16"}
 
+
+# a name OpenVINO makes up for a node: its type and a process-wide counter (".0": an output of it, a converted one)
+MADE_UP_NAME = re.compile(r"([A-Z][A-Za-z0-9]*)_\d+(\.\d+)?")
 
 def _names(ports) -> list[str]:
     return [p.get_any_name() for p in ports]
@@ -121,6 +125,22 @@ def convert(graph_path: Path, versions: dict[str, str]):
     return model
 
 
+def stable_names(model):
+    """``model`` with the names OpenVINO made up (``Transpose_2189305``: its type and a counter of every node this
+    process has created, kept by constant folding and by openvino-tokenizers as node and tensor names) numbered by
+    the node's place in the graph instead: otherwise an IR's bytes depend on what the process did before (an earlier
+    build, a stage run rather than reused from the cache, a reused Ray worker)."""
+    for index, op in enumerate(model.get_ordered_ops()):
+        if MADE_UP_NAME.fullmatch(name := op.get_friendly_name()):
+            op.set_friendly_name(MADE_UP_NAME.sub(rf"\g<1>_{index}\g<2>", name))
+        for port, output in enumerate(op.outputs()):
+            names = output.get_names()
+            if any(MADE_UP_NAME.fullmatch(n) for n in names):
+                renamed = rf"\g<1>_{index}_{port}\g<2>"
+                output.set_names({MADE_UP_NAME.sub(renamed, n) if MADE_UP_NAME.fullmatch(n) else n for n in names})
+    return model
+
+
 def convert_tokenizers(source: Path, out_dir: Path) -> list[str]:
     """openvino_tokenizer.xml and openvino_detokenizer.xml from the checkpoint's Hugging Face tokenizer."""
     import openvino as ov
@@ -129,8 +149,8 @@ def convert_tokenizers(source: Path, out_dir: Path) -> list[str]:
     tokenizer = load_tokenizer(source)
     tokenizer.padding_side = "left"  # as optimum-intel exports it for text generation
     tokenizer_model, detokenizer_model = convert_tokenizer(tokenizer, with_detokenizer=True)
-    ov.save_model(tokenizer_model, out_dir / TOKENIZER_XML)
-    ov.save_model(detokenizer_model, out_dir / DETOKENIZER_XML)
+    ov.save_model(stable_names(tokenizer_model), out_dir / TOKENIZER_XML)
+    ov.save_model(stable_names(detokenizer_model), out_dir / DETOKENIZER_XML)
     return [TOKENIZER_XML, weights_of(TOKENIZER_XML), DETOKENIZER_XML, weights_of(DETOKENIZER_XML)]
 
 
@@ -140,7 +160,7 @@ def write(onnx_path: Path, source: Path, out_dir: Path, versions: dict[str, str]
 
     log("converting model.onnx to OpenVINO IR and making the KV cache stateful")
     model = convert(onnx_path, versions)
-    ov.save_model(model, out_dir / MODEL_XML, compress_to_fp16=False)
+    ov.save_model(stable_names(model), out_dir / MODEL_XML, compress_to_fp16=False)
     files = [MODEL_XML, weights_of(MODEL_XML)]
     if has_tokenizer:
         log("converting the tokenizer with openvino-tokenizers")

@@ -38,9 +38,11 @@ def run_on_ray(jobs: list[Job], address: str | None, model: str | None, use_cach
     started = not ray.is_initialized()
     if started:
         try:
-            ray.init(address=address, logging_level=logging.WARNING)
+            # "local": a new Ray of this machine's CPUs, never one found running here (ray.init(None) joins that)
+            ray.init(address=address or "local", logging_level=logging.WARNING)
         except (ConnectionError, ValueError) as e:
-            raise InputError(f"--ray {address or ''}: no Ray cluster there ({e})".replace("  ", " ")) from None
+            where = f"at {address}" if address else "started on this machine"
+            raise InputError(f"--ray: no Ray cluster {where} ({e})") from None
     env = {"DSTC_CACHE_DIR": str(cache_dir().resolve()), "HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "1")}
     task = ray.remote(num_cpus=1, max_retries=MAX_RETRIES, retry_exceptions=False)(_build_task)
     try:
