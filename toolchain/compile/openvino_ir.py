@@ -40,8 +40,9 @@ from toolchain.tokenizer_loading import load_tokenizer
 RUNTIME_OPTIONS = {"KV_CACHE_PRECISION": "f16"}
 
 
-# a name OpenVINO makes up for a node: its type and a process-wide counter (".0": an output of it, a converted one)
-MADE_UP_NAME = re.compile(r"([A-Z][A-Za-z0-9]*)_\d+(\.\d+)?")
+# a name OpenVINO made up for a node, its type and a process-wide counter, as a whole name or a part of one
+# ("Transpose_2189305/scale", "Convert_14036.0")
+MADE_UP_NAME = re.compile(r"(?<![^/])([A-Z][A-Za-z0-9]*)_\d+(?=$|[/.])")
 
 def _names(ports) -> list[str]:
     return [p.get_any_name() for p in ports]
@@ -126,18 +127,21 @@ def convert(graph_path: Path, versions: dict[str, str]):
 
 
 def stable_names(model):
-    """``model`` with the names OpenVINO made up (``Transpose_2189305``: its type and a counter of every node this
-    process has created, kept by constant folding and by openvino-tokenizers as node and tensor names) numbered by
-    the node's place in the graph instead: otherwise an IR's bytes depend on what the process did before (an earlier
-    build, a stage run rather than reused from the cache, a reused Ray worker)."""
-    for index, op in enumerate(model.get_ordered_ops()):
-        if MADE_UP_NAME.fullmatch(name := op.get_friendly_name()):
-            op.set_friendly_name(MADE_UP_NAME.sub(rf"\g<1>_{index}\g<2>", name))
-        for port, output in enumerate(op.outputs()):
-            names = output.get_names()
-            if any(MADE_UP_NAME.fullmatch(n) for n in names):
-                renamed = rf"\g<1>_{index}_{port}\g<2>"
-                output.set_names({MADE_UP_NAME.sub(renamed, n) if MADE_UP_NAME.fullmatch(n) else n for n in names})
+    """``model`` with the names OpenVINO makes up (``Transpose_2189305``: its type and a counter of every node the
+    process has created), kept by constant folding, by NNCF in the names it derives (``Transpose_2189305/scale``)
+    and by openvino-tokenizers, numbered in the order the graph's nodes first use them instead: otherwise an IR's
+    bytes depend on what the process did before (an earlier build, a stage run rather than reused from the cache,
+    a reused Ray worker)."""
+    numbers: dict[str, str] = {}
+
+    def renumbered(name: str) -> str:
+        return MADE_UP_NAME.sub(lambda m: numbers.setdefault(m[0], f"{m[1]}_{len(numbers)}"), name)
+
+    for op in model.get_ordered_ops():
+        op.set_friendly_name(renumbered(op.get_friendly_name()))
+        for output in op.outputs():
+            if names := output.get_names():
+                output.set_names({renumbered(n) for n in names})
     return model
 
 
