@@ -68,11 +68,8 @@ def build(recipe_path: Path, out_dir: Path | None = None, *, model: str | None =
           events: Events | None = None) -> dict:
     events = events or Events()
     started = time.perf_counter()
-    recipe = load_recipe(recipe_path, model)
+    recipe, baseline, eval_settings = _checked(Path(recipe_path), model)
     out_dir = Path(out_dir or Path("artifacts") / recipe.name)
-    baseline = _gate_baseline(recipe, Path(recipe_path))
-    eval_settings = _eval_settings(recipe, Path(recipe_path))
-    recipe = _calibration_beside_recipe(recipe, Path(recipe_path))
     # hashed while the config check imports transformers (seconds)
     hashing = Hashing(sources.locate(recipe.model, revision=recipe.revision)[0])
     source = sources.resolve(recipe.model, revision=recipe.revision)
@@ -124,6 +121,22 @@ def build(recipe_path: Path, out_dir: Path | None = None, *, model: str | None =
         raise GateFailed(f"{len(failed)} of {len(gates)} gates failed ({', '.join(g.name for g in failed)}); "
                          f"the artifact and its report are in {out_dir}")
     return manifest
+
+
+def check(recipe_path: Path, model: str | None = None) -> Recipe:
+    """What `build` checks of its input before any stage runs (the recipe, the files it names, where its checkpoint
+    is), without running anything: a set of recipes is checked whole before the first is built. The recipe."""
+    recipe = _checked(recipe_path, model)[0]
+    sources.locate(recipe.model, revision=recipe.revision)
+    return recipe
+
+
+def _checked(recipe_path: Path, model: str | None):
+    """The recipe (its calibration file read beside it), its gate baseline and its eval settings."""
+    recipe = load_recipe(recipe_path, model)
+    baseline = _gate_baseline(recipe, recipe_path)
+    eval_settings = _eval_settings(recipe, recipe_path)
+    return _calibration_beside_recipe(recipe, recipe_path), baseline, eval_settings
 
 
 def _gate_baseline(recipe: Recipe, recipe_path: Path):

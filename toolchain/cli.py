@@ -407,14 +407,25 @@ def _print_build_summary(manifest, out_dir: Path) -> None:
         click.echo(f"report: {(out_dir / 'report.html').resolve()}")
 
 
+# --ray without an address
+_LOCAL_RAY = "local"
+
+
 @cli.command("build")
-@click.argument("recipe", type=click.Path(path_type=Path))
+@click.argument("recipes", metavar="RECIPE...", nargs=-1, required=True, type=click.Path(path_type=Path))
 @click.option("-o", "--out", "out_dir", type=click.Path(path_type=Path), default=None,
-              help="Artifact directory (default: artifacts/<recipe name>).")
+              help="Artifact directory (default: artifacts/<recipe name>); with several recipes, the directory "
+                   "of their artifacts, each in DIR/<recipe name>.")
 @click.option("--model", default=None, help="Build the recipe on another checkpoint (name, directory or hub id).")
 @click.option("--no-cache", is_flag=True, help="Run every stage again instead of reusing the stage cache.")
-@click.option("--json", "as_json", is_flag=True, help="Print manifest.json to stdout instead of the summary.")
-def build_cmd(recipe: Path, out_dir: Path | None, model: str | None, no_cache: bool, as_json: bool) -> None:
+@click.option("--ray", "ray_address", is_flag=False, flag_value=_LOCAL_RAY, default=None, metavar="[ADDRESS]",
+              help="Build each recipe as a Ray task: on a local Ray started for the run (no ADDRESS), or on the "
+                   "cluster at ADDRESS (auto, ray://HOST:PORT or HOST:PORT). DSTC_CACHE_DIR, the recipes and -o "
+                   "must be on storage every node sees, at the same path.")
+@click.option("--json", "as_json", is_flag=True, help="Print manifest.json to stdout instead of the summary "
+                                                      "(with several recipes or --ray: a list, one per recipe).")
+def build_cmd(recipes: tuple[Path, ...], out_dir: Path | None, model: str | None, no_cache: bool,
+              ray_address: str | None, as_json: bool) -> None:
     """Run every stage RECIPE names (export, passes, compression, compile, evaluation) into a verified artifact.
 
     A recipe's eval section writes report.json/.md/.html into the artifact; its gates section makes the build
@@ -423,7 +434,18 @@ def build_cmd(recipe: Path, out_dir: Path | None, model: str | None, no_cache: b
     Finished stages are cached by id (DSTC_CACHE_DIR, default ~/.cache/dstc) and reused when their inputs
     and configuration are unchanged. The artifact is assembled beside its target and renamed into place at the
     end: an interrupted build leaves the previous artifact as it was.
+
+    Several recipes are all checked before the first is built (a bad one: exit 2, nothing built), then built one
+    after another, or with --ray as Ray tasks sharing the stage cache; a failed recipe prints its error and the
+    others go on; the exit code is the worst of them.
     """
+    if ray_address is not None and ray_address.endswith((".yaml", ".yml")):
+        # `--ray a.yaml b.yaml`: the option's value is optional and click took the first recipe for it
+        recipes, ray_address = (Path(ray_address), *recipes), _LOCAL_RAY
+    if len(recipes) > 1 or ray_address is not None:
+        _build_set(list(recipes), out_dir, model, not no_cache, ray_address, as_json)
+        return
+    recipe = recipes[0]
     # loaded when the command runs: the CLI starts without numpy, torch or the runtimes
     from toolchain.build import build
 
@@ -445,6 +467,32 @@ def build_cmd(recipe: Path, out_dir: Path | None, model: str | None, no_cache: b
     else:
         typed = Manifest.parse(manifest)
         _print_build_summary(typed, Path(typed.provenance.output))
+
+
+def _build_set(recipes: list[Path], out_dir: Path | None, model: str | None, use_cache: bool,
+               ray_address: str | None, as_json: bool) -> None:
+    # loaded when the command runs: the CLI starts without numpy, torch, the runtimes or Ray
+    from toolchain.build_set import plan_jobs, run_local, worst
+
+    jobs = plan_jobs(recipes, out_dir, model)
+    if ray_address is None:
+        outcomes = run_local(jobs, model, use_cache)
+    else:
+        # loaded when the command runs: Ray is imported only for --ray
+        from toolchain.distributed.ray_builds import run_on_ray
+
+        outcomes = run_on_ray(jobs, None if ray_address == _LOCAL_RAY else ray_address, model, use_cache)
+    if as_json:
+        click.echo(json.dumps([{"recipe": o.name, "output": str(o.out_dir), "exit_code": o.exit_code,
+                                "error": o.error, "manifest": o.manifest or None} for o in outcomes], indent=2))
+    for o in outcomes:
+        if o.exit_code == 0:
+            seconds = o.manifest["provenance"]["durations_s"]["total"]
+            click.echo(f"{o.name}: built {o.out_dir} ({len(o.manifest['files'])} files, {seconds:.1f} s)", err=True)
+        else:
+            click.echo(f"{o.name}: error (exit {o.exit_code}): {o.error}", err=True)
+    if code := worst(outcomes):
+        sys.exit(code)
 
 
 @cli.command("verify")

@@ -18,6 +18,7 @@ The layout they expect, and what this module builds:
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from pathlib import Path
 
@@ -38,6 +39,10 @@ from toolchain.tokenizer_loading import load_tokenizer
 # compile at toolchain/runtime/engines.py's "exact" numerics instead, passed as properties, which win over rt_info.
 RUNTIME_OPTIONS = {"KV_CACHE_PRECISION": "f16"}
 
+
+# a name OpenVINO made up for a node, its type and a process-wide counter, as a whole name or a part of one
+# ("Transpose_2189305/scale", "Convert_14036.0")
+MADE_UP_NAME = re.compile(r"(?<![^/])([A-Z][A-Za-z0-9]*)_\d+(?=$|[/.])")
 
 def _names(ports) -> list[str]:
     return [p.get_any_name() for p in ports]
@@ -121,6 +126,25 @@ def convert(graph_path: Path, versions: dict[str, str]):
     return model
 
 
+def stable_names(model):
+    """``model`` with the names OpenVINO makes up (``Transpose_2189305``: its type and a counter of every node the
+    process has created), kept by constant folding, by NNCF in the names it derives (``Transpose_2189305/scale``)
+    and by openvino-tokenizers, numbered in the order the graph's nodes first use them instead: otherwise an IR's
+    bytes depend on what the process did before (an earlier build, a stage run rather than reused from the cache,
+    a reused Ray worker)."""
+    numbers: dict[str, str] = {}
+
+    def renumbered(name: str) -> str:
+        return MADE_UP_NAME.sub(lambda m: numbers.setdefault(m[0], f"{m[1]}_{len(numbers)}"), name)
+
+    for op in model.get_ordered_ops():
+        op.set_friendly_name(renumbered(op.get_friendly_name()))
+        for output in op.outputs():
+            if names := output.get_names():
+                output.set_names({renumbered(n) for n in names})
+    return model
+
+
 def convert_tokenizers(source: Path, out_dir: Path) -> list[str]:
     """openvino_tokenizer.xml and openvino_detokenizer.xml from the checkpoint's Hugging Face tokenizer."""
     import openvino as ov
@@ -129,8 +153,8 @@ def convert_tokenizers(source: Path, out_dir: Path) -> list[str]:
     tokenizer = load_tokenizer(source)
     tokenizer.padding_side = "left"  # as optimum-intel exports it for text generation
     tokenizer_model, detokenizer_model = convert_tokenizer(tokenizer, with_detokenizer=True)
-    ov.save_model(tokenizer_model, out_dir / TOKENIZER_XML)
-    ov.save_model(detokenizer_model, out_dir / DETOKENIZER_XML)
+    ov.save_model(stable_names(tokenizer_model), out_dir / TOKENIZER_XML)
+    ov.save_model(stable_names(detokenizer_model), out_dir / DETOKENIZER_XML)
     return [TOKENIZER_XML, weights_of(TOKENIZER_XML), DETOKENIZER_XML, weights_of(DETOKENIZER_XML)]
 
 
@@ -140,7 +164,7 @@ def write(onnx_path: Path, source: Path, out_dir: Path, versions: dict[str, str]
 
     log("converting model.onnx to OpenVINO IR and making the KV cache stateful")
     model = convert(onnx_path, versions)
-    ov.save_model(model, out_dir / MODEL_XML, compress_to_fp16=False)
+    ov.save_model(stable_names(model), out_dir / MODEL_XML, compress_to_fp16=False)
     files = [MODEL_XML, weights_of(MODEL_XML)]
     if has_tokenizer:
         log("converting the tokenizer with openvino-tokenizers")

@@ -1,0 +1,1 @@
+"""Builds spread over several machines (Ray)."""

@@ -1,0 +1,66 @@
+"""A set of recipes built as Ray tasks, one task a recipe, on a local Ray started for the run or on a cluster.
+
+Every task runs the same `run_one` as a build on one machine, so its artifact is the same bytes. The tasks share
+the stage cache: the driver's DSTC_CACHE_DIR, which must be the same path on storage every node sees (and so must
+the recipes, their files and the output directory). A worker that dies mid-task (killed, out of memory, its node
+lost) has its task run again by Ray (max_retries); the stage cache never reuses an entry its dead writer left
+without its stage.json and file hashes (toolchain/stages/runner.py), and an artifact is renamed into place only
+once complete (toolchain/atomic.py), so the retried build writes what an uninterrupted one would have.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+from toolchain.build_set import Job, LineEvents, Outcome, run_one
+from toolchain.cache import cache_dir
+from toolchain.errors import InputError
+
+# Ray's own retries of a task whose worker died; a task that raised is not retried (its error is the outcome).
+MAX_RETRIES = 3
+# the exit code of a recipe whose worker died on every try: a crashed process, as a crashed runtime's
+CRASHED = 5
+
+
+def _build_task(job: Job, model: str | None, use_cache: bool, env: dict[str, str]) -> Outcome:
+    """Runs in a Ray worker: the driver's environment for dstc (the shared stage cache), then the build."""
+    os.environ.update(env)
+    return run_one(job, model, use_cache, LineEvents(job.name))
+
+
+def run_on_ray(jobs: list[Job], address: str | None, model: str | None, use_cache: bool) -> list[Outcome]:
+    """Build ``jobs`` as Ray tasks of one CPU each, on the cluster at ``address`` ("auto", "ray://HOST:PORT",
+    "HOST:PORT") or, with None, on a local Ray started for the run with this machine's CPUs. A Ray already
+    initialised in this process is used as it is and left running."""
+    import ray  # loaded when used: dstc starts without it
+
+    started = not ray.is_initialized()
+    if started:
+        try:
+            # "local": a new Ray of this machine's CPUs, never one found running here (ray.init(None) joins that)
+            ray.init(address=address or "local", logging_level=logging.WARNING)
+        except (ConnectionError, ValueError) as e:
+            where = f"at {address}" if address else "started on this machine"
+            raise InputError(f"--ray: no Ray cluster {where} ({e})") from None
+    env = {"DSTC_CACHE_DIR": str(cache_dir().resolve()), "HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "1")}
+    task = ray.remote(num_cpus=1, max_retries=MAX_RETRIES, retry_exceptions=False)(_build_task)
+    try:
+        refs = [task.options(name=job.name).remote(job, model, use_cache, env) for job in jobs]
+        return [_outcome(ray, job, ref) for job, ref in zip(jobs, refs)]
+    finally:
+        if started:
+            ray.shutdown()
+
+
+def _outcome(ray, job: Job, ref) -> Outcome:
+    try:
+        return ray.get(ref)
+    except (ray.exceptions.WorkerCrashedError, ray.exceptions.NodeDiedError, ray.exceptions.OutOfMemoryError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        return Outcome(job.name, job.out_dir, CRASHED,
+                       f"its Ray worker died on each of {MAX_RETRIES + 1} tries ({first})")
+    except ray.exceptions.RayTaskError as e:
+        # a bug in the build (a DstcError is an outcome, not an exception): its traceback, as a local build shows it
+        return Outcome(job.name, job.out_dir, 1, f"internal error in the build:\n{e}")
+
