@@ -60,15 +60,23 @@ def user_data(tmp_path_factory) -> Path:
 
 @pytest.mark.parametrize("name", ["deepseek-v3-tiny", "deepseek-v2-lite-tiny", "r1-distill-qwen-tiny",
                                   "r1-distill-llama-tiny"])
-@pytest.mark.parametrize("resident", [True, False])
-def test_layered_reference_is_the_whole_model_bit_for_bit(name, resident, monkeypatch):
+@pytest.mark.parametrize("layers", ["resident", "per pass", "experts on demand"])
+def test_layered_reference_is_the_whole_model_bit_for_bit(name, layers, monkeypatch):
     """Prefill of a left-padded batch and three decode steps, logits and expert choices, against transformers'
-    whole model (TorchDecoder); built once and kept, or built again from the checkpoint at every call."""
-    if not resident:
+    whole model (TorchDecoder); built once and kept, built again from the checkpoint at every call, or built
+    without their routed experts, which are read as tokens hit them (one or three at a time)."""
+    if layers != "resident":
         monkeypatch.setattr(layered_reference, "RESIDENT_MAX", 0)
+    if layers == "experts on demand":
+        monkeypatch.setattr(layered_reference, "EXPERTS_SHARE", 0)
     source = sources.resolve(name)
     layered, whole = LayeredReference(source), TorchDecoder(source)
-    assert layered.resident is resident
+    assert layered.resident is (layers == "resident")
+    on_demand = layers == "experts on demand" and not name.startswith("r1-")
+    assert set(layered.experts_at_once) == (set(layered._moe_layer_indices()) if on_demand else set())
+    if on_demand:  # one expert at a time in one layer, three in the others
+        first, *rest = layered.experts_at_once
+        layered.experts_at_once = {first: 1, **{i: 3 for i in rest}}
     ids, mask = left_pad([[1, 5, 9, 22, 40, 7], [3, 4, 5]], 0)
     a, b = layered.forward(ids, mask), whole.forward(ids, mask)
     assert np.array_equal(a[0], b[0]) and np.array_equal(a[1, 3:], b[1, 3:])
@@ -80,6 +88,25 @@ def test_layered_reference_is_the_whole_model_bit_for_bit(name, resident, monkey
         a, b = layered.forward(token, mask), whole.forward(token, mask)
         assert np.array_equal(a, b)
     assert name.startswith("r1-") or whole.extras  # the DeepSeek models record their routing
+
+
+def test_experts_on_demand_read_only_the_experts_hit(monkeypatch):
+    """A decode step of one sequence reads, per MoE layer, the top-k experts its token chose and no others."""
+    from toolchain.checkpoint.experts_on_demand import ExpertsOnDemand
+
+    monkeypatch.setattr(layered_reference, "RESIDENT_MAX", 0)
+    monkeypatch.setattr(layered_reference, "EXPERTS_SHARE", 0)
+    layered = LayeredReference(sources.resolve("deepseek-v3-tiny"))
+    read: list[int] = []
+    built = ExpertsOnDemand._subset
+    monkeypatch.setattr(ExpertsOnDemand, "_subset", lambda self, experts: (read.append(len(experts)),
+                                                                         built(self, experts))[1])
+    layered.forward(np.asarray([[3, 4, 5, 6]]), np.ones((1, 4), np.int64))
+    read.clear()
+    layered.forward(np.asarray([[7]]), np.ones((1, 5), np.int64))
+    top_k = int(layered.config.num_experts_per_tok)
+    assert layered.extras.keys() == {f"router.{i}" for i in layered.experts_at_once}
+    assert sum(read) == top_k * len(layered.experts_at_once) < layered.config.n_routed_experts
 
 
 def test_scoring_in_query_chunks_is_the_unchunked_forward():
@@ -98,6 +125,48 @@ def test_scoring_in_query_chunks_is_the_unchunked_forward():
     routes = chunked.score([ids], reduce)
     assert np.abs(got - whole).max() <= 1e-5 * np.abs(whole).max()
     assert set(routes) == {1, 2} and all(r[0].shape == (300, 4) for r in routes.values())
+
+
+def test_scoring_with_experts_on_demand_is_scoring_with_whole_layers(monkeypatch):
+    """score() (what eval runs) of two sequences, the second longer than a query chunk, with the routed experts
+    read as tokens hit them: the same logits and expert choices, bit for bit, as with the layers built whole."""
+    monkeypatch.setattr(layered_reference, "RESIDENT_MAX", 0)
+    source = sources.resolve("deepseek-v3-tiny")
+    rng = np.random.default_rng(3)
+    sequences = [[int(t) for t in rng.integers(3, 600, n)] for n in (40, 150)]
+
+    def scored(reference):
+        logits: dict[tuple[int, int], np.ndarray] = {}
+        routes = reference.score(sequences, lambda s, a, x: logits.__setitem__((s, a), x.numpy().copy()))
+        return logits, routes
+
+    whole = scored(LayeredReference(source, chunk=64))
+    monkeypatch.setattr(layered_reference, "EXPERTS_SHARE", 0)
+    monkeypatch.setattr(layered_reference, "EXPERTS_AT_ONCE_BYTES", 1)  # one expert at a time
+    on_demand = LayeredReference(source, chunk=64)
+    assert set(on_demand.experts_at_once.values()) == {1}
+    got = scored(on_demand)
+    assert got[0].keys() == whole[0].keys() and all(np.array_equal(got[0][k], whole[0][k]) for k in whole[0])
+    assert got[1].keys() == whole[1].keys() == {1, 2}
+    assert all(np.array_equal(a, b) for k in whole[1] for a, b in zip(got[1][k], whole[1][k], strict=True))
+
+
+def test_the_memory_need_counts_experts_read_on_demand(monkeypatch):
+    """Layers built per pass: the largest layer twice, and a MoE layer whose experts are read on demand without
+    them and with the experts built at a time."""
+    from toolchain.checkpoint.reader import open_checkpoint
+
+    monkeypatch.setattr(layered_reference, "RESIDENT_MAX", 0)
+    path = sources.resolve("deepseek-v3-tiny").path
+    with open_checkpoint(path) as reader:
+        sizes = layered_reference.layer_sizes(reader)
+    moe = max(sizes, key=lambda s: s.experts)
+    assert moe.count == 16 and moe.experts == moe.count * moe.per_expert > 0
+    whole = layered_reference.memory_need(path, 0)
+    monkeypatch.setattr(layered_reference, "EXPERTS_SHARE", 0)
+    monkeypatch.setattr(layered_reference, "EXPERTS_AT_ONCE_BYTES", 3 * moe.per_expert)
+    largest = max(max(s.other + s.experts for s in sizes if not s.count), moe.other + 3 * moe.per_expert)
+    assert whole - layered_reference.memory_need(path, 0) == 2 * (moe.other + moe.experts) - 2 * largest > 0
 
 
 def test_kl_on_the_top_k_is_exact_with_the_whole_vocabulary_and_a_lower_bound_below_it():

@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from toolchain import hardware
+from toolchain.checkpoint.experts_on_demand import ExpertsOnDemand
 from toolchain.checkpoint.reader import EMBEDDING, CheckpointReader, open_checkpoint, read_config
 from toolchain.errors import InputError
 from toolchain.export.architectures import architecture_for
@@ -118,15 +119,32 @@ def load_weights(module: M, reader: CheckpointReader, prefix: str) -> M:
 _FUSED_PARTS = {"gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}
 
 
-def _fused_experts(reader: CheckpointReader, prefix: str, parts: tuple[str, ...], shape: tuple[int, ...]):
-    fused = torch.empty(shape)
+def _fused_experts(reader: CheckpointReader, prefix: str, parts: tuple[str, ...], shape: tuple[int, ...],
+                   experts: list[int] | None = None):
+    """The fused tensor of ``experts`` (all by default), in that order: [len(experts), *shape[1:]]."""
+    experts = list(range(shape[0])) if experts is None else experts
+    fused = torch.empty((len(experts), *shape[1:]))
     rows = shape[1] // len(parts)
-    for e in range(shape[0]):
+    for k, e in enumerate(experts):
         for j, proj in enumerate(parts):
             name = f"{prefix}.{e}.{proj}.weight"
             _check_shape(reader, name, (rows, shape[2]))
-            fused[e, j * rows:(j + 1) * rows] = _read(reader, name)
+            fused[k, j * rows:(j + 1) * rows] = _read(reader, name)
     return fused
+
+
+def experts_on_demand(moe: nn.Module, reader: CheckpointReader, prefix: str, at_once: int) -> None:
+    """Replace the meta-device routed experts of the MoE block ``moe`` (``prefix``: its experts' names, e.g.
+    ``model.layers.3.mlp.experts``) with ExpertsOnDemand, which reads them from ``reader`` ``at_once`` at a
+    time as tokens hit them."""
+    template: nn.Module = moe.experts  # type: ignore[assignment]
+    shapes = {name: tuple(p.shape) for name, p in template.named_parameters() if name in _FUSED_PARTS}
+
+    def load(experts: list[int]) -> dict[str, torch.Tensor]:
+        return {name: _fused_experts(reader, prefix, _FUSED_PARTS[name], shape, experts)
+                for name, shape in shapes.items()}
+
+    moe.experts = ExpertsOnDemand(template, load, at_once)
 
 
 def _read(reader: CheckpointReader, name: str) -> torch.Tensor:
@@ -192,11 +210,16 @@ def with_computed_buffers(module: M) -> M:
     return module
 
 
-def decoder_layer(config, reader: CheckpointReader, i: int) -> nn.Module:
+def decoder_layer(config, reader: CheckpointReader, i: int, experts_at_once: int | None = None) -> nn.Module:
     """Decoder layer ``i`` with its weights, fixed where transformers 5.5's own forward is broken (as
-    ``toolchain.source.load`` fixes the whole model)."""
+    ``toolchain.source.load`` fixes the whole model). ``experts_at_once``: its routed experts are not built
+    with it but read when tokens hit them, that many at a time (experts_on_demand)."""
     with torch.device("meta"):
         layer = _module_class(config, "DecoderLayer")(config, i)
+    if experts_at_once is not None:
+        for name, module in layer.named_modules():
+            if is_moe(module):
+                experts_on_demand(module, reader, f"model.layers.{i}.{name}.experts", experts_at_once)
     with_computed_buffers(load_weights(layer, reader, f"model.layers.{i}."))
     architecture_for(config.model_type).fix_reference(SimpleNamespace(config=config,
                                                                       model=SimpleNamespace(layers=[layer])))

@@ -4,6 +4,9 @@ reader (toolchain/checkpoint/reference.py), run as the model's forward runs them
 Whole-model fp32 (toolchain/runtime/torch_reference.py) is 28 GiB at R1-Distill-Qwen-7B's widths and 2.7 TB at
 DeepSeek-V3's. Here a layer's fp32 weights exist only while it runs, unless every layer together fits a small
 budget (the embedded and few-layer models), when they stay built and the reference runs at whole-model speed.
+A MoE layer whose routed experts are too large to build (DeepSeek-V3's: 45 GB per layer) is built without them,
+and they are read from the checkpoint as the tokens hit them, a few at a time (experts_on_demand.py), bit for bit
+what the layer built whole computes.
 
 Two ways in:
 
@@ -21,9 +24,11 @@ from __future__ import annotations
 
 import functools
 import math
+import re
 import time
 from collections.abc import Callable
 from contextlib import ExitStack
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -40,6 +45,10 @@ HEAD_ROWS = 8192  # lm_head rows widened to fp32 at a time
 LOGIT_ROWS = 256  # positions whose logits are computed at a time in score()
 RESIDENT_MAX = 4 * 2**30  # fp32 bytes of every layer below which the layers stay built
 RESIDENT_SHARE = 0.25  # ... and at most this share of the memory available when the reference opens
+# A layer's routed experts above this share of the memory available are read as tokens hit them (DeepSeek-V3's
+# are 45 GB per layer in fp32), EXPERTS_AT_ONCE_BYTES of them at a time (toolchain/checkpoint/experts_on_demand.py)
+EXPERTS_SHARE = 0.25
+EXPERTS_AT_ONCE_BYTES = 1 << 30
 
 
 def additive_mask(mask: np.ndarray, new: int) -> torch.Tensor:
@@ -50,21 +59,69 @@ def additive_mask(mask: np.ndarray, new: int) -> torch.Tensor:
     return torch.where(allowed, 0.0, torch.finfo(torch.float32).min)
 
 
+@dataclass(frozen=True)
+class LayerSize:
+    """A decoder layer's fp32 bytes from the checkpoint's headers: its routed experts (``model.layers.N.mlp.
+    experts.E.*``) apart from the rest."""
+    other: int = 0
+    experts: int = 0
+    count: int = 0  # routed experts
+
+    @property
+    def per_expert(self) -> int:
+        return self.experts // self.count if self.count else 0
+
+    def on_demand(self, available: int) -> bool:
+        """Whether its routed experts are read as tokens hit them rather than built with the layer: when they
+        are more than EXPERTS_SHARE of the memory available."""
+        return self.count > 0 and self.experts > EXPERTS_SHARE * available
+
+    def at_once(self) -> int:
+        return max(1, EXPERTS_AT_ONCE_BYTES // max(1, self.per_expert))
+
+    def built(self, available: int) -> int:
+        """What building it holds: the layer, or without its routed experts and with ``at_once`` of them."""
+        if not self.on_demand(available):
+            return self.other + self.experts
+        return self.other + min(self.count, self.at_once()) * self.per_expert
+
+
+_ROUTED = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.")
+
+
+def layer_sizes(reader, layers: int | None = None) -> list[LayerSize]:
+    """Each decoder layer's LayerSize (the first ``layers``; default: every ``model.layers.N`` the reader has)."""
+    other: dict[int, int] = {}
+    experts: dict[int, int] = {}
+    count: dict[int, set[int]] = {}
+    for name in reader.names():
+        parts = name.split(".")
+        if not (name.startswith("model.layers.") and parts[2].isdigit()):
+            continue
+        i, size = int(parts[2]), math.prod(reader.shape(name)) * 4
+        routed = _ROUTED.match(name)
+        if routed:
+            experts[i] = experts.get(i, 0) + size
+            count.setdefault(i, set()).add(int(routed.group(2)))
+        else:
+            other[i] = other.get(i, 0) + size
+    n = layers if layers is not None else max([*other, *experts], default=-1) + 1
+    return [LayerSize(other.get(i, 0), experts.get(i, 0), len(count.get(i, ()))) for i in range(n)]
+
+
 def memory_need(path, hidden_bytes: int) -> int:
     """What a LayeredReference of the checkpoint at ``path`` holds at most, from its headers: the table and head
     in their stored dtype, every layer in fp32 when they stay built (else the largest twice: the one running and
-    its temporaries), ``hidden_bytes`` of hidden states and a block of fp32 / fp64 logits."""
+    its temporaries; a layer whose routed experts are read on demand without them and with EXPERTS_AT_ONCE_BYTES
+    of them), ``hidden_bytes`` of hidden states and a block of fp32 / fp64 logits."""
     with open_checkpoint(path) as reader:
-        sizes: dict[int, int] = {}
-        for name in reader.names():
-            parts = name.split(".")
-            if name.startswith("model.layers.") and parts[2].isdigit():
-                sizes[int(parts[2])] = sizes.get(int(parts[2]), 0) + math.prod(reader.shape(name)) * 4
+        sizes = layer_sizes(reader)
         ends = sum(math.prod(reader.shape(n)) * reader.natural_dtype(n).itemsize for n in (EMBEDDING, LM_HEAD))
         vocab = reader.shape(EMBEDDING)[0]
-    total = sum(sizes.values())
-    resident = total <= min(RESIDENT_MAX, RESIDENT_SHARE * available_memory_bytes())
-    layers = total if resident else 2 * max(sizes.values(), default=0)
+    available = available_memory_bytes()
+    total = sum(s.other + s.experts for s in sizes)
+    resident = total <= min(RESIDENT_MAX, RESIDENT_SHARE * available)
+    layers = total if resident else 2 * max((s.built(available) for s in sizes), default=0)
     return ends + layers + hidden_bytes + LOGIT_ROWS * vocab * (4 + 8 + 8)
 
 
@@ -85,9 +142,12 @@ class LayeredReference:
                                         f"({source.spec} has {sorted(set(layer_types))})")
         self._stack = ExitStack()
         self.reader = self._stack.enter_context(open_checkpoint(source.path))
-        self.layer_bytes = self._layer_bytes()
-        total = sum(self.layer_bytes)
-        self.resident = total <= min(RESIDENT_MAX, RESIDENT_SHARE * available_memory_bytes())
+        self.sizes = layer_sizes(self.reader, self.num_layers)
+        available = available_memory_bytes()
+        self.resident = sum(s.other + s.experts for s in self.sizes) <= min(RESIDENT_MAX, RESIDENT_SHARE * available)
+        # experts_at_once of each layer whose routed experts are read on demand (never when the layers stay built)
+        self.experts_at_once = {} if self.resident else \
+            {i: s.at_once() for i, s in enumerate(self.sizes) if s.on_demand(available)}
         # The table and the head in the dtype that holds them exactly (bf16 for bf16 and FP8 checkpoints): rows
         # gathered, or blocks widened, are the fp32 reference's values at half its memory.
         self.table = self.reader.tensor(EMBEDDING, self.reader.natural_dtype(EMBEDDING))
@@ -100,6 +160,9 @@ class LayeredReference:
         self.threads = threads or torch.get_num_threads()
         self.runtime_config = {"dtype": "float32", "attn_implementation": "eager", "threads": self.threads,
                                "layers": "resident" if self.resident else "built per pass from the checkpoint"}
+        if self.experts_at_once:
+            self.runtime_config["routed_experts"] = (f"read as tokens hit them, {min(self.experts_at_once.values())}"
+                                                     " at a time")
         self.extras: dict[str, np.ndarray] = {}
         self.load_seconds = time.perf_counter() - t0
         self.reset()
@@ -107,17 +170,6 @@ class LayeredReference:
     @property
     def num_layers(self) -> int:
         return int(self.config.num_hidden_layers)
-
-    def _layer_bytes(self) -> list[int]:
-        sizes = [0] * int(self.config.num_hidden_layers)
-        for name in self.reader.names():
-            parts = name.split(".")
-            if name.startswith("model.layers.") and parts[2].isdigit() and int(parts[2]) < len(sizes):
-                sizes[int(parts[2])] += math.prod(self.reader.shape(name)) * 4
-        return sizes
-
-    def largest_layer_bytes(self) -> int:
-        return max(self.layer_bytes, default=0)
 
     def close(self) -> None:
         self._built.clear()
@@ -132,7 +184,7 @@ class LayeredReference:
     def _layer(self, i: int) -> torch.nn.Module:
         if i in self._built:
             return self._built[i]
-        layer = ref.decoder_layer(self.config, self.reader, i)
+        layer = ref.decoder_layer(self.config, self.reader, i, self.experts_at_once.get(i))
         for module in layer.modules():
             if ref.is_moe(module):
                 ref.watch_expert_choice(module, functools.partial(self._record_route, i))
