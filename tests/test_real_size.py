@@ -162,6 +162,7 @@ def test_parity_and_scale_estimation_on_a_layer_too_large_for_the_machine(tiny_c
     import toolchain.verify.parity as parity
     import toolchain.hardware as hardware
     from toolchain.errors import InputError
+    from toolchain.recipe import CompressSection
     from toolchain.stages.compress import compress
 
     path = tiny_checkpoints["deepseek_v3"]
@@ -173,9 +174,11 @@ def test_parity_and_scale_estimation_on_a_layer_too_large_for_the_machine(tiny_c
     assert json.loads((tmp_path / "exp" / "export.json").read_text())["parity_skipped"] == report["parity_skipped"]
     with pytest.raises(InputError, match=r"data-aware compression in bounded memory \(awq, scale estimation\) "
                                          r".* use the data-free scheme"):
-        compress(tmp_path / "exp", tmp_path / "c", target="openvino", scale_estimation=True, streaming="always")
+        compress(tmp_path / "exp", tmp_path / "c",
+                 CompressSection(scheme="int4-grouped", scale_estimation=True, streaming="always"), target="openvino")
     with pytest.raises(InputError, match=r"data-aware compression in bounded memory"):
-        compress(tmp_path / "exp", tmp_path / "c", target="onnxruntime", awq=True, streaming="always")
+        compress(tmp_path / "exp", tmp_path / "c",
+                 CompressSection(scheme="int4-grouped", awq=True, streaming="always"), target="onnxruntime")
     assert not (tmp_path / "c").exists()
     monkeypatch.setattr(hardware, "memory_bytes", lambda: 1 << 40)
     report = export(str(path), tmp_path / "exp2", parity=("onnxruntime",))

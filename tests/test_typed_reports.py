@@ -25,6 +25,7 @@ MODEL = "r1-distill-qwen-tiny"
 def built(tmp_path_factory):
     """An INT8 artifact, its cached stages, and a streamed compression of the same export."""
     from toolchain.build import build
+    from toolchain.recipe import CompressSection
     from toolchain.stages.compress import compress
 
     root = tmp_path_factory.mktemp("typed")
@@ -36,7 +37,7 @@ def built(tmp_path_factory):
                                           "compile": {"backend": "onnxruntime", "verify": False}}))
         build(recipe, root / "art")
         (export_dir,) = (root / "cache" / "stages").glob("export-*")
-        compress(export_dir, root / "streamed", scheme="int4-grouped", streaming="always")
+        compress(export_dir, root / "streamed", CompressSection(scheme="int4-grouped", streaming="always"))
     (compressed,) = (root / "cache" / "stages").glob("compress-*")
     return root / "art", compressed, root / "streamed"
 
