@@ -1,5 +1,5 @@
 """A one-layer attention graph written as dstc's exporter writes it (blocks.sdpa over a Concat KV cache), and
-feeds for it, for tests/test_passes_fuse_*_attention.py."""
+feeds for it, for tests/passes/test_fuse_*_attention.py."""
 
 from __future__ import annotations
 

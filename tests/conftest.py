@@ -42,6 +42,21 @@ MLA = dict(num_key_value_heads=4, kv_lora_rank=32, qk_rope_head_dim=8, qk_nope_h
            n_shared_experts=1, num_experts_per_tok=2, moe_intermediate_size=64, first_k_dense_replace=1)
 
 
+# The hub layouts of DeepSeek-V4 and V3.2 at small widths (tests/checkpoint/test_reader.py, tests/export/test_export.py).
+# FP8 widths in whole 128 x 128 blocks: transformers' dequantization derives the block from the scale grid's shape
+# (Fp8Dequantize._dequantize_one), which is only right for whole blocks. Layers: sliding + hash MoE, CSA, HCA.
+TINY_V4 = dict(vocab_size=300, hidden_size=256, moe_intermediate_size=128, num_hidden_layers=3, num_attention_heads=2,
+               num_key_value_heads=1, head_dim=128, qk_rope_head_dim=64, q_lora_rank=128, o_groups=2, o_lora_rank=128,
+               n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1, index_n_heads=2, index_head_dim=128,
+               index_topk=4, sliding_window=8, compress_ratios=[0, 4, 128], num_hash_layers=1,
+               max_position_embeddings=512, hc_mult=2, hc_sinkhorn_iters=3)
+TINY_V32 = dict(vocab_size=300, hidden_size=256, intermediate_size=256, moe_intermediate_size=128, num_hidden_layers=2,
+                num_attention_heads=2, num_key_value_heads=2, q_lora_rank=128, kv_lora_rank=192, qk_rope_head_dim=64,
+                qk_nope_head_dim=64, v_head_dim=128, n_routed_experts=4, num_experts_per_tok=2, n_group=2,
+                topk_group=1, first_k_dense_replace=1, index_n_heads=2, index_head_dim=128, index_topk=4,
+                max_position_embeddings=512)
+
+
 def tiny_configs() -> dict:
     # transformers and torch are imported where used: every isolated test's child process loads this file
     from transformers import (DeepseekV2Config, DeepseekV3Config, DeepseekV4Config, DeepseekV32Config, LlamaConfig,

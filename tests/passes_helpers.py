@@ -1,4 +1,4 @@
-"""Shared helpers for tests/test_passes_*.py: build small ONNX models, run them with ONNX Runtime, and run a
+"""Shared helpers for tests/passes/: build small ONNX models, run them with ONNX Runtime, and run a
 pass with the checks every pass test wants (numerics before/after, validity, idempotence)."""
 
 from __future__ import annotations

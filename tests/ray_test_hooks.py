@@ -1,4 +1,4 @@
-"""Loaded into every Ray worker of tests/test_ray_builds.py (Ray's worker_process_setup_hook): a worker that dies
+"""Loaded into every Ray worker of tests/distributed/test_ray_builds.py (Ray's worker_process_setup_hook): a worker that dies
 mid-stage, once, when the test arms it."""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """A rotary embedding written as dstc's exporter writes it (blocks.rope_tables / apply_rope), and feeds for it,
-for tests/test_passes_fuse_rotary_embedding.py and tests/test_passes_rotate_half_split.py."""
+for tests/passes/test_fuse_rotary_embedding.py and tests/passes/test_rotate_half_split.py."""
 
 from __future__ import annotations
 

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 from conftest import run_cli as _run
-from test_cli_hostile import BACKENDS, artifacts  # noqa: F401 - the module fixture, shared
-from test_export_errors import assert_one_line_error, run_cli
+from test_cli_errors import BACKENDS, artifacts  # noqa: F401 - the module fixture, shared
+from cli_helpers import assert_one_line_error, run_cli
 
 from toolchain.checkpoint.reader import open_checkpoint
 from toolchain.errors import InputError

@@ -183,7 +183,7 @@ def test_reference_configs_map_to_transformers_and_cut_consistently():
         reference_to_config(reference_config("deepseek-r1-distill-qwen-7b"), num_experts=4)
 
 
-SHARED_CONFIGS = Path(__file__).resolve().parents[1].parent / "shared" / "reference-configs"
+SHARED_CONFIGS = Path(__file__).resolve().parents[2].parent / "shared" / "reference-configs"
 V3_FP8 = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8", "weight_block_size": [128, 128]}
 
 

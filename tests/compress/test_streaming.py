@@ -21,7 +21,7 @@ from toolchain.stages.compile import compile_artifact
 from toolchain.stages.compress import compress
 from toolchain.stages.export import export
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
@@ -194,8 +194,8 @@ def test_scale_estimation_streams_with_statistics_computed_layer_by_layer(export
     streamed = compress(exports["qwen2"], tmp_path / "streamed",
                         CompressSection(scheme="int4-grouped", scale_estimation=True, streaming="always"),
                         target="onnxruntime")
-    free = compress(exports["qwen2"], tmp_path / "free",
-                    CompressSection(scheme="int4-grouped", streaming="always"), target="onnxruntime")
+    compress(exports["qwen2"], tmp_path / "free",
+             CompressSection(scheme="int4-grouped", streaming="always"), target="onnxruntime")
     estimated = streamed["details"]["scale_estimation"]
     rows = {r["weight"]: r for r in streamed["per_weight"]}
     assert set(estimated) == {n for n, r in rows.items() if r["precision"].startswith("int4")}

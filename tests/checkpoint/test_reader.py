@@ -15,7 +15,7 @@ from pathlib import Path
 import conftest
 import pytest
 import torch
-from conftest import COMMON, make_checkpoint
+from conftest import COMMON, TINY_V4, TINY_V32, make_checkpoint
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
@@ -465,27 +465,13 @@ def test_dequantizing_a_large_weight_needs_little_more_than_its_output(tmp_path)
     fp8_single(tmp_path / "big", {"model.layers.0.mlp.down_proj.weight": q,
                                   "model.layers.0.mlp.down_proj.weight_scale_inv": scale})
     out = subprocess.run([sys.executable, "-c", MEASURE, str(tmp_path / "big")], capture_output=True, text=True,
-                         check=True, cwd=Path(__file__).resolve().parent.parent).stdout.strip()
+                         check=True, cwd=Path(__file__).resolve().parents[2]).stdout.strip()
     if out == "skip":
         pytest.skip("/proc/self/clear_refs is not writable here")
     assert float(out) < 2.5, f"peak RSS increase {float(out):.2f}x the fp32 output"
 
 
 # -- DeepSeek-V4 and V3.2 as shipped -----------------------------------------------------------------------------
-
-# FP8 widths in whole 128 x 128 blocks: transformers' dequantization derives the block from the scale grid's shape
-# (Fp8Dequantize._dequantize_one), which is only right for whole blocks. Layers: sliding + hash MoE, CSA, HCA.
-TINY_V4 = dict(vocab_size=300, hidden_size=256, moe_intermediate_size=128, num_hidden_layers=3, num_attention_heads=2,
-               num_key_value_heads=1, head_dim=128, qk_rope_head_dim=64, q_lora_rank=128, o_groups=2, o_lora_rank=128,
-               n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1, index_n_heads=2, index_head_dim=128,
-               index_topk=4, sliding_window=8, compress_ratios=[0, 4, 128], num_hash_layers=1,
-               max_position_embeddings=512, hc_mult=2, hc_sinkhorn_iters=3)
-TINY_V32 = dict(vocab_size=300, hidden_size=256, intermediate_size=256, moe_intermediate_size=128, num_hidden_layers=2,
-                num_attention_heads=2, num_key_value_heads=2, q_lora_rank=128, kv_lora_rank=192, qk_rope_head_dim=64,
-                qk_nope_head_dim=64, v_head_dim=128, n_routed_experts=4, num_experts_per_tok=2, n_group=2,
-                topk_group=1, first_k_dense_replace=1, index_n_heads=2, index_head_dim=128, index_topk=4,
-                max_position_embeddings=512)
-
 
 def tiny_config(model_type: str, fields: dict):
     from transformers import AutoConfig

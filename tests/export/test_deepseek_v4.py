@@ -1,7 +1,7 @@
 """DeepSeek-V4's graph against transformers 5.24 on both backends, one attention type added at a time: sliding
 window alone (with hyper-connections and hash / top-k MoE), then HCA, then CSA with its indexer.
 
-The graph is built from the model transformers loads, for configs the test varies (tests/test_export.py exports V4
+The graph is built from the model transformers loads, for configs the test varies (tests/export/test_export.py exports V4
 checkpoints through dstc's reader). Prompts and decode cross the sliding window (8), many CSA blocks (4, index_topk 3 of up to
 17 entries) and four HCA blocks (16). The left-padded batch is compared with transformers running each row alone
 (toolchain/runtime/torch_reference.py ROW_BY_ROW): its own batched V4 pools the padding into a row's entries."""

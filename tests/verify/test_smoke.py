@@ -23,7 +23,7 @@ from toolchain.stages.export import export
 
 from conftest import make_checkpoint, tiny_configs
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 CASES = [[16, 7], [1], [2], [7], [16]]
 
 

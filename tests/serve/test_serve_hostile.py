@@ -1,5 +1,5 @@
 """dstc serve under hostile clients: issue #22's server cases, against servers started here on free localhost ports
-(the embedded DeepSeek-V3 model on ONNX Runtime and OpenVINO, as tests/test_serve.py builds them).
+(the embedded DeepSeek-V3 model on ONNX Runtime and OpenVINO, as tests/serve/test_serve.py builds them).
 
 1. sampling values a runtime refuses are a 400 naming the field; an error inside the engine fails its request only;
 2. bounded work per request: body size (declared and as it arrives), prompt characters before tokenizing,

@@ -10,7 +10,7 @@ import shutil
 import pytest
 import yaml
 
-from test_export_errors import assert_one_line_error, run_cli
+from cli_helpers import assert_one_line_error, run_cli
 from toolchain.errors import InputError
 from toolchain.hashing import self_digest
 from toolchain.interface.files import MANIFEST

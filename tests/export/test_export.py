@@ -53,7 +53,7 @@ def v4_hub(tmp_path_factory):
     choice to how each runtime breaks ties)."""
     from transformers import AutoConfig
 
-    from test_checkpoint_reader import TINY_V4
+    from conftest import TINY_V4
     from toolchain.models.shape_faithful import write_random_checkpoint
 
     config = AutoConfig.for_model("deepseek_v4", **{
@@ -66,7 +66,7 @@ def v4_hub(tmp_path_factory):
 def test_v4_hub_layout_exports_exactly(v4_hub, tmp_path):
     """The FP4 / FP8 hub layout through dstc's reader: the graph is exact against transformers on the dequantized
     weights (on ONNX Runtime: what is read does not depend on the backend, and OpenVINO runs V4's graph exactly in
-    tests/test_export_deepseek_v4.py), the MTP block skipped and said so."""
+    tests/export/test_deepseek_v4.py), the MTP block skipped and said so."""
     report = export(str(v4_hub), tmp_path / "out", parity=("onnxruntime",), new_tokens=4)
     result = report["parity"]["onnxruntime"]
     assert result["passed"] and result["tokens_identical"]

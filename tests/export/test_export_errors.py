@@ -7,20 +7,7 @@ import shutil
 
 import pytest
 
-import conftest
-
-
-def run_cli(monkeypatch, capsys, *args) -> tuple[int, str]:
-    """``dstc ARGS`` in this process: (exit code, stderr)."""
-    code, _, err = conftest.run_cli(monkeypatch, capsys, *args)
-    return code, err
-
-
-def assert_one_line_error(code, err, fragment):
-    assert code == 2
-    lines = [line for line in err.splitlines() if line.startswith("dstc: error:")]
-    assert len(lines) == 1 and fragment in lines[0], err
-    assert "Traceback" not in err
+from cli_helpers import assert_one_line_error, run_cli
 
 
 @pytest.fixture

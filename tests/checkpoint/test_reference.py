@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import save_file
 
 from conftest import COMMON, make_checkpoint, tiny_configs
-from test_checkpoint_reader import wide_v3_config
+from test_reader import wide_v3_config
 from toolchain.checkpoint import reference
 from toolchain.checkpoint.reader import open_checkpoint
 from toolchain.checkpoint.fp8 import write_fp8_checkpoint

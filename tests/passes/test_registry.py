@@ -71,7 +71,7 @@ def test_every_registered_pass_is_in_place_and_counts():
 
 def test_passes_import_only_public_onnxscript_apis_and_never_toolchain():
     """Private onnxscript modules (a path segment starting with '_') change without notice between versions."""
-    root = Path(__file__).resolve().parent.parent / "passes"
+    root = Path(__file__).resolve().parents[2] / "passes"
     bad = []
     for path in sorted(root.rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text(), str(path))):

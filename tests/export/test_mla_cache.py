@@ -396,7 +396,7 @@ def test_latent_artifact_of_an_embedded_model_generates_and_evaluates(tmp_path, 
     import os
     import subprocess
 
-    from test_compile import F32, llm_pipeline, optimum_intel_greedy, pipeline_greedy, reference_chat_tokens
+    from loader_helpers import F32, llm_pipeline, optimum_intel_greedy, pipeline_greedy, reference_chat_tokens
 
     from toolchain.models.registry import embedded_path
     from toolchain.report.schema import load_report

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 from conftest import run_cli as _run
-from test_export_errors import assert_one_line_error, run_cli
+from cli_helpers import assert_one_line_error, run_cli
 
 from toolchain.atomic import MARKER
 

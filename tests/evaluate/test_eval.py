@@ -18,7 +18,7 @@ from onnx import numpy_helper
 from toolchain.build import build
 from toolchain.report.schema import REPORT_FILES, load_report
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 SMALL = ["--texts", "40", "--problems", "40", "--prompt-lengths", "16,32", "--batches", "1,2", "--new-tokens", "4",
          "--warmup", "0", "--repetitions", "2"]
 GATES = ["--max-ppl-increase", "0.05", "--min-top1", "0.95", "--max-em-drop", "5"]

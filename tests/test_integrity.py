@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from test_export_errors import assert_one_line_error, run_cli
+from cli_helpers import assert_one_line_error, run_cli
 from toolchain.atomic import MARKER
 from toolchain.build import build
 from toolchain.interface.files import MANIFEST, SIGNATURE

@@ -426,7 +426,7 @@ def test_runs_in_a_child():
 def test_isolated_tests_fail_alone_on_a_crash_a_hang_or_an_assertion(tmp_path):
     """One session over the project's conftest and pytest settings: each outcome of an isolated test is reported as
     that test's, and the session goes on to the next test."""
-    repo = Path(__file__).resolve().parent.parent
+    repo = Path(__file__).resolve().parents[2]
     shutil.copy(repo / "pyproject.toml", tmp_path)
     shutil.copy(repo / "tests" / "conftest.py", tmp_path)
     (tmp_path / "test_isolated.py").write_text(ISOLATED + "\n\ndef test_after_them():\n    pass\n")

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from test_export_errors import assert_one_line_error, run_cli
+from cli_helpers import assert_one_line_error, run_cli
 from toolchain.cli import PASSES_EXCLUDED, cli
 from toolchain.errors import RecipeError
 from toolchain.hashing import file_hashes

@@ -29,7 +29,7 @@ from toolchain.runtime.generate import left_pad
 from toolchain.runtime.layered_reference import LayeredReference
 from toolchain.runtime.torch_reference import TorchDecoder
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 QUICK = ["--no-latency", "--texts", "20", "--problems", "10", "--json"]
 
 

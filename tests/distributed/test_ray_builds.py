@@ -16,7 +16,7 @@ from ray_test_hooks import ARM
 
 ray = pytest.importorskip("ray")  # a dependency of dstc: installed wherever dstc is
 
-TESTS = Path(__file__).resolve().parent
+TESTS = Path(__file__).resolve().parents[1]
 REPO = TESTS.parent
 # OpenVINO: its IRs held names counting every node the process had made (an artifact built second differed)
 MODELS = ("r1-distill-qwen-tiny", "r1-distill-llama-tiny")
