@@ -33,7 +33,6 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -43,7 +42,7 @@ import yaml
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 from benchmarks import optimum_intel_env  # noqa: E402
-from benchmarks.process_memory import tree_memory  # noqa: E402
+from benchmarks import harness  # noqa: E402
 from toolchain.hardware import describe_cpu  # noqa: E402
 
 DSTC = [sys.executable, "-m", "toolchain"]
@@ -100,42 +99,31 @@ class StageWatch:
 
 
 def measure(command: list[str], env: dict, watch: StageWatch | None = None, disk: Path | None = None) -> dict:
-    """Run ``command`` under /usr/bin/time -v, sampling its process tree's summed RSS (and, given ``watch``, which
-    stage each sample belongs to; given ``disk``, the bytes under that directory once a second)."""
-    started = time.perf_counter()
-    proc = subprocess.Popen(["/usr/bin/time", "-v", *command], env=env, cwd=REPO, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
-    peak, anon_peak, samples, disk_peak = [0], [0], [], [0]
+    """Run ``command`` under /usr/bin/time -v (the largest single process), its process tree's summed RSS sampled
+    by the harness (given ``watch``, which stage each sample belongs to; given ``disk``, the bytes under that
+    directory once a second)."""
+    samples: list[tuple[float, int, int]] = []
+    disk_peak, last_disk = [0], [-1.0]
 
-    def sample() -> None:
-        last_disk = 0.0
-        while proc.poll() is None:
-            now = time.perf_counter() - started
-            rss, anon = tree_memory(proc.pid)
-            peak[0], anon_peak[0] = max(peak[0], rss), max(anon_peak[0], anon)
-            samples.append((now, rss, anon))
-            if watch is not None:
-                watch.poll(now)
-            if disk is not None and now - last_disk >= 1.0:
-                disk_peak[0], last_disk = max(disk_peak[0], tree_bytes(disk)), now
-            time.sleep(0.05)
+    def on_sample(now: float, rss: int, anon: int) -> None:
+        samples.append((now, rss, anon))
+        if watch is not None:
+            watch.poll(now)
+        if disk is not None and now - last_disk[0] >= 1.0:
+            disk_peak[0], last_disk[0] = max(disk_peak[0], tree_bytes(disk)), now
 
-    sampler = threading.Thread(target=sample, daemon=True)
-    sampler.start()
-    out, err = proc.communicate()
-    sampler.join()
-    wall = time.perf_counter() - started
-    largest = re.search(r"Maximum resident set size \(kbytes\): (\d+)", err)
-    row = {"returncode": proc.returncode, "wall_s": round(wall, 1), "tree_peak_bytes": peak[0],
-           "tree_anon_peak_bytes": anon_peak[0],
+    run = harness.run_measured(["/usr/bin/time", "-v", *command], env=env, cwd=REPO, on_sample=on_sample)
+    largest = re.search(r"Maximum resident set size \(kbytes\): (\d+)", run.output)
+    row = {"returncode": run.returncode, "wall_s": round(run.wall_s, 1), "tree_peak_bytes": run.peak_bytes,
+           "tree_anon_peak_bytes": run.anon_peak_bytes,
            "largest_process_bytes": int(largest.group(1)) * 1024 if largest else None,
-           "tail": (err.strip().splitlines() or [""])[-3:] if proc.returncode else []}
+           "tail": (run.output.strip().splitlines() or [""])[-3:] if run.returncode else []}
     if disk is not None:
         row["disk_peak_bytes"] = disk_peak[0]
     if watch is not None:
         row["stages"], begin = {}, 0.0
         for stage in watch.stages:  # the samples up to each stage's end are that stage's
-            end = watch.finished.get(stage, {}).get("finished_s", wall)
+            end = watch.finished.get(stage, {}).get("finished_s", run.wall_s)
             row["stages"][stage] = {"peak_bytes": max((r for t, r, _ in samples if begin <= t <= end), default=0),
                                     "anon_peak_bytes": max((a for t, _, a in samples if begin <= t <= end), default=0),
                                     **{k: v for k, v in watch.finished.get(stage, {}).items()},
@@ -259,7 +247,7 @@ def main() -> None:
             shutil.rmtree(checkpoint, ignore_errors=True)
 
     print("\nFits: peak RSS (whole process tree) = a + b * layers; the same for its anonymous part (what the kernel "
-          "cannot reclaim: RSS less the clean pages of memory-mapped files, process_memory.tree_memory)")
+          "cannot reclaim: RSS less the clean pages of memory-mapped files, harness.tree_memory)")
     fits = []
     for width, by_layers in sizes.items():
         counts = sorted(by_layers)

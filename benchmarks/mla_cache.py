@@ -21,7 +21,6 @@ model, taken out). Results go to the --json file.
 from __future__ import annotations
 
 import argparse
-import fcntl
 import gc
 import json
 import statistics
@@ -34,9 +33,10 @@ from pathlib import Path
 import numpy as np
 
 sys.modules["openvino_telemetry"] = None  # it forks per event; see tests/conftest.py
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # a script: the harness is imported from the repo
+from benchmarks import harness  # noqa: E402
 
 LAYOUTS = ("per-head", "latent")
-LOCK = Path("/work/bench.lock")
 
 
 def build(work: Path, args, log) -> dict[tuple[str, str, str], Path]:
@@ -118,9 +118,8 @@ def measure_child(args) -> None:
         for layout in LAYOUTS:  # a warm-up at this context (allocations of the new sizes)
             decode_ms(runners[layout], specs[layout], args.vocab, context, 2, rng)
         rounds: dict = {layout: [] for layout in LAYOUTS}
-        for r in range(args.rounds):
-            for layout in (LAYOUTS if r % 2 == 0 else LAYOUTS[::-1]):
-                rounds[layout].append(decode_ms(runners[layout], specs[layout], args.vocab, context, args.steps, rng))
+        for _, layout in harness.alternation(LAYOUTS, args.rounds):
+            rounds[layout].append(decode_ms(runners[layout], specs[layout], args.vocab, context, args.steps, rng))
         for layout in LAYOUTS:
             rows.append({"backend": backend, "precision": precision, "layout": layout, "context": context,
                          "decode_ms_per_token": statistics.median(rounds[layout]), "rounds_ms": rounds[layout],
@@ -142,13 +141,9 @@ def measure(files: dict, args, log, done: list[dict]) -> list[dict]:
                        "--contexts", ",".join(map(str, args.contexts)), "--steps", str(args.steps),
                        "--rounds", str(args.rounds), "--threads", str(args.threads), "--numerics", args.numerics,
                        "--vocab", str(args.vocab)]
-            log(f"measuring {backend} {precision} (waiting for {LOCK})")
-            with open(LOCK, "a") as lock:
-                fcntl.flock(lock, fcntl.LOCK_EX)  # one benchmark at a time on the shared machine
-                try:
-                    out = subprocess.run(command, check=True, stdout=subprocess.PIPE, text=True).stdout
-                finally:
-                    fcntl.flock(lock, fcntl.LOCK_UN)
+            log(f"measuring {backend} {precision}")
+            with harness.one_at_a_time():
+                out = subprocess.run(command, check=True, stdout=subprocess.PIPE, text=True).stdout
             rows += json.loads(out.strip().splitlines()[-1])
             write(args, rows)
     return rows
@@ -162,9 +157,7 @@ def write(args, rows: list[dict]) -> None:
 
 
 def table(rows: list[dict], contexts: list[int]) -> str:
-    header = (f"{'backend':<12} {'prec':<5} {'context':>7} {'KV B/tok/layer':>15} {'per-head ms/tok':>16} "
-              f"{'latent ms/tok':>14} {'latent/per-head':>16} {'ctx part ratio':>15}")
-    lines = [header]
+    lines = []
     get = {(r["backend"], r["precision"], r["layout"], r["context"]): r for r in rows}
     for backend, precision in dict.fromkeys((r["backend"], r["precision"]) for r in rows):
         for context in contexts:
@@ -174,12 +167,13 @@ def table(rows: list[dict], contexts: list[int]) -> str:
             base_ph, base_lat = (get[(backend, precision, layout, contexts[0])] for layout in LAYOUTS)
             part_ph = ph["decode_ms_per_token"] - base_ph["decode_ms_per_token"]
             part_lat = lat["decode_ms_per_token"] - base_lat["decode_ms_per_token"]
-            part = f"{part_lat / part_ph:.2f}" if context != contexts[0] and part_ph > 0 else "-"
-            lines.append(f"{backend:<12} {precision:<5} {context:>7} "
-                         f"{str(ph['kv_bytes_per_token_layer']) + ' / ' + str(lat['kv_bytes_per_token_layer']):>15} "
-                         f"{ph['decode_ms_per_token']:>16.1f} {lat['decode_ms_per_token']:>14.1f} "
-                         f"{lat['decode_ms_per_token'] / ph['decode_ms_per_token']:>16.2f} {part:>15}")
-    return "\n".join(lines)
+            part = part_lat / part_ph if context != contexts[0] and part_ph > 0 else None
+            lines.append([backend, precision, context,
+                          f"{ph['kv_bytes_per_token_layer']} / {lat['kv_bytes_per_token_layer']}",
+                          ph["decode_ms_per_token"], lat["decode_ms_per_token"],
+                          lat["decode_ms_per_token"] / ph["decode_ms_per_token"], part])
+    return harness.markdown_table(["backend", "prec", "context", "KV B/tok/layer", "per-head ms/tok",
+                                   "latent ms/tok", "latent/per-head", "ctx part ratio"], lines)
 
 
 def main() -> None:

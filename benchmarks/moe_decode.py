@@ -30,6 +30,8 @@ from pathlib import Path
 import numpy as np
 
 sys.modules["openvino_telemetry"] = None  # it forks per event; see tests/conftest.py
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # a script: the harness is imported from the repo
+from benchmarks import harness  # noqa: E402
 
 CONFIG = dict(vocab_size=8192, hidden_size=512, intermediate_size=1536, moe_intermediate_size=256,
               num_hidden_layers=4, first_k_dense_replace=1, num_attention_heads=8, num_key_value_heads=8,
@@ -114,28 +116,6 @@ def open_graph(path: Path, backend: str, threads: int, numerics: str):
     return StatelessDecoder(runner, graph_cache_spec(path)), time.perf_counter() - started
 
 
-def prefill_ms(decoder, prompt: np.ndarray) -> float:
-    decoder.reset()
-    started = time.perf_counter()
-    decoder.forward(prompt, np.ones_like(prompt))
-    return (time.perf_counter() - started) * 1e3
-
-
-def decode_ms(decoder, prompt: np.ndarray, steps: int) -> tuple[float, list[int]]:
-    """Mean ms per greedy step after prefilling ``prompt`` [1, P]; and the tokens."""
-    decoder.reset()
-    mask = np.ones_like(prompt)
-    logits = decoder.forward(prompt, mask)
-    tokens = []
-    started = time.perf_counter()
-    for _ in range(steps):
-        token = logits[:, -1].argmax(-1)[:, None]
-        tokens.append(int(token[0, 0]))
-        mask = np.concatenate([mask, np.ones((1, 1), np.int64)], axis=1)
-        logits = decoder.forward(token, mask)
-    return (time.perf_counter() - started) * 1e3 / steps, tokens
-
-
 def creation_seconds(path: Path, backend: str, args) -> float:
     """Session creation in a fresh process (nothing cached, and its memory gone after)."""
     out = subprocess.run([sys.executable, __file__, "--create", str(path), backend, "--threads", str(args.threads),
@@ -164,12 +144,10 @@ def measure(files: dict, experts: list[str], args, log, done: list[dict]) -> lis
             rounds: dict = {key: [] for key in group}
             prefills: dict = {key: [] for key in group}
             tokens = {}
-            for r in range(args.rounds):
-                order = group if r % 2 == 0 else group[::-1]  # alternate, so drift spreads over contenders
-                for key in order:
-                    ms, tokens[key] = decode_ms(decoders[key], prompt, args.new_tokens)
-                    rounds[key].append(ms)
-                    prefills[key].append(prefill_ms(decoders[key], long_prompt))
+            for _, key in harness.alternation(group, args.rounds):
+                ms, tokens[key] = harness.decode_ms(decoders[key], prompt, args.new_tokens)
+                rounds[key].append(ms)
+                prefills[key].append(harness.prefill_ms(decoders[key], long_prompt))
             for key in group:
                 e, lowering = key
                 path = files[e][(backend, precision, lowering)]
@@ -193,18 +171,16 @@ def write(args, experts: list[str], rows: list[dict]) -> None:
 
 def table(rows: list[dict], experts: list[str], prefill: int) -> str:
     """Ratios are to the first model of --experts."""
-    header = (f"{'backend':<12} {'prec':<5} {'lowering':<18} {'experts':>7} {'nodes':>7} {'create s':>9} "
-              f"{'decode ms/tok':>14} {'vs ' + experts[0]:>7} {'prefill ' + str(prefill) + ' ms':>15} "
-              f"{'tokens = dispatch':>17}")
-    lines = [header]
+    lines = []
     for row in rows:
         base = next(r for r in rows if r["backend"] == row["backend"] and r["precision"] == row["precision"]
                     and r["lowering"] == row["lowering"] and r["experts"] == experts[0])
-        lines.append(f"{row['backend']:<12} {row['precision']:<5} {row['lowering']:<18} {row['experts']:>7} "
-                     f"{row['nodes']:>7} {row['creation_s']:>9.2f} {row['decode_ms_per_token']:>14.2f} "
-                     f"{row['decode_ms_per_token'] / base['decode_ms_per_token']:>7.2f} {row['prefill_ms']:>15.1f} "
-                     f"{'yes' if row['tokens_as_dispatch'] else 'no':>17}")
-    return "\n".join(lines)
+        lines.append([row["backend"], row["precision"], row["lowering"], row["experts"], row["nodes"],
+                      row["creation_s"], row["decode_ms_per_token"],
+                      row["decode_ms_per_token"] / base["decode_ms_per_token"], row["prefill_ms"],
+                      "yes" if row["tokens_as_dispatch"] else "no"])
+    return harness.markdown_table(["backend", "prec", "lowering", "experts", "nodes", "create s", "decode ms/tok",
+                                   f"vs {experts[0]}", f"prefill {prefill} ms", "tokens = dispatch"], lines)
 
 
 def main() -> None:

@@ -15,6 +15,7 @@ import gc
 import json
 import statistics
 import tempfile
+import sys
 import time
 from pathlib import Path
 
@@ -26,15 +27,9 @@ from toolchain.models.shape_faithful import make_shape_faithful
 from toolchain.runtime.engines import ort_options, ort_session
 from toolchain.stages.export import export
 
-
-def median_ms(fn, repeats: int) -> float:
-    fn()  # warm-up
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))  # run as a script: the benchmarks' harness is imported from the repository
+from benchmarks import harness  # noqa: E402
 
 
 def torch_times(path: Path, impl: str, prompt: np.ndarray, long_prompt: np.ndarray, steps: int, repeats: int):
@@ -55,7 +50,7 @@ def torch_times(path: Path, impl: str, prompt: np.ndarray, long_prompt: np.ndarr
             model(input_ids=torch.from_numpy(long_prompt), use_cache=False)
 
     decode()
-    result = statistics.median(decode() for _ in range(repeats)), median_ms(prefill, repeats)
+    result = statistics.median(decode() for _ in range(repeats)), harness.median_ms(prefill, repeats)
     del model
     gc.collect()
     return result
@@ -82,7 +77,7 @@ def ort_times(onnx_path: Path, past: dict, prompt: np.ndarray, long_prompt: np.n
         return (time.perf_counter() - t0) * 1e3 / steps
 
     decode()
-    return statistics.median(decode() for _ in range(repeats)), median_ms(lambda: run(long_prompt, {}), repeats)
+    return statistics.median(decode() for _ in range(repeats)), harness.median_ms(lambda: run(long_prompt, {}), repeats)
 
 
 def main() -> None:

@@ -36,7 +36,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import numpy as np
@@ -48,6 +47,10 @@ from toolchain.runtime.engines import ort_session
 from toolchain.models.shape_faithful import make_shape_faithful
 from toolchain.stages.export import export
 from toolchain.stages.optimize import optimize
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))  # run as a script: the benchmarks' harness is imported from the repository
+from benchmarks import harness  # noqa: E402
 
 LARGE = "deepseek-r1-distill-qwen-1.5b"
 # Model types also built with onnxruntime-genai's model builder, for comparison.
@@ -141,16 +144,6 @@ class Runner:
             logits, cache = self.step(token if logits is None else logits[:, -1:].argmax(-1), cache)
 
 
-def per_run_ms(fn, budget_s: float) -> float:
-    """Mean ms of ``fn`` over as many back-to-back runs as fill ``budget_s`` (at least one): on a shared
-    machine, one sample of a millisecond-long run is mostly the scheduler's noise."""
-    runs, t0 = 0, time.perf_counter()
-    while runs == 0 or time.perf_counter() - t0 < budget_s:
-        fn()
-        runs += 1
-    return (time.perf_counter() - t0) * 1e3 / runs
-
-
 def greedy_trace(runner: Runner, prompt: np.ndarray, steps: int, tokens: list | None = None) -> tuple[list, list]:
     """Logits of the prompt and of ``steps`` decode steps on the runner's own cache, fed ``tokens`` or, without
     them, its own greedy tokens; and the tokens fed."""
@@ -194,7 +187,7 @@ def measure(graphs: dict[str, Path], vocab: int, prompt_len: int, steps: int, co
             for key in runners:
                 if kind in work[key]:
                     fn, tokens = work[key][kind]
-                    times[key][kind].append(per_run_ms(fn, budget_s) / tokens)
+                    times[key][kind].append(harness.per_run_ms(fn, budget_s) / tokens)
     medians = {key: {kind: statistics.median(times[key][kind]) if kind in times[key] else None
                      for kind in ("prefill", "decode", "long")} for key in runners}
     return medians, differences

@@ -58,13 +58,10 @@ API:
 from __future__ import annotations
 
 import json
-import os
 import re
 import subprocess
 import sys
 import tempfile
-import threading
-import time
 import xml.etree.ElementTree as ET
 from collections import Counter
 from pathlib import Path
@@ -139,31 +136,15 @@ def _error_line(output: str) -> str:
 def _run(cmd: list[str], log: Path, *, cwd: Path | None = None) -> dict:
     """Run ``cmd`` (output to ``log``): its wall time and the peak RSS of its process tree; Skipped with its error
     line when it fails."""
-    if str(REPO) not in sys.path:
+    if str(REPO) not in sys.path:  # imported by the tests as a file, not run as a script
         sys.path.insert(0, str(REPO))
-    from benchmarks.process_memory import tree_rss
+    from benchmarks import harness
 
-    started = time.perf_counter()
-    with open(log, "w") as output:
-        proc = subprocess.Popen(cmd, cwd=cwd, stdout=output, stderr=subprocess.STDOUT, start_new_session=True,
-                                env={**os.environ, "PYTHONWARNINGS": "ignore"})
-        peak = [0]
-
-        def sample() -> None:
-            while proc.poll() is None:
-                peak[0] = max(peak[0], tree_rss(proc.pid))
-                time.sleep(0.1)
-        sampler = threading.Thread(target=sample, daemon=True)
-        sampler.start()
-        try:
-            proc.wait(timeout=TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, 9)
-            proc.wait()
-        sampler.join()
-    if proc.returncode != 0:
+    run = harness.run_measured(cmd, cwd=cwd, log=log, env={"PYTHONWARNINGS": "ignore"}, timeout=TIMEOUT_S,
+                               every=0.1)
+    if run.returncode != 0:
         raise Skipped(_error_line(log.read_text(errors="replace")))
-    return {"wall_s": round(time.perf_counter() - started, 2), "peak_rss_gib": round(peak[0] / GiB, 3)}
+    return {"wall_s": round(run.wall_s, 2), "peak_rss_gib": round(run.peak_bytes / GiB, 3)}
 
 
 def _paths(env: Path) -> dict[str, Path]:

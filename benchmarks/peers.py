@@ -39,7 +39,7 @@ ratio to the best peer (non-dstc) contender. On ``qwen-1.5b:4`` the issue's targ
 of the limit and <= 0.7x the best peer's ms/token on at least one backend, TTFT <= the best peer's on both. The CPU
 model and its ISA extensions (toolchain/hardware.py) are printed and written with the JSON.
 
-The timing part holds ``--lock`` (flock, /work/bench.lock by default): one benchmark times on the machine at once.
+The timing part holds ``--lock`` (flock, harness.LOCK by default): one benchmark times on the machine at once.
 The machine is shared and noisy: read ratios within one run, not figures across runs.
 
     .venv/bin/python benchmarks/peers.py --widths qwen-1.5b:4 --work /work/peers-work/run --json peers.json
@@ -52,15 +52,12 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import fcntl
 import json
 import os
-import re
 import shutil
 import statistics
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -70,7 +67,8 @@ import yaml
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 from benchmarks import optimum_intel_env  # noqa: E402
-from benchmarks.process_memory import tree_rss  # noqa: E402
+from benchmarks import harness  # noqa: E402
+from benchmarks.artifact_sizes import active_experts, footprint  # noqa: E402
 from toolchain.hardware import cpu_line, describe_cpu  # noqa: E402
 
 DSTC = [sys.executable, "-m", "toolchain"]
@@ -90,32 +88,14 @@ class Failed(Exception):
 
 
 def run_measured(cmd: list[str], *, env: dict | None = None, cwd: Path | None = None, max_rss: int) -> dict:
-    """Run ``cmd``; its wall time and the peak RSS of its process tree (sampled every 100 ms). Killed past
-    ``max_rss`` (the machine is shared). Failed with the last line of its output when it fails."""
-    started = time.perf_counter()
-    proc = subprocess.Popen(cmd, cwd=cwd, env={**os.environ, **(env or {})}, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    peak, over = [0], [False]
-
-    def sample() -> None:
-        while proc.poll() is None:
-            rss = tree_rss(proc.pid)
-            peak[0] = max(peak[0], rss)
-            if rss > max_rss:
-                over[0] = True
-                os.killpg(proc.pid, 9)
-            time.sleep(0.1)
-
-    sampler = threading.Thread(target=sample, daemon=True)
-    sampler.start()
-    output, _ = proc.communicate()
-    sampler.join()
-    if over[0]:
+    """Run ``cmd``: its wall time and the peak RSS of its process tree, killed past ``max_rss`` (the machine is
+    shared). Failed with the last line of its output when it fails."""
+    run = harness.run_measured(cmd, env=env, cwd=cwd, max_rss=max_rss, every=0.1)
+    if run.over_budget:
         raise Failed(f"killed above the memory budget of {max_rss / GiB:.1f} GiB (--max-build-gib)")
-    if proc.returncode != 0:
-        lines = [line for line in output.strip().splitlines() if line.strip()]
-        raise Failed(f"exit {proc.returncode}: {(lines or ['no output'])[-1].strip()[:200]}")
-    return {"wall_s": round(time.perf_counter() - started, 1), "peak_rss_gib": round(peak[0] / GiB, 2)}
+    if run.returncode != 0:
+        raise Failed(f"exit {run.returncode}: {run.last_line()[:200]}")
+    return {"wall_s": round(run.wall_s, 1), "peak_rss_gib": round(run.peak_bytes / GiB, 2)}
 
 
 def build_dstc(checkpoint: Path, backend: str, out: Path, work: Path, max_rss: int, **compress) -> dict:
@@ -218,174 +198,6 @@ def quantize_gguf(src: str, dst: str) -> None:
     params.nthread = ARGS.threads
     if llama_cpp.llama_model_quantize(src.encode(), dst.encode(), params) != 0:
         raise SystemExit(f"llama_model_quantize failed on {src}")
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# What each contender reads per token and keeps per token (from its files, not its timing).
-
-# A routed expert's weights, by the name of the initializer (ONNX) or of the MatMul reading it (OpenVINO), or a
-# GGUF tensor of stacked experts; shared experts are read by every token.
-EXPERT = re.compile(r"(?<!shared_)experts[./]\d+[./]|_exps\.")
-PROMPT_ONLY = re.compile(r"_prefill_(int8|scale)(_\d+)?$")
-
-
-def _onnx_sizes(path: Path) -> tuple[int, int, int, int]:
-    """(weight bytes, embedding-table bytes, KV-cache bytes per token, routed-expert bytes) of an ONNX decoder:
-    initializers read by a Gather of input_ids (directly or after a Cast) and by nothing else are the table; the
-    cache from the past_key_values inputs' head count, head size and element type."""
-    import onnx
-    from onnx import helper
-
-    model = onnx.load(str(path), load_external_data=False)
-    graph = model.graph
-    sizes = {}
-    for init in graph.initializer:
-        external = {e.key: e.value for e in init.external_data}
-        sizes[init.name] = int(external["length"]) if "length" in external else (
-            len(init.raw_data) or int(np.prod(init.dims)) * helper.tensor_dtype_to_np_dtype(init.data_type).itemsize)
-    ids = {"input_ids"} | {n.output[0] for n in graph.node if n.op_type == "Cast" and n.input[0] == "input_ids"}
-    readers: dict[str, set[str]] = {}
-    for node in graph.node:
-        for name in node.input:
-            readers.setdefault(name, set()).add(node.op_type if not (node.op_type == "Gather" and node.input[1] in ids)
-                                                else "table-gather")
-    table = sum(size for name, size in sizes.items() if readers.get(name) == {"table-gather"})
-    genai = path.parent / "genai_config.json"  # the builder leaves the head size symbolic in the graph
-    head_size = json.loads(genai.read_text())["model"]["decoder"]["head_size"] if genai.is_file() else 0
-    kv = 0
-    for value in graph.input:
-        if value.name.startswith("past_key_values."):
-            dims = value.type.tensor_type.shape.dim
-            element = helper.tensor_dtype_to_np_dtype(value.type.tensor_type.elem_type).itemsize
-            kv += dims[1].dim_value * (dims[3].dim_value or head_size) * element
-    experts = sum(size for name, size in sizes.items() if EXPERT.search(name))
-    # prefill-int8's copies are read by prompts only (If branches), not by a decode step
-    prompt_only = sum(size for name, size in sizes.items() if PROMPT_ONLY.search(name))
-    return sum(sizes.values()) - prompt_only, table, kv, experts
-
-
-def _openvino_sizes(xml: Path, kv_precision: str) -> tuple[int, int, int, int]:
-    """The same for an OpenVINO IR: Constants feeding a Gather of input_ids (through Convert / Subtract / Multiply
-    of the compressed table) and nothing else; the cache from the stateful model's variables."""
-    import openvino as ov
-
-    model = ov.Core().read_model(str(xml))
-    constants = [op for op in model.get_ops() if op.get_type_name() == "Constant"]
-    total = sum(op.get_byte_size() for op in constants)
-    table = 0
-    for op in model.get_ops():
-        if op.get_type_name() != "Gather" or "input_ids" not in _sources(op.input_value(1)):
-            continue
-        stack, seen = [op.input_value(0).get_node()], set()
-        while stack:
-            node = stack.pop()
-            if node.get_friendly_name() in seen:
-                continue
-            seen.add(node.get_friendly_name())
-            if node.get_type_name() == "Constant":
-                if all(t.get_node() is op or t.get_node().get_friendly_name() in seen
-                       for out in node.outputs() for t in out.get_target_inputs()):
-                    table += node.get_byte_size()
-            elif node.get_type_name() in ("Convert", "Subtract", "Multiply", "Reshape"):
-                stack += [v.get_node() for v in node.input_values()]
-    element = {"u8": 1, "i8": 1, "u4": 0.5, "bf16": 2, "f16": 2, "f32": 4}.get(kv_precision, 4)
-    kv = 0
-    for op in model.get_ops():
-        if op.get_type_name() == "ReadValue":
-            shape = op.get_output_partial_shape(0)
-            kv += shape[1].get_length() * shape[3].get_length() * element
-    experts = sum(op.get_byte_size() for op in constants if any(EXPERT.search(name) for name in _matmuls_fed(op)))
-    return total, table, int(kv), experts
-
-
-def _matmuls_fed(constant, depth: int = 5) -> set[str]:
-    """Friendly names of the MatMuls a Constant feeds through decompression (Convert, Subtract, Multiply, Reshape,
-    Transpose)."""
-    names, stack = set(), [(constant, 0)]
-    while stack:
-        node, level = stack.pop()
-        for out in node.outputs():
-            for target in out.get_target_inputs():
-                reader = target.get_node()
-                if reader.get_type_name() == "MatMul":
-                    names.add(reader.get_friendly_name())
-                elif level < depth and reader.get_type_name() in ("Convert", "Subtract", "Multiply", "Reshape",
-                                                                   "Transpose"):
-                    stack.append((reader, level + 1))
-    return names
-
-
-def _sources(value, depth: int = 4) -> set[str]:
-    """Names of the Parameters within ``depth`` ops above ``value``."""
-    node = value.get_node()
-    if node.get_type_name() == "Parameter":
-        return set(value.get_names())
-    if depth == 0:
-        return set()
-    return set().union(*[_sources(v, depth - 1) for v in node.input_values()] or [set()])
-
-
-def _gguf_sizes(path: Path) -> tuple[int, int, int, int]:
-    from gguf import GGUFReader
-
-    reader = GGUFReader(str(path))
-    tensors = {t.name: int(t.n_bytes) for t in reader.tensors}
-    table = tensors.get("token_embd.weight", 0) if "output.weight" in tensors else 0
-
-    def field(suffix: str) -> int:
-        key = next(k for k in reader.fields if k.endswith(suffix))
-        return int(reader.fields[key].parts[reader.fields[key].data[0]][0])
-
-    layers, heads = field(".block_count"), field(".attention.head_count")
-    kv_heads = field(".attention.head_count_kv") if any(k.endswith(".head_count_kv") for k in reader.fields) \
-        else heads
-    head_dim = field(".embedding_length") // heads
-    experts = sum(size for name, size in tensors.items() if EXPERT.search(name))
-    # f16 cache, llama.cpp's default
-    return sum(tensors.values()), table, layers * 2 * kv_heads * head_dim * 2, experts
-
-
-def _ov_kv_precision(directory: Path) -> str:
-    """The KV-cache precision openvino_genai compiles an IR with: the IR's runtime_options, else the plugin's
-    default on this CPU."""
-    import openvino as ov
-
-    core = ov.Core()
-    model = core.read_model(str(directory / "openvino_model.xml"))
-    if model.has_rt_info(["runtime_options", "KV_CACHE_PRECISION"]):
-        return str(model.get_rt_info(["runtime_options", "KV_CACHE_PRECISION"]).astype(str))
-    value = core.get_property("CPU", "KV_CACHE_PRECISION")  # an ov.Type: its short name (u8, bf16, f16, ...)
-    return value.get_type_name() if hasattr(value, "get_type_name") else str(value)
-
-
-def footprint(kind: str, path: Path, active_experts: float = 1.0) -> dict:
-    """Bytes read per token (weights but the table; of the routed experts' weights the share ``active_experts``,
-    experts per token over routed experts, that one token reads at batch 1), and KV-cache bytes per token with
-    its precision."""
-    if kind in ("dstc-ort", "dstc-ort-prefill8", "dstc-ort-genai", "ortgenai-builder"):
-        total, table, kv, experts = _onnx_sizes(path / "model.onnx")
-        precision = "f32"
-    elif kind == "llamacpp-q4km":
-        total, table, kv, experts = _gguf_sizes(path / "model-q4_k_m.gguf")
-        precision = "f16"
-    else:
-        precision = _ov_kv_precision(path)
-        total, table, kv, experts = _openvino_sizes(path / "openvino_model.xml", precision)
-    return {"weight_bytes": total, "table_bytes": table, "routed_expert_bytes": experts,
-            "bytes_per_token": per_token_bytes(total, table, experts, active_experts),
-            "kv_bytes_per_token": kv, "kv_precision": precision}
-
-
-def per_token_bytes(total: int, table: int, experts: int, active_experts: float) -> int:
-    """Weight bytes one generated token reads: all but the embedding table (one row of it) and, of the routed
-    experts, the active share."""
-    return int(total - table - experts * (1 - active_experts))
-
-
-def active_experts(config: dict) -> float:
-    """Experts per token over routed experts (1.0 for a dense model)."""
-    routed = config.get("n_routed_experts")
-    return config["num_experts_per_tok"] / routed if routed else 1.0
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -538,21 +350,6 @@ def bandwidth(threads: int) -> float:
     return data.numel() * 4 / best
 
 
-@contextlib.contextmanager
-def bench_lock(path: Path):
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a") as handle:
-        try:
-            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            print(f"waiting for {path} (another benchmark is timing)", flush=True)
-            fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
-
-
 def prepare(width: str, work: Path, wanted: list[str]) -> tuple[dict, dict, dict, Path, dict]:
     """The checkpoint and every wanted contender's build: ({contender: path}, builds, skipped, checkpoint,
     config)."""
@@ -610,24 +407,22 @@ def prepare(width: str, work: Path, wanted: list[str]) -> tuple[dict, dict, dict
 def time_contenders(paths: dict, vocab: int, skipped: dict, bandwidths: list[float]) -> dict:
     """``--rounds`` rounds over the contenders, in an order rotated every round. Before every measurement the read
     bandwidth and the load average are taken (the machine is shared: they show what the figure ran beside)."""
-    samples = {c: [] for c in paths}
-    order = list(paths)
-    for round_ in range(ARGS.rounds):
-        for contender in order[round_ % len(order):] + order[:round_ % len(order)]:
-            if contender in skipped:
-                continue
-            bandwidths.append(bandwidth(ARGS.threads))
-            load = os.getloadavg()[0]
-            try:
-                sample = measure(contender, paths[contender], vocab)
-                samples[contender].append({**sample, "bandwidth_before": bandwidths[-1], "load_before": load})
-            except (Failed, subprocess.TimeoutExpired) as e:
-                skipped[contender] = f"failed while timed: {e}"
-            print(f"  round {round_ + 1}: {contender:<17} "
-                  + (f"TTFT {1e3 * samples[contender][-1]['ttft_s']:.1f} ms, decode "
-                     f"{1e3 * samples[contender][-1]['decode_s']:.2f} ms/token (load {load:.1f}, "
-                     f"{bandwidths[-1] / 1e9:.1f} GB/s before)" if contender not in skipped
-                     else skipped[contender]), flush=True)
+    samples: dict = {c: [] for c in paths}
+    for round_, contender in harness.alternation(list(paths), ARGS.rounds):
+        if contender in skipped:
+            continue
+        bandwidths.append(bandwidth(ARGS.threads))
+        load = os.getloadavg()[0]
+        try:
+            sample = measure(contender, paths[contender], vocab)
+            samples[contender].append({**sample, "bandwidth_before": bandwidths[-1], "load_before": load})
+        except (Failed, subprocess.TimeoutExpired) as e:
+            skipped[contender] = f"failed while timed: {e}"
+        print(f"  round {round_ + 1}: {contender:<17} "
+              + (f"TTFT {1e3 * samples[contender][-1]['ttft_s']:.1f} ms, decode "
+                 f"{1e3 * samples[contender][-1]['decode_s']:.2f} ms/token (load {load:.1f}, "
+                 f"{bandwidths[-1] / 1e9:.1f} GB/s before)" if contender not in skipped
+                 else skipped[contender]), flush=True)
     return {c: s for c, s in samples.items() if s and c not in skipped}
 
 
@@ -764,7 +559,7 @@ def main() -> None:
         work.mkdir(parents=True, exist_ok=True)
         prepared[width] = prepare(width, work, wanted)
     print(cpu_line(cpu), flush=True)
-    with bench_lock(ARGS.lock):
+    with harness.one_at_a_time(ARGS.lock):
         for width, (paths, builds, skipped, checkpoint, config) in prepared.items():
             print(f"[{width}] timing {', '.join(paths)}", flush=True)
             bandwidths: list[float] = []
@@ -834,7 +629,7 @@ def parse_args() -> argparse.Namespace:
                         help="checkpoints and builds (kept: a later run reuses them unless --rebuild)")
     parser.add_argument("--rebuild", action="store_true")
     parser.add_argument("--max-build-gib", type=float, default=7.0, help="a build above this RSS is killed, skipped")
-    parser.add_argument("--lock", type=Path, default=Path("/work/bench.lock"))
+    parser.add_argument("--lock", type=Path, default=harness.LOCK)
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--no-batch4", dest="batch4", action="store_false")
     parser.add_argument("--llamacpp-converter", type=Path, default=None)

@@ -1,5 +1,6 @@
 """benchmarks/peers.py's pure parts: rows (medians, bandwidth share, ratios to the best peer), the targets, the
-table. Nothing is built or timed here."""
+table; benchmarks/artifact_sizes.py's bytes per token; benchmarks/harness.py's alternation and table. Nothing is
+built or timed here."""
 
 from __future__ import annotations
 
@@ -14,6 +15,16 @@ from benchmark_modules import load
 @pytest.fixture(scope="module")
 def peers():
     return load("peers", "peers_benchmark")
+
+
+@pytest.fixture(scope="module")
+def sizes():
+    return load("artifact_sizes", "artifact_sizes_benchmark")
+
+
+@pytest.fixture(scope="module")
+def harness():
+    return load("harness", "harness_benchmark")
 
 
 def sample(ttft_s: float, decode_s: float, batch4: float | None = None) -> dict:
@@ -128,7 +139,7 @@ def test_targets_judge_each_backend_on_its_better_variant(peers):
     assert set(ttft["measured"]) == {"dstc-ort-prefill8", "dstc-ov"} and ttft["met"] is True
 
 
-def test_prompt_only_weights_are_not_read_per_token(peers, tmp_path):
+def test_prompt_only_weights_are_not_read_per_token(sizes, tmp_path):
     """prefill-int8's copies sit in the graph beside the 4-bit weights; a decode step does not read them."""
     from onnx import TensorProto, helper, numpy_helper
 
@@ -138,15 +149,15 @@ def test_prompt_only_weights_are_not_read_per_token(peers, tmp_path):
     graph = helper.make_graph([helper.make_node("Identity", ["w_nbits"], ["y"])], "g", [],
                               [helper.make_tensor_value_info("y", TensorProto.UINT8, None)], inits)
     onnx.save(helper.make_model(graph), tmp_path / "model.onnx")
-    assert peers._onnx_sizes(tmp_path / "model.onnx")[0] == 64 * 8
+    assert sizes._onnx_sizes(tmp_path / "model.onnx")[0] == 64 * 8
 
 
-def test_routed_experts_are_read_at_their_active_share(peers):
-    assert peers.active_experts({"hidden_size": 1536}) == 1.0
-    assert peers.active_experts({"n_routed_experts": 64, "num_experts_per_tok": 6}) == pytest.approx(6 / 64)
+def test_routed_experts_are_read_at_their_active_share(sizes):
+    assert sizes.active_experts({"hidden_size": 1536}) == 1.0
+    assert sizes.active_experts({"n_routed_experts": 64, "num_experts_per_tok": 6}) == pytest.approx(6 / 64)
     # 1000 bytes of weights, 100 of them the table, 640 routed experts of which 6/64 are read
-    assert peers.per_token_bytes(1000, 100, 640, 6 / 64) == 320  # 900 - 640 * 58 / 64
-    assert peers.per_token_bytes(1000, 100, 0, 1.0) == 900
+    assert sizes.per_token_bytes(1000, 100, 640, 6 / 64) == 320  # 900 - 640 * 58 / 64
+    assert sizes.per_token_bytes(1000, 100, 0, 1.0) == 900
 
 
 @pytest.mark.parametrize(("name", "routed"), [
@@ -158,5 +169,33 @@ def test_routed_experts_are_read_at_their_active_share(peers):
     ("blk.1.ffn_gate_shexp.weight", False),
     ("layers.1/mlp/gate/weight", False),
 ])
-def test_expert_weights_by_name(peers, name, routed):
-    assert bool(peers.EXPERT.search(name)) is routed
+def test_expert_weights_by_name(sizes, name, routed):
+    assert bool(sizes.EXPERT.search(name)) is routed
+
+
+def test_alternation_rotates_the_order_every_round(harness):
+    order = list(harness.alternation(["a", "b", "c"], 4))
+    assert [c for _, c in order] == list("abc" "bca" "cab" "abc")
+    assert [r for r, _ in order] == [0] * 3 + [1] * 3 + [2] * 3 + [3] * 3
+
+
+def test_markdown_table_aligns_numbers_right_and_text_left(harness):
+    table = harness.markdown_table(["contender", "ms/token", "ratio"],
+                                   [["dstc", 12.345, 0.5], ["peer", 7.0, None], ["tiny", 0.00123, 1]])
+    assert table.splitlines() == [
+        "| contender | ms/token | ratio |",
+        "|-----------|---------:|------:|",
+        "| dstc      |    12.35 |  0.50 |",
+        "| peer      |     7.00 |     - |",
+        "| tiny      |  0.00123 |     1 |"]
+
+
+def test_a_measured_command_reports_its_tree_and_is_killed_over_budget(harness):
+    import sys
+
+    child = ("import subprocess, sys; "
+             "subprocess.run([sys.executable, '-c', 'x = bytearray(200 << 20); import time; time.sleep(1)'])")
+    run = harness.run_measured([sys.executable, "-c", child], every=0.02)
+    assert run.returncode == 0 and run.peak_bytes > 200 << 20  # the grandchild's 200 MB counted
+    killed = harness.run_measured([sys.executable, "-c", child], max_rss=100 << 20, every=0.02)
+    assert killed.over_budget and killed.returncode == -9
