@@ -20,9 +20,12 @@ original MatMul / Gather, valid at opset 13+, so the model stays a plain ONNX gr
 the ``to-matmul-nbits`` pass turns it into MatMulNBits(bits=8), which ORT runs without materialising the float
 weight.
 
-Head widths come from ``head_blocks`` ({projection name: head width}) when given; otherwise from the graph: the
-Reshape to [..., heads, head_dim] that reads the projection's output (through a bias Add). A projection whose
-heads cannot be found is quantized per channel and reported as a near-miss.
+Which projections have heads, and their widths, come from ``head_blocks`` ({projection name: head width}) when
+given: dstc's compress stage passes the exporter's record of them (the graph metadata ``dstc.head_layout``, written
+by each architecture), the one source. A graph without it (a foreign graph run through this pass alone) falls back
+to the usual projection names (``HEAD_PROJECTIONS``) and the Reshape to [..., heads, head_dim] that reads the
+projection's output (through a bias Add). A projection whose heads cannot be found is quantized per channel and
+reported as a near-miss.
 """
 
 from __future__ import annotations
@@ -37,7 +40,8 @@ from passes.graph import Names, constant_array
 from passes.quantize._weights import WeightUse, float_weights, group_bounds, is_transposed_gemm, quantize_int8
 from passes.registry import register
 
-# Projections whose output channels are heads, by the name of the scope that holds their weight.
+# Projections whose output channels are heads, by the name of the scope that holds their weight: only for graphs
+# without head_blocks (module docstring).
 HEAD_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "q_b_proj", "kv_b_proj")
 GRANULARITIES = ("head", "channel", "tensor")
 
@@ -89,7 +93,7 @@ class Int8PerHead(CountingPass):
     def _group(self, use: WeightUse) -> int | None:
         """Width of the channel groups sharing a scale, or None for per channel."""
         n = use.columns
-        if use.kind != "matmul" or projection_of(use.name) not in HEAD_PROJECTIONS:
+        if use.kind != "matmul" or projection_of(use.name) not in (self.head_blocks or HEAD_PROJECTIONS):
             return None
         if self.granularity == "channel":
             return None

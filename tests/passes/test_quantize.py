@@ -99,6 +99,20 @@ def test_per_head_uses_given_head_widths_over_the_graph():
     assert "no head width" in str(pass_.near_misses(model)[0])
 
 
+def test_given_head_widths_name_the_projections_with_heads():
+    """The exporter's record (head_blocks) decides which projections have heads, whatever their names: an
+    indexer's wq_b is quantized per head, a q_proj it does not list per channel."""
+    w = np.random.default_rng(2).normal(size=(16, 24)).astype(np.float32)
+    weights = {"layers.0/self_attn/indexer/wq_b/weight": w, "layers.0/self_attn/q_proj/weight": w.copy()}
+    model = make_model([node("MatMul", ["x", "layers.0/self_attn/indexer/wq_b/weight"], ["a"]),
+                        node("MatMul", ["x", "layers.0/self_attn/q_proj/weight"], ["b"])],
+                       {"x": [2, 16]}, ["a", "b"], weights)
+    pass_ = Int8PerHead({"wq_b": 6})
+    assert pass_(model).counts == {"per_head": 1, "per_channel": 1}
+    assert pass_.groups["layers.0/self_attn/indexer/wq_b/weight"] == [(0, 6), (6, 12), (12, 18), (18, 24)]
+    assert pass_.groups["layers.0/self_attn/q_proj/weight"] == group_bounds(24, 1)
+
+
 @pytest.mark.parametrize("sym", [False, True])
 @pytest.mark.parametrize("k, block", [(64, 64), (96, 32), (40, 64)])  # one block, 3 unpadded blocks, one padded
 def test_to_matmul_nbits_is_exact_for_8_bit_weights(sym, k, block):

@@ -50,7 +50,7 @@ import onnx_ir as ir
 
 from passes.graph import Names, initializer_data, name_of, present, stored_weight
 from passes.quantize._weights import MS_DOMAIN, quantize_int8
-from passes.quantize.int8_per_head import HEAD_PROJECTIONS, projection_of
+from passes.quantize.int8_per_head import projection_of
 from passes.quantize.matmul_nbits import ToMatMulNBits, nbits_layout, pack_nibbles
 from toolchain.compress import lowering
 from toolchain.compress.engine import MIN_ADJUSTED_GROUP_SIZE, Options, Weight
@@ -375,8 +375,8 @@ def plan_specs(weights: list[Weight], plan: dict[str, str], options: Options, ta
             specs.append(Spec(w, 8, None, options.sym, "stacked"))
             continue
         if precision == "int8-per-head" and len(w.shape) == 2:
-            width = options.head_blocks.get(projection_of(w.name)) if w.kind == "matmul" and \
-                projection_of(w.name) in HEAD_PROJECTIONS else None
+            # heads where the exporter recorded them (the graph's dstc.head_layout, as the whole-model path)
+            width = options.head_blocks.get(projection_of(w.name)) if w.kind == "matmul" else None
             width = width if width and w.shape[1] % width == 0 else 1
             specs.append(Spec(w, 8, None, options.sym, "dq-rows" if w.kind == "gather" else "dq-channel", width))
             continue
