@@ -102,6 +102,16 @@ def test_a_bad_recipe_among_good_ones_is_refused_before_anything_is_built(recipe
     assert not (tmp_path / "art").exists() and not (tmp_path / "cache" / "stages").exists()
 
 
+@pytest.mark.parametrize("address", ["127.0.0.1:1", "ray://127.0.0.1:1"])
+def test_a_ray_address_where_nothing_listens_is_one_line_and_nothing_is_built(recipes, tmp_path, monkeypatch, capsys,
+                                                                              address):
+    """Ray's driver would retry the address for minutes, silently: a CI job must not hang on a typo."""
+    monkeypatch.setenv("DSTC_CACHE_DIR", str(tmp_path / "cache"))
+    code, _, err = run_cli(monkeypatch, capsys, "build", *recipes, "--ray", address, "-o", tmp_path / "art")
+    assert code == 2 and err.count("\n") == 1 and f"no Ray cluster at {address} (Connection refused)" in err
+    assert not (tmp_path / "art").exists() and not (tmp_path / "cache" / "stages").exists()
+
+
 def test_two_recipes_of_one_name_are_refused(recipes, tmp_path, monkeypatch, capsys):
     twin = write_recipe(tmp_path / "other.yaml", MODELS[1], name=recipes[0].stem)
     code, _, err = run_cli(monkeypatch, capsys, "build", recipes[0], twin, "-o", tmp_path / "art")

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 
 from toolchain.build_set import Job, LineEvents, Outcome, run_one
 from toolchain.cache import cache_dir
@@ -21,6 +22,26 @@ from toolchain.errors import InputError
 MAX_RETRIES = 3
 # the exit code of a recipe whose worker died on every try: a crashed process, as a crashed runtime's
 CRASHED = 5
+# Ray's driver retries an address that does not answer for minutes, silently: a CI job would hang on a typo
+CONNECT_TIMEOUT_S = 10.0
+RAY_CLIENT_PORT = 10001
+
+
+def check_reachable(address: str) -> None:
+    """A one-line InputError when nothing listens at a HOST:PORT or ray://HOST[:PORT] address ("auto" and a
+    local Ray are Ray's own to find)."""
+    if address == "auto":
+        return
+    client = address.startswith("ray://")
+    host, colon, port = address.removeprefix("ray://").rpartition(":")
+    if not colon:  # ray://HOST: the Ray client's port
+        host, port = address.removeprefix("ray://"), str(RAY_CLIENT_PORT) if client else ""
+    if not port.isdigit():
+        raise InputError(f"--ray: {address!r} is not auto, HOST:PORT or ray://HOST[:PORT]")
+    try:
+        socket.create_connection((host, int(port)), timeout=CONNECT_TIMEOUT_S).close()
+    except OSError as e:
+        raise InputError(f"--ray: no Ray cluster at {address} ({e.strerror or e})") from None
 
 
 def _build_task(job: Job, model: str | None, use_cache: bool, env: dict[str, str]) -> Outcome:
@@ -35,6 +56,8 @@ def run_on_ray(jobs: list[Job], address: str | None, model: str | None, use_cach
     initialised in this process is used as it is and left running."""
     import ray  # loaded when used: dstc starts without it
 
+    if address:
+        check_reachable(address)
     started = not ray.is_initialized()
     if started:
         try:
