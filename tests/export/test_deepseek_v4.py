@@ -4,7 +4,7 @@ window alone (with hyper-connections and hash / top-k MoE), then HCA, then CSA w
 The graph is built from the model transformers loads, for configs the test varies (tests/export/test_export.py exports V4
 checkpoints through dstc's reader). Prompts and decode cross the sliding window (8), many CSA blocks (4, index_topk 3 of up to
 17 entries) and four HCA blocks (16). The left-padded batch is compared with transformers running each row alone
-(toolchain/runtime/torch_reference.py ROW_BY_ROW): its own batched V4 pools the padding into a row's entries."""
+(DeepseekV4Architecture.reference_row_by_row): its own batched V4 pools the padding into a row's entries."""
 
 from __future__ import annotations
 
@@ -132,8 +132,8 @@ def test_deepseek_v4_cache_is_per_token_state_named_by_layer_type(every_type):
 
 
 def test_transformers_batched_v4_pools_a_padded_row_s_padding(every_type):
-    """Why the reference runs V4's batches row by row (ROW_BY_ROW): transformers 5.24's own batch gives a
-    left-padded row other logits than the row alone. Should an upgrade fix it, this fails: drop ROW_BY_ROW."""
+    """Why the reference runs V4's batches row by row (reference_row_by_row): transformers 5.24's own batch gives a
+    left-padded row other logits than the row alone. Should an upgrade fix it, this fails: set reference_row_by_row False."""
     from transformers import DynamicCache
 
     config, model, _ = every_type

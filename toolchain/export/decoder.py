@@ -70,6 +70,8 @@ class Architecture(Protocol):
     # how MoE layers' routed experts are lowered (toolchain/export/moe.py); None for a family without MoE layers
     moe_lowering: str | None
     rotations_per_layer: int  # tensors RoPE rotates in each layer (q and k: 2), for the passes' fusion counts
+    # transformers' model is a reference for one sequence at a time only: the torch reference runs a batch row by row
+    reference_row_by_row: bool
 
     def check(self, config) -> None:
         """Raise UnsupportedModelError for a config variant the builder does not reproduce exactly."""

@@ -79,6 +79,7 @@ class DeepseekArchitecture(MoeArchitecture):
     # onnxruntime_artifact.py writes no genai_config.json, and says why)
     genai_model_type: str | None = None
     rotations_per_layer = 2  # q and k
+    reference_row_by_row = False
     kv_cache = "latent"  # with_mla_cache gives a copy with another (MLA_CACHES)
 
     def check(self, config) -> None:

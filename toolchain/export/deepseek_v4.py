@@ -57,6 +57,10 @@ class DeepseekV4Architecture:
     moe_lowering: str | None = "dispatch"
     # q, k and the output's inverse rotation; the passes expect nothing of "compressed" attention (passes/targets.py)
     rotations_per_layer = 3
+    # transformers 5.24's V4 pools a left-padded row's padding into its compressed entries (its caches count cache
+    # slots, not positions: a row's logits depend on its batch-mates' lengths, up to 0.7 of the logits' range on the
+    # test suite's tiny V4); its reference runs each row alone, with a cache of its own, as dstc's graph computes it
+    reference_row_by_row = True
 
     def extra_caches(self, config) -> dict[str, tuple[int, int]]:
         """None recorded: each layer type caches its own tensors (cache_widths), and kv_cache "per-token" already

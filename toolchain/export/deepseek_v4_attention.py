@@ -14,7 +14,7 @@ hold exactly those pooled entries, emitted as windows complete), so it is exact 
 prefill / decode split; the cost is that each step re-pools T / rate windows. Windows are over each row's
 positions: a left-padded row's padding is skipped, so a row in a batch gets its answer alone. transformers 5.24
 counts cache slots instead, pooling padding into a padded row's entries; the reference runs such a batch row by
-row (toolchain/runtime/torch_reference.py ROW_BY_ROW).
+row (DeepseekV4Architecture.reference_row_by_row).
 
 transformers' interleaved RoPE on the trailing rope dims of each head is turned into the rotate-half form by
 reordering those channels in every weight that produces or consumes them (``channel_order``): projections'

@@ -15,6 +15,7 @@ class LlamaArchitecture:
     genai_model_type: str | None = "llama"
     moe_lowering: str | None = None  # no MoE layers
     rotations_per_layer = 2  # q and k
+    reference_row_by_row = False
 
     def check(self, config) -> None:
         if config.hidden_act != "silu":

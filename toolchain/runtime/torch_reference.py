@@ -17,15 +17,11 @@ import torch
 
 from toolchain import source as sources
 from toolchain.checkpoint.reference import cache_argument, is_moe, watch_expert_choice
+from toolchain.export.architectures import architecture_for
 from toolchain.runtime.decoder import positions
 
 _loaded: dict[str, object] = {}  # source path -> the loaded model (one at a time)
 
-# transformers 5.24's DeepSeek-V4 pools a left-padded row's padding into its compressed entries (its caches count
-# cache slots, not positions: a row's logits depend on its batch-mates' lengths, up to 0.7 of the logits' range on
-# the test suite's tiny V4). Its reference runs each row of a batch alone, with a cache of its own, as dstc's graph
-# computes each row.
-ROW_BY_ROW = ("deepseek_v4",)
 SCORE_ROWS = 256  # positions reduced at a time by score()
 
 
@@ -98,6 +94,11 @@ class TorchDecoder:
     def config(self):
         return self.model.config
 
+    @property
+    def row_by_row(self) -> bool:
+        """A batch run one row at a time (the architecture says why: Architecture.reference_row_by_row)."""
+        return architecture_for(self.model.config.model_type).reference_row_by_row
+
     def close(self) -> None:
         """Release the loaded model (eval's reference is let go before the artifact runs)."""
         self.model = None
@@ -128,7 +129,7 @@ class TorchDecoder:
     def forward(self, input_ids: np.ndarray, attention_mask: np.ndarray, logits_to_keep: int = 0) -> np.ndarray:
         del logits_to_keep  # the reference computes every position (transformers' own default)
         ids, mask = np.ascontiguousarray(input_ids, np.int64), np.ascontiguousarray(attention_mask, np.int64)
-        if len(ids) > 1 and self.model.config.model_type in ROW_BY_ROW:
+        if len(ids) > 1 and self.row_by_row:
             return self._row_by_row(ids, mask)
         with torch.no_grad():
             out = self.model(input_ids=torch.from_numpy(ids), attention_mask=torch.from_numpy(mask),
