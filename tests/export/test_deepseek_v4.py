@@ -133,7 +133,7 @@ def test_deepseek_v4_cache_is_per_token_state_named_by_layer_type(every_type):
 
 def test_transformers_batched_v4_pools_a_padded_row_s_padding(every_type):
     """Why the reference runs V4's batches row by row (reference_row_by_row): transformers 5.24's own batch gives a
-    left-padded row other logits than the row alone. Should an upgrade fix it, this fails: set reference_row_by_row False."""
+    left-padded row other logits than the row alone. Should an upgrade fix it, this fails: set it False."""
     from transformers import DynamicCache
 
     config, model, _ = every_type
