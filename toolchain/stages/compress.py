@@ -156,6 +156,9 @@ def compress(in_dir: Path, out_dir: Path, section: CompressSection, *, target: s
                          f"the dispatch MoE lowering (moe: dispatch), not a fused one")
     weight_bytes = float32_bytes(model)  # bf16-stored weights as float32: the same choice for either storage
     if opts.streaming == "always" or (opts.streaming == "auto" and weight_bytes > STREAMING_BYTES):
+        if opts.scheme == "shipped":  # not built yet: the rewrite itself streams, the error measurement does not
+            raise InputError(f"{in_dir} has {weight_bytes / 2**30:.1f} GiB of float weights: the shipped scheme runs "
+                             f"on the whole-model path only (streaming: never, below 2 GiB)")
         if opts.gptq or opts.ratio < 1.0:
             raise InputError(f"{in_dir} has {weight_bytes / 2**30:.1f} GiB of float weights: gptq and ratio < 1 run "
                              f"on the whole model and are not available in bounded memory; use the data-free scheme, "
