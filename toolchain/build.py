@@ -16,6 +16,7 @@ from pathlib import Path
 
 from toolchain import source as sources
 from toolchain.atomic import atomic_output_dir
+from toolchain.compress import shipped
 from toolchain.compress.calibration import EMBEDDED
 from toolchain.errors import InputError
 from toolchain.evaluate.run import evaluate_artifact, write_report
@@ -73,6 +74,8 @@ def build(recipe_path: Path, out_dir: Path | None = None, *, model: str | None =
     # hashed while the config check imports transformers (seconds)
     hashing = Hashing(sources.locate(recipe.model, revision=recipe.revision)[0])
     source = sources.resolve(recipe.model, revision=recipe.revision)
+    if recipe.compress and recipe.compress.scheme == "shipped":  # what the backend cannot run, before any stage
+        shipped.check_source(source.path, recipe.compile.backend)
     if (recipe.eval or recipe.gates) and not (source.path / "tokenizer.json").is_file():
         raise InputError(f"{recipe_path}: the recipe evaluates its artifact (eval/gates), which needs a tokenizer, "
                          f"and {source.spec} has no tokenizer.json; remove eval and gates or add a tokenizer")

@@ -122,7 +122,8 @@ PASSES_HELP = {
 # a mapping of pass -> expected counts: a recipe's passes.expect, not a command-line value
 PASSES_EXCLUDED = ("expect",)
 COMPRESS_HELP = {
-    "scheme": "INT4 in groups (NNCF), INT8 per output channel (NNCF), or INT8 with one scale per attention head.",
+    "scheme": "INT4 in groups (NNCF), INT8 per output channel (NNCF), INT8 with one scale per attention head, or "
+              "shipped: the checkpoint's FP8/FP4 weights kept as stored (codes and scales), the rest as exported.",
     "group_size": "Input channels per INT4 scale (int4-grouped).",
     "sym": "Symmetric (no zero point) or asymmetric.",
     "ratio": "Share of INT4 weights kept in INT4 (the rest in the backup precision); int4 only.",

@@ -58,7 +58,8 @@ class PassesSection(Section):
 
 
 class CompressSection(Section):
-    scheme: Literal["int4-grouped", "int8-per-channel", "int8-per-head"]
+    # shipped: the checkpoint's FP8 / FP4 weights kept as they ship (codes and scales), the rest as exported
+    scheme: Literal["int4-grouped", "int8-per-channel", "int8-per-head", "shipped"]
     group_size: Literal[32, 64, 128] = 128
     sym: bool = False
     ratio: float = Field(1.0, gt=0, le=1)
@@ -91,6 +92,11 @@ class CompressSection(Section):
             return "ratio applies to int4-grouped (the share of weights in INT4, the rest in the backup)"
         if (self.awq or self.scale_estimation or self.gptq) and self.scheme != "int4-grouped":
             return "awq, scale_estimation and gptq apply to the int4-grouped scheme"
+        if self.scheme == "shipped" and (self.ignore or self.int8 or self.embeddings != "int8" or
+                                         self.lm_head != "int8" or self.router != "fp32" or
+                                         self.shared_experts != "scheme"):
+            return ("the shipped scheme keeps every weight the checkpoint does not quantize as exported: "
+                    "ignore, int8, embeddings, lm_head, router and shared_experts do not apply")
         if self.gptq and target != "openvino":
             return "gptq runs on the openvino target only (NNCF's ONNX backend does not implement it)"
         if self.prefill_int8 and (target != "onnxruntime" or self.scheme != "int4-grouped"):

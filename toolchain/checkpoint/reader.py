@@ -42,6 +42,7 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
+import ml_dtypes
 import numpy as np
 import torch
 from safetensors import safe_open
@@ -112,6 +113,17 @@ class _Entry:
         assert self.rows is not None  # an expert's entry has its rows
         start, stop = self.rows
         return (stop - start, cols)
+
+
+@dataclass(frozen=True)
+class Shipped:
+    """A quantized weight's stored form: its codes' format, the block one scale covers (rows, columns of values),
+    the shape of its values and its scales' format ("f32", or "e8m0": powers of two)."""
+
+    format: str
+    block: tuple[int, int]
+    shape: tuple[int, ...]
+    scale_format: str
 
 
 def read_config(path: Path) -> dict:
@@ -220,6 +232,48 @@ class CheckpointReader:
 
     def array(self, name: str) -> np.ndarray:
         return self.tensor(name).numpy()
+
+    # -- the stored codes of a quantized weight (toolchain/compress/shipped.py) ---------------------------------
+
+    def shipped(self, name: str) -> Shipped | None:
+        """How the quantized weight ``name`` is stored (None for a tensor the checkpoint does not quantize)."""
+        entry = self._entry(name)
+        if entry.scale is None or entry.block is None:
+            return None
+        return Shipped("f4e2m1" if entry.fp4 else "f8e4m3", entry.block, entry.shape,
+                       "e8m0" if entry.scale.dtype == fp4.E8M0 else "f32")
+
+    def shipped_codes(self, name: str) -> np.ndarray:
+        """The weight's codes, one value per element [rows, cols]: ml_dtypes float8_e4m3fn, or float4_e2m1fn
+        unpacked from two per byte (the low nibble is the even column: toolchain/checkpoint/fp4.py)."""
+        entry = self._entry(name)
+        with self._lock:
+            try:
+                q = self._read(entry.stored, entry.expert, entry.rows).contiguous()
+            finally:
+                self.close()
+        if not entry.fp4:
+            return q.view(torch.uint8).numpy().view(ml_dtypes.float8_e4m3fn)
+        packed = q.view(torch.uint8).numpy()
+        codes = np.empty((packed.shape[0], 2 * packed.shape[1]), np.uint8)
+        codes[:, 0::2], codes[:, 1::2] = packed & 0x0F, packed >> 4
+        return codes.view(ml_dtypes.float4_e2m1fn)
+
+    def shipped_scales(self, name: str) -> np.ndarray:
+        """float32 [row blocks, column blocks] of the weight's scales (the rows of an expert's part of a fused
+        tensor), checked as when the weight is dequantized."""
+        entry = self._entry(name)
+        assert entry.scale is not None and entry.block is not None  # a shipped weight (``shipped``)
+        with self._lock:
+            try:
+                scale = self._read(entry.scale, entry.expert).to(torch.float32)
+            finally:
+                self.close()
+        self._check_scale_values(entry.scale, scale)
+        if entry.rows is not None:
+            start, stop = entry.rows
+            scale = scale[start // entry.block[0]:math.ceil(stop / entry.block[0])]
+        return scale.numpy()
 
     def close(self) -> None:
         if self._handle is not None:

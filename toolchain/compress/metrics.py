@@ -20,6 +20,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+import ml_dtypes
 import numpy as np
 import onnx_ir as ir
 
@@ -92,6 +93,10 @@ def _bytes(values: Iterable[ir.Value | None]) -> int:
     return sum(v.const_value.nbytes for v in values if v is not None and v.const_value is not None)
 
 
+# DequantizeLinear's float codes (the shipped scheme's: toolchain/compress/shipped.py) -> their label
+_FLOAT_CODES = {np.dtype(ml_dtypes.float8_e4m3fn): "fp8-e4m3", np.dtype(ml_dtypes.float4_e2m1fn): "fp4-e2m1"}
+
+
 def restored_onnx(model: ir.Model, weights: list[Weight]) -> dict[str, Restored]:
     producers = {v.name: node for node in model.graph for v in node.outputs}
     out = {}
@@ -109,8 +114,9 @@ def restored_onnx(model: ir.Model, weights: list[Weight]) -> dict[str, Restored]
             q = constant(dq.inputs[0])
             sym = len(dq.inputs) < 3 or dq.inputs[2] is None
             block_size = dq.attributes.get("block_size")
-            label = f"int{8 if q.dtype in (np.int8, np.uint8) else 4}-{'sym' if sym else 'asym'}-" + \
-                (f"g{block_size.as_int()}" if block_size is not None and block_size.as_int() else "per-axis")
+            blocks = f"g{block_size.as_int()}" if block_size is not None and block_size.as_int() else "per-axis"
+            label = f"{_FLOAT_CODES[q.dtype]}-{blocks}" if q.dtype in _FLOAT_CODES else \
+                f"int{8 if q.dtype in (np.int8, np.uint8) else 4}-{'sym' if sym else 'asym'}-{blocks}"
             out[w.name] = Restored(dequantize_linear(dq), _bytes(dq.inputs), label)
         else:
             array = constant(source)
@@ -143,8 +149,9 @@ def restored_openvino(model, weights: list[Weight]) -> dict[str, Restored]:
         if op.get_type_name() == "MatMul" and op.get_attributes().get("transpose_b"):
             array = array.T
         types = {c.get_element_type().get_type_name() for c in consts}
-        low = next((t for t in ("u4", "i4", "u8", "i8", "f16") if t in types), "f32")
-        label = {"u4": "int4-asym", "i4": "int4-sym", "u8": "int8-asym", "i8": "int8-sym"}.get(low, "fp32")
+        low = next((t for t in ("f4e2m1", "u4", "i4", "f8e4m3", "u8", "i8", "f16") if t in types), "f32")
+        label = {"u4": "int4-asym", "i4": "int4-sym", "u8": "int8-asym", "i8": "int8-sym", "f8e4m3": "fp8-e4m3",
+                 "f4e2m1": "fp4-e2m1"}.get(low, "fp32")
         big = max(consts, key=lambda c: c.get_byte_size())
         if label.startswith("int4") and len(big.get_output_shape(0)) == 3:
             label += f"-g{big.get_output_shape(0)[2]}"

@@ -31,10 +31,13 @@ from dataclasses import dataclass
 
 from toolchain.errors import InputError
 
-SCHEMES = ("int4-grouped", "int8-per-channel", "int8-per-head")
+SCHEMES = ("int4-grouped", "int8-per-channel", "int8-per-head", "shipped")
 # Precisions a weight can end up in: "int4" (NNCF, grouped), "int8" (NNCF per channel, or the per-head pass's
 # per-channel/per-row form in the int8-per-head scheme), "int8-per-head" (the pass), "fp32" (untouched).
-SCHEME_PRECISION = {"int4-grouped": "int4", "int8-per-channel": "int8", "int8-per-head": "int8-per-head"}
+# "shipped": the checkpoint's own FP8/FP4 codes where it stores them, every other weight as exported
+# (toolchain/compress/shipped.py plans it from the checkpoint)
+SCHEME_PRECISION = {"int4-grouped": "int4", "int8-per-channel": "int8", "int8-per-head": "int8-per-head",
+                    "shipped": "shipped"}
 EDGE_CHOICES = ("int8", "int4", "fp32")  # embeddings, lm_head
 ROUTER_CHOICES = ("fp32", "int8", "scheme")
 SHARED_CHOICES = ("scheme", "int8", "fp32")

@@ -19,7 +19,7 @@ import torch
 
 from toolchain.errors import DstcError
 from toolchain.export.weights import ChunkedTensor, LazyArray, Params
-from toolchain.interface.graph import LAYER, ROLE
+from toolchain.interface.graph import LAYER, ROLE, SOURCE
 
 OPSET = 18
 
@@ -59,7 +59,10 @@ class GraphBuilder:
         """The decoder layer being built (the index of its ``layers.N`` scope); None outside the layers."""
         return next((int(part[len("layers."):]) for part in self._scope if part.startswith("layers.")), None)
 
-    def _annotate(self, tensor) -> None:
+    def _annotate(self, tensor, array=None) -> None:
+        provenance = array.provenance if isinstance(array, LazyArray) else None
+        if provenance:
+            tensor.metadata_props[SOURCE] = provenance
         if self._roles:
             tensor.metadata_props[ROLE] = self._roles[-1]
         if self.layer is not None:
@@ -93,7 +96,7 @@ class GraphBuilder:
         if self.bf16 and isinstance(array, LazyArray) and array.dtype == torch.bfloat16 and len(array.shape) >= 2:
             tensor = ir.LazyTensor(lambda: cast(ir.TensorProtocol, ChunkedTensor(array, full, torch.bfloat16)),
                                    dtype=ir.DataType.BFLOAT16, shape=ir.Shape(array.shape), name=full)
-            self._annotate(tensor)
+            self._annotate(tensor, array)
             stored = self.tape.initializer(tensor, name=full)
             widened = self.tape.op("Cast", [stored], {"to": ir.DataType.FLOAT}, name=f"{full}/Cast")
             widened.name, widened.dtype, widened.shape = f"{full}/Cast/out", ir.DataType.FLOAT, ir.Shape(array.shape)
@@ -107,7 +110,7 @@ class GraphBuilder:
         else:
             tensor = ir.LazyTensor(lambda: ir.tensor(np.ascontiguousarray(array)),
                                    dtype=ir.DataType.from_numpy(array.dtype), shape=ir.Shape(array.shape), name=full)
-        self._annotate(tensor)
+        self._annotate(tensor, array)
         return self.tape.initializer(tensor, name=full)
 
     def const(self, value, dtype=np.int64) -> ir.Value:

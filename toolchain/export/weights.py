@@ -17,6 +17,7 @@ to float32 (toolchain/export/graph.py): the same float32 values after the Cast, 
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -53,23 +54,34 @@ class LazyArray:
     rows: np.ndarray | None = None
     transposed: bool = False
     dtype: torch.dtype = torch.float32
+    source: str | None = None  # the checkpoint tensor read (the graph's dstc.source: toolchain/compress/shipped.py)
 
     @property
     def T(self) -> LazyArray:  # noqa: N802 - numpy's name
         if len(self.shape) != 2:
             raise ValueError(f"only a matrix is transposed lazily, not shape {self.shape}")
-        return LazyArray(self.shape[::-1], self.read, self.rows, not self.transposed, self.dtype)
+        return LazyArray(self.shape[::-1], self.read, self.rows, not self.transposed, self.dtype, self.source)
 
     def __getitem__(self, index) -> LazyArray:
         """Rows of the source (an index array or a slice), before any transpose."""
         if self.transposed or self.rows is not None:
             raise ValueError("a lazy weight takes one row selection, before it is transposed")
         rows = np.arange(self.shape[0])[index]
-        return LazyArray((len(rows), *self.shape[1:]), self.read, rows, dtype=self.dtype)
+        return LazyArray((len(rows), *self.shape[1:]), self.read, rows, dtype=self.dtype, source=self.source)
 
     @property
     def nbytes(self) -> int:
         return int(np.prod(self.shape, dtype=np.int64)) * 4
+
+    @property
+    def provenance(self) -> str | None:
+        """JSON of where a matrix's values come from: the checkpoint tensor, whether it is transposed and the
+        source rows it selects (None: all, in order); None for anything else."""
+        if self.source is None or len(self.shape) != 2:
+            return None
+        rows = None if self.rows is None else self.rows.tolist()
+        return json.dumps({"tensor": self.source, "transposed": self.transposed, "rows": rows},
+                          separators=(",", ":"))
 
     def _source(self) -> torch.Tensor:
         if self.read is None:
@@ -177,7 +189,7 @@ class Params:
         if reader is None:
             raise ValueError("a meta-device model needs a checkpoint reader for its weights")
         dtype = reader.natural_dtype(name)
-        return LazyArray(shape, lambda: reader.tensor(name, dtype), dtype=dtype)
+        return LazyArray(shape, lambda: reader.tensor(name, dtype), dtype=dtype, source=name)
 
     def array(self, t: torch.Tensor) -> np.ndarray | LazyArray:
         if t.device.type != "meta":

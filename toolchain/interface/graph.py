@@ -43,6 +43,8 @@ GENAI_MODEL_TYPE = "dstc.genai_model_type"  # onnxruntime-genai's model type; em
 # ... and on each weight initializer of the exported graph.
 ROLE = "dstc.role"
 LAYER = "dstc.layer"
+# JSON: the checkpoint tensor a matrix is read from, transposed or not, and its rows (export/weights.py provenance)
+SOURCE = "dstc.source"
 
 LATENT = "latent"
 PER_TOKEN = "per-token"  # DeepSeek-V4's K=V and compressor projections per token (toolchain/export/deepseek_v4.py)

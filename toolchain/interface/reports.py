@@ -256,7 +256,7 @@ class CompressionReport(StageReport):
     SCHEMA: ClassVar[str] = "dstc.compression/1"
     schema_: str = Field(SCHEMA, alias="schema")
     target: Literal["openvino", "onnxruntime"]
-    scheme: Literal["int4-grouped", "int8-per-channel", "int8-per-head"]
+    scheme: Literal["int4-grouped", "int8-per-channel", "int8-per-head", "shipped"]
     options: CompressionOptions
     policy: CompressionPolicy
     source: dict

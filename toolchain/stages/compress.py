@@ -34,7 +34,16 @@ import onnx_ir as ir
 
 from toolchain import __version__
 from toolchain.atomic import atomic_output_dir
-from toolchain.compress import calibration, engine, metrics, moe as fused_moe, streamed_awq, streaming as stream
+from toolchain.checkpoint.reader import open_checkpoint
+from toolchain.compress import (
+    calibration,
+    engine,
+    metrics,
+    moe as fused_moe,
+    shipped,
+    streamed_awq,
+    streaming as stream,
+)
 from toolchain.compress.layer_statistics import linear_statistics
 from toolchain.compress.policy import Policy, layer_of, role_of
 from toolchain.compress.streaming import blocked_dq_to_nbits
@@ -126,10 +135,12 @@ def compress(in_dir: Path, out_dir: Path, section: CompressSection, *, target: s
     """
     in_dir, out_dir = Path(in_dir), Path(out_dir)
     check_target(section, target)
+    report, source = read_export(in_dir, source)
+    if section.scheme == "shipped":
+        shipped.check_source(source, target)
     policy = Policy(section.scheme, embeddings=section.embeddings, lm_head=section.lm_head, router=section.router,
                     shared_experts=section.shared_experts, ignored_scope=tuple(section.ignore),
                     int8_scope=tuple(section.int8))
-    report, source = read_export(in_dir, source)
     config = json.loads((source / "config.json").read_text())
     timings: dict[str, float] = {}
 
@@ -140,8 +151,14 @@ def compress(in_dir: Path, out_dir: Path, section: CompressSection, *, target: s
                           head_blocks={p: w for p, (side, w) in layout.items() if side == "out"})
     fused = fused_moe.fused_layers(model)  # experts of a fused MoE lowering, which NNCF does not see
     fused_moe.check(fused, target, opts)
+    if fused and opts.scheme == "shipped":
+        raise InputError(f"{in_dir}: the shipped scheme rewrites each routed expert's MatMul weight; export with "
+                         f"the dispatch MoE lowering (moe: dispatch), not a fused one")
     weight_bytes = float32_bytes(model)  # bf16-stored weights as float32: the same choice for either storage
     if opts.streaming == "always" or (opts.streaming == "auto" and weight_bytes > STREAMING_BYTES):
+        if opts.scheme == "shipped":  # not built yet: the rewrite itself streams, the error measurement does not
+            raise InputError(f"{in_dir} has {weight_bytes / 2**30:.1f} GiB of float weights: the shipped scheme runs "
+                             f"on the whole-model path only (streaming: never, below 2 GiB)")
         if opts.gptq or opts.ratio < 1.0:
             raise InputError(f"{in_dir} has {weight_bytes / 2**30:.1f} GiB of float weights: gptq and ratio < 1 run "
                              f"on the whole model and are not available in bounded memory; use the data-free scheme, "
@@ -155,6 +172,11 @@ def compress(in_dir: Path, out_dir: Path, section: CompressSection, *, target: s
     engine.widen_stored_weights(model)  # NNCF and the metrics take float32 weights
     weights = engine.graph_weights(model)
     plan = policy.plan(weights)
+    reader = None
+    if opts.scheme == "shipped":
+        reader = open_checkpoint(source)
+        found = shipped.sources(model, weights, reader)
+        plan = {w.name: shipped.PRECISION if w.name in found else "fp32" for w in weights}
     specs = cache_spec((v.name, v.shape) for v in model.graph.inputs)
     texts = calibration.load_texts(opts.dataset, CALIBRATION_SEQUENCES)
     sequences, tokenization = calibration.token_sequences(texts, source, config["vocab_size"])
@@ -175,7 +197,15 @@ def compress(in_dir: Path, out_dir: Path, section: CompressSection, *, target: s
     with atomic_output_dir(out_dir) as tmp:
         t0 = time.perf_counter()
         nncf_dataset = engine.numpy_dataset(feed_list) if opts.data_aware else None
-        if target == "onnxruntime":
+        if reader is not None:
+            with reader:
+                compressed, files, run, details = _shipped(model, found, weights, reader, target, tmp, routers, log)
+            restored = metrics.restored_onnx(compressed, weights) if target == "onnxruntime" else \
+                metrics.restored_openvino(compressed, weights)
+            timings["compress_s"] = time.perf_counter() - t0
+            if target == "onnxruntime":
+                details["onnxruntime_kernels"] = ort_kernels(tmp / "model.onnx", feed_list[0])
+        elif target == "onnxruntime":
             compressed, details = engine.compress_onnx(model, plan, opts, nncf_dataset, log)
             restored = metrics.restored_onnx(compressed, weights)
             details["ort_rewrites"] = {"blocked_dq_to_matmul_nbits": blocked_dq_to_nbits(compressed),
@@ -223,6 +253,26 @@ def compress(in_dir: Path, out_dir: Path, section: CompressSection, *, target: s
             timings={k: round(v, 3) for k, v in timings.items()})
         typed.write(tmp / "compression.json")
     return typed.dump()
+
+
+def _shipped(model, found, weights, reader, target, tmp, routers, log):
+    """The shipped scheme on the whole model (toolchain/compress/shipped.py): the graph rewritten and saved for
+    ``target``, the weights read from the checkpoint as it is written; (graph, files, a runner of it,
+    details)."""
+    details = shipped.rewrite(model, found, weights, reader, log)
+    if target == "onnxruntime":
+        files = save_graph(model, tmp / "model.onnx")
+        loaded = load_graph(tmp / "model.onnx")
+        return loaded, files, GraphRunner(loaded, "onnxruntime", extra_outputs=list(routers.values())), details
+    import openvino as ov
+
+    path = tmp / "pre-openvino.onnx"
+    save_graph(model, path)
+    converted = ov.convert_model(str(path))
+    path.unlink()
+    ov.save_model(converted, tmp / OPENVINO_XML, compress_to_fp16=False)
+    files = [OPENVINO_XML, OPENVINO_XML.replace(".xml", ".bin")]
+    return converted, files, GraphRunner(converted, "openvino", extra_outputs=list(routers.values())), details
 
 
 def _head(target, options, policy, report, in_dir, tmp, files, weight_rows) -> dict:
