@@ -189,7 +189,10 @@ class Params:
         if reader is None:
             raise ValueError("a meta-device model needs a checkpoint reader for its weights")
         dtype = reader.natural_dtype(name)
-        return LazyArray(shape, lambda: reader.tensor(name, dtype), dtype=dtype, source=name)
+        # where a quantized weight's stored codes are, for the shipped scheme; nothing for the others, whose graphs
+        # stay the bytes they were
+        source = name if reader.shipped(name) is not None else None
+        return LazyArray(shape, lambda: reader.tensor(name, dtype), dtype=dtype, source=source)
 
     def array(self, t: torch.Tensor) -> np.ndarray | LazyArray:
         if t.device.type != "meta":
