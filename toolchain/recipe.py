@@ -17,6 +17,7 @@ from pydantic import Field, ValidationError, model_validator
 from toolchain.errors import InputError, RecipeError
 from toolchain.evaluate.settings import EvalSettings
 from toolchain.gates import GateLimits
+from toolchain.interface.reports import CompressionScheme
 from toolchain.section import Section
 
 Backend = Literal["openvino", "onnxruntime"]
@@ -59,7 +60,7 @@ class PassesSection(Section):
 
 class CompressSection(Section):
     # shipped: the checkpoint's FP8 / FP4 weights kept as they ship (codes and scales), the rest as exported
-    scheme: Literal["int4-grouped", "int8-per-channel", "int8-per-head", "shipped"]
+    scheme: CompressionScheme
     group_size: Literal[32, 64, 128] = 128
     sym: bool = False
     ratio: float = Field(1.0, gt=0, le=1)

@@ -68,6 +68,21 @@ def test_compression_json_refuses_unknown_keys_and_other_versions(built):
             CompressionReport.parse(changed, "compression.json")
 
 
+def test_compression_json_options_and_policy_are_the_recipe_sections_fields():
+    """compression.json's options are compress-section fields by their names, its policy the section's policy
+    fields (ignore and int8 as the scopes they name), and its schemes the section's: nothing spelled twice."""
+    from toolchain.compress.policy import SCHEMES, SCHEME_PRECISION, Policy
+    from toolchain.interface.reports import CompressionOptions, CompressionPolicy
+    from toolchain.recipe import CompressSection
+
+    assert set(CompressionOptions.model_fields) <= set(CompressSection.model_fields)
+    section = CompressSection(scheme="int4-grouped", ignore=["a"], int8=["b"], router="int8")
+    assert CompressionPolicy(**Policy.of(section).as_dict()) == CompressionPolicy(
+        embeddings="int8", lm_head="int8", router="int8", shared_experts="scheme", ignored_scope=["a"],
+        int8_scope=["b"])
+    assert set(SCHEMES) == set(SCHEME_PRECISION) == set(CompressionReport.model_fields["scheme"].annotation.__args__)
+
+
 def test_stage_record_round_trips(built):
     _, whole, _ = built
     text = (whole / "stage.json").read_text()

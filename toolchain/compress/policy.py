@@ -28,19 +28,24 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import get_args
 
 from toolchain.errors import InputError
+from toolchain.recipe import CompressSection
 
-SCHEMES = ("int4-grouped", "int8-per-channel", "int8-per-head", "shipped")
+
+def _choices(field: str) -> tuple[str, ...]:
+    """The values a recipe's compress section allows for ``field`` (its Literal): spelled there only."""
+    return get_args(CompressSection.model_fields[field].annotation)
+
+
+SCHEMES = _choices("scheme")
 # Precisions a weight can end up in: "int4" (NNCF, grouped), "int8" (NNCF per channel, or the per-head pass's
 # per-channel/per-row form in the int8-per-head scheme), "int8-per-head" (the pass), "fp32" (untouched).
 # "shipped": the checkpoint's own FP8/FP4 codes where it stores them, every other weight as exported
 # (toolchain/compress/shipped.py plans it from the checkpoint)
 SCHEME_PRECISION = {"int4-grouped": "int4", "int8-per-channel": "int8", "int8-per-head": "int8-per-head",
                     "shipped": "shipped"}
-EDGE_CHOICES = ("int8", "int4", "fp32")  # embeddings, lm_head
-ROUTER_CHOICES = ("fp32", "int8", "scheme")
-SHARED_CHOICES = ("scheme", "int8", "fp32")
 ROLES = ("embeddings", "lm_head", "router", "shared_expert", "routed_expert", "attention", "mlp")
 
 _LAYER = re.compile(r"(?:^|/)layers\.(\d+)/")
@@ -80,10 +85,8 @@ class Policy:
     def __post_init__(self) -> None:
         if self.scheme not in SCHEMES:
             raise InputError(f"unknown scheme {self.scheme!r}; schemes: {', '.join(SCHEMES)}")
-        for name, value, choices in (("embeddings", self.embeddings, EDGE_CHOICES),
-                                     ("lm_head", self.lm_head, EDGE_CHOICES),
-                                     ("router", self.router, ROUTER_CHOICES),
-                                     ("shared_experts", self.shared_experts, SHARED_CHOICES)):
+        for name in ("embeddings", "lm_head", "router", "shared_experts"):
+            value, choices = getattr(self, name), _choices(name)
             if value not in choices:
                 raise InputError(f"{name} policy {value!r} is not one of {', '.join(choices)}")
         for what, scope in (("ignored scope", self.ignored_scope), ("int8 scope", self.int8_scope)):
@@ -92,6 +95,13 @@ class Policy:
                     re.compile(pattern)
                 except re.error as e:
                     raise InputError(f"{what} pattern {pattern!r} is not a regular expression: {e}") from None
+
+    @classmethod
+    def of(cls, section: CompressSection) -> Policy:
+        """The policy a recipe's compress section states."""
+        return cls(section.scheme, embeddings=section.embeddings, lm_head=section.lm_head, router=section.router,
+                   shared_experts=section.shared_experts, ignored_scope=tuple(section.ignore),
+                   int8_scope=tuple(section.int8))
 
     def ignored(self, weight_name: str, node_name: str) -> bool:
         return _matches(self.ignored_scope, weight_name, node_name)

@@ -248,6 +248,10 @@ class LayerRow(_Model):
     output_error_mean: float | None
 
 
+# the compression schemes: a recipe's compress.scheme (toolchain/recipe.py) is this type
+CompressionScheme = Literal["int4-grouped", "int8-per-channel", "int8-per-head", "shipped"]
+
+
 class CompressionReport(StageReport):
     """compression.json, for both forms of compression (whole model and streamed, ``streaming``). Measurements that
     were not made are written as null rather than left out, so it is dumped as it was built (unset fields left
@@ -256,7 +260,7 @@ class CompressionReport(StageReport):
     SCHEMA: ClassVar[str] = "dstc.compression/1"
     schema_: str = Field(SCHEMA, alias="schema")
     target: Literal["openvino", "onnxruntime"]
-    scheme: Literal["int4-grouped", "int8-per-channel", "int8-per-head", "shipped"]
+    scheme: CompressionScheme
     options: CompressionOptions
     policy: CompressionPolicy
     source: dict

@@ -50,7 +50,7 @@ from toolchain.compress.streaming import blocked_dq_to_nbits
 from toolchain.errors import InputError
 from toolchain.export.graph import float32_bytes, load_graph, save_graph
 from toolchain.interface.graph import HEAD_LAYOUT, cache_spec
-from toolchain.interface.reports import CompressionReport
+from toolchain.interface.reports import CompressionOptions, CompressionReport
 from toolchain.recipe import CompressSection
 from toolchain.runtime.engines import GraphRunner, ort_kernels
 from toolchain.stages.inputs import read_export
@@ -138,9 +138,7 @@ def compress(in_dir: Path, out_dir: Path, section: CompressSection, *, target: s
     report, source = read_export(in_dir, source)
     if section.scheme == "shipped":
         shipped.check_source(source, target)
-    policy = Policy(section.scheme, embeddings=section.embeddings, lm_head=section.lm_head, router=section.router,
-                    shared_experts=section.shared_experts, ignored_scope=tuple(section.ignore),
-                    int8_scope=tuple(section.int8))
+    policy = Policy.of(section)
     config = json.loads((source / "config.json").read_text())
     timings: dict[str, float] = {}
 
@@ -283,11 +281,9 @@ def _head(target, options, policy, report, in_dir, tmp, files, weight_rows) -> d
         "dstc_version": __version__,
         "target": target,
         "scheme": options.scheme,
-        "options": {"group_size": options.group_size, "sym": options.sym, "ratio": options.ratio,
-                    "backup": options.backup, "awq": options.awq, "scale_estimation": options.scale_estimation,
-                    "gptq": options.gptq, "dataset": options.dataset,
-                    "accuracy_level": options.accuracy_level if target == "onnxruntime" else None,
-                    "prefill_int8": options.prefill_int8},
+        # the report's fields are the section's, by name (tests/report/test_typed_reports.py holds them so)
+        "options": {**{name: getattr(options, name) for name in CompressionOptions.model_fields},
+                    "accuracy_level": options.accuracy_level if target == "onnxruntime" else None},
         "policy": policy.as_dict(),
         "source": {"export": str(in_dir), **report["source"]},
         "files": sorted([*files, "compression.json"]),
