@@ -280,7 +280,7 @@ def _plain(value):
 
 
 def open_decoder(artifact: Artifact, *, threads: int | None = None, extra_outputs: Sequence[str] = (),
-                 openvino_f32: bool = False) -> Decoder:
+                 openvino_f32: bool = False) -> RewindableDecoder:
     """A Decoder on the artifact's backend; ``threads`` None takes every CPU (ORT) or the plugin's choice
     (OpenVINO). ``extra_outputs``: graph values to return in ``extras`` after each forward. ``openvino_f32``:
     f32 compute and KV cache instead of the CPU plugin's deployment defaults (ONNX Runtime is fp32 already).

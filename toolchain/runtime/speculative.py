@@ -20,13 +20,16 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Protocol
 
 import numpy as np
 
 from toolchain.errors import InputError
-from toolchain.runtime.decoder import RewindableDecoder
+from toolchain.runtime.artifact import Artifact, open_artifact
+from toolchain.runtime.decoder import RewindableDecoder, open_decoder
 from toolchain.runtime.sampling import Sampling, distribution, next_token
+from toolchain.runtime.speculation_settings import SpeculationSettings
 
 
 class Drafter(Protocol):
@@ -55,8 +58,10 @@ class Acceptance:
 
     proposed: list[int] = field(default_factory=list)
     accepted: list[int] = field(default_factory=list)
+    steps: int = 0  # verify steps (forwards of the main model after the prefill), drafts or none
 
     def add(self, proposed: int, accepted: int) -> None:
+        self.steps += 1
         grow = max(0, proposed - len(self.proposed))
         self.proposed += [0] * grow
         self.accepted += [0] * grow
@@ -74,7 +79,8 @@ class Acceptance:
         return sum(self.accepted) / sum(self.proposed) if sum(self.proposed) else None
 
     def summary(self) -> dict:
-        return {"proposed_per_position": self.proposed, "accepted_per_position": self.accepted,
+        return {"verify_steps": self.steps, "proposed_per_position": self.proposed,
+                "accepted_per_position": self.accepted,
                 "acceptance_per_position": [round(r, 6) for r in self.rates],
                 "acceptance": None if self.rate is None else round(self.rate, 6)}
 
@@ -94,10 +100,11 @@ def verify_sampled(drafts: list[int], draft_probs: list[np.ndarray] | None, targ
     """(accepted drafts, the next token) by speculative sampling: ``draft_probs`` the distribution each draft was
     drawn from (None: one-hot), ``target_probs`` [len(drafts) + 1, vocab] the main model's at the fed token and
     each draft. The tokens returned (the accepted drafts, then the next) follow ``target_probs``'s chain."""
+    vocab = target_probs.shape[-1]
     for position, token in enumerate(drafts):
         p = target_probs[position]
-        q = draft_probs[position] if draft_probs is not None else _one_hot(token, len(p))
-        if rng.random() * q[token] < p[token]:  # accepted with probability min(1, p / q)
+        q = _aligned(draft_probs[position], vocab) if draft_probs is not None else _one_hot(token, vocab)
+        if token < vocab and rng.random() * q[token] < p[token]:  # accepted with probability min(1, p / q)
             continue
         residual = np.maximum(p - q, 0.0)
         return position, int(rng.choice(len(residual), p=residual / residual.sum()))
@@ -107,17 +114,27 @@ def verify_sampled(drafts: list[int], draft_probs: list[np.ndarray] | None, targ
 
 def _one_hot(token: int, size: int) -> np.ndarray:
     hot = np.zeros(size)
-    hot[token] = 1.0
+    if token < size:
+        hot[token] = 1.0
     return hot
+
+
+def _aligned(probs: np.ndarray, size: int) -> np.ndarray:
+    """A draft model's distribution over the main model's vocabulary: a tokenizer's models may pad their embedding
+    to different sizes (ids past the tokenizer's, never drawn by a trained model)."""
+    if len(probs) >= size:
+        return probs[:size]
+    return np.concatenate([probs, np.zeros(size - len(probs))])
 
 
 def speculative_steps(decoder: RewindableDecoder, drafter: Drafter, prompt: list[int], *, max_new_tokens: int,
                       stop_ids: set[int], draft_tokens: int, acceptance: Acceptance,
                       sampling: Sampling | None = None, rng: np.random.Generator | None = None
                       ) -> Iterator[list[int]]:
-    """The new tokens of each forward of the main model (the prefill's one, then each verify step's accepted
-    drafts and next token), until a stop id (not yielded) or ``max_new_tokens`` in all, as greedy_generate
-    ends. ``acceptance`` counts the drafts. ``sampling`` None or at temperature 0: greedy; else ``rng`` draws."""
+    """The new tokens of each forward of the main model as soon as it is verified (the prefill's one, then each
+    verify step's accepted drafts and next token), until a stop id (not yielded) or ``max_new_tokens`` in all, as
+    greedy_generate ends. ``acceptance`` counts the drafts. ``sampling`` None or at temperature 0: greedy; else
+    ``rng`` draws."""
     if not prompt:
         raise InputError("every prompt needs at least one token")
     if draft_tokens < 1:
@@ -129,43 +146,37 @@ def speculative_steps(decoder: RewindableDecoder, drafter: Drafter, prompt: list
     sequence = list(prompt)
     logits = decoder.forward(np.array([sequence], np.int64), np.ones((1, len(sequence)), np.int64), 1)
     extras = decoder.extras
-    pending = next_token(logits[0, -1], sampling, rng)  # decided, not yet in the main model's cache
-    produced = 0
+    new = [next_token(logits[0, -1], sampling, rng)]  # the tokens the last forward decided
     while True:
-        if pending in stop_ids:
+        for index, token in enumerate(new):
+            if token in stop_ids:
+                if index:
+                    yield new[:index]
+                return
+        sequence += new
+        yield new
+        produced = len(sequence) - len(prompt)
+        if produced >= max_new_tokens:
             return
-        sequence.append(pending)
-        produced += 1
-        emitted = [pending]
         # at most as many drafts as the budget has room for beside the next token: the cache never holds more
         # positions than plain decoding's
         k = min(draft_tokens, max_new_tokens - produced - 1)
-        if k < 0:
-            yield emitted
-            return
         drafts = [int(t) for t in drafter.propose(sequence, extras, k)[:k]] if k else []
-        cached = len(sequence) - 1  # the pending token is fed now, with the drafts
-        fed = [pending, *drafts]
+        cached = len(sequence) - 1  # the last token is not in the cache yet: fed now, with the drafts
+        fed = [sequence[-1], *drafts]
         logits = decoder.forward(np.array([fed], np.int64), np.ones((1, cached + len(fed)), np.int64), 0)[0]
         if sampling.greedy:
-            accepted, pending = verify_greedy(drafts, logits)
+            accepted, following = verify_greedy(drafts, logits)
         else:
             target = np.stack([distribution(row, sampling) for row in logits])
-            accepted, pending = verify_sampled(drafts, drafter.draft_probs, target, rng)
+            accepted, following = verify_sampled(drafts, drafter.draft_probs, target, rng)
         acceptance.add(len(drafts), accepted)
         keep = cached + 1 + accepted
         if accepted < len(drafts):
             decoder.rollback(keep)
         drafter.rollback(keep)
         extras = {name: value[:, :1 + accepted] for name, value in decoder.extras.items()}
-        for token in drafts[:accepted]:
-            if token in stop_ids:
-                yield emitted
-                return
-            sequence.append(token)
-            emitted.append(token)
-        produced += accepted
-        yield emitted
+        new = [*drafts[:accepted], following]
 
 
 class PromptLookup:
@@ -173,7 +184,7 @@ class PromptLookup:
     n tokens (n from ``max_ngram`` down to ``min_ngram``) are looked for earlier in it, and the tokens that followed
     their first occurrence are the draft. Nothing to cache, nothing to roll back."""
 
-    draft_probs = None
+    draft_probs: list[np.ndarray] | None = None  # drafts deterministically
 
     def __init__(self, max_ngram: int = 3, min_ngram: int = 1) -> None:
         if not 1 <= min_ngram <= max_ngram:
@@ -208,7 +219,8 @@ class DraftModel:
                  rng: np.random.Generator | None = None) -> None:
         self.decoder = decoder
         self.sampling = sampling or Sampling()
-        self.rng = rng if rng is not None else self.sampling.generator()
+        # its own stream: one shared with the acceptance draws, or seeded alike, would correlate them
+        self.rng = rng if rng is not None else np.random.default_rng()
         self.draft_probs: list[np.ndarray] | None = None
         self.cached = 0  # positions in the draft decoder's cache
 
@@ -239,3 +251,42 @@ class DraftModel:
         if self.cached > keep:
             self.decoder.rollback(keep)
             self.cached = keep
+
+
+@dataclass
+class Speculation:
+    """A drafter and its draft length for a runner's sequences, and the acceptance counted over all of them."""
+
+    method: str  # SpeculationSettings.speculate
+    drafter: Drafter
+    draft_tokens: int
+    acceptance: Acceptance = field(default_factory=Acceptance)
+
+    def steps(self, decoder: RewindableDecoder, prompt: list[int], *, max_new_tokens: int, stop_ids: set[int],
+              sampling: Sampling | None = None, rng: np.random.Generator | None = None) -> Iterator[list[int]]:
+        """speculative_steps with this drafter, counting acceptance."""
+        return speculative_steps(decoder, self.drafter, prompt, max_new_tokens=max_new_tokens, stop_ids=stop_ids,
+                                 draft_tokens=self.draft_tokens, acceptance=self.acceptance, sampling=sampling,
+                                 rng=rng)
+
+    def summary(self) -> dict:
+        return {"method": self.method, "draft_tokens": self.draft_tokens, **self.acceptance.summary()}
+
+
+def open_speculation(settings: SpeculationSettings, artifact: Artifact, *, threads: int | None = None,
+                     openvino_f32: bool = False, sampling: Sampling | None = None) -> Speculation | None:
+    """The speculation ``settings`` ask for on ``artifact``'s sequences (None when they ask for none): a draft
+    artifact is opened as the main one is (same threads and numerics) and must have its tokenizer; InputError
+    otherwise."""
+    if settings.speculate is None:
+        return None
+    drafter: Drafter = PromptLookup()
+    if settings.draft_artifact is not None:
+        draft = open_artifact(Path(settings.draft_artifact))
+        if draft.tokenizer().get_vocab() != artifact.tokenizer().get_vocab():
+            raise InputError(f"the draft model {draft.path} has another tokenizer than {artifact.path}: speculative "
+                             "decoding needs the same token ids")
+        decoder = open_decoder(draft, threads=threads, openvino_f32=openvino_f32)
+        seed = None if sampling is None or sampling.seed is None else [sampling.seed, 1]  # apart from the main's
+        drafter = DraftModel(decoder, sampling, np.random.default_rng(seed))
+    return Speculation(settings.speculate, drafter, settings.draft_tokens)
