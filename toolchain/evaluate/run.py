@@ -64,7 +64,23 @@ def latency_metrics(cases: list[dict], load_s: float | None, peak_rss_mb: float 
                                 description=f"decode throughput ({where})")),
         ("peak_rss_mb", Metric(value=peak_rss_mb, unit="MB", direction="lower",
                                description="peak resident memory of the process running the artifact")),
+        *_speculative_metrics(case, where),
     ])
+
+
+def _speculative_metrics(case: dict | None, where: str) -> list[tuple[str, Metric]]:
+    """The headline case's speculative decoding (eval's speculate), when it was measured."""
+    spec = (case or {}).get("speculative")
+    if spec is None:
+        return []
+    how = f"{spec['method']}, {spec['draft_tokens']} draft tokens, {where}"
+    return [("speculative_acceptance", Metric(value=spec["acceptance"], unit="ratio", direction="higher",
+                                              description=f"draft tokens accepted ({how})")),
+            ("speculative_speedup", Metric(value=spec["speedup"], unit="x", direction="higher",
+                                           description=f"decode throughput over plain decoding's ({how})")),
+            ("speculative_greedy_match_rate", Metric(
+                value=spec["greedy_match"], unit="ratio", direction="higher",
+                description=f"share of the tokens before the first that differs from plain decoding's ({how})"))]
 
 
 def quantization_series(manifest: Manifest | None) -> tuple[list[LayerError], list[HeadError]]:
@@ -227,7 +243,8 @@ def evaluate_artifact(path: Path, settings: EvalSettings | None = None, *, refer
         latency = measure_latency(path, prompt_lengths=tuple(settings.prompt_lengths), batches=tuple(settings.batches),
                                   new_tokens=settings.new_tokens, warmup=settings.warmup,
                                   repetitions=settings.repetitions, threads=settings.threads,
-                                  openvino_f32=settings.openvino_f32)
+                                  openvino_f32=settings.openvino_f32, speculate=settings.speculate,
+                                  draft_tokens=settings.draft_tokens)
         cases = latency["cases"]
         metrics.update(latency_metrics(cases, latency["load_s"], latency["peak_rss_mb"]))
     metrics["model_size_mb"] = Metric(value=artifact.size_bytes / 1e6, unit="MB", direction="lower",
