@@ -224,3 +224,25 @@ def test_generate_speculates_to_the_same_text_and_reports_acceptance(artifact, m
     for bad, message in (("bogus", "--speculate: 'bogus' is neither"), (f"draft:{no_tokenizer.path}", "tokenizer")):
         code, out, err = run_cli(monkeypatch, capsys, "generate", *common, "--speculate", bad)
         assert code == 2 and out == "" and message in err and err.count("\n") == 1
+
+
+def test_a_rejection_where_p_and_q_differ_only_by_rounding_draws_from_p():
+    """q above p at the draft by rounding alone and the uniform draw at its top: rejected, and the residual
+    (zero everywhere) falls back to p instead of dividing by zero."""
+
+    class Top:
+        def __init__(self) -> None:
+            self.rng = np.random.default_rng(0)
+
+        def random(self) -> float:
+            return 1 - 1e-16
+
+        def choice(self, n, p):
+            return self.rng.choice(n, p=p)
+
+    p = np.array([0.5, 0.5 - 1e-12, 0.0])  # p <= q everywhere: max(p - q, 0) is zero
+    q = np.array([0.5 + 1e-12, 0.5 - 1e-12, 0.0])
+    rng = Top()
+    draws = [verify_sampled([0], [q], np.stack([p, p]), rng) for _ in range(200)]  # type: ignore[arg-type]
+    assert all(accepted == 0 for accepted, _ in draws)
+    assert {token for _, token in draws} == {0, 1}

@@ -107,6 +107,8 @@ def verify_sampled(drafts: list[int], draft_probs: list[np.ndarray] | None, targ
         if token < vocab and rng.random() * q[token] < p[token]:  # accepted with probability min(1, p / q)
             continue
         residual = np.maximum(p - q, 0.0)
+        if residual.sum() <= 0:  # p <= q everywhere only by rounding (p = q): the residual is p itself
+            residual = p
         return position, int(rng.choice(len(residual), p=residual / residual.sum()))
     last = target_probs[len(drafts)]
     return len(drafts), int(rng.choice(len(last), p=last))
