@@ -33,6 +33,7 @@ from toolchain.report.schema import SCHEMA, HeadError, LatencyCase, LayerError, 
 from toolchain.runtime.artifact import open_artifact
 from toolchain.runtime.decoder import open_decoder
 from toolchain.runtime.routing import router_outputs
+from toolchain.runtime.speculative import draft_artifact
 from toolchain.source_hashes import checkpoint_hashes
 
 if TYPE_CHECKING:
@@ -212,6 +213,7 @@ def evaluate_artifact(path: Path, settings: EvalSettings | None = None, *, refer
     settings = settings if settings is not None else EvalSettings()
     artifact = open_artifact(path)
     tokenizer = artifact.tokenizer()
+    draft_artifact(settings, artifact)  # a bad draft model is bad input now, not after the accuracy runs
     task = artifact.manifest is not None and artifact.manifest.source.kind == "embedded"
     data = load_data(settings, tokenizer, task=task,
                      max_length=int(artifact.config.get("max_position_embeddings") or settings.window))

@@ -275,6 +275,18 @@ class Speculation:
         return {"method": self.method, "draft_tokens": self.draft_tokens, **self.acceptance.summary()}
 
 
+def draft_artifact(settings: SpeculationSettings, artifact: Artifact) -> Artifact | None:
+    """The draft model's artifact that ``settings`` name, if any, checked (InputError) to be one and to have
+    ``artifact``'s tokenizer: what a command checks before it does any work."""
+    if settings.draft_artifact is None:
+        return None
+    draft = open_artifact(Path(settings.draft_artifact))
+    if draft.tokenizer().get_vocab() != artifact.tokenizer().get_vocab():
+        raise InputError(f"the draft model {draft.path} has another tokenizer than {artifact.path}: speculative "
+                         "decoding needs the same token ids")
+    return draft
+
+
 def open_speculation(settings: SpeculationSettings, artifact: Artifact, *, threads: int | None = None,
                      openvino_f32: bool = False, sampling: Sampling | None = None) -> Speculation | None:
     """The speculation ``settings`` ask for on ``artifact``'s sequences (None when they ask for none): a draft
@@ -283,11 +295,8 @@ def open_speculation(settings: SpeculationSettings, artifact: Artifact, *, threa
     if settings.speculate is None:
         return None
     drafter: Drafter = PromptLookup()
-    if settings.draft_artifact is not None:
-        draft = open_artifact(Path(settings.draft_artifact))
-        if draft.tokenizer().get_vocab() != artifact.tokenizer().get_vocab():
-            raise InputError(f"the draft model {draft.path} has another tokenizer than {artifact.path}: speculative "
-                             "decoding needs the same token ids")
+    draft = draft_artifact(settings, artifact)
+    if draft is not None:
         decoder = open_decoder(draft, threads=threads, openvino_f32=openvino_f32)
         seed = None if sampling is None or sampling.seed is None else [sampling.seed, 1]  # apart from the main's
         drafter = DraftModel(decoder, sampling, np.random.default_rng(seed))
