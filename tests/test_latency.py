@@ -59,7 +59,7 @@ def test_speculative_latency_of_the_batch_1_cases(ort_artifact):
     from toolchain.report.schema import LatencyCase
 
     for method in ("prompt-lookup", f"draft:{ort_artifact}"):
-        result = measure_latency(ort_artifact, prompt_lengths=(32,), batches=(1, 2), new_tokens=12, warmup=1,
+        result = measure_latency(ort_artifact, prompt_lengths=(32,), batches=(1, 2), new_tokens=12, warmup=0,
                                  repetitions=2, threads=1, speculate=method, draft_tokens=3)
         for case in result["cases"]:
             spec = case.get("speculative")
