@@ -247,3 +247,30 @@ def cache(tmp_path_factory):
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("DSTC_CACHE_DIR", str(cache))
         yield {**os.environ, "DSTC_CACHE_DIR": str(cache)}
+
+
+@pytest.fixture(scope="module")
+def artifact(tmp_path_factory, stage_cache):
+    """artifact(model, backend): an fp32 build of an embedded model (or a checkpoint directory), built on first
+    use."""
+    import yaml
+
+    from toolchain.build import build
+    from toolchain.runtime.artifact import open_artifact
+
+    root = tmp_path_factory.mktemp("runtime")
+    built = {}
+
+    def get(model: str, backend: str):
+        if (model, backend) not in built:
+            name = Path(model).name
+            recipe = root / f"{name}-{backend}.yaml"
+            recipe.write_text(yaml.safe_dump({"name": "t", "model": str(model), "export": {"parity": []},
+                                              "compile": {"backend": backend, "verify": False}}))
+            with pytest.MonkeyPatch.context() as mp:
+                mp.setenv("DSTC_CACHE_DIR", str(stage_cache))
+                build(recipe, root / f"{name}-{backend}")
+            built[model, backend] = open_artifact(root / f"{name}-{backend}")
+        return built[model, backend]
+
+    return get

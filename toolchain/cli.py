@@ -31,6 +31,7 @@ from toolchain.report.comparison import comparison_rows, render_comparison_html,
 from toolchain.report.markdown import render_summary
 from toolchain.report.schema import load_report
 from toolchain.runtime.artifact import open_artifact
+from toolchain.runtime.speculation_settings import SpeculationSettings
 from toolchain.serve.auth import load_api_keys
 from toolchain.serve.settings import SERVE_SPELLINGS, ServeSettings
 from toolchain.signing import generate_keys
@@ -572,7 +573,7 @@ def eval_cmd(artifact: Path, reference: str | None, out_dir: Path | None, as_jso
     match, MoE routing agreement. The reference runs one decoder layer at a time from the checkpoint, and its
     outputs are kept in the reference cache for the next artifact of the same model and data. Latency (in a fresh
     process): load time, time to first token P50/P90/P99, inter-token latency P50/P90, tokens/s, peak RSS, for
-    every prompt length x batch. Writes report.json (schema dstc.report/3), report.md and report.html.
+    every prompt length x batch. Writes report.json (schema dstc.report/4), report.md and report.html.
     """
     # loaded when the command runs: the CLI starts without numpy, torch or the runtimes
     from toolchain.evaluate.run import evaluate_artifact, write_report
@@ -670,20 +671,37 @@ def _print_gates(results) -> None:
               help="Wrap PROMPT in the tokenizer's chat template (default when it has one) or send it as is. "
                    "The embedded models were trained on raw text: use --raw with them.")
 @click.option("--threads", type=click.IntRange(1), default=None)
-def generate_cmd(artifact: Path, prompt: str, max_new_tokens: int, chat: bool | None, threads: int | None) -> None:
+@section_options(SpeculationSettings)
+@click.option("--json", "as_json", is_flag=True,
+              help="Print one JSON object when done (tokens, text, time, speculation's acceptance per draft "
+                   "position) instead of streaming the text.")
+def generate_cmd(artifact: Path, prompt: str, max_new_tokens: int, chat: bool | None, threads: int | None,
+                 as_json: bool, **options) -> None:
     """Generate greedily from PROMPT with ARTIFACT, streaming tokens as they come."""
     # loaded when the command runs: the CLI starts without numpy, torch or the runtimes
     from toolchain.runtime.decoder import open_decoder
-    from toolchain.runtime.generate import prompt_ids, stream_text
+    from toolchain.runtime.generate import answer_record, prompt_ids, stream_text
+    from toolchain.runtime.speculative import open_speculation
 
+    settings = given_section(SpeculationSettings, options)
     art = open_artifact(artifact)
     if chat is None:
         chat = bool(getattr(art.tokenizer(), "chat_template", None))
     art.check_length(len(prompt_ids(art, prompt, chat=chat)), max_new_tokens)  # before the model is loaded
+    speculation = open_speculation(settings, art, threads=threads)
     decoder = open_decoder(art, threads=threads)
-    for piece in stream_text(art, decoder, prompt, max_new_tokens=max_new_tokens, chat=chat):
+    if as_json:
+        click.echo(json.dumps(answer_record(art, decoder, prompt, max_new_tokens=max_new_tokens, chat=chat,
+                                            speculation=speculation), indent=2))
+        return
+    for piece in stream_text(art, decoder, prompt, max_new_tokens=max_new_tokens, chat=chat,
+                             speculation=speculation):
         click.echo(piece, nl=False)
     click.echo()
+    if speculation is not None:
+        rates = " ".join(f"{r:.2f}" for r in speculation.acceptance.rates)
+        click.echo(f"speculation: {speculation.acceptance.steps} verify steps, acceptance per draft position "
+                   f"{rates or 'n/a'}", err=True)
 
 
 @cli.group("passes")

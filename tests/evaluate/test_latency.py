@@ -50,3 +50,30 @@ def test_errors_in_the_child_surface_with_its_message(ort_artifact, tmp_path):
         measure_latency(broken, prompt_lengths=(8,), batches=(1,), new_tokens=2, repetitions=1)
     with pytest.raises(InputError, match="new_tokens >= 2"):
         measure_latency(ort_artifact, new_tokens=1)
+
+
+def test_speculative_latency_of_the_batch_1_cases(ort_artifact):
+    """With speculate, each batch-1 case is decoded again speculatively: the plain tokens at fp32 (greedy match 1),
+    acceptance counted per draft position, and the headline metrics and the report's schema take it."""
+    from toolchain.evaluate.run import latency_metrics
+    from toolchain.report.schema import LatencyCase
+
+    for method in ("prompt-lookup", f"draft:{ort_artifact}"):
+        result = measure_latency(ort_artifact, prompt_lengths=(32,), batches=(1, 2), new_tokens=12, warmup=0,
+                                 repetitions=2, threads=1, speculate=method, draft_tokens=3)
+        for case in result["cases"]:
+            spec = case.get("speculative")
+            if case["batch"] != 1:
+                assert spec is None
+                continue
+            assert spec["method"] == method and spec["draft_tokens"] == 3 and spec["greedy_match"] == 1.0
+            assert len(spec["ttft_ms"]) == 2 and spec["tokens_per_s"] > 0
+            assert spec["speedup"] == pytest.approx(spec["tokens_per_s"] / case["tokens_per_s"])
+            assert len(spec["proposed_per_position"]) <= 3 and spec["verify_steps"] >= 2 * 11 / 4
+            assert all(0 <= a <= p for a, p in zip(spec["accepted_per_position"], spec["proposed_per_position"]))
+            if method.startswith("draft:"):  # the artifact drafts for itself: every draft is its own argmax
+                assert spec["acceptance"] == 1.0 and spec["verify_steps"] == 2 * 3  # 11 tokens, 4 per step
+            LatencyCase.model_validate(case)
+        metrics = latency_metrics(result["cases"], result["load_s"], result["peak_rss_mb"])  # headline: the first
+        assert metrics["speculative_greedy_match_rate"].value == 1.0
+        assert metrics["speculative_acceptance"].value == result["cases"][0]["speculative"]["acceptance"]

@@ -15,11 +15,9 @@ import numpy as np
 import onnxruntime as ort
 import pytest
 import torch
-import yaml
 from transformers import DynamicCache
 
 from toolchain import source as sources
-from toolchain.build import build
 from toolchain.checkpoint.reference import cache_argument, is_moe, watch_expert_choice
 from toolchain.errors import InputError
 from toolchain.verify.parity import PROMPTS, graph_decoder
@@ -35,26 +33,6 @@ from toolchain.runtime.routing import router_outputs
 # OpenVINO runs at the CPU plugin's deployment defaults, which a native crash has taken down: in a child process.
 OPENVINO = pytest.param("openvino", marks=pytest.mark.subprocess)
 BACKENDS = ("onnxruntime", OPENVINO)
-
-
-@pytest.fixture(scope="module")
-def artifact(tmp_path_factory, stage_cache):
-    """artifact(model, backend): an fp32 build of an embedded model, built on first use."""
-    root = tmp_path_factory.mktemp("runtime")
-    built = {}
-
-    def get(model: str, backend: str):
-        if (model, backend) not in built:
-            recipe = root / f"{model}-{backend}.yaml"
-            recipe.write_text(yaml.safe_dump({"name": "t", "model": model, "export": {"parity": []},
-                                              "compile": {"backend": backend, "verify": False}}))
-            with pytest.MonkeyPatch.context() as mp:
-                mp.setenv("DSTC_CACHE_DIR", str(stage_cache))
-                build(recipe, root / f"{model}-{backend}")
-            built[model, backend] = open_artifact(root / f"{model}-{backend}")
-        return built[model, backend]
-
-    return get
 
 
 @pytest.fixture(scope="module")

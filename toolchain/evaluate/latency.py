@@ -12,6 +12,13 @@ measured, each a ``greedy_generate(..., ignore_stop=True)`` of exactly ``new_tok
 - ``peak_rss_mb``: the child's peak resident set (VmHWM on Linux, ru_maxrss elsewhere); ``rss_increase_mb``: that
   minus the peak after imports, i.e. what loading and running the model added.
 
+With ``speculate`` (toolchain/runtime/speculation_settings.py), each batch-1 case is then decoded again with
+speculative decoding, as many runs, and its ``speculative`` entry has the same ``ttft_ms`` and ``tokens_per_s``
+(a verify step's tokens each count for the step's time), their ratio to plain decoding's, the acceptance per draft
+position over the measured runs, and ``greedy_match``: the share of the tokens up to the first that differs from
+plain decoding's (1 at exact numerics; below where batching k positions in one forward rounds otherwise). The peak
+RSS is read before the drafter is opened: it is the artifact's alone.
+
 Prompts are held-out corpus text encoded by the artifact's tokenizer and cut to exactly the prompt length, each
 row of a batch a different stretch of it. A case whose prompt length + new_tokens exceeds the model's
 max_position_embeddings is skipped and listed under ``skipped``.
@@ -25,6 +32,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 import traceback
 from pathlib import Path
 
@@ -33,11 +41,14 @@ from toolchain.models.corpus import text_samples
 from toolchain.runtime.artifact import open_artifact
 from toolchain.runtime.decoder import open_decoder
 from toolchain.runtime.generate import greedy_generate
+from toolchain.runtime.speculation_settings import SpeculationSettings
+from toolchain.runtime.speculative import Acceptance, open_speculation
 
 
 def measure_latency(artifact_path: Path | str, *, prompt_lengths: tuple[int, ...] = (32, 128, 512),
                     batches: tuple[int, ...] = (1, 4), new_tokens: int = 32, warmup: int = 2, repetitions: int = 5,
-                    threads: int | None = None, openvino_f32: bool = False) -> dict:
+                    threads: int | None = None, openvino_f32: bool = False, speculate: str | None = None,
+                    draft_tokens: int = 4) -> dict:
     """Run the measurement in a child process and return its results. An InputError in the child (not an
     artifact, bad settings) is raised as one here; any other failure as a RuntimeError with the child's
     traceback."""
@@ -47,7 +58,7 @@ def measure_latency(artifact_path: Path | str, *, prompt_lengths: tuple[int, ...
                          "length and batch, each >= 1")
     settings = {"artifact": str(artifact_path), "prompt_lengths": list(prompt_lengths), "batches": list(batches),
                 "new_tokens": new_tokens, "warmup": warmup, "repetitions": repetitions, "threads": threads,
-                "openvino_f32": openvino_f32}
+                "openvino_f32": openvino_f32, "speculate": speculate, "draft_tokens": draft_tokens}
     with tempfile.TemporaryDirectory(prefix="dstc-latency-") as tmp:
         out = Path(tmp) / "result.json"
         proc = subprocess.run([sys.executable, "-m", __name__, json.dumps(settings), str(out)],
@@ -95,6 +106,7 @@ def _measure(settings: dict) -> dict:
     new_tokens, repetitions = settings["new_tokens"], settings["repetitions"]
     context = artifact.config.get("max_position_embeddings")
     cases, skipped = [], []
+    plain: dict[tuple[int, int], tuple[list[list[int]], list[int]]] = {}  # case -> prompts, first row's tokens
     for length in settings["prompt_lengths"]:
         if context is not None and length + new_tokens > context:
             skipped.append({"prompt_length": length, "new_tokens": new_tokens, "max_position_embeddings": context})
@@ -103,6 +115,7 @@ def _measure(settings: dict) -> dict:
             prompts = _prompts(tokenizer, length, batch)
             runs = [greedy_generate(decoder, prompts, new_tokens, set(), artifact.pad_token_id, ignore_stop=True)
                     for _ in range(settings["warmup"] + repetitions)][settings["warmup"]:]
+            plain[length, batch] = prompts, runs[0].tokens[0]
             cases.append({
                 "prompt_length": length, "batch": batch, "new_tokens": new_tokens, "warmup": settings["warmup"],
                 "repetitions": repetitions,
@@ -111,9 +124,44 @@ def _measure(settings: dict) -> dict:
                 "tokens_per_s": statistics.median(batch * (new_tokens - 1) / sum(run.itl_s) for run in runs),
             })
     peak = _peak_rss_mb()
+    if settings.get("speculate"):
+        speculation = SpeculationSettings(speculate=settings["speculate"], draft_tokens=settings["draft_tokens"])
+        for case in cases:
+            if case["batch"] == 1:
+                prompts, tokens = plain[case["prompt_length"], 1]
+                case["speculative"] = _speculative_case(artifact, decoder, speculation, prompts[0], tokens, settings,
+                                                        case["tokens_per_s"])
     return {"artifact": str(artifact.path), "backend": artifact.backend, "load_s": decoder.load_seconds,
             "peak_rss_mb": peak, "rss_increase_mb": peak - baseline, "threads": decoder.threads,
             "runtime_config": decoder.runtime_config, "cases": cases, "skipped": skipped}
+
+
+def _speculative_case(artifact, decoder, speculation: SpeculationSettings, prompt: list[int], plain: list[int],
+                      settings: dict, plain_tokens_per_s: float) -> dict:
+    """One batch-1 case decoded speculatively, with warm-up and measured runs as the plain ones; the acceptance
+    is the measured runs'."""
+    spec = open_speculation(speculation, artifact, threads=settings["threads"],
+                            openvino_f32=settings.get("openvino_f32", False))
+    assert spec is not None  # speculation.speculate is set
+    new_tokens = settings["new_tokens"]
+    runs = []  # (seconds to the first token, to the last, the tokens) of each measured run
+    for run in range(settings["warmup"] + settings["repetitions"]):
+        if run == settings["warmup"]:
+            spec.acceptance = Acceptance()
+        started = time.perf_counter()
+        times, tokens = [], []
+        for step in spec.steps(decoder, prompt, max_new_tokens=new_tokens, stop_ids=set()):
+            times.append(time.perf_counter() - started)
+            tokens += step
+        runs.append((times[0], times[-1], tokens))
+    runs = runs[settings["warmup"]:]
+    match = [next((i for i, (a, b) in enumerate(zip(tokens, plain)) if a != b), len(plain)) / len(plain)
+             for _, _, tokens in runs]
+    tokens_per_s = statistics.median((new_tokens - 1) / (end - first) for first, end, _ in runs)
+    return {"method": speculation.speculate, "draft_tokens": speculation.draft_tokens,
+            "ttft_ms": [first * 1e3 for first, _, _ in runs], "tokens_per_s": tokens_per_s,
+            "speedup": tokens_per_s / plain_tokens_per_s, "greedy_match": statistics.mean(match),
+            **spec.acceptance.summary()}
 
 
 def _child(settings_json: str, out: str) -> int:

@@ -33,6 +33,7 @@ from toolchain.report.schema import SCHEMA, HeadError, LatencyCase, LayerError, 
 from toolchain.runtime.artifact import open_artifact
 from toolchain.runtime.decoder import open_decoder
 from toolchain.runtime.routing import router_outputs
+from toolchain.runtime.speculative import draft_artifact
 from toolchain.source_hashes import checkpoint_hashes
 
 if TYPE_CHECKING:
@@ -64,7 +65,23 @@ def latency_metrics(cases: list[dict], load_s: float | None, peak_rss_mb: float 
                                 description=f"decode throughput ({where})")),
         ("peak_rss_mb", Metric(value=peak_rss_mb, unit="MB", direction="lower",
                                description="peak resident memory of the process running the artifact")),
+        *_speculative_metrics(case, where),
     ])
+
+
+def _speculative_metrics(case: dict | None, where: str) -> list[tuple[str, Metric]]:
+    """The headline case's speculative decoding (eval's speculate), when it was measured."""
+    spec = (case or {}).get("speculative")
+    if spec is None:
+        return []
+    how = f"{spec['method']}, {spec['draft_tokens']} draft tokens, {where}"
+    return [("speculative_acceptance", Metric(value=spec["acceptance"], unit="ratio", direction="higher",
+                                              description=f"draft tokens accepted ({how})")),
+            ("speculative_speedup", Metric(value=spec["speedup"], unit="x", direction="higher",
+                                           description=f"decode throughput over plain decoding's ({how})")),
+            ("speculative_greedy_match_rate", Metric(
+                value=spec["greedy_match"], unit="ratio", direction="higher",
+                description=f"share of the tokens before the first that differs from plain decoding's ({how})"))]
 
 
 def quantization_series(manifest: Manifest | None) -> tuple[list[LayerError], list[HeadError]]:
@@ -196,6 +213,7 @@ def evaluate_artifact(path: Path, settings: EvalSettings | None = None, *, refer
     settings = settings if settings is not None else EvalSettings()
     artifact = open_artifact(path)
     tokenizer = artifact.tokenizer()
+    draft_artifact(settings, artifact)  # a bad draft model is bad input now, not after the accuracy runs
     task = artifact.manifest is not None and artifact.manifest.source.kind == "embedded"
     data = load_data(settings, tokenizer, task=task,
                      max_length=int(artifact.config.get("max_position_embeddings") or settings.window))
@@ -227,7 +245,8 @@ def evaluate_artifact(path: Path, settings: EvalSettings | None = None, *, refer
         latency = measure_latency(path, prompt_lengths=tuple(settings.prompt_lengths), batches=tuple(settings.batches),
                                   new_tokens=settings.new_tokens, warmup=settings.warmup,
                                   repetitions=settings.repetitions, threads=settings.threads,
-                                  openvino_f32=settings.openvino_f32)
+                                  openvino_f32=settings.openvino_f32, speculate=settings.speculate,
+                                  draft_tokens=settings.draft_tokens)
         cases = latency["cases"]
         metrics.update(latency_metrics(cases, latency["load_s"], latency["peak_rss_mb"]))
     metrics["model_size_mb"] = Metric(value=artifact.size_bytes / 1e6, unit="MB", direction="lower",

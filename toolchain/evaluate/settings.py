@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from pydantic import Field, PositiveInt, model_validator
 
-from toolchain.section import Section
+from toolchain.runtime.speculation_settings import SpeculationSettings
 
 # Settings that change only the artifact's side of an evaluation (latency, the artifact's runtime): the
 # reference's outputs, and so its cache entry, do not depend on them.
 ARTIFACT_ONLY = ("latency", "prompt_lengths", "batches", "new_tokens", "warmup", "repetitions", "threads",
-                 "openvino_f32", "reference_cache")
+                 "openvino_f32", "reference_cache", "speculate", "draft_tokens")
 # Settings of the standard tasks alone: the reference's task scores have an entry of their own.
 TASK_SETTINGS = ("tasks", "task_data", "task_limit", "num_fewshot")
 
@@ -17,7 +17,12 @@ TASK_SETTINGS = ("tasks", "task_data", "task_limit", "num_fewshot")
 WHOLE_VOCABULARY, TOP_K = 1024, 128
 
 
-class EvalSettings(Section):
+class EvalSettings(SpeculationSettings):
+    speculate: str | None = Field(
+        None, json_schema_extra={"metavar": "prompt-lookup|draft:ARTIFACT"},
+        description="Decode each batch-1 latency case again with speculative decoding (n-gram lookup, or a smaller "
+                    "artifact of the same tokenizer as draft model): its speed-up, acceptance per draft position "
+                    "and greedy match go into the report.")
     texts: int = Field(200, ge=1, description="Held-out texts for perplexity, KL, top-1 and routing agreement.")
     problems: int = Field(200, ge=1, description="Held-out arithmetic problems for exact match (embedded models), "
                                                  "or at most this many prompt/answer records of --dataset.")

@@ -21,9 +21,10 @@ from toolchain.hashing import self_digest, sha256_file
 from toolchain.interface.files import MANIFEST, REPORT_FILES
 from toolchain.interface.reports import read_json_file
 
-SCHEMA = "dstc.report/3"
-# Reports of these schemas are read too, upgraded to SCHEMA (_upgrade); /3 added Metric.stderr.
-OLDER_SCHEMAS = ("dstc.report/1", "dstc.report/2")
+SCHEMA = "dstc.report/4"
+# Reports of these schemas are read too, upgraded to SCHEMA (_upgrade); /3 added Metric.stderr, /4
+# LatencyCase.speculative.
+OLDER_SCHEMAS = ("dstc.report/1", "dstc.report/2", "dstc.report/3")
 
 Direction = Literal["lower", "higher", "none"]
 
@@ -60,6 +61,22 @@ class Environment(_Strict):
     versions: dict[str, str] = Field(default_factory=dict)
 
 
+class SpeculativeCase(_Strict):
+    """A batch-1 latency case decoded again with speculative decoding (toolchain/evaluate/latency.py)."""
+
+    method: str  # prompt-lookup | draft:ARTIFACT
+    draft_tokens: int
+    ttft_ms: list[float]
+    tokens_per_s: float
+    speedup: float  # tokens_per_s over plain decoding's
+    greedy_match: float  # share of the tokens up to the first that differs from plain decoding's
+    verify_steps: int
+    proposed_per_position: list[int]
+    accepted_per_position: list[int]
+    acceptance_per_position: list[float]
+    acceptance: float | None  # all positions together; None when nothing was drafted
+
+
 class LatencyCase(_Strict):
     """One prompt length x batch size: every measured repetition, so that distributions can be drawn."""
 
@@ -71,6 +88,7 @@ class LatencyCase(_Strict):
     ttft_ms: list[float]  # time to first token, one per repetition (prefill + first token)
     itl_ms: list[float]  # inter-token latencies of every repetition, pooled
     tokens_per_s: float  # decode throughput: batch x (new_tokens - 1) / summed ITL, median over repetitions
+    speculative: SpeculativeCase | None = None
 
 
 class LayerError(_Strict):
@@ -109,7 +127,8 @@ class GateResult(_Strict):
 
 
 # The values a metric can take; a report outside them was not written by dstc (or was edited).
-_SHARES = ("exact_match", "top1_agreement", "greedy_match_rate", "routing_agreement")
+_SHARES = ("exact_match", "top1_agreement", "greedy_match_rate", "routing_agreement", "speculative_acceptance",
+           "speculative_greedy_match_rate")
 _NON_NEGATIVE_UNITS = ("ms", "s", "MB", "tokens/s", "nats")
 
 
@@ -186,7 +205,7 @@ def _upgrade(data: dict) -> dict:
         if isinstance(environment.get("cpu"), str):
             environment["cpu"] = {"architecture": environment["cpu"]}
         data = {**data, "schema": "dstc.report/2", "environment": environment}
-    if data.get("schema") == "dstc.report/2":
+    if data.get("schema") in ("dstc.report/2", "dstc.report/3"):
         data = {**data, "schema": SCHEMA}
     return data
 

@@ -30,6 +30,7 @@ from toolchain.interface.graph import (
     INPUT_IDS,
     LOGITS,
     POSITION_IDS,
+    SEQUENCE_AXIS,
     cache_spec,
     present_of,
 )
@@ -56,6 +57,25 @@ class Decoder(Protocol):
     def forward(self, input_ids: np.ndarray, attention_mask: np.ndarray, logits_to_keep: int = 0) -> np.ndarray:
         """float32 logits [B, S, vocab] of the new positions (of the last ``logits_to_keep`` of them, 0: all);
         their keys and values join the cache."""
+
+
+class RewindableDecoder(Decoder, Protocol):
+    """A Decoder whose cache can be cut back, as speculative decoding needs after a rejected draft
+    (toolchain/runtime/speculative.py)."""
+
+    def rollback(self, keep: int) -> None:
+        """Keep the cache's first ``keep`` positions (columns of the attention mask so far, padding included) and
+        drop the rest: the next forward continues from position ``keep``."""
+
+
+def trimmed(cache: np.ndarray, keep: int) -> np.ndarray:
+    """A cache tensor's first ``keep`` positions. Every cache tensor, whatever it holds (per-head keys and values,
+    MLA's latent, DeepSeek-V3.2's indexer keys, DeepSeek-V4's per-token state), has the graph interface's layout:
+    one entry per position on SEQUENCE_AXIS (toolchain/interface/graph.py)."""
+    held = cache.shape[SEQUENCE_AXIS]
+    if not 0 <= keep <= held:
+        raise ValueError(f"cannot keep {keep} positions of a cache that holds {held}")
+    return np.ascontiguousarray(cache[(slice(None),) * SEQUENCE_AXIS + (slice(0, keep),)])
 
 
 def positions(attention_mask: np.ndarray, new: int) -> np.ndarray:
@@ -108,6 +128,14 @@ class OnnxRuntimeDecoder:
 
     def reset(self) -> None:
         self.cache = {}
+
+    def rollback(self, keep: int) -> None:
+        from onnxruntime import OrtValue
+
+        # Copied out of ORT and back: a rollback is once per verify step, not per token, and an OrtValue has no
+        # view of part of itself.
+        self.cache = {name: OrtValue.ortvalue_from_numpy(trimmed(value.numpy(), keep))
+                      for name, value in self.cache.items()}
 
     def forward(self, input_ids: np.ndarray, attention_mask: np.ndarray, logits_to_keep: int = 0) -> np.ndarray:
         ids = np.ascontiguousarray(input_ids, np.int64)
@@ -178,6 +206,16 @@ class OpenVINODecoder:
     def reset(self) -> None:
         self.request.reset_state()
 
+    def rollback(self, keep: int) -> None:
+        import openvino as ov
+
+        # Each variable read, cut on the sequence axis and set back, as openvino_genai trims its stateful KV cache
+        # (utils::trim_kv_cache). The state reads in the variable's declared precision (f32): the plugin converts
+        # from and back to the cache precision it keeps (f16 the artifact records, or f32 at exact numerics), which
+        # is exact both ways.
+        for state in self.request.query_state():
+            state.state = ov.Tensor(trimmed(np.asarray(state.state.data), keep))
+
     def forward(self, input_ids: np.ndarray, attention_mask: np.ndarray, logits_to_keep: int = 0) -> np.ndarray:
         ids = np.ascontiguousarray(input_ids, np.int64)
         mask = np.ascontiguousarray(attention_mask, np.int64)
@@ -242,7 +280,7 @@ def _plain(value):
 
 
 def open_decoder(artifact: Artifact, *, threads: int | None = None, extra_outputs: Sequence[str] = (),
-                 openvino_f32: bool = False) -> Decoder:
+                 openvino_f32: bool = False) -> RewindableDecoder:
     """A Decoder on the artifact's backend; ``threads`` None takes every CPU (ORT) or the plugin's choice
     (OpenVINO). ``extra_outputs``: graph values to return in ``extras`` after each forward. ``openvino_f32``:
     f32 compute and KV cache instead of the CPU plugin's deployment defaults (ONNX Runtime is fp32 already).
@@ -278,6 +316,9 @@ class StatelessDecoder:
 
     def reset(self) -> None:
         self._past: dict[str, np.ndarray] = {}
+
+    def rollback(self, keep: int) -> None:
+        self._past = {name: trimmed(value, keep) for name, value in self._past.items()}
 
     def forward(self, input_ids: np.ndarray, attention_mask: np.ndarray, logits_to_keep: int = 0) -> np.ndarray:
         del logits_to_keep  # a stateless graph (a check's) computes every position; the caller reads the last

@@ -7,12 +7,14 @@ import itertools
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import cast
 
 import numpy as np
 
 from toolchain.errors import InputError
 from toolchain.runtime.artifact import Artifact
-from toolchain.runtime.decoder import Decoder
+from toolchain.runtime.decoder import Decoder, RewindableDecoder
+from toolchain.runtime.speculative import Speculation
 
 
 def left_pad(prompts: list[list[int]], pad_id: int) -> tuple[np.ndarray, np.ndarray]:
@@ -124,8 +126,24 @@ def prompt_ids(artifact: Artifact, prompt: str, *, chat: bool) -> list[int]:
     return list(tokenizer(prompt)["input_ids"])
 
 
+def answer_tokens(artifact: Artifact, decoder: Decoder, ids: list[int], *, max_new_tokens: int,
+                  speculation: Speculation | None = None) -> Iterator[list[int]]:
+    """The greedy answer's tokens to the prompt ``ids`` as they come, until an eos id (not included) or
+    max_new_tokens: one per step, or each verify step's accepted drafts and next token with ``speculation``
+    (whose decoder must roll back: open_decoder's do)."""
+    stops = set(artifact.eos_token_ids)
+    if speculation is not None:
+        yield from speculation.steps(cast(RewindableDecoder, decoder), ids, max_new_tokens=max_new_tokens,
+                                     stop_ids=stops)
+        return
+    for tokens in itertools.islice(greedy_steps(decoder, [ids], stops, artifact.pad_token_id), max_new_tokens):
+        if tokens[0] < 0:
+            return
+        yield [int(tokens[0])]
+
+
 def stream_text(artifact: Artifact, decoder: Decoder, prompt: str, *, max_new_tokens: int,
-                chat: bool) -> Iterator[str]:
+                chat: bool, speculation: Speculation | None = None) -> Iterator[str]:
     """Text increments of a greedy answer as its tokens arrive, until an eos id or max_new_tokens.
 
     Each step decodes the whole answer so far and yields what is new: a character whose bytes span several
@@ -134,13 +152,10 @@ def stream_text(artifact: Artifact, decoder: Decoder, prompt: str, *, max_new_to
     tokenizer = artifact.tokenizer()
     ids = prompt_ids(artifact, prompt, chat=chat)
     artifact.check_length(len(ids), max_new_tokens)
-    steps = greedy_steps(decoder, [ids], set(artifact.eos_token_ids), artifact.pad_token_id)
     generated: list[int] = []
     sent = ""
-    for tokens in itertools.islice(steps, max_new_tokens):
-        if tokens[0] < 0:
-            break
-        generated.append(int(tokens[0]))
+    for tokens in answer_tokens(artifact, decoder, ids, max_new_tokens=max_new_tokens, speculation=speculation):
+        generated += tokens
         text = tokenizer.decode(generated)
         if text.endswith("\ufffd") or not text.startswith(sent) or text == sent:
             continue
@@ -149,3 +164,19 @@ def stream_text(artifact: Artifact, decoder: Decoder, prompt: str, *, max_new_to
     text = tokenizer.decode(generated)
     if text != sent:
         yield text[len(sent):]
+
+
+def answer_record(artifact: Artifact, decoder: Decoder, prompt: str, *, max_new_tokens: int, chat: bool,
+                  speculation: Speculation | None = None) -> dict:
+    """The greedy answer as JSON: its tokens and text, the decoding's wall time and rate (prefill included), and
+    with ``speculation`` its acceptance per draft position."""
+    ids = prompt_ids(artifact, prompt, chat=chat)
+    artifact.check_length(len(ids), max_new_tokens)
+    started = time.perf_counter()
+    tokens = [t for step in answer_tokens(artifact, decoder, ids, max_new_tokens=max_new_tokens,
+                                          speculation=speculation) for t in step]
+    seconds = time.perf_counter() - started
+    return {"prompt_tokens": len(ids), "new_tokens": len(tokens), "tokens": tokens,
+            "text": artifact.tokenizer().decode(tokens), "seconds": round(seconds, 6),
+            "tokens_per_second": round(len(tokens) / seconds, 3) if seconds else None,
+            "speculation": speculation.summary() if speculation is not None else None}

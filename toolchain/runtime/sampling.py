@@ -27,15 +27,33 @@ def next_token(logits: np.ndarray, sampling: Sampling, rng: np.random.Generator 
     """The next token id from float logits [vocab]."""
     if sampling.greedy:
         return int(np.argmax(logits))
-    scaled = logits.astype(np.float64) / sampling.temperature
-    scaled -= scaled.max()
-    probs = np.exp(scaled)
-    probs /= probs.sum()
+    probs = _softmax(logits, sampling.temperature)
     if sampling.top_p < 1.0:
-        order = np.argsort(-probs, kind="stable")
-        cumulative = np.cumsum(probs[order])
-        # the tokens before the one whose cumulative probability reaches top_p, and that one
-        keep = order[: int(np.searchsorted(cumulative, sampling.top_p)) + 1]
+        keep = _nucleus(probs, sampling.top_p)
         kept = probs[keep] / probs[keep].sum()
         return int(keep[(rng or np.random.default_rng()).choice(len(keep), p=kept)])
     return int((rng or np.random.default_rng()).choice(len(probs), p=probs))
+
+
+def distribution(logits: np.ndarray, sampling: Sampling) -> np.ndarray:
+    """The float64 probabilities [vocab] next_token draws from at temperature > 0 (zero outside the nucleus)."""
+    probs = _softmax(logits, sampling.temperature)
+    if sampling.top_p < 1.0:
+        keep = _nucleus(probs, sampling.top_p)
+        truncated = np.zeros_like(probs)
+        truncated[keep] = probs[keep] / probs[keep].sum()
+        return truncated
+    return probs
+
+
+def _softmax(logits: np.ndarray, temperature: float) -> np.ndarray:
+    scaled = logits.astype(np.float64) / temperature
+    scaled -= scaled.max()
+    probs = np.exp(scaled)
+    return probs / probs.sum()
+
+
+def _nucleus(probs: np.ndarray, top_p: float) -> np.ndarray:
+    """The tokens before the one whose cumulative probability reaches top_p, and that one, most probable first."""
+    order = np.argsort(-probs, kind="stable")
+    return order[: int(np.searchsorted(np.cumsum(probs[order]), top_p)) + 1]
