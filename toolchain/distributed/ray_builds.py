@@ -10,12 +10,11 @@ once complete (toolchain/atomic.py), so the retried build writes what an uninter
 
 from __future__ import annotations
 
-import logging
 import os
 
 from toolchain.build_set import Job, LineEvents, Outcome, run_one
 from toolchain.cache import cache_dir
-from toolchain.errors import InputError
+from toolchain.distributed.ray_cluster import connect_ray
 
 # Ray's own retries of a task whose worker died; a task that raised is not retried (its error is the outcome).
 MAX_RETRIES = 3
@@ -35,14 +34,7 @@ def run_on_ray(jobs: list[Job], address: str | None, model: str | None, use_cach
     initialised in this process is used as it is and left running."""
     import ray  # loaded when used: dstc starts without it
 
-    started = not ray.is_initialized()
-    if started:
-        try:
-            # "local": a new Ray of this machine's CPUs, never one found running here (ray.init(None) joins that)
-            ray.init(address=address or "local", logging_level=logging.WARNING)
-        except (ConnectionError, ValueError) as e:
-            where = f"at {address}" if address else "started on this machine"
-            raise InputError(f"--ray: no Ray cluster {where} ({e})") from None
+    started = connect_ray(address)
     env = {"DSTC_CACHE_DIR": str(cache_dir().resolve()), "HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "1")}
     task = ray.remote(num_cpus=1, max_retries=MAX_RETRIES, retry_exceptions=False)(_build_task)
     try:
