@@ -192,7 +192,7 @@ def test_a_replica_killed_under_load_fails_only_its_requests_and_is_replaced(art
         assert failed, "no request was in flight on the killed replica"
         for sent, ended, status, request_id in failed:  # only those in flight on it at the kill
             assert status == 500 and sent < killed < ended, (sent, killed, ended, status)
-            assert server.logged(request_id, "a request failed on its replica")
+            assert server.logged(request_id, "the request failed in the engine: its replica died")
         assert len(failed) <= 16
         after = [o for o in outcomes if o[0] > killed]
         assert after and all(o[2] == 200 for o in after)

@@ -22,7 +22,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
-import logging
 import os
 import socket
 import threading
@@ -35,7 +34,6 @@ from toolchain.serve.engine import Event, NotReady, QueueFull, Request
 from toolchain.serve.replica import EngineReplica, ReplicaSpec
 from toolchain.serve.replica_board import running_replicas
 
-log = logging.getLogger("dstc.serve")
 HEALTH_CHECK_PERIOD_S = 1.0  # Ray Serve's check of each replica: a dead engine is found within this
 HEALTH_CHECK_TIMEOUT_S = 10.0
 ROUTING_STATS_PERIOD_S = 0.5  # how often each replica's load reaches the router, /health and /metrics
@@ -197,12 +195,14 @@ class ReplicatedEngine:
         except asyncio.CancelledError:  # the client went away: the replica cancels it in its engine
             responses.cancel()
             raise
-        except Exception as e:  # the replica died under it (ActorDiedError), or Ray failed the call
+        except Exception as e:  # the replica died under it, or Ray failed the call: the API layer logs why
+            from ray.exceptions import RayActorError  # loaded with Ray Serve already
+
             request.finished = True
-            first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-            log.warning("dstc serve: a request failed on its replica: %s%s", type(e).__name__,
-                        f": {first}" if first else "")
-            request.sink(Event([], "error", f"{type(e).__name__}: {e}"))
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            why = f"its replica died ({type(e).__name__}: {first})" if isinstance(e, RayActorError) else \
+                f"{type(e).__name__}: {e}"
+            request.sink(Event([], "error", why))
         finally:
             self._tasks.pop(request.id, None)
 
