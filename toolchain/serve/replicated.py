@@ -98,7 +98,10 @@ class ReplicatedEngine:
             # Ray Client does not carry Ray Serve's streaming responses
             raise InputError(f"--ray {self.address}: Ray Client addresses cannot stream from Ray Serve; run dstc "
                              "serve on a node of the cluster (ray start --address HOST:PORT) with --ray auto")
-        self._started_ray = connect_ray(self.address, include_dashboard=False)
+        # a local Ray's workers at the server's own priority: Ray starts them at niceness 15 by default, below
+        # whatever else runs on the machine, and a replica's engine process inherits it
+        local = {} if self.address else {"_system_config": {"worker_niceness": 0}}
+        self._started_ray = connect_ray(self.address, include_dashboard=False, **local)
         cpus = int(ray.cluster_resources().get("CPU", 0))
         threads = self.threads or max(1, cpus // self.target)
         if self.target * threads > cpus:
