@@ -9,9 +9,10 @@ P50/P99, the whole process tree's peak RSS (the server, Ray's processes, the rep
 sampled every 0.2 s), and the ratio of each count's tokens/s to the first's.
 
 ``kill``: a 2-replica server under the same load; after ``--kill-after`` seconds one replica's process gets SIGKILL.
-Printed: the requests that failed (and that they were all in flight at the kill), those that completed while the
-replica was down, the time from the kill to the first answer of a request sent after it, and the time until
-/health shows both replicas ready again (the replacement's new pid).
+Printed: the requests that failed (and that they were all in flight at the kill), those in flight at the kill that
+completed, the time from the kill to the answer of a one-token request sent right after it (the endpoint's
+answer) and to the completion of the first load request sent after it, and the time until /health shows both
+replicas ready again (the replacement's new pid).
 
     .venv/bin/python benchmarks/serve_replicas.py load ARTIFACT --replicas 1,2 --threads 1
     .venv/bin/python benchmarks/serve_replicas.py kill ARTIFACT --threads 1
@@ -131,6 +132,15 @@ def kill(args) -> None:
         time.sleep(args.kill_after)
         killed = time.monotonic()
         os.kill(victim["pid"], signal.SIGKILL)
+        # the endpoint's answer: a one-token request sent at once, again every 0.2 s until one succeeds
+        answered_s = None
+        with httpx.Client(base_url=server.base, timeout=60) as http:
+            while answered_s is None and time.monotonic() - killed < 60:
+                probe = http.post("/v1/completions", json={**body, "max_tokens": 1})
+                if probe.status_code == 200:
+                    answered_s = time.monotonic() - killed
+                else:
+                    time.sleep(0.2)
         replaced_s = None
         while replaced_s is None and time.monotonic() - killed < 300:
             health = httpx.get(server.base + "/health", timeout=10).json()
@@ -149,7 +159,8 @@ def kill(args) -> None:
     row = {"requests": len(outcomes), "failed": len(failed), "failed_statuses": sorted({o[2] for o in failed}),
            "failed_all_in_flight_at_kill": all(o[0] < killed < o[1] for o in failed),
            "in_flight_at_kill": len(across), "completed_across_kill": sum(o[2] == 200 for o in across),
-           "first_answer_after_kill_s": round(min(o[1] for o in after) - killed, 2) if after else None,
+           "one_token_answer_after_kill_s": round(answered_s, 2) if answered_s is not None else None,
+           "first_load_request_sent_after_kill_done_s": round(min(o[1] for o in after) - killed, 2) if after else None,
            "replaced_after_s": round(replaced_s, 1) if replaced_s is not None else None,
            "tree_peak_rss_gib": round(peak / 2 ** 30, 2)}
     print(json.dumps(row), flush=True)
