@@ -1,12 +1,13 @@
 """`dstc serve --replicas N`: throughput of 1 replica against N at 16 concurrent streaming clients, and a replica
 killed under load.
 
-``load``: for each replica count (``--replicas 1,2``), a `dstc serve ARTIFACT --replicas R --threads T` child (a
-local Ray started by the server, prefix caching off), warmed up, then ``--clients`` concurrent streaming clients in
-a closed loop for ``--time-limit`` seconds (serve_load.py's workload: the same held-out prompt, exactly
-``--max-tokens`` new tokens each, ``ignore_eos``). Printed per count: requests, tokens, tokens/s, TTFT and ITL
-P50/P99, the whole process tree's peak RSS (the server, Ray's processes, the replicas and their engine processes;
-sampled every 0.2 s), and the ratio of each count's tokens/s to the first's.
+``load``: for each replica count (``--replicas 1,2``; 0: the single-engine server without Ray, for Ray's own
+cost), a `dstc serve ARTIFACT --replicas R --threads T` child (a local Ray started by the server, prefix caching
+off), warmed up, then ``--clients`` concurrent streaming clients in a closed loop for ``--time-limit`` seconds
+(serve_load.py's workload: the same held-out prompt, exactly ``--max-tokens`` new tokens each, ``ignore_eos``).
+Printed per count: requests, tokens, tokens/s, TTFT and ITL P50/P99, the whole process tree's peak RSS (the
+server, Ray's processes, the replicas and their engine processes; sampled every 0.2 s), and the ratio of each
+count's tokens/s to the first's.
 
 ``kill``: a 2-replica server under the same load; after ``--kill-after`` seconds one replica's process gets SIGKILL.
 Printed: the requests that failed (and that they were all in flight at the kill), those in flight at the kill that
@@ -65,9 +66,11 @@ class PeakRss:
 
 
 def _server(artifact, replicas: int, threads: int, clients: int) -> ServerProcess:
+    """0 replicas: the single-engine server, without Ray (the reference for Ray's own cost)."""
     # PYTHONPATH: the local Ray's workers import this checkout's dstc, as the server does
     os.environ["PYTHONPATH"] = os.pathsep.join([str(HERE.parent), *filter(None, [os.environ.get("PYTHONPATH")])])
-    return ServerProcess(artifact, threads, clients, "--replicas", str(replicas), timeout=READY_TIMEOUT_S)
+    extra = ("--replicas", str(replicas)) if replicas else ()
+    return ServerProcess(artifact, threads, clients, *extra, timeout=READY_TIMEOUT_S)
 
 
 def load(args) -> None:
@@ -81,8 +84,9 @@ def load(args) -> None:
         ready_s = time.perf_counter() - started
         memory = PeakRss(server.process.pid)
         try:
-            label = f"{replicas} replica{'s' if replicas > 1 else ''} x {args.threads} thread"
-            server_level(server.base, name, prompt, 2 * replicas, 1, args.max_tokens, 60, label)  # warm-up
+            label = f"{replicas} replica{'s' if replicas > 1 else ''} x {args.threads} thread" if replicas else \
+                f"single engine (no Ray) x {args.threads} thread"
+            server_level(server.base, name, prompt, 2 * max(replicas, 1), 1, args.max_tokens, 60, label)  # warm-up
             run = server_level(server.base, name, prompt, args.clients, 10 ** 6, args.max_tokens, args.time_limit,
                                label)
         finally:
@@ -180,7 +184,8 @@ def main() -> None:
         p.add_argument("--max-tokens", type=int, default=64)
         p.add_argument("--time-limit", type=float, default=60.0, help="Seconds of load.")
         p.add_argument("--json", type=Path)
-    sub.choices["load"].add_argument("--replicas", default="1,2", help="Replica counts, comma-separated.")
+    sub.choices["load"].add_argument("--replicas", default="1,2",
+                                     help="Replica counts, comma-separated (0: the single-engine server, no Ray).")
     sub.choices["kill"].add_argument("--kill-after", type=float, default=10.0)
     args = parser.parse_args()
     (load if args.command == "load" else kill)(args)

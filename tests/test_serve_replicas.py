@@ -185,6 +185,14 @@ def test_a_replica_killed_under_load_fails_only_its_requests_and_is_replaced(art
         time.sleep(5)
         killed = time.monotonic()
         os.kill(victim["pid"], signal.SIGKILL)
+        # the endpoint answers: a one-token request sent at once (again every 0.2 s until one succeeds)
+        while True:
+            probe = server.post("/v1/completions", {"model": server.name, "prompt": "1", "max_tokens": 1})
+            if probe.status_code == 200:
+                break
+            assert time.monotonic() - killed < 5, probe.text
+            time.sleep(0.2)
+        assert time.monotonic() - killed < 5
         for thread in clients:
             thread.join()
 
@@ -196,8 +204,6 @@ def test_a_replica_killed_under_load_fails_only_its_requests_and_is_replaced(art
         assert len(failed) <= 16
         after = [o for o in outcomes if o[0] > killed]
         assert after and all(o[2] == 200 for o in after)
-        first_answer = min(o[1] for o in after)
-        assert first_answer - killed < 5, first_answer - killed
         assert sum(o[2] == 200 and o[0] < killed < o[1] for o in outcomes) > 0  # the other replica's went on
 
         # Ray Serve's health check replaces it: a new process, pinned to the same core
