@@ -11,6 +11,12 @@ from __future__ import annotations
 from typing import Any
 
 RUNNING: dict[str, list[Any]] = {}  # application name -> its RunningReplica objects
+SEEN: dict[str, set[str]] = {}  # application name -> the ids of every replica of it that ran
+
+
+def replaced(app_name: str, target: int) -> int:
+    """Replicas that were replaced: more replicas ran than were asked for."""
+    return max(0, len(SEEN.get(app_name, ())) - target)
 
 
 def running_replicas(app_name: str) -> list[dict]:

@@ -95,7 +95,9 @@ class LoadPrefixRouter(FIFOMixin, RequestRouter):
             # the process's own module at call time, not the copy of its globals this method was handed with
             from toolchain.serve import replica_board
 
-            replica_board.RUNNING[self._deployment_id.app_name] = list(replicas)
+            app = self._deployment_id.app_name
+            replica_board.RUNNING[app] = list(replicas)
+            replica_board.SEEN.setdefault(app, set()).update(r.replica_id.unique_id for r in replicas)
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_died(replica_id)

@@ -32,7 +32,7 @@ from toolchain.distributed.ray_cluster import connect_ray
 from toolchain.errors import InputError
 from toolchain.serve.engine import Event, NotReady, QueueFull, Request
 from toolchain.serve.replica import EngineReplica, ReplicaSpec
-from toolchain.serve.replica_board import running_replicas
+from toolchain.serve.replica_board import replaced, running_replicas
 
 HEALTH_CHECK_PERIOD_S = 1.0  # Ray Serve's check of each replica: a dead engine is found within this
 HEALTH_CHECK_TIMEOUT_S = 10.0
@@ -63,7 +63,6 @@ class ReplicatedEngine:
         self._started_ray = False
         self._stopping = threading.Event()
         self._stopped = threading.Event()
-        self._seen: set[str] = set()  # replica ids seen running: more than the target were replacements
 
     # -- lifecycle ---------------------------------------------------------------------------------------------
 
@@ -218,16 +217,14 @@ class ReplicatedEngine:
             return []
         replicas = []
         for stats in running_replicas(self.app_name):
-            self._seen.add(stats["replica_id"])
             state = stats.get("state", "starting")
             replicas.append({**stats, "replica": str(stats.get("rank", "?")), "state": state})
         return sorted(replicas, key=lambda r: r["replica"])
 
     @property
     def restarts(self) -> int:
-        """Replicas that were replaced (more distinct replicas seen running than were asked for)."""
-        self.replica_stats()
-        return max(0, len(self._seen) - self.target)
+        """Replicas that were replaced."""
+        return replaced(self.app_name, self.target)
 
     @property
     def engine_name(self) -> str | None:
