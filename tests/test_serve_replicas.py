@@ -79,6 +79,8 @@ def test_the_router_prefers_the_replica_holding_the_prompt_prefix_unless_it_is_o
     router.queues["b"] = 0
     b.routing_stats["kv_cache_usage"] = 0.95  # a nearly full KV cache: last rank only
     assert asyncio.run(router.choose_replicas([a, b], request(prompt))) == [[a], [a, b]]
+    b.routing_stats.update(kv_cache_usage=0.2, state="failed")  # its engine died: left out until replaced
+    assert asyncio.run(router.choose_replicas([a, b], request(prompt))) == [[a], [a]]
 
 
 # -- servers ------------------------------------------------------------------------------------------------------
@@ -160,65 +162,80 @@ def test_two_replicas_serve_as_one_engine_does(artifact, ray_env):
         server.stop()
 
 
+def kill_under_load(server: Server, pid: int, why: str, seconds: float = 14, kill_after: float = 5) -> None:
+    """16 clients in a closed loop; ``pid`` SIGKILLed after ``kill_after`` s: the requests that fail were in flight
+    at the kill (logged with ``why``), the others and every later one complete, and a one-token request sent at the
+    kill is answered within 5 s."""
+    outcomes: list[tuple[float, float, int, str]] = []  # (sent, ended, status, request id or "")
+    stop = time.monotonic() + seconds
+
+    def client() -> None:
+        with httpx.Client(base_url=server.base, timeout=60) as http:
+            while time.monotonic() < stop:
+                sent = time.monotonic()
+                response = http.post("/v1/completions", json={
+                    "model": server.name, "prompt": "321+654=", "max_tokens": 300, "temperature": 0,
+                    "ignore_eos": True})
+                found = re.search(r"req-[0-9a-f]+", response.text)
+                outcomes.append((sent, time.monotonic(), response.status_code, found.group(0) if found else ""))
+
+    clients = [threading.Thread(target=client) for _ in range(16)]
+    for thread in clients:
+        thread.start()
+    time.sleep(kill_after)
+    killed = time.monotonic()
+    os.kill(pid, signal.SIGKILL)
+    # the endpoint answers: a one-token request sent at once (again every 0.2 s until one succeeds)
+    while True:
+        probe = server.post("/v1/completions", {"model": server.name, "prompt": "1", "max_tokens": 1})
+        if probe.status_code == 200:
+            break
+        assert time.monotonic() - killed < 5, probe.text
+        time.sleep(0.2)
+    assert time.monotonic() - killed < 5
+    for thread in clients:
+        thread.join()
+
+    failed = [o for o in outcomes if o[2] != 200]
+    assert failed, "no request was in flight on the killed replica"
+    for sent, ended, status, request_id in failed:  # only those in flight on it at the kill
+        assert status == 500 and sent < killed < ended, (sent, killed, ended, status)
+        assert server.logged(request_id, "the request failed in the engine: " + why)
+    assert len(failed) <= 16
+    after = [o for o in outcomes if o[0] > killed]
+    assert after and all(o[2] == 200 for o in after)
+    assert sum(o[2] == 200 and o[0] < killed < o[1] for o in outcomes) > 0  # the other replica's went on
+
+
+def replaced(server: Server, victim: dict) -> dict:
+    """/health once Ray Serve's health check has replaced ``victim`` (two replicas ready, neither its process):
+    the replacement, pinned to the same cores."""
+    deadline = time.monotonic() + 90
+    while True:
+        health = httpx.get(server.base + "/health", timeout=10).json()
+        pids = {r["pid"] for r in health["replicas"] if r["state"] == "ready"}
+        if len(pids) == 2 and victim["pid"] not in pids:
+            break
+        assert time.monotonic() < deadline, health
+        time.sleep(0.5)
+    replacement = next(r for r in health["replicas"] if r["replica"] == victim["replica"])
+    assert replacement["cores"] == victim["cores"] and replacement["engine_pid"] != victim["engine_pid"]
+    return health
+
+
 @pytest.mark.slow
 def test_a_replica_killed_under_load_fails_only_its_requests_and_is_replaced(artifact, ray_env):
     server = Server(artifact, "--replicas", "2", "--threads", "1", timeout=240)
     try:
-        health = httpx.get(server.base + "/health", timeout=10).json()
-        victim = health["replicas"][1]
-        outcomes: list[tuple[float, float, int, str]] = []  # (sent, ended, status, request id or "")
-        stop = time.monotonic() + 14
-
-        def client() -> None:
-            with httpx.Client(base_url=server.base, timeout=60) as http:
-                while time.monotonic() < stop:
-                    sent = time.monotonic()
-                    response = http.post("/v1/completions", json={
-                        "model": server.name, "prompt": "321+654=", "max_tokens": 300, "temperature": 0,
-                        "ignore_eos": True})
-                    found = re.search(r"req-[0-9a-f]+", response.text)
-                    outcomes.append((sent, time.monotonic(), response.status_code, found.group(0) if found else ""))
-
-        clients = [threading.Thread(target=client) for _ in range(16)]
-        for thread in clients:
-            thread.start()
-        time.sleep(5)
-        killed = time.monotonic()
-        os.kill(victim["pid"], signal.SIGKILL)
-        # the endpoint answers: a one-token request sent at once (again every 0.2 s until one succeeds)
-        while True:
-            probe = server.post("/v1/completions", {"model": server.name, "prompt": "1", "max_tokens": 1})
-            if probe.status_code == 200:
-                break
-            assert time.monotonic() - killed < 5, probe.text
-            time.sleep(0.2)
-        assert time.monotonic() - killed < 5
-        for thread in clients:
-            thread.join()
-
-        failed = [o for o in outcomes if o[2] != 200]
-        assert failed, "no request was in flight on the killed replica"
-        for sent, ended, status, request_id in failed:  # only those in flight on it at the kill
-            assert status == 500 and sent < killed < ended, (sent, killed, ended, status)
-            assert server.logged(request_id, "the request failed in the engine: its replica died")
-        assert len(failed) <= 16
-        after = [o for o in outcomes if o[0] > killed]
-        assert after and all(o[2] == 200 for o in after)
-        assert sum(o[2] == 200 and o[0] < killed < o[1] for o in outcomes) > 0  # the other replica's went on
-
-        # Ray Serve's health check replaces it: a new process, pinned to the same core
-        deadline = time.monotonic() + 90
-        while True:
-            health = httpx.get(server.base + "/health", timeout=10).json()
-            pids = {r["pid"] for r in health["replicas"] if r["state"] == "ready"}
-            if len(pids) == 2 and victim["pid"] not in pids:
-                break
-            assert time.monotonic() < deadline, health
-            time.sleep(0.5)
-        replacement = next(r for r in health["replicas"] if r["pid"] not in {r["pid"] for r in [victim]} and
-                           r["replica"] == victim["replica"])
-        assert replacement["cores"] == victim["cores"]
+        victim = httpx.get(server.base + "/health", timeout=10).json()["replicas"][1]
+        kill_under_load(server, victim["pid"], "its replica died")  # the replica's own process
+        health = replaced(server, victim)
         assert server.metrics()["dstc_replicas_replaced_total"] == 1
+        # an engine process that dies (a native crash of the runtime): its replica is replaced as well
+        victim = health["replicas"][0]
+        kill_under_load(server, victim["engine_pid"], "the engine process died (killed by SIGKILL)")
+        replaced(server, victim)
+        assert server.metrics()["dstc_replicas_replaced_total"] == 2
         ok = server.post("/v1/completions", {"model": server.name, "prompt": "321+654=", "max_tokens": 4,
                                               "temperature": 0})
         assert ok.status_code == 200 and server.process.poll() is None

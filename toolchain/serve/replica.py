@@ -30,6 +30,7 @@ from toolchain.serve.engine import Event, NotReady, Observer, QueueFull, Request
 from toolchain.serve.engine_process import RemoteEngine
 
 NODE_CPUS = Path("/sys/devices/system/node")
+NOT_STARTED = "not_started"  # a stream's finish when the replica's engine could not take the request
 
 
 @dataclass(frozen=True)
@@ -145,7 +146,10 @@ class EngineReplica:
                           arrived=time.perf_counter(), sink=sink)
         try:
             self.engine.submit(request)
-        except (QueueFull, NotReady) as e:  # Ray Serve keeps to max_ongoing_requests; a dead engine is not ready
+        except NotReady as e:  # its engine died: the server sends it to a replica again (replicated.py)
+            yield self.rank, [], NOT_STARTED, f"replica {self.rank}: {e}", self.recorder.take()
+            return
+        except QueueFull as e:  # Ray Serve keeps to max_ongoing_requests: not expected
             yield self.rank, [], "error", f"replica {self.rank}: {e}", self.recorder.take()
             return
         try:

@@ -10,6 +10,8 @@ is at ``max_ongoing_requests``). The ranks:
 2. the replicas whose KV cache is below ``kv_full`` (each replica's own figure, from its ``record_routing_stats``);
 3. every replica.
 
+A replica that reports its engine dead (its ``state``) is left out while another is there.
+
 Why not Ray's ``PrefixCacheAffinityRouter`` (ray.serve.llm): it matches prompt text, which this server has only
 as token ids once tokenized (chat templates applied), keeps its prefix tree in a detached actor asked with a
 blocking ``ray.get`` for every request, and weighs queue length but not KV-cache use. One router, in the
@@ -54,6 +56,9 @@ class LoadPrefixRouter(FIFOMixin, RequestRouter):
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
+        # a replica whose engine died is left out until Ray Serve's health check replaces it
+        candidate_replicas = [r for r in candidate_replicas if (r.routing_stats or {}).get("state", "ready") ==
+                              "ready"] or candidate_replicas
         if not candidate_replicas:
             return []
         roomy = [r for r in candidate_replicas if (r.routing_stats or {}).get("kv_cache_usage", 0.0) < self._kv_full]

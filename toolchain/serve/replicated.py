@@ -31,12 +31,16 @@ from collections.abc import Callable
 from toolchain.distributed.ray_cluster import connect_ray
 from toolchain.errors import InputError
 from toolchain.serve.engine import Event, NotReady, QueueFull, Request
-from toolchain.serve.replica import EngineReplica, ReplicaSpec
+from toolchain.serve.replica import NOT_STARTED, EngineReplica, ReplicaSpec
 from toolchain.serve.replica_board import replaced, running_replicas
 
 HEALTH_CHECK_PERIOD_S = 1.0  # Ray Serve's check of each replica: a dead engine is found within this
 HEALTH_CHECK_TIMEOUT_S = 10.0
 ROUTING_STATS_PERIOD_S = 0.5  # how often each replica's load reaches the router, /health and /metrics
+# a request whose replica's engine had died before it started is sent again (to another replica once the router
+# knows, within a routing-stats period and a health check)
+NOT_STARTED_ATTEMPTS = 10
+NOT_STARTED_RETRY_S = 0.2
 
 
 class ReplicatedEngine:
@@ -175,28 +179,11 @@ class ReplicatedEngine:
             task.cancel()
 
     async def _run(self, request: Request, stream) -> None:
-        s = request.sampling
-        responses = stream.remote(request.prompt, request.max_tokens, (s.temperature, s.top_p, s.seed),
-                                  tuple(request.stop_ids), request.ignore_eos)
         try:
-            async for rank, tokens, finish, error, observations in responses:
-                observer = self.metrics.replica(str(rank))
-                for kind, *args in observations:
-                    getattr(observer, kind)(*args)
-                now = time.perf_counter()
-                if tokens:
-                    request.first_token_at = request.first_token_at or now
-                    request.last_token_at = now
-                    request.generated += len(tokens)
-                if finish is not None:
-                    request.finished = True
-                request.sink(Event(list(tokens), finish, error))
-                if finish is not None:
+            for attempt in range(1, NOT_STARTED_ATTEMPTS + 1):
+                if await self._attempt(request, stream, last=attempt == NOT_STARTED_ATTEMPTS):
                     return
-            raise RuntimeError("the replica's stream ended before its request finished")
-        except asyncio.CancelledError:  # the client went away: the replica cancels it in its engine
-            responses.cancel()
-            raise
+                await asyncio.sleep(NOT_STARTED_RETRY_S)
         except Exception as e:  # the replica died under it, or Ray failed the call: the API layer logs why
             from ray.exceptions import RayActorError  # loaded with Ray Serve already
 
@@ -207,6 +194,37 @@ class ReplicatedEngine:
             request.sink(Event([], "error", why))
         finally:
             self._tasks.pop(request.id, None)
+
+    async def _attempt(self, request: Request, stream, *, last: bool) -> bool:
+        """The request on the replica Ray Serve routes it to; False when that replica's engine was not running
+        (it died, and Ray Serve's health check has not yet replaced the replica) and ``last`` is not set: nothing
+        was generated, so it goes to a replica again."""
+        s = request.sampling
+        responses = stream.remote(request.prompt, request.max_tokens, (s.temperature, s.top_p, s.seed),
+                                  tuple(request.stop_ids), request.ignore_eos)
+        try:
+            async for rank, tokens, finish, error, observations in responses:
+                observer = self.metrics.replica(str(rank))
+                for kind, *args in observations:
+                    getattr(observer, kind)(*args)
+                if finish == NOT_STARTED:
+                    if not last:
+                        return False
+                    finish = "error"
+                now = time.perf_counter()
+                if tokens:
+                    request.first_token_at = request.first_token_at or now
+                    request.last_token_at = now
+                    request.generated += len(tokens)
+                if finish is not None:
+                    request.finished = True
+                request.sink(Event(list(tokens), finish, error))
+                if finish is not None:
+                    return True
+            raise RuntimeError("the replica's stream ended before its request finished")
+        except asyncio.CancelledError:  # the client went away: the replica cancels it in its engine
+            responses.cancel()
+            raise
 
     # -- what /health and /metrics read ------------------------------------------------------------------------
 
