@@ -93,10 +93,12 @@ def workload_prompt(artifact, tokens: int) -> list[int]:
 
 
 class ServerProcess:
-    def __init__(self, artifact, threads: int, max_batch: int) -> None:
+    """``dstc serve`` on a free port, ready (/health 200) within ``timeout``; ``extra``: more of its options."""
+
+    def __init__(self, artifact, threads: int, max_batch: int, *extra: str, timeout: float = 120) -> None:
         self.process = subprocess.Popen(
             [sys.executable, "-m", "toolchain", "serve", str(artifact.path), "--port", "0", "--threads", str(threads),
-             "--max-batch", str(max_batch), "--max-queue", "256", "--no-prefix-caching"],
+             "--max-batch", str(max_batch), "--max-queue", "256", "--no-prefix-caching", *extra],
             cwd=ROOT, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         line = self.process.stderr.readline()
         match = re.search(r"http://127\.0\.0\.1:(\d+)/v1", line)
@@ -107,7 +109,7 @@ class ServerProcess:
         threading.Thread(target=lambda: [None for _ in self.process.stderr], daemon=True).start()
         import httpx
 
-        deadline = time.monotonic() + 120
+        deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             try:
                 if httpx.get(self.base + "/health", timeout=2).status_code == 200:
@@ -116,7 +118,7 @@ class ServerProcess:
                 pass
             time.sleep(0.05)
         self.stop()
-        raise SystemExit("dstc serve did not become ready in 120 s")
+        raise SystemExit(f"dstc serve did not become ready in {timeout:g} s")
 
     def stop(self) -> None:
         if self.process.poll() is None:

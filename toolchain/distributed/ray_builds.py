@@ -10,40 +10,16 @@ once complete (toolchain/atomic.py), so the retried build writes what an uninter
 
 from __future__ import annotations
 
-import logging
 import os
-import socket
 
 from toolchain.build_set import Job, LineEvents, Outcome, run_one
 from toolchain.cache import cache_dir
-from toolchain.errors import InputError
+from toolchain.distributed.ray_cluster import connect_ray
 
 # Ray's own retries of a task whose worker died; a task that raised is not retried (its error is the outcome).
 MAX_RETRIES = 3
 # the exit code of a recipe whose worker died on every try: a crashed process, as a crashed runtime's
 CRASHED = 5
-# Ray's driver retries an address that does not answer for minutes, silently: a CI job would hang on a typo
-CONNECT_TIMEOUT_S = 10.0
-RAY_CLIENT_PORT = 10001
-
-
-def check_reachable(address: str) -> None:
-    """A one-line InputError when nothing listens at a HOST:PORT or ray://HOST[:PORT] address ("auto" and a
-    local Ray are Ray's own to find)."""
-    if address == "auto":
-        return
-    client = address.startswith("ray://")
-    host, colon, port = address.removeprefix("ray://").rpartition(":")
-    if not colon:  # ray://HOST: the Ray client's port
-        host, port = address.removeprefix("ray://"), str(RAY_CLIENT_PORT) if client else ""
-    if not port.isdigit():
-        raise InputError(f"--ray: {address!r} is not auto, HOST:PORT or ray://HOST[:PORT]")
-    try:
-        socket.create_connection((host, int(port)), timeout=CONNECT_TIMEOUT_S).close()
-    except OSError as e:
-        raise InputError(f"--ray: no Ray cluster at {address} ({e.strerror or e})") from None
-
-
 def _build_task(job: Job, model: str | None, use_cache: bool, env: dict[str, str]) -> Outcome:
     """Runs in a Ray worker: the driver's environment for dstc (the shared stage cache), then the build."""
     os.environ.update(env)
@@ -56,16 +32,7 @@ def run_on_ray(jobs: list[Job], address: str | None, model: str | None, use_cach
     initialised in this process is used as it is and left running."""
     import ray  # loaded when used: dstc starts without it
 
-    if address:
-        check_reachable(address)
-    started = not ray.is_initialized()
-    if started:
-        try:
-            # "local": a new Ray of this machine's CPUs, never one found running here (ray.init(None) joins that)
-            ray.init(address=address or "local", logging_level=logging.WARNING)
-        except (ConnectionError, ValueError) as e:
-            where = f"at {address}" if address else "started on this machine"
-            raise InputError(f"--ray: no Ray cluster {where} ({e})") from None
+    started = connect_ray(address)
     env = {"DSTC_CACHE_DIR": str(cache_dir().resolve()), "HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "1")}
     task = ray.remote(num_cpus=1, max_retries=MAX_RETRIES, retry_exceptions=False)(_build_task)
     try:

@@ -33,7 +33,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from toolchain.serve import schemas
 from toolchain.serve.engine import Event, NotReady, QueueFull, Request as EngineRequest
 from toolchain.serve.intake import Intake, internal_error
-from toolchain.serve.metrics import CONTENT_TYPE, render
+from toolchain.serve.metrics import CONTENT_TYPE, ReplicaSet, render
 from toolchain.serve.schemas import FinishReason
 from toolchain.serve.text import IncrementalText, StopText
 
@@ -112,9 +112,19 @@ def create_app(service) -> Intake:
     @app.get("/health")
     async def health() -> JSONResponse:
         engine = service.engine
-        body = {"state": engine.state, "model": service.model_name, "backend": service.artifact.backend,
+        state = engine.state
+        body = {"state": state, "model": service.model_name, "backend": service.artifact.backend,
                 "engine": getattr(engine, "engine_name", None)}
-        if engine.state == "ready":
+        if isinstance(engine, ReplicaSet):
+            # each replica as Ray Serve's router last saw it; ready while one of them is
+            replicas = engine.replica_stats()
+            ready = sum(r["state"] == "ready" for r in replicas)
+            if state == "ready" and not ready:
+                state = body["state"] = "loading"
+            body.update(replicas_ready=ready, replicas_target=engine.target, replicas=[
+                {key: r.get(key) for key in ("replica", "state", "pid", "engine_pid", "cores", "load_seconds",
+                                             "running", "queue_depth", "kv_cache_usage")} for r in replicas])
+        if state == "ready":
             body.update(service.health.report())
             body.update(load_seconds=engine.load_seconds, running=engine.running, queue_depth=engine.queue_depth,
                         engine_pid=getattr(engine, "pid", None), engine_restarts=getattr(engine, "restarts", 0))

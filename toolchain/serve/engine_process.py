@@ -78,7 +78,7 @@ class RemoteEngine:
     """The Engine's interface over an engine process (see the module doc)."""
 
     def __init__(self, backend: str, artifact_path: str, options: dict, *, max_batch: int, max_queue: int,
-                 observer: Observer | None = None) -> None:
+                 observer: Observer | None = None, restart: bool = True) -> None:
         self.spec = {"backend": backend, "artifact": str(artifact_path), "options": options, "max_batch": max_batch}
         self.max_batch = max_batch
         self.max_queue = max_queue
@@ -88,6 +88,9 @@ class RemoteEngine:
         self.load_seconds: float | None = None
         self.engine_name: str | None = None  # the backend the child chose for the artifact (its ``name``)
         self.restarts = 0
+        # False: an engine process that dies leaves the engine "failed" (a replica of dstc serve --replicas: Ray
+        # Serve's health check replaces the whole replica, replica.py)
+        self.restart = restart
         self.dispatch: Callable[[Callable[[], None]], None] = lambda deliver: deliver()
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
@@ -161,6 +164,11 @@ class RemoteEngine:
     @property
     def pid(self) -> int | None:
         return self._process.pid if self._process is not None else None
+
+    @property
+    def in_flight(self) -> int:
+        """Requests submitted and not yet finished (admitted here, so counted here at once)."""
+        return len(self._requests)
 
     @property
     def queue_depth(self) -> int:
@@ -237,8 +245,11 @@ class RemoteEngine:
             was = self.state
             if self._stopping:
                 self.state = "stopped"
-            elif was == "ready":
+            elif was == "ready" and self.restart:
                 self.state = "loading"
+            elif was == "ready":
+                self.state = "failed"
+                self.load_error = f"the engine process died ({reason})"
             elif was == "loading":
                 self.state = "failed"
                 self.load_error = self.load_error or f"the engine process died while loading the model ({reason})"
@@ -249,7 +260,7 @@ class RemoteEngine:
             message = "the server is shutting down" if self._stopping else f"the engine process died ({reason})"
             events = [(r, Event([], "cancelled" if self._stopping else "error", message)) for r in failed]
             self.dispatch(partial(deliver_events, events))
-        if not self._stopping and was == "ready":
+        if not self._stopping and was == "ready" and self.restart:
             # the server's log, one write per line (print's two could interleave with a request's error line)
             log.warning("dstc serve: the engine process died (%s); %d requests failed; restarting it", reason,
                         len(failed))

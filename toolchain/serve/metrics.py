@@ -12,6 +12,11 @@
   empty for a dense model) and the compression stage's error summary from
   compression.json (``dstc_quantization_*``: bits per weight, KL and top-1 agreement against the uncompressed
   model, MoE routing agreement, and per layer the largest weight and output errors).
+
+With ``--replicas N`` the engine's series (the histograms but the request duration, the token and request
+counters, the queue, batch and KV-cache gauges) carry a ``replica`` label (its rank: a replacement takes the
+rank of the replica it replaces), and ``dstc_replicas_ready``, ``dstc_replicas_target`` and
+``dstc_replicas_replaced_total`` count them; the rest is the server's, over all replicas.
 """
 
 from __future__ import annotations
@@ -19,10 +24,10 @@ from __future__ import annotations
 import collections
 import threading
 import time
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from toolchain.interface.reports import CompressionReport
 from toolchain.serve.engine import Observer
@@ -55,55 +60,77 @@ class LiveEngine(Protocol):
     def kv_cache_usage(self) -> float: ...
 
 
-class ServerMetrics(Observer):
-    """The engine's Observer: each event goes to the Prometheus metrics and to the health monitor."""
+@runtime_checkable
+class ReplicaSet(Protocol):
+    """An engine of several replicas (toolchain/serve/replicated.py): their gauges are labelled by replica."""
 
-    def __init__(self, health: HealthMonitor) -> None:
+    target: int
+    restarts: int
+
+    def replica_stats(self) -> list[dict]: ...
+
+
+class ServerMetrics(Observer):
+    """The engine's Observer: each event goes to the Prometheus metrics and to the health monitor. With
+    ``replica_label`` (dstc serve --replicas), the engine's own series carry a ``replica`` label, each replica's
+    events going to ``replica(name)``'s Observer, and the health monitor judges all replicas together."""
+
+    def __init__(self, health: HealthMonitor, *, replica_label: bool = False) -> None:
         self.health = health
         self.registry = CollectorRegistry()
         r = self.registry
+        by = ["replica"] if replica_label else []
         self.ttft = Histogram("dstc_time_to_first_token_seconds", "Request arrival to its first generated token.",
-                              buckets=TTFT_BUCKETS, registry=r)
+                              by, buckets=TTFT_BUCKETS, registry=r)
         self.itl = Histogram("dstc_inter_token_latency_seconds", "Time between two tokens of one request.",
-                             buckets=ITL_BUCKETS, registry=r)
+                             by, buckets=ITL_BUCKETS, registry=r)
         self.step_seconds = Histogram("dstc_decode_step_seconds", "One engine step of the running batch.",
-                                      buckets=ITL_BUCKETS, registry=r)
+                                      by, buckets=ITL_BUCKETS, registry=r)
         self.duration = Histogram("dstc_request_duration_seconds", "Request arrival to its last token.",
                                   buckets=DURATION_BUCKETS, registry=r)
-        self.prompt_tokens = Counter("dstc_prompt_tokens", "Prompt tokens admitted to the running batch.", registry=r)
-        self.generation_tokens = Counter("dstc_generation_tokens", "Tokens generated.", registry=r)
-        self.requests = Counter("dstc_requests", "Requests finished, by finish reason.", ["finish_reason"], registry=r)
+        self.prompt_tokens = Counter("dstc_prompt_tokens", "Prompt tokens admitted to the running batch.", by,
+                                     registry=r)
+        self.generation_tokens = Counter("dstc_generation_tokens", "Tokens generated.", by, registry=r)
+        self.requests = Counter("dstc_requests", "Requests finished, by finish reason.", [*by, "finish_reason"],
+                                registry=r)
         self.rejected = Counter("dstc_rejected_requests", "Requests refused, by reason.", ["reason"], registry=r)
         for reason in ("queue_full", "invalid_request", "not_ready", "unauthorized", "body_too_large", "body_timeout"):
             self.rejected.labels(reason)
         self._lock = threading.Lock()
         self._recent: collections.deque[tuple[float, int]] = collections.deque()
         self.engine: LiveEngine | None = None  # set by attach(), which registers the live gauges
+        self._series = None if replica_label else _Series(self, ())
+        self._replicas: dict[str, _Series] = {}
+
+    def replica(self, name: str) -> Observer:
+        """The Observer of one replica's engine (``replica_label``)."""
+        with self._lock:
+            return self._replicas.setdefault(name, _Series(self, (name,)))
 
     # -- Observer (the engine's thread) ------------------------------------------------------------------------
 
+    def _single(self) -> _Series:
+        assert self._series is not None, "with replica_label, each replica's events go to replica(name)"
+        return self._series
+
     def first_token(self, seconds: float) -> None:
-        self.ttft.observe(seconds)
-        self.health.observe_ttft(seconds)
+        self._single().first_token(seconds)
 
     def inter_token(self, seconds: float, tokens: int) -> None:
-        for _ in range(tokens):
-            self.itl.observe(seconds)
-        self.health.observe_itl(seconds, tokens)
+        self._single().inter_token(seconds, tokens)
 
     def tokens(self, prompt: int, generated: int) -> None:
-        if prompt:
-            self.prompt_tokens.inc(prompt)
-        if generated:
-            self.generation_tokens.inc(generated)
-            with self._lock:
-                self._recent.append((time.monotonic(), generated))
+        self._single().tokens(prompt, generated)
 
     def finished(self, reason: str) -> None:
-        self.requests.labels(reason).inc()
+        self._single().finished(reason)
 
     def step(self, seconds: float, batch: int) -> None:
-        self.step_seconds.observe(seconds)
+        self._single().step(seconds, batch)
+
+    def _generated(self, count: int) -> None:
+        with self._lock:
+            self._recent.append((time.monotonic(), count))
 
     # -- the API layer ------------------------------------------------------------------------------------------
 
@@ -134,6 +161,40 @@ class ServerMetrics(Observer):
         _quantization_gauges(self.registry, compression)
 
 
+class _Series(Observer):
+    """The engine's series of one replica (``labels``: its name) or of the single engine (no labels)."""
+
+    def __init__(self, metrics: ServerMetrics, labels: tuple[str, ...]) -> None:
+        self.metrics, self.labels = metrics, labels
+        self.ttft = metrics.ttft.labels(*labels) if labels else metrics.ttft
+        self.itl = metrics.itl.labels(*labels) if labels else metrics.itl
+        self.step_seconds = metrics.step_seconds.labels(*labels) if labels else metrics.step_seconds
+        self.prompt_tokens = metrics.prompt_tokens.labels(*labels) if labels else metrics.prompt_tokens
+        self.generation_tokens = metrics.generation_tokens.labels(*labels) if labels else metrics.generation_tokens
+
+    def first_token(self, seconds: float) -> None:
+        self.ttft.observe(seconds)
+        self.metrics.health.observe_ttft(seconds)
+
+    def inter_token(self, seconds: float, tokens: int) -> None:
+        for _ in range(tokens):
+            self.itl.observe(seconds)
+        self.metrics.health.observe_itl(seconds, tokens)
+
+    def tokens(self, prompt: int, generated: int) -> None:
+        if prompt:
+            self.prompt_tokens.inc(prompt)
+        if generated:
+            self.generation_tokens.inc(generated)
+            self.metrics._generated(generated)
+
+    def finished(self, reason: str) -> None:
+        self.metrics.requests.labels(*self.labels, reason).inc()
+
+    def step(self, seconds: float, batch: int) -> None:
+        self.step_seconds.observe(seconds)
+
+
 class _LiveGauges:
     """Gauges computed when /metrics is scraped."""
 
@@ -148,12 +209,27 @@ class _LiveGauges:
         assert engine is not None  # registered by attach(), with the engine
         ready = engine.state == "ready"
         yield GaugeMetricFamily("dstc_ready", "1 when the model is loaded and requests are served.", float(ready))
-        yield GaugeMetricFamily("dstc_queue_depth", "Requests waiting for a slot in the running batch.",
-                                engine.queue_depth)
-        yield GaugeMetricFamily("dstc_running_batch_size", "Requests in the running batch.", engine.running)
         yield GaugeMetricFamily("dstc_max_batch_size", "Slots in the running batch.", engine.max_batch)
-        yield GaugeMetricFamily("dstc_kv_cache_usage_ratio", "Share of the KV cache in use (0..1).",
-                                engine.kv_cache_usage())
+        live = {"dstc_queue_depth": ("Requests waiting for a slot in the running batch.", "queue_depth"),
+                "dstc_running_batch_size": ("Requests in the running batch.", "running"),
+                "dstc_kv_cache_usage_ratio": ("Share of the KV cache in use (0..1).", "kv_cache_usage")}
+        if isinstance(engine, ReplicaSet):
+            replicas = engine.replica_stats()
+            for name, (doc, key) in live.items():
+                family = GaugeMetricFamily(name, doc, labels=["replica"])
+                for replica in replicas:
+                    family.add_metric([replica["replica"]], float(replica.get(key) or 0))
+                yield family
+            yield GaugeMetricFamily("dstc_replicas_ready", "Replicas running with their model loaded.",
+                                    sum(r["state"] == "ready" for r in replicas))
+            yield GaugeMetricFamily("dstc_replicas_target", "Replicas asked for (--replicas).", engine.target)
+            yield CounterMetricFamily("dstc_replicas_replaced", "Replicas that died and were replaced.",
+                                      engine.restarts)
+        else:
+            yield GaugeMetricFamily("dstc_queue_depth", live["dstc_queue_depth"][0], engine.queue_depth)
+            yield GaugeMetricFamily("dstc_running_batch_size", live["dstc_running_batch_size"][0], engine.running)
+            yield GaugeMetricFamily("dstc_kv_cache_usage_ratio", live["dstc_kv_cache_usage_ratio"][0],
+                                    engine.kv_cache_usage())
         yield GaugeMetricFamily("dstc_generation_tokens_per_second",
                                 f"Tokens generated per second over the last {RATE_WINDOW_S:g} s.",
                                 self.metrics.tokens_per_second())

@@ -37,6 +37,7 @@ from toolchain.serve.health import (
     recipe_thresholds,
 )
 from toolchain.serve.metrics import ServerMetrics
+from toolchain.serve.replicated import ReplicatedEngine
 from toolchain.serve.settings import ServeSettings
 
 DEFAULT_MAX_CONTEXT = 4096  # when the model's own is longer: the OpenVINO KV cache is allocated for it
@@ -67,17 +68,18 @@ class Service:
         from_recipe = recipe_thresholds(artifact.manifest.recipe.serve if artifact.manifest else None)
         thresholds = merge_thresholds(DEFAULT_THRESHOLDS, from_recipe,
                                       [parse_threshold(t) for t in settings.thresholds])
-        self.engine: RemoteEngine | None = None
+        self.engine: RemoteEngine | ReplicatedEngine | None = None
         self.health = HealthMonitor(thresholds, window_s=settings.health_window_s, gauges=self._gauges)
-        self.metrics = ServerMetrics(self.health)
+        self.metrics = ServerMetrics(self.health, replica_label=settings.replicas is not None)
         self.engine = self._engine()
         self.metrics.attach(self.engine, artifact, self.model_name)
         generation = artifact.generation
         self._default_temperature = float(generation.get("temperature", 1.0)) if generation.get("do_sample") else 0.0
         self._default_top_p = float(generation.get("top_p", 1.0)) if generation.get("do_sample") else 1.0
 
-    def _engine(self) -> RemoteEngine:
-        """The engine, in a process of its own (engine_process.py), over the artifact's backend."""
+    def _engine(self) -> RemoteEngine | ReplicatedEngine:
+        """The engine, in a process of its own (engine_process.py), over the artifact's backend; with --replicas,
+        that many of them on Ray Serve (replicated.py)."""
         s = self.settings
         options: dict
         if self.artifact.backend == "openvino":
@@ -86,6 +88,12 @@ class Service:
         else:
             options = {"threads": s.threads, "max_batch": s.max_batch, "max_context": self.context,
                        "layout": s.kv_layout}
+        if s.replicas is not None:
+            return ReplicatedEngine(self.artifact.backend, str(self.artifact.path), options, replicas=s.replicas,
+                                    threads=s.threads, address=s.ray, max_batch=s.max_batch, max_queue=s.max_queue,
+                                    metrics=self.metrics)
+        if s.ray is not None:
+            raise InputError("--ray runs replicas on a Ray cluster: give --replicas N too")
         return RemoteEngine(self.artifact.backend, str(self.artifact.path), options, max_batch=s.max_batch,
                             max_queue=s.max_queue, observer=self.metrics)
 
@@ -237,7 +245,9 @@ def serve(artifact_path, settings: ServeSettings, *, host: str = "127.0.0.1", po
     app = create_app(service)
     _log_to_stderr()
     _allow_open_files(settings.max_connections)
+    # loop: asyncio's, on which connections.py's guards are tested (ray[serve] installs uvloop, which "auto" takes)
     config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5, lifespan="on", ws="none",
+                            loop="asyncio",
                             http=guarded_protocol(settings.header_timeout_s, settings.stream_idle_timeout_s),
                             timeout_keep_alive=settings.keep_alive_timeout_s,
                             limit_concurrency=settings.max_connections)

@@ -17,7 +17,18 @@ SECONDS: JsonDict = {"metavar": "SECONDS"}  # the help's name for the value (too
 class ServeSettings(Section):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    threads: int | None = Field(None, ge=1, description="Runtime threads (default: the runtime's choice).")
+    threads: int | None = Field(
+        None, ge=1, description="Runtime threads (default: the runtime's choice; with --replicas, each replica's, "
+                                "default the CPUs divided among the replicas).")
+    replicas: int | None = Field(
+        None, ge=1, description="Run this many engine replicas on Ray Serve, each pinned to cores of its own, behind "
+                                "this one endpoint (routed by load and prompt prefix; a replica that dies is "
+                                "replaced). Default: one engine, without Ray.")
+    ray: str | None = Field(
+        None, json_schema_extra={"metavar": "ADDRESS"},
+        description="With --replicas: the Ray cluster to run them on, from one of its nodes (auto, or its HOST:PORT; "
+                    "every node needs dstc and the artifact at the same path). Default: a local Ray started for the "
+                    "server and stopped with it.")
     max_batch: int = Field(16, ge=1, description="Requests decoded together in the running batch.")
     max_context: int | None = Field(
         None, ge=2, description="Prompt + generated tokens per request (default: the model's context, at most 4096).")
