@@ -9,6 +9,8 @@ cumsum - 1, clipped at 0), so a left-padded batch decodes as the padding were no
   (what users run; ``runtime_config`` reads back what was applied) or ``exact`` ones (toolchain/runtime/engines.py);
 * :class:`StatelessDecoder`: any graph with past_key_values.* inputs and present.* outputs, run by a GraphRunner,
   the cache kept as arrays (export parity, compile verification).
+
+The three also ``truncate(keep)`` their cache to its first positions (a speculative step's rejected drafts).
 """
 
 from __future__ import annotations
@@ -111,6 +113,12 @@ class OnnxRuntimeDecoder:
     def reset(self) -> None:
         self.cache = {}
 
+    def truncate(self, keep: int) -> None:
+        from onnxruntime import OrtValue
+
+        self.cache = {name: OrtValue.ortvalue_from_numpy(np.ascontiguousarray(value.numpy()[:, :, :keep]))
+                      for name, value in self.cache.items()}
+
     def forward(self, input_ids: np.ndarray, attention_mask: np.ndarray, logits_to_keep: int = 0,
                 inputs: dict[str, np.ndarray] | None = None) -> np.ndarray:
         ids = np.ascontiguousarray(input_ids, np.int64)
@@ -182,6 +190,12 @@ class OpenVINODecoder:
 
     def reset(self) -> None:
         self.request.reset_state()
+
+    def truncate(self, keep: int) -> None:
+        import openvino as ov
+
+        for state in self.request.query_state():
+            state.state = ov.Tensor(np.ascontiguousarray(state.state.data[:, :, :keep]))
 
     def forward(self, input_ids: np.ndarray, attention_mask: np.ndarray, logits_to_keep: int = 0,
                 inputs: dict[str, np.ndarray] | None = None) -> np.ndarray:
@@ -287,6 +301,9 @@ class StatelessDecoder:
 
     def reset(self) -> None:
         self._past: dict[str, np.ndarray] = {}
+
+    def truncate(self, keep: int) -> None:
+        self._past = {name: value[:, :, :keep] for name, value in self._past.items()}
 
     def forward(self, input_ids: np.ndarray, attention_mask: np.ndarray, logits_to_keep: int = 0,
                 inputs: dict[str, np.ndarray] | None = None) -> np.ndarray:
