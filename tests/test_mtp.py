@@ -241,3 +241,24 @@ def test_built_artifact_carries_the_mtp_layer_and_its_drafter_drafts_the_greedy_
     rate = check_drafter(main, drafter, model, reference_mtp(model, source.path), prompts_of(source))
     print(f"{backend}: acceptance of single drafts {rate:.4f}")
     assert rate > 0.5
+
+
+@pytest.mark.slow
+def test_mtp_layer_of_a_hub_fp8_checkpoint_with_its_own_embedding_and_head(source, tmp_path):
+    """DeepSeek-V3's hub layout (toolchain/checkpoint/fp8.py): the MTP layer in FP8 with its own copies of the
+    embedding and head, read dequantized by both the graph and the reference."""
+    from toolchain.checkpoint.fp8 import write_fp8_checkpoint
+
+    fp8 = write_fp8_checkpoint(source.path, tmp_path / "fp8", shard_bytes=1_000_000, mtp_layers=1)
+    with open_checkpoint(fp8, mtp=True) as reader:
+        assert mtp_layer_indices(reader.names(), reader.config) == [3]
+        assert reader.has("model.layers.3.embed_tokens.weight")
+        assert reader.has("model.layers.3.shared_head.head.weight")
+        hub = sources.resolve(str(fp8))
+        with open_checkpoint(fp8) as main_reader:
+            skeleton = sources.skeleton(hub, main_reader)
+        graph = build_mtp_graph(skeleton, architecture_for("deepseek_v3"), reader, 3)
+    save_graph(graph, tmp_path / "mtp.onnx")
+    model = reference_model(hub)
+    result = compare_mtp_graph(model, fp8, tmp_path / "mtp.onnx", ("onnxruntime",), parity_cases(fp8, 640), 4, 2)
+    assert result["onnxruntime"]["passed"], result

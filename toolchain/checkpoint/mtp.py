@@ -123,10 +123,10 @@ def load_mtp(model, reader, index: int) -> MtpModel:
     prefix = layer_prefix(index)
     embed, head = model.model.embed_tokens, model.lm_head
     if reader.has(prefix + OWN_EMBEDDING):
-        embed = nn.Embedding.from_pretrained(reader.tensor(prefix + OWN_EMBEDDING), freeze=True)
+        embed = nn.Embedding.from_pretrained(_exact(reader, prefix + OWN_EMBEDDING), freeze=True)
     if reader.has(prefix + OWN_HEAD):
         head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        head.weight.data = reader.tensor(prefix + OWN_HEAD)
+        head.weight.data = _exact(reader, prefix + OWN_HEAD)
     mtp = MtpModel(config, index, embed, head, model.model.rotary_emb)
     state = {}
     for name, target in mtp.layer.checkpoint_names(index).items():
@@ -142,13 +142,19 @@ def _read(reader, name: str, like: torch.Tensor) -> torch.Tensor:
         parts = []
         for e in range(like.shape[0]):
             if leaf == "gate_up_proj":
-                parts.append(torch.cat([reader.tensor(f"{prefix}.{e}.gate_proj.weight"),
-                                        reader.tensor(f"{prefix}.{e}.up_proj.weight")]))
+                parts.append(torch.cat([_exact(reader, f"{prefix}.{e}.gate_proj.weight"),
+                                        _exact(reader, f"{prefix}.{e}.up_proj.weight")]))
             else:
-                parts.append(reader.tensor(f"{prefix}.{e}.down_proj.weight"))
+                parts.append(_exact(reader, f"{prefix}.{e}.down_proj.weight"))
         return torch.stack(parts)
-    dtype = torch.int64 if not like.is_floating_point() else torch.float32
-    return reader.tensor(name, dtype)
+    return _exact(reader, name).to(like.dtype)
+
+
+def _exact(reader, name: str) -> torch.Tensor:
+    """The tensor in float32 as the exporter's graph holds it: read in the dtype that holds its values exactly (an
+    FP8 weight dequantized to bf16, as DeepSeek's fp8_cast_bf16 and the main model's reference do)."""
+    t = reader.tensor(name, reader.natural_dtype(name))
+    return t.to(torch.float32) if t.is_floating_point() else t
 
 
 def hub_tensors(mtp: MtpModel) -> dict[str, torch.Tensor]:
