@@ -233,7 +233,9 @@ def test_built_artifact_carries_the_mtp_layer_and_its_drafter_drafts_the_greedy_
     graph = "mtp/openvino_model.xml" if backend == "openvino" else "mtp/model.onnx"
     assert graph in manifest["files"]
     compile_report = manifest["provenance"]["stage_reports"]["compile/compile.json"]
-    assert compile_report["mtp"]["verification"]["passed"]
+    verification = compile_report["mtp"]["verification"]
+    assert verification["passed"] and verification["drafts_identical"]
+    print(f"{backend}: compiled MTP layer vs PyTorch, max relative diff {verification['max_relative_diff']:.2e}")
     artifact = open_artifact(out)
     main = open_decoder(artifact, extra_outputs=(HIDDEN_STATES,), openvino_f32=True)
     drafter = open_mtp_drafter(artifact, openvino_f32=True)

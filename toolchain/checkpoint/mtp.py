@@ -26,6 +26,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from toolchain.checkpoint.reference import cache_argument
+
 EH_PROJ = "eh_proj.weight"
 OWN_EMBEDDING, OWN_HEAD = "embed_tokens.weight", "shared_head.head.weight"
 MTP_MODEL_TYPES = ("deepseek_v3",)
@@ -101,8 +103,6 @@ class MtpModel(nn.Module):
 
     def forward(self, hidden, next_ids, attention_mask=None, position_ids=None, cache=None):
         from transformers.masking_utils import create_causal_mask
-
-        from toolchain.checkpoint.reference import cache_argument
 
         layer = self.layer
         x = layer.eh_proj(torch.cat([layer.enorm(self.embed_tokens(next_ids)), layer.hnorm(hidden)], dim=-1))

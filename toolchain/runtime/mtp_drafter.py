@@ -16,9 +16,12 @@ from typing import Protocol
 
 import numpy as np
 
+from toolchain.errors import InputError
 from toolchain.interface.files import MODEL_XML, MTP_DIR, ONNX_MODEL
-from toolchain.interface.graph import HIDDEN_STATES, MTP_HIDDEN
+from toolchain.interface.graph import HIDDEN_STATES, MTP_HIDDEN, graph_cache_spec
 from toolchain.runtime.artifact import Artifact
+from toolchain.runtime.decoder import OnnxRuntimeDecoder, StatelessDecoder
+from toolchain.runtime.engines import GraphRunner
 
 
 class CacheDecoder(Protocol):
@@ -83,15 +86,14 @@ class MtpDrafter:
 
 def open_mtp_drafter(artifact: Artifact, *, threads: int | None = None, openvino_f32: bool = False) -> MtpDrafter:
     """The drafter over an artifact's mtp/ graph (built with the recipe's ``export.mtp``), on its backend."""
-    from toolchain.errors import InputError
-    from toolchain.runtime.decoder import OnnxRuntimeDecoder, OpenVINODecoder
-
     directory = artifact.path / MTP_DIR
     if artifact.backend == "openvino":
         if not (directory / MODEL_XML).is_file():
             raise InputError(f"{artifact.path} has no MTP layer ({MTP_DIR}/{MODEL_XML}); build it with export.mtp")
-        return MtpDrafter(OpenVINODecoder(directory / MODEL_XML, threads, (MTP_HIDDEN,),
-                                          "exact" if openvino_f32 else "deployment"))
+        # a stateless IR (toolchain/stages/compile.py _compile_mtp says why): the cache is kept here as arrays
+        runner = GraphRunner(directory / MODEL_XML, "openvino", numerics="exact" if openvino_f32 else "deployment",
+                             threads=threads)
+        return MtpDrafter(StatelessDecoder(runner, graph_cache_spec(directory / MODEL_XML), (MTP_HIDDEN,)))
     if not (directory / ONNX_MODEL).is_file():
         raise InputError(f"{artifact.path} has no MTP layer ({MTP_DIR}/{ONNX_MODEL}); build it with export.mtp")
     return MtpDrafter(OnnxRuntimeDecoder(directory / ONNX_MODEL, threads, (MTP_HIDDEN,)))

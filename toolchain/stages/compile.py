@@ -110,9 +110,9 @@ def _verify(backend: str, artifact: Path, input_dir: Path, source: Path, new_tok
 
 
 def _compile_mtp(backend: str, graph: Path, out_dir: Path, config: dict, log: Callable[[str], None]) -> list[str]:
-    """The export's MTP graph (toolchain/export/mtp.py), when it has one, compiled as the main graph is (a stateful
-    IR, or ORT's offline optimisation with external weights) into ``out_dir`` (the artifact's mtp/); its files,
-    relative to the artifact."""
+    """The export's MTP graph (toolchain/export/mtp.py), when it has one, compiled into ``out_dir`` (the artifact's
+    mtp/): a stateless OpenVINO IR, or ORT's offline optimisation with external weights; its files, relative to the
+    artifact."""
     if not graph.is_file():
         return []
     out_dir.mkdir()
@@ -120,8 +120,11 @@ def _compile_mtp(backend: str, graph: Path, out_dir: Path, config: dict, log: Ca
     if backend == "openvino":
         import openvino as ov
 
-        versions = {"transformers_version": config.get("transformers_version", ""), "dstc_version": __version__}
-        ov.save_model(openvino_ir.stable_names(openvino_ir.convert(graph, versions)), out_dir / MODEL_XML,
+        # Stateless: OpenVINO 2026.4's CPU plugin moves the one-layer graph's cache initializers into its ReadValues
+        # (nothing else reads them, unlike the main graph's) and then mis-sizes the state once a longer sequence
+        # follows a shorter one ("Can not clone with new dims"; Add shapes in the attention). The cache contract is
+        # the main graph's, kept by the caller (StatelessDecoder), which also cuts it back for free.
+        ov.save_model(openvino_ir.stable_names(ov.convert_model(str(graph))), out_dir / MODEL_XML,
                       compress_to_fp16=False)
     else:
         onnxruntime_artifact.optimize(graph, out_dir / ONNX_MODEL)
@@ -131,6 +134,7 @@ def _compile_mtp(backend: str, graph: Path, out_dir: Path, config: dict, log: Ca
 def _verify_mtp(backend: str, mtp_dir: Path, source: Path, new_tokens: int, log: Callable[[str], None]) -> dict:
     """The compiled MTP layer (its runtime's decoder, exact numerics, its own cache) against its PyTorch reference
     on the export's parity prompts (toolchain/verify/mtp_parity.py)."""
+    # torch loads only where the verification runs
     from toolchain.runtime.torch_reference import reference_model
     from toolchain.verify.mtp_parity import compare_mtp, reference_mtp
 
@@ -140,7 +144,7 @@ def _verify_mtp(backend: str, mtp_dir: Path, source: Path, new_tokens: int, log:
     log(f"verifying the {backend} artifact's MTP layer against pytorch fp32: {len(cases)} cases")
     decoder: Callable[[], Decoder]
     if backend == "openvino":
-        decoder = lambda: OpenVINODecoder(mtp_dir / MODEL_XML, None, (), "exact")  # noqa: E731
+        decoder = lambda: graph_decoder(mtp_dir / MODEL_XML, backend)  # noqa: E731 - a stateless IR (_compile_mtp)
     else:
         decoder = lambda: OnnxRuntimeDecoder(mtp_dir / ONNX_MODEL, None, ())  # noqa: E731
     result = compare_mtp(model, reference_mtp(model, source), {backend: decoder}, cases, new_tokens,

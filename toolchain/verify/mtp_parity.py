@@ -17,10 +17,12 @@ import numpy as np
 import torch
 
 from toolchain.checkpoint.mtp import MtpModel, load_mtp, mtp_layer_indices
+from toolchain.checkpoint.reader import open_checkpoint
 from toolchain.interface.graph import HIDDEN_STATES, MTP_HIDDEN, graph_cache_spec
 from toolchain.runtime.decoder import Decoder, StatelessDecoder, positions
 from toolchain.runtime.engines import GraphRunner
 from toolchain.runtime.generate import greedy_logits
+from toolchain.runtime.torch_reference import TorchDecoder
 from toolchain.verify.parity import TOLERANCES, Case
 
 
@@ -55,8 +57,6 @@ class MtpTorchDecoder:
 
 def reference_mtp(model, source_path: Path) -> MtpModel:
     """The checkpoint's first MTP layer over the loaded main ``model``."""
-    from toolchain.checkpoint.reader import open_checkpoint
-
     with open_checkpoint(source_path, mtp=True) as reader:
         indices = mtp_layer_indices(reader.names(), reader.config)
         if not indices:
@@ -67,8 +67,6 @@ def reference_mtp(model, source_path: Path) -> MtpModel:
 def mtp_inputs(model, case: Case, new_tokens: int, pad_id: int):
     """(ids [B, S], mask [B, S], hidden [B, S, H]): the case's prompts left-padded with the main model's greedy
     tokens after them, and the main model's final-normed hidden state at each position."""
-    from toolchain.runtime.torch_reference import TorchDecoder
-
     tokens = greedy_logits(TorchDecoder.over(model), case.prompts, new_tokens, pad_id)[0]
     width = max(len(p) for p in case.prompts)
     ids = np.array([[pad_id] * (width - len(p)) + p for p in case.prompts], np.int64)
