@@ -266,12 +266,17 @@ def test_models_list_training_json_readme_and_export_give_one_parameter_count(mo
                for name in EMBEDDED}
     assert listed == trained == _readme_parameters()
     assert listed["deepseek-v3-tiny"] == 1_241_248
-    # the checkpoint holds 32 values more: the routers' e_score_correction_bias buffers (16 experts, 2 MoE layers)
+    # the checkpoint holds 32 values more: the routers' e_score_correction_bias buffers (16 experts, 2 MoE layers);
+    # and its MTP layer (layer 3, counted apart in training.json, with its router's 16)
     with (embedded_path("deepseek-v3-tiny") / "model.safetensors").open("rb") as f:
         header = json.loads(f.read(struct.unpack("<Q", f.read(8))[0]))
     stored = {k: math.prod(t["shape"]) for k, t in header.items() if k != "__metadata__"}
+    mtp = {k: n for k, n in stored.items() if k.startswith("model.layers.3.")}
+    stored = {k: n for k, n in stored.items() if k not in mtp}
     buffers = {k: n for k, n in stored.items() if k.endswith("e_score_correction_bias")}
     assert sum(stored.values()) - sum(buffers.values()) == listed["deepseek-v3-tiny"] and sum(buffers.values()) == 32
+    mtp_record = json.loads((embedded_path("deepseek-v3-tiny") / "training.json").read_text())["mtp"]
+    assert sum(mtp.values()) - 16 == mtp_record["parameters"] == 499_424
     monkeypatch.setenv("DSTC_CACHE_DIR", str(tmp_path / "cache"))
     code, out, err = _run(monkeypatch, capsys, "export", "deepseek-v3-tiny", "-o", tmp_path / "e", "--parity", "none",
                           "--json")

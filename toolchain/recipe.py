@@ -35,6 +35,9 @@ class ExportSection(Section):
     mla_cache: Literal["latent", "per-head"] | None = None
     # how the weights are stored (toolchain/export/weights.py STORAGES): bf16 values as bf16 + Cast, or float32
     weights: Literal["auto", "float32", "bfloat16"] = "auto"
+    # export the checkpoint's MTP layer (DeepSeek-V3) as mtp/model.onnx, carried into the artifact, and the main
+    # graph's hidden-state output it reads (toolchain/export/mtp.py)
+    mtp: bool = False
 
     @model_validator(mode="after")
     def _parity_runs_the_lowering(self) -> ExportSection:

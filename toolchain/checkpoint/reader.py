@@ -27,6 +27,8 @@ saves them). What the reader hides:
 - layers at index ``num_hidden_layers`` and beyond (DeepSeek-V3's multi-token-prediction layer) are not part of
   the causal LM: they are left out and their indices listed in ``skipped_layers``; so are DeepSeek-V4's
   ``mtp.N.`` blocks, listed as layer ``num_hidden_layers + N`` (the index V4's ``compress_ratios`` gives them).
+  ``open_checkpoint(path, mtp=True)`` keeps the ``model.layers.N.`` ones, for the MTP exporter
+  (toolchain/checkpoint/mtp.py).
 - tied embeddings (``tie_word_embeddings`` with no ``lm_head.weight`` stored): ``lm_head.weight`` is the
   embedding table, and ``tied`` is True.
 
@@ -140,15 +142,15 @@ def read_config(path: Path) -> dict:
     return config
 
 
-def open_checkpoint(path: str | Path) -> CheckpointReader:
-    return CheckpointReader(Path(path))
+def open_checkpoint(path: str | Path, mtp: bool = False) -> CheckpointReader:
+    return CheckpointReader(Path(path), mtp)
 
 
 class CheckpointReader:
     """The tensors of one checkpoint directory, by name; see the module docstring. Use it as a context manager
     (or call ``close``) to release the shard it has open."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, mtp: bool = False) -> None:
         self.path = path
         self.config = read_config(path)
         self.quantization = _quantization(self.config, path)
@@ -159,11 +161,11 @@ class CheckpointReader:
         layers = self.config.get("num_hidden_layers")
         stored, skipped = {}, set()
         for key, file in self._weight_map().items():
-            layer, mtp = _LAYER.match(key), _MTP.match(key)
-            if isinstance(layers, int) and layer and int(layer.group(1)) >= layers:
+            layer, block = _LAYER.match(key), _MTP.match(key)
+            if isinstance(layers, int) and layer and int(layer.group(1)) >= layers and not mtp:
                 skipped.add(int(layer.group(1)))
-            elif mtp:
-                skipped.add(int(mtp.group(1)) + (layers if isinstance(layers, int) else 0))
+            elif block:
+                skipped.add(int(block.group(1)) + (layers if isinstance(layers, int) else 0))
             else:
                 stored[key] = file
         self.skipped_layers: tuple[int, ...] = tuple(sorted(skipped))

@@ -2,7 +2,8 @@
 
 Graph interface (optimum's names): inputs input_ids, attention_mask, position_ids, past_key_values.N.key/.value;
 outputs logits, present.N.key/.value (and any further per-layer cache, past_key_values.N.<kind> -> present.N.<kind>,
-that an architecture adds: extra_caches). Batch and sequence axes are dynamic, so one graph serves prefill (empty
+that an architecture adds: extra_caches), and on request the final-normed hidden state ``hidden_states``
+(``hidden_output``). Batch and sequence axes are dynamic, so one graph serves prefill (empty
 past) and decode. An architecture module supplies the attention and MLP of a layer; everything else is here.
 With tied embeddings (tie_word_embeddings) the lm_head reads the embedding table itself: one copy is stored.
 """
@@ -16,6 +17,7 @@ from typing import Protocol
 import onnx_ir as ir
 import torch
 
+from toolchain.errors import InputError
 from toolchain.export import blocks
 from toolchain.export.graph import GraphBuilder, rename_output, tensor_input
 from toolchain.export.weights import HFModule, Params
@@ -25,6 +27,8 @@ from toolchain.interface.graph import (
     CACHE_KINDS,
     GENAI_MODEL_TYPE,
     HEAD_LAYOUT,
+    HIDDEN_OUTPUT,
+    HIDDEN_STATES,
     INPUT_IDS,
     KV_CACHE,
     LOGITS,
@@ -135,13 +139,19 @@ def rotary_module(model: HFModule) -> HFModule:
 
 
 def build_decoder(model: HFModule, arch: Architecture, reader=None,
-                  on_layer: Callable[[int, int], None] | None = None, weights: str = "float32") -> ir.Model:
+                  on_layer: Callable[[int, int], None] | None = None, weights: str = "float32",
+                  hidden_output: bool = False) -> ir.Model:
     """The whole graph of ``model``: a transformers model with its weights, or a meta-device skeleton whose
     weights ``reader`` (toolchain/checkpoint/reader.py) reads when the graph is saved. on_layer(i, n) is called
     as each of the n layers is built (progress on large models). ``weights``: their storage, "float32" or
-    "bfloat16" (toolchain/export/weights.py storage_for)."""
+    "bfloat16" (toolchain/export/weights.py storage_for). ``hidden_output``: also output the final-normed hidden
+    state (``hidden_states`` [B, S, H], what the MTP layer reads; toolchain/export/mtp.py), recorded in the
+    metadata (HIDDEN_OUTPUT)."""
     own_graph = getattr(arch, "build_graph", None)  # an architecture whose layers are not this skeleton's
     if own_graph is not None:
+        if hidden_output:
+            raise InputError(f"{model.config.model_type}: the hidden-state output is exported for the shared "
+                             f"decoder's architectures only")
         return own_graph(model, reader, on_layer, weights)
     config = model.config
     arch.check(config)
@@ -168,18 +178,13 @@ def build_decoder(model: HFModule, arch: Architecture, reader=None,
         extra = {kind: value for kind, value in past.items() if kind not in ("key", "value")}
         layer_inputs = LayerInputs(cos, sin, mask, past["key"], past["value"], past=extra)
         with g.scope(f"layers.{i}"):
-            normed = blocks.rms_norm(g, h, layer.input_layernorm, "input_layernorm")
-            with g.scope("self_attn"), g.role("attention"):
-                attn, key, value = arch.attention(g, layer.self_attn, normed, layer_inputs)
-            h = g.op("Add", h, attn)
-            normed = blocks.rms_norm(g, h, layer.post_attention_layernorm, "post_attention_layernorm")
-            with g.scope("mlp"), g.role("mlp"):
-                h = g.op("Add", h, arch.mlp(g, layer.mlp, normed))
+            h, key, value = decoder_layer(g, arch, layer, h, layer_inputs)
         presents += [(i, "key", key), (i, "value", value), *((i, kind, layer_inputs.present[kind]) for kind in extra)]
         if on_layer:
             on_layer(i + 1, len(decoder.layers))
 
     h = blocks.rms_norm(g, h, decoder.norm, "norm")
+    hidden = h
     if tied_embeddings(model):
         logits = blocks.tied_lm_head(g, h, table, config.vocab_size)
     else:
@@ -190,13 +195,29 @@ def build_decoder(model: HFModule, arch: Architecture, reader=None,
         heads, dim = present_dims[kind]
         outputs.append(rename_output(value, f"{PRESENT_PREFIX}{i}.{kind}", FLOAT,
                                      ["batch_size", heads, "total_sequence_length", dim]))
+    if hidden_output:  # the last output, so the graph's others keep their places
+        outputs.append(rename_output(hidden, HIDDEN_STATES, FLOAT, ["batch_size", "sequence_length",
+                                                                    config.hidden_size]))
     ir_model = g.model(inputs, outputs, doc=f"{config.model_type} exported by dstc")
     ir_model.metadata_props.update({
         MODEL_TYPE: config.model_type,
         NUM_LAYERS: str(len(decoder.layers)),
         **architecture_metadata(arch, config),
+        **({HIDDEN_OUTPUT: HIDDEN_STATES} if hidden_output else {}),
     })
     return ir_model
+
+
+def decoder_layer(g: GraphBuilder, arch: Architecture, layer: HFModule, h: ir.Value, inputs: LayerInputs):
+    """One pre-norm decoder layer (inside its ``layers.N`` scope): (its output, the grown key and value caches)."""
+    normed = blocks.rms_norm(g, h, layer.input_layernorm, "input_layernorm")
+    with g.scope("self_attn"), g.role("attention"):
+        attn, key, value = arch.attention(g, layer.self_attn, normed, inputs)
+    h = g.op("Add", h, attn)
+    normed = blocks.rms_norm(g, h, layer.post_attention_layernorm, "post_attention_layernorm")
+    with g.scope("mlp"), g.role("mlp"):
+        h = g.op("Add", h, arch.mlp(g, layer.mlp, normed))
+    return h, key, value
 
 
 def architecture_metadata(arch: Architecture, config) -> dict[str, str]:

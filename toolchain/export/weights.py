@@ -181,10 +181,15 @@ class Params:
         self._names = {id(t): name for name, t in [*model.named_parameters(remove_duplicate=False),
                                                    *model.named_buffers(remove_duplicate=False)]}
 
+    def add(self, named: dict[str, torch.Tensor]) -> None:
+        """More tensors, by their checkpoint names (a module that is not part of ``model``: the MTP layer's)."""
+        self._names.update({id(t): name for name, t in named.items()})
+
     def name(self, t: torch.Tensor) -> str:
         return self._names[id(t)]
 
-    def _lazy(self, name: str, shape: tuple[int, ...]) -> LazyArray:
+    def lazy(self, name: str, shape: tuple[int, ...]) -> LazyArray:
+        """The checkpoint's tensor ``name``, read when written."""
         reader = self.reader
         if reader is None:
             raise ValueError("a meta-device model needs a checkpoint reader for its weights")
@@ -197,7 +202,7 @@ class Params:
     def array(self, t: torch.Tensor) -> np.ndarray | LazyArray:
         if t.device.type != "meta":
             return to_numpy(t)
-        return self._lazy(self.name(t), tuple(t.shape))
+        return self.lazy(self.name(t), tuple(t.shape))
 
     def expert(self, experts: HFModule, e: int) -> tuple:
         """(gate [I, H], up [I, H], down [H, I]) of routed expert ``e`` of a transformers fused-experts module
@@ -209,9 +214,9 @@ class Params:
             return gate_up[:inter], gate_up[inter:], to_numpy(experts.down_proj[e])
         prefix = self.name(experts.gate_up_proj).rsplit(".", 1)[0]
         hidden = experts.gate_up_proj.shape[2]
-        return (self._lazy(f"{prefix}.{e}.gate_proj.weight", (inter, hidden)),
-                self._lazy(f"{prefix}.{e}.up_proj.weight", (inter, hidden)),
-                self._lazy(f"{prefix}.{e}.down_proj.weight", (hidden, inter)))
+        return (self.lazy(f"{prefix}.{e}.gate_proj.weight", (inter, hidden)),
+                self.lazy(f"{prefix}.{e}.up_proj.weight", (inter, hidden)),
+                self.lazy(f"{prefix}.{e}.down_proj.weight", (hidden, inter)))
 
 
 def storage_for(choice: str, reader) -> str:

@@ -6,6 +6,9 @@ from __future__ import annotations
 # The exported graph, and the ONNX Runtime artifact's (its weights in external data beside it).
 ONNX_MODEL = "model.onnx"
 ONNX_WEIGHTS = "model.onnx.data"
+# DeepSeek's MTP layer's graph (toolchain/export/mtp.py), in this subdirectory of a stage's output and of an
+# artifact, under the names above (mtp/model.onnx, mtp/openvino_model.xml).
+MTP_DIR = "mtp"
 # onnxruntime-genai's configuration, beside an ONNX Runtime artifact's graph where it can describe the model.
 GENAI_CONFIG = "genai_config.json"
 # The OpenVINO artifact: the stateful IR and the tokenizer's IRs from openvino-tokenizers (each .xml with its .bin).

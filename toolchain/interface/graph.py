@@ -39,6 +39,12 @@ MOE_LAYERS = "dstc.moe_layers"  # JSON: the indices of the mixture-of-experts la
 MOE_LOWERING = "dstc.moe_lowering"
 ROTATIONS_PER_LAYER = "dstc.rotations_per_layer"  # tensors RoPE rotates in each layer (the passes' expectations)
 CACHE_KINDS = "dstc.cache_kinds"  # JSON: each layer's cache tensors (key, value, and any more), in input order
+# The main graph's optional output of its final-normed hidden state [batch, sequence, hidden] (what DeepSeek's MTP
+# layer reads), and the MTP graph's input of it; HIDDEN_OUTPUT names the output in a graph that has it.
+HIDDEN_STATES = "hidden_states"
+HIDDEN_OUTPUT = "dstc.hidden_output"
+MTP_HIDDEN = "mtp_hidden_states"  # an MTP graph's output of its layer's hidden state (toolchain/export/mtp.py)
+MTP_LAYER = "dstc.mtp_layer"  # an MTP graph's checkpoint layer index (toolchain/export/mtp.py)
 GENAI_MODEL_TYPE = "dstc.genai_model_type"  # onnxruntime-genai's model type; empty where its config cannot say
 # ... and on each weight initializer of the exported graph.
 ROLE = "dstc.role"

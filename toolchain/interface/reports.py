@@ -133,6 +133,7 @@ class ExportReport(StageReport):
     parity: dict[str, Parity]
     parity_mode: Literal["end-to-end", "layer by layer"]
     parity_skipped: str | None = None  # why no check ran: a layer's reference too large for this machine
+    mtp: dict | None = None  # the MTP layer's graph (toolchain/export/mtp.py) and its parity, when exported
 
 
 class PassesReport(StageReport):
@@ -162,6 +163,7 @@ class CompileReport(StageReport):
     onnxruntime: dict | None = None
     smoke: dict | None = None
     verification: dict | None = None
+    mtp: dict | None = None  # the compiled MTP layer's files and verification, when the export has one
 
 
 class CompressionOptions(_Model):

@@ -12,6 +12,7 @@ from transformers import AutoModelForCausalLM, GenerationConfig
 
 from toolchain.models import corpus
 from toolchain.models.configs import build_config
+from toolchain.models.mtp_training import make_mtp
 from toolchain.models.registry import EMBEDDED, EMBEDDED_ROOT, embedded_path
 from toolchain.models.tokenizer import build_tokenizer, save_tokenizer
 from toolchain.models.train import (
@@ -32,6 +33,8 @@ SETTINGS = {
     # arithmetic to get past that plateau within the step budget.
     "deepseek-v2-lite-tiny": TrainSettings(steps=1000, n_texts=8000),
 }
+# The embedded models trained with an MTP layer (toolchain/models/mtp_training.py), after their main model.
+MTP_MODELS = ("deepseek-v3-tiny",)
 HELDOUT_PROBLEMS = 500
 HELDOUT_TEXTS = 200
 
@@ -86,6 +89,8 @@ def make_model(name: str, path: Path, tokenizer) -> dict:
         "threads": torch.get_num_threads(),
         "metrics": metrics,
     }
+    if name in MTP_MODELS:
+        record["mtp"] = make_mtp(model, tokenizer, rows, path)
     (path / "training.json").write_text(json.dumps(record, indent=2) + "\n")
     return metrics
 

@@ -9,6 +9,8 @@ cumsum - 1, clipped at 0), so a left-padded batch decodes as the padding were no
   (what users run; ``runtime_config`` reads back what was applied) or ``exact`` ones (toolchain/runtime/engines.py);
 * :class:`StatelessDecoder`: any graph with past_key_values.* inputs and present.* outputs, run by a GraphRunner,
   the cache kept as arrays (export parity, compile verification).
+
+The three also ``truncate(keep)`` their cache to its first positions (a speculative step's rejected drafts).
 """
 
 from __future__ import annotations
@@ -54,9 +56,11 @@ class Decoder(Protocol):
     def reset(self) -> None:
         """Empty the KV cache: the next forward starts a new batch of sequences."""
 
-    def forward(self, input_ids: np.ndarray, attention_mask: np.ndarray, logits_to_keep: int = 0) -> np.ndarray:
+    def forward(self, input_ids: np.ndarray, attention_mask: np.ndarray, logits_to_keep: int = 0,
+                inputs: dict[str, np.ndarray] | None = None) -> np.ndarray:
         """float32 logits [B, S, vocab] of the new positions (of the last ``logits_to_keep`` of them, 0: all);
-        their keys and values join the cache."""
+        their keys and values join the cache. ``inputs``: the graph's further inputs (an MTP graph's
+        hidden_states, toolchain/export/mtp.py)."""
 
 
 class RewindableDecoder(Decoder, Protocol):
@@ -137,10 +141,13 @@ class OnnxRuntimeDecoder:
         self.cache = {name: OrtValue.ortvalue_from_numpy(trimmed(value.numpy(), keep))
                       for name, value in self.cache.items()}
 
-    def forward(self, input_ids: np.ndarray, attention_mask: np.ndarray, logits_to_keep: int = 0) -> np.ndarray:
+    def forward(self, input_ids: np.ndarray, attention_mask: np.ndarray, logits_to_keep: int = 0,
+                inputs: dict[str, np.ndarray] | None = None) -> np.ndarray:
         ids = np.ascontiguousarray(input_ids, np.int64)
         mask = np.ascontiguousarray(attention_mask, np.int64)
         binding = self._binding
+        for name, value in (inputs or {}).items():
+            binding.bind_cpu_input(name, np.ascontiguousarray(value))
         binding.bind_cpu_input(INPUT_IDS, ids)
         binding.bind_cpu_input(ATTENTION_MASK, mask)
         binding.bind_cpu_input(LOGITS_TO_KEEP, np.array(logits_to_keep, np.int64))
@@ -216,10 +223,12 @@ class OpenVINODecoder:
         for state in self.request.query_state():
             state.state = ov.Tensor(trimmed(np.asarray(state.state.data), keep))
 
-    def forward(self, input_ids: np.ndarray, attention_mask: np.ndarray, logits_to_keep: int = 0) -> np.ndarray:
+    def forward(self, input_ids: np.ndarray, attention_mask: np.ndarray, logits_to_keep: int = 0,
+                inputs: dict[str, np.ndarray] | None = None) -> np.ndarray:
         ids = np.ascontiguousarray(input_ids, np.int64)
         mask = np.ascontiguousarray(attention_mask, np.int64)
-        result = self.request.infer({INPUT_IDS: ids, ATTENTION_MASK: mask,
+        result = self.request.infer({**{name: np.ascontiguousarray(value) for name, value in (inputs or {}).items()},
+                                     INPUT_IDS: ids, ATTENTION_MASK: mask,
                                      POSITION_IDS: np.ascontiguousarray(positions(mask, ids.shape[1])),
                                      BEAM_IDX: np.arange(len(ids), dtype=np.int32),
                                       LOGITS_TO_KEEP: np.array(logits_to_keep, np.int64)},
@@ -308,9 +317,11 @@ class StatelessDecoder:
     threads, load_seconds = 0, 0.0
     runtime_config: dict = {}  # noqa: RUF012 - a default every instance shares and none mutates
 
-    def __init__(self, runner: engines.GraphRunner, past_specs: dict[str, tuple[int, int]]) -> None:
+    def __init__(self, runner: engines.GraphRunner, past_specs: dict[str, tuple[int, int]],
+                 extra_outputs: Sequence[str] = ()) -> None:
         self.backend = runner.backend
         self._run, self._past_specs = runner, past_specs  # past_key_values.* -> (heads, head dim)
+        self._extra = tuple(extra_outputs)  # graph outputs returned in extras
         self.extras: dict[str, np.ndarray] = {}
         self.reset()
 
@@ -320,13 +331,15 @@ class StatelessDecoder:
     def rollback(self, keep: int) -> None:
         self._past = {name: trimmed(value, keep) for name, value in self._past.items()}
 
-    def forward(self, input_ids: np.ndarray, attention_mask: np.ndarray, logits_to_keep: int = 0) -> np.ndarray:
+    def forward(self, input_ids: np.ndarray, attention_mask: np.ndarray, logits_to_keep: int = 0,
+                inputs: dict[str, np.ndarray] | None = None) -> np.ndarray:
         del logits_to_keep  # a stateless graph (a check's) computes every position; the caller reads the last
-        feeds = {INPUT_IDS: np.ascontiguousarray(input_ids, np.int64),
+        feeds = {**(inputs or {}), INPUT_IDS: np.ascontiguousarray(input_ids, np.int64),
                  ATTENTION_MASK: np.ascontiguousarray(attention_mask, np.int64),
                  POSITION_IDS: np.ascontiguousarray(positions(attention_mask, input_ids.shape[1]))}
         for name, (heads, dim) in self._past_specs.items():
             feeds[name] = self._past.get(name, np.zeros((len(input_ids), heads, 0, dim), np.float32))
         outputs = self._run(feeds)
         self._past = {name: outputs[present_of(name)] for name in self._past_specs}
+        self.extras = {name: outputs[name] for name in self._extra}
         return outputs[LOGITS]

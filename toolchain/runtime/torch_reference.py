@@ -126,8 +126,11 @@ class TorchDecoder:
         self.cache = DynamicCache(config=self.model.config)
         self.row_caches: list = []
 
-    def forward(self, input_ids: np.ndarray, attention_mask: np.ndarray, logits_to_keep: int = 0) -> np.ndarray:
+    def forward(self, input_ids: np.ndarray, attention_mask: np.ndarray, logits_to_keep: int = 0,
+                inputs: dict[str, np.ndarray] | None = None) -> np.ndarray:
         del logits_to_keep  # the reference computes every position (transformers' own default)
+        if inputs:
+            raise ValueError(f"the PyTorch reference takes no further inputs ({', '.join(inputs)})")
         ids, mask = np.ascontiguousarray(input_ids, np.int64), np.ascontiguousarray(attention_mask, np.int64)
         if len(ids) > 1 and self.row_by_row:
             return self._row_by_row(ids, mask)

@@ -39,6 +39,7 @@ from toolchain.interface.files import (
     CONFIG,
     GENERATION_CONFIG,
     MODEL_XML,
+    MTP_DIR,
     ONNX_MODEL,
     ONNX_WEIGHTS,
     TOKENIZER,
@@ -108,6 +109,49 @@ def _verify(backend: str, artifact: Path, input_dir: Path, source: Path, new_tok
     return {**result, "reference": reference, "new_tokens": new_tokens}
 
 
+def _compile_mtp(backend: str, graph: Path, out_dir: Path, config: dict, log: Callable[[str], None]) -> list[str]:
+    """The export's MTP graph (toolchain/export/mtp.py), when it has one, compiled into ``out_dir`` (the artifact's
+    mtp/): a stateless OpenVINO IR, or ORT's offline optimisation with external weights; its files, relative to the
+    artifact."""
+    if not graph.is_file():
+        return []
+    out_dir.mkdir()
+    log(f"compiling the MTP layer's graph for {backend}")
+    if backend == "openvino":
+        import openvino as ov
+
+        # Stateless: OpenVINO 2026.4's CPU plugin moves the one-layer graph's cache initializers into its ReadValues
+        # (nothing else reads them, unlike the main graph's) and then mis-sizes the state once a longer sequence
+        # follows a shorter one ("Can not clone with new dims"; Add shapes in the attention). The cache contract is
+        # the main graph's, kept by the caller (StatelessDecoder), which also cuts it back for free.
+        ov.save_model(openvino_ir.stable_names(ov.convert_model(str(graph))), out_dir / MODEL_XML,
+                      compress_to_fp16=False)
+    else:
+        onnxruntime_artifact.optimize(graph, out_dir / ONNX_MODEL)
+    return sorted(f"{MTP_DIR}/{p.name}" for p in out_dir.iterdir())
+
+
+def _verify_mtp(backend: str, mtp_dir: Path, source: Path, new_tokens: int, log: Callable[[str], None]) -> dict:
+    """The compiled MTP layer (its runtime's decoder, exact numerics, its own cache) against its PyTorch reference
+    on the export's parity prompts (toolchain/verify/mtp_parity.py)."""
+    # torch loads only where the verification runs
+    from toolchain.runtime.torch_reference import reference_model
+    from toolchain.verify.mtp_parity import compare_mtp, reference_mtp
+
+    config = read_json(source / CONFIG)
+    cases = parity_cases(source, config["vocab_size"])
+    model = reference_model(sources.resolve(str(source)))
+    log(f"verifying the {backend} artifact's MTP layer against pytorch fp32: {len(cases)} cases")
+    decoder: Callable[[], Decoder]
+    if backend == "openvino":
+        decoder = lambda: graph_decoder(mtp_dir / MODEL_XML, backend)  # noqa: E731 - a stateless IR (_compile_mtp)
+    else:
+        decoder = lambda: OnnxRuntimeDecoder(mtp_dir / ONNX_MODEL, None, ())  # noqa: E731
+    result = compare_mtp(model, reference_mtp(model, source), {backend: decoder}, cases, new_tokens,
+                         config.get("pad_token_id") or 0)
+    return {**result[backend], "reference": "pytorch fp32"}
+
+
 def compile_artifact(export_dir: Path, out_dir: Path, backend: str, *, verify: bool = True, smoke: bool = True,
                      new_tokens: int = VERIFY_TOKENS, source: Path | None = None,
                      log: Callable[[str], None] = lambda _: None) -> dict:
@@ -130,6 +174,8 @@ def compile_artifact(export_dir: Path, out_dir: Path, backend: str, *, verify: b
         else:
             details = onnxruntime_artifact.write(export_dir / ONNX_MODEL, tmp, config, generation, log)
         files = details.pop("files") + copy_checkpoint_files(source, tmp)
+        mtp_files = _compile_mtp(backend, export_dir / MTP_DIR / ONNX_MODEL, tmp / MTP_DIR, config, log)
+        files += mtp_files
         timings["compile_s"] = time.perf_counter() - t0
         smoke_result = verification = None
         too_large = too_large_to_run(tmp) if smoke or verify else None
@@ -146,13 +192,25 @@ def compile_artifact(export_dir: Path, out_dir: Path, backend: str, *, verify: b
             t0 = time.perf_counter()
             verification = _verify(backend, tmp, export_dir, source, new_tokens, log)
             timings["verify_s"] = time.perf_counter() - t0
+        mtp: dict | None = None
+        if mtp_files:
+            mtp = {"files": mtp_files, "verification": None}
+            if verify and not too_large:
+                t0 = time.perf_counter()
+                mtp["verification"] = _verify_mtp(backend, tmp / MTP_DIR, source, new_tokens, log)
+                timings["verify_mtp_s"] = time.perf_counter() - t0
         typed = CompileReport(dstc_version=__version__, backend=backend,
                               export={"dir": str(export_dir), "source": report["source"]},
                               model_type=config["model_type"], tokenizer=has_tokenizer,
                               files=sorted([*files, COMPILE_REPORT]), smoke=smoke_result, verification=verification,
-                              timings={k: round(v, 3) for k, v in timings.items()}, **{backend: details})
+                              timings={k: round(v, 3) for k, v in timings.items()}, mtp=mtp, **{backend: details})
         typed.write(tmp / COMPILE_REPORT)
         manifest = typed.dump()
+    mtp_check = (mtp or {}).get("verification")
+    if mtp_check is not None and not mtp_check["passed"]:
+        raise ParityError(f"the {backend} artifact's MTP layer disagrees with PyTorch (relative diff "
+                          f"{mtp_check['max_relative_diff']:.2e}, drafts identical: {mtp_check['drafts_identical']}); "
+                          f"details in {out_dir / COMPILE_REPORT}")
     if verification is not None and not verification["passed"]:
         raise ParityError(f"the {backend} artifact disagrees with {verification['reference']} (relative diff "
                           f"{verification['max_relative_diff']:.2e}, tokens identical: "

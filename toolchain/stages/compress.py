@@ -53,7 +53,7 @@ from toolchain.interface.graph import HEAD_LAYOUT, cache_spec
 from toolchain.interface.reports import CompressionOptions, CompressionReport
 from toolchain.recipe import CompressSection
 from toolchain.runtime.engines import GraphRunner, ort_kernels
-from toolchain.stages.inputs import read_export
+from toolchain.stages.inputs import carry_mtp, read_export
 
 TARGETS = ("onnxruntime", "openvino")
 CALIBRATION_SEQUENCES = 16
@@ -239,7 +239,7 @@ def compress(in_dir: Path, out_dir: Path, section: CompressSection, *, target: s
         model_metrics = metrics.distribution_agreement(ref_logits, [o["logits"][0] for o in outputs])
         timings["measure_s"] = time.perf_counter() - t0
         shutil.copyfile(in_dir / "export.json", tmp / "export.json")
-        files.append("export.json")
+        files += ["export.json", *carry_mtp(in_dir, tmp)]
         typed = CompressionReport(
             **_head(target, opts, policy, report, in_dir, tmp, files, weight_rows),
             streaming=False,
@@ -354,7 +354,7 @@ def _compress_streaming(model, in_dir, out_dir, target, options, policy, report,
         del model
         timings["compress_s"] = time.perf_counter() - t0
         shutil.copyfile(in_dir / "export.json", tmp / "export.json")
-        files.append("export.json")
+        files += ["export.json", *carry_mtp(in_dir, tmp)]
         by_name = {s.weight.name: s for s in specs}
         weight_rows = []
         for w in weights:

@@ -16,19 +16,23 @@ from pathlib import Path
 
 from toolchain import __version__, source as sources
 from toolchain.atomic import atomic_output_dir, check_writable_target
+from toolchain.checkpoint.mtp import MTP_MODEL_TYPES, mtp_layer_indices
 from toolchain.checkpoint.reader import open_checkpoint
 from toolchain.checkpoint.reference import layer_too_large, shared_decoder_layers
-from toolchain.errors import ParityError
+from toolchain.errors import InputError, ParityError
 from toolchain.export import moe as moe_lowering
 from toolchain.export.architectures import architecture_for
 from toolchain.export.decoder import build_decoder
 from toolchain.export.deepseek import with_mla_cache
 from toolchain.export.graph import save_graph
+from toolchain.export.mtp import build_mtp_graph
 from toolchain.export.weights import storage_for
+from toolchain.interface.files import MTP_DIR, ONNX_MODEL
 from toolchain.interface.graph import KV_CACHE
 from toolchain.interface.reports import ExportReport, ExportSource
 from toolchain.runtime.torch_reference import TorchDecoder
 from toolchain.verify.layer_parity import MEMORY_FACTOR, compare_layers_on
+from toolchain.verify.mtp_parity import compare_mtp_graph
 from toolchain.verify.parity import compare, parity_cases, too_large_for_end_to_end
 
 # Decode steps of the layer-by-layer check: each step of each layer is checked on the reference's inputs (errors do
@@ -38,11 +42,13 @@ LAYER_STEPS = 4
 
 def export(spec: str, out_dir: Path, *, parity: tuple[str, ...] | None = None, new_tokens: int = 16,
            revision: str | None = None, moe: str = "dispatch", mla_cache: str | None = None,
-           weights: str = "auto", log: Callable[[str], None] = lambda _: None) -> dict:
+           weights: str = "auto", mtp: bool = False, log: Callable[[str], None] = lambda _: None) -> dict:
     """``moe``: how MoE layers' routed experts are lowered (toolchain/export/moe.py); ``mla_cache``: what MLA's KV
     cache holds (toolchain/export/deepseek.py; None: the architecture's default); ``parity``: the backends to
     check the graph on, None for every backend that runs it; ``weights``: their storage, "auto", "float32" or
-    "bfloat16" (toolchain/export/weights.py storage_for)."""
+    "bfloat16" (toolchain/export/weights.py storage_for); ``mtp``: also export the checkpoint's first MTP layer
+    (toolchain/export/mtp.py) as mtp/model.onnx, checked against its PyTorch reference on the parity backends,
+    and give the main graph its hidden-state output."""
     source = sources.resolve(spec, revision)
     arch, parity = moe_lowering.lower(architecture_for(source.config["model_type"]), moe, parity)
     arch = with_mla_cache(arch, mla_cache)
@@ -54,12 +60,14 @@ def export(spec: str, out_dir: Path, *, parity: tuple[str, ...] | None = None, n
     storage = storage_for(weights, reader)
     skeleton = sources.skeleton(source, reader)
     parameters = sources.parameter_count(skeleton)
+    mtp_layer = _mtp_layer(source) if mtp else None
     timings["load_s"] = time.perf_counter() - t0
     with atomic_output_dir(out_dir) as tmp:
         t0 = time.perf_counter()
         log("building the ONNX graph")
         graph = build_decoder(skeleton, arch, reader,
-                              on_layer=lambda i, n: log(f"built layer {i}/{n}") if n > 8 else None, weights=storage)
+                              on_layer=lambda i, n: log(f"built layer {i}/{n}") if n > 8 else None, weights=storage,
+                              hidden_output=mtp)
         log(f"writing {parameters:,} parameters, one tensor at a time ({storage})")
         # two weights read, converted and written at once (the reader takes turns on its shard)
         files = save_graph(graph, tmp / "model.onnx", workers=2)
@@ -69,6 +77,18 @@ def export(spec: str, out_dir: Path, *, parity: tuple[str, ...] | None = None, n
                       "kv_cache": graph.metadata_props[KV_CACHE],
                       "size_bytes": sum((tmp / f).stat().st_size for f in files), "weights": storage}
         del graph
+        mtp_info: dict | None = None
+        if mtp_layer is not None:
+            log(f"building the MTP layer {mtp_layer}'s graph")
+            (tmp / MTP_DIR).mkdir()
+            with open_checkpoint(source.path, mtp=True) as mtp_reader:
+                mtp_graph = build_mtp_graph(skeleton, arch, mtp_reader, mtp_layer, weights=storage)
+                mtp_files = save_graph(mtp_graph, tmp / MTP_DIR / ONNX_MODEL, workers=2)
+            mtp_info = {"layer": mtp_layer, "files": [f"{MTP_DIR}/{f}" for f in mtp_files],
+                        "inputs": [v.name for v in mtp_graph.graph.inputs],
+                        "outputs": [v.name for v in mtp_graph.graph.outputs],
+                        "size_bytes": sum((tmp / MTP_DIR / f).stat().st_size for f in mtp_files)}
+            del mtp_graph
         timings["build_s"] = time.perf_counter() - t0
         config = skeleton.config
         cases = parity_cases(source.path, config.vocab_size)
@@ -94,6 +114,12 @@ def export(spec: str, out_dir: Path, *, parity: tuple[str, ...] | None = None, n
                 log(f"parity: {backend} vs PyTorch fp32, {len(cases)} cases, prefill + {new_tokens} greedy tokens")
                 results[backend] = compare(model, tmp / "model.onnx", backend, cases, new_tokens, pad_id)
                 timings[f"parity_{backend}_s"] = time.perf_counter() - t0
+            if mtp_info is not None:
+                t0 = time.perf_counter()
+                log(f"MTP parity: {', '.join(parity)} vs PyTorch fp32, {len(cases)} cases")
+                mtp_info["parity"] = compare_mtp_graph(model.model, source.path, tmp / MTP_DIR / ONNX_MODEL,
+                                                       tuple(parity), cases, new_tokens, pad_id)
+                timings["parity_mtp_s"] = time.perf_counter() - t0
         elif parity:  # every backend's pieces against one run of the reference
             t0 = time.perf_counter()
             steps = min(new_tokens, LAYER_STEPS)
@@ -101,19 +127,37 @@ def export(spec: str, out_dir: Path, *, parity: tuple[str, ...] | None = None, n
                 f"{steps} steps")
             results = compare_layers_on(tmp / "model.onnx", source.path, parity, cases, steps, pad_id, log)
             timings["parity_layers_s"] = time.perf_counter() - t0
+            if mtp_info is not None:
+                mtp_info["parity_skipped"] = "the MTP layer is checked end to end only"
         typed = ExportReport(
             dstc_version=__version__,
             source=ExportSource(spec=source.spec, kind=source.kind, path=str(source.path),
                                 model_type=config.model_type, parameters=parameters,
                                 skipped_layers=list(reader.skipped_layers), tied_embeddings=bool(reader.tied)),
             graph=graph_info, parity=results, parity_mode="layer by layer" if too_large else "end-to-end",
-            parity_skipped=f"{too_large}, and {skipped}" if skipped else None,
+            parity_skipped=f"{too_large}, and {skipped}" if skipped else None, mtp=mtp_info,
             timings={k: round(v, 3) for k, v in timings.items()})
         typed.write(tmp / "export.json")
         report = typed.dump()
     failed = [b for b, r in results.items() if not r["passed"]]
+    failed += [f"{b} (MTP layer)" for b, r in ((mtp_info or {}).get("parity") or {}).items() if not r["passed"]]
     if failed:
-        worst = {b: f"{results[b]['max_relative_diff']:.2e}" for b in failed}
+        worst = {b: f"{r['max_relative_diff']:.2e}" for b, r in
+                 {**results, **{f"{b} (MTP layer)": r for b, r in ((mtp_info or {}).get("parity") or {}).items()}}
+                 .items() if b in failed}
         raise ParityError(f"exported graph disagrees with PyTorch on {', '.join(failed)} (relative diff {worst}); "
                           f"details in {out_dir / 'export.json'}")
     return report
+
+
+def _mtp_layer(source) -> int:
+    """The checkpoint's first MTP layer (toolchain/checkpoint/mtp.py); an InputError for a model without one."""
+    model_type = source.config["model_type"]
+    if model_type not in MTP_MODEL_TYPES:
+        raise InputError(f"mtp: the MTP layer is exported for {', '.join(MTP_MODEL_TYPES)}, not {model_type}")
+    with open_checkpoint(source.path, mtp=True) as reader:
+        layers = mtp_layer_indices(reader.names(), reader.config)
+    if not layers:
+        raise InputError(f"mtp: {source.spec} has no MTP layer (no model.layers.N.eh_proj.weight from "
+                         f"num_hidden_layers on)")
+    return layers[0]

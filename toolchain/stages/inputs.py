@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 from toolchain.errors import InputError
-from toolchain.interface.files import CONFIG, EXPORT_REPORT, MODEL_XML, ONNX_MODEL
+from toolchain.interface.files import CONFIG, EXPORT_REPORT, MODEL_XML, MTP_DIR, ONNX_MODEL
 from toolchain.interface.graph import PAST_PREFIX, REQUIRED_INPUTS, check_onnx_graph
 from toolchain.interface.reports import ExportReport
 
@@ -39,3 +40,13 @@ def read_export(export_dir: Path, source: Path | None = None) -> tuple[dict, Pat
         raise InputError(f"the export's source checkpoint {source} is gone (no config.json); the compiled artifact "
                          f"needs its config and tokenizer files")
     return report, source
+
+
+def carry_mtp(in_dir: Path, out_dir: Path) -> list[str]:
+    """The export's MTP graph (mtp/, toolchain/export/mtp.py) copied on as it is, fp32: the passes and compression
+    rewrite the main graph only. The files copied (none without one)."""
+    source = Path(in_dir) / MTP_DIR
+    if not source.is_dir():
+        return []
+    shutil.copytree(source, Path(out_dir) / MTP_DIR)
+    return sorted(f"{MTP_DIR}/{p.name}" for p in source.iterdir())

@@ -32,7 +32,7 @@ from toolchain.errors import InputError, ParityError
 from toolchain.interface.reports import PassesReport
 from toolchain.pass_errors import to_dstc_error
 from toolchain.runtime.engines import openvino_compile
-from toolchain.stages.inputs import read_export
+from toolchain.stages.inputs import carry_mtp, read_export
 from toolchain.verify.parity import compare, parity_cases, too_large_for_end_to_end
 
 TARGETS = tuple(PIPELINES)
@@ -128,7 +128,7 @@ def optimize(in_dir: Path, out_dir: Path, target: str, passes: list[str] | None 
         fusions.setdefault(stat.name, Counter()).update(stat.counts)
     with atomic_output_dir(out_dir) as tmp:
         t0 = time.perf_counter()
-        files = save_graph(model, tmp / "model.onnx")
+        files = save_graph(model, tmp / "model.onnx") + carry_mtp(in_dir, tmp)
         after = {"nodes": len(model.graph), "op_types": op_type_counts(model),
                  "opsets": dict(sorted(model.opset_imports.items())), "files": files}
         del model  # its weight copies; the runtimes load the saved file

@@ -66,8 +66,11 @@ def export_stage(model: str, section: ExportSection, revision: str | None = None
     # each stage's code loads when its stage is made: `dstc compile` needs no exporter
     from toolchain.stages.export import export
 
+    config = section.model_dump(mode="json")
+    if not config["mtp"]:  # a recipe without the MTP layer keeps the stage configuration it had before the option
+        del config["mtp"]
     # every field of the section is a keyword of the stage's function
-    return Stage("export", {"model": model, **section.model_dump(mode="json")},
+    return Stage("export", {"model": model, **config},
                  lambda _in, out, log: export(model, out, revision=revision, log=log,
                                               **{**section.model_dump(), "parity": tuple(section.parity)}),
                  "toolchain.stages.export")

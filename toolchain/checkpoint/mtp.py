@@ -1,0 +1,177 @@
+"""DeepSeek's multi-token-prediction (MTP) layer as a torch module made of transformers' own DeepSeek-V3 modules, and
+where its weights are in a checkpoint.
+
+transformers does not implement the MTP layer; vLLM's ``deepseek_mtp.py`` (``DeepSeekMultiTokenPredictorLayer``)
+and SGLang's ``deepseek_nextn.py`` do, and this is their wiring: position i of the MTP layer reads the main model's
+hidden state at i **after its final norm** (the output of vLLM's ``DeepseekV2Model.forward``, which the speculative
+proposer passes on) and the embedding of token i+1, and predicts token i+2::
+
+    x = eh_proj(concat(enorm(embed(t[i+1])), hnorm(h[i])))      # embedding first, then the hidden state
+    y = decoder_layer(x)                                           # a full MLA + MoE layer with its own KV cache
+    logits = shared_head.head(shared_head.norm(y))
+
+The layer attends over its own cache, one entry per position (RoPE at i), as the main model's layers do. ``y`` is
+also returned: a second draft feeds it back as the hidden state (vLLM's recursive use of one MTP layer).
+
+Checkpoint names (DeepSeek-V3's hub layout, toolchain/checkpoint/fp8.py): the layer at index ``num_hidden_layers``
++ k holds a decoder layer's tensors plus ``enorm``, ``hnorm``, ``eh_proj`` [H, 2H], ``shared_head.norm`` and
+optionally copies of the embedding (``embed_tokens``) and head (``shared_head.head``); without the copies the main
+model's are used (they are shared, DeepSeek-V3 technical report section 2.2). config.json's
+``num_nextn_predict_layers`` counts MTP layers; a checkpoint that does not declare it (the embedded
+deepseek-v3-tiny, whose config is kept byte-identical for its artifacts) is read for layers holding ``eh_proj``.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from toolchain.checkpoint.reference import cache_argument
+
+EH_PROJ = "eh_proj.weight"
+OWN_EMBEDDING, OWN_HEAD = "embed_tokens.weight", "shared_head.head.weight"
+MTP_MODEL_TYPES = ("deepseek_v3",)
+
+
+def layer_prefix(index: int) -> str:
+    return f"model.layers.{index}."
+
+
+def mtp_layer_indices(names: list[str], config: dict) -> list[int]:
+    """The indices of the checkpoint's MTP layers (module doc) among tensor ``names``."""
+    first = config["num_hidden_layers"]
+    declared = config.get("num_nextn_predict_layers")
+    found = sorted({int(n.split(".")[2]) for n in names
+                    if n.startswith("model.layers.") and n.endswith("." + EH_PROJ) and int(n.split(".")[2]) >= first})
+    if declared is None:
+        return found
+    return [i for i in range(first, first + declared) if i in found]
+
+
+def _transformers_modules(model_type: str):
+    if model_type not in MTP_MODEL_TYPES:
+        raise ValueError(f"no MTP layer for {model_type}")
+    from transformers.models.deepseek_v3 import modeling_deepseek_v3 as modeling
+
+    return modeling
+
+
+class SharedHead(nn.Module):
+    """The layer's head: its norm (and, in a checkpoint that stores one, its copy of the main model's head)."""
+
+    def __init__(self, norm: nn.Module) -> None:
+        super().__init__()
+        self.norm = norm
+
+
+class MtpLayer(nn.Module):
+    """One MTP layer; its parameter names are the checkpoint's under ``model.layers.N.`` (the decoder layer's own
+    tensors at the top: ``self_attn``, ``mlp``, the two layer norms)."""
+
+    def __init__(self, config, index: int) -> None:
+        super().__init__()
+        modeling = _transformers_modules(config.model_type)
+        hidden, eps = config.hidden_size, config.rms_norm_eps
+        # index >= first_k_dense_replace: an MoE layer, as DeepSeek-V3's is
+        self.block = modeling.DeepseekV3DecoderLayer(config, index)
+        self.block.self_attn.layer_idx = 0  # the layer's own cache has one layer
+        self.enorm = modeling.DeepseekV3RMSNorm(hidden, eps=eps)
+        self.hnorm = modeling.DeepseekV3RMSNorm(hidden, eps=eps)
+        self.eh_proj = nn.Linear(2 * hidden, hidden, bias=False)
+        self.shared_head = SharedHead(modeling.DeepseekV3RMSNorm(hidden, eps=eps))
+
+    def checkpoint_names(self, index: int) -> dict[str, str]:
+        """state_dict name -> checkpoint name (the block's tensors without ``block.``)."""
+        return {name: layer_prefix(index) + name.removeprefix("block.") for name in self.state_dict()}
+
+
+class MtpModel(nn.Module):
+    """The MTP layer with the embedding, head and rotary embedding it uses (the main model's, shared, unless the
+    checkpoint stores its own copies). ``forward(hidden [B, S, H], next_ids [B, S], attention_mask [B, T],
+    position_ids [B, S], cache)`` -> (logits [B, S, V], output hidden [B, S, H])."""
+
+    def __init__(self, config, index: int, embed_tokens: nn.Module, lm_head: nn.Module, rotary: nn.Module) -> None:
+        super().__init__()
+        self.config, self.index = config, index
+        self.layer = MtpLayer(config, index)
+        self.embed_tokens, self.lm_head, self.rotary_emb = embed_tokens, lm_head, rotary
+
+    def new_cache(self):
+        from transformers import DynamicCache
+
+        return DynamicCache()
+
+    def forward(self, hidden, next_ids, attention_mask=None, position_ids=None, cache=None):
+        from transformers.masking_utils import create_causal_mask
+
+        layer = self.layer
+        x = layer.eh_proj(torch.cat([layer.enorm(self.embed_tokens(next_ids)), layer.hnorm(hidden)], dim=-1))
+        if position_ids is None:
+            past = cache.get_seq_length() if cache is not None else 0
+            position_ids = torch.arange(past, past + x.shape[1])[None]
+        mask = create_causal_mask(config=self.config, inputs_embeds=x, attention_mask=attention_mask,
+                                  position_ids=position_ids, **{cache_argument(): cache})
+        y = layer.block(x, attention_mask=mask, position_ids=position_ids, use_cache=cache is not None,
+                        position_embeddings=self.rotary_emb(x, position_ids), **{cache_argument(): cache})
+        return self.lm_head(layer.shared_head.norm(y)), y
+
+
+def load_mtp(model, reader, index: int) -> MtpModel:
+    """The MTP layer ``index`` of the checkpoint ``reader`` opened with its MTP layers (open_checkpoint(path,
+    mtp=True)), over ``model``'s (the main transformers model's) embedding, head and rotary embedding, in float32."""
+    config = model.config
+    prefix = layer_prefix(index)
+    embed, head = model.model.embed_tokens, model.lm_head
+    if reader.has(prefix + OWN_EMBEDDING):
+        embed = nn.Embedding.from_pretrained(_exact(reader, prefix + OWN_EMBEDDING), freeze=True)
+    if reader.has(prefix + OWN_HEAD):
+        head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        head.weight.data = _exact(reader, prefix + OWN_HEAD)
+    mtp = MtpModel(config, index, embed, head, model.model.rotary_emb)
+    state = {}
+    for name, target in mtp.layer.checkpoint_names(index).items():
+        state[name] = _read(reader, target, mtp.layer.state_dict()[name])
+    mtp.layer.load_state_dict(state)
+    return mtp.eval()
+
+
+def _read(reader, name: str, like: torch.Tensor) -> torch.Tensor:
+    """A tensor of the layer from the checkpoint; transformers' fused experts from the hub's per-expert names."""
+    prefix, _, leaf = name.rpartition(".")
+    if leaf in ("gate_up_proj", "down_proj") and prefix.endswith(".experts") and like.dim() == 3:
+        parts = []
+        for e in range(like.shape[0]):
+            if leaf == "gate_up_proj":
+                parts.append(torch.cat([_exact(reader, f"{prefix}.{e}.gate_proj.weight"),
+                                        _exact(reader, f"{prefix}.{e}.up_proj.weight")]))
+            else:
+                parts.append(_exact(reader, f"{prefix}.{e}.down_proj.weight"))
+        return torch.stack(parts)
+    return _exact(reader, name).to(like.dtype)
+
+
+def _exact(reader, name: str) -> torch.Tensor:
+    """The tensor in float32 as the exporter's graph holds it: read in the dtype that holds its values exactly (an
+    FP8 weight dequantized to bf16, as DeepSeek's fp8_cast_bf16 and the main model's reference do)."""
+    t = reader.tensor(name, reader.natural_dtype(name))
+    return t.to(torch.float32) if t.is_floating_point() else t
+
+
+def hub_tensors(mtp: MtpModel) -> dict[str, torch.Tensor]:
+    """The layer's tensors under their checkpoint names, fused experts split per expert as the hub stores them."""
+    out = {}
+    state = mtp.layer.state_dict()
+    for name, target in mtp.layer.checkpoint_names(mtp.index).items():
+        t = state[name].detach().contiguous()
+        prefix, _, leaf = target.rpartition(".")
+        if leaf in ("gate_up_proj", "down_proj") and prefix.endswith(".experts") and t.dim() == 3:
+            for e in range(t.shape[0]):
+                if leaf == "gate_up_proj":
+                    gate, up = t[e].chunk(2)
+                    out[f"{prefix}.{e}.gate_proj.weight"] = gate.contiguous()
+                    out[f"{prefix}.{e}.up_proj.weight"] = up.contiguous()
+                else:
+                    out[f"{prefix}.{e}.down_proj.weight"] = t[e].contiguous()
+        else:
+            out[target] = t
+    return out

@@ -1,0 +1,128 @@
+"""Training the embedded DeepSeek-V3 model's MTP layer (toolchain/checkpoint/mtp.py) with the main model frozen, and
+measuring how often it drafts the main model's own next-next token.
+
+The main model is trained first and is not touched here (no gradient, eval mode): its weights, figures and
+artifacts are what they were. The MTP layer learns token t+2 from the main model's final-normed hidden state at t
+and the embedding of token t+1, on the same packed rows the main model trained on. Its tensors are appended to
+the checkpoint's model.safetensors under the hub's names (``model.layers.N.*``, N = num_hidden_layers), without
+copies of the embedding and head, which it shares with the main model (float32: ~0.5 M values).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from toolchain.checkpoint.mtp import MtpModel, hub_tensors
+from toolchain.models import corpus
+from toolchain.models.train import TrainSettings, _lr_at, seed_everything
+
+MTP_SETTINGS = TrainSettings(steps=1000)
+HELDOUT_TEXTS = 200
+
+
+def new_mtp(model, settings: TrainSettings = MTP_SETTINGS) -> MtpModel:
+    """An MTP layer over ``model``'s embedding, head and rotary embedding, initialised from the settings' seed (so
+    its weights do not depend on what ran before)."""
+    seed_everything(settings.seed, settings.threads)
+    config = model.config
+    mtp = MtpModel(config, config.num_hidden_layers, model.model.embed_tokens, model.lm_head, model.model.rotary_emb)
+    mtp.layer.apply(model._init_weights)
+    return mtp
+
+
+def mtp_batches(model, rows: torch.Tensor):
+    """(hidden [B, S-2, H], next ids [B, S-2], labels [B, S-2]) of a batch of rows: the frozen main model's hidden
+    state at t, token t+1, target t+2."""
+    with torch.no_grad():
+        hidden = model.model(input_ids=rows).last_hidden_state
+    return hidden[:, :-2], rows[:, 1:-1], rows[:, 2:]
+
+
+def train_mtp(model, mtp: MtpModel, rows: torch.Tensor, pad: int, settings: TrainSettings = MTP_SETTINGS,
+              log: Callable[[str], None] | None = None) -> dict:
+    """Train ``mtp.layer`` only (the embedding and head are the frozen main model's); returns the final loss."""
+    seed_everything(settings.seed, settings.threads)
+    model.eval()
+    for p in model.parameters():
+        p.requires_grad_(False)
+    params = list(mtp.layer.parameters())
+    optimizer = torch.optim.AdamW(params, lr=settings.lr, betas=(0.9, 0.98), weight_decay=settings.weight_decay)
+    generator = torch.Generator().manual_seed(settings.seed + 1)  # not the main model's batch order
+    order, cursor = torch.randperm(len(rows), generator=generator), 0
+    recent: list[float] = []
+    mtp.layer.train()
+    for step in range(settings.steps):
+        if cursor + settings.batch_size > len(order):
+            order, cursor = torch.randperm(len(rows), generator=generator), 0
+        batch = rows[order[cursor:cursor + settings.batch_size]]
+        cursor += settings.batch_size
+        for group in optimizer.param_groups:
+            group["lr"] = _lr_at(step, settings)
+        hidden, next_ids, targets = mtp_batches(model, batch)
+        logits, _ = mtp(hidden, next_ids)
+        labels = targets.masked_fill(targets == pad, -100)
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1),
+                                                 ignore_index=-100)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        optimizer.step()
+        recent = [*recent, loss.item()][-50:]
+        if log and (step + 1) % 100 == 0:
+            log(f"mtp step {step + 1}/{settings.steps} loss {sum(recent) / len(recent):.4f}")
+    mtp.layer.eval()
+    return {"mtp_final_train_loss": round(sum(recent) / len(recent), 4)}
+
+
+@torch.no_grad()
+def teacher_forced_acceptance(model, mtp: MtpModel, sequences: list[list[int]]) -> dict:
+    """Over every position t of each sequence with a t+2: how often the MTP layer's argmax (from the main model's
+    hidden state at t and the text's token t+1) is the main model's greedy token at t+2 (its argmax at t+1, on the
+    same text), which is what a self-speculative step accepts; and how often it is the text's token t+2."""
+    agree = correct = count = 0
+    for ids in sequences:
+        if len(ids) < 3:
+            continue
+        tokens = torch.tensor([ids])
+        out = model.model(input_ids=tokens)
+        main_next = model.lm_head(out.last_hidden_state).argmax(-1)[0]  # [S]: the greedy token after each position
+        logits, _ = mtp(out.last_hidden_state[:, :-2], tokens[:, 1:-1])
+        draft = logits.argmax(-1)[0]  # [S-2]: the draft of token t+2
+        agree += int((draft == main_next[1:-1]).sum())
+        correct += int((draft == tokens[0, 2:]).sum())
+        count += len(ids) - 2
+    return {"mtp_acceptance": round(agree / count, 4), "mtp_accuracy": round(correct / count, 4),
+            "mtp_positions": count}
+
+
+def heldout_sequences(tokenizer, n: int = HELDOUT_TEXTS, seed: int = 0) -> list[list[int]]:
+    return [tokenizer(t)["input_ids"] for t in corpus.text_samples("heldout", n, seed)]
+
+
+def make_mtp(model, tokenizer, rows: torch.Tensor, checkpoint: Path, settings: TrainSettings = MTP_SETTINGS,
+             log: Callable[[str], None] | None = None) -> dict:
+    """Train the MTP layer over the trained ``model``, append it to ``checkpoint``/model.safetensors and return its
+    training record (settings, wall time, acceptance on held-out text)."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    mtp = new_mtp(model, settings)
+    start = time.perf_counter()
+    losses = train_mtp(model, mtp, rows, tokenizer.pad_token_id, settings, log)
+    wall = time.perf_counter() - start
+    metrics = {**teacher_forced_acceptance(model, mtp, heldout_sequences(tokenizer)), **losses,
+               "heldout_texts": HELDOUT_TEXTS}
+    file = checkpoint / "model.safetensors"
+    with safe_open(str(file), framework="pt") as f:
+        tensors = {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118 - a safetensors handle
+        metadata = f.metadata()
+    tensors.update(hub_tensors(mtp))
+    save_file(tensors, str(file), metadata=metadata)
+    return {"layer": mtp.index, "parameters": sum(p.numel() for p in mtp.layer.parameters()),
+            "settings": vars(settings), "wall_time_s": round(wall, 1), "threads": torch.get_num_threads(),
+            "metrics": metrics}
+
