@@ -692,7 +692,7 @@ def generate_cmd(artifact: Path, prompt: str, max_new_tokens: int, chat: bool | 
         chat = bool(getattr(art.tokenizer(), "chat_template", None))
     art.check_length(len(prompt_ids(art, prompt, chat=chat)), max_new_tokens)  # before the model is loaded
     speculation = open_speculation(settings, art, threads=threads)
-    decoder = open_decoder(art, threads=threads)
+    decoder = open_decoder(art, threads=threads, extra_outputs=speculation.main_outputs if speculation else ())
     if as_json:
         click.echo(json.dumps(answer_record(art, decoder, prompt, max_new_tokens=max_new_tokens, chat=chat,
                                             speculation=speculation), indent=2))

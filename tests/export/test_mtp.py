@@ -215,6 +215,25 @@ def test_mtp_drafter_over_the_graphs_drafts_what_the_reference_drafts(source, gr
     assert rate > 0.5, rate
 
 
+def test_the_speculative_loop_with_mtp_drafts_gives_the_plain_greedy_tokens(source, graphs):
+    """dstc's verify loop (toolchain/runtime/speculative.py, as generate and eval run it) with the MTP drafter:
+    the plain greedy tokens at 1 and 3 drafts a step, and its acceptance counted."""
+    from toolchain.runtime.speculative import Acceptance, speculative_steps
+
+    main_graph, mtp_graph = graphs
+    main = StatelessDecoder(GraphRunner(main_graph, "onnxruntime"), graph_cache_spec(main_graph), (HIDDEN_STATES,))
+    drafter = MtpDrafter(StatelessDecoder(GraphRunner(mtp_graph, "onnxruntime"), graph_cache_spec(mtp_graph),
+                                          (MTP_HIDDEN,)))
+    for k in (1, 3):
+        acceptance = Acceptance()
+        for prompt in prompts_of(source, 2):
+            greedy = plain_greedy(main, prompt, 16)[len(prompt):]
+            steps = speculative_steps(main, drafter, prompt, max_new_tokens=16, stop_ids=set(), draft_tokens=k,
+                                      acceptance=acceptance)
+            assert [t for step in steps for t in step] == greedy, (k, prompt)
+        assert acceptance.rate > 0.3, (k, acceptance.summary())
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_built_artifact_carries_the_mtp_layer_and_its_drafter_drafts_the_greedy_tokens(source, backend, tmp_path,

@@ -143,6 +143,9 @@ def _speculative_case(artifact, decoder, speculation: SpeculationSettings, promp
     spec = open_speculation(speculation, artifact, threads=settings["threads"],
                             openvino_f32=settings.get("openvino_f32", False))
     assert spec is not None  # speculation.speculate is set
+    if spec.main_outputs:  # the drafter reads outputs the plain runs do not ask for (the MTP layer's hidden state)
+        decoder = open_decoder(artifact, threads=settings["threads"], extra_outputs=spec.main_outputs,
+                               openvino_f32=settings.get("openvino_f32", False))
     new_tokens = settings["new_tokens"]
     runs = []  # (seconds to the first token, to the last, the tokens) of each measured run
     for run in range(settings["warmup"] + settings["repetitions"]):

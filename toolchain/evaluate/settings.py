@@ -19,10 +19,10 @@ WHOLE_VOCABULARY, TOP_K = 1024, 128
 
 class EvalSettings(SpeculationSettings):
     speculate: str | None = Field(
-        None, json_schema_extra={"metavar": "prompt-lookup|draft:ARTIFACT"},
-        description="Decode each batch-1 latency case again with speculative decoding (n-gram lookup, or a smaller "
-                    "artifact of the same tokenizer as draft model): its speed-up, acceptance per draft position "
-                    "and greedy match go into the report.")
+        None, json_schema_extra={"metavar": "prompt-lookup|mtp|draft:ARTIFACT"},
+        description="Decode each batch-1 latency case again with speculative decoding (n-gram lookup, the "
+                    "artifact's MTP layer, or a smaller artifact of the same tokenizer as draft model): its speed-up, "
+                    "acceptance per draft position and greedy match go into the report.")
     texts: int = Field(200, ge=1, description="Held-out texts for perplexity, KL, top-1 and routing agreement.")
     problems: int = Field(200, ge=1, description="Held-out arithmetic problems for exact match (embedded models), "
                                                  "or at most this many prompt/answer records of --dataset.")

@@ -9,22 +9,24 @@ from pydantic import Field, field_validator
 from toolchain.section import Section
 
 PROMPT_LOOKUP = "prompt-lookup"
+MTP = "mtp"
 DRAFT_PREFIX = "draft:"
 
 
 class SpeculationSettings(Section):
     speculate: str | None = Field(
-        None, json_schema_extra={"metavar": "prompt-lookup|draft:ARTIFACT"},
+        None, json_schema_extra={"metavar": "prompt-lookup|mtp|draft:ARTIFACT"},
         description="Speculative decoding (lossless: the same greedy tokens): drafts by n-gram lookup in the text "
-                    "so far, or by a smaller artifact of the same tokenizer (default: none).")
+                    "so far, by the artifact's own multi-token-prediction layer (built with export.mtp), or by a "
+                    "smaller artifact of the same tokenizer (default: none).")
     draft_tokens: int = Field(4, ge=1, le=32, description="Draft tokens per verify step of speculative decoding.")
 
     @field_validator("speculate")
     @classmethod
     def _known(cls, value: str | None) -> str | None:
-        if value is None or value == PROMPT_LOOKUP or (value.startswith(DRAFT_PREFIX) and value[len(DRAFT_PREFIX):]):
+        if value in (None, PROMPT_LOOKUP, MTP) or (value.startswith(DRAFT_PREFIX) and value[len(DRAFT_PREFIX):]):
             return value
-        raise ValueError(f"{value!r} is neither {PROMPT_LOOKUP!r} nor {DRAFT_PREFIX}ARTIFACT")
+        raise ValueError(f"{value!r} is not {PROMPT_LOOKUP!r}, {MTP!r} or {DRAFT_PREFIX}ARTIFACT")
 
     @property
     def draft_artifact(self) -> str | None:

@@ -11,9 +11,9 @@ model scores them all, the accepted prefix is kept and the cache rolled back ove
   deterministically (prompt lookup) has q one-hot at its token.
 
 Drafters: :class:`PromptLookup` (n-gram match in the sequence so far, as transformers' prompt_lookup_num_tokens
-and vLLM's ngram speculator) and :class:`DraftModel` (a smaller artifact of the same tokenizer on a Decoder of its
-own). DeepSeek-V3's MTP layer plugs in as another :class:`Drafter`, reading the main model's hidden state from
-``extras``.
+and vLLM's ngram speculator), :class:`DraftModel` (a smaller artifact of the same tokenizer on a Decoder of its
+own) and DeepSeek-V3's MTP layer (toolchain/runtime/mtp_drafter.py), which reads the main model's hidden state from
+``extras``: the main decoder is opened with the outputs ``Speculation.main_outputs`` names.
 """
 
 from __future__ import annotations
@@ -26,10 +26,13 @@ from typing import Protocol
 import numpy as np
 
 from toolchain.errors import InputError
+from toolchain.interface.files import MTP_DIR
+from toolchain.interface.graph import HIDDEN_STATES
 from toolchain.runtime.artifact import Artifact, open_artifact
 from toolchain.runtime.decoder import RewindableDecoder, open_decoder
+from toolchain.runtime.mtp_drafter import open_mtp_drafter
 from toolchain.runtime.sampling import Sampling, distribution, next_token
-from toolchain.runtime.speculation_settings import SpeculationSettings
+from toolchain.runtime.speculation_settings import MTP, SpeculationSettings
 
 
 class Drafter(Protocol):
@@ -262,6 +265,7 @@ class Speculation:
     method: str  # SpeculationSettings.speculate
     drafter: Drafter
     draft_tokens: int
+    main_outputs: tuple[str, ...] = ()  # extra outputs the drafter reads of the main decoder (open it with them)
     acceptance: Acceptance = field(default_factory=Acceptance)
 
     def steps(self, decoder: RewindableDecoder, prompt: list[int], *, max_new_tokens: int, stop_ids: set[int],
@@ -277,7 +281,10 @@ class Speculation:
 
 def draft_artifact(settings: SpeculationSettings, artifact: Artifact) -> Artifact | None:
     """The draft model's artifact that ``settings`` name, if any, checked (InputError) to be one and to have
-    ``artifact``'s tokenizer: what a command checks before it does any work."""
+    ``artifact``'s tokenizer, or for MTP drafts that the artifact has its MTP layer: what a command checks before
+    it does any work."""
+    if settings.speculate == MTP and not (artifact.path / MTP_DIR).is_dir():
+        raise InputError(f"{artifact.path} has no MTP layer ({MTP_DIR}/) to draft with: build it with export.mtp")
     if settings.draft_artifact is None:
         return None
     draft = open_artifact(Path(settings.draft_artifact))
@@ -294,6 +301,9 @@ def open_speculation(settings: SpeculationSettings, artifact: Artifact, *, threa
     otherwise."""
     if settings.speculate is None:
         return None
+    if settings.speculate == MTP:
+        return Speculation(MTP, open_mtp_drafter(artifact, threads=threads, openvino_f32=openvino_f32),
+                           settings.draft_tokens, main_outputs=(HIDDEN_STATES,))
     drafter: Drafter = PromptLookup()
     draft = draft_artifact(settings, artifact)
     if draft is not None:
