@@ -18,7 +18,7 @@ import torch
 
 from toolchain.checkpoint.mtp import MtpModel, hub_tensors
 from toolchain.models import corpus
-from toolchain.models.train import TrainSettings, _lr_at, seed_everything
+from toolchain.models.train import TrainSettings, run_steps, seed_everything
 
 MTP_SETTINGS = TrainSettings(steps=1000)
 HELDOUT_TEXTS = 200
@@ -49,33 +49,19 @@ def train_mtp(model, mtp: MtpModel, rows: torch.Tensor, pad: int, settings: Trai
     model.eval()
     for p in model.parameters():
         p.requires_grad_(False)
-    params = list(mtp.layer.parameters())
-    optimizer = torch.optim.AdamW(params, lr=settings.lr, betas=(0.9, 0.98), weight_decay=settings.weight_decay)
-    generator = torch.Generator().manual_seed(settings.seed + 1)  # not the main model's batch order
-    order, cursor = torch.randperm(len(rows), generator=generator), 0
-    recent: list[float] = []
     mtp.layer.train()
-    for step in range(settings.steps):
-        if cursor + settings.batch_size > len(order):
-            order, cursor = torch.randperm(len(rows), generator=generator), 0
-        batch = rows[order[cursor:cursor + settings.batch_size]]
-        cursor += settings.batch_size
-        for group in optimizer.param_groups:
-            group["lr"] = _lr_at(step, settings)
+
+    def loss_of(batch: torch.Tensor) -> torch.Tensor:
         hidden, next_ids, targets = mtp_batches(model, batch)
         logits, _ = mtp(hidden, next_ids)
         labels = targets.masked_fill(targets == pad, -100)
-        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1),
+        return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1),
                                                  ignore_index=-100)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        optimizer.step()
-        recent = [*recent, loss.item()][-50:]
-        if log and (step + 1) % 100 == 0:
-            log(f"mtp step {step + 1}/{settings.steps} loss {sum(recent) / len(recent):.4f}")
+
+    generator = torch.Generator().manual_seed(settings.seed + 1)  # not the main model's batch order
+    loss = run_steps(list(mtp.layer.parameters()), rows, settings, generator, loss_of, log, "mtp step")
     mtp.layer.eval()
-    return {"mtp_final_train_loss": round(sum(recent) / len(recent), 4)}
+    return {"mtp_final_train_loss": loss}
 
 
 @torch.no_grad()

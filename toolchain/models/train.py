@@ -156,13 +156,26 @@ def train(model: torch.nn.Module, rows: torch.Tensor, pad: int, settings: TrainS
           log: Callable[[str], None] | None = None) -> dict:
     """Causal-LM training on ``rows`` (padding excluded from the loss); returns the final training loss."""
     seed_everything(settings.seed, settings.threads)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=settings.lr, betas=(0.9, 0.98),
-                                  weight_decay=settings.weight_decay)
-    generator = torch.Generator().manual_seed(settings.seed)
-    order = torch.randperm(len(rows), generator=generator)
-    cursor = 0
-    recent: list[float] = []
     model.train()
+
+    def loss_of(batch: torch.Tensor) -> torch.Tensor:
+        return model(input_ids=batch, labels=batch.masked_fill(batch == pad, -100)).loss
+
+    loss = run_steps(list(model.parameters()), rows, settings, torch.Generator().manual_seed(settings.seed), loss_of,
+                     log, "step")
+    model.eval()
+    return {"final_train_loss": loss}
+
+
+def run_steps(params: list[torch.nn.Parameter], rows: torch.Tensor, settings: TrainSettings,
+              generator: torch.Generator, loss_of: Callable[[torch.Tensor], torch.Tensor],
+              log: Callable[[str], None] | None, label: str) -> float:
+    """``settings.steps`` AdamW steps on ``params`` over shuffled batches of ``rows`` (reshuffled by ``generator``
+    when they run out), the learning rate on its schedule, gradients clipped at 1; the mean of the last 50
+    losses."""
+    optimizer = torch.optim.AdamW(params, lr=settings.lr, betas=(0.9, 0.98), weight_decay=settings.weight_decay)
+    order, cursor = torch.randperm(len(rows), generator=generator), 0
+    recent: list[float] = []
     for step in range(settings.steps):
         if cursor + settings.batch_size > len(order):
             order, cursor = torch.randperm(len(rows), generator=generator), 0
@@ -170,14 +183,12 @@ def train(model: torch.nn.Module, rows: torch.Tensor, pad: int, settings: TrainS
         cursor += settings.batch_size
         for group in optimizer.param_groups:
             group["lr"] = _lr_at(step, settings)
-        labels = batch.masked_fill(batch == pad, -100)
-        loss = model(input_ids=batch, labels=labels).loss
+        loss = loss_of(batch)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
         optimizer.step()
         recent = [*recent, loss.item()][-50:]
         if log and (step + 1) % 100 == 0:
-            log(f"step {step + 1}/{settings.steps} loss {sum(recent) / len(recent):.4f}")
-    model.eval()
-    return {"final_train_loss": round(sum(recent) / len(recent), 4)}
+            log(f"{label} {step + 1}/{settings.steps} loss {sum(recent) / len(recent):.4f}")
+    return round(sum(recent) / len(recent), 4)

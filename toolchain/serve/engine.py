@@ -35,6 +35,16 @@ from typing import Any
 from toolchain.runtime.sampling import Sampling
 
 
+def wait_ready(engine, timeout: float | None = None) -> bool:
+    """Wait while ``engine`` (any of serve's engines: its ``state``) is loading; whether it is ready."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while engine.state == "loading":
+        if deadline is not None and time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return engine.state == "ready"
+
+
 class QueueFull(Exception):
     """More requests are waiting for a slot than the server's bound allows."""
 
@@ -164,12 +174,7 @@ class Engine:
             self._thread.join(timeout)
 
     def wait_ready(self, timeout: float | None = None) -> bool:
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while self.state == "loading":
-            if deadline is not None and time.monotonic() > deadline:
-                return False
-            time.sleep(0.02)
-        return self.state == "ready"
+        return wait_ready(self, timeout)
 
     def _retry_after(self, in_flight: int) -> int:
         """Seconds until a slot is likely free: the mean request duration so far times the requests ahead per slot."""

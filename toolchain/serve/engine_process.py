@@ -38,7 +38,7 @@ from toolchain.runtime.artifact import open_artifact
 from toolchain.runtime.batching import PipelineSettings
 from toolchain.runtime.batching_openvino import pageable
 from toolchain.runtime.sampling import Sampling
-from toolchain.serve.engine import Engine, Event, NotReady, Observer, QueueFull, Request, deliver_events
+from toolchain.serve.engine import Engine, Event, NotReady, Observer, QueueFull, Request, deliver_events, wait_ready
 from toolchain.serve.engine_openvino import OpenVINOBackend
 from toolchain.serve.engine_runner import RunnerBackend
 
@@ -130,12 +130,7 @@ class RemoteEngine:
                 process.wait()
 
     def wait_ready(self, timeout: float | None = None) -> bool:
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while self.state == "loading":
-            if deadline is not None and time.monotonic() > deadline:
-                return False
-            time.sleep(0.02)
-        return self.state == "ready"
+        return wait_ready(self, timeout)
 
     # -- the Engine's interface --------------------------------------------------------------------------------
 

@@ -30,7 +30,7 @@ from collections.abc import Callable
 
 from toolchain.distributed.ray_cluster import connect_ray
 from toolchain.errors import InputError
-from toolchain.serve.engine import Event, NotReady, QueueFull, Request
+from toolchain.serve.engine import Event, NotReady, QueueFull, Request, wait_ready
 from toolchain.serve.replica import NOT_STARTED, EngineReplica, ReplicaSpec
 from toolchain.serve.replica_board import replaced, running_replicas
 
@@ -153,12 +153,7 @@ class ReplicatedEngine:
             ray.shutdown()
 
     def wait_ready(self, timeout: float | None = None) -> bool:
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while self.state == "loading":
-            if deadline is not None and time.monotonic() > deadline:
-                return False
-            time.sleep(0.02)
-        return self.state == "ready"
+        return wait_ready(self, timeout)
 
     # -- the Engine's interface (on the event loop) -----------------------------------------------------------
 
