@@ -41,6 +41,8 @@ class MtpDrafter:
     """The Drafter of the speculative loop (reset / propose / rollback) over a decoder of the MTP graph that returns
     its ``mtp_hidden_states`` output in ``extras``. One sequence (batch 1)."""
 
+    draft_probs: list[np.ndarray] | None = None  # greedy drafts: one-hot for speculative sampling
+
     def __init__(self, decoder: CacheDecoder) -> None:
         self.decoder = decoder
         self.reset()
