@@ -27,10 +27,15 @@ import torch
 from torch import nn
 
 from toolchain.checkpoint.reference import cache_argument
+from toolchain.export.architectures import ARCHITECTURES
 
 EH_PROJ = "eh_proj.weight"
 OWN_EMBEDDING, OWN_HEAD = "embed_tokens.weight", "shared_head.head.weight"
-MTP_MODEL_TYPES = ("deepseek_v3",)
+
+
+def exports_mtp(model_type: str) -> bool:
+    """Whether dstc exports this architecture's MTP layer (its module says: Architecture.exports_mtp)."""
+    return model_type in ARCHITECTURES and ARCHITECTURES[model_type].exports_mtp
 
 
 def layer_prefix(index: int) -> str:
@@ -49,7 +54,7 @@ def mtp_layer_indices(names: list[str], config: dict) -> list[int]:
 
 
 def _transformers_modules(model_type: str):
-    if model_type not in MTP_MODEL_TYPES:
+    if not exports_mtp(model_type):
         raise ValueError(f"no MTP layer for {model_type}")
     from transformers.models.deepseek_v3 import modeling_deepseek_v3 as modeling
 

@@ -76,6 +76,8 @@ class Architecture(Protocol):
     rotations_per_layer: int  # tensors RoPE rotates in each layer (q and k: 2), for the passes' fusion counts
     # transformers' model is a reference for one sequence at a time only: the torch reference runs a batch row by row
     reference_row_by_row: bool
+    # whether dstc exports the checkpoint's multi-token-prediction layer (export.mtp; toolchain/export/mtp.py)
+    exports_mtp: bool
 
     def check(self, config) -> None:
         """Raise UnsupportedModelError for a config variant the builder does not reproduce exactly."""

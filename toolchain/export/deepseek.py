@@ -80,6 +80,7 @@ class DeepseekArchitecture(MoeArchitecture):
     genai_model_type: str | None = None
     rotations_per_layer = 2  # q and k
     reference_row_by_row = False
+    exports_mtp = False
     kv_cache = "latent"  # with_mla_cache gives a copy with another (MLA_CACHES)
 
     def check(self, config) -> None:

@@ -42,6 +42,7 @@ INDEX_KEY = "index_key"  # the indexer's cache: past_key_values.N.index_key / pr
 class DeepseekV32Architecture(DeepseekV3Architecture):
     model_types: tuple[str, ...] = ("deepseek_v32",)
     rotations_per_layer = 4  # MLA's q and k, the indexer's q and k
+    exports_mtp = False  # its MTP layer carries an indexer: not exported yet
 
     def check(self, config) -> None:
         super().check(config)

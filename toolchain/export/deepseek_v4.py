@@ -61,6 +61,7 @@ class DeepseekV4Architecture:
     # slots, not positions: a row's logits depend on its batch-mates' lengths, up to 0.7 of the logits' range on the
     # test suite's tiny V4); its reference runs each row alone, with a cache of its own, as dstc's graph computes it
     reference_row_by_row = True
+    exports_mtp = False  # its mtp.N blocks are skipped and said so (toolchain/checkpoint/v4_layout.py)
 
     def extra_caches(self, config) -> dict[str, tuple[int, int]]:
         """None recorded: each layer type caches its own tensors (cache_widths), and kv_cache "per-token" already

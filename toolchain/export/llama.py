@@ -16,6 +16,7 @@ class LlamaArchitecture:
     moe_lowering: str | None = None  # no MoE layers
     rotations_per_layer = 2  # q and k
     reference_row_by_row = False
+    exports_mtp = False
 
     def check(self, config) -> None:
         if config.hidden_act != "silu":

@@ -9,14 +9,14 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from toolchain.checkpoint.reference import reference_config as checkpoint_config
+from toolchain.models.parameters import parameter_count
 from toolchain.models.registry import EMBEDDED, REFERENCE_ROOT, REFERENCES, embedded_path, reference_config
 from toolchain.models.shape_faithful import reference_to_config
 from toolchain.quiet_transformers import quiet_transformers
-from toolchain.source import parameter_count
 
 
 def model_parameters(config) -> int:
-    """Parameters (toolchain/source.py parameter_count) of the model a transformers config describes, counted on
+    """Parameters (toolchain/models/parameters.py) of the model a transformers config describes, counted on
     the meta device: nothing is allocated, whatever the size."""
     with torch.device("meta"), quiet_transformers():
         model = AutoModelForCausalLM.from_config(config)

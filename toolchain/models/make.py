@@ -13,6 +13,7 @@ from transformers import AutoModelForCausalLM, GenerationConfig
 from toolchain.models import corpus
 from toolchain.models.configs import build_config
 from toolchain.models.mtp_training import make_mtp
+from toolchain.models.parameters import parameter_count
 from toolchain.models.registry import EMBEDDED, EMBEDDED_ROOT, embedded_path
 from toolchain.models.tokenizer import build_tokenizer, save_tokenizer
 from toolchain.models.train import (
@@ -25,7 +26,6 @@ from toolchain.models.train import (
     train,
     training_rows,
 )
-from toolchain.source import parameter_count
 
 SETTINGS = {
     **{name: TrainSettings(steps=1000) for name in EMBEDDED},

@@ -16,12 +16,12 @@ from pathlib import Path
 
 from toolchain import __version__, source as sources
 from toolchain.atomic import atomic_output_dir, check_writable_target
-from toolchain.checkpoint.mtp import MTP_MODEL_TYPES, mtp_layer_indices
+from toolchain.checkpoint.mtp import exports_mtp, mtp_layer_indices
 from toolchain.checkpoint.reader import open_checkpoint
 from toolchain.checkpoint.reference import layer_too_large, shared_decoder_layers
 from toolchain.errors import InputError, ParityError
 from toolchain.export import moe as moe_lowering
-from toolchain.export.architectures import architecture_for
+from toolchain.export.architectures import ARCHITECTURES, architecture_for
 from toolchain.export.decoder import build_decoder
 from toolchain.export.deepseek import with_mla_cache
 from toolchain.export.graph import save_graph
@@ -30,6 +30,7 @@ from toolchain.export.weights import storage_for
 from toolchain.interface.files import MTP_DIR, ONNX_MODEL
 from toolchain.interface.graph import KV_CACHE
 from toolchain.interface.reports import ExportReport, ExportSource
+from toolchain.models.parameters import parameter_count
 from toolchain.runtime.torch_reference import TorchDecoder
 from toolchain.verify.layer_parity import MEMORY_FACTOR, compare_layers_on
 from toolchain.verify.mtp_parity import compare_mtp_graph
@@ -59,7 +60,7 @@ def export(spec: str, out_dir: Path, *, parity: tuple[str, ...] | None = None, n
     reader = open_checkpoint(source.path)
     storage = storage_for(weights, reader)
     skeleton = sources.skeleton(source, reader)
-    parameters = sources.parameter_count(skeleton)
+    parameters = parameter_count(skeleton)
     mtp_layer = _mtp_layer(source) if mtp else None
     timings["load_s"] = time.perf_counter() - t0
     with atomic_output_dir(out_dir) as tmp:
@@ -153,8 +154,9 @@ def export(spec: str, out_dir: Path, *, parity: tuple[str, ...] | None = None, n
 def _mtp_layer(source) -> int:
     """The checkpoint's first MTP layer (toolchain/checkpoint/mtp.py); an InputError for a model without one."""
     model_type = source.config["model_type"]
-    if model_type not in MTP_MODEL_TYPES:
-        raise InputError(f"mtp: the MTP layer is exported for {', '.join(MTP_MODEL_TYPES)}, not {model_type}")
+    if not exports_mtp(model_type):
+        supported = sorted(t for t, arch in ARCHITECTURES.items() if arch.exports_mtp)
+        raise InputError(f"mtp: the MTP layer is exported for {', '.join(supported)}, not {model_type}")
     with open_checkpoint(source.path, mtp=True) as reader:
         layers = mtp_layer_indices(reader.names(), reader.config)
     if not layers:
