@@ -83,6 +83,16 @@ class Request:
     error: str | None = None  # why a backend finished it with "error": a traceback, for the server's log
     state: Any = None  # the backend's own (a handle, a random generator, the last token)
 
+    def record(self, tokens, finish: str | None, now: float) -> None:
+        """A step's tokens and finish reason from an engine that runs the request elsewhere (a child process, a
+        replica): the timings and counts the metrics read."""
+        if tokens:
+            self.first_token_at = self.first_token_at or now
+            self.last_token_at = now
+            self.generated += len(tokens)
+        if finish is not None:
+            self.finished = True
+
 
 def failure(e: BaseException) -> str:
     """The traceback of an error that failed a request (the server logs it; the client is told only its id)."""

@@ -213,12 +213,8 @@ class RemoteEngine:
                 request = self._requests.get(request_id)
                 if request is None:
                     continue
-                if tokens:
-                    request.first_token_at = request.first_token_at or now
-                    request.last_token_at = now
-                    request.generated += len(tokens)
+                request.record(tokens, finish, now)
                 if finish is not None:
-                    request.finished = True
                     del self._requests[request_id]
                     self._durations.append(now - request.arrived)
                 deliveries.append((request, Event(tokens, finish, error)))

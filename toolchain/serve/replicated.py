@@ -206,13 +206,7 @@ class ReplicatedEngine:
                     if not last:
                         return False
                     finish = "error"
-                now = time.perf_counter()
-                if tokens:
-                    request.first_token_at = request.first_token_at or now
-                    request.last_token_at = now
-                    request.generated += len(tokens)
-                if finish is not None:
-                    request.finished = True
+                request.record(tokens, finish, time.perf_counter())
                 request.sink(Event(list(tokens), finish, error))
                 if finish is not None:
                     return True
