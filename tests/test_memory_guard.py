@@ -88,6 +88,16 @@ def test_commands_refuse_an_artifact_that_does_not_fit(monkeypatch, capsys, tmp_
     assert code == 0 and out.startswith("9750"), err
 
 
+def test_serve_with_replicas_counts_each_replicas_engine(monkeypatch, capsys, artifacts):  # noqa: F811
+    artifact = artifacts["onnxruntime"]
+    one = artifact_runtime_bytes(open_artifact(artifact))
+    monkeypatch.setenv(MEMORY_LIMIT_ENV, _between(2 * one, 3 * one))
+    # refused before Ray starts: 3 engines at once do not fit where 2 would
+    code, err = run_cli(monkeypatch, capsys, "serve", artifact, "--port", "0", "--replicas", "3")
+    assert_one_line_error(code, err, f"running {artifact} on onnxruntime (3 copies of it, each ")
+    assert "run fewer replicas" in err
+
+
 def test_eval_refuses_a_reference_that_does_not_fit_after_its_artifact_did(monkeypatch, capsys, tmp_path,
                                                                           artifacts):  # noqa: F811
     artifact = artifacts["onnxruntime"]

@@ -71,9 +71,13 @@ def artifact_runtime_bytes(artifact: Artifact) -> int:
     return int(artifact.size_bytes * RUNTIME_FACTOR[artifact.backend])
 
 
-def require_artifact_memory(artifact: Artifact) -> None:
-    """Before ``artifact`` is loaded by its runtime."""
+def require_artifact_memory(artifact: Artifact, copies: int = 1) -> None:
+    """Before ``artifact`` is loaded by its runtime, ``copies`` times at once on this machine (`dstc serve
+    --replicas N`: each replica's engine loads its own)."""
     factor = RUNTIME_FACTOR[artifact.backend]
-    require_memory(artifact_runtime_bytes(artifact), f"running {artifact.path} on {artifact.backend} "
-                                                     f"({size(artifact.size_bytes)} of model files, x{factor:g})",
-                   f"free memory, build a smaller artifact (INT4: compress.scheme int4-grouped), {RETRY}")
+    times = f"{copies} copies of it, each " if copies > 1 else ""
+    require_memory(copies * artifact_runtime_bytes(artifact),
+                   f"running {artifact.path} on {artifact.backend} ({times}{size(artifact.size_bytes)} of model "
+                   f"files, x{factor:g})",
+                   f"free memory, build a smaller artifact (INT4: compress.scheme int4-grouped)"
+                   f"{', run fewer replicas' if copies > 1 else ''}, {RETRY}")

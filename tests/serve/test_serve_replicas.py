@@ -39,6 +39,23 @@ def test_each_replica_gets_its_own_cores_in_numa_order():
     assert _cpu_list("0-3,8,10-11\n") == [0, 1, 2, 3, 8, 10, 11]
 
 
+def test_replicas_that_no_node_has_the_memory_for_are_refused_before_any_starts():
+    from toolchain.errors import InputError
+    from toolchain.serve.replicated import ReplicatedEngine
+
+    gib = 2**30
+    engine = ReplicatedEngine("onnxruntime", "a", {}, replicas=3, threads=1, address="10.0.0.1:6379", max_batch=1,
+                              max_queue=1, memory_bytes=2 * gib, metrics=None)
+    node = lambda memory, alive=True: {"Alive": alive, "Resources": {"memory": memory}}  # noqa: E731
+    engine._check_memory([node(4.5 * gib), node(2 * gib)])  # 2 + 1 engines fit
+    # per node, not in sum: 3 x 1.5 GiB hold no 2 GiB engine; a dead node holds none
+    for nodes, fit in (([node(4.5 * gib), node(1.5 * gib), node(1.5 * gib)], 2),
+                       ([node(4.5 * gib), node(8 * gib, alive=False)], 2), ([], 0)):
+        with pytest.raises(InputError, match=f"^--replicas 3 need 2.0 GiB of memory each; the Ray cluster at "
+                                             f"10.0.0.1:6379 has room for {fit} "):
+            engine._check_memory(nodes)
+
+
 def test_the_router_prefers_the_replica_holding_the_prompt_prefix_unless_it_is_overloaded():
     import asyncio
     from types import SimpleNamespace

@@ -30,6 +30,7 @@ from collections.abc import Callable
 
 from toolchain.distributed.ray_cluster import connect_ray
 from toolchain.errors import InputError
+from toolchain.memory_guard import size
 from toolchain.serve.engine import Event, NotReady, QueueFull, Request, wait_ready
 from toolchain.serve.replica import NOT_STARTED, EngineReplica, ReplicaSpec
 from toolchain.serve.replica_board import replaced, running_replicas
@@ -47,8 +48,9 @@ class ReplicatedEngine:
     """RemoteEngine's interface over N replicas on Ray Serve (see the module doc)."""
 
     def __init__(self, backend: str, artifact_path: str, options: dict, *, replicas: int, threads: int | None,
-                 address: str | None, max_batch: int, max_queue: int, metrics) -> None:
+                 address: str | None, max_batch: int, max_queue: int, memory_bytes: int, metrics) -> None:
         self.backend, self.artifact_path, self.options = backend, str(artifact_path), options
+        self.memory_bytes = memory_bytes  # what one replica's engine holds (toolchain/memory_guard.py)
         self.target = replicas
         self.threads = threads
         self.address = address
@@ -111,10 +113,13 @@ class ReplicatedEngine:
             where = f"the Ray cluster at {self.address}" if self.address else "this machine"
             raise InputError(f"--replicas {self.target} of {threads} threads each need {self.target * threads} "
                              f"CPUs; {where} has {cpus}")
+        self._check_memory(ray.nodes())
         spec = ReplicaSpec(backend=self.backend, artifact=self.artifact_path, options=self.options, threads=threads,
                            max_batch=self.max_batch, max_queue=self.max_queue)
         deployment = serve.deployment(
-            name="engine", num_replicas=self.target, ray_actor_options={"num_cpus": threads},
+            name="engine", num_replicas=self.target,
+            # Ray places a replica only on a node with the memory its engine holds
+            ray_actor_options={"num_cpus": threads, "memory": self.memory_bytes},
             # a replica takes its running batch and its queue; Ray Serve holds the rest back in the router
             max_ongoing_requests=self.max_batch + self.max_queue,
             health_check_period_s=HEALTH_CHECK_PERIOD_S, health_check_timeout_s=HEALTH_CHECK_TIMEOUT_S,
@@ -132,6 +137,17 @@ class ReplicatedEngine:
                 sum("state" in r for r in running_replicas(self.app_name)) < self.target:
             time.sleep(0.05)
         return stream
+
+    def _check_memory(self, nodes: list[dict]) -> None:
+        """InputError, before any replica starts, when the cluster's nodes cannot hold ``target`` engines (Ray's
+        "memory" resource of each node: what it leaves to tasks and actors), instead of replicas waiting forever
+        for a node to place them on."""
+        fit = sum(int(node["Resources"].get("memory", 0) // self.memory_bytes) for node in nodes if node["Alive"])
+        if fit < self.target:
+            where = f"the Ray cluster at {self.address}" if self.address else "this machine's Ray"
+            raise InputError(f"--replicas {self.target} need {size(self.memory_bytes)} of memory each; {where} "
+                             f"has room for {fit} (Ray's memory resource of each node): run fewer replicas or "
+                             "add nodes")
 
     def stop(self, timeout: float = 10.0) -> None:
         for task in list(self._tasks.values()):

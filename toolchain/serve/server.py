@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable
 
 from toolchain.errors import InputError
-from toolchain.memory_guard import require_artifact_memory
+from toolchain.memory_guard import artifact_runtime_bytes, require_artifact_memory
 from toolchain.runtime.artifact import Artifact, open_artifact
 from toolchain.runtime.generate import prompt_ids
 from toolchain.runtime.sampling import Sampling
@@ -91,7 +91,7 @@ class Service:
         if s.replicas is not None:
             return ReplicatedEngine(self.artifact.backend, str(self.artifact.path), options, replicas=s.replicas,
                                     threads=s.threads, address=s.ray, max_batch=s.max_batch, max_queue=s.max_queue,
-                                    metrics=self.metrics)
+                                    memory_bytes=artifact_runtime_bytes(self.artifact), metrics=self.metrics)
         if s.ray is not None:
             raise InputError("--ray runs replicas on a Ray cluster: give --replicas N too")
         return RemoteEngine(self.artifact.backend, str(self.artifact.path), options, max_batch=s.max_batch,
@@ -235,7 +235,9 @@ def serve(artifact_path, settings: ServeSettings, *, host: str = "127.0.0.1", po
 
     check_exposure(host, settings.api_keys, settings.allow_unauthenticated)
     artifact = open_artifact(artifact_path)
-    require_artifact_memory(artifact)  # the engine's process loads it
+    # the engine's process loads it; with --replicas on this machine, each replica's engine at once (on a cluster
+    # at --ray ADDRESS, Ray places each replica on a node with the memory it asks for: replicated.py)
+    require_artifact_memory(artifact, settings.replicas if settings.replicas and settings.ray is None else 1)
     service = Service(artifact, settings)
     engine = service.engine
     assert engine is not None  # made by Service
