@@ -58,6 +58,7 @@ def prompts(vocab: int, seed: int) -> list:
 
 
 def run(name: str, seed: int, steps: int, workdir: Path) -> dict:
+    import onnx_ir as ir
     import openvino as ov
     from transformers import AutoModelForCausalLM, DeepseekV4Config
 
@@ -68,7 +69,7 @@ def run(name: str, seed: int, steps: int, workdir: Path) -> dict:
     from toolchain.export.decoder import build_decoder
     from toolchain.export.graph import save_graph
     from toolchain.verify.parity import OPENVINO_TOLERANCE, TOLERANCES, compare, compare_decoders
-    from toolchain.interface.graph import graph_cache_spec
+    from toolchain.interface.graph import cache_bytes_per_token
     from toolchain.runtime.decoder import OpenVINODecoder
     from toolchain.runtime.torch_reference import TorchDecoder
 
@@ -90,11 +91,8 @@ def run(name: str, seed: int, steps: int, workdir: Path) -> dict:
     results["openvino-stateful"] = compare_decoders(
         TorchDecoder.over(model), lambda: OpenVINODecoder(out / "stateful.xml", None, (), "exact"), cases, steps,
         0, OPENVINO_TOLERANCE)
-    per_type: dict[str, int] = {}
-    for past, (heads, width) in graph_cache_spec(out / "model.onnx").items():
-        layer = int(past.split(".")[1])
-        kind = config.layer_types[layer]
-        per_type[kind] = per_type.get(kind, 0) + heads * width * 4 // config.layer_types.count(kind)
+    per_type = cache_bytes_per_token([(v.name, v.shape, v.dtype.itemsize)
+                                      for v in ir.load(out / "model.onnx").graph.inputs], config.layer_types)
     return {"config": name, "seed": seed, "steps": steps, "tolerances": TOLERANCES,
             "cache_bytes_per_token_per_layer": per_type,
             "parity": {b: {k: r[k] for k in ("passed", "max_relative_diff", "tokens_identical")} |

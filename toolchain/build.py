@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import platform
 import time
+from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -43,10 +44,16 @@ from toolchain.stages.runner import (
 SEEDS = {"parity_prompts": 0}
 
 
-def plan(recipe: Recipe, source: Path) -> list[Stage]:
+def plan(recipe: Recipe, source: Path, log: Callable[[str], None] = lambda _: None) -> list[Stage]:
     """The recipe's stages in order, each with the configuration that goes into its id. Later stages read the
     checkpoint this build resolved (``source``), not the path an earlier, perhaps cached, stage recorded."""
-    stages = [export_stage(recipe.model, recipe.export, recipe.revision)]
+    # the exporter (torch) loads when a build plans its stages, not when the CLI starts
+    from toolchain.stages.export import resolve_moe
+
+    export, why = resolve_moe(recipe.export, source, recipe.compile.backend, recipe.compress)
+    if why:
+        log(f"MoE lowering: {export.moe} ({why})")
+    stages = [export_stage(recipe.model, export, recipe.revision)]
     if recipe.passes:
         stages.append(passes_stage(recipe.passes, source))
     if recipe.compress:
@@ -83,7 +90,7 @@ def build(recipe_path: Path, out_dir: Path | None = None, *, model: str | None =
     parent, stage_rows, durations, cached_stages, reports = digest(source_files), [], {}, [], {}
     stage_dir: Path | None = None
     with atomic_output_dir(out_dir) as tmp:
-        for stage in plan(recipe, source.path):
+        for stage in plan(recipe, source.path, events.log):
             t0 = time.perf_counter()
             target, stage_id, cached = run_cached(
                 stage, stage_dir, parent, use_cache=use_cache, log=events.log,

@@ -107,7 +107,9 @@ EXPORT_HELP = {
     "parity": "Backends to check against PyTorch fp32 (default: every backend that runs the graph).",
     "new_tokens": "Greedy decode steps in the parity check.",
     "moe": "MoE routed experts: per-expert sparse dispatch (any runtime), one com.microsoft.MoE node per layer (ONNX "
-           "Runtime only), or the tiled block OpenVINO's CPU plugin runs as GatherMatmul.",
+           "Runtime only), or the tiled block OpenVINO's CPU plugin runs as GatherMatmul; auto: in a build, the one "
+           "measured fastest for its backend, expert count and compression (README \"Export\", export.moe), dispatch "
+           "for an export alone.",
     "mla_cache": "What MLA attention (DeepSeek-V2/V3) caches per token: the normalized latent and the rotary key, with "
                  "kv_b_proj absorbed, or transformers' per-head keys and values, which openvino_genai's paged "
                  "continuous batching and ONNX Runtime's fused attention (fuse-mla-attention) need  [default: latent; "

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Literal, cast
 
 import yaml
-from pydantic import Field, ValidationError, model_validator
+from pydantic import Field, PrivateAttr, ValidationError, model_validator
 
 from toolchain.errors import InputError, RecipeError
 from toolchain.evaluate.settings import EvalSettings
@@ -27,8 +27,9 @@ _PARITY: tuple[Backend, ...] = ("onnxruntime", "openvino")
 class ExportSection(Section):
     parity: list[Backend] = Field(default_factory=lambda: list(_PARITY))
     new_tokens: int = Field(16, ge=1)
-    # how MoE layers' routed experts are lowered (toolchain/export/moe.py LOWERINGS)
-    moe: Literal["dispatch", "fused-onnxruntime", "fused-openvino"] = "dispatch"
+    # how MoE layers' routed experts are lowered (toolchain/export/moe.py LOWERINGS); auto: chosen for the build's
+    # backend, expert count and compression (moe.py auto_lowering), dispatch for an export alone
+    moe: Literal["auto", "dispatch", "fused-onnxruntime", "fused-openvino"] = "auto"
     # what MLA's KV cache holds (toolchain/export/deepseek.py MLA_CACHES); None: the architecture's default
     # (latent; per-head for serving on OpenVINO). An MLA-free model refuses a layout at export, when its
     # architecture is known
@@ -38,6 +39,7 @@ class ExportSection(Section):
     # export the checkpoint's MTP layer (DeepSeek-V3) as mtp/model.onnx, carried into the artifact, and the main
     # graph's hidden-state output it reads (toolchain/export/mtp.py)
     mtp: bool = False
+    _parity_given: bool = PrivateAttr(False)
 
     @model_validator(mode="after")
     def _parity_runs_the_lowering(self) -> ExportSection:
@@ -46,13 +48,25 @@ class ExportSection(Section):
         # the exporter (torch, onnx_ir) loads only where an export section is checked
         from toolchain.export.moe import parity_backends
 
+        self._parity_given = "parity" in self.model_fields_set
         try:
             # names from toolchain/export/moe.py's BACKENDS, which are the Backends
             self.parity = cast(list[Backend], list(parity_backends(self.moe, tuple(self.parity)
-                                                                   if "parity" in self.model_fields_set else None)))
+                                                                   if self._parity_given else None)))
         except InputError as e:
             raise ValueError(str(e)) from None
         return self
+
+    @property
+    def parity_given(self) -> bool:
+        """Whether the recipe named the parity backends (else they follow the lowering)."""
+        return self._parity_given
+
+
+    def with_lowering(self, lowering: str) -> ExportSection:
+        """This section with ``moe`` resolved to ``lowering`` (from auto), its parity default following it."""
+        given = self.model_fields_set - {"moe"} - (set() if self._parity_given else {"parity"})
+        return ExportSection(**{**self.model_dump(include=given), "moe": lowering})
 
 
 class PassesSection(Section):

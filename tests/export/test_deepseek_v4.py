@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 import onnx
+import onnx_ir as ir
 import pytest
 import torch
 from batching_helpers import decode_joining_and_leaving
@@ -18,6 +19,7 @@ from conftest import make_checkpoint, tiny_configs
 from toolchain.export.architectures import architecture_for
 from toolchain.export.decoder import build_decoder
 from toolchain.export.graph import save_graph
+from toolchain.interface.graph import cache_bytes_per_token
 from toolchain.verify.parity import TOLERANCES, Case, compare, compare_decoders
 from toolchain.runtime.torch_reference import TorchDecoder
 
@@ -125,6 +127,11 @@ def test_deepseek_v4_cache_is_per_token_state_named_by_layer_type(every_type):
         for name, width in names.items():
             assert dims[f"past_key_values.{layer}.{name}"] == ["batch_size", 1, "past_sequence_length", width]
             assert dims[f"present.{layer}.{name}"] == ["batch_size", 1, "total_sequence_length", width]
+    # what export.json reports per layer type: a layer's cache widths in float32
+    inputs = [(v.name, v.shape, v.dtype.itemsize) for v in ir.load(path).graph.inputs]
+    assert cache_bytes_per_token(inputs, config.layer_types) == {
+        config.layer_types[layer]: 4 * sum(names.values()) for layer, names in expected.items()}
+    assert len(set(config.layer_types)) == 3
     props = {p.key: p.value for p in onnx.load(path, load_external_data=False).metadata_props}
     assert props["dstc.model_type"] == "deepseek_v4"
     assert props["dstc.kv_cache"] == "per-token"

@@ -151,6 +151,9 @@ def test_the_latent_form_is_the_default_and_per_head_is_chosen_by_the_option(che
         out = tmp_path / layout
         report = export(str(checkpoints["v3-linear"]), out, parity=(), mla_cache=option)
         assert report["graph"]["kv_cache"] == layout
+        (key_heads, key_dim), (value_heads, value_dim) = shapes[layout]
+        assert report["graph"]["cache_bytes_per_token"] == {"attention": 4 * (key_heads * key_dim +
+                                                                              value_heads * value_dim)}
         model = onnx.load(out / "model.onnx", load_external_data=False)
         assert {p.key: p.value for p in model.metadata_props}["dstc.kv_cache"] == layout
         (key_heads, key_dim), (value_heads, value_dim) = shapes[layout]

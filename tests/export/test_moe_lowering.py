@@ -379,9 +379,9 @@ def test_dstc_export_moe_option_and_recipe_key(tiny_checkpoints, tmp_path, monke
     from toolchain.cli import cli
     from toolchain.recipe import ExportSection
 
-    assert typing.get_args(ExportSection.model_fields["moe"].annotation) == moe.LOWERINGS
+    assert typing.get_args(ExportSection.model_fields["moe"].annotation) == (moe.AUTO, *moe.LOWERINGS)
     option = next(p for p in cli.commands["export"].params if p.name == "moe")
-    assert tuple(option.type.choices) == moe.LOWERINGS
+    assert tuple(option.type.choices) == (moe.AUTO, *moe.LOWERINGS)
     assert ExportSection(moe="fused-onnxruntime").parity == ["onnxruntime"]
     assert ExportSection(moe="fused-openvino").parity == ["onnxruntime", "openvino"]
     with pytest.raises(ValueError, match="runs on onnxruntime only"):
@@ -397,6 +397,55 @@ def test_dstc_export_moe_option_and_recipe_key(tiny_checkpoints, tmp_path, monke
     report = json.loads(out)
     assert list(report["parity"]) == ["onnxruntime"] and report["parity"]["onnxruntime"]["passed"]
     assert [n.op_type for n in onnx.load(tmp_path / "b" / "model.onnx").graph.node].count("MoE") == 2
+
+
+def test_auto_picks_the_lowering_measured_fastest_that_the_build_can_compress():
+    pick = lambda *args, **kw: moe.auto_lowering(*args, **kw)[0]  # noqa: E731
+    assert pick(None, 256, "int4-grouped", False) == "dispatch"  # an export alone: the form every runtime runs
+    assert pick("onnxruntime", 0, "int4-grouped", False) == "dispatch"  # dense
+    # ONNX Runtime: QMoE whenever the experts are compressed; its float32 MoE from 64 experts on
+    assert [pick("onnxruntime", 16, s, False) for s in ("int4-grouped", "int8-per-head", None)] == \
+        ["fused-onnxruntime", "fused-onnxruntime", "dispatch"]
+    assert pick("onnxruntime", 64, None, False) == "fused-onnxruntime"
+    # OpenVINO: the tiled block from 64 experts on, compressed or not
+    assert [pick("openvino", e, s, False) for e in (16, 64, 256) for s in ("int4-grouped", None)] == \
+        ["dispatch"] * 2 + ["fused-openvino"] * 4
+    # what the compress stage refuses on a fused lowering, and a parity backend the graph would not run on
+    assert pick("openvino", 256, "int4-grouped", True) == "dispatch"
+    assert pick("onnxruntime", 256, "shipped", False) == "dispatch"
+    assert pick("onnxruntime", 16, "int4-grouped", False, ("onnxruntime", "openvino")) == "dispatch"
+    assert pick("openvino", 256, None, False, ("onnxruntime", "openvino")) == "fused-openvino"
+    # stacked experts are float32: not where the export keeps the checkpoint's bf16
+    assert pick("openvino", 256, "int4-grouped", False, None, "bfloat16") == "dispatch"
+
+
+def test_a_build_resolves_auto_before_its_export_stage(tiny_checkpoints, tmp_path):
+    """The export stage's configuration holds the lowering auto chose (a dense model's: dispatch, the stage id it
+    had before auto), and parity follows it unless the recipe names it."""
+    import yaml
+
+    from toolchain.build import plan
+    from toolchain.recipe import load_recipe
+
+    def export_config(model, backend, export=None, compress=None):
+        recipe = tmp_path / "r.yaml"
+        recipe.write_text(yaml.safe_dump({"name": "r", "model": str(model), "compile": {"backend": backend},
+                                          **({"export": export} if export else {}),
+                                          **({"compress": compress} if compress else {})}))
+        logged: list[str] = []
+        config = plan(load_recipe(recipe), model, logged.append)[0].config
+        return config["moe"], config["parity"], logged
+
+    moe_model, dense = tiny_checkpoints["deepseek_v3"], tiny_checkpoints["qwen2"]
+    int4 = {"scheme": "int4-grouped"}
+    assert export_config(moe_model, "onnxruntime", compress=int4) == \
+        ("fused-onnxruntime", ["onnxruntime"], ["MoE lowering: fused-onnxruntime (16 experts on onnxruntime, "
+                                                "compressed)"])
+    assert export_config(moe_model, "onnxruntime", {"parity": ["onnxruntime", "openvino"]}, int4)[:2] == \
+        ("dispatch", ["onnxruntime", "openvino"])
+    assert export_config(moe_model, "openvino", {"moe": "fused-openvino"})[:2] == \
+        ("fused-openvino", ["onnxruntime", "openvino"])
+    assert export_config(dense, "onnxruntime", compress=int4) == ("dispatch", ["onnxruntime", "openvino"], [])
 
 
 @pytest.mark.parametrize("lowering", FUSED)

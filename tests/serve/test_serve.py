@@ -319,6 +319,7 @@ def test_thresholds_parse_and_judge_with_hysteresis():
 def test_recipe_serve_section_reaches_the_server_and_no_stage_id(tmp_path):
     from toolchain.build import plan
     from toolchain.errors import RecipeError
+    from toolchain.models.registry import embedded_path
     from toolchain.recipe import Recipe, load_recipe
     from toolchain.serve.health import recipe_thresholds
 
@@ -333,7 +334,7 @@ def test_recipe_serve_section_reaches_the_server_and_no_stage_id(tmp_path):
     assert sorted((t.metric, t.warn, t.clear, t.alert) for t in thresholds) == [("queue_depth", 8, 8, None),
                                                                                 ("ttft_p99_ms", 300, 200, None)]
     assert recipe_thresholds(load_recipe(plain).serve) == []
-    source = Path("unused")
+    source = embedded_path("deepseek-v3-tiny")
     assert [(s.name, s.config) for s in plan(recipe, source)] == \
         [(s.name, s.config) for s in plan(load_recipe(plain), source)]
     for bad, message in (({"nope_ms": {"warn": 1}}, "unknown health metric"),

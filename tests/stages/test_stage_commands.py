@@ -58,7 +58,8 @@ def test_export_runs_through_the_stage_cache_and_records_the_stage(monkeypatch, 
     code, err = run_cli(monkeypatch, capsys, "export", MODEL, "-o", first, "--parity", "none", "--new-tokens", "2")
     assert code == 0, err
     record = StageRecord.read(first / STAGE_RECORD)
-    section = ExportSection(parity=[], new_tokens=2).model_dump(mode="json", exclude={"mtp"})  # off: not recorded
+    # mtp off: not recorded; moe auto: an export alone has no target, so dispatch (the record it had before auto)
+    section = ExportSection(parity=[], new_tokens=2, moe="dispatch").model_dump(mode="json", exclude={"mtp"})
     assert record.name == "export" and record.config == {"model": MODEL, **section}
     assert cache_damage(first) is None  # the record lists every file with its hash
     assert ExportReport.read(first / "export.json").parity == {}
@@ -129,9 +130,8 @@ def test_compress_and_compile_commands_chain_cache_and_refuse_what_a_recipe_refu
 
 
 def test_optimize_command_records_no_parity_in_its_stage_only_when_asked(monkeypatch, capsys, tmp_path, cache):
-    from pathlib import Path as P
-
     from toolchain.build import plan
+    from toolchain.models.registry import embedded_path
 
     exported = tmp_path / "e"
     assert run_cli(monkeypatch, capsys, "export", MODEL, "-o", exported, "--parity", "none")[0] == 0
@@ -149,6 +149,6 @@ def test_optimize_command_records_no_parity_in_its_stage_only_when_asked(monkeyp
     recipe = tmp_path / "r.yaml"
     recipe.write_text(yaml.safe_dump({"name": "r", "model": MODEL, "passes": {"target": "openvino"},
                                       "compress": {"scheme": "int4-grouped"}, "compile": {"backend": "openvino"}}))
-    stages = {s.name: s.config for s in plan(load_recipe(recipe), P("unused"))}
+    stages = {s.name: s.config for s in plan(load_recipe(recipe), embedded_path(MODEL))}
     assert stages["passes"] == {"target": "openvino", "passes": None, "expect": None}
     assert stages["compress"]["target"] == "openvino"  # the compress stage's output depends on the backend

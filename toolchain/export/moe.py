@@ -44,6 +44,45 @@ LOWERINGS = ("dispatch", "fused-onnxruntime", "fused-openvino")
 BACKENDS = ("onnxruntime", "openvino")
 # The runtimes that can run each lowering's graph.
 RUNS_ON = {"dispatch": BACKENDS, "fused-onnxruntime": ("onnxruntime",), "fused-openvino": BACKENDS}
+# A recipe's default: the lowering chosen for its backend, expert count and compression (auto_lowering).
+AUTO = "auto"
+# From this many routed experts on, the fused forms decode faster than dispatch on both backends whatever the
+# precision: benchmarks/moe_decode.py (V3-style, 8 active experts, 2 threads, README "Export", export.moe), decode
+# ms/token at 16 -> 256 experts, ONNX Runtime INT4 dispatch 5.0 -> 30.4, fused 3.4 -> 4.1; OpenVINO INT4 dispatch
+# 6.6 -> 45.6, fused 4.0 -> 4.1. Below it, OpenVINO's fused block prefills 2-2.7x slower than dispatch, and ONNX
+# Runtime's float32 MoE kernel decoded 1.2x slower than dispatch at 16 experts (its QMoE 1.9x faster).
+FUSED_FROM_EXPERTS = 64
+
+
+def auto_lowering(backend: str | None, experts: int, scheme: str | None, data_aware: bool,
+                  parity: tuple[str, ...] | None = None, storage: str = "float32") -> tuple[str, str]:
+    """The lowering ``auto`` picks, and why: for a build on ``backend`` (None: an export alone, for no runtime in
+    particular) of a model with ``experts`` routed experts (0: dense), whose weights the build compresses with
+    ``scheme`` (None: not compressed; data-aware or not), whose parity is asked on ``parity`` (None: the
+    default) and whose export stores its matrices as ``storage`` (toolchain/export/weights.py storage_for)."""
+    if backend is None:
+        return "dispatch", "no target backend: the form every runtime runs"
+    if not experts:
+        return "dispatch", "no MoE layer"
+    # the compress stage refuses both with a fused lowering (toolchain/compress/moe.py, stages/compress.py)
+    if data_aware:
+        return "dispatch", "data-aware compression sees the dispatch form's experts only"
+    if scheme == "shipped":
+        return "dispatch", "the shipped scheme keeps the dispatch form's expert weights as they ship"
+    # StackedExperts are float32 only: where dispatch's experts would be bf16, a fused export doubles their bytes
+    # on disk (45 GB instead of 22.5 per DeepSeek-V3 MoE layer), and the disk bound of large builds comes first
+    if storage == "bfloat16":
+        return "dispatch", "the fused forms store experts in float32, twice the bf16 export's bytes at this size"
+    compressed = scheme is not None
+    if backend == "onnxruntime" and (compressed or experts >= FUSED_FROM_EXPERTS):
+        choice = "fused-onnxruntime"
+    elif backend == "openvino" and experts >= FUSED_FROM_EXPERTS:
+        choice = "fused-openvino"
+    else:
+        return "dispatch", f"{experts} experts on {backend}: dispatch measured faster below {FUSED_FROM_EXPERTS}"
+    if parity is not None and any(b not in RUNS_ON[choice] for b in parity):
+        return "dispatch", f"parity asked on {', '.join(parity)}, which {choice} does not run on"
+    return choice, f"{experts} experts on {backend}{', compressed' if compressed else ''}"
 MS_DOMAIN = "com.microsoft"
 
 
@@ -69,7 +108,8 @@ def with_lowering(arch: Architecture, lowering: str) -> Architecture:
 def parity_backends(lowering: str, requested: tuple[str, ...] | None) -> tuple[str, ...]:
     """The backends to check an export of ``lowering`` on: ``requested``, or when None every backend that runs it.
     A requested backend that cannot run the graph is an InputError."""
-    runs_on = RUNS_ON[lowering]
+    # auto: resolved for a build's backend before its export runs (auto_lowering); until then any backend
+    runs_on = BACKENDS if lowering == AUTO else RUNS_ON[lowering]
     if requested is None:
         return runs_on
     refused = [b for b in requested if b not in runs_on]

@@ -62,6 +62,10 @@ class MoeArchitecture:
         config.json of an artifact, ``config_value``)."""
         raise NotImplementedError
 
+    def routed_experts(self, config) -> int:
+        """The most routed experts of any MoE layer (0 without MoE layers)."""
+        return max((self.moe(config, layer).router.num_experts for layer in self.moe_layers(config)), default=0)
+
     def mlp(self, g: GraphBuilder, mlp: HFModule, h: ir.Value) -> ir.Value:
         # the family's own rule decides, not the module's attributes: a rule that disagrees with the layers
         # transformers built fails here (the module has no router) instead of exporting a wrong graph

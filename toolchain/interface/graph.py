@@ -75,6 +75,20 @@ def cache_spec(inputs: Iterable[tuple[str | None, Any]]) -> dict[str, tuple[int,
     return spec
 
 
+def cache_bytes_per_token(inputs: list[tuple[str | None, Any, Any]], layer_types: list[str] | None) \
+        -> dict[str, int]:
+    """{layer type: bytes one layer of that type caches per token} from a graph's (input name, shape, item size)
+    triples: heads x head dim x item size summed over a layer's ``past_key_values.<layer>.*`` inputs (key, value
+    and any more). ``layer_types``: the config's (DeepSeek-V4's sliding / CSA / HCA), None for one type,
+    "attention"; layers of one type cache alike, so any of them gives its figure."""
+    item_size = {name: size for name, _, size in inputs}
+    grown: dict[int, int] = {}
+    for name, (heads, dim) in cache_spec((name, shape) for name, shape, _ in inputs).items():
+        layer = int(name[len(PAST_PREFIX):].split(".")[0])
+        grown[layer] = grown.get(layer, 0) + heads * dim * int(item_size[name])
+    return {(layer_types[layer] if layer_types else "attention"): size for layer, size in sorted(grown.items())}
+
+
 def extra_cache_kinds(metadata: dict[str, str]) -> list[str]:
     """The per-layer cache kinds beyond key and value (``past_key_values.N.<kind>``, e.g. DeepSeek-V3.2's
     ``index_key``) that a graph's metadata records (``CACHE_KINDS``; a graph without it has key and value only).

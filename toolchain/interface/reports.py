@@ -123,6 +123,9 @@ class GraphInfo(_Model):
     size_bytes: int
     # the matrices' storage (toolchain/export/weights.py): float32, or bfloat16 widened by a Cast in the graph
     weights: Literal["float32", "bfloat16"] = "float32"
+    # bytes one layer's KV cache (every cache tensor) grows by per token, by layer type (the config's
+    # layer_types, "attention" for a model with one type), read from the graph's cache inputs
+    cache_bytes_per_token: dict[str, int] = Field(default_factory=dict)
 
 
 class ExportReport(StageReport):

@@ -18,19 +18,21 @@ from toolchain import __version__, source as sources
 from toolchain.atomic import atomic_output_dir, check_writable_target
 from toolchain.checkpoint.mtp import exports_mtp, mtp_layer_indices
 from toolchain.checkpoint.reader import open_checkpoint
-from toolchain.checkpoint.reference import layer_too_large, shared_decoder_layers
+from toolchain.checkpoint.reference import layer_too_large, reference_config, shared_decoder_layers
 from toolchain.errors import InputError, ParityError
 from toolchain.export import moe as moe_lowering
 from toolchain.export.architectures import ARCHITECTURES, architecture_for
 from toolchain.export.decoder import build_decoder
 from toolchain.export.deepseek import with_mla_cache
 from toolchain.export.graph import save_graph
+from toolchain.export.moe_layer import MoeArchitecture
 from toolchain.export.mtp import build_mtp_graph
 from toolchain.export.weights import storage_for
 from toolchain.interface.files import MTP_DIR, ONNX_MODEL
-from toolchain.interface.graph import KV_CACHE
+from toolchain.interface.graph import KV_CACHE, cache_bytes_per_token
 from toolchain.interface.reports import ExportReport, ExportSource
 from toolchain.models.parameters import parameter_count
+from toolchain.recipe import CompressSection, ExportSection
 from toolchain.runtime.torch_reference import TorchDecoder
 from toolchain.verify.layer_parity import MEMORY_FACTOR, compare_layers_on
 from toolchain.verify.mtp_parity import compare_mtp_graph
@@ -41,8 +43,26 @@ from toolchain.verify.parity import compare, parity_cases, too_large_for_end_to_
 LAYER_STEPS = 4
 
 
+def resolve_moe(section: ExportSection, source: Path, backend: str, compress: CompressSection | None) \
+        -> tuple[ExportSection, str | None]:
+    """A build's export section with ``moe: auto`` resolved for its backend and compression (moe.auto_lowering),
+    and why (None for a dense model or a lowering the recipe names). A dense model resolves to dispatch, so its
+    stage id is what it was before auto existed."""
+    if section.moe != moe_lowering.AUTO:
+        return section, None
+    config = reference_config(source)
+    arch = architecture_for(config.model_type)
+    experts = arch.routed_experts(config) if isinstance(arch, MoeArchitecture) else 0
+    with open_checkpoint(source) as reader:  # the tensors' headers only
+        storage = storage_for(section.weights, reader)
+    lowering, why = moe_lowering.auto_lowering(
+        backend, experts, compress.scheme if compress else None, bool(compress and compress.data_aware),
+        tuple(section.parity) if section.parity_given else None, storage)
+    return section.with_lowering(lowering), why if experts else None
+
+
 def export(spec: str, out_dir: Path, *, parity: tuple[str, ...] | None = None, new_tokens: int = 16,
-           revision: str | None = None, moe: str = "dispatch", mla_cache: str | None = None,
+           revision: str | None = None, moe: str = moe_lowering.AUTO, mla_cache: str | None = None,
            weights: str = "auto", mtp: bool = False, log: Callable[[str], None] = lambda _: None) -> dict:
     """``moe``: how MoE layers' routed experts are lowered (toolchain/export/moe.py); ``mla_cache``: what MLA's KV
     cache holds (toolchain/export/deepseek.py; None: the architecture's default); ``parity``: the backends to
@@ -51,6 +71,8 @@ def export(spec: str, out_dir: Path, *, parity: tuple[str, ...] | None = None, n
     (toolchain/export/mtp.py) as mtp/model.onnx, checked against its PyTorch reference on the parity backends,
     and give the main graph its hidden-state output."""
     source = sources.resolve(spec, revision)
+    if moe == moe_lowering.AUTO:  # an export alone (`dstc export`): a build resolves auto first (resolve_moe)
+        moe = moe_lowering.auto_lowering(None, 0, None, False)[0]
     arch, parity = moe_lowering.lower(architecture_for(source.config["model_type"]), moe, parity)
     arch = with_mla_cache(arch, mla_cache)
     check_writable_target(out_dir)
@@ -72,11 +94,15 @@ def export(spec: str, out_dir: Path, *, parity: tuple[str, ...] | None = None, n
         log(f"writing {parameters:,} parameters, one tensor at a time ({storage})")
         # two weights read, converted and written at once (the reader takes turns on its shard)
         files = save_graph(graph, tmp / "model.onnx", workers=2)
+        cache_bytes = cache_bytes_per_token([(v.name, v.shape, v.dtype.itemsize if v.dtype else 0)
+                                             for v in graph.graph.inputs],
+                                            getattr(skeleton.config, "layer_types", None))
         graph_info = {"files": files, "opset": graph.opset_imports[""], "nodes": len(graph.graph),
                       "inputs": [v.name for v in graph.graph.inputs],
                       "outputs": [v.name for v in graph.graph.outputs],
                       "kv_cache": graph.metadata_props[KV_CACHE],
-                      "size_bytes": sum((tmp / f).stat().st_size for f in files), "weights": storage}
+                      "size_bytes": sum((tmp / f).stat().st_size for f in files), "weights": storage,
+                      "cache_bytes_per_token": cache_bytes}
         del graph
         mtp_info: dict | None = None
         if mtp_layer is not None:

@@ -64,8 +64,11 @@ class Stage:
 
 def export_stage(model: str, section: ExportSection, revision: str | None = None) -> Stage:
     # each stage's code loads when its stage is made: `dstc compile` needs no exporter
+    from toolchain.export.moe import AUTO, auto_lowering
     from toolchain.stages.export import export
 
+    if section.moe == AUTO:  # an export alone (`dstc export`); a build resolves auto for its backend first
+        section = section.with_lowering(auto_lowering(None, 0, None, False)[0])
     config = section.model_dump(mode="json")
     if not config["mtp"]:  # a recipe without the MTP layer keeps the stage configuration it had before the option
         del config["mtp"]
