@@ -154,7 +154,7 @@ def test_a_256_expert_model_builds_through_the_passes_stage(tmp_path, monkeypatc
 
 
 def test_largest_layer_is_the_moe_layer_with_its_reference_bytes(tiny_checkpoints):
-    from toolchain.checkpoint import reference as ref
+    from toolchain.export import reference as ref
 
     path = tiny_checkpoints["deepseek_v3"]
     index, size = ref.largest_layer(path)

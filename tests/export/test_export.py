@@ -9,7 +9,7 @@ import numpy as np
 import onnx
 import pytest
 
-from toolchain.checkpoint.reference import is_moe, watch_expert_choice
+from toolchain.export.reference import is_moe, watch_expert_choice
 from toolchain.export.architectures import architecture_for
 from toolchain.export.decoder import build_decoder
 from toolchain.verify.parity import Case, compare

@@ -13,7 +13,7 @@ import torch
 from conftest import run_cli
 
 from toolchain import source as sources
-from toolchain.checkpoint.mtp import mtp_layer_indices
+from toolchain.export.mtp_reference import mtp_layer_indices
 from toolchain.checkpoint.reader import open_checkpoint
 from toolchain.export.architectures import architecture_for
 from toolchain.export.decoder import build_decoder
