@@ -22,6 +22,7 @@ from toolchain.checkpoint.fp8 import (
 )
 from toolchain.checkpoint.reader import INDEX_FILE, SCALE_SUFFIX
 from toolchain.errors import InputError
+from toolchain.export.architectures import architecture_for
 from toolchain.models.registry import embedded_path, reference_config
 
 # Generated in chunks of this many values, so filling a vocabulary-sized matrix needs no second full-size copy.
@@ -208,7 +209,7 @@ def make_shape_faithful(reference: str, out_dir: Path, num_layers: int = 4, num_
     """
     raw = reference_config(reference)
     model_type = raw.get("model_type")
-    if fp8 and model_type not in ("deepseek_v3", "deepseek_v32"):
+    if fp8 and architecture_for(model_type).hub_layout != "fp8":
         raise InputError(f"--fp8 writes DeepSeek-V3's hub layout; {reference} is {model_type}")
     config = reference_to_config(raw, num_layers, num_experts)
     scale_fmt = (raw.get("quantization_config") or {}).get("scale_fmt", "float")
@@ -217,11 +218,13 @@ def make_shape_faithful(reference: str, out_dir: Path, num_layers: int = 4, num_
 
 def write_random_checkpoint(config: PreTrainedConfig, out_dir: Path, seed: int = 0, fp8: bool = False,
                             scale_fmt: str = "float", mtp_layers: int = 0) -> Path:
-    """make_shape_faithful's checkpoint of any transformers ``config``: bf16, or (``fp8``) DeepSeek-V3's FP8 hub
-    layout with ``scale_fmt`` scales; DeepSeek-V3.2 always in that layout, DeepSeek-V4 always in its own."""
+    """make_shape_faithful's checkpoint of a supported architecture's transformers ``config``, in the layout its
+    architecture module names (Architecture.hub_layout): bf16, or (``fp8``) DeepSeek-V3's FP8 hub layout with
+    ``scale_fmt`` scales, which DeepSeek-V3.2 is always written in; DeepSeek-V4 always in its own."""
     model_type = config.model_type
-    fp8 = fp8 or model_type == "deepseek_v32"
-    if mtp_layers and model_type != "deepseek_v4":
+    arch = architecture_for(model_type)
+    fp8 = fp8 or (arch.hub_layout == "fp8" and not arch.bf16_unless_asked)
+    if mtp_layers and arch.hub_layout != "v4":
         raise InputError(f"multi-token-prediction blocks are written for DeepSeek-V4 only, not {model_type}")
     check_writable_target(out_dir)  # before drawing a model that may take minutes
     config.dtype = _DTYPE
@@ -231,7 +234,7 @@ def write_random_checkpoint(config: PreTrainedConfig, out_dir: Path, seed: int =
     # Written beside the target and renamed into place: an existing checkpoint there is replaced only if dstc
     # wrote it, and never left half-overwritten.
     with atomic_output_dir(Path(out_dir)) as tmp:
-        if model_type == "deepseek_v4":
+        if arch.hub_layout == "v4":
             _write_v4_shards(model, config, tmp, generator, mtp_layers)
             config.quantization_config = {**v4_layout.QUANTIZATION_CONFIG, "expert_dtype": "fp4"}
             config.num_nextn_predict_layers = mtp_layers
