@@ -17,9 +17,9 @@ from transformers import DeepseekV3Config
 
 from conftest import COMMON, MLA, make_checkpoint
 from toolchain.build import build
-from toolchain.checkpoint.fp8 import write_fp8_checkpoint
 from toolchain.checkpoint.reader import open_checkpoint
 from toolchain.interface.graph import SOURCE
+from toolchain.models.shape_faithful import write_fp8_checkpoint
 from toolchain.verify.layer_parity import compare_layers
 from toolchain.verify.parity import parity_cases
 from toolchain.stages.export import export

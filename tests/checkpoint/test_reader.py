@@ -21,10 +21,10 @@ from safetensors.torch import load_file, save_file
 
 from toolchain.checkpoint import fp4, reader as reader_module
 from toolchain.checkpoint.reader import open_checkpoint
-from toolchain.checkpoint.fp8 import QUANTIZATION_CONFIG, quantize_fp8, write_fp8_checkpoint
+from toolchain.checkpoint.fp8 import QUANTIZATION_CONFIG, quantize_fp8
 from toolchain.checkpoint.v4_layout import QUANTIZATION_CONFIG as V4_QUANTIZATION
 from toolchain.errors import InputError
-from toolchain.models.shape_faithful import write_random_checkpoint
+from toolchain.models.shape_faithful import write_fp8_checkpoint, write_random_checkpoint
 
 HUB_FP8 = ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 

@@ -12,10 +12,10 @@ import torch
 from safetensors.torch import save_file
 
 from conftest import COMMON, make_checkpoint, tiny_configs, wide_v3_config
-from toolchain.checkpoint.fp8 import write_fp8_checkpoint
 from toolchain.checkpoint.reader import open_checkpoint
 from toolchain.export import reference
 from toolchain.models.registry import EMBEDDED, embedded_path
+from toolchain.models.shape_faithful import write_fp8_checkpoint
 
 TOLERANCE = 1e-5
 

@@ -19,7 +19,12 @@ from toolchain.models import corpus
 from toolchain.models.catalog import list_embedded
 from toolchain.models.make import evaluate, make_models
 from toolchain.models.registry import EMBEDDED, REFERENCES, embedded_path, reference_config
-from toolchain.models.shape_faithful import make_shape_faithful, reference_to_config, write_random_checkpoint
+from toolchain.models.shape_faithful import (
+    make_shape_faithful,
+    reference_to_config,
+    write_fp8_checkpoint,
+    write_random_checkpoint,
+)
 from toolchain.models.tokenizer import ASSISTANT, BOS, EOS, USER
 from toolchain.models.train import exact_match, perplexity
 from toolchain.tokenizer_loading import load_tokenizer
@@ -305,7 +310,9 @@ def test_shape_faithful_layouts_are_the_architectures(tmp_path):
                                          "deepseek_v3$"):
         write_random_checkpoint(reference_to_config(reference_config("deepseek-v3"), 1, 8), tmp_path / "v3",
                                 mtp_layers=1)
-    assert not (tmp_path / "v2").exists() and not (tmp_path / "v3").exists()
+    with pytest.raises(InputError, match="the FP8 hub layout is DeepSeek-V3's, not 'qwen2'$"):
+        write_fp8_checkpoint(embedded_path("r1-distill-qwen-tiny"), tmp_path / "qwen2")
+    assert not any((tmp_path / name).exists() for name in ("v2", "v3", "qwen2"))
 
 
 # --- determinism ----------------------------------------------------------------------------------------------
