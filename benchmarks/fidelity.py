@@ -143,7 +143,7 @@ def score_peer(contender: str, built: Path, artifact: Path, env: Path) -> dict:
     from toolchain.evaluate.dataset import load_data
     from toolchain.evaluate.reference_record import first_scored
     from toolchain.evaluate.run import reference_record
-    from toolchain.evaluate.settings import EvalSettings
+    from toolchain.settings.evaluation import EvalSettings
     from toolchain.models.train import END_OF_LINE
     from toolchain.runtime.artifact import open_artifact
 

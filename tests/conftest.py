@@ -92,6 +92,20 @@ def tiny_configs() -> dict:
     }
 
 
+# Widths that are not multiples of 128, so that FP8 blocks on the right and bottom edges are partial.
+WIDE_V3 = dict(vocab_size=97, hidden_size=200, intermediate_size=300, moe_intermediate_size=136,
+               num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=144, q_lora_rank=160,
+               qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=12, n_routed_experts=8, n_shared_experts=1,
+               num_experts_per_tok=2, n_group=2, topk_group=1, first_k_dense_replace=1, max_position_embeddings=256,
+               rope_interleave=True)
+
+
+def wide_v3_config():
+    from transformers import DeepseekV3Config
+
+    return DeepseekV3Config(**WIDE_V3)
+
+
 def make_checkpoint(config, path, seed: int = 0):
     import torch
     from transformers import AutoModelForCausalLM

@@ -1,6 +1,7 @@
 """The import graph of toolchain/ and passes/, read from the code with ``ast`` (nothing is imported): no module
-reaches itself through its imports, passes/ stands on its own, and the graph/artifact contract
-(toolchain/interface/) stands below everything that reads or writes graphs and artifacts.
+reaches itself through its imports, no folder reaches itself through its neighbours either (in every folder, its
+files and sub-folders stand on floors: each imports only what stands below it), passes/ stands on its own, and the
+graph/artifact contract (toolchain/interface/) stands below everything that reads or writes graphs and artifacts.
 
 Every import of a project module counts, wherever it is written: at the top of a file, inside a function or under
 ``if TYPE_CHECKING``. An import moved into a function still makes the module depend on the other one; it only
@@ -125,6 +126,68 @@ def test_circle_detection_finds_a_circle():
 def test_no_module_imports_itself_through_others():
     circles = _circles(GRAPH)
     assert not circles, "\n".join(_describe(c) for c in circles)
+
+
+def _floor_arrows(graph: dict[str, dict[str, int]]) -> dict[tuple[str, str], dict[tuple[str, str], list]]:
+    """Each import ``a -> b`` seen from the folder that holds both: an arrow between the two entries of that folder
+    (a file, or a sub-folder taken whole) that contain them, e.g. toolchain.export.mtp -> toolchain.checkpoint.reader
+    is the arrow export/ -> checkpoint/ of toolchain/. Keyed by folder, then by arrow: the imports drawing it."""
+    arrows: dict[tuple[str, str], dict[tuple[str, str], list]] = {}
+    for a, targets in graph.items():
+        pa = _place(a)
+        for b, line in targets.items():
+            pb = _place(b)
+            common = 0
+            while common < min(len(pa), len(pb)) - 1 and pa[common] == pb[common]:
+                common += 1
+            if pa[common] == pb[common]:
+                continue  # a package's face and a module inside it: not two entries of one folder
+            folder = "".join(pa[:common]) or "./"
+            arrows.setdefault(folder, {}).setdefault((pa[common], pb[common]), []).append((a, b, line))
+    return arrows
+
+
+def _place(module: str) -> list[str]:
+    """Where a module stands: the folders its file is in, then the file (a package's __init__.py is a file of its
+    folder)."""
+    *folders, file = MODULES[module].relative_to(ROOT).parts
+    return [*(f"{folder}/" for folder in folders), file]
+
+
+def _arrows_back_up(graph: dict[str, dict[str, int]]) -> list[str]:
+    """For every folder whose entries do not stand on floors (their arrows go round), the arrows that go round."""
+    found = []
+    for folder, arrows in sorted(_floor_arrows(graph).items()):
+        entries = {a: dict.fromkeys(b for (x, b) in arrows if x == a) for (a, _) in arrows}
+        for circle in _circles(entries):
+            members = set(circle)
+            found.append(f"in {folder}, {' <-> '.join(circle)} import each other:")
+            found += [f"  {a} -> {b} ({MODULES[a].relative_to(ROOT)}:{line})"
+                      for (x, y), imports in sorted(arrows.items()) if x in members and y in members
+                      for a, b, line in imports]
+    return found
+
+
+def test_folder_floors_see_folders_whole():
+    """The arrows of a folder are those between its entries, however deep the files that draw them."""
+    graph = {"toolchain.export.mtp": {"toolchain.checkpoint.reader": 3, "toolchain.export.graph": 4},
+             "toolchain.checkpoint.fp8": {"toolchain.export.architectures": 7},
+             "toolchain.checkpoint.reader": {"toolchain.errors": 1}}
+    assert _arrows_back_up(graph) == [
+        "in toolchain/, checkpoint/ <-> export/ import each other:",
+        "  toolchain.checkpoint.fp8 -> toolchain.export.architectures (toolchain/checkpoint/fp8.py:7)",
+        "  toolchain.export.mtp -> toolchain.checkpoint.reader (toolchain/export/mtp.py:3)"]
+    del graph["toolchain.checkpoint.fp8"]
+    assert _arrows_back_up(graph) == []
+    assert ("checkpoint/", "errors.py") in _floor_arrows(graph)["toolchain/"]
+
+
+def test_no_import_runs_back_up_a_floor():
+    """In toolchain/, passes/ and each folder inside them, the files and sub-folders stand on floors: no two import
+    each other, directly or round a loop of others (a folder counts as one, whichever of its files import).
+    Knowledge has one home, and what uses it stands above it."""
+    wrong = _arrows_back_up(GRAPH)
+    assert not wrong, "\n".join(wrong)
 
 
 def test_passes_never_import_the_toolchain():

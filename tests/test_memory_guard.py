@@ -14,17 +14,11 @@ from cli_helpers import assert_one_line_error, run_cli
 from toolchain.checkpoint.reader import open_checkpoint
 from toolchain.errors import InputError
 from toolchain.hardware import MEMORY_LIMIT_ENV, available_memory_bytes, memory_bytes
-from toolchain.memory_guard import (
-    REFERENCE_FACTOR,
-    RUNTIME_FACTOR,
-    artifact_runtime_bytes,
-    reference_bytes,
-    require_memory,
-    size,
-)
+from toolchain.memory_guard import REFERENCE_FACTOR, reference_bytes, require_memory, size
 from toolchain.models.registry import embedded_path
 from toolchain.runtime.artifact import open_artifact
 from toolchain.runtime.layered_reference import memory_need
+from toolchain.runtime.memory import RUNTIME_FACTOR, artifact_runtime_bytes
 from toolchain.runtime.torch_reference import release_reference
 
 MODEL = "r1-distill-qwen-tiny"  # the artifacts' model

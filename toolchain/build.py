@@ -21,7 +21,6 @@ from toolchain.compress import shipped
 from toolchain.compress.calibration import EMBEDDED
 from toolchain.errors import InputError
 from toolchain.evaluate.run import evaluate_artifact, write_report
-from toolchain.evaluate.settings import EvalSettings
 from toolchain.gates import GateFailed, check_baseline_model, check_gates
 from toolchain.hashing import digest
 from toolchain.interface.files import REPORT_FILES, STAGE_RECORD
@@ -29,6 +28,7 @@ from toolchain.interface.reports import STAGE_REPORTS
 from toolchain.manifest import git_commit, versions, write_manifest
 from toolchain.recipe import Recipe, load_recipe
 from toolchain.report.schema import load_report
+from toolchain.settings.evaluation import EvalSettings
 from toolchain.source_hashes import Hashing
 from toolchain.stages.runner import (
     Stage,

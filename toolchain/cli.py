@@ -20,20 +20,20 @@ from toolchain.atomic import (
 )
 from toolchain.cli_options import given_section, section_options
 from toolchain.errors import DstcError
-from toolchain.evaluate.settings import EvalSettings
 from toolchain.gates import GateFailed, GateLimits, check_gates
 from toolchain.interface.reports import CompileReport, CompressionReport, ExportReport, PassesReport
 from toolchain.manifest import read_manifest, sign_artifact, verify_artifact
 from toolchain.manifest_schema import Manifest
-from toolchain.memory_guard import require_artifact_memory
 from toolchain.recipe import CompileSection, CompressSection, ExportSection, PassesSection, load_recipe
 from toolchain.report.comparison import comparison_rows, render_comparison_html, render_comparison_text
 from toolchain.report.markdown import render_summary
 from toolchain.report.schema import load_report
 from toolchain.runtime.artifact import open_artifact
-from toolchain.runtime.speculation_settings import SpeculationSettings
+from toolchain.runtime.memory import require_artifact_memory
 from toolchain.serve.auth import load_api_keys
 from toolchain.serve.settings import SERVE_SPELLINGS, ServeSettings
+from toolchain.settings.evaluation import EvalSettings
+from toolchain.settings.speculation import SpeculationSettings
 from toolchain.signing import generate_keys
 
 if TYPE_CHECKING:
@@ -546,7 +546,7 @@ EVAL_SPELLINGS = {"reference_cache": "--reference-cache/--no-reference-cache", "
 
 def _eval_options(command):
     """Options shared by `dstc eval` and `dstc compare`: the reference, and how much to measure (a recipe's
-    `eval:` section, toolchain/evaluate/settings.py)."""
+    `eval:` section, toolchain/settings/evaluation.py)."""
     command = section_options(EvalSettings, spellings=EVAL_SPELLINGS,
                               comma=("tasks", "prompt_lengths", "batches"))(command)
     return click.option("--reference", default=None,

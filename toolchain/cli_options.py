@@ -18,7 +18,7 @@ import annotated_types
 import click
 from click.core import ParameterSource
 
-from toolchain.section import Section
+from toolchain.settings.section import Section
 
 NONE = "none"  # a comma-separated list's spelling of the empty list
 

@@ -10,7 +10,7 @@ from pydantic import ConfigDict, Field
 
 from toolchain.errors import DstcError, InputError
 from toolchain.report.schema import GateResult, Report
-from toolchain.section import Section
+from toolchain.settings.section import Section
 
 
 class GateFailed(DstcError):

@@ -3,9 +3,9 @@ killer ending the process minutes later (exit 137, no message).
 
 Each load of a model estimates what it will hold and compares that with the memory available at that moment
 (toolchain/hardware.py available_memory_bytes: MemAvailable, or DSTC_MEMORY_LIMIT_BYTES): an artifact opened by its
-runtime (toolchain/runtime/decoder.py open_decoder: `dstc generate`, `eval`, `compare`; `dstc serve` at startup)
-and the whole fp32 PyTorch reference (toolchain/source.py load: `dstc eval`, `compare`, the export's end-to-end
-parity). Checked at each load, against what is available then, what an earlier load still holds (eval's
+runtime (toolchain/runtime/memory.py, what a runtime holds: `dstc generate`, `eval`, `compare`; `dstc serve` at
+startup) and the whole fp32 PyTorch reference (here; toolchain/source.py load: `dstc eval`, `compare`, the export's
+end-to-end parity). Checked at each load, against what is available then, what an earlier load still holds (eval's
 reference, then its artifact) is counted by the kernel's own figure.
 """
 
@@ -13,21 +13,12 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from toolchain.errors import InputError
 from toolchain.hardware import MEMORY_LIMIT_ENV, available_memory_bytes
 
-if TYPE_CHECKING:
-    from toolchain.runtime.artifact import Artifact
-
-# Resident memory a runtime adds to hold an artifact and run it, over the artifact's model file bytes, with a margin
-# over what was measured (peak RSS over the process's before loading, a 512-token prefill and 32 steps, INT4
-# artifacts of R1-Distill-Qwen-1.5B widths x 4 layers, 0.53 GiB each): ONNX Runtime 1.06x; OpenVINO 1.47x (0.13x
-# once compiled, the rest from the first inference on; 1.85x for the 7B widths' 4.3 GB IR, toolchain/stages/compile.py).
-RUNTIME_FACTOR = {"onnxruntime": 1.5, "openvino": 2.0}
 # The whole reference over its float32 values' bytes: 1.01x loaded, 1.30x at the peak of a 4 x 256-token forward
-# (logits and activations), on the same widths (2.44 GiB of values).
+# (logits and activations), on R1-Distill-Qwen-1.5B widths x 4 layers (2.44 GiB of values).
 REFERENCE_FACTOR = 1.3
 RETRY = f"or set {MEMORY_LIMIT_ENV} to the bytes to assume available (e.g. with swap) to try anyway"
 
@@ -64,20 +55,3 @@ def require_reference_memory(source_path: Path | str, spec: str) -> None:
     require_memory(need, f"loading the fp32 PyTorch reference of {spec} whole ({size(need / REFERENCE_FACTOR)} of "
                          f"float32 values, x{REFERENCE_FACTOR:g} to run it)",
                    f"free memory or run it on a machine with more, {RETRY}")
-
-
-def artifact_runtime_bytes(artifact: Artifact) -> int:
-    """What running ``artifact`` on its runtime holds, from the size of its model files."""
-    return int(artifact.size_bytes * RUNTIME_FACTOR[artifact.backend])
-
-
-def require_artifact_memory(artifact: Artifact, copies: int = 1) -> None:
-    """Before ``artifact`` is loaded by its runtime, ``copies`` times at once on this machine (`dstc serve
-    --replicas N`: each replica's engine loads its own)."""
-    factor = RUNTIME_FACTOR[artifact.backend]
-    times = f"{copies} copies of it, each " if copies > 1 else ""
-    require_memory(copies * artifact_runtime_bytes(artifact),
-                   f"running {artifact.path} on {artifact.backend} ({times}{size(artifact.size_bytes)} of model "
-                   f"files, x{factor:g})",
-                   f"free memory, build a smaller artifact (INT4: compress.scheme int4-grouped)"
-                   f"{', run fewer replicas' if copies > 1 else ''}, {RETRY}")

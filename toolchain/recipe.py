@@ -15,10 +15,10 @@ import yaml
 from pydantic import Field, PrivateAttr, ValidationError, model_validator
 
 from toolchain.errors import InputError, RecipeError
-from toolchain.evaluate.settings import EvalSettings
 from toolchain.gates import GateLimits
 from toolchain.interface.reports import CompressionScheme
-from toolchain.section import Section
+from toolchain.settings.evaluation import EvalSettings
+from toolchain.settings.section import Section
 
 Backend = Literal["openvino", "onnxruntime"]
 _PARITY: tuple[Backend, ...] = ("onnxruntime", "openvino")

@@ -134,8 +134,8 @@ def skeleton(source: Source, reader):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from toolchain.checkpoint.reference import reference_config
     from toolchain.export.architectures import architecture_for
+    from toolchain.export.reference import reference_config
 
     arch = architecture_for(source.config["model_type"])
     config = reference_config(source.path)
@@ -189,7 +189,7 @@ def load(source: Source):
     InputError before anything is read when it would not fit in the memory available (toolchain/memory_guard.py)."""
     # torch loads only where the model is built
     from toolchain.checkpoint.reader import open_checkpoint
-    from toolchain.checkpoint.reference import load_weights, with_computed_buffers
+    from toolchain.export.reference import load_weights, with_computed_buffers
 
     require_reference_memory(source.path, source.spec)
     with open_checkpoint(source.path) as reader:

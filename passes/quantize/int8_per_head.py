@@ -21,11 +21,11 @@ the ``to-matmul-nbits`` pass turns it into MatMulNBits(bits=8), which ORT runs w
 weight.
 
 Which projections have heads, and their widths, come from ``head_blocks`` ({projection name: head width}) when
-given: dstc's compress stage passes the exporter's record of them (the graph metadata ``dstc.head_layout``, written
-by each architecture), the one source. A graph without it (a foreign graph run through this pass alone) falls back
-to the usual projection names (``HEAD_PROJECTIONS``) and the Reshape to [..., heads, head_dim] that reads the
-projection's output (through a bias Add). A projection whose heads cannot be found is quantized per channel and
-reported as a near-miss.
+given, empty or not: dstc's compress stage passes the exporter's record of them (the graph metadata
+``dstc.head_layout``, written by each architecture), the one source. Only when none is given (a foreign graph run
+through this pass alone) does the pass fall back to the usual projection names (``HEAD_PROJECTIONS``) and the
+Reshape to [..., heads, head_dim] that reads the projection's output (through a bias Add). A projection whose heads
+cannot be found is quantized per channel and reported as a near-miss.
 """
 
 from __future__ import annotations
@@ -83,7 +83,7 @@ class Int8PerHead(CountingPass):
         super().__init__()
         if granularity not in GRANULARITIES:
             raise ValueError(f"granularity {granularity!r} is not one of {GRANULARITIES}")
-        self.head_blocks = dict(head_blocks or {})
+        self.head_blocks = None if head_blocks is None else dict(head_blocks)
         self.sym = sym
         self.names = None if names is None else set(names)
         self.granularity = granularity
@@ -93,13 +93,14 @@ class Int8PerHead(CountingPass):
     def _group(self, use: WeightUse) -> int | None:
         """Width of the channel groups sharing a scale, or None for per channel."""
         n = use.columns
-        if use.kind != "matmul" or projection_of(use.name) not in (self.head_blocks or HEAD_PROJECTIONS):
+        blocks = self.head_blocks
+        if use.kind != "matmul" or projection_of(use.name) not in (HEAD_PROJECTIONS if blocks is None else blocks):
             return None
         if self.granularity == "channel":
             return None
         if self.granularity == "tensor":
             return n
-        width = self.head_blocks.get(projection_of(use.name)) or inferred_head_width(use)
+        width = (blocks or {}).get(projection_of(use.name)) or inferred_head_width(use)
         if width is None or n % width:
             self.near_miss("int8-per-head", use.node, f"no head width for {use.value.name} ({n} outputs); "
                            f"quantized per channel", score=1)

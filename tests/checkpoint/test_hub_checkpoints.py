@@ -17,9 +17,9 @@ from transformers import DeepseekV3Config
 
 from conftest import COMMON, MLA, make_checkpoint
 from toolchain.build import build
-from toolchain.checkpoint.fp8 import write_fp8_checkpoint
 from toolchain.checkpoint.reader import open_checkpoint
 from toolchain.interface.graph import SOURCE
+from toolchain.models.shape_faithful import write_fp8_checkpoint
 from toolchain.verify.layer_parity import compare_layers
 from toolchain.verify.parity import parity_cases
 from toolchain.stages.export import export
@@ -154,7 +154,7 @@ def test_a_256_expert_model_builds_through_the_passes_stage(tmp_path, monkeypatc
 
 
 def test_largest_layer_is_the_moe_layer_with_its_reference_bytes(tiny_checkpoints):
-    from toolchain.checkpoint import reference as ref
+    from toolchain.export import reference as ref
 
     path = tiny_checkpoints["deepseek_v3"]
     index, size = ref.largest_layer(path)

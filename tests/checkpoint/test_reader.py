@@ -15,30 +15,18 @@ from pathlib import Path
 import conftest
 import pytest
 import torch
-from conftest import COMMON, TINY_V4, TINY_V32, make_checkpoint
+from conftest import COMMON, TINY_V4, TINY_V32, WIDE_V3, make_checkpoint, wide_v3_config
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from toolchain.checkpoint import fp4, reader as reader_module
 from toolchain.checkpoint.reader import open_checkpoint
-from toolchain.checkpoint.fp8 import QUANTIZATION_CONFIG, quantize_fp8, write_fp8_checkpoint
+from toolchain.checkpoint.fp8 import QUANTIZATION_CONFIG, quantize_fp8
 from toolchain.checkpoint.v4_layout import QUANTIZATION_CONFIG as V4_QUANTIZATION
 from toolchain.errors import InputError
-from toolchain.models.shape_faithful import write_random_checkpoint
+from toolchain.models.shape_faithful import write_fp8_checkpoint, write_random_checkpoint
 
-# Widths that are not multiples of 128, so that FP8 blocks on the right and bottom edges are partial.
-WIDE_V3 = dict(vocab_size=97, hidden_size=200, intermediate_size=300, moe_intermediate_size=136,
-               num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=144, q_lora_rank=160,
-               qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=12, n_routed_experts=8, n_shared_experts=1,
-               num_experts_per_tok=2, n_group=2, topk_group=1, first_k_dense_replace=1, max_position_embeddings=256,
-               rope_interleave=True)
 HUB_FP8 = ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-
-
-def wide_v3_config():
-    from transformers import DeepseekV3Config
-
-    return DeepseekV3Config(**WIDE_V3)
 
 
 @pytest.fixture(scope="module")

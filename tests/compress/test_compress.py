@@ -15,8 +15,10 @@ from passes_helpers import make_model, node
 
 from toolchain.atomic import MARKER
 from toolchain.compress import engine
-from toolchain.compress.policy import Policy, role_of
+from toolchain.compress.policy import Policy
 from toolchain.errors import InputError
+from toolchain.export.graph import load_graph, save_graph
+from toolchain.interface.graph import HEAD_LAYOUT, ROLE
 from toolchain.recipe import CompressSection
 from toolchain.runtime.engines import openvino_compile
 from toolchain.stages.compress import compress
@@ -230,7 +232,7 @@ def test_exported_moe_graph_has_2d_weights_but_the_absorbed_ones(exports):
     """The routed experts are 2-D MatMuls each; the only 3-D weights are the latent cache's absorbed kv_b_proj
     ([heads, K, N], two a layer)."""
     weights = engine.graph_weights(ir.load(exports["deepseek_v3"] / "model.onnx"))
-    assert len([w for w in weights if role_of(w.name) == "routed_expert"]) == 2 * 16 * 3
+    assert len([w for w in weights if w.role == "routed_expert"]) == 2 * 16 * 3
     assert {len(w.shape) for w in weights} == {2, 3}
     stacked = [w for w in weights if len(w.shape) == 3]
     assert sorted(w.name.split("/")[-1] for w in stacked) == ["k_absorbed"] * 3 + ["v_absorbed"] * 3
@@ -276,29 +278,55 @@ def test_calibration_from_files_and_bad_input(runs, exports, tmp_path):
 
 
 def test_policy_roles_and_defaults():
+    """The precision follows the role the exporter recorded, whatever the weight's name says."""
     policy = Policy("int4-grouped")
-    names = {"embed_tokens.weight": "int8", "lm_head/weight": "int8", "layers.1/mlp/router/gate/weight": "fp32",
-             "layers.1/mlp/experts/3/up_proj/weight": "int4", "layers.1/mlp/shared_experts/up_proj/weight": "int4",
-             "layers.0/self_attn/q_proj/weight": "int4", "layers.0/mlp/dense/down_proj/weight": "int4"}
-    assert {n: policy.precision(n) for n in names} == names
-    assert Policy("int8-per-head").precision("lm_head/weight") == "int8-per-head"
-    assert Policy("int4-grouped", shared_experts="int8").precision("layers.1/mlp/shared_experts/up_proj/weight") \
-        == "int8"
-    assert Policy("int4-grouped", ignored_scope=("layers\\.0/",)).precision("layers.0/self_attn/q_proj/weight") \
-        == "fp32"
+    roles = {"embeddings": "int8", "lm_head": "int8", "router": "fp32", "routed_expert": "int4",
+             "shared_expert": "int4", "attention": "int4", "mlp": "int4"}
+    assert {role: policy.precision("w", "", role) for role in roles} == roles
+    assert policy.precision("lm_head/weight", "", "mlp") == "int4"
+    assert Policy("int8-per-head").precision("w", "", "lm_head") == "int8-per-head"
+    assert Policy("int4-grouped", shared_experts="int8").precision("w", "", "shared_expert") == "int8"
+    assert Policy("int4-grouped", ignored_scope=("layers\\.0/",)).precision("layers.0/self_attn/q_proj/weight", "",
+                                                                           "attention") == "fp32"
+    with pytest.raises(InputError, match=f"^weight lm_head/weight has no {ROLE} "):
+        policy.precision("lm_head/weight", "", None)
+
+
+def test_a_graph_without_the_exporters_records_is_refused(exports, tmp_path):
+    """Roles and the head layout come from what the exporter recorded, never from names: a graph without them (an
+    older dstc's) is one line, exit 2, nothing written."""
+    for drop in ("roles", "head layout"):
+        graph_dir, out = tmp_path / drop / "export", tmp_path / drop / "out"
+        graph_dir.mkdir(parents=True)
+        (graph_dir / "export.json").write_bytes((exports["qwen2"] / "export.json").read_bytes())
+        model = load_graph(exports["qwen2"] / "model.onnx")
+        if drop == "roles":
+            for value in model.graph.initializers.values():
+                value.const_value.metadata_props.pop(ROLE, None)
+        else:
+            del model.metadata_props[HEAD_LAYOUT]
+        save_graph(model, graph_dir / "model.onnx")
+        with pytest.raises(InputError) as refused:
+            compress(graph_dir, out, CompressSection.check({"scheme": "int8-per-head"}), target="onnxruntime")
+        assert str(refused.value).endswith("the graph comes from an older dstc or another exporter; export the "
+                                           "checkpoint again") and "\n" not in str(refused.value)
+        assert (HEAD_LAYOUT if drop == "head layout" else ROLE) in str(refused.value)
+        assert refused.value.exit_code == 2 and not out.exists()
 
 
 def test_policy_int8_scope():
     """Named weights in INT8 per channel over their role's choice (a router's fp32 too); fp32 ignore wins."""
     policy = Policy("int4-grouped", int8_scope=("^layers\\.0/self_attn/", "layers.1/mlp/router/gate/weight"),
                     ignored_scope=("q_b_proj",))
-    names = {"layers.0/self_attn/q_a_proj/weight": "int8", "layers.1/self_attn/q_a_proj/weight": "int4",
-             "layers.0/self_attn/q_b_proj/weight": "fp32", "layers.1/mlp/router/gate/weight": "int8",
-             "layers.2/mlp/router/gate/weight": "fp32", "layers.0/mlp/dense/up_proj/weight": "int4"}
-    assert {n: policy.precision(n) for n in names} == names
+    names = {("layers.0/self_attn/q_a_proj/weight", "attention"): "int8",
+             ("layers.1/self_attn/q_a_proj/weight", "attention"): "int4",
+             ("layers.0/self_attn/q_b_proj/weight", "attention"): "fp32",
+             ("layers.1/mlp/router/gate/weight", "router"): "int8", ("layers.2/mlp/router/gate/weight", "router"): "fp32",
+             ("layers.0/mlp/dense/up_proj/weight", "mlp"): "int4"}
+    assert {(n, role): policy.precision(n, "", role) for n, role in names} == names
     assert policy.as_dict()["int8_scope"] == ["^layers\\.0/self_attn/", "layers.1/mlp/router/gate/weight"]
-    assert Policy("int8-per-head", int8_scope=("self_attn",)).precision("layers.0/self_attn/q_proj/weight") \
-        == "int8-per-head"
+    assert Policy("int8-per-head", int8_scope=("self_attn",)).precision("layers.0/self_attn/q_proj/weight", "",
+                                                                        "attention") == "int8-per-head"
     with pytest.raises(InputError, match="int8 scope"):
         Policy("int4-grouped", int8_scope=("layers.(",))
     assert CompressSection.check({"scheme": "int4-grouped", "int8": ["^layers\\.0/"]}).int8 == ["^layers\\.0/"]

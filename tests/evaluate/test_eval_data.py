@@ -20,7 +20,7 @@ from toolchain.build import build
 from toolchain.errors import InputError
 from toolchain.evaluate.accuracy import compare_distributions
 from toolchain.evaluate.dataset import load_data
-from toolchain.evaluate.settings import EvalSettings
+from toolchain.settings.evaluation import EvalSettings
 from toolchain.models import corpus
 from toolchain.report.schema import load_report
 from toolchain.tokenizer_loading import load_tokenizer

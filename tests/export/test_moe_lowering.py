@@ -13,7 +13,7 @@ import torch
 from conftest import run_cli, tiny_configs
 from test_export import check_report
 
-from toolchain.checkpoint.reference import is_moe, watch_expert_choice
+from toolchain.export.reference import is_moe, watch_expert_choice
 from toolchain.compress import moe as fused_moe
 from toolchain.compress.streaming import blocked_dq_to_nbits
 from toolchain.errors import InputError

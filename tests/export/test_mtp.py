@@ -13,7 +13,7 @@ import torch
 from conftest import run_cli
 
 from toolchain import source as sources
-from toolchain.checkpoint.mtp import mtp_layer_indices
+from toolchain.export.mtp_reference import mtp_layer_indices
 from toolchain.checkpoint.reader import open_checkpoint
 from toolchain.export.architectures import architecture_for
 from toolchain.export.decoder import build_decoder
@@ -268,7 +268,7 @@ def test_built_artifact_carries_the_mtp_layer_and_its_drafter_drafts_the_greedy_
 def test_mtp_layer_of_a_hub_fp8_checkpoint_with_its_own_embedding_and_head(source, tmp_path):
     """DeepSeek-V3's hub layout (toolchain/checkpoint/fp8.py): the MTP layer in FP8 with its own copies of the
     embedding and head, read dequantized by both the graph and the reference."""
-    from toolchain.checkpoint.fp8 import write_fp8_checkpoint
+    from toolchain.models.shape_faithful import write_fp8_checkpoint
 
     fp8 = write_fp8_checkpoint(source.path, tmp_path / "fp8", shard_bytes=1_000_000, mtp_layers=1)
     with open_checkpoint(fp8, mtp=True) as reader:

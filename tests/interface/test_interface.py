@@ -46,7 +46,7 @@ def exported(tiny_checkpoints, tmp_path_factory):
 def test_the_readers_agree_with_the_architecture_on_onnx_and_on_the_ir(exported, name, tmp_path):
     import openvino as ov
 
-    from toolchain.checkpoint.reference import reference_config
+    from toolchain.export.reference import reference_config
     from toolchain.export.architectures import architecture_for
 
     out, report = exported[name]

@@ -14,11 +14,17 @@ from transformers import AutoModelForCausalLM
 
 from toolchain.checkpoint.reader import open_checkpoint
 from toolchain.errors import InputError
+from toolchain.export.architectures import ARCHITECTURES
 from toolchain.models import corpus
 from toolchain.models.catalog import list_embedded
 from toolchain.models.make import evaluate, make_models
 from toolchain.models.registry import EMBEDDED, REFERENCES, embedded_path, reference_config
-from toolchain.models.shape_faithful import make_shape_faithful, reference_to_config
+from toolchain.models.shape_faithful import (
+    make_shape_faithful,
+    reference_to_config,
+    write_fp8_checkpoint,
+    write_random_checkpoint,
+)
 from toolchain.models.tokenizer import ASSISTANT, BOS, EOS, USER
 from toolchain.models.train import exact_match, perplexity
 from toolchain.tokenizer_loading import load_tokenizer
@@ -290,6 +296,23 @@ def test_shape_faithful_deepseek_v3(tmp_path, tokenizer):
     # About 3e9 values (1.9e9 of them embedding and head) in bf16: ~6 GB written, ~12 GB peak memory, ~75 s.
     path = make_shape_faithful("deepseek-v3", tmp_path / "m", num_layers=2, num_experts=8)
     _check_shape_faithful(path, "deepseek-v3", layers=2, experts=8, tokenizer=tokenizer)
+
+
+def test_shape_faithful_layouts_are_the_architectures(tmp_path):
+    """Which hub layout a random checkpoint is written in is its architecture module's fact (hub_layout), and a
+    layout the family does not ship is refused before anything is drawn."""
+    layouts = {t: (a.hub_layout, a.bf16_unless_asked) for t, a in ARCHITECTURES.items()}
+    assert {t for t, (layout, _) in layouts.items() if layout == "fp8"} == {"deepseek_v3", "deepseek_v32"}
+    assert layouts["deepseek_v32"] == ("fp8", False) and layouts["deepseek_v4"] == ("v4", False)
+    with pytest.raises(InputError, match="^--fp8 writes DeepSeek-V3's hub layout; deepseek-v2-lite is deepseek_v2$"):
+        make_shape_faithful("deepseek-v2-lite", tmp_path / "v2", num_layers=2, fp8=True)
+    with pytest.raises(InputError, match="^multi-token-prediction blocks are written for DeepSeek-V4 only, not "
+                                         "deepseek_v3$"):
+        write_random_checkpoint(reference_to_config(reference_config("deepseek-v3"), 1, 8), tmp_path / "v3",
+                                mtp_layers=1)
+    with pytest.raises(InputError, match="the FP8 hub layout is DeepSeek-V3's, not 'qwen2'$"):
+        write_fp8_checkpoint(embedded_path("r1-distill-qwen-tiny"), tmp_path / "qwen2")
+    assert not any((tmp_path / name).exists() for name in ("v2", "v3", "qwen2"))
 
 
 # --- determinism ----------------------------------------------------------------------------------------------

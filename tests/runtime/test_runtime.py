@@ -18,7 +18,7 @@ import torch
 from transformers import DynamicCache
 
 from toolchain import source as sources
-from toolchain.checkpoint.reference import cache_argument, is_moe, watch_expert_choice
+from toolchain.export.reference import cache_argument, is_moe, watch_expert_choice
 from toolchain.errors import InputError
 from toolchain.verify.parity import PROMPTS, graph_decoder
 from toolchain.runtime.generate import greedy_logits, left_pad

@@ -1,4 +1,5 @@
-"""A DeepSeek-V3 checkpoint written in the hub's FP8 layout, for tests and for memory benchmarks at real width.
+"""DeepSeek-V3's FP8 hub layout: which tensors it stores how, its quantizer and a streamed shard writer, with which
+toolchain/models/shape_faithful.py writes checkpoints in it for tests and for memory benchmarks at real width.
 
 The layout is deepseek-ai/DeepSeek-V3's (its README_WEIGHTS.md and inference/model.py, where every ``Linear``
 of an attention or MLP block is created in float8 with a ``scale`` of ceil-divided 128 x 128 blocks, while the
@@ -29,7 +30,6 @@ from __future__ import annotations
 import json
 import math
 import re
-import shutil
 import struct
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -38,10 +38,8 @@ from typing import BinaryIO
 
 import torch
 
-from toolchain.atomic import atomic_output_dir
 from toolchain.checkpoint.fp4 import power_of_two_scale
-from toolchain.checkpoint.reader import EMBEDDING, FP8, INDEX_FILE, LM_HEAD, SCALE_SUFFIX, open_checkpoint
-from toolchain.errors import InputError
+from toolchain.checkpoint.reader import FP8
 
 BLOCK = (128, 128)
 FP8_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
@@ -97,67 +95,6 @@ class Group:
     @property
     def nbytes(self) -> int:
         return sum(math.prod(shape) * dtype.itemsize for _, dtype, shape in self.specs)
-
-
-def write_fp8_checkpoint(src_dir: str | Path, dst_dir: str | Path, shard_bytes: int = 5 * 10**9,
-                         mtp_layers: int = 0, seed: int = 0) -> Path:
-    """Write the bf16/fp32 DeepSeek-V3 checkpoint ``src_dir`` to ``dst_dir`` in the hub's FP8 layout (module
-    docstring). MTP layers copy the last decoder layer's weights; their eh_proj is seeded random."""
-    with open_checkpoint(src_dir) as reader:
-        config = dict(reader.config)
-        if config.get("model_type") != "deepseek_v3":
-            raise InputError(f"{src_dir}: the FP8 hub layout is DeepSeek-V3's, not {config.get('model_type')!r}")
-        groups = _groups(reader, config, mtp_layers, torch.Generator().manual_seed(seed))
-        shards = plan_shards(groups, shard_bytes)
-        config.update(quantization_config=QUANTIZATION_CONFIG, num_nextn_predict_layers=mtp_layers, dtype="bfloat16")
-        with atomic_output_dir(Path(dst_dir)) as tmp:
-            weight_map = {}
-            for i, shard in enumerate(shards):
-                file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-                write_shard(tmp / file, shard)
-                weight_map.update({name: file for group in shard for name, _, _ in group.specs})
-            index = {"metadata": {"total_size": sum(g.nbytes for g in groups)},
-                     "weight_map": dict(sorted(weight_map.items()))}
-            (tmp / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
-            (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-            for extra in Path(src_dir).iterdir():  # tokenizer and generation config
-                if extra.is_file() and not extra.name.startswith(".") and extra.suffix != ".safetensors" \
-                        and extra.name not in ("config.json", INDEX_FILE):
-                    shutil.copyfile(extra, tmp / extra.name)
-    return Path(dst_dir)
-
-
-def _groups(reader, config: dict, mtp_layers: int, generator: torch.Generator) -> list[Group]:
-    def stored(name: str, source: str | None = None) -> Group:
-        source = source or name
-        shape = reader.shape(source)
-        if quantized_in_hub_layout(name, shape):
-            grid = (math.ceil(shape[0] / BLOCK[0]), math.ceil(shape[1] / BLOCK[1]))
-            return Group([(name, FP8, shape), (name + SCALE_SUFFIX, torch.float32, grid)],
-                          lambda: list(quantize_fp8(reader.tensor(source))))
-        dtype = torch.float32 if float32_in_hub_layout(name) else torch.bfloat16
-        return Group([(name, dtype, shape)], lambda: [reader.tensor(source, dtype=dtype)])
-
-    def made(name: str, shape: tuple[int, ...], fill: Callable[[], torch.Tensor]) -> Group:
-        return Group([(name, torch.bfloat16, shape)], lambda: [fill().to(torch.bfloat16)])
-
-    groups = [stored(name) for name in reader.names() if not (reader.tied and name == LM_HEAD)]
-    layers, hidden = config["num_hidden_layers"], config["hidden_size"]
-    last = f"model.layers.{layers - 1}."
-    std = config.get("initializer_range", 0.02)
-    for index in range(layers, layers + mtp_layers):
-        prefix = f"model.layers.{index}."
-        groups += [stored(prefix + name[len(last):], name) for name in reader.names() if name.startswith(last)]
-        groups += [
-            stored(prefix + "embed_tokens.weight", EMBEDDING),
-            made(prefix + "enorm.weight", (hidden,), lambda: torch.ones(hidden)),
-            made(prefix + "hnorm.weight", (hidden,), lambda: torch.ones(hidden)),
-            made(prefix + "eh_proj.weight", (hidden, 2 * hidden),
-                 lambda: torch.randn(hidden, 2 * hidden, generator=generator) * std),
-            stored(prefix + "shared_head.norm.weight", "model.norm.weight"),
-            stored(prefix + "shared_head.head.weight", LM_HEAD),
-        ]
-    return groups
 
 
 def plan_shards(groups: list[Group], shard_bytes: int) -> list[list[Group]]:

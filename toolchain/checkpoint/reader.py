@@ -28,7 +28,7 @@ saves them). What the reader hides:
   the causal LM: they are left out and their indices listed in ``skipped_layers``; so are DeepSeek-V4's
   ``mtp.N.`` blocks, listed as layer ``num_hidden_layers + N`` (the index V4's ``compress_ratios`` gives them).
   ``open_checkpoint(path, mtp=True)`` keeps the ``model.layers.N.`` ones, for the MTP exporter
-  (toolchain/checkpoint/mtp.py).
+  (toolchain/export/mtp_reference.py).
 - tied embeddings (``tie_word_embeddings`` with no ``lm_head.weight`` stored): ``lm_head.weight`` is the
   embedding table, and ``tied`` is True.
 

@@ -3,7 +3,7 @@ modules on calibration text, computed one layer at a time from the checkpoint.
 
 What NNCF's data-aware algorithms read from a model run (``WCTensorStatistic``: per calibration sequence, the
 mean of a MatMul's input over its tokens, and the input's shape) is collected here from transformers' own layer
-modules, built one at a time from the checkpoint reader (toolchain/checkpoint/reference.py): the embedding rows
+modules, built one at a time from the checkpoint reader (toolchain/export/reference.py): the embedding rows
 of the sequences go through layer 0, its outputs through layer 1, and so on, so memory holds one layer and the
 sequences' hidden states, whatever the model's size. Forward pre-hooks on each layer's nn.Linear modules take
 their inputs; the graph's name for each weight comes from the exporter (toolchain/export/decoder.py
@@ -23,9 +23,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from toolchain.checkpoint import reference as ref
 from toolchain.checkpoint.reader import EMBEDDING, open_checkpoint
 from toolchain.errors import InputError
+from toolchain.export import reference as ref
 from toolchain.export.decoder import expert_weight_name, linear_weight_name
 from toolchain.runtime.layered_reference import additive_mask
 

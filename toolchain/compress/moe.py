@@ -39,7 +39,6 @@ import onnx_ir as ir
 from passes.graph import HeldInitializer, name_of, present, produced
 from toolchain.compress import lowering, metrics
 from toolchain.compress.engine import Options
-from toolchain.compress.policy import role_of
 from toolchain.compress.streaming import ComputedOnSave, adjusted_group, raise_opset
 from toolchain.errors import InputError
 from toolchain.export.moe import MS_DOMAIN
@@ -407,7 +406,7 @@ def weight_rows(jobs: list[Job], layers: list[FusedLayer], plan: Callable[..., s
             bits = round(stored_bits(layer.form, job.spec, (shape[1], k)) / (shape[0] * shape[1]), 4) if job else 32.0
             for _, _, name in layer.names(stacked):
                 stats = job.stats.get(name, {}) if job else {}
-                rows.append({"weight": name, "node": stacked.node, "role": stacked.role or role_of(name),
+                rows.append({"weight": name, "node": stacked.node, "role": stacked.role,
                              "layer": layer.layer, "shape": shape, "planned": plan(name, stacked.node, stacked.role),
                              "precision": job.spec.precision if job else "fp32", "bits_per_weight": bits,
                              "weight_error": stats.get("weight_error", 0.0),

@@ -3,8 +3,8 @@ the weights that are more sensitive than their size suggests.
 
 Roles: ``embeddings``, ``lm_head``, ``router``, ``shared_expert``, ``routed_expert``, ``attention`` and ``mlp``
 (dense layers), as the exporter wrote them on each initializer (``dstc.role`` / ``dstc.layer``, from
-``GraphBuilder.role``); a graph that carries none (not exported by dstc) is read by the exporter's scope names
-(``role_of``, ``layer_of``).
+``GraphBuilder.role``): the one source. A weight without one (a graph exported by a dstc older than the roles, or
+not by dstc) is refused in one line, not guessed from its name: export the checkpoint again.
 
 Defaults, and why (numbers in benchmarks/compression.py):
 
@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from typing import get_args
 
 from toolchain.errors import InputError
+from toolchain.interface.graph import ROLE
 from toolchain.recipe import CompressSection
 
 
@@ -47,29 +48,6 @@ SCHEMES = _choices("scheme")
 SCHEME_PRECISION = {"int4-grouped": "int4", "int8-per-channel": "int8", "int8-per-head": "int8-per-head",
                     "shipped": "shipped"}
 ROLES = ("embeddings", "lm_head", "router", "shared_expert", "routed_expert", "attention", "mlp")
-
-_LAYER = re.compile(r"(?:^|/)layers\.(\d+)/")
-
-
-def role_of(weight_name: str) -> str:
-    if weight_name.startswith("embed_tokens"):
-        return "embeddings"
-    if weight_name.startswith("lm_head"):
-        return "lm_head"
-    if "/mlp/router/" in weight_name:
-        return "router"
-    if "/mlp/shared_experts/" in weight_name:
-        return "shared_expert"
-    if "/mlp/experts/" in weight_name:
-        return "routed_expert"
-    if "/self_attn/" in weight_name:
-        return "attention"
-    return "mlp"
-
-
-def layer_of(weight_name: str) -> int | None:
-    match = _LAYER.search(weight_name)
-    return int(match.group(1)) if match else None
 
 
 @dataclass(frozen=True)
@@ -106,11 +84,14 @@ class Policy:
     def ignored(self, weight_name: str, node_name: str) -> bool:
         return _matches(self.ignored_scope, weight_name, node_name)
 
-    def precision(self, weight_name: str, node_name: str = "", role: str | None = None) -> str:
+    def precision(self, weight_name: str, node_name: str, role: str | None) -> str:
+        """The precision of a weight; ``role``: what the exporter recorded on it (module doc)."""
+        if role is None:
+            raise InputError(f"weight {weight_name} has no {ROLE} (the role dstc's exporter records on each weight): "
+                             f"the graph comes from an older dstc or another exporter; export the checkpoint again")
         body = SCHEME_PRECISION[self.scheme]
         if self.ignored(weight_name, node_name):
             return "fp32"
-        role = role or role_of(weight_name)
         if _matches(self.int8_scope, weight_name, node_name):
             choice = "int8"
         else:

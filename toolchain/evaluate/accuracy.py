@@ -16,8 +16,8 @@ import torch
 
 from toolchain.evaluate.dataset import EvalData
 from toolchain.evaluate.reference_record import ReferenceRecord, answer_stops, first_scored, generate
-from toolchain.evaluate.settings import EvalSettings
 from toolchain.report.schema import Metric
+from toolchain.settings.evaluation import EvalSettings
 
 ROWS = 256  # positions whose log-softmax is computed at a time (a real vocabulary is 150k wide)
 PREFILL_CHUNK = 512

@@ -9,9 +9,9 @@ from pathlib import Path
 
 from toolchain.evaluate.reference import resolve_reference
 from toolchain.evaluate.run import evaluate_artifact
-from toolchain.evaluate.settings import EvalSettings
 from toolchain.report.schema import Report
 from toolchain.runtime.artifact import open_artifact
+from toolchain.settings.evaluation import EvalSettings
 
 
 def labels_for(reports: list[Report]) -> list[str]:

@@ -21,8 +21,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from toolchain.errors import InputError
-from toolchain.evaluate.settings import EvalSettings
 from toolchain.models import corpus
+from toolchain.settings.evaluation import EvalSettings
 
 GREEDY_PREFIX_MAX = 256  # tokens of a window that prompt its greedy continuation
 

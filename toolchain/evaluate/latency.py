@@ -12,7 +12,7 @@ measured, each a ``greedy_generate(..., ignore_stop=True)`` of exactly ``new_tok
 - ``peak_rss_mb``: the child's peak resident set (VmHWM on Linux, ru_maxrss elsewhere); ``rss_increase_mb``: that
   minus the peak after imports, i.e. what loading and running the model added.
 
-With ``speculate`` (toolchain/runtime/speculation_settings.py), each batch-1 case is then decoded again with
+With ``speculate`` (toolchain/settings/speculation.py), each batch-1 case is then decoded again with
 speculative decoding, as many runs, and its ``speculative`` entry has the same ``ttft_ms`` and ``tokens_per_s``
 (a verify step's tokens each count for the step's time), their ratio to plain decoding's, the acceptance per draft
 position over the measured runs, and ``greedy_match``: the share of the tokens up to the first that differs from
@@ -41,8 +41,8 @@ from toolchain.models.corpus import text_samples
 from toolchain.runtime.artifact import open_artifact
 from toolchain.runtime.decoder import open_decoder
 from toolchain.runtime.generate import greedy_generate
-from toolchain.runtime.speculation_settings import SpeculationSettings
 from toolchain.runtime.speculative import Acceptance, open_speculation
+from toolchain.settings.speculation import SpeculationSettings
 
 
 def measure_latency(artifact_path: Path | str, *, prompt_lengths: tuple[int, ...] = (32, 128, 512),

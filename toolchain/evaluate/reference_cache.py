@@ -16,9 +16,9 @@ from pathlib import Path
 from toolchain.cache import cache_dir
 from toolchain.evaluate.dataset import EvalData
 from toolchain.evaluate.reference_record import ReferenceRecord
-from toolchain.evaluate.settings import ARTIFACT_ONLY, TASK_SETTINGS, EvalSettings
 from toolchain.hashing import blake3_file, digest
 from toolchain.manifest import code_digest
+from toolchain.settings.evaluation import ARTIFACT_ONLY, TASK_SETTINGS, EvalSettings
 
 SCHEMA = "dstc.reference/1"
 

@@ -19,8 +19,8 @@ import numpy as np
 import torch
 
 from toolchain.evaluate.dataset import EvalData
-from toolchain.evaluate.settings import EvalSettings
 from toolchain.runtime.generate import greedy_generate
+from toolchain.settings.evaluation import EvalSettings
 
 
 def first_scored(sequence) -> int:

@@ -20,7 +20,6 @@ from toolchain.evaluate import tasks
 from toolchain.evaluate.dataset import load_data
 from toolchain.evaluate.latency import measure_latency
 from toolchain.evaluate.reference import resolve_reference
-from toolchain.evaluate.settings import EvalSettings
 from toolchain.hardware import describe_cpu
 from toolchain.hashing import self_digest
 from toolchain.interface.files import MANIFEST, REPORT_FILES
@@ -34,6 +33,7 @@ from toolchain.runtime.artifact import open_artifact
 from toolchain.runtime.decoder import open_decoder
 from toolchain.runtime.routing import router_outputs
 from toolchain.runtime.speculative import draft_artifact
+from toolchain.settings.evaluation import EvalSettings
 from toolchain.source_hashes import checkpoint_hashes
 
 if TYPE_CHECKING:
@@ -100,8 +100,8 @@ def require_layered_reference_memory(source, data=None) -> None:
     """Before the layer-by-layer reference runs: what it holds at most (toolchain/runtime/layered_reference.py
     memory_need, the data's hidden states up to a group) against the memory available, refused in one line."""
     # torch loads only where the reference runs: a cached reference's outputs need none
-    from toolchain.checkpoint.reference import reference_config
     from toolchain.evaluate.reference_record import GROUP_BYTES
+    from toolchain.export.reference import reference_config
     from toolchain.runtime.layered_reference import memory_need
 
     tokens = max((len(s.ids) for s in data.sequences), default=0) if data is not None else 0
@@ -117,7 +117,7 @@ def open_reference(source, threads: int | None, choice: dict):
     skeleton) the whole model in fp32 (toolchain/runtime/torch_reference.py; refused in one line where it does not
     fit)."""
     # torch loads only where the reference runs
-    from toolchain.checkpoint.reference import shared_decoder_layers
+    from toolchain.export.reference import shared_decoder_layers
     from toolchain.runtime.layered_reference import LayeredReference
     from toolchain.runtime.torch_reference import TorchDecoder
 
@@ -133,9 +133,9 @@ def reference_record(artifact, data, settings: EvalSettings, *, reference: str |
     from the reference cache, or computed by the layer-by-layer reference (released before it returns, so that it
     and the artifact are never in memory together). Returns it and what the report records of the reference."""
     # torch loads only where the reference runs: a cached reference's outputs need none
-    from toolchain.checkpoint.reference import shared_decoder_layers
     from toolchain.evaluate import reference_cache
     from toolchain.evaluate.reference_record import ReferenceRecord, compute_record
+    from toolchain.export.reference import shared_decoder_layers
 
     source, choice = resolve_reference(artifact.manifest, reference)
     key = reference_cache.reference_key(checkpoint_hashes(source.path), data, settings)

@@ -9,8 +9,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 from toolchain.errors import InputError
-from toolchain.evaluate.settings import EvalSettings
 from toolchain.report.schema import Metric
+from toolchain.settings.evaluation import EvalSettings
 
 
 def task_files(task_data: Path) -> dict[str, str]:

@@ -78,6 +78,13 @@ class Architecture(Protocol):
     reference_row_by_row: bool
     # whether dstc exports the checkpoint's multi-token-prediction layer (export.mtp; toolchain/export/mtp.py)
     exports_mtp: bool
+    # how the family's checkpoints ship on the hub, the layout toolchain/models/shape_faithful.py writes random ones
+    # in: "bf16" (bf16 or fp32 safetensors), "fp8" (DeepSeek-V3's e4m3 projections with 128 x 128 block scales,
+    # toolchain/checkpoint/fp8.py) or "v4" (toolchain/checkpoint/v4_layout.py, with multi-token-prediction blocks)
+    hub_layout: str
+    # an "fp8" family whose random checkpoints are bf16 unless the hub layout is asked for (--fp8): DeepSeek-V3,
+    # whose bf16 form (DeepSeek's fp8_cast_bf16) dstc read first
+    bf16_unless_asked: bool
 
     def check(self, config) -> None:
         """Raise UnsupportedModelError for a config variant the builder does not reproduce exactly."""

@@ -9,7 +9,8 @@ from toolchain.export.routers import BiasedTopK, GroupLimit
 
 class DeepseekV3Architecture(DeepseekArchitecture):
     model_types: tuple[str, ...] = ("deepseek_v3",)
-    exports_mtp = True  # one MTP layer after the decoder layers (toolchain/checkpoint/mtp.py)
+    exports_mtp = True  # one MTP layer after the decoder layers (toolchain/export/mtp_reference.py)
+    hub_layout = "fp8"
 
     def rope_interleaved(self, config) -> bool:
         return bool(config.rope_interleave)

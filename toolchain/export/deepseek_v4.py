@@ -62,6 +62,8 @@ class DeepseekV4Architecture:
     # test suite's tiny V4); its reference runs each row alone, with a cache of its own, as dstc's graph computes it
     reference_row_by_row = True
     exports_mtp = False  # its mtp.N blocks are skipped and said so (toolchain/checkpoint/v4_layout.py)
+    hub_layout = "v4"  # FP8 attention, FP4 routed experts (toolchain/checkpoint/v4_layout.py)
+    bf16_unless_asked = False
 
     def extra_caches(self, config) -> dict[str, tuple[int, int]]:
         """None recorded: each layer type caches its own tensors (cache_widths), and kv_cache "per-token" already

@@ -1,4 +1,5 @@
-"""DeepSeek's MTP layer (toolchain/checkpoint/mtp.py) as a graph of its own, from the checkpoint, beside the main one.
+"""DeepSeek's MTP layer (its PyTorch module: mtp_reference.py) as a graph of its own, from the checkpoint, beside the
+main one.
 
 Interface: the main graph's (toolchain/interface/graph.py) with one more input, ``hidden_states`` [B, S, H]: the
 main graph's final-normed hidden state at positions i (its ``hidden_states`` output, toolchain/export/decoder.py),
@@ -20,7 +21,6 @@ import json
 import onnx_ir as ir
 import torch
 
-from toolchain.checkpoint.mtp import OWN_EMBEDDING, OWN_HEAD, MtpModel, layer_prefix
 from toolchain.export import blocks
 from toolchain.export.decoder import (
     FLOAT,
@@ -32,6 +32,7 @@ from toolchain.export.decoder import (
     rotary_module,
 )
 from toolchain.export.graph import GraphBuilder, rename_output, tensor_input
+from toolchain.export.mtp_reference import OWN_EMBEDDING, OWN_HEAD, MtpModel, layer_prefix
 from toolchain.export.weights import HFModule, Params
 from toolchain.interface.graph import (
     ATTENTION_MASK,

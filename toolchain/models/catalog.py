@@ -8,7 +8,7 @@ import json
 import torch
 from transformers import AutoModelForCausalLM
 
-from toolchain.checkpoint.reference import reference_config as checkpoint_config
+from toolchain.export.reference import reference_config as checkpoint_config
 from toolchain.models.parameters import parameter_count
 from toolchain.models.registry import EMBEDDED, REFERENCE_ROOT, REFERENCES, embedded_path, reference_config
 from toolchain.models.shape_faithful import reference_to_config

@@ -1,5 +1,5 @@
-"""Training the embedded DeepSeek-V3 model's MTP layer (toolchain/checkpoint/mtp.py) with the main model frozen, and
-measuring how often it drafts the main model's own next-next token.
+"""Training the embedded DeepSeek-V3 model's MTP layer (toolchain/export/mtp_reference.py) with the main model
+frozen, and measuring how often it drafts the main model's own next-next token.
 
 The main model is trained first and is not touched here (no gradient, eval mode): its weights, figures and
 artifacts are what they were. The MTP layer learns token t+2 from the main model's final-normed hidden state at t
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from toolchain.checkpoint.mtp import MtpModel, hub_tensors
+from toolchain.export.mtp_reference import MtpModel, hub_tensors
 from toolchain.models import corpus
 from toolchain.models.train import TrainSettings, run_steps, seed_everything
 

@@ -1,9 +1,12 @@
-"""Random-weight checkpoints with a real model's widths and fewer layers (and experts), for export at real scale."""
+"""Random-weight checkpoints with a real model's widths and fewer layers (and experts), for export at real scale,
+and a bf16 DeepSeek-V3 checkpoint rewritten in its hub's FP8 layout (write_fp8_checkpoint), for tests."""
 
 from __future__ import annotations
 
 import json
+import math
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -13,15 +16,18 @@ from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig, Pre
 from toolchain.atomic import atomic_output_dir, check_writable_target
 from toolchain.checkpoint import v4_layout
 from toolchain.checkpoint.fp8 import (
+    BLOCK,
     QUANTIZATION_CONFIG,
+    Group,
     float32_in_hub_layout,
     plan_shards,
     quantize_fp8,
     quantized_in_hub_layout,
     write_shard,
 )
-from toolchain.checkpoint.reader import INDEX_FILE, SCALE_SUFFIX
+from toolchain.checkpoint.reader import EMBEDDING, FP8, INDEX_FILE, LM_HEAD, SCALE_SUFFIX, open_checkpoint
 from toolchain.errors import InputError
+from toolchain.export.architectures import ARCHITECTURES, architecture_for
 from toolchain.models.registry import embedded_path, reference_config
 
 # Generated in chunks of this many values, so filling a vocabulary-sized matrix needs no second full-size copy.
@@ -208,7 +214,7 @@ def make_shape_faithful(reference: str, out_dir: Path, num_layers: int = 4, num_
     """
     raw = reference_config(reference)
     model_type = raw.get("model_type")
-    if fp8 and model_type not in ("deepseek_v3", "deepseek_v32"):
+    if fp8 and architecture_for(model_type).hub_layout != "fp8":
         raise InputError(f"--fp8 writes DeepSeek-V3's hub layout; {reference} is {model_type}")
     config = reference_to_config(raw, num_layers, num_experts)
     scale_fmt = (raw.get("quantization_config") or {}).get("scale_fmt", "float")
@@ -217,11 +223,13 @@ def make_shape_faithful(reference: str, out_dir: Path, num_layers: int = 4, num_
 
 def write_random_checkpoint(config: PreTrainedConfig, out_dir: Path, seed: int = 0, fp8: bool = False,
                             scale_fmt: str = "float", mtp_layers: int = 0) -> Path:
-    """make_shape_faithful's checkpoint of any transformers ``config``: bf16, or (``fp8``) DeepSeek-V3's FP8 hub
-    layout with ``scale_fmt`` scales; DeepSeek-V3.2 always in that layout, DeepSeek-V4 always in its own."""
+    """make_shape_faithful's checkpoint of a supported architecture's transformers ``config``, in the layout its
+    architecture module names (Architecture.hub_layout): bf16, or (``fp8``) DeepSeek-V3's FP8 hub layout with
+    ``scale_fmt`` scales, which DeepSeek-V3.2 is always written in; DeepSeek-V4 always in its own."""
     model_type = config.model_type
-    fp8 = fp8 or model_type == "deepseek_v32"
-    if mtp_layers and model_type != "deepseek_v4":
+    arch = architecture_for(model_type)
+    fp8 = fp8 or (arch.hub_layout == "fp8" and not arch.bf16_unless_asked)
+    if mtp_layers and arch.hub_layout != "v4":
         raise InputError(f"multi-token-prediction blocks are written for DeepSeek-V4 only, not {model_type}")
     check_writable_target(out_dir)  # before drawing a model that may take minutes
     config.dtype = _DTYPE
@@ -231,7 +239,7 @@ def write_random_checkpoint(config: PreTrainedConfig, out_dir: Path, seed: int =
     # Written beside the target and renamed into place: an existing checkpoint there is replaced only if dstc
     # wrote it, and never left half-overwritten.
     with atomic_output_dir(Path(out_dir)) as tmp:
-        if model_type == "deepseek_v4":
+        if arch.hub_layout == "v4":
             _write_v4_shards(model, config, tmp, generator, mtp_layers)
             config.quantization_config = {**v4_layout.QUANTIZATION_CONFIG, "expert_dtype": "fp4"}
             config.num_nextn_predict_layers = mtp_layers
@@ -247,3 +255,66 @@ def write_random_checkpoint(config: PreTrainedConfig, out_dir: Path, seed: int =
         for file in ("tokenizer.json", "tokenizer_config.json"):
             shutil.copyfile(tokenizer_dir / file, tmp / file)
     return Path(out_dir)
+
+
+def write_fp8_checkpoint(src_dir: str | Path, dst_dir: str | Path, shard_bytes: int = 5 * 10**9,
+                         mtp_layers: int = 0, seed: int = 0) -> Path:
+    """Write the bf16/fp32 DeepSeek-V3 checkpoint ``src_dir`` to ``dst_dir`` in the hub's FP8 layout
+    (toolchain/checkpoint/fp8.py). MTP layers copy the last decoder layer's weights; their eh_proj is seeded
+    random."""
+    with open_checkpoint(src_dir) as reader:
+        config = dict(reader.config)
+        arch = ARCHITECTURES.get(config.get("model_type", ""))
+        if arch is None or arch.hub_layout != "fp8" or not arch.bf16_unless_asked:  # V3.2's own is not V3's
+            raise InputError(f"{src_dir}: the FP8 hub layout is DeepSeek-V3's, not {config.get('model_type')!r}")
+        groups = _groups(reader, config, mtp_layers, torch.Generator().manual_seed(seed))
+        shards = plan_shards(groups, shard_bytes)
+        config.update(quantization_config=QUANTIZATION_CONFIG, num_nextn_predict_layers=mtp_layers, dtype="bfloat16")
+        with atomic_output_dir(Path(dst_dir)) as tmp:
+            weight_map = {}
+            for i, shard in enumerate(shards):
+                file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+                write_shard(tmp / file, shard)
+                weight_map.update({name: file for group in shard for name, _, _ in group.specs})
+            index = {"metadata": {"total_size": sum(g.nbytes for g in groups)},
+                     "weight_map": dict(sorted(weight_map.items()))}
+            (tmp / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
+            (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+            for extra in Path(src_dir).iterdir():  # tokenizer and generation config
+                if extra.is_file() and not extra.name.startswith(".") and extra.suffix != ".safetensors" \
+                        and extra.name not in ("config.json", INDEX_FILE):
+                    shutil.copyfile(extra, tmp / extra.name)
+    return Path(dst_dir)
+
+
+def _groups(reader, config: dict, mtp_layers: int, generator: torch.Generator) -> list[Group]:
+    def stored(name: str, source: str | None = None) -> Group:
+        source = source or name
+        shape = reader.shape(source)
+        if quantized_in_hub_layout(name, shape):
+            grid = (math.ceil(shape[0] / BLOCK[0]), math.ceil(shape[1] / BLOCK[1]))
+            return Group([(name, FP8, shape), (name + SCALE_SUFFIX, torch.float32, grid)],
+                          lambda: list(quantize_fp8(reader.tensor(source))))
+        dtype = torch.float32 if float32_in_hub_layout(name) else torch.bfloat16
+        return Group([(name, dtype, shape)], lambda: [reader.tensor(source, dtype=dtype)])
+
+    def made(name: str, shape: tuple[int, ...], fill: Callable[[], torch.Tensor]) -> Group:
+        return Group([(name, torch.bfloat16, shape)], lambda: [fill().to(torch.bfloat16)])
+
+    groups = [stored(name) for name in reader.names() if not (reader.tied and name == LM_HEAD)]
+    layers, hidden = config["num_hidden_layers"], config["hidden_size"]
+    last = f"model.layers.{layers - 1}."
+    std = config.get("initializer_range", 0.02)
+    for index in range(layers, layers + mtp_layers):
+        prefix = f"model.layers.{index}."
+        groups += [stored(prefix + name[len(last):], name) for name in reader.names() if name.startswith(last)]
+        groups += [
+            stored(prefix + "embed_tokens.weight", EMBEDDING),
+            made(prefix + "enorm.weight", (hidden,), lambda: torch.ones(hidden)),
+            made(prefix + "hnorm.weight", (hidden,), lambda: torch.ones(hidden)),
+            made(prefix + "eh_proj.weight", (hidden, 2 * hidden),
+                 lambda: torch.randn(hidden, 2 * hidden, generator=generator) * std),
+            stored(prefix + "shared_head.norm.weight", "model.norm.weight"),
+            stored(prefix + "shared_head.head.weight", LM_HEAD),
+        ]
+    return groups

@@ -36,7 +36,6 @@ from toolchain.interface.graph import (
     cache_spec,
     present_of,
 )
-from toolchain.memory_guard import require_artifact_memory
 from toolchain.runtime import engines
 from toolchain.runtime.artifact import Artifact, load_error
 from toolchain.runtime.last_logits import (
@@ -44,6 +43,7 @@ from toolchain.runtime.last_logits import (
     onnx_with_logits_to_keep,
     openvino_with_logits_to_keep,
 )
+from toolchain.runtime.memory import require_artifact_memory
 
 
 class Decoder(Protocol):

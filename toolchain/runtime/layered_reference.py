@@ -1,5 +1,5 @@
 """The PyTorch reference in bounded memory: transformers' own decoder layers built one at a time from the checkpoint
-reader (toolchain/checkpoint/reference.py), run as the model's forward runs them.
+reader (toolchain/export/reference.py), run as the model's forward runs them.
 
 Whole-model fp32 (toolchain/runtime/torch_reference.py) is 28 GiB at R1-Distill-Qwen-7B's widths and 2.7 TB at
 DeepSeek-V3's. Here a layer's fp32 weights exist only while it runs, unless every layer together fits a small
@@ -34,9 +34,9 @@ import numpy as np
 import torch
 
 from toolchain import source as sources
-from toolchain.checkpoint import reference as ref
 from toolchain.checkpoint.reader import EMBEDDING, LM_HEAD, open_checkpoint
 from toolchain.errors import UnsupportedModelError
+from toolchain.export import reference as ref
 from toolchain.export.architectures import architecture_for
 from toolchain.hardware import available_memory_bytes
 from toolchain.runtime.decoder import positions

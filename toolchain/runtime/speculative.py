@@ -32,7 +32,7 @@ from toolchain.runtime.artifact import Artifact, open_artifact
 from toolchain.runtime.decoder import RewindableDecoder, open_decoder
 from toolchain.runtime.mtp_drafter import open_mtp_drafter
 from toolchain.runtime.sampling import Sampling, distribution, next_token
-from toolchain.runtime.speculation_settings import MTP, SpeculationSettings
+from toolchain.settings.speculation import MTP, SpeculationSettings
 
 
 class Drafter(Protocol):

@@ -16,8 +16,8 @@ import numpy as np
 import torch
 
 from toolchain import source as sources
-from toolchain.checkpoint.reference import cache_argument, is_moe, watch_expert_choice
 from toolchain.export.architectures import architecture_for
+from toolchain.export.reference import cache_argument, is_moe, watch_expert_choice
 from toolchain.runtime.decoder import positions
 
 _loaded: dict[str, object] = {}  # source path -> the loaded model (one at a time)

@@ -21,9 +21,9 @@ import time
 from collections.abc import Callable
 
 from toolchain.errors import InputError
-from toolchain.memory_guard import artifact_runtime_bytes, require_artifact_memory
 from toolchain.runtime.artifact import Artifact, open_artifact
 from toolchain.runtime.generate import prompt_ids
+from toolchain.runtime.memory import artifact_runtime_bytes, require_artifact_memory
 from toolchain.runtime.sampling import Sampling
 from toolchain.serve.api import ApiError, create_app
 from toolchain.serve.auth import check_exposure, is_loopback

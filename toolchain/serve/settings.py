@@ -9,7 +9,7 @@ from typing import Literal
 from pydantic import ConfigDict, Field
 from pydantic.config import JsonDict
 
-from toolchain.section import Section
+from toolchain.settings.section import Section
 
 SECONDS: JsonDict = {"metavar": "SECONDS"}  # the help's name for the value (toolchain/cli_options.py)
 

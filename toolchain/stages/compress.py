@@ -45,7 +45,7 @@ from toolchain.compress import (
     streaming as stream,
 )
 from toolchain.compress.layer_statistics import linear_statistics
-from toolchain.compress.policy import Policy, layer_of, role_of
+from toolchain.compress.policy import Policy
 from toolchain.compress.streaming import blocked_dq_to_nbits
 from toolchain.errors import InputError
 from toolchain.export.graph import float32_bytes, load_graph, save_graph
@@ -64,12 +64,16 @@ STREAMING_BYTES = 1 << 30
 OPENVINO_XML = "openvino_model.xml"
 
 
-def head_layout(model: ir.Model) -> dict[str, tuple[str, int]]:
+def head_layout(model: ir.Model, path: Path) -> dict[str, tuple[str, int]]:
     """projection -> ("out", head width) for projections whose output channels are heads, ("in", width) for the
     output projection, whose input rows are: what the exporter's architecture module wrote into the graph
-    (``dstc.head_layout``); {} for a graph without it (no per-head treatment)."""
-    layout = json.loads(model.metadata_props.get(HEAD_LAYOUT) or "{}")
-    return {projection: (side, int(width)) for projection, (side, width) in layout.items()}
+    (``dstc.head_layout``), the one source; a graph without it (an older dstc's, another exporter's) is refused,
+    its heads not guessed from names."""
+    recorded = model.metadata_props.get(HEAD_LAYOUT)
+    if recorded is None:
+        raise InputError(f"{path} has no {HEAD_LAYOUT} (the head layout dstc's exporter records): the graph comes "
+                         f"from an older dstc or another exporter; export the checkpoint again")
+    return {projection: (side, int(width)) for projection, (side, width) in json.loads(recorded).items()}
 
 
 def check_target(section: CompressSection, target: str) -> None:
@@ -91,8 +95,8 @@ def _weight_rows(weights, plan, restored, rows, layout) -> list[dict]:
         x = rows.get(w.name)
         if w.kind == "gather":  # rows of the table the calibration tokens read
             x = None
-        row = {"weight": w.name, "node": w.node, "role": w.role or role_of(w.name),
-               "layer": w.layer if w.role else layer_of(w.name),
+        row = {"weight": w.name, "node": w.node, "role": w.role,
+               "layer": w.layer,
                "shape": list(w.shape), "planned": plan[w.name], "precision": r.precision,
                "bits_per_weight": round(8 * r.nbytes / original.size, 4),
                "weight_error": metrics.relative_error(original, r.array),
@@ -144,7 +148,7 @@ def compress(in_dir: Path, out_dir: Path, section: CompressSection, *, target: s
 
     t0 = time.perf_counter()
     model = load_graph(in_dir / "model.onnx")
-    layout = head_layout(model)
+    layout = head_layout(model, in_dir / "model.onnx")
     opts = engine.Options(**section.model_dump(),
                           head_blocks={p: w for p, (side, w) in layout.items() if side == "out"})
     fused = fused_moe.fused_layers(model)  # experts of a fused MoE lowering, which NNCF does not see
@@ -361,8 +365,8 @@ def _compress_streaming(model, in_dir, out_dir, target, options, policy, report,
             spec = by_name.get(w.name)
             size = int(np.prod(w.shape))
             weight_rows.append({
-                "weight": w.name, "node": w.node, "role": w.role or role_of(w.name),
-                "layer": w.layer if w.role else layer_of(w.name),
+                "weight": w.name, "node": w.node, "role": w.role,
+                "layer": w.layer,
                 "shape": list(w.shape), "planned": plan[w.name],
                 # a weight left uncompressed keeps its storage: bf16 where the export stored it so
                 "precision": spec.precision if spec else {"bfloat16": "bf16"}.get(w.storage, "fp32"),

@@ -16,9 +16,7 @@ from pathlib import Path
 
 from toolchain import __version__, source as sources
 from toolchain.atomic import atomic_output_dir, check_writable_target
-from toolchain.checkpoint.mtp import exports_mtp, mtp_layer_indices
 from toolchain.checkpoint.reader import open_checkpoint
-from toolchain.checkpoint.reference import layer_too_large, reference_config, shared_decoder_layers
 from toolchain.errors import InputError, ParityError
 from toolchain.export import moe as moe_lowering
 from toolchain.export.architectures import ARCHITECTURES, architecture_for
@@ -27,6 +25,8 @@ from toolchain.export.deepseek import with_mla_cache
 from toolchain.export.graph import save_graph
 from toolchain.export.moe_layer import MoeArchitecture
 from toolchain.export.mtp import build_mtp_graph
+from toolchain.export.mtp_reference import exports_mtp, mtp_layer_indices
+from toolchain.export.reference import layer_too_large, reference_config, shared_decoder_layers
 from toolchain.export.weights import storage_for
 from toolchain.interface.files import MTP_DIR, ONNX_MODEL
 from toolchain.interface.graph import KV_CACHE, cache_bytes_per_token
@@ -178,7 +178,7 @@ def export(spec: str, out_dir: Path, *, parity: tuple[str, ...] | None = None, n
 
 
 def _mtp_layer(source) -> int:
-    """The checkpoint's first MTP layer (toolchain/checkpoint/mtp.py); an InputError for a model without one."""
+    """The checkpoint's first MTP layer (toolchain/export/mtp_reference.py); an InputError for a model without one."""
     model_type = source.config["model_type"]
     if not exports_mtp(model_type):
         supported = sorted(t for t, arch in ARCHITECTURES.items() if arch.exports_mtp)

@@ -5,7 +5,7 @@ The saved graph is cut into pieces by the exporter's scope names (toolchain/expo
 (embedding, RoPE tables, attention mask), ``layers.N/...`` for each layer and the epilogue (final norm, lm_head).
 Each piece is a small ONNX file beside model.onnx whose initializers still point into model.onnx.data, so a
 runtime reads that piece's weights only. The reference is built one layer at a time from the checkpoint reader
-(toolchain/checkpoint/reference.py), so the check holds one layer of each, whatever the model's size.
+(toolchain/export/reference.py), so the check holds one layer of each, whatever the model's size.
 
 Each case (the export's parity prompts) is a prefill of the prompt and then ``steps`` single-token steps through
 the KV cache. The tokens of those steps are fixed in advance (the prompt's own, cycled) rather than chosen
@@ -25,8 +25,8 @@ import numpy as np
 import onnx
 import torch
 
-from toolchain.checkpoint import reference as ref
 from toolchain.checkpoint.reader import EMBEDDING, open_checkpoint
+from toolchain.export import reference as ref
 from toolchain.interface.graph import PRESENT_PREFIX, cache_spec, onnx_inputs, present_of
 from toolchain.runtime.engines import GraphRunner
 from toolchain.runtime.generate import left_pad

@@ -1,4 +1,5 @@
-"""Parity of an exported MTP graph (toolchain/export/mtp.py) with its PyTorch reference (toolchain/checkpoint/mtp.py).
+"""Parity of an exported MTP graph (toolchain/export/mtp.py) with its PyTorch reference
+(toolchain/export/mtp_reference.py).
 
 On the export's parity prompts, the PyTorch main model decodes greedily; its final-normed hidden states over the
 whole sequence feed both the reference MTP layer and the graph, which run the same chunks through their own KV
@@ -16,8 +17,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from toolchain.checkpoint.mtp import MtpModel, load_mtp, mtp_layer_indices
 from toolchain.checkpoint.reader import open_checkpoint
+from toolchain.export.mtp_reference import MtpModel, load_mtp, mtp_layer_indices
 from toolchain.interface.graph import HIDDEN_STATES, MTP_HIDDEN, graph_cache_spec
 from toolchain.runtime.decoder import Decoder, StatelessDecoder, positions
 from toolchain.runtime.engines import GraphRunner

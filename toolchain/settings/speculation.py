@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pydantic import Field, field_validator
 
-from toolchain.section import Section
+from toolchain.settings.section import Section
 
 PROMPT_LOOKUP = "prompt-lookup"
 MTP = "mtp"

@@ -26,8 +26,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from toolchain.checkpoint.reference import cache_argument
 from toolchain.export.architectures import ARCHITECTURES
+from toolchain.export.reference import cache_argument
 
 EH_PROJ = "eh_proj.weight"
 OWN_EMBEDDING, OWN_HEAD = "embed_tokens.weight", "shared_head.head.weight"

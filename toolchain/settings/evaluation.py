@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pydantic import Field, PositiveInt, model_validator
 
-from toolchain.runtime.speculation_settings import SpeculationSettings
+from toolchain.settings.speculation import SpeculationSettings
 
 # Settings that change only the artifact's side of an evaluation (latency, the artifact's runtime): the
 # reference's outputs, and so its cache entry, do not depend on them.

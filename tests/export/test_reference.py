@@ -1,4 +1,4 @@
-"""toolchain.checkpoint.reference: the PyTorch reference run one decoder layer at a time gives the logits of the
+"""toolchain.export.reference: the PyTorch reference run one decoder layer at a time gives the logits of the
 whole model loaded by transformers' from_pretrained, for every architecture (MoE layers, V2's group-limited
 routing fix, tied embeddings) and for an FP8 hub-layout checkpoint with an MTP layer."""
 
@@ -11,12 +11,11 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from conftest import COMMON, make_checkpoint, tiny_configs
-from test_reader import wide_v3_config
-from toolchain.checkpoint import reference
+from conftest import COMMON, make_checkpoint, tiny_configs, wide_v3_config
 from toolchain.checkpoint.reader import open_checkpoint
-from toolchain.checkpoint.fp8 import write_fp8_checkpoint
+from toolchain.export import reference
 from toolchain.models.registry import EMBEDDED, embedded_path
+from toolchain.models.shape_faithful import write_fp8_checkpoint
 
 TOLERANCE = 1e-5
 
