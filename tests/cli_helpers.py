@@ -2,6 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
+import subprocess
+import sys
+
+import pytest
+
 import conftest
 
 
@@ -9,6 +16,25 @@ def run_cli(monkeypatch, capsys, *args) -> tuple[int, str]:
     """``dstc ARGS`` in this process: (exit code, stderr)."""
     code, _, err = conftest.run_cli(monkeypatch, capsys, *args)
     return code, err
+
+
+def dstc_here(*args, env: dict | None = None) -> subprocess.CompletedProcess:
+    """``dstc ARGS`` in this process with the environment ``env``, reported as ``subprocess.run`` reports a child:
+    for tests that check a command's exit code and outputs, not its process (a fresh one costs seconds of imports)."""
+    from toolchain.cli import main
+
+    argv = ["dstc", *map(str, args)]
+    out, err = io.StringIO(), io.StringIO()
+    with pytest.MonkeyPatch.context() as mp, contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        mp.setattr(sys, "argv", argv)
+        for key, value in (env or {}).items():
+            mp.setenv(key, value)
+        try:
+            main()
+            code = 0
+        except SystemExit as e:
+            code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    return subprocess.CompletedProcess(argv, code, out.getvalue(), err.getvalue())
 
 
 def assert_one_line_error(code, err, fragment):

@@ -160,6 +160,49 @@ def run_cli(monkeypatch, capsys, *args) -> tuple[int, str, str]:
     return exc.value.code, captured.out, captured.err
 
 
+# -- two processes (pytest-xdist, pyproject's addopts) -----------------------------------------------------------
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """--dist load (xdist's default), each batch of tests it sends a worker extended to the end of a test file: a
+    module's fixtures (artifacts built, servers started) are set up by one worker, not by both. --dist loadfile
+    groups the same way, but runs the test a worker died on again on the replacement worker, until the restarts
+    run out (pytest-xdist 3.8, pull request 1371); load scheduling fails that test once and goes on."""
+    if config.getvalue("dist") != "load":
+        return None
+    from xdist.scheduler import LoadScheduling
+
+    class WholeFiles(LoadScheduling):
+        def _send_tests(self, node, num):
+            def file(index):
+                return self.collection[index].split("::", 1)[0]
+
+            if 0 < num < len(self.pending):
+                last = file(self.pending[num - 1])
+                while num < len(self.pending) and file(self.pending[num]) == last:
+                    num += 1
+            super()._send_tests(node, num)
+
+    return WholeFiles(config, log)
+
+
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    import pytest_timeout
+    from _pytest.terminal import TerminalWriter
+
+    _timeout_timer = pytest_timeout.timeout_timer
+
+    def _timeout_timer_to_stderr(item, settings):
+        """pytest-timeout's stack dump on the run's stderr (a worker's stdout, where its terminal writer writes, is
+        /dev/null) before it ends the worker, which xdist reports as that test's failure and replaces."""
+        writer = TerminalWriter(sys.__stderr__)
+        item.config.get_terminal_writer = lambda: writer
+        _timeout_timer(item, settings)
+
+    pytest_timeout.timeout_timer = _timeout_timer_to_stderr
+
+
 # -- time limits and isolated tests ------------------------------------------------------------------------------
 
 SLOW_TIMEOUT = 2400  # seconds per slow-marked test; the fast ones get pyproject's ``timeout``
@@ -207,7 +250,8 @@ def _run_in_child(item, budget: float) -> None:
     with tempfile.TemporaryDirectory(prefix="dstc-child-") as tmp:
         reports_file = Path(tmp) / "reports.jsonl"
         # -m "" undoes addopts' -m 'not slow': the node id alone selects the test
-        command = [sys.executable, "-m", "pytest", item.nodeid, "-q", "-p", "no:cacheprovider", "-m", "",
+        # -n 0: one process, whatever addopts' -n says
+        command = [sys.executable, "-m", "pytest", item.nodeid, "-q", "-p", "no:cacheprovider", "-m", "", "-n", "0",
                    "--basetemp", str(Path(tmp) / "basetemp")]
         child = subprocess.Popen(command, cwd=item.config.rootpath, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                  text=True, env={**os.environ, CHILD_ENV: str(reports_file)})
@@ -244,11 +288,16 @@ def _tail(text: str, limit: int = 20000) -> str:
 
 @pytest.fixture(scope="session")
 def stage_cache(tmp_path_factory):
-    """A stage cache (DSTC_CACHE_DIR) shared by the session and its isolated tests' child processes, which then
-    assemble their artifacts from the stages already built instead of building them again."""
+    """A stage cache (DSTC_CACHE_DIR) shared by the session, its xdist workers and its isolated tests' child
+    processes, which then assemble their artifacts from the stages already built instead of building them again
+    (a worker building a stage another one is building waits for it: the cache locks an entry while it is built)."""
     if STAGE_CACHE_ENV in os.environ:
         return Path(os.environ[STAGE_CACHE_ENV])
-    path = tmp_path_factory.mktemp("stage-cache")
+    if os.environ.get("PYTEST_XDIST_WORKER"):  # the run's base directory, above each worker's own
+        path = tmp_path_factory.getbasetemp().parent / "stage-cache"
+        path.mkdir(exist_ok=True)
+    else:
+        path = tmp_path_factory.mktemp("stage-cache")
     os.environ[STAGE_CACHE_ENV] = str(path)  # inherited by the children
     return path
 

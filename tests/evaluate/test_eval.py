@@ -5,20 +5,18 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import onnx
 import pytest
 import yaml
+from cli_helpers import dstc_here as dstc
 from onnx import numpy_helper
 
 from toolchain.build import build
 from toolchain.report.schema import REPORT_FILES, load_report
 
-REPO = Path(__file__).resolve().parents[2]
 SMALL = ["--texts", "40", "--problems", "40", "--prompt-lengths", "16,32", "--batches", "1,2", "--new-tokens", "4",
          "--warmup", "0", "--repetitions", "2"]
 GATES = ["--max-ppl-increase", "0.05", "--min-top1", "0.95", "--max-em-drop", "5"]
@@ -28,9 +26,6 @@ LATENCY = ("load_time_s", "ttft_p50_ms", "ttft_p90_ms", "ttft_p99_ms", "itl_p50_
            "peak_rss_mb", "model_size_mb")
 
 
-def dstc(*args, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "toolchain", *map(str, args)], cwd=REPO, capture_output=True,
-                          text=True, timeout=600, env=env)
 
 
 def recipe(path: Path, **fields) -> Path:

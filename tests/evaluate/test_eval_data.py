@@ -6,14 +6,13 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 import yaml
+from cli_helpers import dstc_here as dstc
 
 from toolchain import source as sources
 from toolchain.build import build
@@ -29,13 +28,9 @@ from toolchain.runtime.generate import left_pad
 from toolchain.runtime.layered_reference import LayeredReference
 from toolchain.runtime.torch_reference import TorchDecoder
 
-REPO = Path(__file__).resolve().parents[2]
 QUICK = ["--no-latency", "--texts", "20", "--problems", "10", "--json"]
 
 
-def dstc(*args, env: dict) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "toolchain", *map(str, args)], cwd=REPO, capture_output=True,
-                          text=True, timeout=600, env=env)
 
 
 @pytest.fixture(scope="module")

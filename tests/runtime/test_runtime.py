@@ -410,7 +410,7 @@ def test_isolated_tests_fail_alone_on_a_crash_a_hang_or_an_assertion(tmp_path):
     (tmp_path / "test_isolated.py").write_text(ISOLATED + "\n\ndef test_after_them():\n    pass\n")
     session = subprocess.run([sys.executable, "-c", "import os, sys, pytest; os.environ['SESSION_PID'] = "
                               "str(os.getpid()); sys.exit(pytest.main(sys.argv[1:]))", "test_isolated.py",
-                              "-p", "no:cacheprovider", "--junitxml", "junit.xml"], cwd=tmp_path,
+                              "-p", "no:cacheprovider", "-n", "0", "--junitxml", "junit.xml"], cwd=tmp_path,
                              capture_output=True, text=True, timeout=600)
     assert session.returncode == 1, session.stdout
     cases = {case.get("name"): case for case in ET.parse(tmp_path / "junit.xml").iter("testcase")}
@@ -424,3 +424,35 @@ def test_isolated_tests_fail_alone_on_a_crash_a_hang_or_an_assertion(tmp_path):
     assert "timed out after 10 s" in message["test_hangs"]
     hang = cases["test_hangs"].find("failure").text
     assert "in test_hangs" in hang  # the child's stack when it was stopped
+
+
+HANGS_IN_A_WORKER = """
+import time
+import pytest
+
+@pytest.mark.timeout(5)
+def test_hangs():
+    time.sleep(600)
+
+def test_after_it():
+    pass
+"""
+
+
+def test_a_hang_in_an_xdist_worker_fails_that_test_once_with_its_stack(tmp_path):
+    """The suite's two xdist workers (pyproject's addopts): a test past its time limit ends its worker, with every
+    thread's stack on stderr; xdist fails that test, once (an error: it died outside setup, call and teardown),
+    and the run goes on in a new worker."""
+    repo = Path(__file__).resolve().parents[2]
+    shutil.copy(repo / "pyproject.toml", tmp_path)
+    shutil.copy(repo / "tests" / "conftest.py", tmp_path)
+    (tmp_path / "test_hang.py").write_text(HANGS_IN_A_WORKER)
+    (tmp_path / "test_other.py").write_text("def test_elsewhere():\n    pass\n")
+    session = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-n", "2", "--junitxml",
+                              "junit.xml"], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert session.returncode == 1, session.stdout + session.stderr
+    cases = [(case.get("name"), next((c.tag for c in case if c.tag in ("failure", "error")), "passed"))
+             for case in ET.parse(tmp_path / "junit.xml").iter("testcase")]
+    assert sorted(cases) == [("test_after_it", "passed"), ("test_elsewhere", "passed"), ("test_hangs", "error")]
+    assert "crashed while running 'test_hang.py::test_hangs'" in session.stdout
+    assert "Timeout" in session.stderr and "in test_hangs" in session.stderr  # the worker's stack when it stopped
