@@ -4,13 +4,15 @@ MLA's latent graph (DeepSeek-V3 and V2-Lite) and a per-head one (Qwen)."""
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import pytest
 
 from toolchain.runtime.batching import batched_decoder
 from toolchain.runtime.batching_openvino import StatefulBatch
 from toolchain.runtime.decoder import open_decoder
-from toolchain.runtime.generate import greedy_logits, left_pad
+from toolchain.runtime.generate import answer_record, greedy_logits, left_pad
 from toolchain.runtime.prefill_chunks import BUDGET_FLOOR, PrefillChunking
 from toolchain.runtime.routing import router_outputs
 from toolchain.verify.parity import PROMPTS
@@ -23,7 +25,7 @@ def test_chunks_cover_the_prompt_within_the_budget_and_shrink_as_the_cache_grows
     chunking = PrefillChunking(heads=128, budget_bytes=256 << 20)
     spans = chunking.spans(batch=1, past=0, new=16384)
     assert spans[0][0] == 0 and spans[-1][1] == 16384
-    assert all(a == b for (_, a), (b, _) in zip(spans, spans[1:]))  # contiguous
+    assert all(a == b for (_, a), (b, _) in itertools.pairwise(spans))  # contiguous
     sizes = [end - start for start, end in spans]
     assert all(4 * 128 * (end - start) * end <= 256 << 20 for start, end in spans)
     assert sizes[0] == 724 and sizes[-2] == 32  # 4·128·724·724 ≤ 256 MiB < 4·128·725·725; the last: what is left
@@ -98,3 +100,15 @@ def test_a_joining_batch_is_prefilled_in_chunks_to_the_same_tokens(artifact, bac
     (first, out), (chunked_first, chunked_out) = runs[False], runs[True]
     assert chunked_out == out
     np.testing.assert_allclose(chunked_first, first, atol=1e-5 * float(first.max() - first.min()))
+
+
+def test_generate_records_the_prefill_chunks_it_used(artifact):
+    """`dstc generate --json`'s record: the prefill's chunks and time to the first token, the same answer."""
+    art = artifact("deepseek-v3-tiny", "onnxruntime")
+    decoder = open_decoder(art, threads=2)
+    one = answer_record(art, decoder, PROMPTS[2] + " " + PROMPTS[0], max_new_tokens=6, chat=False)
+    decoder.chunking = small_chunks(decoder, [[0] * one["prompt_tokens"]])
+    chunked = answer_record(art, decoder, PROMPTS[2] + " " + PROMPTS[0], max_new_tokens=6, chat=False)
+    assert (one["prefill_chunks"], one["largest_prefill_chunk"]) == (1, one["prompt_tokens"])
+    assert chunked["prefill_chunks"] > 1 and chunked["largest_prefill_chunk"] < one["prompt_tokens"]
+    assert chunked["tokens"] == one["tokens"] and 0 < chunked["ttft_seconds"] <= chunked["seconds"]
