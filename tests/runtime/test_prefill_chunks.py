@@ -34,9 +34,9 @@ def test_chunks_cover_the_prompt_within_the_budget_and_shrink_as_the_cache_grows
     assert chunking.spans(batch=4, past=10**6, new=3) == [(0, 1), (1, 2), (2, 3)]  # never less than a position
 
 
-def test_the_budget_is_the_floor_or_an_eighth_of_the_weights():
+def test_the_budget_is_the_floor_or_a_sixteenth_of_the_weights():
     assert PrefillChunking.for_model({"num_attention_heads": 16}, 10**6) == PrefillChunking(16, BUDGET_FLOOR)
-    assert PrefillChunking.for_model({"num_attention_heads": 16}, 8 << 30).budget_bytes == 1 << 30
+    assert PrefillChunking.for_model({"num_attention_heads": 16}, 16 << 30).budget_bytes == 1 << 30
     assert PrefillChunking.for_model({}, 8 << 30) is None
 
 
