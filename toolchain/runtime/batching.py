@@ -53,6 +53,7 @@ from toolchain.runtime.artifact import Artifact
 from toolchain.runtime.decoder import ort_cache, positions
 from toolchain.runtime.engines import NUMERICS
 from toolchain.runtime.generate import left_pad
+from toolchain.runtime.prefill_chunks import prefill_spans
 
 LAYOUTS = ("batch", "gather")
 
@@ -135,6 +136,15 @@ class _OnnxRuntimeBatch(BatchedDecoder):
         # A runner that adds a logits_to_keep input to the graph (toolchain/runtime/last_logits.py) gets 1: only the
         # last position's logits are read, so a prefill computes the lm_head for one position, not the whole prompt.
         self._keep_last = any(i.name == "logits_to_keep" for i in self.session.get_inputs())
+        self._chunking = decoder.chunking
+
+    def _prefill(self, ids: np.ndarray, mask: np.ndarray) -> tuple[np.ndarray, dict]:
+        """_run's logits and presents of joining sequences from an empty cache, fed in the decoder's prefill chunks
+        (toolchain/runtime/prefill_chunks.py)."""
+        present = self._empty(len(ids))
+        for start, end in prefill_spans(self._chunking, len(ids), ids.shape[1]):
+            logits, present = self._run(ids[:, start:end], mask[:, :end], present)
+        return logits, present
 
     def _run(self, ids: np.ndarray, mask: np.ndarray, past: dict) -> tuple[np.ndarray, dict]:
         """Logits [B, S or 1, vocab] (numpy; the last position is what callers read) and the presents as OrtValues
@@ -196,7 +206,7 @@ class PersistentBatch(_OnnxRuntimeBatch):
         self._check_join(prompts)
         keys = list(prompts)
         ids, mask = left_pad([list(prompts[k]) for k in keys], self.pad_id)
-        logits, present = self._run(ids, mask, self._empty(len(keys)))
+        logits, present = self._prefill(ids, mask)
         if not self.keys:
             self._rows, self._mask, self._cache, self._held = keys, mask, present, []
         else:
@@ -270,7 +280,7 @@ class GatheredBatch(_OnnxRuntimeBatch):
         self._check_join(prompts)
         keys = list(prompts)
         ids, mask = left_pad([list(prompts[k]) for k in keys], self.pad_id)
-        logits, present = self._run(ids, mask, self._empty(len(keys)))
+        logits, present = self._prefill(ids, mask)
         self._split(keys, [len(prompts[k]) for k in keys], present)
         return {key: logits[row, -1] for row, key in enumerate(keys)}
 

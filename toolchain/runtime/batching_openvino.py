@@ -30,6 +30,7 @@ from toolchain.runtime.batching import BatchedDecoder, stack_left_padded
 from toolchain.runtime.decoder import positions
 from toolchain.runtime.generate import left_pad
 from toolchain.runtime.last_logits import INPUT as LOGITS_TO_KEEP
+from toolchain.runtime.prefill_chunks import prefill_spans
 
 
 def pageable(xml: Path) -> bool:
@@ -50,6 +51,7 @@ class StatefulBatch(BatchedDecoder):
         super().__init__(pad_id)
         self._request = decoder.request
         self._side = decoder.compiled.create_infer_request()  # prefills of joining sequences
+        self._chunking = decoder.chunking
         self._rows: list[Hashable | None] = []  # None: left, dropped at the next step
         self._mask = np.zeros((0, 0), np.int64)
 
@@ -69,14 +71,20 @@ class StatefulBatch(BatchedDecoder):
         keys = list(prompts)
         ids, mask = left_pad([list(prompts[k]) for k in keys], self.pad_id)
         if not self.keys:
-            self._request.reset_state()
-            logits = _run(self._request, ids, mask, np.arange(len(keys), dtype=np.int32))
+            logits = self._prefill(self._request, ids, mask)
             self._rows, self._mask = keys, mask
         else:
-            self._side.reset_state()
-            logits = _run(self._side, ids, mask, np.arange(len(keys), dtype=np.int32))
+            logits = self._prefill(self._side, ids, mask)
             self._merge(keys, mask)
         return {key: logits[row] for row, key in enumerate(keys)}
+
+    def _prefill(self, request, ids: np.ndarray, mask: np.ndarray) -> np.ndarray:
+        """The last positions' logits of joining sequences prefilled from an empty cache on ``request``, in the
+        decoder's prefill chunks (toolchain/runtime/prefill_chunks.py)."""
+        request.reset_state()
+        for start, end in prefill_spans(self._chunking, len(ids), ids.shape[1]):
+            logits = _run(request, ids[:, start:end], mask[:, :end], np.arange(len(ids), dtype=np.int32))
+        return logits
 
     def _merge(self, keys: list[Hashable], mask: np.ndarray) -> None:
         """The live rows' cache, then the side request's, left-padded to one width with the columns only padding

@@ -10,7 +10,9 @@ cumsum - 1, clipped at 0), so a left-padded batch decodes as the padding were no
 * :class:`StatelessDecoder`: any graph with past_key_values.* inputs and present.* outputs, run by a GraphRunner,
   the cache kept as arrays (export parity, compile verification).
 
-The three also ``truncate(keep)`` their cache to its first positions (a speculative step's rejected drafts).
+The three also ``truncate(keep)`` their cache to its first positions (a speculative step's rejected drafts), and
+feed a prompt longer than their ``chunking`` allows in query chunks through the cache
+(toolchain/runtime/prefill_chunks.py: MLA's latent graph would otherwise hold a score tensor quadratic in it).
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ from toolchain.runtime.last_logits import (
     openvino_with_logits_to_keep,
 )
 from toolchain.runtime.memory import require_artifact_memory
+from toolchain.runtime.prefill_chunks import ChunkedForward, PrefillChunking
 
 
 class Decoder(Protocol):
@@ -98,12 +101,14 @@ def ort_cache(session) -> dict[str, tuple[int, int, type[np.floating]]]:
             for name, (heads, dim) in cache_spec((i.name, i.shape) for i in inputs).items()}
 
 
-class OnnxRuntimeDecoder:
+class OnnxRuntimeDecoder(ChunkedForward):
     backend = "onnxruntime"
 
-    def __init__(self, path: Path, threads: int | None, extra_outputs: Sequence[str]) -> None:
+    def __init__(self, path: Path, threads: int | None, extra_outputs: Sequence[str],
+                 chunking: PrefillChunking | None = None) -> None:
         import onnx
 
+        self.chunking = chunking
         started = time.perf_counter()
         # The graph goes as bytes (with logits_to_keep, and any extra outputs): it finds its external weights in
         # its directory.
@@ -141,8 +146,8 @@ class OnnxRuntimeDecoder:
         self.cache = {name: OrtValue.ortvalue_from_numpy(trimmed(value.numpy(), keep))
                       for name, value in self.cache.items()}
 
-    def forward(self, input_ids: np.ndarray, attention_mask: np.ndarray, logits_to_keep: int = 0,
-                inputs: dict[str, np.ndarray] | None = None) -> np.ndarray:
+    def _forward(self, input_ids: np.ndarray, attention_mask: np.ndarray, logits_to_keep: int,
+                 inputs: dict[str, np.ndarray] | None) -> np.ndarray:
         ids = np.ascontiguousarray(input_ids, np.int64)
         mask = np.ascontiguousarray(attention_mask, np.int64)
         binding = self._binding
@@ -174,12 +179,14 @@ class OnnxRuntimeDecoder:
                 for name, (heads, dim, dtype) in self._past.items()}
 
 
-class OpenVINODecoder:
+class OpenVINODecoder(ChunkedForward):
     backend = "openvino"
 
-    def __init__(self, path: Path, threads: int | None, extra_outputs: Sequence[str], numerics: str) -> None:
+    def __init__(self, path: Path, threads: int | None, extra_outputs: Sequence[str], numerics: str,
+                 chunking: PrefillChunking | None = None) -> None:
         import openvino as ov
 
+        self.chunking = chunking
         started = time.perf_counter()
         model = engines.openvino_read(path)
         if extra_outputs:
@@ -223,8 +230,8 @@ class OpenVINODecoder:
         for state in self.request.query_state():
             state.state = ov.Tensor(trimmed(np.asarray(state.state.data), keep))
 
-    def forward(self, input_ids: np.ndarray, attention_mask: np.ndarray, logits_to_keep: int = 0,
-                inputs: dict[str, np.ndarray] | None = None) -> np.ndarray:
+    def _forward(self, input_ids: np.ndarray, attention_mask: np.ndarray, logits_to_keep: int,
+                 inputs: dict[str, np.ndarray] | None) -> np.ndarray:
         ids = np.ascontiguousarray(input_ids, np.int64)
         mask = np.ascontiguousarray(attention_mask, np.int64)
         result = self.request.infer({**{name: np.ascontiguousarray(value) for name, value in (inputs or {}).items()},
@@ -292,17 +299,19 @@ def open_decoder(artifact: Artifact, *, threads: int | None = None, extra_output
                  openvino_f32: bool = False) -> RewindableDecoder:
     """A Decoder on the artifact's backend; ``threads`` None takes every CPU (ORT) or the plugin's choice
     (OpenVINO). ``extra_outputs``: graph values to return in ``extras`` after each forward. ``openvino_f32``:
-    f32 compute and KV cache instead of the CPU plugin's deployment defaults (ONNX Runtime is fp32 already).
+    f32 compute and KV cache instead of the CPU plugin's deployment defaults (ONNX Runtime is fp32 already). A long
+    prompt is prefilled in chunks (PrefillChunking.for_model).
     InputError when the artifact would not fit in the memory available (toolchain/memory_guard.py) or its runtime
     cannot load it."""
     if threads is not None and threads < 1:
         raise InputError(f"threads must be at least 1, not {threads}")
     require_artifact_memory(artifact)
+    chunking = PrefillChunking.for_model(artifact.config, artifact.size_bytes)
     try:
         if artifact.backend == "openvino":
             return OpenVINODecoder(artifact.path / MODEL_XML, threads, tuple(extra_outputs),
-                                   "exact" if openvino_f32 else "deployment")
-        return OnnxRuntimeDecoder(artifact.path / ONNX_MODEL, threads, tuple(extra_outputs))
+                                   "exact" if openvino_f32 else "deployment", chunking)
+        return OnnxRuntimeDecoder(artifact.path / ONNX_MODEL, threads, tuple(extra_outputs), chunking)
     except Exception as e:
         error = load_error(artifact, e)
         if error is None:
@@ -310,7 +319,7 @@ def open_decoder(artifact: Artifact, *, threads: int | None = None, extra_output
         raise error from None
 
 
-class StatelessDecoder:
+class StatelessDecoder(ChunkedForward):
     """A graph with past_key_values.* inputs and present.* outputs behind the Decoder calls: the cache is the last
     call's present.* arrays, fed back as the next call's past."""
 
@@ -318,8 +327,9 @@ class StatelessDecoder:
     runtime_config: dict = {}  # noqa: RUF012 - a default every instance shares and none mutates
 
     def __init__(self, runner: engines.GraphRunner, past_specs: dict[str, tuple[int, int]],
-                 extra_outputs: Sequence[str] = ()) -> None:
+                 extra_outputs: Sequence[str] = (), chunking: PrefillChunking | None = None) -> None:
         self.backend = runner.backend
+        self.chunking = chunking
         self._run, self._past_specs = runner, past_specs  # past_key_values.* -> (heads, head dim)
         self._extra = tuple(extra_outputs)  # graph outputs returned in extras
         self.extras: dict[str, np.ndarray] = {}
@@ -331,8 +341,8 @@ class StatelessDecoder:
     def rollback(self, keep: int) -> None:
         self._past = {name: trimmed(value, keep) for name, value in self._past.items()}
 
-    def forward(self, input_ids: np.ndarray, attention_mask: np.ndarray, logits_to_keep: int = 0,
-                inputs: dict[str, np.ndarray] | None = None) -> np.ndarray:
+    def _forward(self, input_ids: np.ndarray, attention_mask: np.ndarray, logits_to_keep: int,
+                 inputs: dict[str, np.ndarray] | None) -> np.ndarray:
         del logits_to_keep  # a stateless graph (a check's) computes every position; the caller reads the last
         feeds = {**(inputs or {}), INPUT_IDS: np.ascontiguousarray(input_ids, np.int64),
                  ATTENTION_MASK: np.ascontiguousarray(attention_mask, np.int64),

@@ -168,15 +168,20 @@ def stream_text(artifact: Artifact, decoder: Decoder, prompt: str, *, max_new_to
 
 def answer_record(artifact: Artifact, decoder: Decoder, prompt: str, *, max_new_tokens: int, chat: bool,
                   speculation: Speculation | None = None) -> dict:
-    """The greedy answer as JSON: its tokens and text, the decoding's wall time and rate (prefill included), and
-    with ``speculation`` its acceptance per draft position."""
+    """The greedy answer as JSON: its tokens and text, the decoding's wall time and rate (prefill included), the
+    prefill's time to the first token and its query chunks (toolchain/runtime/prefill_chunks.py), and with
+    ``speculation`` its acceptance per draft position."""
     ids = prompt_ids(artifact, prompt, chat=chat)
     artifact.check_length(len(ids), max_new_tokens)
     started = time.perf_counter()
-    tokens = [t for step in answer_tokens(artifact, decoder, ids, max_new_tokens=max_new_tokens,
-                                          speculation=speculation) for t in step]
+    steps = answer_tokens(artifact, decoder, ids, max_new_tokens=max_new_tokens, speculation=speculation)
+    tokens = list(next(steps, []))
+    ttft = time.perf_counter() - started
+    chunks = list(getattr(decoder, "chunks", [len(ids)]))  # the prefill's, before a decode step replaces them
+    tokens += [t for step in steps for t in step]
     seconds = time.perf_counter() - started
     return {"prompt_tokens": len(ids), "new_tokens": len(tokens), "tokens": tokens,
             "text": artifact.tokenizer().decode(tokens), "seconds": round(seconds, 6),
+            "ttft_seconds": round(ttft, 6), "prefill_chunks": len(chunks), "largest_prefill_chunk": max(chunks),
             "tokens_per_second": round(len(tokens) / seconds, 3) if seconds else None,
             "speculation": speculation.summary() if speculation is not None else None}

@@ -22,6 +22,7 @@ from toolchain.interface.graph import HIDDEN_STATES, MTP_HIDDEN, graph_cache_spe
 from toolchain.runtime.artifact import Artifact
 from toolchain.runtime.decoder import OnnxRuntimeDecoder, StatelessDecoder
 from toolchain.runtime.engines import GraphRunner
+from toolchain.runtime.prefill_chunks import PrefillChunking
 
 
 class CacheDecoder(Protocol):
@@ -89,13 +90,15 @@ class MtpDrafter:
 def open_mtp_drafter(artifact: Artifact, *, threads: int | None = None, openvino_f32: bool = False) -> MtpDrafter:
     """The drafter over an artifact's mtp/ graph (built with the recipe's ``export.mtp``), on its backend."""
     directory = artifact.path / MTP_DIR
+    # its first propose runs the layer over the whole prompt: chunked as the main model's prefill
+    chunking = PrefillChunking.for_model(artifact.config, artifact.size_bytes)
     if artifact.backend == "openvino":
         if not (directory / MODEL_XML).is_file():
             raise InputError(f"{artifact.path} has no MTP layer ({MTP_DIR}/{MODEL_XML}); build it with export.mtp")
         # a stateless IR (toolchain/stages/compile.py _compile_mtp says why): the cache is kept here as arrays
         runner = GraphRunner(directory / MODEL_XML, "openvino", numerics="exact" if openvino_f32 else "deployment",
                              threads=threads)
-        return MtpDrafter(StatelessDecoder(runner, graph_cache_spec(directory / MODEL_XML), (MTP_HIDDEN,)))
+        return MtpDrafter(StatelessDecoder(runner, graph_cache_spec(directory / MODEL_XML), (MTP_HIDDEN,), chunking))
     if not (directory / ONNX_MODEL).is_file():
         raise InputError(f"{artifact.path} has no MTP layer ({MTP_DIR}/{ONNX_MODEL}); build it with export.mtp")
-    return MtpDrafter(OnnxRuntimeDecoder(directory / ONNX_MODEL, threads, (MTP_HIDDEN,)))
+    return MtpDrafter(OnnxRuntimeDecoder(directory / ONNX_MODEL, threads, (MTP_HIDDEN,), chunking))
