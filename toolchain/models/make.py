@@ -62,6 +62,17 @@ def _set_correction_bias(model: torch.nn.Module, seed: int) -> None:
             bias.copy_((torch.rand(bias.shape, generator=generator) - 0.5) * 0.2)
 
 
+def _set_hash_routes(model: torch.nn.Module, n_experts: int, seed: int) -> None:
+    """A fixed random token -> experts table for V4's hash-routed layers (tid2eid, a buffer transformers initialises
+    to zeros, every token to expert 0): distinct experts per token, a different table in each layer, as shipped."""
+    generator = torch.Generator().manual_seed(seed)
+    for module in model.modules():
+        table = getattr(module, "tid2eid", None)
+        if table is not None:
+            order = torch.rand(table.shape[0], n_experts, generator=generator).argsort(dim=-1)
+            table.copy_(order[:, :table.shape[1]])
+
+
 def make_model(name: str, path: Path, tokenizer) -> dict:
     settings = SETTINGS[name]
     rows, size = training_rows(tokenizer, settings)
@@ -70,6 +81,7 @@ def make_model(name: str, path: Path, tokenizer) -> dict:
     model = AutoModelForCausalLM.from_config(config)
     with torch.no_grad():
         _set_correction_bias(model, settings.seed)
+        _set_hash_routes(model, getattr(config, "n_routed_experts", 0), settings.seed)
     start = time.perf_counter()
     losses = train(model, rows, tokenizer.pad_token_id, settings)
     wall = time.perf_counter() - start

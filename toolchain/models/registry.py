@@ -14,6 +14,8 @@ REFERENCE_ROOT = PACKAGE_DIR / "reference_configs"
 # name -> the real model family it stands for (its config's model_type).
 EMBEDDED = {
     "deepseek-v3-tiny": "deepseek_v3",
+    "deepseek-v32-tiny": "deepseek_v32",
+    "deepseek-v4-tiny": "deepseek_v4",
     "deepseek-v2-lite-tiny": "deepseek_v2",
     "r1-distill-qwen-tiny": "qwen2",
     "r1-distill-llama-tiny": "llama",
