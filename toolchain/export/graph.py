@@ -195,6 +195,8 @@ def _save(model: ir.Model, path: Path, **options) -> None:
     onnx-ir's wrappers of it."""
     try:
         ir.save(model, path, **options)
+        if options.get("external_data"):
+            _restore_tensor_metadata(model, path)
     except ir.serde.SerdeError as e:
         cause = e.__cause__
         while cause is not None and not isinstance(cause, DstcError):
@@ -202,3 +204,20 @@ def _save(model: ir.Model, path: Path, **options) -> None:
         if cause is None:
             raise
         raise cause from None
+
+
+def _restore_tensor_metadata(model: ir.Model, path: Path) -> None:
+    """onnx-ir 1.1 writes a tensor it moves to external data without its metadata_props (its ExternalTensor is
+    made from the location alone), and the exporter's dstc.role / dstc.layer are what compression reads: they are
+    written into the saved graph file (the weights' file is untouched)."""
+    proto = onnx.load(str(path), load_external_data=False)
+    changed = False
+    for tensor in proto.graph.initializer:
+        value = model.graph.initializers.get(tensor.name)
+        props = value.const_value.metadata_props if value is not None and value.const_value is not None else {}
+        if props and not len(tensor.metadata_props):
+            for key, text in props.items():
+                tensor.metadata_props.add(key=key, value=text)
+            changed = True
+    if changed:
+        onnx.save(proto, str(path))
