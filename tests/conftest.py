@@ -314,8 +314,8 @@ def cache(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def artifact(tmp_path_factory, stage_cache):
-    """artifact(model, backend): an fp32 build of an embedded model (or a checkpoint directory), built on first
-    use."""
+    """artifact(model, backend[, sections]): an fp32 build of an embedded model (or a checkpoint directory), built on
+    first use; ``sections``: recipe sections in place of the default compile section (e.g. compress and compile)."""
     import yaml
 
     from toolchain.build import build
@@ -324,16 +324,17 @@ def artifact(tmp_path_factory, stage_cache):
     root = tmp_path_factory.mktemp("runtime")
     built = {}
 
-    def get(model: str, backend: str):
-        if (model, backend) not in built:
-            name = Path(model).name
-            recipe = root / f"{name}-{backend}.yaml"
+    def get(model: str, backend: str, sections: dict | None = None):
+        key = (model, backend, yaml.safe_dump(sections))
+        if key not in built:
+            name = f"{Path(model).name}-{backend}-{len(built)}"
+            recipe = root / f"{name}.yaml"
             recipe.write_text(yaml.safe_dump({"name": "t", "model": str(model), "export": {"parity": []},
-                                              "compile": {"backend": backend, "verify": False}}))
+                                              **(sections or {"compile": {"backend": backend, "verify": False}})}))
             with pytest.MonkeyPatch.context() as mp:
                 mp.setenv("DSTC_CACHE_DIR", str(stage_cache))
-                build(recipe, root / f"{name}-{backend}")
-            built[model, backend] = open_artifact(root / f"{name}-{backend}")
-        return built[model, backend]
+                build(recipe, root / name)
+            built[key] = open_artifact(root / name)
+        return built[key]
 
     return get

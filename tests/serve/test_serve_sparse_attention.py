@@ -9,12 +9,9 @@ import threading
 
 import httpx
 import pytest
-import yaml
 from serve_helpers import Server
 
-from toolchain.build import build
 from toolchain.models.corpus import task_examples
-from toolchain.runtime.artifact import open_artifact
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -28,26 +25,6 @@ BACKENDS = {
 }
 
 
-@pytest.fixture(scope="module")
-def artifact_of(tmp_path_factory, stage_cache):
-    root = tmp_path_factory.mktemp("serve-sparse")
-    built = {}
-
-    def get(model: str, backend: str):
-        if (model, backend) not in built:
-            stages, _ = BACKENDS[backend]
-            recipe = root / f"{model}-{backend}.yaml"
-            recipe.write_text(yaml.safe_dump({"name": f"{model}-{backend}", "model": model,
-                                              "export": {"parity": []}, **stages}))
-            with pytest.MonkeyPatch.context() as mp:
-                mp.setenv("DSTC_CACHE_DIR", str(stage_cache))
-                build(recipe, root / f"{model}-{backend}")
-            built[model, backend] = open_artifact(root / f"{model}-{backend}")
-        return built[model, backend]
-
-    return get
-
-
 def _completion(server: Server, prompt: str) -> tuple[int, str]:
     response = httpx.post(server.base + "/v1/completions", timeout=60, json={
         "model": server.name, "prompt": prompt, "max_tokens": 8, "temperature": 0})
@@ -56,8 +33,8 @@ def _completion(server: Server, prompt: str) -> tuple[int, str]:
 
 @pytest.mark.parametrize("backend", list(BACKENDS))
 @pytest.mark.parametrize("model", MODELS)
-def test_chat_streamed_chat_and_four_concurrent_requests_as_alone(artifact_of, model, backend):
-    art = artifact_of(model, backend)
+def test_chat_streamed_chat_and_four_concurrent_requests_as_alone(artifact, model, backend):
+    art = artifact(model, backend, BACKENDS[backend][0])
     server = Server(art, *BACKENDS[backend][1])
     try:
         messages = [{"role": "user", "content": "321+654="}]

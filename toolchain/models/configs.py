@@ -43,14 +43,15 @@ def _yarn(mscale: float) -> dict:
             "beta_fast": 32.0, "beta_slow": 1.0, "mscale": mscale, "mscale_all_dim": mscale}
 
 
+# V3-tiny's layers and MoE, which V3.2-tiny shares
+_V3_BODY = dict(intermediate_size=256, moe_intermediate_size=64, num_hidden_layers=3, first_k_dense_replace=1,
+                num_attention_heads=4, num_key_value_heads=4, q_lora_rank=64, n_shared_experts=1, n_routed_experts=16,
+                num_experts_per_tok=4, n_group=4, topk_group=2, norm_topk_prob=True, routed_scaling_factor=2.5)
+
+
 def deepseek_v3_tiny() -> DeepseekV3Config:
     return _config(
-        DeepseekV3Config, **_COMMON, **_MLA,
-        intermediate_size=256, moe_intermediate_size=64,
-        num_hidden_layers=3, first_k_dense_replace=1,
-        num_attention_heads=4, num_key_value_heads=4, q_lora_rank=64,
-        n_shared_experts=1, n_routed_experts=16, num_experts_per_tok=4, n_group=4, topk_group=2,
-        norm_topk_prob=True, routed_scaling_factor=2.5, rope_interleave=True,
+        DeepseekV3Config, **_COMMON, **_MLA, **_V3_BODY, rope_interleave=True,
         rope_parameters=_yarn(1.0),
     )
 
@@ -64,12 +65,7 @@ def deepseek_v32_tiny() -> DeepseekV32Config:
     weighted sum of ReLUs, exactly 0 when every head's is, and with 4 heads many keys tied at 0 at the top-k
     boundary, which torch.topk and ONNX TopK break differently (export parity 0.36 of the logits' range)."""
     return _config(
-        DeepseekV32Config, **_COMMON, **_MLA,
-        intermediate_size=256, moe_intermediate_size=64,
-        num_hidden_layers=3, first_k_dense_replace=1,
-        num_attention_heads=4, num_key_value_heads=4, q_lora_rank=64,
-        n_shared_experts=1, n_routed_experts=16, num_experts_per_tok=4, n_group=4, topk_group=2,
-        norm_topk_prob=True, routed_scaling_factor=2.5,
+        DeepseekV32Config, **_COMMON, **_MLA, **_V3_BODY,
         index_n_heads=16, index_head_dim=32, index_topk=16,
         rope_parameters=_yarn(1.0),
     )
