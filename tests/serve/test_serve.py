@@ -503,3 +503,33 @@ def test_sampling_follows_the_seed(servers, backend):
     seeded = [client.completions.create(seed=11, **kw).choices[0].text for _ in range(2)]
     unseeded = {client.completions.create(**kw).choices[0].text for _ in range(4)}
     assert seeded[0] == seeded[1] and len(unseeded) > 1
+
+
+def test_openvino_runtime_cache_reaches_the_cpu_plugin_and_is_refused_on_onnxruntime(artifacts, monkeypatch):
+    """--openvino-runtime-cache reaches the CPU plugin of the engine that batches a latent artifact (dstc's runner;
+    the plugin checks the property when it compiles, and does not report it back), and an ONNX Runtime artifact
+    refuses it in one line before any engine starts."""
+    from toolchain.runtime import engines
+    from toolchain.serve.engine_process import make_backend
+    from toolchain.serve.server import Service
+    from toolchain.serve.settings import ServeSettings
+
+    given = []
+    compile_model = engines.openvino_compile
+
+    def spy(model, numerics="exact", **kwargs):
+        given.append(dict(kwargs.get("config") or {}))
+        return compile_model(model, numerics, **kwargs)
+
+    monkeypatch.setattr(engines, "openvino_compile", spy)
+    options = {"threads": 1, "max_batch": 2, "max_context": 64, "prefix_caching": True, "f32": False}
+    ids, logits = np.arange(3, 8)[None], []
+    for entries in (None, 7):
+        backend = make_backend("openvino", str(artifacts["openvino-latent"].path),
+                               {**options, "runtime_cache": entries})
+        backend.load()
+        logits.append(backend.decoder.forward(ids, np.ones_like(ids))[0, -1])
+    np.testing.assert_array_equal(logits[0], logits[1])  # a bounded kernel cache changes no result
+    assert [g.get("CPU_RUNTIME_CACHE_CAPACITY") for g in given] == [None, 7]
+    with pytest.raises(InputError, match="runtime-cache is the OpenVINO CPU plugin's"):
+        Service(artifacts["onnxruntime"], ServeSettings(openvino_runtime_cache=0))

@@ -51,7 +51,7 @@ from toolchain.interface.graph import (
 )
 from toolchain.runtime.artifact import Artifact
 from toolchain.runtime.decoder import ort_cache, positions
-from toolchain.runtime.engines import NUMERICS
+from toolchain.runtime.engines import NUMERICS, runtime_cache_property
 from toolchain.runtime.generate import left_pad
 from toolchain.runtime.prefill_chunks import prefill_spans
 
@@ -335,6 +335,7 @@ class PipelineSettings:
     max_batched_tokens: int = 256  # tokens per step; longer prompts are prefilled in chunks (dynamic split-fuse)
     prefix_caching: bool = True  # reuse the KV blocks of a prompt prefix seen before
     f32: bool = False  # f32 compute and KV cache instead of the CPU plugin's default compute precision
+    runtime_cache: int | None = None  # CPU_RUNTIME_CACHE_CAPACITY (kernels kept per input shape); None the plugin's
     # None: the compute precision (bf16 where the CPU has it). The plugin's own default, u8, is wrong under batching
     # in OpenVINO 2026.4 (see kv_cache_precision); "u8" asks for it anyway.
     kv_cache_precision: str | None = None
@@ -394,7 +395,8 @@ def openvino_pipeline(artifact: Artifact, settings: PipelineSettings):
     blocks_per_sequence = math.ceil(settings.max_context / KV_BLOCK_TOKENS)
     scheduler.num_kv_blocks = settings.max_batch * (blocks_per_sequence + 1)
     properties = {**(NUMERICS['exact'] if settings.f32 else {}), "KV_CACHE_PRECISION": kv_cache_precision(settings),
-                  **({"INFERENCE_NUM_THREADS": settings.threads} if settings.threads else {})}
+                  **({"INFERENCE_NUM_THREADS": settings.threads} if settings.threads else {}),
+                  **runtime_cache_property(settings.runtime_cache)}
     pipeline = openvino_genai.ContinuousBatchingPipeline(str(artifact.path), scheduler, "CPU", properties)
     return pipeline, properties, scheduler
 

@@ -183,7 +183,7 @@ class OpenVINODecoder(ChunkedForward):
     backend = "openvino"
 
     def __init__(self, path: Path, threads: int | None, extra_outputs: Sequence[str], numerics: str,
-                 chunking: PrefillChunking | None = None) -> None:
+                 chunking: PrefillChunking | None = None, runtime_cache: int | None = None) -> None:
         import openvino as ov
 
         self.chunking = chunking
@@ -198,7 +198,8 @@ class OpenVINODecoder(ChunkedForward):
         # plugin's u8): what is measured is what users run, and runtime_config says what it was. "exact" (on
         # request) separates the weights' error from the plugin's bf16 compute, KV cache precision and on-the-fly
         # int8 activations, which the deployment defaults add.
-        config = {**engines.NUMERICS[numerics], **({"INFERENCE_NUM_THREADS": threads} if threads else {})}
+        config = {**engines.NUMERICS[numerics], **({"INFERENCE_NUM_THREADS": threads} if threads else {}),
+                  **engines.runtime_cache_property(runtime_cache)}
         if numerics == "deployment" and _fused_mlp_divides_by_zero(model, config):
             raise InputError(
                 f"OpenVINO {ov.__version__.split('-')[0]}'s CPU plugin crashes (SIGFPE) compiling {path} at "
@@ -296,10 +297,11 @@ def _plain(value):
 
 
 def open_decoder(artifact: Artifact, *, threads: int | None = None, extra_outputs: Sequence[str] = (),
-                 openvino_f32: bool = False) -> RewindableDecoder:
+                 openvino_f32: bool = False, openvino_runtime_cache: int | None = None) -> RewindableDecoder:
     """A Decoder on the artifact's backend; ``threads`` None takes every CPU (ORT) or the plugin's choice
     (OpenVINO). ``extra_outputs``: graph values to return in ``extras`` after each forward. ``openvino_f32``:
-    f32 compute and KV cache instead of the CPU plugin's deployment defaults (ONNX Runtime is fp32 already). A long
+    f32 compute and KV cache instead of the CPU plugin's deployment defaults (ONNX Runtime is fp32 already);
+    ``openvino_runtime_cache``: the plugin's CPU_RUNTIME_CACHE_CAPACITY (engines.runtime_cache_property). A long
     prompt is prefilled in chunks (PrefillChunking.for_model).
     InputError when the artifact would not fit in the memory available (toolchain/memory_guard.py) or its runtime
     cannot load it."""
@@ -310,7 +312,7 @@ def open_decoder(artifact: Artifact, *, threads: int | None = None, extra_output
     try:
         if artifact.backend == "openvino":
             return OpenVINODecoder(artifact.path / MODEL_XML, threads, tuple(extra_outputs),
-                                   "exact" if openvino_f32 else "deployment", chunking)
+                                   "exact" if openvino_f32 else "deployment", chunking, openvino_runtime_cache)
         return OnnxRuntimeDecoder(artifact.path / ONNX_MODEL, threads, tuple(extra_outputs), chunking)
     except Exception as e:
         error = load_error(artifact, e)

@@ -93,6 +93,14 @@ def openvino_read(path: Path | str):
     return ov.Core().read_model(str(path)) if Path(path).suffix == ".xml" else ov.convert_model(str(path))
 
 
+def runtime_cache_property(entries: int | None) -> dict[str, int]:
+    """The CPU plugin's CPU_RUNTIME_CACHE_CAPACITY: kernels it keeps built per input shape, 5000 by default. A graph
+    whose shapes change with the context (the latent MLA's, V3.2's and V4's) adds an entry per context length, so
+    the plugin's memory grows with every new length; a bound caps it, and a step whose shape is not cached rebuilds
+    its kernels (README "Long prompts"). ``entries`` None: the plugin's default."""
+    return {} if entries is None else {"CPU_RUNTIME_CACHE_CAPACITY": entries}
+
+
 def openvino_compile(model, numerics: str = "exact", *, threads: int | None = None,
                      config: Mapping[str, object] | None = None):
     """A CompiledModel on CPU: ``model`` an ov.Model or a path (read or converted)."""

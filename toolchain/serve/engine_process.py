@@ -52,7 +52,8 @@ def make_backend(backend: str, artifact_path: str, options: dict):
     if backend == "openvino":
         if not pageable(artifact.path / MODEL_XML):  # e.g. MLA's latent cache: dstc's runner batches it
             return RunnerBackend(artifact, threads=options["threads"], max_batch=options["max_batch"],
-                                 max_context=options["max_context"], f32=options["f32"])
+                                 max_context=options["max_context"], f32=options["f32"],
+                                 runtime_cache=options["runtime_cache"])
         return OpenVINOBackend(artifact, PipelineSettings(**options))
     return RunnerBackend(artifact, **options)
 

@@ -41,19 +41,21 @@ class RunnerBackend:
     name = "dstc"
 
     def __init__(self, artifact: Artifact, *, threads: int | None, max_batch: int, max_context: int,
-                 layout: str = "batch", f32: bool = False) -> None:
+                 layout: str = "batch", f32: bool = False, runtime_cache: int | None = None) -> None:
         self.artifact = artifact
         self.threads = threads
         self.max_batch = max_batch
         self.max_context = max_context
         self.layout = layout
         self.f32 = f32  # OpenVINO: f32 compute and cache instead of the plugin's deployment defaults
+        self.runtime_cache = runtime_cache  # OpenVINO: CPU_RUNTIME_CACHE_CAPACITY, None the plugin's
         self.decoder: Decoder | None = None
         self.batch: BatchedDecoder | None = None
         self._live: dict[int, Request] = {}
 
     def load(self) -> None:
-        self.decoder = open_decoder(self.artifact, threads=self.threads, openvino_f32=self.f32)
+        self.decoder = open_decoder(self.artifact, threads=self.threads, openvino_f32=self.f32,
+                                    openvino_runtime_cache=self.runtime_cache)
         self.batch = self._batch()
 
     def _batch(self) -> BatchedDecoder:

@@ -84,8 +84,12 @@ class Service:
         options: dict
         if self.artifact.backend == "openvino":
             options = {"threads": s.threads, "max_batch": s.max_batch, "max_context": self.context,
-                       "prefix_caching": s.prefix_caching, "f32": s.openvino_f32}
+                       "prefix_caching": s.prefix_caching, "f32": s.openvino_f32,
+                       "runtime_cache": s.openvino_runtime_cache}
         else:
+            if s.openvino_runtime_cache is not None:
+                raise InputError(f"--openvino-runtime-cache is the OpenVINO CPU plugin's; {self.artifact.path} is an "
+                                 f"{self.artifact.backend} artifact")
             options = {"threads": s.threads, "max_batch": s.max_batch, "max_context": self.context,
                        "layout": s.kv_layout}
         if s.replicas is not None:
