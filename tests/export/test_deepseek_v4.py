@@ -271,3 +271,19 @@ def test_whole_model_reference_scores_as_the_layered_one_promises(tiny_checkpoin
         assert np.array_equal(np.sort(routes[0][s], -1), np.sort(table[ids].numpy(), -1))
     reference.close()
     assert not torch_reference._loaded
+
+
+def test_every_v4_weight_compression_plans_has_the_role_the_exporter_recorded(every_type):
+    """Compression reads each weight's role from the exporter's record only: the hyper-connections' mixing weights
+    (per layer, and the head's) are recorded too, and planned at the scheme's precision."""
+    from toolchain.compress.engine import graph_weights
+    from toolchain.compress.policy import Policy
+    from toolchain.export.graph import load_graph
+
+    weights = graph_weights(load_graph(every_type[2]), with_arrays=False)
+    roles = {w.name: w.role for w in weights}
+    hc = {name for name in roles if "_hc/" in name or name.startswith("hc_head/")}
+    assert hc and {roles[name] for name in hc} == {"hyper_connection"}
+    assert None not in roles.values()
+    plan = Policy("int4-grouped").plan(weights)
+    assert {plan[name] for name in hc} == {"int4"}

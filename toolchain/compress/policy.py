@@ -47,7 +47,6 @@ SCHEMES = _choices("scheme")
 # (toolchain/compress/shipped.py plans it from the checkpoint)
 SCHEME_PRECISION = {"int4-grouped": "int4", "int8-per-channel": "int8", "int8-per-head": "int8-per-head",
                     "shipped": "shipped"}
-ROLES = ("embeddings", "lm_head", "router", "shared_expert", "routed_expert", "attention", "mlp")
 
 
 @dataclass(frozen=True)

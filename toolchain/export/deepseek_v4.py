@@ -136,13 +136,13 @@ class DeepseekV4Architecture:
                          for name, width in v4attn.cache_widths(config, layer_type).items()}
             inputs += list(step.past.values())
             with g.scope(f"layers.{i}"):
-                with g.scope("attn_hc"):
+                with g.scope("attn_hc"), g.role("hyper_connection"):
                     post, comb, collapsed = hyper_connection(g, layer.attn_hc, h)
                 normed = blocks.rms_norm(g, collapsed, layer.input_layernorm, "input_layernorm")
                 with g.scope("self_attn"), g.role("attention"):
                     out, layer_presents = v4attn.attention(g, layer.self_attn, normed, step)
                 h = mix(g, post, comb, out, h)
-                with g.scope("ffn_hc"):
+                with g.scope("ffn_hc"), g.role("hyper_connection"):
                     post, comb, collapsed = hyper_connection(g, layer.ffn_hc, h)
                 normed = blocks.rms_norm(g, collapsed, layer.post_attention_layernorm, "post_attention_layernorm")
                 with g.scope("mlp"), g.role("mlp"):
@@ -154,7 +154,7 @@ class DeepseekV4Architecture:
             if on_layer:
                 on_layer(i + 1, len(decoder.layers))
 
-        with g.scope("hc_head"):
+        with g.scope("hc_head"), g.role("hyper_connection"):
             x = hyper_head(g, decoder.hc_head, h)
         x = blocks.rms_norm(g, x, decoder.norm, "norm")
         with g.role("lm_head"):

@@ -46,8 +46,8 @@ class GraphBuilder:
     @contextmanager
     def role(self, name: str) -> Iterator[None]:
         """What the weights made inside are to the model ("embeddings", "lm_head", "attention", "mlp", "router",
-        "shared_expert", "routed_expert"): written on each initializer (``dstc.role``, with ``dstc.layer``), where
-        compression's policy reads it instead of parsing names."""
+        "shared_expert", "routed_expert", "hyper_connection"): written on each initializer (``dstc.role``, with
+        ``dstc.layer``), where compression's policy reads it instead of parsing names."""
         self._roles.append(name)
         try:
             yield
