@@ -141,3 +141,23 @@ def test_an_export_without_its_weights_file_is_refused_by_the_stages_that_read_i
     assert json.loads((export / "export.json").read_text())["graph"]["deferred"]["file"] == "model.onnx.data"
     with pytest.raises(InputError, match="weights file was not written"):
         compile_artifact(export, tmp_path / "c", "onnxruntime", verify=False, smoke=False)
+
+
+def test_a_recipe_whose_passes_read_the_export_weights_says_why_they_are_written(streamed, tmp_path, monkeypatch):
+    recipe = yaml.safe_load(streamed.read_text())
+    streamed.write_text(yaml.safe_dump({**recipe, "passes": {"target": "onnxruntime"}}))
+    manifest, _, log = built(streamed, tmp_path / "passes", monkeypatch)
+    assert [s["name"] for s in manifest["stages"]] == ["export", "passes", "compress", "compile"]
+    assert [line for line in log if line.startswith("disk: ")] == \
+        [next(line for line in log if "passes stage rewrites the graph with them" in line)]
+    export = next((tmp_path / "passes" / "cache" / "stages").glob("export-*"))
+    assert (export / "model.onnx.data").is_file()
+
+
+def test_no_keep_stages_builds_one_recipe_on_this_machine(streamed, tmp_path, monkeypatch, capsys):
+    from conftest import run_cli
+
+    code, _, err = run_cli(monkeypatch, capsys, "build", streamed, streamed, "-o", tmp_path / "set",
+                           "--no-keep-stages")
+    assert code == 2 and "--no-keep-stages builds one recipe on this machine" in err
+    assert not (tmp_path / "set").exists()
