@@ -205,8 +205,8 @@ def save_graph_deferred(model: ir.Model, path: Path) -> list[str] | None:
         tensor = value.const_value
         if tensor is None or tensor.nbytes <= EXTERNAL_THRESHOLD_BYTES:
             continue
-        reference = ir.ExternalTensor(location, offset, tensor.nbytes, tensor.dtype, shape=ir.Shape(tensor.shape.numpy()),
-                                      name=name, base_dir=str(path.parent))
+        reference = ir.ExternalTensor(location, offset, tensor.nbytes, tensor.dtype,
+                                      shape=ir.Shape(tensor.shape.numpy()), name=name, base_dir=str(path.parent))
         kept[name], value.const_value, offset = tensor, reference, offset + tensor.nbytes
     try:
         ir.save(model, path)
