@@ -111,6 +111,11 @@ def test_a_streamed_build_never_holds_the_export_weights_and_builds_the_same_byt
     assert (export / "model.onnx").read_bytes() == \
         (next((tmp_path / "written" / "cache" / "stages").glob("export-*")) / "model.onnx").read_bytes()
     assert any("read from" in line and "as they are compressed" in line for line in log)
+    # the model's size before compression, as the export with its weights records it
+    reports = [m["provenance"]["stage_reports"] for m in (manifest, reference)]
+    assert reports[0]["export/export.json"]["graph"]["deferred"]["bytes"] == weights
+    assert reports[0]["compress/compression.json"]["input_size_bytes"] == \
+        reports[1]["compress/compression.json"]["input_size_bytes"]
 
 
 def test_no_keep_stages_leaves_no_entry_of_its_own_and_keeps_what_it_reused(streamed, written, tmp_path,

@@ -193,11 +193,12 @@ def save_graph(model: ir.Model, path: Path, external: bool | None = None, worker
     return [path.name]
 
 
-def save_graph_deferred(model: ir.Model, path: Path) -> list[str] | None:
+def save_graph_deferred(model: ir.Model, path: Path) -> int | None:
     """The graph file save_graph writes for a model whose weights go to external data, byte for byte, without the
     weights file it references (its tensors are recomputed by whoever reads them: toolchain/stages/export.py
-    recomputed_weights); the files written, or None (nothing written) for a model save_graph keeps in one file.
-    The offsets are onnx-ir's: the tensors above save_graph's threshold packed densely in initializer order."""
+    recomputed_weights); the bytes that file would hold, or None (nothing written) for a model save_graph keeps
+    in one file. The offsets are onnx-ir's: the tensors above save_graph's threshold packed densely in
+    initializer order."""
     if float32_bytes(model) <= EXTERNAL_DATA_BYTES:
         return None
     location, kept, offset = path.name + ".data", {}, 0
@@ -214,7 +215,7 @@ def save_graph_deferred(model: ir.Model, path: Path) -> list[str] | None:
         for name, tensor in kept.items():
             model.graph.initializers[name].const_value = tensor
     _restore_tensor_metadata(model, path)  # as save_graph writes them
-    return [path.name]
+    return offset
 
 
 def _save(model: ir.Model, path: Path, **options) -> None:

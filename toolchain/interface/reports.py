@@ -119,6 +119,7 @@ class DeferredWeights(_Model):
     settings (toolchain/stages/export.py recomputed_weights)."""
 
     file: str
+    bytes: int  # what it would hold (counted in the graph's size_bytes)
     moe: str
     mla_cache: str | None = None
     mtp: bool

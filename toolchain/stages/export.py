@@ -106,12 +106,13 @@ def export(spec: str, out_dir: Path, *, parity: tuple[str, ...] | None = None, n
             skipped = layer_too_large(source.path, MEMORY_FACTOR, "parity layer by layer")
         if skipped:
             parity = ()
-        files = save_graph_deferred(graph, tmp / ONNX_MODEL) if defer_weights and not parity else None
+        deferred_bytes = save_graph_deferred(graph, tmp / ONNX_MODEL) if defer_weights and not parity else None
         deferred = None
-        if files is not None:
+        if deferred_bytes is not None:
             log(f"{parameters:,} parameters left in the checkpoint: the streamed compression reads them from it, so "
-                f"the export's weights file is not written")
-            deferred = DeferredWeights(file=ONNX_WEIGHTS, moe=moe, mla_cache=mla_cache, mtp=mtp)
+                f"the export's weights file ({deferred_bytes / 1e9:.1f} GB) is not written")
+            files = [ONNX_MODEL]
+            deferred = DeferredWeights(file=ONNX_WEIGHTS, bytes=deferred_bytes, moe=moe, mla_cache=mla_cache, mtp=mtp)
         else:
             log(f"writing {parameters:,} parameters, one tensor at a time ({storage})")
             # two weights read, converted and written at once (the reader takes turns on its shard)
@@ -127,7 +128,9 @@ def export(spec: str, out_dir: Path, *, parity: tuple[str, ...] | None = None, n
                       "inputs": [v.name for v in graph.graph.inputs],
                       "outputs": [v.name for v in graph.graph.outputs],
                       "kv_cache": graph.metadata_props[KV_CACHE],
-                      "size_bytes": sum((tmp / f).stat().st_size for f in files), "weights": storage,
+                      # a deferred weights file counts: the size of the model (compression's input size)
+                      "size_bytes": sum((tmp / f).stat().st_size for f in files) + (deferred_bytes or 0),
+                      "weights": storage,
                       "cache_bytes_per_token": cache_bytes, "deferred": deferred}
         del graph
         mtp_info: dict | None = None
