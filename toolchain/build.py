@@ -35,7 +35,9 @@ from toolchain.stages.runner import (
     compile_stage,
     compress_stage,
     copy_stage_files,
+    drop_entry,
     export_stage,
+    move_stage_files,
     passes_stage,
     run_cached,
 )
@@ -53,7 +55,12 @@ def plan(recipe: Recipe, source: Path, log: Callable[[str], None] = lambda _: No
     export, why = resolve_moe(recipe.export, source, recipe.compile.backend, recipe.compress)
     if why:
         log(f"MoE lowering: {export.moe} ({why})")
-    stages = [export_stage(recipe.model, export, recipe.revision)]
+    # a streamed compression reads each weight from the checkpoint itself (the export's weights file, 30 GB at
+    # DeepSeek-V3's widths x 4 layers, is then not written); the passes stage rewrites the graph with its weights
+    streamed = recipe.compress is not None and recipe.compress.streaming != "never"
+    stages = [export_stage(recipe.model, export, recipe.revision, defer_weights=streamed and not recipe.passes,
+                           weights_read_by="the passes stage rewrites the graph with them" if streamed and
+                           recipe.passes else None)]
     if recipe.passes:
         stages.append(passes_stage(recipe.passes, source))
     if recipe.compress:
@@ -73,7 +80,10 @@ class Events:
 
 
 def build(recipe_path: Path, out_dir: Path | None = None, *, model: str | None = None, use_cache: bool = True,
-          events: Events | None = None) -> dict:
+          keep_stages: bool = True, events: Events | None = None) -> dict:
+    """``keep_stages`` False: each stage cache entry this build writes is deleted once the next stage has run,
+    and the last one's files are moved into the artifact instead of copied (what a disk that holds the checkpoint
+    and the artifact but not every stage's output needs); entries it reused are left as they were."""
     events = events or Events()
     started = time.perf_counter()
     recipe, baseline, eval_settings = _checked(Path(recipe_path), model)
@@ -89,6 +99,7 @@ def build(recipe_path: Path, out_dir: Path | None = None, *, model: str | None =
     source_files = hashing.result()
     parent, stage_rows, durations, cached_stages, reports = digest(source_files), [], {}, [], {}
     stage_dir: Path | None = None
+    written: list[Path] = []  # the stage cache entries this build wrote (not reused)
     with atomic_output_dir(out_dir) as tmp:
         for stage in plan(recipe, source.path, events.log):
             t0 = time.perf_counter()
@@ -104,9 +115,19 @@ def build(recipe_path: Path, out_dir: Path | None = None, *, model: str | None =
             # they hold timings and absolute paths: the manifest's provenance, not the artifact
             reports.update({f"{stage.name}/{name}": kind.read(target / name) for name, kind in STAGE_REPORTS.items()
                             if (target / name).is_file()})
+            if not keep_stages and stage_dir in written:  # its input, read
+                size = drop_entry(stage_dir)
+                events.log(f"deleted the stage cache entry {stage_dir.name} ({size / 1e9:.1f} GB), which the "
+                           f"{stage.name} stage has read (--no-keep-stages)")
+            if not cached:
+                written.append(target)
             parent, stage_dir = stage_id, target
         assert stage_dir is not None  # every plan starts with the export stage
-        copy_stage_files(stage_dir, tmp, skip=(*STAGE_REPORTS, STAGE_RECORD))
+        if not keep_stages and stage_dir in written:
+            move_stage_files(stage_dir, tmp, skip=(*STAGE_REPORTS, STAGE_RECORD))
+            events.log(f"moved the stage cache entry {stage_dir.name} into the artifact (--no-keep-stages)")
+        else:
+            copy_stage_files(stage_dir, tmp, skip=(*STAGE_REPORTS, STAGE_RECORD))
         fields = {
             "dstc_version": versions()["dstc"],
             "git_commit": git_commit(),

@@ -19,7 +19,7 @@ from toolchain.atomic import (
     write_file_atomically,
 )
 from toolchain.cli_options import given_section, section_options
-from toolchain.errors import DstcError
+from toolchain.errors import DstcError, InputError
 from toolchain.gates import GateFailed, GateLimits, check_gates
 from toolchain.interface.reports import CompileReport, CompressionReport, ExportReport, PassesReport
 from toolchain.manifest import read_manifest, sign_artifact, verify_artifact
@@ -425,6 +425,11 @@ _LOCAL_RAY = "local"
                    "of their artifacts, each in DIR/<recipe name>.")
 @click.option("--model", default=None, help="Build the recipe on another checkpoint (name, directory or hub id).")
 @click.option("--no-cache", is_flag=True, help="Run every stage again instead of reusing the stage cache.")
+@click.option("--no-keep-stages", is_flag=True,
+              help="Keep none of the build's stage outputs in the stage cache: each is deleted once the next stage "
+                   "has read it, and the last one is moved into the artifact, so the disk holds the checkpoint, the "
+                   "artifact and at most two stages' outputs at once (nothing is left for a rebuild to reuse). One "
+                   "recipe, on this machine.")
 @click.option("--ray", "ray_address", is_flag=False, flag_value=_LOCAL_RAY, default=None, metavar="[ADDRESS]",
               help="Build each recipe as a Ray task: on a local Ray started for the run (no ADDRESS), or on the "
                    "cluster at ADDRESS (auto, ray://HOST:PORT or HOST:PORT). DSTC_CACHE_DIR, the recipes and -o "
@@ -432,7 +437,7 @@ _LOCAL_RAY = "local"
 @click.option("--json", "as_json", is_flag=True, help="Print manifest.json to stdout instead of the summary "
                                                       "(with several recipes or --ray: a list, one per recipe).")
 def build_cmd(recipes: tuple[Path, ...], out_dir: Path | None, model: str | None, no_cache: bool,
-              ray_address: str | None, as_json: bool) -> None:
+              no_keep_stages: bool, ray_address: str | None, as_json: bool) -> None:
     """Run every stage RECIPE names (export, passes, compression, compile, evaluation) into a verified artifact.
 
     A recipe's eval section writes report.json/.md/.html into the artifact; its gates section makes the build
@@ -449,6 +454,9 @@ def build_cmd(recipes: tuple[Path, ...], out_dir: Path | None, model: str | None
     if ray_address is not None and ray_address.endswith((".yaml", ".yml")):
         # `--ray a.yaml b.yaml`: the option's value is optional and click took the first recipe for it
         recipes, ray_address = (Path(ray_address), *recipes), _LOCAL_RAY
+    if no_keep_stages and (len(recipes) > 1 or ray_address is not None):
+        # several builds share the stage cache, and one may be reading what another would delete
+        raise InputError("--no-keep-stages builds one recipe on this machine, without --ray")
     if len(recipes) > 1 or ray_address is not None:
         _build_set(list(recipes), out_dir, model, not no_cache, ray_address, as_json)
         return
@@ -459,7 +467,8 @@ def build_cmd(recipes: tuple[Path, ...], out_dir: Path | None, model: str | None
     display = _BuildDisplay()
     try:
         # _BuildDisplay has the methods of build's Events
-        manifest = build(recipe, out_dir, model=model, use_cache=not no_cache, events=display)  # type: ignore[arg-type]
+        manifest = build(recipe, out_dir, model=model, use_cache=not no_cache, keep_stages=not no_keep_stages,
+                         events=display)  # type: ignore[arg-type]
     except GateFailed:
         # The artifact and its report were kept: show them before the one-line error and exit 1.
         display.close()

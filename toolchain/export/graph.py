@@ -151,6 +151,8 @@ def rename_output(value: ir.Value, name: str, dtype: ir.DataType, dims: Sequence
 # Above this many bytes of weights the graph keeps them in model.onnx.data (protobuf's 2 GB limit, and a
 # graph file that tools can open quickly).
 EXTERNAL_DATA_BYTES = 1 << 30
+# ... and an initializer above this many bytes goes there (norms' scales, shape constants stay in the graph file)
+EXTERNAL_THRESHOLD_BYTES = 1024
 
 
 def float32_bytes(model: ir.Model) -> int:
@@ -181,13 +183,39 @@ def save_graph(model: ir.Model, path: Path, external: bool | None = None, worker
     in flight), for lazy tensors whose computation releases the GIL."""
     if external or (external is None and float32_bytes(model) > EXTERNAL_DATA_BYTES):
         # small tensors (norms' scales, shape constants) stay in the graph file, as ORT's optimizer writes them
-        _save(model, path, external_data=path.name + ".data", size_threshold_bytes=1024, max_workers=workers)
+        _save(model, path, external_data=path.name + ".data", size_threshold_bytes=EXTERNAL_THRESHOLD_BYTES,
+              max_workers=workers)
         return [path.name, path.name + ".data"]
     # Weights still in the input's external data file (a stage that read a large graph and made it small, e.g.
     # by compressing it) would be written as references to that file: they are read in, to be inlined.
     ir.external_data.load_to_model(model)
     _save(model, path)
     return [path.name]
+
+
+def save_graph_deferred(model: ir.Model, path: Path) -> int | None:
+    """The graph file save_graph writes for a model whose weights go to external data, byte for byte, without the
+    weights file it references (its tensors are recomputed by whoever reads them: toolchain/stages/export.py
+    recomputed_weights); the bytes that file would hold, or None (nothing written) for a model save_graph keeps
+    in one file. The offsets are onnx-ir's: the tensors above save_graph's threshold packed densely in
+    initializer order."""
+    if float32_bytes(model) <= EXTERNAL_DATA_BYTES:
+        return None
+    location, kept, offset = path.name + ".data", {}, 0
+    for name, value in model.graph.initializers.items():
+        tensor = value.const_value
+        if tensor is None or tensor.nbytes <= EXTERNAL_THRESHOLD_BYTES:
+            continue
+        reference = ir.ExternalTensor(location, offset, tensor.nbytes, tensor.dtype,
+                                      shape=ir.Shape(tensor.shape.numpy()), name=name, base_dir=str(path.parent))
+        kept[name], value.const_value, offset = tensor, reference, offset + tensor.nbytes
+    try:
+        ir.save(model, path)
+    finally:  # the model keeps its own tensors
+        for name, tensor in kept.items():
+            model.graph.initializers[name].const_value = tensor
+    _restore_tensor_metadata(model, path)  # as save_graph writes them
+    return offset
 
 
 def _save(model: ir.Model, path: Path, **options) -> None:

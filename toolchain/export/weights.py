@@ -108,7 +108,16 @@ class LazyArray:
             yield _numpy(torch.empty(part.shape, dtype=dtype).copy_(part), dtype)
 
     def materialize(self, dtype: torch.dtype = torch.float32) -> np.ndarray:
-        return np.concatenate([c.reshape(-1) for c in self.chunks(dtype)]).reshape(self.shape)
+        """The whole array, each chunk written into it as it comes (a list of chunks and their concatenation
+        would hold it twice: a streamed compression reads DeepSeek-V3's 1.9 GB lm_head so)."""
+        out, start = None, 0
+        for chunk in self.chunks(dtype):
+            if out is None:
+                out = np.empty(int(np.prod(self.shape, dtype=np.int64)), chunk.dtype)
+            out[start:start + chunk.size] = chunk.reshape(-1)
+            start += chunk.size
+        assert out is not None and start == out.size  # a weight has at least one chunk, and they cover it
+        return out.reshape(self.shape)
 
 
 def _numpy(t: torch.Tensor, dtype: torch.dtype) -> np.ndarray:

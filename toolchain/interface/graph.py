@@ -151,9 +151,10 @@ def _onnx_model(path: Path):
     return onnx.load(str(path), load_external_data=False)
 
 
-def check_onnx_graph(path: Path) -> None:
+def check_onnx_graph(path: Path, recomputed: str | None = None) -> None:
     """InputError unless ``path`` parses as an ONNX model whose external weights are all present: a truncated
-    or foreign file fails here, in one line, instead of deep inside a runtime or NNCF."""
+    or foreign file fails here, in one line, instead of deep inside a runtime or NNCF. ``recomputed``: a weights
+    file that was not written, its tensors recomputed by the stage that reads them (an export's ``deferred``)."""
     import onnx
     from google.protobuf.message import DecodeError
 
@@ -176,6 +177,8 @@ def check_onnx_graph(path: Path) -> None:
         data = path.parent / name
         if Path(name).is_absolute() or ".." in Path(name).parts:
             raise InputError(f"{path} refers to weights outside its directory ({name})")
+        if name == recomputed and not data.exists():
+            continue
         if not data.is_file():
             raise InputError(f"{path} needs its weights file {data}, which is missing")
         if data.stat().st_size < end:

@@ -113,6 +113,18 @@ class ExportSource(_Model):
     tied_embeddings: bool = False
 
 
+class DeferredWeights(_Model):
+    """An export whose weights file was not written (a build's export before a streamed compression): ``file``,
+    which model.onnx references, is recomputed from the source checkpoint by the exporter run with these
+    settings (toolchain/stages/export.py recomputed_weights)."""
+
+    file: str
+    bytes: int  # what it would hold (counted in the graph's size_bytes)
+    moe: str
+    mla_cache: str | None = None
+    mtp: bool
+
+
 class GraphInfo(_Model):
     files: list[str]
     opset: int
@@ -126,6 +138,7 @@ class GraphInfo(_Model):
     # bytes one layer's KV cache (every cache tensor) grows by per token, by layer type (the config's
     # layer_types, "attention" for a model with one type), read from the graph's cache inputs
     cache_bytes_per_token: dict[str, int] = Field(default_factory=dict)
+    deferred: DeferredWeights | None = None
 
 
 class ExportReport(StageReport):

@@ -47,7 +47,7 @@ from toolchain.interface.files import (
 )
 from toolchain.interface.reports import CompileReport, read_json
 from toolchain.runtime.decoder import Decoder, OnnxRuntimeDecoder, OpenVINODecoder
-from toolchain.stages.inputs import read_export
+from toolchain.stages.inputs import check_weights_written, read_export
 from toolchain.verify import smoke as smoke_test
 from toolchain.verify.parity import TOLERANCES, compare_decoders, graph_decoder, parity_cases, too_large_for_end_to_end
 
@@ -159,6 +159,7 @@ def compile_artifact(export_dir: Path, out_dir: Path, backend: str, *, verify: b
     if backend not in BACKENDS:
         raise InputError(f"unknown backend {backend!r}; known: {', '.join(BACKENDS)}")
     report, source = read_export(export_dir, source)
+    check_weights_written(report, export_dir, "compile")
     config = read_json(source / CONFIG)
     generation = read_json(source / GENERATION_CONFIG) if (source / GENERATION_CONFIG).is_file() else {}
     has_tokenizer = (source / TOKENIZER).is_file()

@@ -14,6 +14,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import onnx_ir as ir
+
 from toolchain import __version__, source as sources
 from toolchain.atomic import atomic_output_dir, check_writable_target
 from toolchain.checkpoint.reader import open_checkpoint
@@ -22,15 +24,15 @@ from toolchain.export import moe as moe_lowering
 from toolchain.export.architectures import ARCHITECTURES, architecture_for
 from toolchain.export.decoder import build_decoder
 from toolchain.export.deepseek import with_mla_cache
-from toolchain.export.graph import save_graph
+from toolchain.export.graph import save_graph, save_graph_deferred
 from toolchain.export.moe_layer import MoeArchitecture
 from toolchain.export.mtp import build_mtp_graph
 from toolchain.export.mtp_reference import exports_mtp, mtp_layer_indices
 from toolchain.export.reference import layer_too_large, reference_config, shared_decoder_layers
 from toolchain.export.weights import storage_for
-from toolchain.interface.files import MTP_DIR, ONNX_MODEL
+from toolchain.interface.files import EXPORT_REPORT, MTP_DIR, ONNX_MODEL, ONNX_WEIGHTS
 from toolchain.interface.graph import KV_CACHE, cache_bytes_per_token
-from toolchain.interface.reports import ExportReport, ExportSource
+from toolchain.interface.reports import DeferredWeights, ExportReport, ExportSource
 from toolchain.models.parameters import parameter_count
 from toolchain.recipe import CompressSection, ExportSection
 from toolchain.runtime.torch_reference import TorchDecoder
@@ -63,13 +65,17 @@ def resolve_moe(section: ExportSection, source: Path, backend: str, compress: Co
 
 def export(spec: str, out_dir: Path, *, parity: tuple[str, ...] | None = None, new_tokens: int = 16,
            revision: str | None = None, moe: str = moe_lowering.AUTO, mla_cache: str | None = None,
-           weights: str = "auto", mtp: bool = False, log: Callable[[str], None] = lambda _: None) -> dict:
+           weights: str = "auto", mtp: bool = False, defer_weights: bool = False, weights_read_by: str | None = None,
+           log: Callable[[str], None] = lambda _: None) -> dict:
     """``moe``: how MoE layers' routed experts are lowered (toolchain/export/moe.py); ``mla_cache``: what MLA's KV
     cache holds (toolchain/export/deepseek.py; None: the architecture's default); ``parity``: the backends to
     check the graph on, None for every backend that runs it; ``weights``: their storage, "auto", "float32" or
     "bfloat16" (toolchain/export/weights.py storage_for); ``mtp``: also export the checkpoint's first MTP layer
     (toolchain/export/mtp.py) as mtp/model.onnx, checked against its PyTorch reference on the parity backends,
-    and give the main graph its hidden-state output."""
+    and give the main graph its hidden-state output. ``defer_weights`` (a build whose next stage is a streamed
+    compression, which recomputes them: recomputed_weights): model.onnx.data is not written, unless the export's
+    own parity check runs the graph; ``weights_read_by``: why a later stage needs the weights file, said when a
+    large one is written."""
     source = sources.resolve(spec, revision)
     if moe == moe_lowering.AUTO:  # an export alone (`dstc export`): a build resolves auto first (resolve_moe)
         moe = moe_lowering.auto_lowering(None, 0, None, False)[0]
@@ -91,9 +97,30 @@ def export(spec: str, out_dir: Path, *, parity: tuple[str, ...] | None = None, n
         graph = build_decoder(skeleton, arch, reader,
                               on_layer=lambda i, n: log(f"built layer {i}/{n}") if n > 8 else None, weights=storage,
                               hidden_output=mtp)
-        log(f"writing {parameters:,} parameters, one tensor at a time ({storage})")
-        # two weights read, converted and written at once (the reader takes turns on its shard)
-        files = save_graph(graph, tmp / "model.onnx", workers=2)
+        config = skeleton.config
+        too_large = too_large_for_end_to_end(source.path) if parity else None
+        skipped = None
+        if too_large and not shared_decoder_layers(config.model_type):
+            skipped = f"parity layer by layer runs the shared decoder's layers, not {config.model_type}'s"
+        elif too_large:
+            skipped = layer_too_large(source.path, MEMORY_FACTOR, "parity layer by layer")
+        if skipped:
+            parity = ()
+        deferred_bytes = save_graph_deferred(graph, tmp / ONNX_MODEL) if defer_weights and not parity else None
+        deferred = None
+        if deferred_bytes is not None:
+            log(f"{parameters:,} parameters left in the checkpoint: the streamed compression reads them from it, so "
+                f"the export's weights file ({deferred_bytes / 1e9:.1f} GB) is not written")
+            files = [ONNX_MODEL]
+            deferred = DeferredWeights(file=ONNX_WEIGHTS, bytes=deferred_bytes, moe=moe, mla_cache=mla_cache, mtp=mtp)
+        else:
+            log(f"writing {parameters:,} parameters, one tensor at a time ({storage})")
+            # two weights read, converted and written at once (the reader takes turns on its shard)
+            files = save_graph(graph, tmp / ONNX_MODEL, workers=2)
+            why = weights_read_by or ("the export's parity check runs the graph" if defer_weights else None)
+            if why and ONNX_WEIGHTS in files:
+                log(f"disk: the export's weights file ({(tmp / ONNX_WEIGHTS).stat().st_size / 1e9:.1f} GB) is "
+                    f"written whole, {why}")
         cache_bytes = cache_bytes_per_token([(v.name, v.shape, v.dtype.itemsize if v.dtype else 0)
                                              for v in graph.graph.inputs],
                                             getattr(skeleton.config, "layer_types", None))
@@ -101,8 +128,10 @@ def export(spec: str, out_dir: Path, *, parity: tuple[str, ...] | None = None, n
                       "inputs": [v.name for v in graph.graph.inputs],
                       "outputs": [v.name for v in graph.graph.outputs],
                       "kv_cache": graph.metadata_props[KV_CACHE],
-                      "size_bytes": sum((tmp / f).stat().st_size for f in files), "weights": storage,
-                      "cache_bytes_per_token": cache_bytes}
+                      # a deferred weights file counts: the size of the model (compression's input size)
+                      "size_bytes": sum((tmp / f).stat().st_size for f in files) + (deferred_bytes or 0),
+                      "weights": storage,
+                      "cache_bytes_per_token": cache_bytes, "deferred": deferred}
         del graph
         mtp_info: dict | None = None
         if mtp_layer is not None:
@@ -117,20 +146,12 @@ def export(spec: str, out_dir: Path, *, parity: tuple[str, ...] | None = None, n
                         "size_bytes": sum((tmp / MTP_DIR / f).stat().st_size for f in mtp_files)}
             del mtp_graph
         timings["build_s"] = time.perf_counter() - t0
-        config = skeleton.config
         cases = parity_cases(source.path, config.vocab_size)
         pad_id = config.pad_token_id or 0
         results = {}
         model = None
-        too_large = too_large_for_end_to_end(source.path) if parity else None
-        skipped = None
-        if too_large and not shared_decoder_layers(config.model_type):
-            skipped = f"parity layer by layer runs the shared decoder's layers, not {config.model_type}'s"
-        elif too_large:
-            skipped = layer_too_large(source.path, MEMORY_FACTOR, "parity layer by layer")
         if skipped:
             log(f"parity skipped: {too_large}, and {skipped}")
-            parity = ()
         elif too_large:
             log(f"parity layer by layer: {too_large}")
         elif parity:
@@ -189,3 +210,36 @@ def _mtp_layer(source) -> int:
         raise InputError(f"mtp: {source.spec} has no MTP layer (no model.layers.N.eh_proj.weight from "
                          f"num_hidden_layers on)")
     return layers[0]
+
+
+def recomputed_weights(model: ir.Model, export_dir: Path, source: Path, log: Callable[[str], None]) -> None:
+    """The weights of an export whose weights file was not written (export.json ``graph.deferred``), recomputed
+    from its source checkpoint by the exporter with the settings it ran with, in place of the references
+    model.onnx holds: each is read from the checkpoint when a stage reads it, as the export reads it to write it,
+    so its values are the bytes the weights file would hold. Each reference must name a weight of the graph
+    recomputed, with its type and shape; the checkpoint is the one the build hashed (the stage ids chain)."""
+    graph_info = ExportReport.read(export_dir / EXPORT_REPORT).graph
+    deferred = graph_info.deferred
+    if deferred is None:
+        return
+    spec = sources.resolve(str(source))
+    arch = moe_lowering.with_lowering(architecture_for(spec.config["model_type"]), deferred.moe)
+    reader = open_checkpoint(spec.path)  # open while the weights are read, as the export's is
+    graph = build_decoder(sources.skeleton(spec, reader), with_mla_cache(arch, deferred.mla_cache), reader,
+                          weights=storage_for(graph_info.weights, reader),
+                          hidden_output=deferred.mtp)
+    recomputed = graph.graph.initializers
+    count = 0
+    for name, value in model.graph.initializers.items():
+        reference = value.const_value
+        if not isinstance(reference, ir.ExternalTensor) or reference.location != deferred.file:
+            continue
+        tensor = recomputed[name].const_value if name in recomputed else None
+        if tensor is None or tensor.dtype != reference.dtype or tensor.shape != reference.shape:
+            raise InputError(f"{export_dir / ONNX_MODEL}: its weight {name} is not what the exporter makes of {source} "
+                             f"(its weights file {deferred.file} was left to be recomputed from that checkpoint)")
+        tensor.metadata_props.clear()  # the graph file's, which compression reads
+        tensor.metadata_props.update(reference.metadata_props)
+        value.const_value = tensor
+        count += 1
+    log(f"{count} weights read from {source} as they are compressed (the export left them there)")

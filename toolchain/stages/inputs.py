@@ -32,7 +32,7 @@ def read_export(export_dir: Path, source: Path | None = None) -> tuple[dict, Pat
                          f"fix the export before compiling it")
     graph = export_dir / ONNX_MODEL
     if graph.is_file():
-        check_onnx_graph(graph)
+        check_onnx_graph(graph, typed.graph.deferred.file if typed.graph.deferred else None)
     missing = [n for n in REQUIRED_INPUTS if n not in inputs]
     if missing or not any(n.startswith(PAST_PREFIX) for n in inputs):
         raise InputError(f"{export_dir / ONNX_MODEL} is not a decoder with a KV cache (inputs {inputs})")
@@ -40,6 +40,17 @@ def read_export(export_dir: Path, source: Path | None = None) -> tuple[dict, Pat
         raise InputError(f"the export's source checkpoint {source} is gone (no config.json); the compiled artifact "
                          f"needs its config and tokenizer files")
     return report, source
+
+
+def check_weights_written(report: dict, export_dir: Path, stage: str) -> None:
+    """An InputError for an export whose weights file was not written (export.json ``graph.deferred``: only a
+    streamed compression reads such an export, recomputing its weights from the checkpoint). A later stage's
+    directory carries the export's export.json, and its own weights file."""
+    deferred = report.get("graph", {}).get("deferred")
+    if deferred and not (export_dir / deferred["file"]).exists():
+        raise InputError(f"{export_dir}: its weights file was not written (a build's export for a streamed "
+                         f"compression, which reads them from the checkpoint); the {stage} stage needs an export "
+                         f"with its weights: run dstc export")
 
 
 def carry_mtp(in_dir: Path, out_dir: Path) -> list[str]:

@@ -32,7 +32,7 @@ from toolchain.errors import InputError, ParityError
 from toolchain.interface.reports import PassesReport
 from toolchain.pass_errors import to_dstc_error
 from toolchain.runtime.engines import openvino_compile
-from toolchain.stages.inputs import carry_mtp, read_export
+from toolchain.stages.inputs import carry_mtp, check_weights_written, read_export
 from toolchain.verify.parity import compare, parity_cases, too_large_for_end_to_end
 
 TARGETS = tuple(PIPELINES)
@@ -109,6 +109,7 @@ def optimize(in_dir: Path, out_dir: Path, target: str, passes: list[str] | None 
     in_dir, out_dir = Path(in_dir), Path(out_dir)
     names = pass_names(target, passes)
     export_report, source = read_export(in_dir, source)
+    check_weights_written(export_report, in_dir, "passes")
     timings = {}
     t0 = time.perf_counter()
     model = load_graph(in_dir / "model.onnx")

@@ -62,7 +62,11 @@ class Stage:
                        "code": code_digest(self.module)})
 
 
-def export_stage(model: str, section: ExportSection, revision: str | None = None) -> Stage:
+def export_stage(model: str, section: ExportSection, revision: str | None = None, *, defer_weights: bool = False,
+                 weights_read_by: str | None = None) -> Stage:
+    """``defer_weights``: the next stage is a streamed compression, which reads the weights from the checkpoint
+    (toolchain/stages/export.py export): a configuration of its own, since the entry then holds no weights file;
+    ``weights_read_by``: why a later stage reads the weights file (said when a large one is written)."""
     # each stage's code loads when its stage is made: `dstc compile` needs no exporter
     from toolchain.export.moe import AUTO, auto_lowering
     from toolchain.stages.export import export
@@ -72,9 +76,12 @@ def export_stage(model: str, section: ExportSection, revision: str | None = None
     config = section.model_dump(mode="json")
     if not config["mtp"]:  # a recipe without the MTP layer keeps the stage configuration it had before the option
         del config["mtp"]
+    if defer_weights:  # the configuration of an export that writes its weights is what it was before the option
+        config["defer_weights"] = True
     # every field of the section is a keyword of the stage's function
     return Stage("export", {"model": model, **config},
-                 lambda _in, out, log: export(model, out, revision=revision, log=log,
+                 lambda _in, out, log: export(model, out, revision=revision, log=log, defer_weights=defer_weights,
+                                              weights_read_by=weights_read_by,
                                               **{**section.model_dump(), "parity": tuple(section.parity)}),
                  "toolchain.stages.export")
 
@@ -175,6 +182,26 @@ def copy_stage_files(source: Path, target: Path, skip: tuple[str, ...] = ()) -> 
     for item in sorted(source.iterdir()):
         if item.name != MARKER and item.name not in skip:
             (shutil.copytree if item.is_dir() else shutil.copyfile)(item, target / item.name)
+
+
+def move_stage_files(source: Path, target: Path, skip: tuple[str, ...] = ()) -> None:
+    """copy_stage_files for an entry that is dropped after (a build that keeps no stages): its files renamed into
+    ``target`` (copied and deleted one at a time across file systems), then the entry deleted."""
+    with _entry_lock(source):
+        (source / STAGE_RECORD).unlink(missing_ok=True)  # an entry being emptied is incomplete to any reader
+        for item in sorted(source.iterdir()):
+            if item.name != MARKER and item.name not in skip:
+                shutil.move(item, target / item.name)
+        shutil.rmtree(source)
+
+
+def drop_entry(entry: Path) -> int:
+    """Delete a stage cache entry (a build that keeps no stages, once the next stage has read it); its bytes."""
+    size = sum(f.stat().st_size for f in entry.rglob("*") if f.is_file())
+    with _entry_lock(entry):
+        (entry / STAGE_RECORD).unlink(missing_ok=True)  # an entry being deleted is incomplete to any reader
+        shutil.rmtree(entry)
+    return size
 
 
 def _run_into(stage: Stage, input_dir: Path | None, parent: str, out_dir: Path, report: type[R], *,
