@@ -4,6 +4,7 @@ the policy for sensitive weights, and error metrics that can fail."""
 from __future__ import annotations
 
 import json
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -118,17 +119,19 @@ def test_compress_every_scheme_architecture_and_target(arch, target, scheme, run
 
 @pytest.mark.parametrize("streaming", ["never", "always"])
 def test_prefill_int8_gives_every_4bit_weight_a_prompt_branch(runs, streaming):
-    """compress.prefill_int8: each 4-bit MatMulNBits behind If(rows >= 8), its int8 copy written with the graph
-    (lazily, in both compression paths); a one-token step computes what the plain artifact does, bit for bit, and
-    a 9-token prompt stays close to it."""
+    """compress.prefill_int8: the decoder's 4-bit MatMulNBits behind one If(rows >= 8) whose prompt branch reads
+    their int8 copies, written with the graph (lazily, in both compression paths); a one-token step computes what
+    the plain artifact does, bit for bit, and a 9-token prompt stays close to it."""
     plain_report, plain = runs("qwen2", "onnxruntime", "int4-grouped", streaming=streaming)
     report, out = runs("qwen2", "onnxruntime", "int4-grouped", streaming=streaming, prefill_int8=True)
     four_bit = [r for r in plain_report["per_weight"] if r["precision"].startswith("int4")]
     assert report["details"]["ort_rewrites"]["prefill_int8"] == len(four_bit) > 0
     assert report["options"]["prefill_int8"] and not plain_report["options"]["prefill_int8"]
     graph = onnx.load(str(out / "model.onnx")).graph
-    ifs = [n for n in graph.node if n.op_type == "If"]
-    assert len(ifs) == len(four_bit)
+    (choose,) = [n for n in graph.node if n.op_type == "If"]
+    branches = {a.name: Counter(n.op_type for n in a.g.node) for a in choose.attribute}
+    assert branches["then_branch"]["DynamicQuantizeMatMul"] == branches["else_branch"]["MatMulNBits"] == len(four_bit)
+    assert "MatMulNBits" not in branches["then_branch"]
     int8 = [i for i in graph.initializer if i.name.endswith("_prefill_int8")]
     assert len(int8) == len(four_bit) and all(i.data_type == onnx.TensorProto.INT8 for i in int8)
     sessions = [ort.InferenceSession(str(d / "model.onnx"), providers=["CPUExecutionProvider"]) for d in (plain, out)]
