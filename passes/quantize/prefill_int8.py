@@ -56,10 +56,15 @@ def _input(node: ir.Node, index: int) -> ir.Value | None:
 
 
 def _dtype(value: ir.Value) -> ir.DataType | None:
-    """A value's type, where ONNX's shape inference left a contrib MatMulNBits' unset: its input A's."""
-    node = value.producer()
-    if value.dtype is None and node is not None and node.op_type == "MatMulNBits":
-        return present(node.inputs[0]).dtype
+    """A value's type. Where ONNX's shape inference left it unset, downstream of a contrib op it does not know
+    (MatMulNBits, then the Adds after it), its producer's first input's: those ops keep their input's type."""
+    seen: set[int] = set()
+    while value.dtype is None:
+        node = value.producer()
+        if node is None or not node.inputs or node.inputs[0] is None or id(node) in seen:
+            return None
+        seen.add(id(node))
+        value = node.inputs[0]
     return value.dtype
 
 

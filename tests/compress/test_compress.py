@@ -122,7 +122,7 @@ def test_prefill_int8_gives_every_4bit_weight_a_prompt_branch(runs, streaming):
     """compress.prefill_int8: the decoder's 4-bit MatMulNBits behind one If(rows >= 8) whose prompt branch reads
     their int8 copies, written with the graph (lazily, in both compression paths); a one-token step computes what
     the plain artifact does, bit for bit, and a 9-token prompt stays close to it."""
-    plain_report, plain = runs("qwen2", "onnxruntime", "int4-grouped", streaming=streaming)
+    plain_report, plain = runs("qwen2", "onnxruntime", "int4-grouped", streaming=streaming, prefill_int8=False)
     report, out = runs("qwen2", "onnxruntime", "int4-grouped", streaming=streaming, prefill_int8=True)
     four_bit = [r for r in plain_report["per_weight"] if r["precision"].startswith("int4")]
     assert report["details"]["ort_rewrites"]["prefill_int8"] == len(four_bit) > 0
@@ -141,6 +141,25 @@ def test_prefill_int8_gives_every_4bit_weight_a_prompt_branch(runs, streaming):
     step = feeds_for(out / "model.onnx", n=1)
     (a,), (b,) = (s.run(["logits"], step) for s in sessions)
     np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("int8_dot, target, scheme, given, wanted", [
+    (True, "onnxruntime", "int4-grouped", None, True),  # the default where the CPU has VNNI / AMX
+    (False, "onnxruntime", "int4-grouped", None, False),
+    (True, "openvino", "int4-grouped", None, False),
+    (True, "onnxruntime", "int8-per-channel", None, False),
+    (True, "onnxruntime", "int4-grouped", False, False),  # a recipe turns it off
+    (False, "onnxruntime", "int4-grouped", True, True),  # or on
+])
+def test_prefill_int8_defaults_to_the_building_cpu(monkeypatch, int8_dot, target, scheme, given, wanted):
+    from toolchain import recipe
+    from toolchain.stages.runner import compress_stage
+
+    monkeypatch.setattr(recipe, "has_int8_dot_product", lambda: int8_dot)
+    section = CompressSection(scheme=scheme, prefill_int8=given)
+    assert section.with_prefill_int8(target).prefill_int8 is wanted
+    # the stage's id (its configuration) says what is built
+    assert compress_stage(section, target, Path("/nowhere")).config["prefill_int8"] is wanted
 
 
 def test_prefill_int8_is_for_int4_on_onnxruntime():
