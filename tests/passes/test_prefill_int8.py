@@ -176,3 +176,21 @@ def test_int8_per_column_rule():
     q, scale = int8_per_column(w)
     assert q.dtype == np.int8 and np.abs(q).max() == 127 and scale[3] == 1.0 and not q[:, 3].any()
     assert np.abs(q * scale - w).max() <= scale.max() / 2 + 1e-7
+
+
+def test_a_value_inside_the_span_can_be_asked_for():
+    """dstc's runners ask for inner values as extra outputs (a router's choice: toolchain/runtime/engines.py
+    with_extra_outputs): inside the If, each branch gives its own, the decode branch the span's as it was."""
+    from toolchain.runtime.engines import with_extra_outputs
+
+    model = chain_model()
+    before = with_extra_outputs(model, ["ya"])
+    PrefillInt8()(model)
+    after = with_extra_outputs(model, ["ya"])
+    x = x_of(1, 2)
+    np.testing.assert_array_equal(run_ort(after, {"x": x})[2], run_ort(before, {"x": x})[2])
+    x = x_of(16, 2)
+    prompt, nbits = run_ort(after, {"x": x})[2], run_ort(before, {"x": x})[2]
+    assert not np.array_equal(prompt, nbits) and np.abs(prompt - nbits).max() < 0.03 * np.abs(nbits).max()
+    with pytest.raises(ValueError, match="no value named 'nowhere'"):
+        with_extra_outputs(model, ["nowhere"])
