@@ -76,8 +76,8 @@ from toolchain.hardware import cpu_line, describe_cpu  # noqa: E402
 DSTC = [sys.executable, "-m", "toolchain"]
 WIDTHS = {"qwen-1.5b": "deepseek-r1-distill-qwen-1.5b", "qwen-7b": "deepseek-r1-distill-qwen-7b",
           "llama-8b": "deepseek-r1-distill-llama-8b", "v2-lite": "deepseek-v2-lite", "v3": "deepseek-v3"}
-CONTENDERS = ("dstc-ort", "dstc-ort-prefill8", "dstc-ort-noprefill8", "dstc-ort-genai", "dstc-ov", "dstc-ov-genai", "optimum-ov-genai",
-              "ortgenai-builder", "llamacpp-q4km")
+CONTENDERS = ("dstc-ort", "dstc-ort-prefill8", "dstc-ort-noprefill8", "dstc-ort-genai", "dstc-ov", "dstc-ov-genai",
+              "optimum-ov-genai", "ortgenai-builder", "llamacpp-q4km")
 GiB = 1 << 30
 WARMUP_TOKENS = 4
 
@@ -212,8 +212,8 @@ def _prompt(vocab: int, seed: int = 0) -> list[int]:
 def worker(kind: str, path: Path, vocab: int) -> dict:
     prompt, new, threads = _prompt(vocab), ARGS.new_tokens, ARGS.threads
     started = time.perf_counter()
-    run = {"dstc-ort": _dstc, "dstc-ort-prefill8": _dstc, "dstc-ort-noprefill8": _dstc, "dstc-ov": _dstc, "dstc-ort-genai": _ortgenai,
-           "ortgenai-builder": _ortgenai,
+    run = {"dstc-ort": _dstc, "dstc-ort-prefill8": _dstc, "dstc-ort-noprefill8": _dstc, "dstc-ov": _dstc,
+           "dstc-ort-genai": _ortgenai, "ortgenai-builder": _ortgenai,
            "dstc-ov-genai": _ovgenai, "optimum-ov-genai": _ovgenai, "llamacpp-q4km": _llamacpp}[kind]
     generate = run(path, threads)
     load_s = time.perf_counter() - started
