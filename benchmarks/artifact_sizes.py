@@ -150,7 +150,7 @@ def footprint(kind: str, path: Path, active_experts: float = 1.0) -> dict:
     """Bytes read per token (weights but the table; of the routed experts' weights the share ``active_experts``,
     experts per token over routed experts, that one token reads at batch 1), and KV-cache bytes per token with
     its precision."""
-    if kind in ("dstc-ort", "dstc-ort-prefill8", "dstc-ort-genai", "ortgenai-builder"):
+    if kind in ("dstc-ort", "dstc-ort-prefill8", "dstc-ort-noprefill8", "dstc-ort-genai", "ortgenai-builder"):
         total, table, kv, experts = _onnx_sizes(path / "model.onnx")
         precision = "f32"
     elif kind == "llamacpp-q4km":

@@ -3,9 +3,11 @@
 Contenders (each skipped, with the reason printed and in the JSON, where it does not install, refuses the model or
 cannot describe it):
 
-* ``dstc-ort``: dstc's ONNX Runtime INT4 artifact on dstc's runner (IO binding);
-* ``dstc-ort-prefill8``: the same build with ``compress.prefill_int8`` (an int8 copy of the 4-bit weights that
-  prompts read through DynamicQuantizeMatMul, passes/quantize/prefill_int8.py), on dstc's runner;
+* ``dstc-ort``: dstc's ONNX Runtime INT4 artifact on dstc's runner (IO binding), as the recipe's defaults build it
+  here: with ``compress.prefill_int8`` where this CPU has VNNI or AMX (int8 copies of the 4-bit weights that
+  prompts read through DynamicQuantizeMatMul, passes/quantize/prefill_int8.py);
+* ``dstc-ort-prefill8``: the same build with ``compress.prefill_int8`` on, on dstc's runner;
+* ``dstc-ort-noprefill8``: the same build with it off (4-bit MatMulNBits for prompts too), on dstc's runner;
 * ``dstc-ort-genai``: the same artifact on onnxruntime-genai (Qwen2 / Llama only: its config cannot describe MLA);
 * ``dstc-ov``: dstc's OpenVINO INT4 artifact on dstc's runner (stateful infer request, deployment defaults);
 * ``dstc-ov-genai``: the same artifact on openvino_genai.LLMPipeline;
@@ -74,8 +76,8 @@ from toolchain.hardware import cpu_line, describe_cpu  # noqa: E402
 DSTC = [sys.executable, "-m", "toolchain"]
 WIDTHS = {"qwen-1.5b": "deepseek-r1-distill-qwen-1.5b", "qwen-7b": "deepseek-r1-distill-qwen-7b",
           "llama-8b": "deepseek-r1-distill-llama-8b", "v2-lite": "deepseek-v2-lite", "v3": "deepseek-v3"}
-CONTENDERS = ("dstc-ort", "dstc-ort-prefill8", "dstc-ort-genai", "dstc-ov", "dstc-ov-genai", "optimum-ov-genai",
-              "ortgenai-builder", "llamacpp-q4km")
+CONTENDERS = ("dstc-ort", "dstc-ort-prefill8", "dstc-ort-noprefill8", "dstc-ort-genai", "dstc-ov", "dstc-ov-genai",
+              "optimum-ov-genai", "ortgenai-builder", "llamacpp-q4km")
 GiB = 1 << 30
 WARMUP_TOKENS = 4
 
@@ -210,8 +212,8 @@ def _prompt(vocab: int, seed: int = 0) -> list[int]:
 def worker(kind: str, path: Path, vocab: int) -> dict:
     prompt, new, threads = _prompt(vocab), ARGS.new_tokens, ARGS.threads
     started = time.perf_counter()
-    run = {"dstc-ort": _dstc, "dstc-ort-prefill8": _dstc, "dstc-ov": _dstc, "dstc-ort-genai": _ortgenai,
-           "ortgenai-builder": _ortgenai,
+    run = {"dstc-ort": _dstc, "dstc-ort-prefill8": _dstc, "dstc-ort-noprefill8": _dstc, "dstc-ov": _dstc,
+           "dstc-ort-genai": _ortgenai, "ortgenai-builder": _ortgenai,
            "dstc-ov-genai": _ovgenai, "optimum-ov-genai": _ovgenai, "llamacpp-q4km": _llamacpp}[kind]
     generate = run(path, threads)
     load_s = time.perf_counter() - started
@@ -371,6 +373,9 @@ def prepare(width: str, work: Path, wanted: list[str]) -> tuple[dict, dict, dict
         "dstc-ort": (work / "dstc-ort", lambda out: build_dstc(checkpoint, "onnxruntime", out, work, max_rss)),
         "dstc-ort-prefill8": (work / "dstc-ort-prefill8",
                               lambda out: build_dstc(checkpoint, "onnxruntime", out, work, max_rss, prefill_int8=True)),
+        "dstc-ort-noprefill8": (work / "dstc-ort-noprefill8",
+                                lambda out: build_dstc(checkpoint, "onnxruntime", out, work, max_rss,
+                                                       prefill_int8=False)),
         "dstc-ov": (work / "dstc-ov", lambda out: build_dstc(checkpoint, "openvino", out, work, max_rss)),
         "optimum-ov-genai": (work / "optimum", lambda out: build_optimum(checkpoint, out, max_rss)),
         "ortgenai-builder": (work / "builder", lambda out: build_ortgenai(checkpoint, out, work, max_rss)),
@@ -579,7 +584,8 @@ def main() -> None:
 
 
 # the directory each contender's build is in, under a width's work directory (prepare's layout)
-BUILD_DIRS = {"dstc-ort": "dstc-ort", "dstc-ort-prefill8": "dstc-ort-prefill8", "dstc-ort-genai": "dstc-ort",
+BUILD_DIRS = {"dstc-ort": "dstc-ort", "dstc-ort-prefill8": "dstc-ort-prefill8",
+              "dstc-ort-noprefill8": "dstc-ort-noprefill8", "dstc-ort-genai": "dstc-ort",
               "dstc-ov": "dstc-ov", "dstc-ov-genai": "dstc-ov",
               "optimum-ov-genai": "optimum", "ortgenai-builder": "builder", "llamacpp-q4km": "llamacpp"}
 

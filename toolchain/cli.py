@@ -143,7 +143,8 @@ COMPRESS_HELP = {
     "int8": "Matching weights/nodes in INT8 per output channel (name or regex; ignore wins over it).",
     "accuracy_level": "MatMulNBits compute precision on onnxruntime (4: int8 activations, fastest).",
     "prefill_int8": "onnxruntime, int4: also store each 4-bit weight in int8 per column for prompts of 8+ tokens "
-                    "(DynamicQuantizeMatMul on the int8 GEMM, AMX/VNNI): faster prefill, 3x the weight bytes.",
+                    "(DynamicQuantizeMatMul on the int8 GEMM, AMX/VNNI): faster prefill, 3x the 4-bit weights' "
+                    "bytes. Default: on where this CPU has VNNI or AMX.",
     "embeddings": "Precision of the token embeddings.",
     "lm_head": "Precision of the output projection.",
     "router": "MoE router weights ('scheme': the scheme's precision).",

@@ -63,6 +63,15 @@ def cpu_line(cpu: dict | None = None) -> str:
     return line + (f", {cpu['logical_cores']} logical cores" if cpu.get("logical_cores") else "")
 
 
+# x86 extensions with an int8 dot product (u8 x s8 -> s32) that MLAS's u8s8 GEMM, ORT's DynamicQuantizeMatMul, runs
+# on: where a CPU has one, a prompt through it beats MatMulNBits' 4-bit kernels (passes/quantize/prefill_int8.py)
+INT8_DOT_PRODUCT = ("avx512_vnni", "avx_vnni", "amx_int8")
+
+
+def has_int8_dot_product() -> bool:
+    return any(name in cpu_flags() for name in INT8_DOT_PRODUCT)
+
+
 def memory_bytes() -> int:
     """Physical RAM of this machine."""
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")

@@ -4,6 +4,7 @@ the policy for sensitive weights, and error metrics that can fail."""
 from __future__ import annotations
 
 import json
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -104,8 +105,12 @@ def test_compress_every_scheme_architecture_and_target(arch, target, scheme, run
         assert report["routing"] == []
     if target == "onnxruntime":
         # MatMulNBits is 2-D: MLA's absorbed kv_b_proj halves ([heads, K, N], read by a batched MatMul) are not
-        assert report["details"]["onnxruntime_kernels"]["MatMulNBits"] == len(
+        # compressed, and a calibration prompt runs prefill-int8's 4-bit weights through DynamicQuantizeMatMul (on
+        # by default where the CPU has VNNI / AMX)
+        kernels = report["details"]["onnxruntime_kernels"]
+        assert kernels["MatMulNBits"] + kernels.get("DynamicQuantizeMatMul", 0) == len(
             [r for r in rows if r["precision"] != "fp32" and r["role"] != "embeddings" and len(r["shape"]) == 2])
+        assert kernels.get("DynamicQuantizeMatMul", 0) == report["details"]["ort_rewrites"].get("prefill_int8", 0)
         session = ort.InferenceSession(str(out / "model.onnx"), providers=["CPUExecutionProvider"])
         (logits,) = session.run(["logits"], feeds_for(out / "model.onnx"))
         assert np.isfinite(logits).all()
@@ -118,17 +123,19 @@ def test_compress_every_scheme_architecture_and_target(arch, target, scheme, run
 
 @pytest.mark.parametrize("streaming", ["never", "always"])
 def test_prefill_int8_gives_every_4bit_weight_a_prompt_branch(runs, streaming):
-    """compress.prefill_int8: each 4-bit MatMulNBits behind If(rows >= 8), its int8 copy written with the graph
-    (lazily, in both compression paths); a one-token step computes what the plain artifact does, bit for bit, and
-    a 9-token prompt stays close to it."""
-    plain_report, plain = runs("qwen2", "onnxruntime", "int4-grouped", streaming=streaming)
+    """compress.prefill_int8: the decoder's 4-bit MatMulNBits behind one If(rows >= 8) whose prompt branch reads
+    their int8 copies, written with the graph (lazily, in both compression paths); a one-token step computes what
+    the plain artifact does, bit for bit, and a 9-token prompt stays close to it."""
+    plain_report, plain = runs("qwen2", "onnxruntime", "int4-grouped", streaming=streaming, prefill_int8=False)
     report, out = runs("qwen2", "onnxruntime", "int4-grouped", streaming=streaming, prefill_int8=True)
     four_bit = [r for r in plain_report["per_weight"] if r["precision"].startswith("int4")]
     assert report["details"]["ort_rewrites"]["prefill_int8"] == len(four_bit) > 0
     assert report["options"]["prefill_int8"] and not plain_report["options"]["prefill_int8"]
     graph = onnx.load(str(out / "model.onnx")).graph
-    ifs = [n for n in graph.node if n.op_type == "If"]
-    assert len(ifs) == len(four_bit)
+    (choose,) = [n for n in graph.node if n.op_type == "If"]
+    branches = {a.name: Counter(n.op_type for n in a.g.node) for a in choose.attribute}
+    assert branches["then_branch"]["DynamicQuantizeMatMul"] == branches["else_branch"]["MatMulNBits"] == len(four_bit)
+    assert "MatMulNBits" not in branches["then_branch"]
     int8 = [i for i in graph.initializer if i.name.endswith("_prefill_int8")]
     assert len(int8) == len(four_bit) and all(i.data_type == onnx.TensorProto.INT8 for i in int8)
     sessions = [ort.InferenceSession(str(d / "model.onnx"), providers=["CPUExecutionProvider"]) for d in (plain, out)]
@@ -138,6 +145,25 @@ def test_prefill_int8_gives_every_4bit_weight_a_prompt_branch(runs, streaming):
     step = feeds_for(out / "model.onnx", n=1)
     (a,), (b,) = (s.run(["logits"], step) for s in sessions)
     np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("int8_dot, target, scheme, given, wanted", [
+    (True, "onnxruntime", "int4-grouped", None, True),  # the default where the CPU has VNNI / AMX
+    (False, "onnxruntime", "int4-grouped", None, False),
+    (True, "openvino", "int4-grouped", None, False),
+    (True, "onnxruntime", "int8-per-channel", None, False),
+    (True, "onnxruntime", "int4-grouped", False, False),  # a recipe turns it off
+    (False, "onnxruntime", "int4-grouped", True, True),  # or on
+])
+def test_prefill_int8_defaults_to_the_building_cpu(monkeypatch, int8_dot, target, scheme, given, wanted):
+    from toolchain import recipe
+    from toolchain.stages.runner import compress_stage
+
+    monkeypatch.setattr(recipe, "has_int8_dot_product", lambda: int8_dot)
+    section = CompressSection(scheme=scheme, prefill_int8=given)
+    assert section.with_prefill_int8(target).prefill_int8 is wanted
+    # the stage's id (its configuration) says what is built
+    assert compress_stage(section, target, Path("/nowhere")).config["prefill_int8"] is wanted
 
 
 def test_prefill_int8_is_for_int4_on_onnxruntime():
@@ -150,7 +176,7 @@ def test_prefill_int8_is_for_int4_on_onnxruntime():
 
 
 def test_onnxruntime_runs_matmulnbits_with_accuracy_level(runs):
-    report, out = runs("deepseek_v3", "onnxruntime", "int4-grouped")
+    report, out = runs("deepseek_v3", "onnxruntime", "int4-grouped", prefill_int8=False)  # every MatMul in sight
     graph = onnx.load(str(out / "model.onnx")).graph
     nbits = [n for n in graph.node if n.op_type == "MatMulNBits"]
     assert {a.i for n in nbits for a in n.attribute if a.name == "accuracy_level"} == {4}
@@ -354,7 +380,7 @@ def test_onnxruntime_artifact_computes_with_the_measured_weights(arch, runs, exp
     replaced by the dequantized ones compression.json measured: nothing is lost or added between the two."""
     from toolchain.compress import metrics
 
-    report, out = runs(arch, "onnxruntime", "int4-grouped", accuracy_level=0)
+    report, out = runs(arch, "onnxruntime", "int4-grouped", accuracy_level=0, prefill_int8=False)
     base = ir.load(exports[arch] / "model.onnx")
     weights = engine.graph_weights(base)
     compressed = ir.load(out / "model.onnx")

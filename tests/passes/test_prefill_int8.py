@@ -1,17 +1,17 @@
-"""prefill-int8 (passes/quantize/prefill_int8.py): 4-bit MatMulNBits wrapped in If(rows >= 8) with an int8
-per-column DynamicQuantizeMatMul for prompts; decode rows run the MatMulNBits as before, bit for bit."""
+"""prefill-int8 (passes/quantize/prefill_int8.py): the span of 4-bit MatMulNBits under one If(rows >= 8), its
+copy for prompts on int8 per-column DynamicQuantizeMatMul; decode rows run the span as before, bit for bit."""
 
 from __future__ import annotations
 
 import numpy as np
 import onnx_ir as ir
 import pytest
+from passes_helpers import make_model, node, op_counts, run_ort, to_bytes
 
 from passes import create_pass, get_pass, validate_model
 from passes.quantize._weights import matmul_nbits_weight
 from passes.quantize.matmul_nbits import pack_nibbles
 from passes.quantize.prefill_int8 import PrefillInt8, int8_per_column
-from passes_helpers import make_model, node, op_counts, run_ort, to_bytes
 
 K, N, BLOCK = 96, 40, 32  # 3 blocks: an odd count, so the packed zero points have a padded nibble
 
@@ -86,19 +86,71 @@ def test_a_second_run_changes_nothing():
     assert (again.modified, again.counts) == (False, {}) and to_bytes(model) == once
 
 
-def test_one_condition_per_distinct_input():
-    """q/k/v (or gate/up) read one hidden state: they share one rows test."""
-    model = nbits_model()
-    proj = next(n for n in model.graph if n.op_type == "MatMulNBits")
-    twin = ir.node("MatMulNBits", list(proj.inputs), attributes=dict(proj.attributes), domain="com.microsoft",
-                   name="twin")
-    model.graph.insert_after(proj, twin)
-    relu = ir.node("Relu", [twin.outputs[0]])
-    model.graph.insert_after(twin, relu)
-    relu.outputs[0].name = "y2"
-    model.graph.outputs.append(relu.outputs[0])
-    assert PrefillInt8()(model).counts == {"prefill_int8": 2}
-    assert op_counts(model)["Greater"] == 1 and op_counts(model)["If"] == 2
+def chain_model(seed: int = 0) -> ir.Model:
+    """x [B, S, K] -> a (K x K) -> Relu r -> b (K x K) -> Add x -> Neg h -> l (K x K) -> logits; r is an
+    output too (as a present KV cache is): the span is a..b, the lm_head l stays out of it."""
+    rng = np.random.default_rng(seed)
+    blocks = K // BLOCK
+    nodes, inits = [], {}
+    for name, src, dst in (("a", "x", "ya"), ("b", "r", "yb"), ("l", "h", "logits")):
+        inits[f"B_{name}"] = pack_nibbles(rng.integers(0, 16, (K, blocks, BLOCK), dtype=np.uint8))
+        inits[f"s_{name}"] = rng.random((K, blocks), dtype=np.float32) * 0.05 + 0.01
+        nodes.append(node("MatMulNBits", [src, f"B_{name}", f"s_{name}"], [dst], domain="com.microsoft", name=name,
+                          K=K, N=K, bits=4, block_size=BLOCK, accuracy_level=4))
+    nodes[1:1] = [node("Relu", ["ya"], ["r"])]
+    nodes[3:3] = [node("Add", ["yb", "x"], ["res"]), node("Neg", ["res"], ["h"])]
+    model = make_model(nodes, {"x": ["batch", "seq", K]}, ["logits", "r"], inits, infer_shapes=False)
+    model.opset_imports["com.microsoft"] = 1
+    for out in model.graph.outputs:
+        out.dtype, out.shape = ir.DataType.FLOAT, ir.Shape(["batch", "seq", K])
+    return model
+
+
+def test_the_span_goes_under_one_if_and_the_lm_head_stays_out():
+    model = chain_model()
+    before = to_bytes(model)
+    weights = {n.name: matmul_nbits_weight(n) for n in model.graph if n.op_type == "MatMulNBits"}
+    pass_ = PrefillInt8()
+    result = pass_(model)
+    assert result.counts == {"prefill_int8": 2}
+    validate_model(model)
+    assert [n.op_type for n in model.graph] == ["Shape", "ReduceProd", "Greater", "If", "Add", "Neg", "MatMulNBits"]
+    choose = next(n for n in model.graph if n.op_type == "If")
+    branches = {name: attr.as_graph() for name, attr in choose.attributes.items()}
+    assert [n.op_type for n in branches["then_branch"]] == ["DynamicQuantizeMatMul", "Relu", "DynamicQuantizeMatMul"]
+    assert [n.op_type for n in branches["else_branch"]] == ["MatMulNBits", "Relu", "MatMulNBits"]
+    # every weight stored once, in the main graph: the 4-bit ones, the int8 copies of a and b (not of l)
+    assert all(not g.initializers for g in branches.values())
+    assert sorted(n for n in model.graph.initializers if n.endswith("_prefill_int8")) == ["B_a_prefill_int8",
+                                                                                          "B_b_prefill_int8"]
+    assert [m.reason for m in pass_.near_misses(model)] == [
+        "it computes a graph output (the lm_head reads one row a step)"]
+    assert [v.name for v in model.graph.outputs] == ["logits", "r"]
+    after = to_bytes(model)
+    for batch, rows in ((1, 1), (4, 1), (1, 7)):  # decode: the span as it was, bit for bit
+        x = x_of(rows, batch)
+        for got, want in zip(run_ort(after, {"x": x}), run_ort(before, {"x": x})):
+            np.testing.assert_array_equal(got, want)
+    x = x_of(16, 2)  # a prompt: close to the 4-bit weights' exact product
+    r = np.maximum(x @ weights["a"], 0)
+    exact = [-(r @ weights["b"] + x) @ weights["l"], r]  # logits, r
+    prompt, nbits = run_ort(after, {"x": x}), run_ort(before, {"x": x})
+    for want, got, old in zip(exact, prompt, nbits):
+        scale = np.abs(want).max()
+        assert np.abs(got - want).max() < 0.03 * scale and np.abs(old - want).max() < 0.03 * scale
+        assert not np.array_equal(got, old)  # the prompt branch ran
+
+
+def test_a_node_with_subgraphs_in_the_span_is_left_alone():
+    model = chain_model()
+    relu = next(n for n in model.graph if n.op_type == "Relu")
+    branch = ir.Graph([], [], nodes=[], name="empty")
+    relu.attributes["body"] = ir.AttrGraph("body", branch)
+    before = to_bytes(model)
+    pass_ = PrefillInt8()
+    result = pass_(model)
+    assert (result.modified, result.counts) == (False, {}) and to_bytes(model) == before
+    assert "a node with subgraphs between the 4-bit MatMulNBits" in [m.reason for m in pass_.near_misses(model)]
 
 
 @pytest.mark.parametrize("case", ["8-bit", "g_idx"])
@@ -124,3 +176,21 @@ def test_int8_per_column_rule():
     q, scale = int8_per_column(w)
     assert q.dtype == np.int8 and np.abs(q).max() == 127 and scale[3] == 1.0 and not q[:, 3].any()
     assert np.abs(q * scale - w).max() <= scale.max() / 2 + 1e-7
+
+
+def test_a_value_inside_the_span_can_be_asked_for():
+    """dstc's runners ask for inner values as extra outputs (a router's choice: toolchain/runtime/engines.py
+    with_extra_outputs): inside the If, each branch gives its own, the decode branch the span's as it was."""
+    from toolchain.runtime.engines import with_extra_outputs
+
+    model = chain_model()
+    before = with_extra_outputs(model, ["ya"])
+    PrefillInt8()(model)
+    after = with_extra_outputs(model, ["ya"])
+    x = x_of(1, 2)
+    np.testing.assert_array_equal(run_ort(after, {"x": x})[2], run_ort(before, {"x": x})[2])
+    x = x_of(16, 2)
+    prompt, nbits = run_ort(after, {"x": x})[2], run_ort(before, {"x": x})[2]
+    assert not np.array_equal(prompt, nbits) and np.abs(prompt - nbits).max() < 0.03 * np.abs(nbits).max()
+    with pytest.raises(ValueError, match="no value named 'nowhere'"):
+        with_extra_outputs(model, ["nowhere"])

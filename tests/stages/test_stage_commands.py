@@ -91,8 +91,9 @@ def test_compress_and_compile_commands_chain_cache_and_refuse_what_a_recipe_refu
                         "--sym")
     assert code == 0, err
     record = StageRecord.read(compressed / STAGE_RECORD)
-    assert record.config == {"target": "onnxruntime", **CompressSection(scheme="int8-per-channel", sym=True)
-                             .model_dump(mode="json")}
+    # prefill_int8 decided (int4-grouped only): the id says what was built
+    assert record.config == {"target": "onnxruntime", **CompressSection(scheme="int8-per-channel", sym=True,
+                                                                        prefill_int8=False).model_dump(mode="json")}
     assert CompressionReport.read(compressed / "compression.json").options.sym
     # the same input, options and code: from the cache; another target is another stage
     code, err = run_cli(monkeypatch, capsys, "compress", exported, "-o", tmp_path / "c2", "--scheme",

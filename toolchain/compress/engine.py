@@ -253,7 +253,7 @@ def compress_openvino(onnx_model: ir.Model, plan: dict[str, str], options: Optio
     return model, details
 
 
-def to_ort_kernels(model: ir.Model, accuracy_level: int | None, prefill_int8: bool = False) -> dict:
+def to_ort_kernels(model: ir.Model, accuracy_level: int | None, prefill_int8: bool | None = False) -> dict:
     counts = dict(cast(CountedResult, ToMatMulNBits(accuracy_level)(model)).counts)  # a CountingPass's result
     if prefill_int8:
         counts.update(cast(CountedResult, PrefillInt8()(model)).counts)

@@ -79,11 +79,40 @@ def with_extra_outputs(model, names: Sequence[str]) -> bytes:
     known = {v for node in proto.graph.node for v in node.output} | {i.name for i in proto.graph.input}
     present = {o.name for o in proto.graph.output}
     for name in names:
-        if name not in known:
+        if name not in known and not _expose_from_prefill_branches(proto.graph, name):
             raise ValueError(f"the graph has no value named {name!r}")
         if name not in present:
             proto.graph.output.append(onnx.ValueInfoProto(name=name))
     return proto.SerializeToString()
+
+
+def _expose_from_prefill_branches(graph, name: str) -> bool:
+    """A value inside prefill-int8's If (passes/quantize/prefill_int8.py: the decoder's span in the else-branch as
+    it was, its copy for prompts in the then-branch, each copied value named ``NAME/prefill``), made an output of
+    the If: each branch outputs its own (renamed ``NAME/decode`` in the else-branch, so that only the If's output
+    is NAME). False where no If holds it."""
+    import onnx
+
+    for node in graph.node:
+        branches = {a.name: a.g for a in node.attribute if a.type == onnx.AttributeProto.GRAPH}
+        decode, prompt = branches.get("else_branch"), branches.get("then_branch")
+        if node.op_type != "If" or decode is None or prompt is None:
+            continue
+        if not any(name in n.output for n in decode.node) or not any(f"{name}/prefill" in n.output
+                                                                     for n in prompt.node):
+            continue
+        inner = f"{name}/decode"
+        for inner_node in decode.node:
+            inner_node.input[:] = [inner if v == name else v for v in inner_node.input]
+            inner_node.output[:] = [inner if v == name else v for v in inner_node.output]
+        for info in decode.value_info:
+            if info.name == name:
+                info.name = inner
+        decode.output.append(onnx.ValueInfoProto(name=inner))
+        prompt.output.append(onnx.ValueInfoProto(name=f"{name}/prefill"))
+        node.output.append(name)
+        return True
+    return False
 
 
 def openvino_read(path: Path | str):

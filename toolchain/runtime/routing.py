@@ -64,18 +64,22 @@ def _onnx_dispatch_indices(path: Path, consumers: tuple[str | None, tuple[str, .
 
     direct, of_scatter = consumers
     graph = onnx.load(str(path), load_external_data=False).graph
+    # an If's else-branch in its place: prefill-int8's span of the decoder as it was (passes/quantize/
+    # prefill_int8.py; runners ask for its values as extra outputs, toolchain/runtime/engines.py)
+    nodes = [inner for node in graph.node for inner in
+             next((a.g.node for a in node.attribute if node.op_type == "If" and a.name == "else_branch"), [node])]
     consumed_by: dict[str, set[str]] = {}
-    for node in graph.node:
+    for node in nodes:
         for name in node.input:
             consumed_by.setdefault(name, set()).add(node.op_type)
-    scattered = {node.input[1] for node in graph.node if node.op_type == "ScatterElements"
+    scattered = {node.input[1] for node in nodes if node.op_type == "ScatterElements"
                  and consumed_by.get(node.output[0], set()) & set(of_scatter)}
     tables = {t.name for t in graph.initializer}
 
     def feeds_experts(name: str) -> bool:
         return direct in consumed_by.get(name, set()) or name in scattered
 
-    return [out for node in graph.node for out in
+    return [out for node in nodes for out in
             ([node.output[1]] if node.op_type == "TopK" and len(node.output) > 1 else
              [node.output[0]] if node.op_type == "Gather" and node.input[0] in tables else []) if feeds_experts(out)]
 

@@ -140,6 +140,7 @@ def compress(in_dir: Path, out_dir: Path, section: CompressSection, *, target: s
     """
     in_dir, out_dir = Path(in_dir), Path(out_dir)
     check_target(section, target)
+    section = section.with_prefill_int8(target)
     report, source = read_export(in_dir, source)
     if section.scheme == "shipped":
         shipped.check_source(source, target)

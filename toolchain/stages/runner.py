@@ -104,6 +104,8 @@ def compress_stage(section: CompressSection, target: str, source: Path) -> Stage
     # each stage's code loads when its stage is made: `dstc compile` needs no exporter
     from toolchain.stages.compress import compress
 
+    # decided here, so that the stage's id and report say what was built
+    section = section.with_prefill_int8(target)
     # inp: a stage after export has one (the previous stage's output)
     return Stage("compress", {"target": target, **section.model_dump(mode="json")},
                  lambda inp, out, log: compress(inp, out, section, target=target, source=source,  # type: ignore[arg-type]
