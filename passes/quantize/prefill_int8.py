@@ -11,16 +11,19 @@ than MatMulNBits (56 ms), so the prompt path uses one scale per output column.
 
 The form. The span of the main graph from the first 4-bit MatMulNBits (no g_idx) to the last, in graph order (a
 decoder's layers: what the embedding, the masks and the positions feed, up to the final norm) becomes one
-``If(rows >= min_rows)``: the else-branch is the span as it was, the then-branch a copy of it in which each 4-bit
-MatMulNBits is DynamicQuantizeMatMul(A, W8, scale8[, bias]). Both branches read the weights, inputs and values
+``If(tokens >= min_tokens)``, tokens a row's (the sequence axis): the else-branch is the span as it was, the
+then-branch a copy of it in which each 4-bit MatMulNBits is DynamicQuantizeMatMul(A, W8, scale8[, bias]). Both branches read the weights, inputs and values
 computed before the span from the outer scope, so each is stored once; the If's outputs are what the span hands
 on (the hidden state, present.*). One If per forward: an If costs ~50 us a run in ORT 1.32, and one around each
 MatMul (the earlier form of this pass) made a decode step 1.1x slower. A MatMulNBits computing a graph output (an
 lm_head) stays out of the span: dstc's runner slices its input to the last positions
 (toolchain/runtime/last_logits.py), so prompts read one row of it, and it needs no int8 copy. W8 [K, N] is the
 MatMulNBits weight dequantized (its group scales and zero points) and requantized to symmetric int8 per output
-column, computed lazily when the graph is saved, so a pass over a large model holds one weight at a time. ``rows``
-is the product of the first 4-bit MatMul's input dims but the last (batch x sequence, as for all of them). Costs:
+column, computed lazily when the graph is saved, so a pass over a large model holds one weight at a time. The
+test reads the sequence axis of the first 4-bit MatMul's input, not batch x sequence: a batch of decode steps (a
+server's 16 rows of one token) stays on MatMulNBits, whose activations are quantized per row, so a row's result
+does not depend on the rows beside it; the prompt branch quantizes a whole prompt's activations with one scale.
+Costs:
 activations are quantized per tensor (uint8, one scale) at the prompt, instead of per block of 32-128 values in
 MatMulNBits, and the 4-bit weights are stored again in 8 bits (3x their bytes on disk; decode reads only the
 4-bit copy). A second run finds no MatMulNBits in the main graph's span and changes nothing; a span holding a node
@@ -40,7 +43,7 @@ from passes.graph import Names, name_of, present, produced, set_dtype
 from passes.quantize._weights import MS_DOMAIN, _attr_int, nbits_weight
 from passes.registry import register
 
-DEFAULT_MIN_ROWS = 8  # the measured crossover above, with margin
+DEFAULT_MIN_TOKENS = 8  # the measured crossover above, with margin
 
 
 def int8_per_column(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -69,12 +72,12 @@ def _dtype(value: ir.Value) -> ir.DataType | None:
 
 
 @register("prefill-int8", targets=("onnxruntime",),
-          description="the decoder's 4-bit MatMulNBits span -> one If(rows >= 8): DynamicQuantizeMatMul on int8 "
+          description="the decoder's 4-bit MatMulNBits span -> one If(tokens >= 8): DynamicQuantizeMatMul on int8 "
                       "per-column copies (prompt) else the span as it was (decode)")
 class PrefillInt8(CountingPass):
-    def __init__(self, min_rows: int = DEFAULT_MIN_ROWS) -> None:
+    def __init__(self, min_tokens: int = DEFAULT_MIN_TOKENS) -> None:
         super().__init__()
-        self.min_rows = min_rows
+        self.min_tokens = min_tokens
 
     def apply(self, model: ir.Model) -> Mapping[str, int]:
         graph = model.graph
@@ -146,12 +149,12 @@ class PrefillInt8(CountingPass):
         return True
 
     def _condition(self, graph: ir.Graph, names: Names, before: ir.Node, a: ir.Value) -> ir.Value:
-        """rows(a) >= min_rows as a bool scalar: ReduceProd(Shape(a)[:-1]) (opset 18's ReduceProd with no axes
-        reduces everything). ``a`` is the first 4-bit MatMul's input: batch x sequence, as for every other."""
+        """tokens(a) >= min_tokens as a bool scalar: ReduceProd(Shape(a)[-2:-1]) (opset 18's ReduceProd with no axes
+        reduces everything). ``a`` is the first 4-bit MatMul's input [..., sequence, hidden], as every other's."""
         base = names.fresh(f"{a.name}_prefill")
-        shape = ir.node("Shape", [a], attributes={"end": -1}, name=f"{base}/Shape")
+        shape = ir.node("Shape", [a], attributes={"start": -2, "end": -1}, name=f"{base}/Shape")
         rows = ir.node("ReduceProd", [shape.outputs[0]], attributes={"keepdims": 0}, name=f"{base}/ReduceProd")
-        limit = names.add_initializer(np.array(self.min_rows - 1, np.int64), f"{base}_min_rows")
+        limit = names.add_initializer(np.array(self.min_tokens - 1, np.int64), f"{base}_min_tokens")
         test = ir.node("Greater", [rows.outputs[0], limit], name=f"{base}/Greater")
         for n in (shape, rows, test):
             n.outputs[0].name = names.fresh(f"{n.name}/out")

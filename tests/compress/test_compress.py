@@ -123,7 +123,7 @@ def test_compress_every_scheme_architecture_and_target(arch, target, scheme, run
 
 @pytest.mark.parametrize("streaming", ["never", "always"])
 def test_prefill_int8_gives_every_4bit_weight_a_prompt_branch(runs, streaming):
-    """compress.prefill_int8: the decoder's 4-bit MatMulNBits behind one If(rows >= 8) whose prompt branch reads
+    """compress.prefill_int8: the decoder's 4-bit MatMulNBits behind one If(tokens >= 8) whose prompt branch reads
     their int8 copies, written with the graph (lazily, in both compression paths); a one-token step computes what
     the plain artifact does, bit for bit, and a 9-token prompt stays close to it."""
     plain_report, plain = runs("qwen2", "onnxruntime", "int4-grouped", streaming=streaming, prefill_int8=False)

@@ -1,4 +1,4 @@
-"""prefill-int8 (passes/quantize/prefill_int8.py): the span of 4-bit MatMulNBits under one If(rows >= 8), its
+"""prefill-int8 (passes/quantize/prefill_int8.py): the span of 4-bit MatMulNBits under one If(tokens >= 8), its
 copy for prompts on int8 per-column DynamicQuantizeMatMul; decode rows run the span as before, bit for bit."""
 
 from __future__ import annotations
@@ -65,8 +65,9 @@ def test_wraps_each_4bit_matmul_and_keeps_decode_exact(bias, zero_points):
                   for attr in n.attributes.values()}
     assert branch_ops == {"then_branch": ["DynamicQuantizeMatMul"], "else_branch": ["MatMulNBits"]}
     after = to_bytes(model)
-    # decode: 1 to 7 rows (batch x sequence) take the MatMulNBits branch: identical outputs
-    for batch, rows in ((1, 1), (4, 1), (1, 7)):
+    # decode: 1 to 7 tokens a row take the MatMulNBits branch, however many rows (a server's batch of steps):
+    # identical outputs
+    for batch, rows in ((1, 1), (4, 1), (16, 1), (2, 7)):
         x = x_of(rows, batch)
         np.testing.assert_array_equal(run_ort(after, {"x": x})[0], run_ort(before, {"x": x})[0])
     # a prompt: int8 weights per column and uint8 activations per tensor, close to the 4-bit product
@@ -127,7 +128,7 @@ def test_the_span_goes_under_one_if_and_the_lm_head_stays_out():
         "it computes a graph output (the lm_head reads one row a step)"]
     assert [v.name for v in model.graph.outputs] == ["logits", "r"]
     after = to_bytes(model)
-    for batch, rows in ((1, 1), (4, 1), (1, 7)):  # decode: the span as it was, bit for bit
+    for batch, rows in ((1, 1), (16, 1), (2, 7)):  # decode: the span as it was, bit for bit
         x = x_of(rows, batch)
         for got, want in zip(run_ort(after, {"x": x}), run_ort(before, {"x": x})):
             np.testing.assert_array_equal(got, want)
