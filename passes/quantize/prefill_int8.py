@@ -12,8 +12,8 @@ than MatMulNBits (56 ms), so the prompt path uses one scale per output column.
 The form. The span of the main graph from the first 4-bit MatMulNBits (no g_idx) to the last, in graph order (a
 decoder's layers: what the embedding, the masks and the positions feed, up to the final norm) becomes one
 ``If(tokens >= min_tokens)``, tokens a row's (the sequence axis): the else-branch is the span as it was, the
-then-branch a copy of it in which each 4-bit MatMulNBits is DynamicQuantizeMatMul(A, W8, scale8[, bias]). Both branches read the weights, inputs and values
-computed before the span from the outer scope, so each is stored once; the If's outputs are what the span hands
+then-branch a copy of it in which each 4-bit MatMulNBits is DynamicQuantizeMatMul(A, W8, scale8[, bias]). Both
+branches read the weights, inputs and values computed before the span from the outer scope, so each is stored once; the If's outputs are what the span hands
 on (the hidden state, present.*). One If per forward: an If costs ~50 us a run in ORT 1.32, and one around each
 MatMul (the earlier form of this pass) made a decode step 1.1x slower. A MatMulNBits computing a graph output (an
 lm_head) stays out of the span: dstc's runner slices its input to the last positions
