@@ -13,21 +13,20 @@ The form. The span of the main graph from the first 4-bit MatMulNBits (no g_idx)
 decoder's layers: what the embedding, the masks and the positions feed, up to the final norm) becomes one
 ``If(tokens >= min_tokens)``, tokens a row's (the sequence axis): the else-branch is the span as it was, the
 then-branch a copy of it in which each 4-bit MatMulNBits is DynamicQuantizeMatMul(A, W8, scale8[, bias]). Both
-branches read the weights, inputs and values computed before the span from the outer scope, so each is stored once; the If's outputs are what the span hands
-on (the hidden state, present.*). One If per forward: an If costs ~50 us a run in ORT 1.32, and one around each
-MatMul (the earlier form of this pass) made a decode step 1.1x slower. A MatMulNBits computing a graph output (an
-lm_head) stays out of the span: dstc's runner slices its input to the last positions
-(toolchain/runtime/last_logits.py), so prompts read one row of it, and it needs no int8 copy. W8 [K, N] is the
-MatMulNBits weight dequantized (its group scales and zero points) and requantized to symmetric int8 per output
-column, computed lazily when the graph is saved, so a pass over a large model holds one weight at a time. The
-test reads the sequence axis of the first 4-bit MatMul's input, not batch x sequence: a batch of decode steps (a
-server's 16 rows of one token) stays on MatMulNBits, whose activations are quantized per row, so a row's result
-does not depend on the rows beside it; the prompt branch quantizes a whole prompt's activations with one scale.
-Costs:
+branches read the weights, inputs and values computed before the span from the outer scope, so each is stored once;
+the If's outputs are what the span hands on (the hidden state, present.*). One If per forward: an If costs ~50 us a
+run in ORT 1.32, and one around each MatMul (the earlier form of this pass) made a decode step 1.1x slower. A
+MatMulNBits computing a graph output (an lm_head) stays out of the span: dstc's runner slices its input to the last
+positions (toolchain/runtime/last_logits.py), so prompts read one row of it, and it needs no int8 copy. W8 [K, N] is
+the MatMulNBits weight dequantized (its group scales and zero points) and requantized to symmetric int8 per output
+column, computed lazily when the graph is saved, so a pass over a large model holds one weight at a time. The test
+reads the sequence axis of the first 4-bit MatMul's input, not batch x sequence: a batch of decode steps (a server's
+16 rows of one token) stays on MatMulNBits, whose activations are quantized per row, so a row's result does not
+depend on the rows beside it; the prompt branch quantizes a whole prompt's activations with one scale. Costs:
 activations are quantized per tensor (uint8, one scale) at the prompt, instead of per block of 32-128 values in
-MatMulNBits, and the 4-bit weights are stored again in 8 bits (3x their bytes on disk; decode reads only the
-4-bit copy). A second run finds no MatMulNBits in the main graph's span and changes nothing; a span holding a node
-with subgraphs of its own is left alone.
+MatMulNBits, and the 4-bit weights are stored again in 8 bits (3x their bytes on disk; decode reads only the 4-bit
+copy). A second run finds no MatMulNBits in the main graph's span and changes nothing; a span holding a node with
+subgraphs of its own is left alone.
 """
 
 from __future__ import annotations
