@@ -123,3 +123,31 @@ def test_the_shipped_onnx_graph_names_its_formats(exports, tmp_path):
     codes = [t for t in model.graph.initializer if t.name.endswith("/shipped_codes")]
     assert codes and {t.data_type for t in codes} == {onnx.TensorProto.FLOAT8E4M3FN}
     assert next(o.version for o in model.opset_import if o.domain in ("", "ai.onnx")) == 21
+
+
+@pytest.mark.parametrize("name,target", [("v3-ue8m0", "onnxruntime"),
+                                         pytest.param("v4", "openvino", marks=pytest.mark.slow)])
+def test_streamed_shipped_writes_the_whole_model_paths_graph(exports, tmp_path, name, target):
+    """An export too large for the whole-model path (streaming: always here) keeps its codes one weight at a time:
+    the same DequantizeLinear weights as the whole-model path, each measured against the export's weight as it
+    is written (FP4 / FP8 with power-of-two scales: exactly), the run on calibration text left unmeasured."""
+    _, exported = exports[name]
+    streamed = compress(exported, tmp_path / "streamed", SHIPPED.model_copy(update={"streaming": "always"}),
+                        target=target)
+    whole = compress(exported, tmp_path / "whole", SHIPPED, target="onnxruntime" if name == "v3-ue8m0" else target)
+    assert streamed["streaming"] and streamed["model"]["kl_mean"] is None
+    assert streamed["details"]["shipped"] == whole["details"]["shipped"]
+    rows = {r["weight"]: r for r in streamed["per_weight"]}
+    for row in whole["per_weight"]:
+        mine = rows[row["weight"]]
+        assert mine["planned"] == row["planned"] and mine["precision"].startswith(row["precision"]), row["weight"]
+        if row["planned"] == "shipped":
+            assert mine["weight_error"] == 0.0 and mine["bits_per_weight"] == pytest.approx(row["bits_per_weight"])
+    streamed_graph = onnx.load(tmp_path / "streamed" / "model.onnx")
+    codes = {t.name: t for t in streamed_graph.graph.initializer if t.name.endswith("/shipped_codes")}
+    assert len(codes) == sum(whole["details"]["shipped"].values())
+    if target == "onnxruntime":  # the very tensors the whole-model path writes
+        reference = {t.name: t for t in onnx.load(tmp_path / "whole" / "model.onnx").graph.initializer}
+        for tensor_name, tensor in codes.items():
+            assert onnx.numpy_helper.to_array(tensor).tobytes() == \
+                onnx.numpy_helper.to_array(reference[tensor_name]).tobytes()

@@ -38,6 +38,8 @@ import onnx_ir as ir
 from passes.graph import stored_weight, tensor_of
 from toolchain.checkpoint.reader import CheckpointReader, Shipped, read_config
 from toolchain.compress.engine import Weight
+from toolchain.compress.metrics import relative_error
+from toolchain.compress.streaming import ComputedOnSave
 from toolchain.errors import InputError
 from toolchain.interface.graph import SOURCE
 
@@ -61,10 +63,14 @@ class Source:
         return math.gcd(k, self.form.block[1])
 
     @property
+    def precision(self) -> str:
+        """The weight's precision in compression.json: its codes' format, fp8-e4m3 or fp4-e2m1."""
+        return {"f8e4m3": "fp8-e4m3", "f4e2m1": "fp4-e2m1"}[self.form.format]
+
+    @property
     def label(self) -> str:
-        """The precision compression.json gives the weight, e.g. fp8-e4m3-b128x128-f32 (codes, block, scales)."""
-        kind = {"f8e4m3": "fp8-e4m3", "f4e2m1": "fp4-e2m1"}[self.form.format]
-        return f"{kind}-b{self.form.block[0]}x{self.form.block[1]}-{self.form.scale_format}"
+        """How compression.json counts the weight, e.g. fp8-e4m3-b128x128-f32 (codes, block, scales)."""
+        return f"{self.precision}-b{self.form.block[0]}x{self.form.block[1]}-{self.form.scale_format}"
 
 
 def ort_problem(checkpoint_config: dict) -> str | None:
@@ -112,15 +118,15 @@ def sources(model: ir.Model, weights: list[Weight], reader: CheckpointReader) ->
     return out
 
 
-def _codes(reader: CheckpointReader, source: Source) -> ir.TensorProtocol:
+def _codes(reader: CheckpointReader, source: Source) -> np.ndarray:
+    """The graph weight's codes [in, out] (the checkpoint tensor's, transposed)."""
     codes = reader.shipped_codes(source.tensor)
     if source.rows is not None:
         codes = codes[list(source.rows)]
-    dtype, _ = ONNX_TYPES[source.form.format]
-    return ir.tensor(np.ascontiguousarray(codes.T), dtype=dtype)
+    return np.ascontiguousarray(codes.T)
 
 
-def _scales(reader: CheckpointReader, source: Source) -> ir.TensorProtocol:
+def _scales(reader: CheckpointReader, source: Source) -> np.ndarray:
     """[ceil(in / bk), out]: each output channel's scales along its input (module docstring)."""
     scales = reader.shipped_scales(source.tensor)
     out_rows, k = source.form.shape
@@ -129,16 +135,51 @@ def _scales(reader: CheckpointReader, source: Source) -> ir.TensorProtocol:
     per_row = np.repeat(per_row, split, axis=1)[:, :k // source.block_k(k)]
     if source.rows is not None:
         per_row = per_row[list(source.rows)]
-    return ir.tensor(np.ascontiguousarray(per_row.T, np.float32))
+    return np.ascontiguousarray(per_row.T, np.float32)
+
+
+@dataclass
+class Job(ComputedOnSave):
+    """One weight's codes and scales, read from the checkpoint when the first of them is saved. Given the export's
+    weight it replaces (``replaced``), it also measures DequantizeLinear(codes, scales) against it, one weight at
+    a time: the streamed path's weight error, where the whole model is never held to compare."""
+
+    reader: CheckpointReader
+    source: Source
+    replaced: ir.TensorProtocol | None = None
+    weight_error: float | None = None
+
+    def _compute(self) -> dict[str, np.ndarray]:
+        codes, scales = _codes(self.reader, self.source), _scales(self.reader, self.source)
+        if self.replaced is not None:
+            block = self.source.block_k(codes.shape[0])
+            dequantized = codes.astype(np.float32) * np.repeat(scales, block, axis=0)
+            self.weight_error = relative_error(self.replaced.numpy().astype(np.float32), dequantized)
+            if isinstance(self.replaced, ir.ExternalTensor):
+                self.replaced.release()  # unmaps the export's pages of this weight
+        return {"codes": codes, "scales": scales}
+
+    @property
+    def precision(self) -> str:
+        """As compression.json names the DequantizeLinear's weight on the whole-model path (codes, block)."""
+        return f"{self.source.precision}-g{self.source.block_k(self.source.form.shape[1])}"
+
+    def bits_per_weight(self) -> float:
+        """Stored bits per weight: the codes' and the float32 scales' (one per block of the input rows)."""
+        k = self.source.form.shape[1]
+        code_bits = 4 if self.source.form.format == "f4e2m1" else 8
+        return code_bits + 32 / self.source.block_k(k)
 
 
 def rewrite(model: ir.Model, found: dict[str, Source], weights: list[Weight], reader: CheckpointReader,
-            log: Callable[[str], None]) -> dict:
+            log: Callable[[str], None], measure: bool = False) -> tuple[dict, dict[str, Job]]:
     """Each weight in ``found`` replaced, in place, by DequantizeLinear of its checkpoint codes and scales (read
     when the graph is saved, one weight at a time); the opset raised to what the formats need. Returns the
-    counts for compression.json."""
+    counts for compression.json and each weight's job (``measure``: the jobs measure the weight error as they
+    are saved)."""
     by_name = {w.name: w for w in weights}
     counts: dict[str, int] = {}
+    jobs: dict[str, Job] = {}
     opset = model.opset_imports.get("", 1)
     for name, source in found.items():
         w = by_name[name]
@@ -149,14 +190,17 @@ def rewrite(model: ir.Model, found: dict[str, Source], weights: list[Weight], re
         dtype, needed = ONNX_TYPES[source.form.format]
         opset = max(opset, needed)
         k, n = w.shape
-        codes = ir.Value(name=f"{name}/shipped_codes", type=ir.TensorType(dtype), shape=ir.Shape([k, n]),
-                         const_value=ir.LazyTensor(partial(_codes, reader, source), dtype=dtype,
-                                                   shape=ir.Shape([k, n]), name=f"{name}/shipped_codes"))
+        job = jobs[name] = Job(reader=reader, source=source, replaced=value.const_value if measure else None,
+                               pending={"codes", "scales"})
         blocks = k // source.block_k(k)
+        codes = ir.Value(name=f"{name}/shipped_codes", type=ir.TensorType(dtype), shape=ir.Shape([k, n]),
+                         const_value=ir.LazyTensor(partial(_taken, job, "codes", dtype), dtype=dtype,
+                                                   shape=ir.Shape([k, n]), name=f"{name}/shipped_codes"))
         scales = ir.Value(name=f"{name}/shipped_scales", type=ir.TensorType(ir.DataType.FLOAT),
                           shape=ir.Shape([blocks, n]),
-                          const_value=ir.LazyTensor(partial(_scales, reader, source), dtype=ir.DataType.FLOAT,
-                                                    shape=ir.Shape([blocks, n]), name=f"{name}/shipped_scales"))
+                          const_value=ir.LazyTensor(partial(_taken, job, "scales", ir.DataType.FLOAT),
+                                                    dtype=ir.DataType.FLOAT, shape=ir.Shape([blocks, n]),
+                                                    name=f"{name}/shipped_scales"))
         node = ir.node("DequantizeLinear", [codes, scales], {"axis": 0, "block_size": source.block_k(k)},
                        name=f"{name}/DequantizeLinear")
         out = node.outputs[0]
@@ -175,5 +219,8 @@ def rewrite(model: ir.Model, found: dict[str, Source], weights: list[Weight], re
         counts[source.label] = counts.get(source.label, 0) + 1
     model.opset_imports[""] = opset
     log(f"shipped: {sum(counts.values())} weights keep their checkpoint codes ({counts})")
-    return {"shipped": counts, "opset": opset}
+    return {"shipped": counts, "opset": opset}, jobs
 
+
+def _taken(job: Job, key: str, dtype: ir.DataType) -> ir.TensorProtocol:
+    return ir.tensor(job.take(key), dtype=dtype)

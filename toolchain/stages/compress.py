@@ -160,9 +160,6 @@ def compress(in_dir: Path, out_dir: Path, section: CompressSection, *, target: s
                          f"the dispatch MoE lowering (moe: dispatch), not a fused one")
     weight_bytes = float32_bytes(model)  # bf16-stored weights as float32: the same choice for either storage
     if opts.streaming == "always" or (opts.streaming == "auto" and weight_bytes > STREAMING_BYTES):
-        if opts.scheme == "shipped":  # not built yet: the rewrite itself streams, the error measurement does not
-            raise InputError(f"{in_dir} has {weight_bytes / 2**30:.1f} GiB of float weights: the shipped scheme runs "
-                             f"on the whole-model path only (streaming: never, below 2 GiB)")
         if opts.gptq or opts.ratio < 1.0:
             raise InputError(f"{in_dir} has {weight_bytes / 2**30:.1f} GiB of float weights: gptq and ratio < 1 run "
                              f"on the whole model and are not available in bounded memory; use the data-free scheme, "
@@ -267,7 +264,7 @@ def _shipped(model, found, weights, reader, target, tmp, routers, log):
     """The shipped scheme on the whole model (toolchain/compress/shipped.py): the graph rewritten and saved for
     ``target``, the weights read from the checkpoint as it is written; (graph, files, a runner of it,
     details)."""
-    details = shipped.rewrite(model, found, weights, reader, log)
+    details, _ = shipped.rewrite(model, found, weights, reader, log)
     if target == "onnxruntime":
         files = save_graph(model, tmp / "model.onnx")
         loaded = load_graph(tmp / "model.onnx")
@@ -281,6 +278,44 @@ def _shipped(model, found, weights, reader, target, tmp, routers, log):
     ov.save_model(converted, tmp / OPENVINO_XML, compress_to_fp16=False)
     files = [OPENVINO_XML, OPENVINO_XML.replace(".xml", ".bin")]
     return converted, files, GraphRunner(converted, "openvino", extra_outputs=list(routers.values())), details
+
+
+def _shipped_streaming(model, weights, in_dir, out_dir, target, options, policy, report, timings, t0, log,
+                       source) -> dict:
+    """The shipped scheme one weight at a time: the graph rewritten as on the whole-model path, each weight's codes
+    and scales read from the checkpoint as they are written and its DequantizeLinear compared with the export's
+    weight on the way; every other weight written as the export stored it. Nothing runs the model, as for the
+    other streamed schemes."""
+    with open_checkpoint(source) as reader:
+        found = shipped.sources(model, weights, reader)
+        details, jobs = shipped.rewrite(model, found, weights, reader, log, measure=True)
+        timings["plan_s"] = time.perf_counter() - t0
+        with atomic_output_dir(out_dir) as tmp:
+            t0 = time.perf_counter()
+            files = save_graph(model, tmp / "model.onnx", external=True, workers=2)
+            del model
+            timings["compress_s"] = time.perf_counter() - t0
+            shutil.copyfile(in_dir / "export.json", tmp / "export.json")
+            files += ["export.json", *carry_mtp(in_dir, tmp)]
+            weight_rows = []
+            for w in weights:
+                job = jobs.get(w.name)
+                stored_bits = job.bits_per_weight() if job else 16.0 if w.storage == "bfloat16" else 32.0
+                weight_rows.append({
+                    "weight": w.name, "node": w.node, "role": w.role, "layer": w.layer, "shape": list(w.shape),
+                    "planned": shipped.PRECISION if job else "fp32",
+                    "precision": job.precision if job else {"bfloat16": "bf16"}.get(w.storage, "fp32"),
+                    "bits_per_weight": round(stored_bits, 4),
+                    "weight_error": job.weight_error if job else 0.0, "output_error": None})
+            unmeasured = "not measured: the model is compressed one weight at a time, without running it"
+            typed = CompressionReport(
+                **_head(target, options, policy, report, in_dir, tmp, files, weight_rows),
+                streaming=True, calibration=None,
+                model={"tokens": 0, "top1_agreement": None, "kl_mean": None, "kl_max": None, "note": unmeasured},
+                routing=[], routing_agreement_min=None, layers=_layer_summary(weight_rows), per_weight=weight_rows,
+                details=details, timings={k: round(v, 3) for k, v in timings.items()})
+            typed.write(tmp / "compression.json")
+    return typed.dump()
 
 
 def _head(target, options, policy, report, in_dir, tmp, files, weight_rows) -> dict:
@@ -323,6 +358,9 @@ def _compress_streaming(model, in_dir, out_dir, target, options, policy, report,
     checkpoint's layers run one at a time on the calibration text (toolchain/compress/layer_statistics.py)."""
     weights = engine.graph_weights(model, with_arrays=False)
     plan = policy.plan(weights)
+    if options.scheme == "shipped":
+        return _shipped_streaming(model, weights, in_dir, out_dir, target, options, policy, report, timings, t0,
+                                  log, source)
     specs = stream.plan_specs(weights, plan, options, target)
     calibration_report, data_aware = None, {}
     if options.scale_estimation or options.awq:
