@@ -159,7 +159,8 @@ def compile_artifact(export_dir: Path, out_dir: Path, backend: str, *, verify: b
     if backend not in BACKENDS:
         raise InputError(f"unknown backend {backend!r}; known: {', '.join(BACKENDS)}")
     report, source = read_export(export_dir, source)
-    check_weights_written(report, export_dir, "compile")
+    check_weights_written(report, export_dir,
+                          "the compile stage needs an export with its weights: run dstc export")
     config = read_json(source / CONFIG)
     generation = read_json(source / GENERATION_CONFIG) if (source / GENERATION_CONFIG).is_file() else {}
     has_tokenizer = (source / TOKENIZER).is_file()

@@ -54,7 +54,7 @@ from toolchain.interface.reports import CompressionOptions, CompressionReport
 from toolchain.recipe import CompressSection
 from toolchain.runtime.engines import GraphRunner, ort_kernels
 from toolchain.stages.export import recomputed_weights
-from toolchain.stages.inputs import carry_mtp, read_export
+from toolchain.stages.inputs import carry_mtp, check_weights_written, read_export
 
 TARGETS = ("onnxruntime", "openvino")
 CALIBRATION_SEQUENCES = 16
@@ -167,9 +167,7 @@ def compress(in_dir: Path, out_dir: Path, section: CompressSection, *, target: s
         recomputed_weights(model, in_dir, source, log)
         return _compress_streaming(model, in_dir, out_dir, target, opts, policy, report, timings, t0, log, fused,
                                    source, config)
-    if report["graph"].get("deferred"):
-        raise InputError(f"{in_dir}: its weights file was not written (a build's export for a streamed compression, "
-                         f"which reads them from the checkpoint); compress it with streaming: auto or always")
+    check_weights_written(report, in_dir, "compress it with streaming: auto or always")
     if weight_bytes > PROTOBUF_LIMIT:
         raise InputError(f"{in_dir} has {weight_bytes / 2**30:.1f} GiB of float weights: the whole-model path "
                          f"(streaming: never) runs the graph from one ONNX protobuf, which holds at most 2 GiB; "

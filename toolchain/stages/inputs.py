@@ -42,15 +42,14 @@ def read_export(export_dir: Path, source: Path | None = None) -> tuple[dict, Pat
     return report, source
 
 
-def check_weights_written(report: dict, export_dir: Path, stage: str) -> None:
-    """An InputError for an export whose weights file was not written (export.json ``graph.deferred``: only a
-    streamed compression reads such an export, recomputing its weights from the checkpoint). A later stage's
-    directory carries the export's export.json, and its own weights file."""
+def check_weights_written(report: dict, export_dir: Path, remedy: str) -> None:
+    """An InputError, ending in ``remedy``, for an export whose weights file was not written (export.json
+    ``graph.deferred``: only a streamed compression reads such an export, recomputing its weights from the
+    checkpoint). A later stage's directory carries the export's export.json, and its own weights file."""
     deferred = report.get("graph", {}).get("deferred")
     if deferred and not (export_dir / deferred["file"]).exists():
         raise InputError(f"{export_dir}: its weights file was not written (a build's export for a streamed "
-                         f"compression, which reads them from the checkpoint); the {stage} stage needs an export "
-                         f"with its weights: run dstc export")
+                         f"compression, which reads them from the checkpoint); {remedy}")
 
 
 def carry_mtp(in_dir: Path, out_dir: Path) -> list[str]:

@@ -109,7 +109,8 @@ def optimize(in_dir: Path, out_dir: Path, target: str, passes: list[str] | None 
     in_dir, out_dir = Path(in_dir), Path(out_dir)
     names = pass_names(target, passes)
     export_report, source = read_export(in_dir, source)
-    check_weights_written(export_report, in_dir, "passes")
+    check_weights_written(export_report, in_dir,
+                          "the passes stage needs an export with its weights: run dstc export")
     timings = {}
     t0 = time.perf_counter()
     model = load_graph(in_dir / "model.onnx")
