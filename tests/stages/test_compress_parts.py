@@ -69,7 +69,9 @@ def test_a_compression_written_in_parts_is_the_bytes_one_process_writes(exports,
     compress(exports[model], tmp_path / "parts", section, target=target, parts=runner)
     whole = sha256s(tmp_path / "whole")
     assert sha256s(tmp_path / "parts") == whole and "model.onnx.data" in whole
-    assert without_timings(tmp_path / "parts") == without_timings(tmp_path / "whole")  # the weights' errors too
+    split = without_timings(tmp_path / "parts")
+    assert [p["part"] for p in split["details"].pop("parts")] == runner.titles
+    assert split == without_timings(tmp_path / "whole")  # the weights' errors too
     assert len(runner.titles) == count and runner.titles[0].startswith(f"part 1/{count} (embeddings, layer")
     assert "weights outside the layers" in runner.titles[-1]
     assert not (tmp_path / "parts" / "parts").exists()  # deleted once assembled

@@ -415,7 +415,7 @@ def compress_part(task: PartTask, log: Callable[[str], None] = lambda _: None) -
 def _write_parts(planned: _Planned, places, in_dir, source, section, target, runner: PartRunner, tmp: Path,
                  log) -> list[str]:
     """The weights written in parts by ``runner``'s tasks into TMP/parts, assembled into TMP/model.onnx(.data) and
-    deleted; each job's stats are the ones its part's task measured."""
+    deleted; each job's stats are the ones its part's task measured, and the details list the parts."""
     parts = compress_parts.plan_parts(places, compress_parts.written_names(planned.model), runner.count)
     log(f"writing the compressed weights in {len(parts)} parts: " + "; ".join(p.title for p in parts))
     tasks = [PartTask(in_dir, source, section, target, part, tmp / "parts" / f"part-{part.index}.data")
@@ -428,6 +428,8 @@ def _write_parts(planned: _Planned, places, in_dir, source, section, target, run
         job.stats = expert_stats.get(job.stacked.name, job.stats)
     written = compress_parts.assemble(planned.model, parts, files, tmp / "model.onnx")
     shutil.rmtree(tmp / "parts")
+    planned.details["parts"] = [{"part": part.title, "tensors": len(part.names), "bytes": file.size,
+                                 "seconds": file.seconds} for part, file in zip(parts, files)]
     return written
 
 
