@@ -210,15 +210,16 @@ def save_graph_references(model: ir.Model, path: Path) -> list[tuple[str, int, i
     order; smaller ones already in external data are read in, to be inlined. The model keeps its own tensors."""
     location, kept, placed, offset = path.name + ".data", {}, [], 0
     for graph in model.graphs():
-        for value in graph.initializers.values():
+        for name, value in graph.initializers.items():
             tensor = value.const_value
             if tensor is None:
                 continue
             if tensor.nbytes > EXTERNAL_THRESHOLD_BYTES:
+                # the serializer names each initializer's tensor after its value
                 value.const_value = ir.ExternalTensor(location, offset, tensor.nbytes, tensor.dtype,
-                                                      shape=ir.Shape(tensor.shape.numpy()), name=tensor.name,
+                                                      shape=ir.Shape(tensor.shape.numpy()), name=name,
                                                       base_dir=str(path.parent))
-                placed.append((value.name, offset, tensor.nbytes))
+                placed.append((name, offset, tensor.nbytes))
                 offset += tensor.nbytes
             elif isinstance(tensor, ir.ExternalTensor):
                 value.const_value = ir.external_data.convert_tensors_from_external([tensor])[0]
