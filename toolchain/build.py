@@ -14,6 +14,7 @@ import time
 from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from toolchain import source as sources
 from toolchain.atomic import atomic_output_dir
@@ -42,13 +43,18 @@ from toolchain.stages.runner import (
     run_cached,
 )
 
+if TYPE_CHECKING:  # the stage's code (onnx_ir, the exporter's graph module) loads when the stage runs
+    from toolchain.stages.compress_parts import PartRunner
+
 # Seeds of everything random on the way to an artifact (the parity prompts for checkpoints without a tokenizer).
 SEEDS = {"parity_prompts": 0}
 
 
-def plan(recipe: Recipe, source: Path, log: Callable[[str], None] = lambda _: None) -> list[Stage]:
+def plan(recipe: Recipe, source: Path, log: Callable[[str], None] = lambda _: None,
+         parts: PartRunner | None = None) -> list[Stage]:
     """The recipe's stages in order, each with the configuration that goes into its id. Later stages read the
-    checkpoint this build resolved (``source``), not the path an earlier, perhaps cached, stage recorded."""
+    checkpoint this build resolved (``source``), not the path an earlier, perhaps cached, stage recorded.
+    ``parts``: a streamed compression is written in parts by its tasks (the same bytes)."""
     # the exporter (torch) loads when a build plans its stages, not when the CLI starts
     from toolchain.stages.export import resolve_moe
 
@@ -64,7 +70,7 @@ def plan(recipe: Recipe, source: Path, log: Callable[[str], None] = lambda _: No
     if recipe.passes:
         stages.append(passes_stage(recipe.passes, source))
     if recipe.compress:
-        stages.append(compress_stage(recipe.compress, recipe.compile.backend, source))
+        stages.append(compress_stage(recipe.compress, recipe.compile.backend, source, parts))
     stages.append(compile_stage(recipe.compile, source))
     return stages
 
@@ -80,10 +86,12 @@ class Events:
 
 
 def build(recipe_path: Path, out_dir: Path | None = None, *, model: str | None = None, use_cache: bool = True,
-          keep_stages: bool = True, events: Events | None = None) -> dict:
+          keep_stages: bool = True, events: Events | None = None, parts: PartRunner | None = None) -> dict:
     """``keep_stages`` False: each stage cache entry this build writes is deleted once the next stage has run,
     and the last one's files are moved into the artifact instead of copied (what a disk that holds the checkpoint
-    and the artifact but not every stage's output needs); entries it reused are left as they were."""
+    and the artifact but not every stage's output needs); entries it reused are left as they were. ``parts``: a
+    streamed compression's weights are written in parts, by layer range, by its tasks (Ray's: --ray), into the
+    bytes one process writes (toolchain/stages/compress_parts.py)."""
     events = events or Events()
     started = time.perf_counter()
     recipe, baseline, eval_settings = _checked(Path(recipe_path), model)
@@ -101,7 +109,7 @@ def build(recipe_path: Path, out_dir: Path | None = None, *, model: str | None =
     stage_dir: Path | None = None
     written: list[Path] = []  # the stage cache entries this build wrote (not reused)
     with atomic_output_dir(out_dir) as tmp:
-        for stage in plan(recipe, source.path, events.log):
+        for stage in plan(recipe, source.path, events.log, parts):
             t0 = time.perf_counter()
             target, stage_id, cached = run_cached(
                 stage, stage_dir, parent, use_cache=use_cache, log=events.log,

@@ -11,10 +11,14 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from toolchain.atomic import check_writable_target
 from toolchain.build import Events, build, check
 from toolchain.errors import DstcError, InputError
+
+if TYPE_CHECKING:  # the stage's code (onnx_ir, the exporter's graph module) loads when the stage runs
+    from toolchain.stages.compress_parts import PartRunner
 
 DEFAULT_ROOT = Path("artifacts")
 
@@ -82,10 +86,11 @@ class LineEvents(Events):
         self._line(f"    {message}")
 
 
-def run_one(job: Job, model: str | None, use_cache: bool, events: Events) -> Outcome:
-    """Build one recipe of the set; a DstcError is its outcome, not the set's. A bug keeps its traceback."""
+def run_one(job: Job, model: str | None, use_cache: bool, events: Events, parts: PartRunner | None = None) -> Outcome:
+    """Build one recipe of the set; a DstcError is its outcome, not the set's. A bug keeps its traceback.
+    ``parts``: its streamed compression written in parts by this runner's tasks."""
     try:
-        manifest = build(job.recipe, job.out_dir, model=model, use_cache=use_cache, events=events)
+        manifest = build(job.recipe, job.out_dir, model=model, use_cache=use_cache, events=events, parts=parts)
     except DstcError as e:
         return Outcome(job.name, job.out_dir, e.exit_code, str(e))
     return Outcome(job.name, job.out_dir, 0, manifest=manifest)

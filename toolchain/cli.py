@@ -435,10 +435,14 @@ _LOCAL_RAY = "local"
               help="Build each recipe as a Ray task: on a local Ray started for the run (no ADDRESS), or on the "
                    "cluster at ADDRESS (auto, ray://HOST:PORT or HOST:PORT). DSTC_CACHE_DIR, the recipes and -o "
                    "must be on storage every node sees, at the same path.")
+@click.option("--split", "parts", type=click.IntRange(min=1), default=None, metavar="N",
+              help="With --ray: a streamed compression (large models) writes its weights in N Ray tasks, one range "
+                   "of layers each, assembled into the bytes one process writes (default: the cluster's CPUs; 1: "
+                   "one task).")
 @click.option("--json", "as_json", is_flag=True, help="Print manifest.json to stdout instead of the summary "
                                                       "(with several recipes or --ray: a list, one per recipe).")
 def build_cmd(recipes: tuple[Path, ...], out_dir: Path | None, model: str | None, no_cache: bool,
-              no_keep_stages: bool, ray_address: str | None, as_json: bool) -> None:
+              no_keep_stages: bool, ray_address: str | None, parts: int | None, as_json: bool) -> None:
     """Run every stage RECIPE names (export, passes, compression, compile, evaluation) into a verified artifact.
 
     A recipe's eval section writes report.json/.md/.html into the artifact; its gates section makes the build
@@ -458,8 +462,10 @@ def build_cmd(recipes: tuple[Path, ...], out_dir: Path | None, model: str | None
     if no_keep_stages and (len(recipes) > 1 or ray_address is not None):
         # several builds share the stage cache, and one may be reading what another would delete
         raise InputError("--no-keep-stages builds one recipe on this machine, without --ray")
+    if parts is not None and ray_address is None:
+        raise InputError("--split N splits a build's streamed compression over Ray workers: use it with --ray")
     if len(recipes) > 1 or ray_address is not None:
-        _build_set(list(recipes), out_dir, model, not no_cache, ray_address, as_json)
+        _build_set(list(recipes), out_dir, model, not no_cache, ray_address, as_json, parts)
         return
     recipe = recipes[0]
     # loaded when the command runs: the CLI starts without numpy, torch or the runtimes
@@ -487,7 +493,7 @@ def build_cmd(recipes: tuple[Path, ...], out_dir: Path | None, model: str | None
 
 
 def _build_set(recipes: list[Path], out_dir: Path | None, model: str | None, use_cache: bool,
-               ray_address: str | None, as_json: bool) -> None:
+               ray_address: str | None, as_json: bool, parts: int | None = None) -> None:
     # loaded when the command runs: the CLI starts without numpy, torch, the runtimes or Ray
     from toolchain.build_set import plan_jobs, run_local, worst
 
@@ -498,7 +504,7 @@ def _build_set(recipes: list[Path], out_dir: Path | None, model: str | None, use
         # loaded when the command runs: Ray is imported only for --ray
         from toolchain.distributed.ray_builds import run_on_ray
 
-        outcomes = run_on_ray(jobs, None if ray_address == _LOCAL_RAY else ray_address, model, use_cache)
+        outcomes = run_on_ray(jobs, None if ray_address == _LOCAL_RAY else ray_address, model, use_cache, parts)
     if as_json:
         click.echo(json.dumps([{"recipe": o.name, "output": str(o.out_dir), "exit_code": o.exit_code,
                                 "error": o.error, "manifest": o.manifest or None} for o in outcomes], indent=2))

@@ -1,6 +1,7 @@
 """dstc build RECIPE... [--ray]: several recipes checked before any is built, each artifact in DIR/<name>, built as
 Ray tasks byte-identical to the same recipes built one after another on this machine, and a Ray worker that dies
-mid-stage retried into the same bytes."""
+mid-stage retried into the same bytes; a build's streamed compression split into parts over Ray workers
+(--split), byte-identical to the local build, also when a part's worker dies half-way through writing it."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from types import SimpleNamespace
 import pytest
 import yaml
 from conftest import run_cli
-from ray_test_hooks import ARM
+from ray_test_hooks import ARM, PART_ARM
 
 ray = pytest.importorskip("ray")  # a dependency of dstc: installed wherever dstc is
 
@@ -44,13 +45,14 @@ def recipes(tmp_path_factory) -> list[Path]:
 @pytest.fixture(scope="module")
 def ray_local(tmp_path_factory):
     """One local Ray of 2 CPUs for the module (starting one costs seconds); its workers load tests/ray_test_hooks.py
-    and import this checkout's dstc."""
+    and import this checkout's dstc. The armed files: ARM, and PART_ARM beside it."""
     arm = tmp_path_factory.mktemp("ray") / "arm"
     path = os.pathsep.join([str(REPO), str(TESTS), *filter(None, [os.environ.get("PYTHONPATH")])])
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("PYTHONPATH", path)  # the workers' environment is the raylet's, started by ray.init from this one
         ray.init(address="local", num_cpus=2, include_dashboard=False,
-                 runtime_env={"worker_process_setup_hook": "ray_test_hooks.install", "env_vars": {ARM: str(arm)}})
+                 runtime_env={"worker_process_setup_hook": "ray_test_hooks.install",
+                              "env_vars": {ARM: str(arm), PART_ARM: str(arm.parent / "part-arm")}})
     yield arm
     ray.shutdown()
 
@@ -173,3 +175,60 @@ def test_the_embedded_int4_recipes_built_on_ray_are_byte_identical_to_local_buil
         assert code == 0, err
     for recipe in recipes:
         assert files(tmp_path / "ray" / "art" / recipe.stem) == files(tmp_path / "local" / "art" / recipe.stem)
+
+
+@pytest.fixture(scope="module")
+def streamed(tmp_path_factory) -> tuple[Path, Path]:
+    """A recipe whose compression streams (one weight at a time, as a large model's does), and its artifact built
+    on this machine, unsplit."""
+    root = tmp_path_factory.mktemp("streamed")
+    recipe = write_recipe(root / "streamed.yaml", MODELS[0], compile={"backend": "onnxruntime", "verify": False,
+                                                                      "smoke": False},
+                          compress={"scheme": "int4-grouped", "group_size": 32, "backup": "int8",
+                                    "streaming": "always", "prefill_int8": True})
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("DSTC_CACHE_DIR", str(root / "cache"))
+        code, _, err = run_cli(mp, _NoCapture(), "build", recipe, "-o", root / "art")
+    assert code == 0, err
+    return recipe, root / "art"
+
+
+def split_parts(out: Path) -> list[dict]:
+    reports = json.loads((out / "manifest.json").read_text())["provenance"]["stage_reports"]
+    return reports["compress/compression.json"]["details"].get("parts", [])
+
+
+def test_a_streamed_compression_split_over_ray_workers_is_byte_identical_to_the_local_build(streamed, ray_local,
+                                                                                          tmp_path, monkeypatch,
+                                                                                          capsys):
+    recipe, local = streamed
+    monkeypatch.setenv("DSTC_CACHE_DIR", str(tmp_path / "cache"))
+    code, _, err = run_cli(monkeypatch, capsys, "build", recipe, "-o", tmp_path / "art", "--ray", "--split", "2")
+    assert code == 0, err
+    assert files(tmp_path / "art") == files(local) and "model.onnx.data" in files(local)
+    parts = split_parts(tmp_path / "art")
+    assert [p["part"].split(" (")[0] for p in parts] == ["part 1/2", "part 2/2"] and all(p["bytes"] for p in parts)
+    assert split_parts(local) == []
+
+
+def test_a_part_whose_worker_dies_half_way_is_written_again_into_the_same_bytes(streamed, ray_local, tmp_path,
+                                                                                monkeypatch, capsys):
+    recipe, local = streamed
+    part_arm = ray_local.parent / "part-arm"
+    part_arm.write_text("")  # the first worker to have written a part's first tensor dies
+    monkeypatch.setenv("DSTC_CACHE_DIR", str(tmp_path / "cache"))
+    code, _, err = run_cli(monkeypatch, capsys, "build", recipe, "-o", tmp_path / "art", "--ray", "--split", "3")
+    assert code == 0, err
+    killed = Path(str(part_arm) + ".killed")
+    assert not part_arm.exists() and killed.is_file()  # the worker died, its part half-written under a temporary name
+    assert Path(killed.read_text()).name.startswith("part-") and Path(killed.read_text()).parent.name.startswith(".")
+    assert files(tmp_path / "art") == files(local)
+    assert len(split_parts(tmp_path / "art")) == 3
+
+
+def test_split_without_ray_is_refused(streamed, tmp_path, monkeypatch, capsys):
+    code, _, err = run_cli(monkeypatch, capsys, "build", streamed[0], "-o", tmp_path / "art", "--split", "2")
+    # the last line: Ray may still relay a line of the module's earlier tasks
+    assert code == 2 and err.strip().splitlines()[-1] == \
+        "dstc: error: --split N splits a build's streamed compression over Ray workers: use it with --ray"
+    assert not (tmp_path / "art").exists()

@@ -14,29 +14,33 @@ import os
 
 from toolchain.build_set import Job, LineEvents, Outcome, run_one
 from toolchain.cache import cache_dir
-from toolchain.distributed.ray_cluster import connect_ray
+from toolchain.distributed.ray_cluster import MAX_RETRIES, connect_ray
+from toolchain.distributed.ray_parts import RayParts
 
-# Ray's own retries of a task whose worker died; a task that raised is not retried (its error is the outcome).
-MAX_RETRIES = 3
 # the exit code of a recipe whose worker died on every try: a crashed process, as a crashed runtime's
 CRASHED = 5
-def _build_task(job: Job, model: str | None, use_cache: bool, env: dict[str, str]) -> Outcome:
-    """Runs in a Ray worker: the driver's environment for dstc (the shared stage cache), then the build."""
+def _build_task(job: Job, model: str | None, use_cache: bool, env: dict[str, str], parts: int) -> Outcome:
+    """Runs in a Ray worker: the driver's environment for dstc (the shared stage cache), then the build, its
+    streamed compression in ``parts`` Ray tasks (1: in this one)."""
     os.environ.update(env)
-    return run_one(job, model, use_cache, LineEvents(job.name))
+    return run_one(job, model, use_cache, LineEvents(job.name), RayParts(parts) if parts > 1 else None)
 
 
-def run_on_ray(jobs: list[Job], address: str | None, model: str | None, use_cache: bool) -> list[Outcome]:
+def run_on_ray(jobs: list[Job], address: str | None, model: str | None, use_cache: bool,
+               parts: int | None = None) -> list[Outcome]:
     """Build ``jobs`` as Ray tasks of one CPU each, on the cluster at ``address`` ("auto", "ray://HOST:PORT",
     "HOST:PORT") or, with None, on a local Ray started for the run with this machine's CPUs. A Ray already
-    initialised in this process is used as it is and left running."""
+    initialised in this process is used as it is and left running. A build whose compression is streamed writes
+    its weights in ``parts`` Ray tasks, by layer range (None: as many as the cluster has CPUs; 1: unsplit)."""
     import ray  # loaded when used: dstc starts without it
 
     started = connect_ray(address)
     env = {"DSTC_CACHE_DIR": str(cache_dir().resolve()), "HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "1")}
     task = ray.remote(num_cpus=1, max_retries=MAX_RETRIES, retry_exceptions=False)(_build_task)
+    if parts is None:
+        parts = max(1, int(ray.cluster_resources().get("CPU", 1)))
     try:
-        refs = [task.options(name=job.name).remote(job, model, use_cache, env) for job in jobs]
+        refs = [task.options(name=job.name).remote(job, model, use_cache, env, parts) for job in jobs]
         return [_outcome(ray, job, ref) for job, ref in zip(jobs, refs)]
     finally:
         if started:

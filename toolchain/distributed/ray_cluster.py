@@ -11,6 +11,9 @@ from toolchain.errors import InputError
 # Ray's driver retries an address that does not answer for minutes, silently: a CI job would hang on a typo
 CONNECT_TIMEOUT_S = 10.0
 RAY_CLIENT_PORT = 10001
+# Ray's own retries of a task whose worker died (a build, a part of one); a task that raised is not retried (its
+# error is the outcome)
+MAX_RETRIES = 3
 
 
 def check_reachable(address: str) -> None:

@@ -197,25 +197,42 @@ def save_graph_deferred(model: ir.Model, path: Path) -> int | None:
     """The graph file save_graph writes for a model whose weights go to external data, byte for byte, without the
     weights file it references (its tensors are recomputed by whoever reads them: toolchain/stages/export.py
     recomputed_weights); the bytes that file would hold, or None (nothing written) for a model save_graph keeps
-    in one file. The offsets are onnx-ir's: the tensors above save_graph's threshold packed densely in
-    initializer order."""
+    in one file."""
     if float32_bytes(model) <= EXTERNAL_DATA_BYTES:
         return None
-    location, kept, offset = path.name + ".data", {}, 0
-    for name, value in model.graph.initializers.items():
-        tensor = value.const_value
-        if tensor is None or tensor.nbytes <= EXTERNAL_THRESHOLD_BYTES:
-            continue
-        reference = ir.ExternalTensor(location, offset, tensor.nbytes, tensor.dtype,
-                                      shape=ir.Shape(tensor.shape.numpy()), name=name, base_dir=str(path.parent))
-        kept[name], value.const_value, offset = tensor, reference, offset + tensor.nbytes
+    return sum(length for _, _, length in save_graph_references(model, path))
+
+
+def save_graph_references(model: ir.Model, path: Path) -> list[tuple[str, int, int]]:
+    """The graph file ``save_graph(model, path, external=True)`` writes, byte for byte, without writing its weights
+    file: (name, offset, length) of each tensor that file holds, in its order. The offsets are onnx-ir's
+    (``unload_from_model``): the tensors above save_graph's threshold, in every graph, packed densely in initializer
+    order; smaller ones already in external data are read in, to be inlined. The model keeps its own tensors."""
+    location, kept, placed, offset = path.name + ".data", {}, [], 0
+    for graph in model.graphs():
+        for name, value in graph.initializers.items():
+            tensor = value.const_value
+            if tensor is None:
+                continue
+            if tensor.nbytes > EXTERNAL_THRESHOLD_BYTES:
+                # the serializer names each initializer's tensor after its value
+                value.const_value = ir.ExternalTensor(location, offset, tensor.nbytes, tensor.dtype,
+                                                      shape=ir.Shape(tensor.shape.numpy()), name=name,
+                                                      base_dir=str(path.parent))
+                placed.append((name, offset, tensor.nbytes))
+                offset += tensor.nbytes
+            elif isinstance(tensor, ir.ExternalTensor):
+                value.const_value = ir.external_data.convert_tensors_from_external([tensor])[0]
+            else:
+                continue
+            kept[value] = tensor
     try:
         ir.save(model, path)
     finally:  # the model keeps its own tensors
-        for name, tensor in kept.items():
-            model.graph.initializers[name].const_value = tensor
+        for value, tensor in kept.items():
+            value.const_value = tensor
     _restore_tensor_metadata(model, path)  # as save_graph writes them
-    return offset
+    return placed
 
 
 def _save(model: ir.Model, path: Path, **options) -> None:

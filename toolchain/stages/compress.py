@@ -26,6 +26,7 @@ import shutil
 import time
 from collections import Counter, defaultdict
 from collections.abc import Callable
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
@@ -53,6 +54,8 @@ from toolchain.interface.graph import HEAD_LAYOUT, cache_spec
 from toolchain.interface.reports import CompressionOptions, CompressionReport
 from toolchain.recipe import CompressSection
 from toolchain.runtime.engines import GraphRunner, ort_kernels
+from toolchain.stages import compress_parts
+from toolchain.stages.compress_parts import PartFile, PartRunner, PartTask
 from toolchain.stages.export import recomputed_weights
 from toolchain.stages.inputs import carry_mtp, check_weights_written, read_export
 
@@ -63,6 +66,18 @@ PROTOBUF_LIMIT = 2**31 - (64 << 20)
 # Above this many bytes of float weights, compression runs one weight at a time ("auto").
 STREAMING_BYTES = 1 << 30
 OPENVINO_XML = "openvino_model.xml"
+
+
+def _load(in_dir: Path, section: CompressSection, target: str) \
+        -> tuple[ir.Model, dict[str, tuple[str, int]], engine.Options, list]:
+    """The export's graph, its head layout, the compression's options and its fused MoE layers."""
+    model = load_graph(in_dir / "model.onnx")
+    layout = head_layout(model, in_dir / "model.onnx")
+    opts = engine.Options(**section.model_dump(),
+                          head_blocks={p: w for p, (side, w) in layout.items() if side == "out"})
+    fused = fused_moe.fused_layers(model)  # experts of a fused MoE lowering, which NNCF does not see
+    fused_moe.check(fused, target, opts)
+    return model, layout, opts, fused
 
 
 def head_layout(model: ir.Model, path: Path) -> dict[str, tuple[str, int]]:
@@ -132,11 +147,13 @@ def _layer_summary(rows: list[dict]) -> list[dict]:
 
 
 def compress(in_dir: Path, out_dir: Path, section: CompressSection, *, target: str = "onnxruntime",
-             source: Path | None = None, log: Callable[[str], None] = lambda _: None) -> dict:
+             source: Path | None = None, parts: PartRunner | None = None,
+             log: Callable[[str], None] = lambda _: None) -> dict:
     """Compress IN's model.onnx into OUT (see the module doc) as a recipe's compress ``section`` says
     (toolchain/recipe.py CompressSection, where each field is described); returns compression.json's content.
     ``streaming`` "auto" compresses one weight at a time (toolchain/compress/streaming.py) when the export's float
-    weights exceed STREAMING_BYTES.
+    weights exceed STREAMING_BYTES. ``parts``: a streamed compression's weights are written in parts, by layer
+    range, each by a task of its own (toolchain/stages/compress_parts.py), into the same bytes.
     """
     in_dir, out_dir = Path(in_dir), Path(out_dir)
     check_target(section, target)
@@ -149,12 +166,7 @@ def compress(in_dir: Path, out_dir: Path, section: CompressSection, *, target: s
     timings: dict[str, float] = {}
 
     t0 = time.perf_counter()
-    model = load_graph(in_dir / "model.onnx")
-    layout = head_layout(model, in_dir / "model.onnx")
-    opts = engine.Options(**section.model_dump(),
-                          head_blocks={p: w for p, (side, w) in layout.items() if side == "out"})
-    fused = fused_moe.fused_layers(model)  # experts of a fused MoE lowering, which NNCF does not see
-    fused_moe.check(fused, target, opts)
+    model, layout, opts, fused = _load(in_dir, section, target)
     if fused and opts.scheme == "shipped":
         raise InputError(f"{in_dir}: the shipped scheme rewrites each routed expert's MatMul weight; export with "
                          f"the dispatch MoE lowering (moe: dispatch), not a fused one")
@@ -166,7 +178,7 @@ def compress(in_dir: Path, out_dir: Path, section: CompressSection, *, target: s
                              f"awq or scale estimation (computed layer by layer)")
         recomputed_weights(model, in_dir, source, log)
         return _compress_streaming(model, in_dir, out_dir, target, opts, policy, report, timings, t0, log, fused,
-                                   source, config)
+                                   source, config, section, _split(parts, opts, log))
     check_weights_written(report, in_dir, "compress it with streaming: auto or always")
     if weight_bytes > PROTOBUF_LIMIT:
         raise InputError(f"{in_dir} has {weight_bytes / 2**30:.1f} GiB of float weights: the whole-model path "
@@ -348,17 +360,25 @@ def _float_weight(model: ir.Model, name: str) -> np.ndarray:
     return array
 
 
-def _compress_streaming(model, in_dir, out_dir, target, options, policy, report, timings, t0, log, fused, source,
-                        config) -> dict:
-    """One weight at a time (toolchain/compress/streaming.py): the weight errors are measured as each weight is
-    compressed; what needs the whole model run on calibration text (activations, next-token agreement,
-    routing) is not measured, and compression.json says so. Scale estimation takes its statistics from the
-    checkpoint's layers run one at a time on the calibration text (toolchain/compress/layer_statistics.py)."""
+@dataclass
+class _Planned:
+    """A streamed compression planned: ``model`` rewritten with lazy tensors, computed as they are written."""
+
+    model: ir.Model
+    weights: list
+    plan: dict[str, str]
+    specs: list[stream.Spec]
+    jobs: dict[str, stream.Job]
+    expert_jobs: list
+    details: dict
+    calibration: dict | None
+
+
+def _plan_streaming(model, target, options, policy, fused, source, config, timings, log) -> _Planned:
+    """Everything before the weights are written: the plan, each weight's lazy tensors and the ORT kernels' forms
+    (a part's task does it again, and gets the same graph)."""
     weights = engine.graph_weights(model, with_arrays=False)
     plan = policy.plan(weights)
-    if options.scheme == "shipped":
-        return _shipped_streaming(model, weights, in_dir, out_dir, target, options, policy, report, timings, t0,
-                                  log, source)
     specs = stream.plan_specs(weights, plan, options, target)
     calibration_report, data_aware = None, {}
     if options.scale_estimation or options.awq:
@@ -391,13 +411,89 @@ def _compress_streaming(model, in_dir, out_dir, target, options, policy, report,
                "per_head": {}, **data_aware}
     if target == "onnxruntime":
         details["ort_rewrites"] = engine.to_ort_kernels(model, options.accuracy_level, options.prefill_int8)
+    return _Planned(model, weights, plan, specs, jobs, expert_jobs, details, calibration_report)
+
+
+def _split(parts: PartRunner | None, options: engine.Options, log) -> PartRunner | None:
+    """``parts`` where a streamed compression can be split: one of more than one part, without calibration (its
+    statistics run the checkpoint's layers on calibration text: each part would run them again, and another
+    node's float kernels may round them otherwise)."""
+    if parts is None or parts.count < 2:
+        return None
+    if options.awq or options.scale_estimation:
+        log("the streamed compression is not split into parts: awq and scale estimation take statistics of the "
+            "whole model, which each part would compute again")
+        return None
+    if options.scheme == "shipped":
+        log("the streamed compression is not split into parts: the shipped scheme copies the checkpoint's codes, "
+            "reading and writing with no computation to share out")
+        return None
+    return parts
+
+
+def compress_part(task: PartTask, log: Callable[[str], None] = lambda _: None) -> PartFile:
+    """One part of a split streamed compression (toolchain/stages/compress_parts.py), in its own process: the
+    compression planned as the stage plans it, and the part's tensors written to ``task.path``."""
+    t0 = time.perf_counter()
+    section = task.section.with_prefill_int8(task.target)
+    _, source = read_export(task.export_dir, task.source)
+    config = json.loads((source / "config.json").read_text())
+    model, _, opts, fused = _load(task.export_dir, section, task.target)
+    recomputed_weights(model, task.export_dir, source, lambda _: None)
+    planned = _plan_streaming(model, task.target, opts, Policy.of(section), fused, source, config, {},
+                              lambda _: None)
+    log(f"{task.part.title}: {len(task.part.names)} tensors")
+    size, digest = compress_parts.write_part(planned.model, task.part, task.path, log)
+    stats = {name: job.stats for name, job in planned.jobs.items() if job.stats}
+    expert_stats = {job.stacked.name: job.stats for job in planned.expert_jobs if job.stats}
+    return PartFile(task.path, size, digest, round(time.perf_counter() - t0, 3), stats, expert_stats)
+
+
+def _write_parts(planned: _Planned, places, in_dir, source, section, target, runner: PartRunner, tmp: Path,
+                 log) -> list[str]:
+    """The weights written in parts by ``runner``'s tasks into TMP/parts, assembled into TMP/model.onnx(.data) and
+    deleted; each job's stats are the ones its part's task measured, and the details list the parts."""
+    parts = compress_parts.plan_parts(places, compress_parts.written_names(planned.model), runner.count)
+    log(f"writing the compressed weights in {len(parts)} parts: " + "; ".join(p.title for p in parts))
+    tasks = [PartTask(in_dir, source, section, target, part, tmp / "parts" / f"part-{part.index}.data")
+             for part in parts]
+    files = runner.run(compress_part, tasks, log)
+    expert_stats = {name: stats for file in files for name, stats in file.expert_stats.items()}
+    for name, stats in (item for file in files for item in file.stats.items()):
+        planned.jobs[name].stats = stats
+    for job in planned.expert_jobs:
+        job.stats = expert_stats.get(job.stacked.name, job.stats)
+    written = compress_parts.assemble(planned.model, parts, files, tmp / "model.onnx")
+    shutil.rmtree(tmp / "parts")
+    planned.details["parts"] = [{"part": part.title, "tensors": len(part.names), "bytes": file.size,
+                                 "seconds": file.seconds} for part, file in zip(parts, files)]
+    return written
+
+
+def _compress_streaming(model, in_dir, out_dir, target, options, policy, report, timings, t0, log, fused, source,
+                        config, section: CompressSection, parts: PartRunner | None) -> dict:
+    """One weight at a time (toolchain/compress/streaming.py): the weight errors are measured as each weight is
+    compressed; what needs the whole model run on calibration text (activations, next-token agreement,
+    routing) is not measured, and compression.json says so. Scale estimation takes its statistics from the
+    checkpoint's layers run one at a time on the calibration text (toolchain/compress/layer_statistics.py).
+    ``parts``: the weights are written in parts by its tasks, which plan from ``section``."""
+    if options.scheme == "shipped":
+        return _shipped_streaming(model, engine.graph_weights(model, with_arrays=False), in_dir, out_dir, target,
+                                  options, policy, report, timings, t0, log, source)
+    places = compress_parts.weight_places(model) if parts else {}
+    planned = _plan_streaming(model, target, options, policy, fused, source, config, timings, log)
+    weights, plan, specs, jobs = planned.weights, planned.plan, planned.specs, planned.jobs
+    expert_jobs, details, calibration_report = planned.expert_jobs, planned.details, planned.calibration
     timings["plan_s"] = time.perf_counter() - t0
     with atomic_output_dir(out_dir) as tmp:
         t0 = time.perf_counter()
-        # each weight computed as it is written, two at a time (NNCF's inference on one, the other's numpy and
-        # writing beside it: 2 cores here)
-        files = save_graph(model, tmp / "model.onnx", external=True, workers=2)
-        del model
+        if parts:
+            files = _write_parts(planned, places, in_dir, source, section, target, parts, tmp, log)
+        else:
+            # each weight computed as it is written, two at a time (NNCF's inference on one, the other's numpy and
+            # writing beside it: 2 cores here)
+            files = save_graph(model, tmp / "model.onnx", external=True, workers=2)
+        del model, planned
         timings["compress_s"] = time.perf_counter() - t0
         shutil.copyfile(in_dir / "export.json", tmp / "export.json")
         files += ["export.json", *carry_mtp(in_dir, tmp)]

@@ -19,7 +19,7 @@ import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 from toolchain import source as sources
 from toolchain.atomic import MARKER, atomic_output_dir, check_writable_dir, check_writable_target, lock_file
@@ -41,6 +41,9 @@ from toolchain.recipe import CompileSection, CompressSection, ExportSection, Pas
 from toolchain.source_hashes import checkpoint_hashes
 from toolchain.stages.compile import compile_artifact
 from toolchain.stages.inputs import read_export
+
+if TYPE_CHECKING:  # the stage's code (onnx_ir, the exporter's graph module) loads when the stage runs
+    from toolchain.stages.compress_parts import PartRunner
 
 R = TypeVar("R", bound=StageReport)
 Log = Callable[[str], None]
@@ -100,7 +103,9 @@ def passes_stage(section: PassesSection, source: Path, parity: bool = True) -> S
                  "toolchain.stages.optimize")
 
 
-def compress_stage(section: CompressSection, target: str, source: Path) -> Stage:
+def compress_stage(section: CompressSection, target: str, source: Path, parts: PartRunner | None = None) -> Stage:
+    """``parts``: a streamed compression is written in parts by its tasks (toolchain/stages/compress_parts.py), the
+    same bytes: not part of the configuration."""
     # each stage's code loads when its stage is made: `dstc compile` needs no exporter
     from toolchain.stages.compress import compress
 
@@ -109,7 +114,7 @@ def compress_stage(section: CompressSection, target: str, source: Path) -> Stage
     # inp: a stage after export has one (the previous stage's output)
     return Stage("compress", {"target": target, **section.model_dump(mode="json")},
                  lambda inp, out, log: compress(inp, out, section, target=target, source=source,  # type: ignore[arg-type]
-                                                log=log),
+                                                parts=parts, log=log),
                  "toolchain.stages.compress")
 
 
