@@ -42,8 +42,9 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class IndexerSettings:
-    # Steps of the dense warm-up, out of the run's TrainSettings.steps.
-    dense_steps: int = 300
+    # Steps of the dense warm-up, out of the run's TrainSettings.steps: half, as the indexer learns which keys to
+    # choose only while every key is attended (the sparse stage's KL sees the chosen keys only).
+    dense_steps: int = 500
 
 
 def index_scores(indexer: HFModule, hidden: torch.Tensor, q_latent: torch.Tensor,
