@@ -83,9 +83,7 @@ class IndexerTap:
 
     def _keep_inputs(self, i: int):
         def hook(_module, args):
-            hidden, q_latent, position_embeddings, mask = args[:4]
-            if mask.dtype == torch.bool:
-                mask = torch.zeros(mask.shape).masked_fill(~mask, torch.finfo(torch.float32).min)
+            hidden, q_latent, position_embeddings, mask = args[:4]  # the eager mask: additive float
             self.inputs[i] = (hidden.detach(), q_latent.detach(), position_embeddings, mask)
         return hook
 
@@ -112,8 +110,7 @@ class IndexerTap:
         """Layer i's KL(main attention || indexer softmax) over the keys attended, averaged over the ``queries``
         [B, S] (a bool mask)."""
         probs = self.probs[i]
-        if probs is None:
-            raise RuntimeError("the attention's probabilities are returned by the eager implementation only")
+        assert probs is not None, "the attention returns its probabilities in the eager implementation only"
         target = probs.detach().float().sum(dim=1)
         target = target / target.sum(dim=-1, keepdim=True)
         scores = index_scores(self.attentions[i].indexer, *self.inputs[i])
