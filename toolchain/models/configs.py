@@ -59,11 +59,11 @@ def deepseek_v3_tiny() -> DeepseekV3Config:
 def deepseek_v32_tiny() -> DeepseekV32Config:
     """V3-tiny's MLA and MoE plus DeepSeek Sparse Attention, its indexer keeping 16 keys per query: the held-out texts
     (8-62 tokens, median 24) and their greedy continuations cross it in prefill and in decode. An arithmetic problem
-    (9 + 5 tokens) stays below it: transformers trains the indexer with nothing (its forward runs without gradients;
-    DeepSeek trains it with a loss of its own), so its choice is random, and at index_topk 8 (below the problems too)
-    the model learned no arithmetic (held-out exact match 0.002). 16 indexer heads, not 4: a key's score is a
-    weighted sum of ReLUs, exactly 0 when every head's is, and with 4 heads many keys tied at 0 at the top-k
-    boundary, which torch.topk and ONNX TopK break differently (export parity 0.36 of the logits' range)."""
+    (9 + 5 tokens) stays below it. transformers trains the indexer with nothing (its forward runs without gradients);
+    `dstc models make` trains it with DeepSeek's KL loss (toolchain/models/indexer_training.py). 16 indexer heads,
+    not 4: a key's score is a weighted sum of ReLUs, exactly 0 when every head's is, and with 4 heads (untrained)
+    many keys tied at 0 at the top-k boundary, which torch.topk and ONNX TopK break differently (export parity 0.36
+    of the logits' range)."""
     return _config(
         DeepseekV32Config, **_COMMON, **_MLA, **_V3_BODY,
         index_n_heads=16, index_head_dim=32, index_topk=16,

@@ -12,6 +12,7 @@ from transformers import AutoModelForCausalLM, GenerationConfig
 
 from toolchain.models import corpus
 from toolchain.models.configs import build_config
+from toolchain.models.indexer_training import IndexerSettings, top_k_attention_mass, train_with_indexer
 from toolchain.models.mtp_training import make_mtp
 from toolchain.models.parameters import parameter_count
 from toolchain.models.registry import EMBEDDED, EMBEDDED_ROOT, embedded_path
@@ -35,6 +36,8 @@ SETTINGS = {
 }
 # The embedded models trained with an MTP layer (toolchain/models/mtp_training.py), after their main model.
 MTP_MODELS = ("deepseek-v3-tiny",)
+# The embedded models whose lightning indexer is trained with DeepSeek's KL loss (toolchain/models/indexer_training.py).
+INDEXER_MODELS = {"deepseek-v32-tiny": IndexerSettings()}
 HELDOUT_PROBLEMS = 500
 HELDOUT_TEXTS = 200
 
@@ -83,9 +86,15 @@ def make_model(name: str, path: Path, tokenizer) -> dict:
         _set_correction_bias(model, settings.seed)
         _set_hash_routes(model, getattr(config, "n_routed_experts", 0), settings.seed)
     start = time.perf_counter()
-    losses = train(model, rows, tokenizer.pad_token_id, settings)
+    if name in INDEXER_MODELS:
+        losses = train_with_indexer(model, rows, tokenizer.pad_token_id, settings, INDEXER_MODELS[name])
+    else:
+        losses = train(model, rows, tokenizer.pad_token_id, settings)
     wall = time.perf_counter() - start
     metrics = {**evaluate(model, tokenizer), **losses}
+    if name in INDEXER_MODELS:
+        texts = [tokenizer(t)["input_ids"] for t in corpus.text_samples("heldout", HELDOUT_TEXTS, 0)]
+        metrics["top_k_attention_mass"] = top_k_attention_mass(model, texts)
 
     path.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(path)
@@ -96,7 +105,7 @@ def make_model(name: str, path: Path, tokenizer) -> dict:
         "model": name,
         "parameters": parameter_count(model),
         "corpus": size,
-        "settings": vars(settings),
+        "settings": vars(settings) | (vars(INDEXER_MODELS[name]) if name in INDEXER_MODELS else {}),
         "wall_time_s": round(wall, 1),
         "threads": torch.get_num_threads(),
         "metrics": metrics,

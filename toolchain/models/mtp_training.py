@@ -51,7 +51,7 @@ def train_mtp(model, mtp: MtpModel, rows: torch.Tensor, pad: int, settings: Trai
         p.requires_grad_(False)
     mtp.layer.train()
 
-    def loss_of(batch: torch.Tensor) -> torch.Tensor:
+    def loss_of(batch: torch.Tensor, _step: int) -> torch.Tensor:
         hidden, next_ids, targets = mtp_batches(model, batch)
         logits, _ = mtp(hidden, next_ids)
         labels = targets.masked_fill(targets == pad, -100)

@@ -158,7 +158,7 @@ def train(model: torch.nn.Module, rows: torch.Tensor, pad: int, settings: TrainS
     seed_everything(settings.seed, settings.threads)
     model.train()
 
-    def loss_of(batch: torch.Tensor) -> torch.Tensor:
+    def loss_of(batch: torch.Tensor, _step: int) -> torch.Tensor:
         return model(input_ids=batch, labels=batch.masked_fill(batch == pad, -100)).loss
 
     loss = run_steps(list(model.parameters()), rows, settings, torch.Generator().manual_seed(settings.seed), loss_of,
@@ -168,11 +168,11 @@ def train(model: torch.nn.Module, rows: torch.Tensor, pad: int, settings: TrainS
 
 
 def run_steps(params: list[torch.nn.Parameter], rows: torch.Tensor, settings: TrainSettings,
-              generator: torch.Generator, loss_of: Callable[[torch.Tensor], torch.Tensor],
+              generator: torch.Generator, loss_of: Callable[[torch.Tensor, int], torch.Tensor],
               log: Callable[[str], None] | None, label: str) -> float:
     """``settings.steps`` AdamW steps on ``params`` over shuffled batches of ``rows`` (reshuffled by ``generator``
     when they run out), the learning rate on its schedule, gradients clipped at 1; the mean of the last 50
-    losses."""
+    losses. ``loss_of`` takes the batch and the step's index."""
     optimizer = torch.optim.AdamW(params, lr=settings.lr, betas=(0.9, 0.98), weight_decay=settings.weight_decay)
     order, cursor = torch.randperm(len(rows), generator=generator), 0
     recent: list[float] = []
@@ -183,7 +183,7 @@ def run_steps(params: list[torch.nn.Parameter], rows: torch.Tensor, settings: Tr
         cursor += settings.batch_size
         for group in optimizer.param_groups:
             group["lr"] = _lr_at(step, settings)
-        loss = loss_of(batch)
+        loss = loss_of(batch, step)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
