@@ -1,0 +1,174 @@
+"""Decode ms/token at long context: DeepSeek-V4-Flash's widths against DeepSeek-V3's, INT4, on ONNX Runtime and
+OpenVINO (issue #24's decode table).
+
+Two shape-faithful checkpoints as shipped (`dstc models shape-faithful`: real widths and vocabulary, FP4 / FP8
+weights; --layers decoder layers and --experts routed experts each, so that both fit beside each other; V4's cut
+keeps a sliding, a CSA and an HCA layer and a hash-MoE one) are exported (V3 with its default latent MLA cache) and
+compressed int4-grouped (g128, asym) for each backend; above 2 GiB of float weights the compress stage streams
+and writes ONNX for both. Per backend, in a child process holding the benchmark lock, both graphs are loaded
+(dstc's GraphRunner, stateless, --threads, exact numerics) and, per context C, each decodes --steps tokens after a
+cache of C - 1 positions of random values (the time of a step does not depend on them: V4's indexer keeps its
+top-k of whatever scores), after an unmeasured round and a warm-up at each context, rounds alternating the two
+models; ms/token is the median over rounds (benchmarks/mla_cache.py's loop). The table also has each graph's cache
+bytes per token over all its layers (from its past_key_values inputs).
+
+    PYTHONPATH=. .venv/bin/python benchmarks/v4_decode.py --workdir /tmp/v4-decode --json v4_decode.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.modules["openvino_telemetry"] = None  # it forks per event; see tests/conftest.py
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # a script: the harness is imported from the repo
+from benchmarks import harness  # noqa: E402
+from benchmarks.mla_cache import decode_ms  # noqa: E402
+
+MODELS = {"v4-flash": ("deepseek-v4-flash", False), "v3": ("deepseek-v3", True)}  # reference, --fp8
+BACKENDS = ("onnxruntime", "openvino")
+
+
+def build(work: Path, args, log) -> dict[tuple[str, str], Path]:
+    """(model, backend) -> the INT4 graph file that backend runs."""
+    from toolchain.models.shape_faithful import make_shape_faithful
+    from toolchain.recipe import CompressSection
+    from toolchain.stages.compress import compress
+    from toolchain.stages.export import export
+
+    files = {}
+    for model, (reference, fp8) in MODELS.items():
+        ckpt = work / f"{model}-ckpt"
+        if not (ckpt / "config.json").is_file():
+            log(f"shape-faithful {reference}: {args.layers} layers, {args.experts} experts")
+            make_shape_faithful(reference, ckpt, num_layers=args.layers, num_experts=args.experts, fp8=fp8)
+        exported = work / f"{model}-export"
+        if not (exported / "export.json").is_file():
+            log(f"export {model}")
+            export(str(ckpt), exported, parity=())
+        for backend in BACKENDS:
+            out = work / f"{model}-int4-{backend}"
+            if not (out / "compression.json").is_file():
+                log(f"compress {model} INT4 for {backend}")
+                compress(exported, out, CompressSection(scheme="int4-grouped"), target=backend)
+            xml = out / "openvino_model.xml"
+            files[(model, backend)] = xml if xml.is_file() else out / "model.onnx"
+            gc.collect()
+    return files
+
+
+def cache_bytes_per_token(path: Path) -> int:
+    """Bytes every layer of the graph caches per token together, float32 (its past_key_values inputs)."""
+    from toolchain.interface.graph import graph_cache_spec
+
+    return sum(h * d * 4 for h, d in graph_cache_spec(path).values())
+
+
+def measure_child(args) -> None:
+    """One backend: both models loaded, contexts in turn, rounds alternating the models."""
+    from toolchain.interface.graph import graph_cache_spec
+    from toolchain.runtime.engines import GraphRunner
+
+    graphs = json.loads(args.graphs)
+    runners, specs, creation = {}, {}, {}
+    for model, graph in graphs.items():
+        started = time.perf_counter()
+        runners[model] = GraphRunner(Path(graph), args.measure, numerics="exact", threads=args.threads)
+        creation[model] = time.perf_counter() - started
+        specs[model] = graph_cache_spec(Path(graph))
+    rng = np.random.default_rng(0)
+    for model in graphs:  # an unmeasured round: the weights' pages read in, the kernels' first runs
+        decode_ms(runners[model], specs[model], args.vocab, args.contexts[0], args.steps, rng)
+    rows = []
+    for context in args.contexts:
+        for model in graphs:  # a warm-up at this context (allocations of the new sizes)
+            decode_ms(runners[model], specs[model], args.vocab, context, 2, rng)
+        rounds: dict = {model: [] for model in graphs}
+        for _, model in harness.alternation(list(graphs), args.rounds):
+            rounds[model].append(decode_ms(runners[model], specs[model], args.vocab, context, args.steps, rng))
+        for model in graphs:
+            rows.append({"backend": args.measure, "model": model, "context": context,
+                         "decode_ms_per_token": statistics.median(rounds[model]), "rounds_ms": rounds[model],
+                         "creation_s": creation[model], "graph": graphs[model],
+                         "cache_bytes_per_token": cache_bytes_per_token(Path(graphs[model]))})
+        print(f"{args.measure} context {context}: " + ", ".join(
+            f"{r['model']} {r['decode_ms_per_token']:.1f} ms" for r in rows[-len(graphs):]), file=sys.stderr,
+            flush=True)
+    print(json.dumps(rows))
+
+
+def measure(files: dict, args, log, done: list[dict]) -> list[dict]:
+    rows = list(done)
+    for backend in BACKENDS:
+        if any(r["backend"] == backend for r in done):
+            continue
+        graphs = {model: str(files[(model, backend)]) for model in MODELS}
+        command = [sys.executable, __file__, "--measure", backend, "--graphs", json.dumps(graphs),
+                   "--contexts", ",".join(map(str, args.contexts)), "--steps", str(args.steps),
+                   "--rounds", str(args.rounds), "--threads", str(args.threads), "--vocab", str(args.vocab)]
+        log(f"measuring {backend}")
+        with harness.one_at_a_time():
+            out = subprocess.run(command, check=True, stdout=subprocess.PIPE, text=True).stdout
+        rows += json.loads(out.strip().splitlines()[-1])
+        args.json.write_text(json.dumps({"layers": args.layers, "experts": args.experts, "threads": args.threads,
+                                         "steps": args.steps, "rounds": args.rounds, "contexts": args.contexts,
+                                         "rows": rows}, indent=1) + "\n")
+    return rows
+
+
+def table(rows: list[dict], contexts: list[int]) -> str:
+    get = {(r["backend"], r["model"], r["context"]): r for r in rows}
+    lines = []
+    for backend in dict.fromkeys(r["backend"] for r in rows):
+        for context in contexts:
+            v4, v3 = get.get((backend, "v4-flash", context)), get.get((backend, "v3", context))
+            if v4 is None or v3 is None:
+                continue
+            lines.append([backend, context, f"{v4['cache_bytes_per_token']} / {v3['cache_bytes_per_token']}",
+                          v4["decode_ms_per_token"], v3["decode_ms_per_token"],
+                          v4["decode_ms_per_token"] / v3["decode_ms_per_token"]])
+    return harness.markdown_table(["backend", "context", "cache B/token V4 / V3", "V4-Flash ms/tok", "V3 ms/tok",
+                                   "V4 / V3"], lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--experts", type=int, default=16)
+    parser.add_argument("--contexts", default="1024,8192", type=lambda s: [int(c) for c in s.split(",")])
+    parser.add_argument("--steps", type=int, default=8, help="decode steps per round")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--workdir", type=Path, default=None, help="keep the checkpoints and graphs here (reused)")
+    parser.add_argument("--json", type=Path, default=Path("v4_decode.json"))
+    parser.add_argument("--resume", action="store_true", help="keep the backends already in --json")
+    parser.add_argument("--measure", metavar="BACKEND", help=argparse.SUPPRESS)
+    parser.add_argument("--graphs", help=argparse.SUPPRESS)
+    parser.add_argument("--vocab", type=int, default=0, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.measure:  # a child of measure
+        measure_child(args)
+        return
+    work = args.workdir or Path(tempfile.mkdtemp(prefix="dstc-v4-decode-"))
+    work.mkdir(parents=True, exist_ok=True)
+
+    def log(message: str) -> None:
+        print(message, file=sys.stderr, flush=True)
+
+    files = build(work, args, log)
+    args.vocab = json.loads((work / "v3-ckpt" / "config.json").read_text())["vocab_size"]
+    done = json.loads(args.json.read_text())["rows"] if args.resume and args.json.is_file() else []
+    print(table(measure(files, args, log, done), args.contexts))
+
+
+if __name__ == "__main__":
+    main()
