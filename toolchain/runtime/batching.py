@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import math
 import secrets
-from collections.abc import Hashable, Iterable
+from collections.abc import Hashable, Iterable, Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -119,7 +119,7 @@ class BatchedDecoder:
         if twice:
             raise ValueError(f"sequences already running: {sorted(map(str, twice))}")
 
-    def _check_step(self, tokens: dict[Hashable, int]) -> None:
+    def _check_step(self, tokens: Mapping[Hashable, object]) -> None:
         if set(tokens) != set(self.keys):
             raise ValueError("a step feeds one token to every running sequence, and to no other")
 
@@ -132,23 +132,33 @@ class _OnnxRuntimeBatch(BatchedDecoder):
         self.session = decoder.session
         self._past = ort_cache(self.session)
         self._present = {name: present_of(name) for name in self._past}
-        self._outputs = [LOGITS, *self._present.values()]
+        self._extra = list(getattr(decoder, "extra_outputs", ()))  # e.g. the hidden states MTP drafts read
+        self._outputs = [LOGITS, *self._present.values(), *self._extra]
+        self.extras: dict[str, np.ndarray] = {}  # the extra outputs of the last join or verify, [rows, S, ...]
         # A runner that adds a logits_to_keep input to the graph (toolchain/runtime/last_logits.py) gets 1: only the
         # last position's logits are read, so a prefill computes the lm_head for one position, not the whole prompt.
         self._keep_last = any(i.name == "logits_to_keep" for i in self.session.get_inputs())
         self._chunking = decoder.chunking
 
-    def _prefill(self, ids: np.ndarray, mask: np.ndarray) -> tuple[np.ndarray, dict]:
+    def _prefill(self, ids: np.ndarray, mask: np.ndarray, inputs: dict[str, np.ndarray] | None = None
+                 ) -> tuple[np.ndarray, dict]:
         """_run's logits and presents of joining sequences from an empty cache, fed in the decoder's prefill chunks
-        (toolchain/runtime/prefill_chunks.py)."""
+        (toolchain/runtime/prefill_chunks.py); ``extras`` over all the chunks."""
         present = self._empty(len(ids))
+        parts: dict[str, list[np.ndarray]] = {name: [] for name in self._extra}
         for start, end in prefill_spans(self._chunking, len(ids), ids.shape[1]):
-            logits, present = self._run(ids[:, start:end], mask[:, :end], present)
+            chunk = {name: value[:, start:end] for name, value in (inputs or {}).items()}
+            logits, present = self._run(ids[:, start:end], mask[:, :end], present, inputs=chunk)
+            for name in self._extra:
+                parts[name].append(self.extras[name])
+        self.extras = {name: np.concatenate(chunks, axis=1) for name, chunks in parts.items()}
         return logits, present
 
-    def _run(self, ids: np.ndarray, mask: np.ndarray, past: dict) -> tuple[np.ndarray, dict]:
-        """Logits [B, S or 1, vocab] (numpy; the last position is what callers read) and the presents as OrtValues
-        (ORT's own buffers, not copied)."""
+    def _run(self, ids: np.ndarray, mask: np.ndarray, past: dict, *, keep: int = 1,
+             inputs: dict[str, np.ndarray] | None = None) -> tuple[np.ndarray, dict]:
+        """Logits [B, S or ``keep``, vocab] (numpy; 0 keeps every position) and the presents as OrtValues (ORT's own
+        buffers, not copied); the extra outputs in ``extras``. ``inputs``: the graph's further inputs (an MTP
+        graph's hidden states)."""
         from onnxruntime import OrtValue
 
         ids = np.ascontiguousarray(ids, np.int64)
@@ -156,10 +166,12 @@ class _OnnxRuntimeBatch(BatchedDecoder):
         pos = np.ascontiguousarray(positions(mask, ids.shape[1]))
         feeds = {INPUT_IDS: OrtValue.ortvalue_from_numpy(ids), ATTENTION_MASK: OrtValue.ortvalue_from_numpy(mask),
                  POSITION_IDS: OrtValue.ortvalue_from_numpy(pos), **past}
+        held = {name: np.ascontiguousarray(value) for name, value in (inputs or {}).items()}
+        feeds.update({name: OrtValue.ortvalue_from_numpy(value) for name, value in held.items()})
         if self._keep_last:
-            keep = np.array(1, np.int64)
-            feeds["logits_to_keep"] = OrtValue.ortvalue_from_numpy(keep)
+            feeds["logits_to_keep"] = OrtValue.ortvalue_from_numpy(np.array(keep, np.int64))
         values = dict(zip(self._outputs, self.session.run_with_ort_values(self._outputs, feeds)))
+        self.extras = {name: values[name].numpy() for name in self._extra}
         return values[LOGITS].numpy(), {name: values[present] for name, present in self._present.items()}
 
     def _empty(self, batch: int) -> dict:
@@ -174,6 +186,13 @@ class PersistentBatch(_OnnxRuntimeBatch):
 
     A sequence that leaves becomes a dead row, fed padding, until the next join rebuilds the cache anyway (or until
     half the rows are dead): a leave costs no copy of the cache, a join one.
+
+    Speculative decoding (``verify`` then ``keep``) feeds every row several tokens in one forward; what a row does
+    not keep (its rejected drafts, the padding of a row fed fewer tokens) stays in the cache as a hole, masked out
+    (attention_mask 0): positions come from the mask's cumsum, so the row's next token has its right position, and
+    the graph's attention ignores the hole (toolchain/export/blocks.py attention_mask: causal over columns, padding
+    from the mask, which DeepSeek-V3.2's indexer adds to its scores before its top-k). A rebuild compacts every row;
+    one is made when holes fill half of what the rows hold.
     """
 
     layout = "batch"
@@ -184,6 +203,8 @@ class PersistentBatch(_OnnxRuntimeBatch):
         self._mask = np.zeros((0, 0), np.int64)
         self._cache: dict = {}
         self._held: list[np.ndarray] = []  # numpy buffers the cache's OrtValues share, kept alive with them
+        self._fed = 0  # columns of the last verify, until keep
+        self._spans: dict[Hashable, tuple[int, int, int]] = {}  # each sequence's (row, columns) in ``extras``
 
     @property
     def keys(self) -> list[Hashable]:
@@ -199,14 +220,28 @@ class PersistentBatch(_OnnxRuntimeBatch):
         return int(self._mask[live].sum()) if live else 0
 
     def padded_positions(self) -> int:
-        """Positions the batch's cache tensors hold, padding and dead rows included (rows x columns)."""
+        """Positions the batch's cache tensors hold, padding, holes and dead rows included (rows x columns)."""
         return int(self._mask.size)
 
-    def join(self, prompts: dict[Hashable, list[int]]) -> dict[Hashable, np.ndarray]:
+    def holes(self) -> int:
+        """Masked-out positions after each live row's first one (speculative decoding's rejected drafts)."""
+        live = self._mask[[row for row, key in enumerate(self._rows) if key is not None]]
+        if not live.size:
+            return 0
+        first = np.where(live.any(axis=1), live.argmax(axis=1), live.shape[1])
+        return int((live.shape[1] - first).sum() - live.sum())
+
+    def join(self, prompts: dict[Hashable, list[int]],
+             inputs: dict[str, dict[Hashable, np.ndarray]] | None = None) -> dict[Hashable, np.ndarray]:
+        """``inputs``: the graph's further inputs of each joining sequence ([its prompt's length, ...] each, e.g. an
+        MTP graph's hidden states), left-padded as its tokens."""
         self._check_join(prompts)
         keys = list(prompts)
         ids, mask = left_pad([list(prompts[k]) for k in keys], self.pad_id)
-        logits, present = self._prefill(ids, mask)
+        padded = {name: stack_left_padded([value[key][None] for key in keys], axis=1)
+                  for name, value in (inputs or {}).items()}
+        logits, present = self._prefill(ids, mask, padded)
+        self._spans = {key: (row, ids.shape[1] - len(prompts[key]), ids.shape[1]) for row, key in enumerate(keys)}
         if not self.keys:
             self._rows, self._mask, self._cache, self._held = keys, mask, present, []
         else:
@@ -215,20 +250,37 @@ class PersistentBatch(_OnnxRuntimeBatch):
 
     def _rebuild(self, keys: list[Hashable], mask: np.ndarray | None = None, present: dict | None = None) -> None:
         """The cache of the live rows, then of the joining ones (if any), in new buffers, one copy each: dead rows
-        dropped, the columns that only padding occupies cut off, the shorter side left-padded."""
+        dropped, each row's holes and the columns that only padding occupies cut off, the shorter side
+        left-padded."""
         from onnxruntime import OrtValue
 
         live = [row for row, key in enumerate(self._rows) if key is not None]
-        first = int(np.argmax(self._mask[live].any(axis=0)))
-        merged_mask = stack_left_padded([self._mask[live, first:], *([] if mask is None else [mask])], axis=1)
-        cache, held = {}, []
+        compact = self.holes() > 0
+        if compact:  # each row's held columns, right-aligned
+            held = self._mask[live].astype(bool)
+            width = int(held.sum(axis=1).max())
+            own = np.zeros((len(live), width), np.int64)
+            columns = [np.flatnonzero(row) for row in held]
+            for row, taken in enumerate(columns):
+                own[row, width - len(taken):] = 1
+        else:
+            first = int(np.argmax(self._mask[live].any(axis=0)))
+            own = self._mask[live, first:]
+        merged_mask = stack_left_padded([own, *([] if mask is None else [mask])], axis=1)
+        cache, buffers = {}, []
         for name in self._past:
-            old = self._cache[name].numpy()[live, :, first:]
+            whole = self._cache[name].numpy()
+            if compact:
+                old = np.zeros((len(live), whole.shape[1], own.shape[1], whole.shape[3]), whole.dtype)
+                for row, (source, taken) in enumerate(zip(live, columns)):
+                    old[row, :, own.shape[1] - len(taken):] = whole[source][:, taken]
+            else:
+                old = whole[live, :, first:]
             merged = stack_left_padded([old, *([] if present is None else [present[name].numpy()])], axis=2)
-            held.append(merged)
+            buffers.append(merged)
             cache[name] = OrtValue.ortvalue_from_numpy(merged)
         self._rows = [self._rows[row] for row in live] + keys
-        self._mask, self._cache, self._held = merged_mask, cache, held
+        self._mask, self._cache, self._held = merged_mask, cache, buffers
 
     def step(self, tokens: dict[Hashable, int]) -> dict[Hashable, np.ndarray]:
         self._check_step(tokens)
@@ -238,6 +290,59 @@ class PersistentBatch(_OnnxRuntimeBatch):
         # the presents are ORT's buffers: bound as they are as the next step's past (no copy)
         self._mask, self._cache, self._held = mask, present, []
         return {key: logits[row, -1] for row, key in enumerate(self._rows) if key is not None}
+
+    def verify(self, fed: dict[Hashable, list[int]],
+               inputs: dict[str, dict[Hashable, np.ndarray]] | None = None) -> dict[Hashable, np.ndarray]:
+        """Every running sequence fed its tokens (at least one: speculative decoding's last chosen token and its
+        drafts) in one forward over [rows, the most fed] tokens, a row fed fewer padded on the right with holes;
+        each sequence's logits [its tokens, vocab]. ``inputs``: further inputs of each ([its tokens, ...]). ``keep``
+        must follow before the next call."""
+        self._check_step(fed)
+        if not all(fed.values()):
+            raise ValueError("a verify step feeds every running sequence at least one token")
+        width = max(len(tokens) for tokens in fed.values())
+        ids = np.full((len(self._rows), width), self.pad_id, np.int64)
+        new = np.zeros((len(self._rows), width), np.int64)
+        extra = {name: np.zeros((len(self._rows), width, *next(iter(value.values())).shape[1:]),
+                                next(iter(value.values())).dtype) for name, value in (inputs or {}).items()}
+        for row, key in enumerate(self._rows):
+            tokens = [self.pad_id] if key is None else fed[key]
+            ids[row, :len(tokens)] = tokens
+            new[row, :len(tokens)] = 1
+            for name, value in (inputs or {}).items():
+                if key is not None:
+                    extra[name][row, :len(tokens)] = value[key]
+        mask = np.concatenate([self._mask, new], axis=1)
+        logits, present = self._run(ids, mask, self._cache, keep=0, inputs=extra)
+        self._mask, self._cache, self._held, self._fed = mask, present, [], width
+        self._spans = {key: (row, 0, len(fed[key])) for row, key in enumerate(self._rows) if key is not None}
+        return {key: logits[row, :len(fed[key])] for row, key in enumerate(self._rows) if key is not None}
+
+    def row_extras(self, name: str) -> dict[Hashable, np.ndarray]:
+        """An extra output of the last join (each joining sequence's prompt positions) or verify (each sequence's
+        fed tokens), per sequence."""
+        value = self.extras[name]
+        return {key: value[row, start:stop] for key, (row, start, stop) in self._spans.items()}
+
+    def keep(self, kept: dict[Hashable, int]) -> None:
+        """After ``verify``: each sequence keeps the cache of its first ``kept`` tokens fed, the rest turn into
+        holes (a dead row keeps what it had)."""
+        span = self._mask[:, self._mask.shape[1] - self._fed:]
+        for row, key in enumerate(self._rows):
+            if key is not None:
+                span[row, kept[key]:] = 0
+        self._fed = 0
+        self._compact_if_sparse()
+
+    def forget(self, columns: int) -> None:
+        """The last ``columns`` positions of every row become holes (an MTP layer's chained drafts, which the next
+        verify step replaces by what the main model accepted)."""
+        self._mask[:, self._mask.shape[1] - columns:] = 0
+        self._compact_if_sparse()
+
+    def _compact_if_sparse(self) -> None:
+        if self.keys and self.holes() >= self.tokens_held():
+            self._rebuild([])
 
     def leave(self, keys: Iterable[Hashable]) -> None:
         drop = set(keys)

@@ -131,6 +131,7 @@ class OnnxRuntimeDecoder(ChunkedForward):
         self._past = ort_cache(self.session)
         self._outputs = [o.name for o in self.session.get_outputs()]
         self._extra = list(extra_outputs)
+        self.extra_outputs = tuple(extra_outputs)  # what a batch over its session reads too (batching.py)
         self._binding = self.session.io_binding()
         self.cache: dict = {}  # past_key_values.* input -> the OrtValue the last run returned for it
         self.extras: dict[str, np.ndarray] = {}

@@ -285,6 +285,9 @@ class _Recorder(Observer):
     def step(self, seconds: float, batch: int) -> None:
         self.items.append(("step", seconds, batch))
 
+    def drafts(self, proposed: int, accepted: int) -> None:
+        self.items.append(("drafts", proposed, accepted))
+
 
 def worker(fd: int) -> None:
     """The engine process: reads the spec, loads the backend, serves submissions and cancellations until told to
