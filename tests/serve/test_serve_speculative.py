@@ -1,0 +1,185 @@
+"""dstc serve --speculate (toolchain/serve/engine_runner.py, toolchain/runtime/batched_drafts.py): greedy output
+identical to plain serving through the API and in the runner's backend, with requests of different lengths joining
+and leaving so that one verify step's rows accept different counts (holes in the batch's cache, compacted on
+rebuilds); the acceptance counters in /metrics; the combinations refused."""
+
+from __future__ import annotations
+
+import threading
+
+import httpx
+import numpy as np
+import pytest
+from conftest import run_cli
+from serve_helpers import Server
+
+from toolchain.models.corpus import task_examples
+from toolchain.runtime.sampling import Sampling
+from toolchain.serve.engine import Request
+from toolchain.serve.engine_runner import RunnerBackend
+from toolchain.settings.speculation import SpeculationSettings
+
+pytestmark = pytest.mark.timeout(300)
+
+LATENT, GQA = "deepseek-v3-tiny", "r1-distill-qwen-tiny"
+ORT = {"compile": {"backend": "onnxruntime", "verify": False}}
+MTP_SECTIONS = {"export": {"parity": [], "mtp": True}, **ORT}
+
+
+def texts(count: int = 6) -> list[str]:
+    """Held-out problems after one to three solved ones (n-grams for prompt lookup), and a short one."""
+    ex = task_examples("heldout", count + 6)
+    return ["".join(p + a + "\n" for p, a in ex[i:i + 1 + i % 3]) + ex[i + 4][0] for i in range(count)] + ["12+345="]
+
+
+def backend_run(art, speculation: SpeculationSettings | None) -> tuple[dict[int, list[int]], list[tuple[int, int]]]:
+    """Each prompt's tokens from the runner's backend, two requests joining per step (max tokens 24..42), and
+    every step's (proposed, accepted) per request."""
+    tokenizer = art.tokenizer()
+    backend = RunnerBackend(art, threads=2, max_batch=16, max_context=256, speculation=speculation)
+    backend.load()
+    requests = [Request(prompt=tokenizer(text)["input_ids"], max_tokens=24 + 3 * i, sampling=Sampling(),
+                        stop_ids=frozenset(art.eos_token_ids), sink=lambda event: None, id=i + 1)
+                for i, text in enumerate(texts())]
+    out: dict[int, list[int]] = {r.id: [] for r in requests}
+    pending, finished, drafted = list(requests), set(), []
+    while len(finished) < len(requests):
+        results = backend.add(pending[:2]) if pending else []
+        pending = pending[2:]
+        results += backend.step()
+        drafted += backend.drafted
+        for request, tokens, finish in results:
+            assert finish != "error", request.error
+            out[request.id] += tokens
+            if finish is not None:
+                finished.add(request.id)
+    return out, drafted
+
+
+@pytest.mark.parametrize(("model", "method"), [(LATENT, "mtp"), (LATENT, "prompt-lookup"), (GQA, "prompt-lookup")])
+def test_backend_speculates_to_plain_serving_tokens(artifact, model, method):
+    art = artifact(model, "onnxruntime", MTP_SECTIONS if method == "mtp" else None)
+    plain, none = backend_run(art, None)
+    assert none == [] and all(plain.values())
+    spoken, drafted = backend_run(art, SpeculationSettings(speculate=method, draft_tokens=4))
+    assert spoken == plain
+    accepted = [a for _, a in drafted]
+    assert max(p for p, _ in drafted) == 4 and sum(accepted) > 0
+    # rows of one step accepted different counts (what leaves holes of different widths in the cache)
+    assert len(set(accepted)) > 2
+
+
+@pytest.mark.slow
+def test_backend_speculates_to_plain_serving_tokens_past_the_indexer_top_k(artifact):
+    """DeepSeek-V3.2: the indexer adds the mask to its scores before its top-k, so holes are never chosen."""
+    art = artifact("deepseek-v32-tiny", "onnxruntime", ORT)
+    plain, _ = backend_run(art, None)
+    spoken, drafted = backend_run(art, SpeculationSettings(speculate="prompt-lookup", draft_tokens=4))
+    assert spoken == plain and sum(p for p, _ in drafted) > 0
+
+
+def served(server: Server, prompts: list[str]) -> list[str]:
+    """Greedy completions of ``prompts``, sent at once (max tokens 20..41)."""
+    out: list[str] = [""] * len(prompts)
+
+    def one(i: int) -> None:
+        response = httpx.post(server.base + "/v1/completions", timeout=120, json={
+            "model": server.name, "prompt": prompts[i], "max_tokens": 20 + 3 * i, "temperature": 0})
+        assert response.status_code == 200, response.text
+        out[i] = response.json()["choices"][0]["text"]
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return out
+
+
+@pytest.mark.slow  # two servers per model (about 30 s each)
+@pytest.mark.parametrize(("model", "method"), [(LATENT, "mtp"), (GQA, "prompt-lookup")])
+def test_served_greedy_completions_are_plain_servings_and_metrics_count_drafts(artifact, model, method):
+    art = artifact(model, "onnxruntime", MTP_SECTIONS if method == "mtp" else None)
+    prompts = texts() * 2
+    plain = Server(art)
+    try:
+        expected = served(plain, prompts)
+        assert not any(name.startswith("dstc_speculative_proposed_total{") for name in plain.metrics())
+    finally:
+        plain.stop()
+    server = Server(art, "--speculate", method, "--draft-tokens", "3")
+    try:
+        assert served(server, prompts) == expected
+        metrics = server.metrics()
+    finally:
+        server.stop()
+    proposed = [metrics.get(f"dstc_speculative_proposed_total{{position={i}}}", 0.0) for i in range(4)]
+    accepted = [metrics.get(f"dstc_speculative_accepted_total{{position={i}}}", 0.0) for i in range(4)]
+    assert proposed[0] > 0 and proposed[3] == 0 and accepted[3] == 0
+    assert proposed[0] >= proposed[1] >= proposed[2] and accepted[0] >= accepted[1] >= accepted[2]
+    assert all(a <= p for a, p in zip(accepted, proposed)) and accepted[0] > 0
+    steps = metrics["dstc_speculative_verify_steps_total"]
+    # a verify step gives a request its accepted drafts and one token (fewer at a stop token), the prefill the first
+    assert steps < metrics["dstc_generation_tokens_total"] <= steps + sum(accepted) + len(prompts)
+
+
+@pytest.mark.parametrize(("model", "args", "message"), [
+    (GQA, ("--speculate", "mtp"), "has no MTP layer (mtp/) to draft with"),
+    (GQA, ("--speculate", "prompt-lookup", "--kv-layout", "gather"), "in the 'batch' KV-cache layout"),
+    (GQA, ("--speculate", "draft:/nowhere"), "a draft model's batched drafting is not implemented"),
+    (GQA, ("--speculate", "ngram"), "is not 'prompt-lookup', 'mtp' or draft:ARTIFACT"),
+])
+def test_combinations_that_cannot_work_are_refused_in_one_line(artifact, monkeypatch, capsys, model, args, message):
+    art = artifact(model, "onnxruntime")
+    code, _, err = run_cli(monkeypatch, capsys, "serve", art.path, "--port", "0", *args)
+    assert code == 2 and len(err.strip().splitlines()) == 1 and message in err, err
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("model", "backend", "message"), [
+    ("deepseek-v4-tiny", "onnxruntime", "per-token cache (DeepSeek-V4's sliding window"),
+    (LATENT, "openvino", "on OpenVINO (openvino_genai's pipeline or dstc's latent-MLA runner) it is not implemented"),
+])
+def test_caches_and_backends_without_a_batched_verify_are_refused(artifact, model, backend, message):
+    from toolchain.errors import InputError
+    from toolchain.runtime.batched_drafts import check_batch_speculation
+
+    art = artifact(model, backend, {"compile": {"backend": backend, "verify": False}})
+    with pytest.raises(InputError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        check_batch_speculation(SpeculationSettings(speculate="prompt-lookup"), art)
+
+
+def test_holes_are_masked_out_and_compacted_once_they_fill_half_the_cache(artifact):
+    """PersistentBatch: what a row does not keep of a verify step turns into holes (not held); the next steps'
+    logits are those of a batch that was never fed them; once holes are as many as the held positions the cache is
+    rebuilt without them."""
+    from toolchain.runtime.batching import PersistentBatch
+    from toolchain.runtime.decoder import open_decoder
+
+    art = artifact(GQA, "onnxruntime")
+    batch = PersistentBatch(open_decoder(art, threads=2), art.pad_token_id)
+    clean = PersistentBatch(open_decoder(art, threads=2), art.pad_token_id)
+    prompts = {"a": [5, 17, 3, 9, 40, 22], "b": [8, 31, 12]}
+    batch.join(prompts)
+    clean.join(prompts)
+    batch.verify({"a": [60, 61, 62, 63], "b": [70, 71]})
+    batch.keep({"a": 1, "b": 2})  # holes: a's 61-63, b's two padding columns
+    assert batch.tokens_held() == 12 and batch.holes() == 5
+    clean.verify({"a": [60], "b": [70, 71]})
+    clean.keep({"a": 1, "b": 2})
+
+    def same(fed: dict, kept: dict) -> None:
+        ours, theirs = batch.verify(fed), clean.verify(fed)
+        for key in fed:
+            np.testing.assert_allclose(ours[key], theirs[key], rtol=1e-5, atol=1e-5)
+        batch.keep(kept)
+        clean.keep(kept)
+
+    same({"a": [64, 65], "b": [72]}, {"a": 2, "b": 1})
+    assert batch.tokens_held() == 15 and batch.holes() == 6 and batch.padded_positions() == 2 * 12
+    batch.verify({"a": [1, 2, 3, 4, 5, 6, 7, 8, 9, 10], "b": [11]})
+    batch.keep({"a": 1, "b": 1})  # 24 holes against 17 held: compacted
+    clean.verify({"a": [1], "b": [11]})
+    clean.keep({"a": 1, "b": 1})
+    assert batch.tokens_held() == 17 and batch.holes() == 0 and batch.padded_positions() == 2 * 10
+    same({"a": [80, 81], "b": [82, 83]}, {"a": 2, "b": 2})
