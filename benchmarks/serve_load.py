@@ -17,6 +17,11 @@ step, join and leave times for batches of 1, 4, 16 at contexts of 64 and 512 tok
     .venv/bin/python benchmarks/serve_load.py load artifacts/deepseek-v3-tiny-openvino-int4 \\
         artifacts/deepseek-v3-tiny-onnxruntime-int4
     .venv/bin/python benchmarks/serve_load.py layouts artifacts/deepseek-v3-tiny-onnxruntime-int4
+    .venv/bin/python benchmarks/serve_load.py speculate ARTIFACT... --methods none,prompt-lookup,mtp
+
+``speculate``: `dstc serve` without and with ``--speculate`` (each method a server of its own, the load workload
+above at each level), and from the server's /metrics over each level the verify steps and accepted drafts: the
+mean tokens a verify step gives a request (1 + accepted drafts per step) and the acceptance per draft position.
 
 An OpenVINO artifact built with ``export: {mla_cache: per-head}`` runs on openvino_genai's pipeline; the shipped
 recipes' latent one on dstc's runner (its cache in the stateful IR's variables).
@@ -352,6 +357,68 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def _speculative_counters(base: str) -> tuple[float, list[float], list[float]]:
+    """(verify steps, proposed and accepted drafts per position) from the server's /metrics so far."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    steps, proposed, accepted = 0.0, {}, {}
+    for family in text_string_to_metric_families(httpx.get(base + "/metrics", timeout=10).text):
+        for sample in family.samples:
+            if sample.name == "dstc_speculative_verify_steps_total":
+                steps = sample.value
+            elif sample.name in ("dstc_speculative_proposed_total", "dstc_speculative_accepted_total"):
+                into = proposed if "proposed" in sample.name else accepted
+                into[int(sample.labels["position"])] = sample.value
+    positions = range(max(proposed, default=-1) + 1)
+    return steps, [proposed.get(i, 0.0) for i in positions], [accepted.get(i, 0.0) for i in positions]
+
+
+def speculate(args) -> None:
+    rows = []
+    for path in args.artifacts:
+        artifact = open_artifact(path)
+        prompt = workload_prompt(artifact, args.prompt_tokens)
+        levels = [int(c) for c in args.clients.split(",")]
+        name = artifact.path.resolve().name
+        print(f"== {name}: prompt {len(prompt)} tokens, {args.max_tokens} new tokens per request, "
+              f"{args.requests_per_client} requests per client, {args.draft_tokens} draft tokens", flush=True)
+        for method in args.methods.split(","):
+            extra = () if method == "none" else ("--speculate", method, "--draft-tokens", str(args.draft_tokens))
+            server = ServerProcess(artifact, args.threads, max(levels), *extra)
+            try:
+                server_level(server.base, name, prompt, 1, 2, args.max_tokens, 30, method)  # warm-up
+                for clients in levels:
+                    before = _speculative_counters(server.base)
+                    run = server_level(server.base, name, prompt, clients, args.requests_per_client,
+                                       args.max_tokens, args.time_limit, method)
+                    after = _speculative_counters(server.base)
+                    steps = after[0] - before[0]
+                    proposed = [a - (before[1][i] if i < len(before[1]) else 0) for i, a in enumerate(after[1])]
+                    accepted = [a - (before[2][i] if i < len(before[2]) else 0) for i, a in enumerate(after[2])]
+                    rows.append({"artifact": name, "method": method, **run.row(),
+                                 "tokens_per_verify_step": round(1 + sum(accepted) / steps, 3) if steps else None,
+                                 "acceptance_per_position": [round(a / p, 3) if p else None
+                                                             for a, p in zip(accepted, proposed)]})
+                    print(json.dumps(rows[-1]), flush=True)
+            finally:
+                server.stop()
+    print()
+    head = ("artifact", "speculation", "clients", "tok/s", "vs none", "ITL P50 ms", "tokens / verify step",
+            "acceptance per position")
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    plain = {(r["artifact"], r["clients"]): r["throughput_tok_s"] for r in rows if r["method"] == "none"}
+    for r in rows:
+        base = plain.get((r["artifact"], r["clients"]))
+        lines.append("| " + " | ".join(str(v) for v in (
+            r["artifact"], r["method"], r["clients"], r["throughput_tok_s"],
+            f"{r['throughput_tok_s'] / base:.2f}" if base else "", r["itl_p50_ms"],
+            r["tokens_per_verify_step"] or "", " ".join(str(a) for a in r["acceptance_per_position"]))) + " |")
+    print("\n".join(lines))
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1) + "\n")
+
+
 def layouts(args) -> None:
     from toolchain.runtime.batching import LAYOUTS, batched_decoder
     from toolchain.runtime.decoder import open_decoder
@@ -397,6 +464,18 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--json", default=None, help="also write the rows to this file")
     p.set_defaults(func=load)
+    p = sub.add_parser("speculate", help="the server without and with --speculate, per artifact")
+    p.add_argument("artifacts", nargs="+", type=Path)
+    p.add_argument("--methods", default="none,prompt-lookup,mtp", help="none and --speculate values")
+    p.add_argument("--draft-tokens", type=int, default=4)
+    p.add_argument("--clients", default="1,4,16")
+    p.add_argument("--requests-per-client", type=int, default=4)
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--prompt-tokens", type=int, default=32)
+    p.add_argument("--time-limit", type=float, default=60.0, help="seconds per level, at most")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--json", default=None, help="also write the rows to this file")
+    p.set_defaults(func=speculate)
     p = sub.add_parser("layouts", help="ONNX Runtime KV-cache layouts: step, join, leave")
     p.add_argument("artifact", type=Path)
     p.add_argument("--batches", default="1,4,16")

@@ -50,6 +50,7 @@ from toolchain.interface.graph import (
     present_of,
 )
 from toolchain.runtime.artifact import Artifact
+from toolchain.runtime.batch_holes import Holes, compact_cache, compacted
 from toolchain.runtime.decoder import ort_cache, positions
 from toolchain.runtime.engines import NUMERICS, runtime_cache_property
 from toolchain.runtime.generate import left_pad
@@ -181,18 +182,12 @@ class _OnnxRuntimeBatch(BatchedDecoder):
                 for name, (heads, dim, dtype) in self._past.items()}
 
 
-class PersistentBatch(_OnnxRuntimeBatch):
+class PersistentBatch(Holes, _OnnxRuntimeBatch):
     """One cache tensor per layer for the whole running batch, rebuilt only when sequences join.
 
     A sequence that leaves becomes a dead row, fed padding, until the next join rebuilds the cache anyway (or until
-    half the rows are dead): a leave costs no copy of the cache, a join one.
-
-    Speculative decoding (``verify`` then ``keep``) feeds every row several tokens in one forward; what a row does
-    not keep (its rejected drafts, the padding of a row fed fewer tokens) stays in the cache as a hole, masked out
-    (attention_mask 0): positions come from the mask's cumsum, so the row's next token has its right position, and
-    the graph's attention ignores the hole (toolchain/export/blocks.py attention_mask: causal over columns, padding
-    from the mask, which DeepSeek-V3.2's indexer adds to its scores before its top-k). A rebuild compacts every row;
-    one is made when holes fill half of what the rows hold.
+    half the rows are dead): a leave costs no copy of the cache, a join one. Speculative decoding's ``verify`` and
+    ``keep`` leave holes in it (toolchain/runtime/batch_holes.py), which a rebuild cuts.
     """
 
     layout = "batch"
@@ -203,8 +198,7 @@ class PersistentBatch(_OnnxRuntimeBatch):
         self._mask = np.zeros((0, 0), np.int64)
         self._cache: dict = {}
         self._held: list[np.ndarray] = []  # numpy buffers the cache's OrtValues share, kept alive with them
-        self._fed = 0  # columns of the last verify, until keep
-        self._spans: dict[Hashable, tuple[int, int, int]] = {}  # each sequence's (row, columns) in ``extras``
+        self._spans = {}
 
     @property
     def keys(self) -> list[Hashable]:
@@ -222,14 +216,6 @@ class PersistentBatch(_OnnxRuntimeBatch):
     def padded_positions(self) -> int:
         """Positions the batch's cache tensors hold, padding, holes and dead rows included (rows x columns)."""
         return int(self._mask.size)
-
-    def holes(self) -> int:
-        """Masked-out positions after each live row's first one (speculative decoding's rejected drafts)."""
-        live = self._mask[[row for row, key in enumerate(self._rows) if key is not None]]
-        if not live.size:
-            return 0
-        first = np.where(live.any(axis=1), live.argmax(axis=1), live.shape[1])
-        return int((live.shape[1] - first).sum() - live.sum())
 
     def join(self, prompts: dict[Hashable, list[int]],
              inputs: dict[str, dict[Hashable, np.ndarray]] | None = None) -> dict[Hashable, np.ndarray]:
@@ -255,14 +241,9 @@ class PersistentBatch(_OnnxRuntimeBatch):
         from onnxruntime import OrtValue
 
         live = [row for row, key in enumerate(self._rows) if key is not None]
-        compact = self.holes() > 0
-        if compact:  # each row's held columns, right-aligned
-            held = self._mask[live].astype(bool)
-            width = int(held.sum(axis=1).max())
-            own = np.zeros((len(live), width), np.int64)
-            columns = [np.flatnonzero(row) for row in held]
-            for row, taken in enumerate(columns):
-                own[row, width - len(taken):] = 1
+        columns = None
+        if self.holes():
+            own, columns = compacted(self._mask[live])
         else:
             first = int(np.argmax(self._mask[live].any(axis=0)))
             own = self._mask[live, first:]
@@ -270,17 +251,16 @@ class PersistentBatch(_OnnxRuntimeBatch):
         cache, buffers = {}, []
         for name in self._past:
             whole = self._cache[name].numpy()
-            if compact:
-                old = np.zeros((len(live), whole.shape[1], own.shape[1], whole.shape[3]), whole.dtype)
-                for row, (source, taken) in enumerate(zip(live, columns)):
-                    old[row, :, own.shape[1] - len(taken):] = whole[source][:, taken]
-            else:
-                old = whole[live, :, first:]
+            old = compact_cache(whole[live], columns, own.shape[1]) if columns is not None else \
+                whole[live, :, first:]
             merged = stack_left_padded([old, *([] if present is None else [present[name].numpy()])], axis=2)
             buffers.append(merged)
             cache[name] = OrtValue.ortvalue_from_numpy(merged)
         self._rows = [self._rows[row] for row in live] + keys
         self._mask, self._cache, self._held = merged_mask, cache, buffers
+
+    def _compact(self) -> None:
+        self._rebuild([])
 
     def step(self, tokens: dict[Hashable, int]) -> dict[Hashable, np.ndarray]:
         self._check_step(tokens)
@@ -294,55 +274,14 @@ class PersistentBatch(_OnnxRuntimeBatch):
     def verify(self, fed: dict[Hashable, list[int]],
                inputs: dict[str, dict[Hashable, np.ndarray]] | None = None) -> dict[Hashable, np.ndarray]:
         """Every running sequence fed its tokens (at least one: speculative decoding's last chosen token and its
-        drafts) in one forward over [rows, the most fed] tokens, a row fed fewer padded on the right with holes;
-        each sequence's logits [its tokens, vocab]. ``inputs``: further inputs of each ([its tokens, ...]). ``keep``
-        must follow before the next call."""
+        drafts) in one forward, a row fed fewer padded on the right with holes; each sequence's logits [its tokens,
+        vocab]. ``inputs``: further inputs of each ([its tokens, ...]). ``keep`` must follow before the next call."""
         self._check_step(fed)
-        if not all(fed.values()):
-            raise ValueError("a verify step feeds every running sequence at least one token")
-        width = max(len(tokens) for tokens in fed.values())
-        ids = np.full((len(self._rows), width), self.pad_id, np.int64)
-        new = np.zeros((len(self._rows), width), np.int64)
-        extra = {name: np.zeros((len(self._rows), width, *next(iter(value.values())).shape[1:]),
-                                next(iter(value.values())).dtype) for name, value in (inputs or {}).items()}
-        for row, key in enumerate(self._rows):
-            tokens = [self.pad_id] if key is None else fed[key]
-            ids[row, :len(tokens)] = tokens
-            new[row, :len(tokens)] = 1
-            for name, value in (inputs or {}).items():
-                if key is not None:
-                    extra[name][row, :len(tokens)] = value[key]
+        ids, new, extra = self._verify_feeds(fed, inputs)
         mask = np.concatenate([self._mask, new], axis=1)
         logits, present = self._run(ids, mask, self._cache, keep=0, inputs=extra)
-        self._mask, self._cache, self._held, self._fed = mask, present, [], width
-        self._spans = {key: (row, 0, len(fed[key])) for row, key in enumerate(self._rows) if key is not None}
+        self._mask, self._cache, self._held = mask, present, []
         return {key: logits[row, :len(fed[key])] for row, key in enumerate(self._rows) if key is not None}
-
-    def row_extras(self, name: str) -> dict[Hashable, np.ndarray]:
-        """An extra output of the last join (each joining sequence's prompt positions) or verify (each sequence's
-        fed tokens), per sequence."""
-        value = self.extras[name]
-        return {key: value[row, start:stop] for key, (row, start, stop) in self._spans.items()}
-
-    def keep(self, kept: dict[Hashable, int]) -> None:
-        """After ``verify``: each sequence keeps the cache of its first ``kept`` tokens fed, the rest turn into
-        holes (a dead row keeps what it had)."""
-        span = self._mask[:, self._mask.shape[1] - self._fed:]
-        for row, key in enumerate(self._rows):
-            if key is not None:
-                span[row, kept[key]:] = 0
-        self._fed = 0
-        self._compact_if_sparse()
-
-    def forget(self, columns: int) -> None:
-        """The last ``columns`` positions of every row become holes (an MTP layer's chained drafts, which the next
-        verify step replaces by what the main model accepted)."""
-        self._mask[:, self._mask.shape[1] - columns:] = 0
-        self._compact_if_sparse()
-
-    def _compact_if_sparse(self) -> None:
-        if self.keys and self.holes() >= self.tokens_held():
-            self._rebuild([])
 
     def leave(self, keys: Iterable[Hashable]) -> None:
         drop = set(keys)
