@@ -5,6 +5,7 @@ rebuilds); the acceptance counters in /metrics; the combinations refused."""
 
 from __future__ import annotations
 
+import re
 import threading
 
 import httpx
@@ -36,7 +37,7 @@ def backend_run(art, speculation: SpeculationSettings | None) -> tuple[dict[int,
     """Each prompt's tokens from the runner's backend, two requests joining per step (max tokens 24..42), and
     every step's (proposed, accepted) per request."""
     tokenizer = art.tokenizer()
-    backend = RunnerBackend(art, threads=2, max_batch=16, max_context=256, speculation=speculation)
+    backend = RunnerBackend(art, threads=2, max_batch=16, max_context=256, f32=True, speculation=speculation)
     backend.load()
     requests = [Request(prompt=tokenizer(text)["input_ids"], max_tokens=24 + 3 * i, sampling=Sampling(),
                         stop_ids=frozenset(art.eos_token_ids), sink=lambda event: None, id=i + 1)
@@ -56,9 +57,11 @@ def backend_run(art, speculation: SpeculationSettings | None) -> tuple[dict[int,
     return out, drafted
 
 
-@pytest.mark.parametrize(("model", "method"), [(LATENT, "mtp"), (LATENT, "prompt-lookup"), (GQA, "prompt-lookup")])
-def test_backend_speculates_to_plain_serving_tokens(artifact, model, method):
-    art = artifact(model, "onnxruntime", MTP_SECTIONS if method == "mtp" else None)
+@pytest.mark.parametrize(("model", "method", "backend"), [
+    (LATENT, "mtp", "onnxruntime"), (LATENT, "prompt-lookup", "onnxruntime"), (GQA, "prompt-lookup", "onnxruntime"),
+    (LATENT, "prompt-lookup", "openvino")])  # dstc's OpenVINO runner of the latent cache, at f32
+def test_backend_speculates_to_plain_serving_tokens(artifact, model, method, backend):
+    art = artifact(model, backend, MTP_SECTIONS if method == "mtp" else None)
     plain, none = backend_run(art, None)
     assert none == [] and all(plain.values())
     spoken, drafted = backend_run(art, SpeculationSettings(speculate=method, draft_tokens=4))
@@ -135,18 +138,19 @@ def test_combinations_that_cannot_work_are_refused_in_one_line(artifact, monkeyp
     assert code == 2 and len(err.strip().splitlines()) == 1 and message in err, err
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize(("model", "backend", "message"), [
-    ("deepseek-v4-tiny", "onnxruntime", "per-token cache (DeepSeek-V4's sliding window"),
-    (LATENT, "openvino", "on OpenVINO (openvino_genai's pipeline or dstc's latent-MLA runner) it is not implemented"),
+@pytest.mark.parametrize(("model", "backend", "method", "message"), [
+    (GQA, "openvino", "prompt-lookup", "served by openvino_genai's ContinuousBatchingPipeline, whose speculative"),
+    (LATENT, "openvino", "mtp", "MTP drafts in a running batch run on ONNX Runtime"),
+    pytest.param("deepseek-v4-tiny", "onnxruntime", "prompt-lookup", "per-token cache (DeepSeek-V4's sliding window",
+                 marks=pytest.mark.slow),  # its export takes a minute
 ])
-def test_caches_and_backends_without_a_batched_verify_are_refused(artifact, model, backend, message):
+def test_caches_and_engines_without_a_batched_verify_are_refused(artifact, model, backend, method, message):
     from toolchain.errors import InputError
     from toolchain.runtime.batched_drafts import check_batch_speculation
 
     art = artifact(model, backend, {"compile": {"backend": backend, "verify": False}})
-    with pytest.raises(InputError, match=message.replace("(", r"\(").replace(")", r"\)")):
-        check_batch_speculation(SpeculationSettings(speculate="prompt-lookup"), art)
+    with pytest.raises(InputError, match=re.escape(message)):
+        check_batch_speculation(SpeculationSettings(speculate=method), art)
 
 
 def test_holes_are_masked_out_and_compacted_once_they_fill_half_the_cache(artifact):

@@ -18,10 +18,11 @@ from typing import Protocol
 import numpy as np
 
 from toolchain.errors import InputError
-from toolchain.interface.files import ONNX_MODEL
+from toolchain.interface.files import MODEL_XML, ONNX_MODEL
 from toolchain.interface.graph import HIDDEN_STATES, KV_CACHE, LATENT, MTP_HIDDEN, PER_HEAD, graph_metadata
 from toolchain.runtime.artifact import Artifact
 from toolchain.runtime.batching import PersistentBatch
+from toolchain.runtime.batching_openvino import pageable
 from toolchain.runtime.decoder import OnnxRuntimeDecoder
 from toolchain.runtime.mtp_drafter import open_mtp_drafter
 from toolchain.runtime.speculative import PromptLookup, draft_artifact
@@ -132,10 +133,17 @@ def check_batch_speculation(settings: SpeculationSettings, artifact: Artifact) -
     if settings.speculate not in (PROMPT_LOOKUP, MTP):
         raise InputError(f"--speculate {settings.speculate}: a running batch drafts with {PROMPT_LOOKUP} or {MTP}; "
                          "a draft model's batched drafting is not implemented")
-    if artifact.backend != "onnxruntime":
-        raise InputError(f"{artifact.path}: --speculate verifies drafts in dstc's ONNX Runtime batch; on OpenVINO "
-                         "(openvino_genai's pipeline or dstc's latent-MLA runner) it is not implemented")
-    kv_cache = graph_metadata(artifact.path / ONNX_MODEL).get(KV_CACHE)
+    if artifact.backend == "openvino":
+        if pageable(artifact.path / MODEL_XML):
+            raise InputError(f"{artifact.path}: --speculate verifies drafts in dstc's batched runners; this artifact "
+                             "is served by openvino_genai's ContinuousBatchingPipeline, whose speculative decoding "
+                             "is not wired in (build it with the latent MLA cache, or for ONNX Runtime)")
+        if settings.speculate == MTP:
+            raise InputError(f"{artifact.path}: MTP drafts in a running batch run on ONNX Runtime; on OpenVINO "
+                             f"dstc serve drafts with {PROMPT_LOOKUP}")
+        kv_cache = graph_metadata(artifact.path / MODEL_XML).get(KV_CACHE)
+    else:
+        kv_cache = graph_metadata(artifact.path / ONNX_MODEL).get(KV_CACHE)
     if kv_cache not in (None, PER_HEAD, LATENT):
         # the sliding window and the compressed blocks are counted in cache columns: a hole would shift them
         raise InputError(f"{artifact.path}: --speculate leaves rejected drafts in the cache as masked-out holes, "

@@ -8,9 +8,10 @@ greedy at temperature 0, else sampling with a generator per request, seeded by i
 What one request raises fails that request alone: its generator or its token choice, and its prefill (a batched
 prefill that raises is tried again one request at a time; the running batch is untouched until a prefill returns).
 
-With speculation (dstc serve --speculate, ONNX Runtime): each step drafts up to --draft-tokens tokens for every
-running request (toolchain/runtime/batched_drafts.py; a request its drafter has none for is fed its last token
-alone), one forward of the model verifies them all (PersistentBatch.verify), and each request keeps its accepted
+With speculation (dstc serve --speculate; MTP drafts on ONNX Runtime): each step drafts up to --draft-tokens tokens
+for every running request (toolchain/runtime/batched_drafts.py; a request its drafter has none for is fed its last
+token alone), one forward of the model verifies them all (``verify`` of PersistentBatch or StatefulBatch, holes
+in the cache for what is rejected: toolchain/runtime/batch_holes.py), and each request keeps its accepted
 prefix and the model's next token, as toolchain/runtime/speculative.py does for one sequence: greedy while the
 drafts are the argmax, speculative sampling at a temperature (the drafts are deterministic: one-hot). ``drafted``
 holds each request's (drafts proposed, accepted) of the last step, for the metrics.
@@ -85,9 +86,6 @@ class RunnerBackend:
             if self.speculation is not None and self.layout != "batch":
                 raise InputError(f"--speculate verifies drafts in the 'batch' KV-cache layout, not {self.layout!r}")
             return batched_decoder(self.decoder, self.artifact.pad_token_id, self.layout)
-        if self.speculation is not None:
-            raise InputError(f"{self.artifact.path}: --speculate is implemented for ONNX Runtime artifacts; dstc's "
-                             "OpenVINO runner has no batched verify step yet")
         if self.layout != "batch":
             raise InputError(f"KV-cache layout {self.layout!r} is ONNX Runtime's; an OpenVINO artifact is batched in "
                              "its infer request's variables (layout 'batch')")
@@ -98,10 +96,10 @@ class RunnerBackend:
             raise RuntimeError("the runner backend is used before it is loaded")
         return self.batch
 
-    def _verifier(self) -> PersistentBatch:
-        """The running batch, which speculation runs only on (``_batch`` refuses the others)."""
+    def _verifier(self) -> PersistentBatch | StatefulBatch:
+        """The running batch, which speculation runs only on (``_batch`` refuses the gathered layout)."""
         batch = self._loaded()
-        assert isinstance(batch, PersistentBatch)
+        assert isinstance(batch, PersistentBatch | StatefulBatch)
         return batch
 
     @property
