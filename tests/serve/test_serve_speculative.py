@@ -33,13 +33,15 @@ def texts(count: int = 6) -> list[str]:
     return ["".join(p + a + "\n" for p, a in ex[i:i + 1 + i % 3]) + ex[i + 4][0] for i in range(count)] + ["12+345="]
 
 
-def backend_run(art, speculation: SpeculationSettings | None) -> tuple[dict[int, list[int]], list[tuple[int, int]]]:
+def backend_run(art, speculation: SpeculationSettings | None, sampled: bool = False
+                ) -> tuple[dict[int, list[int]], list[tuple[int, int]]]:
     """Each prompt's tokens from the runner's backend, two requests joining per step (max tokens 24..42), and
-    every step's (proposed, accepted) per request."""
+    every step's (proposed, accepted) per request. ``sampled``: every other request at temperature 0.8, seeded."""
     tokenizer = art.tokenizer()
     backend = RunnerBackend(art, threads=2, max_batch=16, max_context=256, f32=True, speculation=speculation)
     backend.load()
-    requests = [Request(prompt=tokenizer(text)["input_ids"], max_tokens=24 + 3 * i, sampling=Sampling(),
+    requests = [Request(prompt=tokenizer(text)["input_ids"], max_tokens=24 + 3 * i,
+                        sampling=Sampling(temperature=0.8, seed=i) if sampled and i % 2 else Sampling(),
                         stop_ids=frozenset(art.eos_token_ids), sink=lambda event: None, id=i + 1)
                 for i, text in enumerate(texts())]
     out: dict[int, list[int]] = {r.id: [] for r in requests}
@@ -72,6 +74,22 @@ def test_backend_speculates_to_plain_serving_tokens(artifact, model, method, bac
     assert len(set(accepted)) > 2
 
 
+def test_sampled_requests_beside_greedy_ones(artifact):
+    """Speculative sampling rows (seeded) in the same verify steps as greedy ones: the greedy rows keep plain
+    serving's tokens, a sampled row's tokens are the same from run to run and fill its budget or end at a stop."""
+    art = artifact(LATENT, "onnxruntime", MTP_SECTIONS)
+    plain, _ = backend_run(art, None)
+    settings = SpeculationSettings(speculate="mtp", draft_tokens=3)
+    first, drafted = backend_run(art, settings, sampled=True)
+    again, _ = backend_run(art, settings, sampled=True)
+    assert first == again and sum(a for _, a in drafted) > 0
+    greedy = [i for i in first if i % 2]  # request ids are 1-based: the odd ones were greedy
+    sampled = [i for i in first if not i % 2]
+    assert all(first[i] == plain[i] for i in greedy)
+    assert all(0 < len(first[i]) <= 24 + 3 * (i - 1) for i in sampled)
+    assert any(first[i] != plain[i] for i in sampled)  # (a confident answer may be drawn as the greedy one)
+
+
 @pytest.mark.slow
 def test_backend_speculates_to_plain_serving_tokens_past_the_indexer_top_k(artifact):
     """DeepSeek-V3.2: the indexer adds the mask to its scores before its top-k, so holes are never chosen."""
@@ -99,28 +117,36 @@ def served(server: Server, prompts: list[str]) -> list[str]:
     return out
 
 
-@pytest.mark.slow  # two servers per model (about 30 s each)
-@pytest.mark.parametrize(("model", "method"), [(LATENT, "mtp"), (GQA, "prompt-lookup")])
-def test_served_greedy_completions_are_plain_servings_and_metrics_count_drafts(artifact, model, method):
-    art = artifact(model, "onnxruntime", MTP_SECTIONS if method == "mtp" else None)
+@pytest.mark.slow  # two servers per case (about 30 s each)
+@pytest.mark.parametrize(("model", "method", "backend"), [
+    (LATENT, "mtp", "onnxruntime"), (GQA, "prompt-lookup", "onnxruntime"),
+    (LATENT, "prompt-lookup", "openvino"),  # dstc's runner of the latent cache
+    (GQA, "prompt-lookup", "openvino")])  # openvino_genai's pipeline, with its own prompt lookup
+def test_served_greedy_completions_are_plain_servings_and_metrics_count_drafts(artifact, model, method, backend):
+    art = artifact(model, backend, MTP_SECTIONS if method == "mtp" else None)
     prompts = texts() * 2
-    plain = Server(art)
+    f32 = ("--openvino-f32",) if backend == "openvino" else ()
+    plain = Server(art, *f32)
     try:
         expected = served(plain, prompts)
-        assert not any(name.startswith("dstc_speculative_proposed_total{") for name in plain.metrics())
+        assert not any(name.startswith("dstc_speculative_accepted_total{") for name in plain.metrics())
     finally:
         plain.stop()
-    server = Server(art, "--speculate", method, "--draft-tokens", "3")
+    server = Server(art, *f32, "--speculate", method, "--draft-tokens", "3")
     try:
         assert served(server, prompts) == expected
+        engine = httpx.get(server.base + "/health").json()["engine"]
         metrics = server.metrics()
     finally:
         server.stop()
     proposed = [metrics.get(f"dstc_speculative_proposed_total{{position={i}}}", 0.0) for i in range(4)]
     accepted = [metrics.get(f"dstc_speculative_accepted_total{{position={i}}}", 0.0) for i in range(4)]
-    assert proposed[0] > 0 and proposed[3] == 0 and accepted[3] == 0
-    assert proposed[0] >= proposed[1] >= proposed[2] and accepted[0] >= accepted[1] >= accepted[2]
-    assert all(a <= p for a, p in zip(accepted, proposed)) and accepted[0] > 0
+    assert accepted[0] > 0 and accepted[3] == 0 and accepted[0] >= accepted[1] >= accepted[2]
+    if engine == "openvino_genai":  # it does not say what it proposed
+        assert proposed == [0.0] * 4
+    else:
+        assert proposed[0] > 0 and proposed[3] == 0 and proposed[0] >= proposed[1] >= proposed[2]
+        assert all(a <= p for a, p in zip(accepted, proposed))
     steps = metrics["dstc_speculative_verify_steps_total"]
     # a verify step gives a request its accepted drafts and one token (fewer at a stop token), the prefill the first
     assert steps < metrics["dstc_generation_tokens_total"] <= steps + sum(accepted) + len(prompts)
@@ -139,7 +165,7 @@ def test_combinations_that_cannot_work_are_refused_in_one_line(artifact, monkeyp
 
 
 @pytest.mark.parametrize(("model", "backend", "method", "message"), [
-    (GQA, "openvino", "prompt-lookup", "served by openvino_genai's ContinuousBatchingPipeline, whose speculative"),
+    (GQA, "openvino", "mtp", "served by openvino_genai's ContinuousBatchingPipeline, which drafts by"),
     (LATENT, "openvino", "mtp", "MTP drafts in a running batch run on ONNX Runtime"),
     pytest.param("deepseek-v4-tiny", "onnxruntime", "prompt-lookup", "per-token cache (DeepSeek-V4's sliding window",
                  marks=pytest.mark.slow),  # its export takes a minute
@@ -187,3 +213,47 @@ def test_holes_are_masked_out_and_compacted_once_they_fill_half_the_cache(artifa
     clean.keep({"a": 1, "b": 1})
     assert batch.tokens_held() == 17 and batch.holes() == 0 and batch.padded_positions() == 2 * 10
     same({"a": [80, 81], "b": [82, 83]}, {"a": 2, "b": 2})
+
+
+@pytest.mark.parametrize("replicas", [False, True])
+def test_draft_counters_per_position_and_per_replica(replicas):
+    """Each request's (proposed, accepted) of a step counts at positions 0..; with --replicas each replica's under
+    its rank (not summed), /health's summary over all of them; openvino_genai's unknown proposed count adds none."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from toolchain.serve.health import HealthMonitor
+    from toolchain.serve.metrics import ServerMetrics
+
+    metrics = ServerMetrics(HealthMonitor([]), replica_label=replicas)
+    first, second = (metrics.replica("0"), metrics.replica("1")) if replicas else (metrics, metrics)
+    first.drafts(3, 1)
+    first.drafts(2, 2)
+    second.drafts(1, 1)
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+               for family in text_string_to_metric_families(render_text(metrics)) for s in family.samples}
+
+    def value(name: str, replica: str, **labels) -> float:
+        key = {**labels, **({"replica": replica} if replicas else {})}
+        return samples.get((name, tuple(sorted(key.items()))), 0.0)
+
+    assert [value("dstc_speculative_proposed_total", "0", position=str(i)) for i in range(4)] == \
+        ([2, 2, 1, 0] if replicas else [3, 2, 1, 0])
+    assert [value("dstc_speculative_accepted_total", "0", position=str(i)) for i in range(3)] == \
+        ([2, 1, 0] if replicas else [3, 1, 0])
+    if replicas:
+        assert value("dstc_speculative_accepted_total", "1", position="0") == 1
+        assert value("dstc_speculative_proposed_total", "1", position="0") == 1
+        assert value("dstc_speculative_verify_steps_total", "0") == 2
+    assert metrics.speculation() == {"verify_steps": 3, "proposed_per_position": [3, 2, 1],
+                                     "accepted_per_position": [3, 1], "acceptance_per_position": [1.0, 0.5],
+                                     "accepted_per_verify_step": round(4 / 3, 4)}
+    genai = ServerMetrics(HealthMonitor([]))
+    genai.drafts(None, 2)  # openvino_genai's prompt lookup: accepted drafts only
+    assert genai.speculation()["proposed_per_position"] == [] and genai.speculation()["accepted_per_position"] == \
+        [1, 1]
+
+
+def render_text(metrics) -> str:
+    from toolchain.serve.metrics import render
+
+    return render(metrics).decode()

@@ -127,17 +127,18 @@ class BatchMtp:
 
 
 def check_batch_speculation(settings: SpeculationSettings, artifact: Artifact) -> None:
-    """InputError, before anything loads, where speculation in a running batch cannot work on ``artifact``."""
+    """InputError, before anything loads, where speculation in a running batch cannot work on ``artifact``: dstc's
+    runners verify drafts of prompt lookup, or of the MTP layer on ONNX Runtime; openvino_genai's pipeline (what
+    serves a pageable OpenVINO artifact) does its own prompt lookup."""
     if settings.speculate is None:
         return
     if settings.speculate not in (PROMPT_LOOKUP, MTP):
         raise InputError(f"--speculate {settings.speculate}: a running batch drafts with {PROMPT_LOOKUP} or {MTP}; "
                          "a draft model's batched drafting is not implemented")
     if artifact.backend == "openvino":
-        if pageable(artifact.path / MODEL_XML):
-            raise InputError(f"{artifact.path}: --speculate verifies drafts in dstc's batched runners; this artifact "
-                             "is served by openvino_genai's ContinuousBatchingPipeline, whose speculative decoding "
-                             "is not wired in (build it with the latent MLA cache, or for ONNX Runtime)")
+        if settings.speculate == MTP and pageable(artifact.path / MODEL_XML):
+            raise InputError(f"{artifact.path}: served by openvino_genai's ContinuousBatchingPipeline, which drafts "
+                             f"by {PROMPT_LOOKUP} or a draft model, not an MTP layer")
         if settings.speculate == MTP:
             raise InputError(f"{artifact.path}: MTP drafts in a running batch run on ONNX Runtime; on OpenVINO "
                              f"dstc serve drafts with {PROMPT_LOOKUP}")

@@ -383,6 +383,8 @@ class PipelineSettings:
     # None: the compute precision (bf16 where the CPU has it). The plugin's own default, u8, is wrong under batching
     # in OpenVINO 2026.4 (see kv_cache_precision); "u8" asks for it anyway.
     kv_cache_precision: str | None = None
+    # dstc serve --speculate prompt-lookup: openvino_genai's own prompt lookup, this many draft tokens (0: none)
+    prompt_lookup: int = 0
 
 
 def kv_cache_precision(settings: PipelineSettings) -> str:
@@ -440,15 +442,18 @@ def openvino_pipeline(artifact: Artifact, settings: PipelineSettings):
     scheduler.num_kv_blocks = settings.max_batch * (blocks_per_sequence + 1)
     properties = {**(NUMERICS['exact'] if settings.f32 else {}), "KV_CACHE_PRECISION": kv_cache_precision(settings),
                   **({"INFERENCE_NUM_THREADS": settings.threads} if settings.threads else {}),
-                  **runtime_cache_property(settings.runtime_cache)}
+                  **runtime_cache_property(settings.runtime_cache),
+                  **({"prompt_lookup": True} if settings.prompt_lookup else {})}
     pipeline = openvino_genai.ContinuousBatchingPipeline(str(artifact.path), scheduler, "CPU", properties)
     return pipeline, properties, scheduler
 
 
 def openvino_generation_config(*, max_new_tokens: int, stop_ids: Iterable[int], temperature: float, top_p: float,
-                               seed: int | None, ignore_eos: bool = False):
+                               seed: int | None, ignore_eos: bool = False, prompt_lookup: int = 0):
     """An openvino_genai.GenerationConfig for one request given token ids (no chat template: the caller applied
-    it): greedy at temperature 0, else multinomial sampling with temperature and top-p."""
+    it): greedy at temperature 0, else multinomial sampling with temperature and top-p. ``prompt_lookup``: draft
+    tokens of a pipeline built with it (which takes no request without them), n-grams of up to 3 tokens as
+    toolchain/runtime/speculative.py's PromptLookup."""
     import openvino_genai
 
     config = openvino_genai.GenerationConfig()
@@ -456,6 +461,9 @@ def openvino_generation_config(*, max_new_tokens: int, stop_ids: Iterable[int], 
     config.apply_chat_template = False
     config.stop_token_ids = {int(i) for i in stop_ids}
     config.ignore_eos = ignore_eos
+    if prompt_lookup:
+        config.num_assistant_tokens = prompt_lookup
+        config.max_ngram_size = 3
     if temperature > 0:
         config.do_sample = True
         config.temperature = float(temperature)

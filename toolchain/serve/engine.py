@@ -5,8 +5,8 @@ A backend (engine_openvino.py, engine_runner.py) provides ``load()``, ``add(requ
 already return their first tokens), ``drop(requests)`` (free them at once), ``step()`` (one decode step of every
 running request: ``[(request, new tokens, finish reason or None)]``; a request reported finished is already freed),
 ``reset()`` (forget every request, after an error), ``kv_cache_usage()`` (0..1) and ``close()``; one that decodes
-speculatively also has ``drafted``, each request's (drafts proposed, accepted) in its last step. Every call to it
-comes from the engine's thread.
+speculatively also has ``drafted``, each request's (drafts proposed or None if unknown, accepted) in its last
+step. Every call to it comes from the engine's thread.
 
 One request never fails another: a backend finishes a request whose own sampling or prefill raises with
 ``"error"`` (its ``error`` the traceback) and goes on with the others. What the engine catches itself fails only
@@ -114,7 +114,7 @@ class Observer:
     def tokens(self, prompt: int, generated: int) -> None: ...
     def finished(self, reason: str) -> None: ...
     def step(self, seconds: float, batch: int) -> None: ...
-    def drafts(self, proposed: int, accepted: int) -> None: ...
+    def drafts(self, proposed: int | None, accepted: int) -> None: ...
 
 
 class Engine:

@@ -107,7 +107,7 @@ class _Recorder(Observer):
     def step(self, seconds: float, batch: int) -> None:
         self._add("step", seconds, batch)
 
-    def drafts(self, proposed: int, accepted: int) -> None:
+    def drafts(self, proposed: int | None, accepted: int) -> None:
         self._add("drafts", proposed, accepted)
 
     def take(self) -> list[tuple]:

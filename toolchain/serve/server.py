@@ -88,7 +88,8 @@ class Service:
         if self.artifact.backend == "openvino":
             options = {"threads": s.threads, "max_batch": s.max_batch, "max_context": self.context,
                        "prefix_caching": s.prefix_caching, "f32": s.openvino_f32,
-                       "runtime_cache": s.openvino_runtime_cache}
+                       "runtime_cache": s.openvino_runtime_cache,
+                       "speculation": SpeculationSettings(speculate=s.speculate, draft_tokens=s.draft_tokens)}
         else:
             if s.openvino_runtime_cache is not None:
                 raise InputError(f"--openvino-runtime-cache is the OpenVINO CPU plugin's; {self.artifact.path} is an "
