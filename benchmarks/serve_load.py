@@ -19,9 +19,10 @@ step, join and leave times for batches of 1, 4, 16 at contexts of 64 and 512 tok
     .venv/bin/python benchmarks/serve_load.py layouts artifacts/deepseek-v3-tiny-onnxruntime-int4
     .venv/bin/python benchmarks/serve_load.py speculate ARTIFACT... --methods none,prompt-lookup,mtp
 
-``speculate``: `dstc serve` without and with ``--speculate`` (each method a server of its own, the load workload
-above at each level), and from the server's /metrics over each level the verify steps and accepted drafts: the
-mean tokens a verify step gives a request (1 + accepted drafts per step) and the acceptance per draft position.
+``speculate``: `dstc serve` without and with ``--speculate`` (each method a server of its own, all started at once;
+the load workload above at each level, the methods in turn for ``--repeats`` rounds, the median round reported),
+and from each server's /metrics over the level the verify steps and drafts: the mean tokens a verify step gives a
+request (1 + accepted drafts per step) and the acceptance per draft position.
 
 An OpenVINO artifact built with ``export: {mla_cache: per-head}`` runs on openvino_genai's pipeline; the shipped
 recipes' latent one on dstc's runner (its cache in the stateful IR's variables).
@@ -370,41 +371,45 @@ def _speculative_counters(base: str) -> tuple[float, list[float], list[float]]:
             elif sample.name in ("dstc_speculative_proposed_total", "dstc_speculative_accepted_total"):
                 into = proposed if "proposed" in sample.name else accepted
                 into[int(sample.labels["position"])] = sample.value
-    positions = range(max(proposed, default=-1) + 1)
+    positions = range(max([*proposed, *accepted], default=-1) + 1)  # openvino_genai's server counts no proposed
     return steps, [proposed.get(i, 0.0) for i in positions], [accepted.get(i, 0.0) for i in positions]
 
 
 def speculate(args) -> None:
     rows = []
+    methods = args.methods.split(",")
     for path in args.artifacts:
         artifact = open_artifact(path)
         prompt = workload_prompt(artifact, args.prompt_tokens)
         levels = [int(c) for c in args.clients.split(",")]
         name = artifact.path.resolve().name
         print(f"== {name}: prompt {len(prompt)} tokens, {args.max_tokens} new tokens per request, "
-              f"{args.requests_per_client} requests per client, {args.draft_tokens} draft tokens", flush=True)
-        for method in args.methods.split(","):
-            extra = () if method == "none" else ("--speculate", method, "--draft-tokens", str(args.draft_tokens))
-            server = ServerProcess(artifact, args.threads, max(levels), *extra)
-            try:
-                server_level(server.base, name, prompt, 1, 2, args.max_tokens, 30, method)  # warm-up
-                for clients in levels:
-                    before = _speculative_counters(server.base)
-                    run = server_level(server.base, name, prompt, clients, args.requests_per_client,
-                                       args.max_tokens, args.time_limit, method)
-                    after = _speculative_counters(server.base)
-                    steps = after[0] - before[0]
-                    proposed = [a - (before[1][i] if i < len(before[1]) else 0) for i, a in enumerate(after[1])]
-                    accepted = [a - (before[2][i] if i < len(before[2]) else 0) for i, a in enumerate(after[2])]
-                    rows.append({"artifact": name, "method": method, **run.row(),
-                                 "tokens_per_verify_step": round(1 + sum(accepted) / steps, 3) if steps else None,
-                                 "acceptance_per_position": [round(a / p, 3) if p else None
-                                                             for a, p in zip(accepted, proposed)]})
+              f"{args.requests_per_client} requests per client, {args.draft_tokens} draft tokens, "
+              f"{args.repeats} rounds", flush=True)
+        # every method's server at once, idle but for the one measured: each level runs the methods in turn,
+        # round after round, so that a change of the machine's load falls on all of them alike
+        servers = {}
+        try:
+            for method in methods:
+                extra = () if method == "none" else ("--speculate", method, "--draft-tokens", str(args.draft_tokens))
+                servers[method] = ServerProcess(artifact, args.threads, max(levels), *extra)
+                server_level(servers[method].base, name, prompt, 1, 2, args.max_tokens, 30, method)  # warm-up
+            for clients in levels:
+                runs: dict[str, list] = {method: [] for method in methods}
+                for _ in range(args.repeats):
+                    for method, server in servers.items():
+                        before = _speculative_counters(server.base)
+                        run = server_level(server.base, name, prompt, clients, args.requests_per_client,
+                                           args.max_tokens, args.time_limit, method)
+                        runs[method].append((run, before, _speculative_counters(server.base)))
+                for method in methods:
+                    rows.append(_speculate_row(name, method, runs[method]))
                     print(json.dumps(rows[-1]), flush=True)
-            finally:
+        finally:
+            for server in servers.values():
                 server.stop()
     print()
-    head = ("artifact", "speculation", "clients", "tok/s", "vs none", "ITL P50 ms", "tokens / verify step",
+    head = ("artifact", "speculation", "clients", "tok/s (median)", "vs none", "ITL P50 ms", "tokens / verify step",
             "acceptance per position")
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     plain = {(r["artifact"], r["clients"]): r["throughput_tok_s"] for r in rows if r["method"] == "none"}
@@ -417,6 +422,23 @@ def speculate(args) -> None:
     print("\n".join(lines))
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1) + "\n")
+
+
+def _speculate_row(name: str, method: str, runs: list) -> dict:
+    """One method at one level over its rounds: the median round's throughput and ITL, and the drafts counted over
+    all rounds."""
+    steps, proposed, accepted = 0.0, [], []
+    for _, before, after in runs:
+        steps += after[0] - before[0]
+        for totals, now, then in ((proposed, after[1], before[1]), (accepted, after[2], before[2])):
+            totals += [0.0] * max(0, len(now) - len(totals))
+            for i, value in enumerate(now):
+                totals[i] += value - (then[i] if i < len(then) else 0.0)
+    median = sorted((run for run, _, _ in runs), key=lambda run: run.throughput)[len(runs) // 2]
+    return {"artifact": name, "method": method, **median.row(),
+            "throughput_rounds": [round(run.throughput, 1) for run, _, _ in runs],
+            "tokens_per_verify_step": round(1 + sum(accepted) / steps, 3) if steps else None,
+            "acceptance_per_position": [round(a / p, 3) if p else None for a, p in zip(accepted, proposed)]}
 
 
 def layouts(args) -> None:
@@ -468,6 +490,7 @@ def main() -> None:
     p.add_argument("artifacts", nargs="+", type=Path)
     p.add_argument("--methods", default="none,prompt-lookup,mtp", help="none and --speculate values")
     p.add_argument("--draft-tokens", type=int, default=4)
+    p.add_argument("--repeats", type=int, default=3, help="rounds of every method per level")
     p.add_argument("--clients", default="1,4,16")
     p.add_argument("--requests-per-client", type=int, default=4)
     p.add_argument("--max-tokens", type=int, default=64)
