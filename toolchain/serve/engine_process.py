@@ -51,12 +51,13 @@ def make_backend(backend: str, artifact_path: str, options: dict):
     """The backend object of toolchain/serve/engine.py for an artifact (in the engine's process)."""
     artifact = open_artifact(artifact_path)
     if backend == "openvino":
-        speculation = options.pop("speculation")
+        options = dict(options)
+        speculation = options.pop("speculation", None)
         if not pageable(artifact.path / MODEL_XML):  # e.g. MLA's latent cache: dstc's runner batches it
             return RunnerBackend(artifact, threads=options["threads"], max_batch=options["max_batch"],
                                  max_context=options["max_context"], f32=options["f32"],
                                  runtime_cache=options["runtime_cache"], speculation=speculation)
-        lookup = speculation.draft_tokens if speculation.speculate == PROMPT_LOOKUP else 0
+        lookup = speculation.draft_tokens if speculation and speculation.speculate == PROMPT_LOOKUP else 0
         return OpenVINOBackend(artifact, PipelineSettings(**options, prompt_lookup=lookup))
     return RunnerBackend(artifact, **options)
 
