@@ -130,15 +130,16 @@ class RunnerBackend:
             return {}
         try:
             logits = self._loaded().join({r.id: r.prompt for r in requests})
+        except Exception as e:
+            if len(requests) == 1:
+                results.append(self._failed(requests[0], e))
+                return {}
+        else:
             if self.drafter is not None and self.drafter.main_outputs:  # what the drafter reads of the prompt
                 hidden = self._verifier().row_extras(*self.drafter.main_outputs)
                 for request in requests:
                     request.state.hidden = hidden[request.id]
             return logits
-        except Exception as e:
-            if len(requests) == 1:
-                results.append(self._failed(requests[0], e))
-                return {}
         logits = {}
         for request in requests:
             logits.update(self._join([request], results))
