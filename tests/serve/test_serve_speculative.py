@@ -24,7 +24,11 @@ pytestmark = pytest.mark.timeout(300)
 
 LATENT, GQA = "deepseek-v3-tiny", "r1-distill-qwen-tiny"
 ORT = {"compile": {"backend": "onnxruntime", "verify": False}}
-MTP_SECTIONS = {"export": {"parity": [], "mtp": True}, **ORT}
+def sections(method: str, backend: str) -> dict | None:
+    """The recipe sections of the artifact a case runs on: with the MTP layer for mtp drafts, else the default."""
+    if method != "mtp":
+        return None
+    return {"export": {"parity": [], "mtp": True}, "compile": {"backend": backend, "verify": False}}
 
 
 def texts(count: int = 6) -> list[str]:
@@ -61,9 +65,9 @@ def backend_run(art, speculation: SpeculationSettings | None, sampled: bool = Fa
 
 @pytest.mark.parametrize(("model", "method", "backend"), [
     (LATENT, "mtp", "onnxruntime"), (LATENT, "prompt-lookup", "onnxruntime"), (GQA, "prompt-lookup", "onnxruntime"),
-    (LATENT, "prompt-lookup", "openvino")])  # dstc's OpenVINO runner of the latent cache, at f32
+    (LATENT, "prompt-lookup", "openvino"), (LATENT, "mtp", "openvino")])  # dstc's OpenVINO latent runner, at f32
 def test_backend_speculates_to_plain_serving_tokens(artifact, model, method, backend):
-    art = artifact(model, backend, MTP_SECTIONS if method == "mtp" else None)
+    art = artifact(model, backend, sections(method, backend))
     plain, none = backend_run(art, None)
     assert none == [] and all(plain.values())
     spoken, drafted = backend_run(art, SpeculationSettings(speculate=method, draft_tokens=4))
@@ -77,7 +81,7 @@ def test_backend_speculates_to_plain_serving_tokens(artifact, model, method, bac
 def test_sampled_requests_beside_greedy_ones(artifact):
     """Speculative sampling rows (seeded) in the same verify steps as greedy ones: the greedy rows keep plain
     serving's tokens, a sampled row's tokens are the same from run to run and fill its budget or end at a stop."""
-    art = artifact(LATENT, "onnxruntime", MTP_SECTIONS)
+    art = artifact(LATENT, "onnxruntime", sections("mtp", "onnxruntime"))
     plain, _ = backend_run(art, None)
     settings = SpeculationSettings(speculate="mtp", draft_tokens=3)
     first, drafted = backend_run(art, settings, sampled=True)
@@ -120,10 +124,10 @@ def served(server: Server, prompts: list[str]) -> list[str]:
 @pytest.mark.slow  # two servers per case (about 30 s each)
 @pytest.mark.parametrize(("model", "method", "backend"), [
     (LATENT, "mtp", "onnxruntime"), (GQA, "prompt-lookup", "onnxruntime"),
-    (LATENT, "prompt-lookup", "openvino"),  # dstc's runner of the latent cache
+    (LATENT, "mtp", "openvino"),  # dstc's runner of the latent cache
     (GQA, "prompt-lookup", "openvino")])  # openvino_genai's pipeline, with its own prompt lookup
 def test_served_greedy_completions_are_plain_servings_and_metrics_count_drafts(artifact, model, method, backend):
-    art = artifact(model, backend, MTP_SECTIONS if method == "mtp" else None)
+    art = artifact(model, backend, sections(method, backend))
     prompts = texts() * 2
     f32 = ("--openvino-f32",) if backend == "openvino" else ()
     plain = Server(art, *f32)
@@ -166,7 +170,6 @@ def test_combinations_that_cannot_work_are_refused_in_one_line(artifact, monkeyp
 
 @pytest.mark.parametrize(("model", "backend", "method", "message"), [
     (GQA, "openvino", "mtp", "served by openvino_genai's ContinuousBatchingPipeline, which drafts by"),
-    (LATENT, "openvino", "mtp", "MTP drafts in a running batch run on ONNX Runtime"),
     pytest.param("deepseek-v4-tiny", "onnxruntime", "prompt-lookup", "per-token cache (DeepSeek-V4's sliding window",
                  marks=pytest.mark.slow),  # its export takes a minute
 ])

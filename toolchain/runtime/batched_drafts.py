@@ -3,7 +3,8 @@
 once, as the main model is.
 
 The MTP layer (toolchain/runtime/mtp_drafter.py says what it reads and drafts) keeps its cache in a PersistentBatch
-of its own graph (toolchain/runtime/batching.py), its rows the main batch's sequences: each propose feeds every
+of its own graph (toolchain/runtime/batching.py; an ArrayBatch of an OpenVINO artifact's stateless MTP IR), its
+rows the main batch's sequences: each propose feeds every
 running sequence the positions the main model accepted since the last one (their hidden states from the main
 model's verify step) in one forward, prefills the sequences that are new in another, then chains the layer on its
 own output for the further drafts, one forward per draft for all rows. The chained positions are speculative: they
@@ -21,9 +22,9 @@ from toolchain.errors import InputError
 from toolchain.interface.files import MODEL_XML, ONNX_MODEL
 from toolchain.interface.graph import HIDDEN_STATES, KV_CACHE, LATENT, MTP_HIDDEN, PER_HEAD, graph_metadata
 from toolchain.runtime.artifact import Artifact
-from toolchain.runtime.batching import PersistentBatch
+from toolchain.runtime.batching import ArrayBatch, PersistentBatch
 from toolchain.runtime.batching_openvino import pageable
-from toolchain.runtime.decoder import OnnxRuntimeDecoder
+from toolchain.runtime.decoder import OnnxRuntimeDecoder, StatelessDecoder
 from toolchain.runtime.mtp_drafter import open_mtp_drafter
 from toolchain.runtime.speculative import PromptLookup, draft_artifact
 from toolchain.settings.speculation import MTP, PROMPT_LOOKUP, SpeculationSettings
@@ -70,8 +71,8 @@ class BatchMtp:
 
     main_outputs: tuple[str, ...] = (HIDDEN_STATES,)
 
-    def __init__(self, decoder, pad_id: int) -> None:
-        self.batch = PersistentBatch(decoder, pad_id)
+    def __init__(self, batch: PersistentBatch) -> None:
+        self.batch = batch  # over the MTP graph
         self._real: dict[Hashable, int] = {}  # per sequence: MTP positions computed from the main model's states
 
     def propose(self, sequences: dict[Hashable, list[int]], hidden: dict[Hashable, np.ndarray],
@@ -128,8 +129,8 @@ class BatchMtp:
 
 def check_batch_speculation(settings: SpeculationSettings, artifact: Artifact) -> None:
     """InputError, before anything loads, where speculation in a running batch cannot work on ``artifact``: dstc's
-    runners verify drafts of prompt lookup, or of the MTP layer on ONNX Runtime; openvino_genai's pipeline (what
-    serves a pageable OpenVINO artifact) does its own prompt lookup."""
+    runners verify drafts of prompt lookup or of the MTP layer; openvino_genai's pipeline (what serves a pageable
+    OpenVINO artifact) does its own prompt lookup."""
     if settings.speculate is None:
         return
     if settings.speculate not in (PROMPT_LOOKUP, MTP):
@@ -139,9 +140,6 @@ def check_batch_speculation(settings: SpeculationSettings, artifact: Artifact) -
         if settings.speculate == MTP and pageable(artifact.path / MODEL_XML):
             raise InputError(f"{artifact.path}: served by openvino_genai's ContinuousBatchingPipeline, which drafts "
                              f"by {PROMPT_LOOKUP} or a draft model, not an MTP layer")
-        if settings.speculate == MTP:
-            raise InputError(f"{artifact.path}: MTP drafts in a running batch run on ONNX Runtime; on OpenVINO "
-                             f"dstc serve drafts with {PROMPT_LOOKUP}")
         kv_cache = graph_metadata(artifact.path / MODEL_XML).get(KV_CACHE)
     else:
         kv_cache = graph_metadata(artifact.path / ONNX_MODEL).get(KV_CACHE)
@@ -153,7 +151,8 @@ def check_batch_speculation(settings: SpeculationSettings, artifact: Artifact) -
     draft_artifact(settings, artifact)  # an MTP layer to draft with
 
 
-def batch_drafter(settings: SpeculationSettings, artifact: Artifact, *, threads: int | None) -> BatchDrafter | None:
+def batch_drafter(settings: SpeculationSettings, artifact: Artifact, *, threads: int | None,
+                  openvino_f32: bool = False) -> BatchDrafter | None:
     """The drafter ``settings`` ask for on a running batch of ``artifact``'s sequences (None: no speculation);
     InputError where check_batch_speculation says it cannot work."""
     if settings.speculate is None:
@@ -161,6 +160,10 @@ def batch_drafter(settings: SpeculationSettings, artifact: Artifact, *, threads:
     check_batch_speculation(settings, artifact)
     if settings.speculate == PROMPT_LOOKUP:
         return BatchPromptLookup()
-    drafter = open_mtp_drafter(artifact, threads=threads)
-    assert isinstance(drafter.decoder, OnnxRuntimeDecoder)  # an ONNX Runtime artifact's MTP graph
-    return BatchMtp(drafter.decoder, artifact.pad_token_id)
+    drafter = open_mtp_drafter(artifact, threads=threads, openvino_f32=openvino_f32)
+    decoder = drafter.decoder
+    if isinstance(decoder, OnnxRuntimeDecoder):
+        return BatchMtp(PersistentBatch(decoder, artifact.pad_token_id))
+    assert isinstance(decoder, StatelessDecoder)  # an OpenVINO artifact's MTP IR (stateless)
+    return BatchMtp(ArrayBatch(decoder.runner, decoder.past_specs, (MTP_HIDDEN,), decoder.chunking,
+                               artifact.pad_token_id))

@@ -238,8 +238,6 @@ class PersistentBatch(Holes, _OnnxRuntimeBatch):
         """The cache of the live rows, then of the joining ones (if any), in new buffers, one copy each: dead rows
         dropped, each row's holes and the columns that only padding occupies cut off, the shorter side
         left-padded."""
-        from onnxruntime import OrtValue
-
         live = [row for row, key in enumerate(self._rows) if key is not None]
         columns = None
         if self.holes():
@@ -250,17 +248,29 @@ class PersistentBatch(Holes, _OnnxRuntimeBatch):
         merged_mask = stack_left_padded([own, *([] if mask is None else [mask])], axis=1)
         cache, buffers = {}, []
         for name in self._past:
-            whole = self._cache[name].numpy()
+            whole = self._array(self._cache[name])
             old = compact_cache(whole[live], columns, own.shape[1]) if columns is not None else \
                 whole[live, :, first:]
-            merged = stack_left_padded([old, *([] if present is None else [present[name].numpy()])], axis=2)
+            merged = stack_left_padded([old, *([] if present is None else [self._array(present[name])])], axis=2)
             buffers.append(merged)
-            cache[name] = OrtValue.ortvalue_from_numpy(merged)
+            cache[name] = self._value(merged)
         self._rows = [self._rows[row] for row in live] + keys
         self._mask, self._cache, self._held = merged_mask, cache, buffers
 
     def _compact(self) -> None:
         self._rebuild([])
+
+    @staticmethod
+    def _array(value) -> np.ndarray:
+        """A cache tensor as numpy (an OrtValue's buffer)."""
+        return value.numpy()
+
+    @staticmethod
+    def _value(array: np.ndarray):
+        """What the graph is fed a cache tensor as."""
+        from onnxruntime import OrtValue
+
+        return OrtValue.ortvalue_from_numpy(array)
 
     def step(self, tokens: dict[Hashable, int]) -> dict[Hashable, np.ndarray]:
         self._check_step(tokens)
@@ -290,6 +300,45 @@ class PersistentBatch(Holes, _OnnxRuntimeBatch):
             self._rows, self._mask, self._cache, self._held = [], np.zeros((0, 0), np.int64), {}, []
         elif 2 * self._rows.count(None) >= len(self._rows):
             self._rebuild([])
+
+
+class ArrayBatch(PersistentBatch):
+    """PersistentBatch's layout on a stateless graph run by a GraphRunner (an OpenVINO artifact's MTP layer,
+    toolchain/runtime/mtp_drafter.py): the cache is numpy arrays, each run's present.* fed back as the next one's
+    past."""
+
+    def __init__(self, runner, past_specs: dict[str, tuple[int, int]], extra_outputs: tuple[str, ...],
+                 chunking, pad_id: int) -> None:
+        BatchedDecoder.__init__(self, pad_id)
+        self._runner = runner
+        self._past = {name: (heads, dim, np.float32) for name, (heads, dim) in past_specs.items()}
+        self._present = {name: present_of(name) for name in self._past}
+        self._extra = list(extra_outputs)
+        self.extras = {}
+        self._keep_last = False
+        self._chunking = chunking
+        self._rows, self._mask, self._cache, self._held, self._spans = [], np.zeros((0, 0), np.int64), {}, [], {}
+
+    def _run(self, ids: np.ndarray, mask: np.ndarray, past: dict, *, keep: int = 1,
+             inputs: dict[str, np.ndarray] | None = None) -> tuple[np.ndarray, dict]:
+        del keep  # a stateless graph computes every position's logits
+        feeds = {**{name: np.ascontiguousarray(value) for name, value in (inputs or {}).items()}, **past,
+                 INPUT_IDS: np.ascontiguousarray(ids, np.int64), ATTENTION_MASK: np.ascontiguousarray(mask, np.int64),
+                 POSITION_IDS: np.ascontiguousarray(positions(mask, ids.shape[1]))}
+        outputs = self._runner(feeds)
+        self.extras = {name: outputs[name] for name in self._extra}
+        return outputs[LOGITS], {name: outputs[present] for name, present in self._present.items()}
+
+    def _empty(self, batch: int) -> dict:
+        return {name: np.zeros((batch, heads, 0, dim), np.float32) for name, (heads, dim, _) in self._past.items()}
+
+    @staticmethod
+    def _array(value) -> np.ndarray:
+        return value
+
+    @staticmethod
+    def _value(array: np.ndarray):
+        return array
 
 
 @dataclass

@@ -57,7 +57,8 @@ class StatefulBatch(Holes, BatchedDecoder):
         self._rows: list[Hashable | None] = []  # None: left, dropped at the next step
         self._mask = np.zeros((0, 0), np.int64)
         self._spans = {}
-        self.extras: dict[str, np.ndarray] = {}
+        self._extra = tuple(getattr(decoder, "extra_outputs", ()))  # e.g. the hidden states MTP drafts read
+        self.extras: dict[str, np.ndarray] = {}  # the extra outputs of the last join or verify, [rows, S, ...]
 
     @property
     def keys(self) -> list[Hashable]:
@@ -82,14 +83,22 @@ class StatefulBatch(Holes, BatchedDecoder):
             if self.holes():
                 self._compact()
             self._merge(keys, mask)
+        self._spans = {key: (row, ids.shape[1] - len(prompts[key]), ids.shape[1]) for row, key in enumerate(keys)}
         return {key: logits[row] for row, key in enumerate(keys)}
 
     def _prefill(self, request, ids: np.ndarray, mask: np.ndarray) -> np.ndarray:
         """The last positions' logits of joining sequences prefilled from an empty cache on ``request``, in the
         decoder's prefill chunks (toolchain/runtime/prefill_chunks.py)."""
         request.reset_state()
+        parts: dict[str, list[np.ndarray]] = {}
         for start, end in prefill_spans(self._chunking, len(ids), ids.shape[1]):
-            logits = _run(request, ids[:, start:end], mask[:, :end], np.arange(len(ids), dtype=np.int32))
+            # the IR's logits_to_keep slices the extra outputs as well (toolchain/runtime/last_logits.py): all
+            # positions when they are read
+            logits, extras = _run(request, ids[:, start:end], mask[:, :end], np.arange(len(ids), dtype=np.int32),
+                                  keep=0 if self._extra else 1, extra=self._extra)
+            for name, value in extras.items():
+                parts.setdefault(name, []).append(value)
+        self.extras = {name: np.concatenate(chunks, axis=1) for name, chunks in parts.items()}
         return logits[:, -1]
 
     def _merge(self, keys: list[Hashable], mask: np.ndarray) -> None:
@@ -112,7 +121,7 @@ class StatefulBatch(Holes, BatchedDecoder):
         mask = np.concatenate([self._mask[live], np.ones((len(live), 1), np.int64)], axis=1)
         ids = np.array([[tokens[key]] for key in self._rows], np.int64)
         # beam_idx = the live rows: the graph's Gather drops the rows that left from every variable
-        logits = _run(self._request, ids, mask, np.asarray(live, np.int32))
+        logits, _ = _run(self._request, ids, mask, np.asarray(live, np.int32))
         self._mask = mask
         return {key: logits[row, -1] for row, key in enumerate(self._rows)}
 
@@ -124,7 +133,7 @@ class StatefulBatch(Holes, BatchedDecoder):
         self._rows = [self._rows[row] for row in live]
         ids, new, _ = self._verify_feeds(fed, None)
         mask = np.concatenate([self._mask[live], new], axis=1)
-        logits = _run(self._request, ids, mask, np.asarray(live, np.int32), keep=0)
+        logits, self.extras = _run(self._request, ids, mask, np.asarray(live, np.int32), keep=0, extra=self._extra)
         self._mask = mask
         return {key: logits[row, :len(fed[key])] for row, key in enumerate(self._rows) if key is not None}
 
@@ -144,16 +153,17 @@ class StatefulBatch(Holes, BatchedDecoder):
             self._request.reset_state()
 
 
-def _run(request, ids: np.ndarray, mask: np.ndarray, beam_idx: np.ndarray, keep: int = 1) -> np.ndarray:
+def _run(request, ids: np.ndarray, mask: np.ndarray, beam_idx: np.ndarray, keep: int = 1,
+         extra: tuple[str, ...] = ()) -> tuple[np.ndarray, dict[str, np.ndarray]]:
     """The logits [B, ``keep`` positions, vocab] of one infer (the IR computes the lm_head for them alone; 0: for
-    every position)."""
+    every position) and the ``extra`` outputs."""
     ids = np.ascontiguousarray(ids, np.int64)
     mask = np.ascontiguousarray(mask, np.int64)
     result = request.infer({"input_ids": ids, "attention_mask": mask,
                             "position_ids": np.ascontiguousarray(positions(mask, ids.shape[1])),
                             "beam_idx": beam_idx, LOGITS_TO_KEEP: np.array(keep, np.int64)},
                            share_inputs=True)  # as the decoder feeds the same request (no copy into its tensors)
-    return np.array(result["logits"], np.float32)
+    return np.array(result["logits"], np.float32), {name: np.array(result[name]) for name in extra}
 
 
 def _tensor(array: np.ndarray):

@@ -8,7 +8,7 @@ greedy at temperature 0, else sampling with a generator per request, seeded by i
 What one request raises fails that request alone: its generator or its token choice, and its prefill (a batched
 prefill that raises is tried again one request at a time; the running batch is untouched until a prefill returns).
 
-With speculation (dstc serve --speculate; MTP drafts on ONNX Runtime): each step drafts up to --draft-tokens tokens
+With speculation (dstc serve --speculate): each step drafts up to --draft-tokens tokens
 for every running request (toolchain/runtime/batched_drafts.py; a request its drafter has none for is fed its last
 token alone), one forward of the model verifies them all (``verify`` of PersistentBatch or StatefulBatch, holes
 in the cache for what is rejected: toolchain/runtime/batch_holes.py), and each request keeps its accepted
@@ -73,7 +73,7 @@ class RunnerBackend:
 
     def load(self) -> None:
         if self.speculation is not None:
-            self.drafter = batch_drafter(self.speculation, self.artifact, threads=self.threads)
+            self.drafter = batch_drafter(self.speculation, self.artifact, threads=self.threads, openvino_f32=self.f32)
         self.decoder = open_decoder(self.artifact, threads=self.threads, openvino_f32=self.f32,
                                     openvino_runtime_cache=self.runtime_cache,
                                     extra_outputs=self.drafter.main_outputs if self.drafter else ())

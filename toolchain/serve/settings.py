@@ -22,8 +22,8 @@ class ServeSettings(SpeculationSettings):
         description="Speculative decoding of the running batch (lossless: the same greedy tokens, and sampling "
                     "follows the same distribution): each step drafts tokens per request by n-gram lookup in its "
                     "text so far or by the artifact's multi-token-prediction layer (built with export.mtp), and one "
-                    "forward of the model verifies every request's drafts (default: none; mtp on ONNX Runtime "
-                    "artifacts; openvino_genai's pipeline does its own prompt lookup).")
+                    "forward of the model verifies every request's drafts (default: none; openvino_genai's "
+                    "pipeline does its own prompt lookup, and no mtp).")
 
     threads: int | None = Field(
         None, ge=1, description="Runtime threads (default: the runtime's choice; with --replicas, each replica's, "
