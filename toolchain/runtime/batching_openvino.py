@@ -92,10 +92,8 @@ class StatefulBatch(Holes, BatchedDecoder):
         request.reset_state()
         parts: dict[str, list[np.ndarray]] = {}
         for start, end in prefill_spans(self._chunking, len(ids), ids.shape[1]):
-            # the IR's logits_to_keep slices the extra outputs as well (toolchain/runtime/last_logits.py): all
-            # positions when they are read
             logits, extras = _run(request, ids[:, start:end], mask[:, :end], np.arange(len(ids), dtype=np.int32),
-                                  keep=0 if self._extra else 1, extra=self._extra)
+                                  extra=self._extra)
             for name, value in extras.items():
                 parts.setdefault(name, []).append(value)
         self.extras = {name: np.concatenate(chunks, axis=1) for name, chunks in parts.items()}
