@@ -17,6 +17,14 @@ step, join and leave times for batches of 1, 4, 16 at contexts of 64 and 512 tok
     .venv/bin/python benchmarks/serve_load.py load artifacts/deepseek-v3-tiny-openvino-int4 \\
         artifacts/deepseek-v3-tiny-onnxruntime-int4
     .venv/bin/python benchmarks/serve_load.py layouts artifacts/deepseek-v3-tiny-onnxruntime-int4
+    .venv/bin/python benchmarks/serve_load.py speculate ARTIFACT... --methods none,prompt-lookup,mtp
+
+``speculate``: `dstc serve` without and with ``--speculate`` (each method a server of its own, all started at once;
+the load workload above at each level, the methods in turn for ``--repeats`` rounds, the median round reported),
+and from each server's /metrics over the level the verify steps and drafts: the mean tokens a verify step gives a
+request (1 + accepted drafts per step) and the acceptance per draft position. Measured on the embedded
+deepseek-v3-tiny (README "Serving", speculative decoding): lossless and 0.13-0.9x the plain server's tokens/s, the
+tiny model's steps being bound by compute and per-run overhead rather than by reading weights.
 
 An OpenVINO artifact built with ``export: {mla_cache: per-head}`` runs on openvino_genai's pipeline; the shipped
 recipes' latent one on dstc's runner (its cache in the stateful IR's variables).
@@ -352,6 +360,89 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def _speculative_counters(base: str) -> tuple[float, list[float], list[float]]:
+    """(verify steps, proposed and accepted drafts per position) from the server's /metrics so far."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    steps, proposed, accepted = 0.0, {}, {}
+    for family in text_string_to_metric_families(httpx.get(base + "/metrics", timeout=10).text):
+        for sample in family.samples:
+            if sample.name == "dstc_speculative_verify_steps_total":
+                steps = sample.value
+            elif sample.name in ("dstc_speculative_proposed_total", "dstc_speculative_accepted_total"):
+                into = proposed if "proposed" in sample.name else accepted
+                into[int(sample.labels["position"])] = sample.value
+    positions = range(max([*proposed, *accepted], default=-1) + 1)  # openvino_genai's server counts no proposed
+    return steps, [proposed.get(i, 0.0) for i in positions], [accepted.get(i, 0.0) for i in positions]
+
+
+def speculate(args) -> None:
+    rows = []
+    methods = args.methods.split(",")
+    for path in args.artifacts:
+        artifact = open_artifact(path)
+        prompt = workload_prompt(artifact, args.prompt_tokens)
+        levels = [int(c) for c in args.clients.split(",")]
+        name = artifact.path.resolve().name
+        print(f"== {name}: prompt {len(prompt)} tokens, {args.max_tokens} new tokens per request, "
+              f"{args.requests_per_client} requests per client, {args.draft_tokens} draft tokens, "
+              f"{args.repeats} rounds", flush=True)
+        # every method's server at once, idle but for the one measured: each level runs the methods in turn,
+        # round after round, so that a change of the machine's load falls on all of them alike
+        servers = {}
+        try:
+            for method in methods:
+                extra = () if method == "none" else ("--speculate", method, "--draft-tokens", str(args.draft_tokens))
+                servers[method] = ServerProcess(artifact, args.threads, max(levels), *extra)
+                server_level(servers[method].base, name, prompt, 1, 2, args.max_tokens, 30, method)  # warm-up
+            for clients in levels:
+                runs: dict[str, list] = {method: [] for method in methods}
+                for _ in range(args.repeats):
+                    for method, server in servers.items():
+                        before = _speculative_counters(server.base)
+                        run = server_level(server.base, name, prompt, clients, args.requests_per_client,
+                                           args.max_tokens, args.time_limit, method)
+                        runs[method].append((run, before, _speculative_counters(server.base)))
+                for method in methods:
+                    rows.append(_speculate_row(name, method, runs[method]))
+                    print(json.dumps(rows[-1]), flush=True)
+        finally:
+            for server in servers.values():
+                server.stop()
+    print()
+    head = ("artifact", "speculation", "clients", "tok/s (median)", "vs none", "ITL P50 ms", "tokens / verify step",
+            "acceptance per position")
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    plain = {(r["artifact"], r["clients"]): r["throughput_tok_s"] for r in rows if r["method"] == "none"}
+    for r in rows:
+        base = plain.get((r["artifact"], r["clients"]))
+        lines.append("| " + " | ".join(str(v) for v in (
+            r["artifact"], r["method"], r["clients"], r["throughput_tok_s"],
+            f"{r['throughput_tok_s'] / base:.2f}" if base else "", r["itl_p50_ms"],
+            r["tokens_per_verify_step"] or "", " ".join(str(a) for a in r["acceptance_per_position"]))) + " |")
+    print("\n".join(lines))
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1) + "\n")
+
+
+def _speculate_row(name: str, method: str, runs: list) -> dict:
+    """One method at one level over its rounds: the median round's throughput and ITL, and the drafts counted over
+    all rounds."""
+    steps, proposed, accepted = 0.0, [], []
+    for _, before, after in runs:
+        steps += after[0] - before[0]
+        for totals, now, then in ((proposed, after[1], before[1]), (accepted, after[2], before[2])):
+            totals += [0.0] * max(0, len(now) - len(totals))
+            for i, value in enumerate(now):
+                totals[i] += value - (then[i] if i < len(then) else 0.0)
+    median = sorted((run for run, _, _ in runs), key=lambda run: run.throughput)[len(runs) // 2]
+    return {"artifact": name, "method": method, **median.row(),
+            "throughput_rounds": [round(run.throughput, 1) for run, _, _ in runs],
+            "tokens_per_verify_step": round(1 + sum(accepted) / steps, 3) if steps else None,
+            "acceptance_per_position": [round(a / p, 3) if p else None for a, p in zip(accepted, proposed)]}
+
+
 def layouts(args) -> None:
     from toolchain.runtime.batching import LAYOUTS, batched_decoder
     from toolchain.runtime.decoder import open_decoder
@@ -397,6 +488,19 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--json", default=None, help="also write the rows to this file")
     p.set_defaults(func=load)
+    p = sub.add_parser("speculate", help="the server without and with --speculate, per artifact")
+    p.add_argument("artifacts", nargs="+", type=Path)
+    p.add_argument("--methods", default="none,prompt-lookup,mtp", help="none and --speculate values")
+    p.add_argument("--draft-tokens", type=int, default=4)
+    p.add_argument("--repeats", type=int, default=3, help="rounds of every method per level")
+    p.add_argument("--clients", default="1,4,16")
+    p.add_argument("--requests-per-client", type=int, default=4)
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--prompt-tokens", type=int, default=32)
+    p.add_argument("--time-limit", type=float, default=60.0, help="seconds per level, at most")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--json", default=None, help="also write the rows to this file")
+    p.set_defaults(func=speculate)
     p = sub.add_parser("layouts", help="ONNX Runtime KV-cache layouts: step, join, leave")
     p.add_argument("artifact", type=Path)
     p.add_argument("--batches", default="1,4,16")

@@ -53,6 +53,7 @@ LAYER = "dstc.layer"
 SOURCE = "dstc.source"
 
 LATENT = "latent"
+PER_HEAD = "per-head"
 PER_TOKEN = "per-token"  # DeepSeek-V4's K=V and compressor projections per token (toolchain/export/deepseek_v4.py)
 # caches read by no ScaledDotProductAttention, which openvino_genai's continuous batching needs to page them
 UNPAGEABLE = (LATENT, PER_TOKEN)

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import math
 import secrets
-from collections.abc import Hashable, Iterable
+from collections.abc import Hashable, Iterable, Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -50,6 +50,7 @@ from toolchain.interface.graph import (
     present_of,
 )
 from toolchain.runtime.artifact import Artifact
+from toolchain.runtime.batch_holes import Holes, compact_cache, compacted
 from toolchain.runtime.decoder import ort_cache, positions
 from toolchain.runtime.engines import NUMERICS, runtime_cache_property
 from toolchain.runtime.generate import left_pad
@@ -119,7 +120,7 @@ class BatchedDecoder:
         if twice:
             raise ValueError(f"sequences already running: {sorted(map(str, twice))}")
 
-    def _check_step(self, tokens: dict[Hashable, int]) -> None:
+    def _check_step(self, tokens: Mapping[Hashable, object]) -> None:
         if set(tokens) != set(self.keys):
             raise ValueError("a step feeds one token to every running sequence, and to no other")
 
@@ -132,23 +133,33 @@ class _OnnxRuntimeBatch(BatchedDecoder):
         self.session = decoder.session
         self._past = ort_cache(self.session)
         self._present = {name: present_of(name) for name in self._past}
-        self._outputs = [LOGITS, *self._present.values()]
+        self._extra = list(getattr(decoder, "extra_outputs", ()))  # e.g. the hidden states MTP drafts read
+        self._outputs = [LOGITS, *self._present.values(), *self._extra]
+        self.extras: dict[str, np.ndarray] = {}  # the extra outputs of the last join or verify, [rows, S, ...]
         # A runner that adds a logits_to_keep input to the graph (toolchain/runtime/last_logits.py) gets 1: only the
         # last position's logits are read, so a prefill computes the lm_head for one position, not the whole prompt.
         self._keep_last = any(i.name == "logits_to_keep" for i in self.session.get_inputs())
         self._chunking = decoder.chunking
 
-    def _prefill(self, ids: np.ndarray, mask: np.ndarray) -> tuple[np.ndarray, dict]:
+    def _prefill(self, ids: np.ndarray, mask: np.ndarray, inputs: dict[str, np.ndarray] | None = None
+                 ) -> tuple[np.ndarray, dict]:
         """_run's logits and presents of joining sequences from an empty cache, fed in the decoder's prefill chunks
-        (toolchain/runtime/prefill_chunks.py)."""
+        (toolchain/runtime/prefill_chunks.py); ``extras`` over all the chunks."""
         present = self._empty(len(ids))
+        parts: dict[str, list[np.ndarray]] = {name: [] for name in self._extra}
         for start, end in prefill_spans(self._chunking, len(ids), ids.shape[1]):
-            logits, present = self._run(ids[:, start:end], mask[:, :end], present)
+            chunk = {name: value[:, start:end] for name, value in (inputs or {}).items()}
+            logits, present = self._run(ids[:, start:end], mask[:, :end], present, inputs=chunk)
+            for name in self._extra:
+                parts[name].append(self.extras[name])
+        self.extras = {name: np.concatenate(chunks, axis=1) for name, chunks in parts.items()}
         return logits, present
 
-    def _run(self, ids: np.ndarray, mask: np.ndarray, past: dict) -> tuple[np.ndarray, dict]:
-        """Logits [B, S or 1, vocab] (numpy; the last position is what callers read) and the presents as OrtValues
-        (ORT's own buffers, not copied)."""
+    def _run(self, ids: np.ndarray, mask: np.ndarray, past: dict, *, keep: int = 1,
+             inputs: dict[str, np.ndarray] | None = None) -> tuple[np.ndarray, dict]:
+        """Logits [B, S or ``keep``, vocab] (numpy; 0 keeps every position) and the presents as OrtValues (ORT's own
+        buffers, not copied); the extra outputs in ``extras``. ``inputs``: the graph's further inputs (an MTP
+        graph's hidden states)."""
         from onnxruntime import OrtValue
 
         ids = np.ascontiguousarray(ids, np.int64)
@@ -156,10 +167,12 @@ class _OnnxRuntimeBatch(BatchedDecoder):
         pos = np.ascontiguousarray(positions(mask, ids.shape[1]))
         feeds = {INPUT_IDS: OrtValue.ortvalue_from_numpy(ids), ATTENTION_MASK: OrtValue.ortvalue_from_numpy(mask),
                  POSITION_IDS: OrtValue.ortvalue_from_numpy(pos), **past}
+        held = {name: np.ascontiguousarray(value) for name, value in (inputs or {}).items()}
+        feeds.update({name: OrtValue.ortvalue_from_numpy(value) for name, value in held.items()})
         if self._keep_last:
-            keep = np.array(1, np.int64)
-            feeds["logits_to_keep"] = OrtValue.ortvalue_from_numpy(keep)
+            feeds["logits_to_keep"] = OrtValue.ortvalue_from_numpy(np.array(keep, np.int64))
         values = dict(zip(self._outputs, self.session.run_with_ort_values(self._outputs, feeds)))
+        self.extras = {name: values[name].numpy() for name in self._extra}
         return values[LOGITS].numpy(), {name: values[present] for name, present in self._present.items()}
 
     def _empty(self, batch: int) -> dict:
@@ -169,11 +182,12 @@ class _OnnxRuntimeBatch(BatchedDecoder):
                 for name, (heads, dim, dtype) in self._past.items()}
 
 
-class PersistentBatch(_OnnxRuntimeBatch):
+class PersistentBatch(Holes, _OnnxRuntimeBatch):
     """One cache tensor per layer for the whole running batch, rebuilt only when sequences join.
 
     A sequence that leaves becomes a dead row, fed padding, until the next join rebuilds the cache anyway (or until
-    half the rows are dead): a leave costs no copy of the cache, a join one.
+    half the rows are dead): a leave costs no copy of the cache, a join one. Speculative decoding's ``verify`` and
+    ``keep`` leave holes in it (toolchain/runtime/batch_holes.py), which a rebuild cuts.
     """
 
     layout = "batch"
@@ -184,6 +198,7 @@ class PersistentBatch(_OnnxRuntimeBatch):
         self._mask = np.zeros((0, 0), np.int64)
         self._cache: dict = {}
         self._held: list[np.ndarray] = []  # numpy buffers the cache's OrtValues share, kept alive with them
+        self._spans = {}
 
     @property
     def keys(self) -> list[Hashable]:
@@ -199,14 +214,20 @@ class PersistentBatch(_OnnxRuntimeBatch):
         return int(self._mask[live].sum()) if live else 0
 
     def padded_positions(self) -> int:
-        """Positions the batch's cache tensors hold, padding and dead rows included (rows x columns)."""
+        """Positions the batch's cache tensors hold, padding, holes and dead rows included (rows x columns)."""
         return int(self._mask.size)
 
-    def join(self, prompts: dict[Hashable, list[int]]) -> dict[Hashable, np.ndarray]:
+    def join(self, prompts: dict[Hashable, list[int]],
+             inputs: dict[str, dict[Hashable, np.ndarray]] | None = None) -> dict[Hashable, np.ndarray]:
+        """``inputs``: the graph's further inputs of each joining sequence ([its prompt's length, ...] each, e.g. an
+        MTP graph's hidden states), left-padded as its tokens."""
         self._check_join(prompts)
         keys = list(prompts)
         ids, mask = left_pad([list(prompts[k]) for k in keys], self.pad_id)
-        logits, present = self._prefill(ids, mask)
+        padded = {name: stack_left_padded([value[key][None] for key in keys], axis=1)
+                  for name, value in (inputs or {}).items()}
+        logits, present = self._prefill(ids, mask, padded)
+        self._spans = {key: (row, ids.shape[1] - len(prompts[key]), ids.shape[1]) for row, key in enumerate(keys)}
         if not self.keys:
             self._rows, self._mask, self._cache, self._held = keys, mask, present, []
         else:
@@ -215,20 +236,41 @@ class PersistentBatch(_OnnxRuntimeBatch):
 
     def _rebuild(self, keys: list[Hashable], mask: np.ndarray | None = None, present: dict | None = None) -> None:
         """The cache of the live rows, then of the joining ones (if any), in new buffers, one copy each: dead rows
-        dropped, the columns that only padding occupies cut off, the shorter side left-padded."""
+        dropped, each row's holes and the columns that only padding occupies cut off, the shorter side
+        left-padded."""
+        live = [row for row, key in enumerate(self._rows) if key is not None]
+        columns = None
+        if self.holes():
+            own, columns = compacted(self._mask[live])
+        else:
+            first = int(np.argmax(self._mask[live].any(axis=0)))
+            own = self._mask[live, first:]
+        merged_mask = stack_left_padded([own, *([] if mask is None else [mask])], axis=1)
+        cache, buffers = {}, []
+        for name in self._past:
+            whole = self._array(self._cache[name])
+            old = compact_cache(whole[live], columns, own.shape[1]) if columns is not None else \
+                whole[live, :, first:]
+            merged = stack_left_padded([old, *([] if present is None else [self._array(present[name])])], axis=2)
+            buffers.append(merged)
+            cache[name] = self._value(merged)
+        self._rows = [self._rows[row] for row in live] + keys
+        self._mask, self._cache, self._held = merged_mask, cache, buffers
+
+    def _compact(self) -> None:
+        self._rebuild([])
+
+    @staticmethod
+    def _array(value) -> np.ndarray:
+        """A cache tensor as numpy (an OrtValue's buffer)."""
+        return value.numpy()
+
+    @staticmethod
+    def _value(array: np.ndarray):
+        """What the graph is fed a cache tensor as."""
         from onnxruntime import OrtValue
 
-        live = [row for row, key in enumerate(self._rows) if key is not None]
-        first = int(np.argmax(self._mask[live].any(axis=0)))
-        merged_mask = stack_left_padded([self._mask[live, first:], *([] if mask is None else [mask])], axis=1)
-        cache, held = {}, []
-        for name in self._past:
-            old = self._cache[name].numpy()[live, :, first:]
-            merged = stack_left_padded([old, *([] if present is None else [present[name].numpy()])], axis=2)
-            held.append(merged)
-            cache[name] = OrtValue.ortvalue_from_numpy(merged)
-        self._rows = [self._rows[row] for row in live] + keys
-        self._mask, self._cache, self._held = merged_mask, cache, held
+        return OrtValue.ortvalue_from_numpy(array)
 
     def step(self, tokens: dict[Hashable, int]) -> dict[Hashable, np.ndarray]:
         self._check_step(tokens)
@@ -239,6 +281,18 @@ class PersistentBatch(_OnnxRuntimeBatch):
         self._mask, self._cache, self._held = mask, present, []
         return {key: logits[row, -1] for row, key in enumerate(self._rows) if key is not None}
 
+    def verify(self, fed: dict[Hashable, list[int]],
+               inputs: dict[str, dict[Hashable, np.ndarray]] | None = None) -> dict[Hashable, np.ndarray]:
+        """Every running sequence fed its tokens (at least one: speculative decoding's last chosen token and its
+        drafts) in one forward, a row fed fewer padded on the right with holes; each sequence's logits [its tokens,
+        vocab]. ``inputs``: further inputs of each ([its tokens, ...]). ``keep`` must follow before the next call."""
+        self._check_step(fed)
+        ids, new, extra = self._verify_feeds(fed, inputs)
+        mask = np.concatenate([self._mask, new], axis=1)
+        logits, present = self._run(ids, mask, self._cache, keep=0, inputs=extra)
+        self._mask, self._cache, self._held = mask, present, []
+        return {key: logits[row, :len(fed[key])] for row, key in enumerate(self._rows) if key is not None}
+
     def leave(self, keys: Iterable[Hashable]) -> None:
         drop = set(keys)
         self._rows = [None if key in drop else key for key in self._rows]
@@ -246,6 +300,45 @@ class PersistentBatch(_OnnxRuntimeBatch):
             self._rows, self._mask, self._cache, self._held = [], np.zeros((0, 0), np.int64), {}, []
         elif 2 * self._rows.count(None) >= len(self._rows):
             self._rebuild([])
+
+
+class ArrayBatch(PersistentBatch):
+    """PersistentBatch's layout on a stateless graph run by a GraphRunner (an OpenVINO artifact's MTP layer,
+    toolchain/runtime/mtp_drafter.py): the cache is numpy arrays, each run's present.* fed back as the next one's
+    past."""
+
+    def __init__(self, runner, past_specs: dict[str, tuple[int, int]], extra_outputs: tuple[str, ...],
+                 chunking, pad_id: int) -> None:
+        BatchedDecoder.__init__(self, pad_id)
+        self._runner = runner
+        self._past = {name: (heads, dim, np.float32) for name, (heads, dim) in past_specs.items()}
+        self._present = {name: present_of(name) for name in self._past}
+        self._extra = list(extra_outputs)
+        self.extras = {}
+        self._keep_last = False
+        self._chunking = chunking
+        self._rows, self._mask, self._cache, self._held, self._spans = [], np.zeros((0, 0), np.int64), {}, [], {}
+
+    def _run(self, ids: np.ndarray, mask: np.ndarray, past: dict, *, keep: int = 1,
+             inputs: dict[str, np.ndarray] | None = None) -> tuple[np.ndarray, dict]:
+        del keep  # a stateless graph computes every position's logits
+        feeds = {**{name: np.ascontiguousarray(value) for name, value in (inputs or {}).items()}, **past,
+                 INPUT_IDS: np.ascontiguousarray(ids, np.int64), ATTENTION_MASK: np.ascontiguousarray(mask, np.int64),
+                 POSITION_IDS: np.ascontiguousarray(positions(mask, ids.shape[1]))}
+        outputs = self._runner(feeds)
+        self.extras = {name: outputs[name] for name in self._extra}
+        return outputs[LOGITS], {name: outputs[present] for name, present in self._present.items()}
+
+    def _empty(self, batch: int) -> dict:
+        return {name: np.zeros((batch, heads, 0, dim), np.float32) for name, (heads, dim, _) in self._past.items()}
+
+    @staticmethod
+    def _array(value) -> np.ndarray:
+        return value
+
+    @staticmethod
+    def _value(array: np.ndarray):
+        return array
 
 
 @dataclass
@@ -339,6 +432,8 @@ class PipelineSettings:
     # None: the compute precision (bf16 where the CPU has it). The plugin's own default, u8, is wrong under batching
     # in OpenVINO 2026.4 (see kv_cache_precision); "u8" asks for it anyway.
     kv_cache_precision: str | None = None
+    # dstc serve --speculate prompt-lookup: openvino_genai's own prompt lookup, this many draft tokens (0: none)
+    prompt_lookup: int = 0
 
 
 def kv_cache_precision(settings: PipelineSettings) -> str:
@@ -396,15 +491,18 @@ def openvino_pipeline(artifact: Artifact, settings: PipelineSettings):
     scheduler.num_kv_blocks = settings.max_batch * (blocks_per_sequence + 1)
     properties = {**(NUMERICS['exact'] if settings.f32 else {}), "KV_CACHE_PRECISION": kv_cache_precision(settings),
                   **({"INFERENCE_NUM_THREADS": settings.threads} if settings.threads else {}),
-                  **runtime_cache_property(settings.runtime_cache)}
+                  **runtime_cache_property(settings.runtime_cache),
+                  **({"prompt_lookup": True} if settings.prompt_lookup else {})}
     pipeline = openvino_genai.ContinuousBatchingPipeline(str(artifact.path), scheduler, "CPU", properties)
     return pipeline, properties, scheduler
 
 
 def openvino_generation_config(*, max_new_tokens: int, stop_ids: Iterable[int], temperature: float, top_p: float,
-                               seed: int | None, ignore_eos: bool = False):
+                               seed: int | None, ignore_eos: bool = False, prompt_lookup: int = 0):
     """An openvino_genai.GenerationConfig for one request given token ids (no chat template: the caller applied
-    it): greedy at temperature 0, else multinomial sampling with temperature and top-p."""
+    it): greedy at temperature 0, else multinomial sampling with temperature and top-p. ``prompt_lookup``: draft
+    tokens of a pipeline built with it (which takes no request without them), n-grams of up to 3 tokens as
+    toolchain/runtime/speculative.py's PromptLookup."""
     import openvino_genai
 
     config = openvino_genai.GenerationConfig()
@@ -412,6 +510,9 @@ def openvino_generation_config(*, max_new_tokens: int, stop_ids: Iterable[int], 
     config.apply_chat_template = False
     config.stop_token_ids = {int(i) for i in stop_ids}
     config.ignore_eos = ignore_eos
+    if prompt_lookup:
+        config.num_assistant_tokens = prompt_lookup
+        config.max_ngram_size = 3
     if temperature > 0:
         config.do_sample = True
         config.temperature = float(temperature)

@@ -26,6 +26,7 @@ from pathlib import Path
 import numpy as np
 
 from toolchain.interface.graph import KV_CACHE, UNPAGEABLE, extra_cache_kinds, graph_metadata
+from toolchain.runtime.batch_holes import Holes, compact_cache, compacted
 from toolchain.runtime.batching import BatchedDecoder, stack_left_padded
 from toolchain.runtime.decoder import positions
 from toolchain.runtime.generate import left_pad
@@ -41,9 +42,10 @@ def pageable(xml: Path) -> bool:
     return metadata.get(KV_CACHE) not in UNPAGEABLE and not extra_cache_kinds(metadata)
 
 
-class StatefulBatch(BatchedDecoder):
+class StatefulBatch(Holes, BatchedDecoder):
     """A running batch of sequences in the variables of one infer request of a stateful OpenVINO IR (an
-    OpenVINODecoder's); the interface is BatchedDecoder's."""
+    OpenVINODecoder's); the interface is BatchedDecoder's, with speculative decoding's ``verify`` and ``keep``
+    (toolchain/runtime/batch_holes.py), whose holes are compacted in the variables."""
 
     layout = "batch"
 
@@ -54,6 +56,9 @@ class StatefulBatch(BatchedDecoder):
         self._chunking = decoder.chunking
         self._rows: list[Hashable | None] = []  # None: left, dropped at the next step
         self._mask = np.zeros((0, 0), np.int64)
+        self._spans = {}
+        self._extra = tuple(getattr(decoder, "extra_outputs", ()))  # e.g. the hidden states MTP drafts read
+        self.extras: dict[str, np.ndarray] = {}  # the extra outputs of the last join or verify, [rows, S, ...]
 
     @property
     def keys(self) -> list[Hashable]:
@@ -75,16 +80,24 @@ class StatefulBatch(BatchedDecoder):
             self._rows, self._mask = keys, mask
         else:
             logits = self._prefill(self._side, ids, mask)
+            if self.holes():
+                self._compact()
             self._merge(keys, mask)
+        self._spans = {key: (row, ids.shape[1] - len(prompts[key]), ids.shape[1]) for row, key in enumerate(keys)}
         return {key: logits[row] for row, key in enumerate(keys)}
 
     def _prefill(self, request, ids: np.ndarray, mask: np.ndarray) -> np.ndarray:
         """The last positions' logits of joining sequences prefilled from an empty cache on ``request``, in the
         decoder's prefill chunks (toolchain/runtime/prefill_chunks.py)."""
         request.reset_state()
+        parts: dict[str, list[np.ndarray]] = {}
         for start, end in prefill_spans(self._chunking, len(ids), ids.shape[1]):
-            logits = _run(request, ids[:, start:end], mask[:, :end], np.arange(len(ids), dtype=np.int32))
-        return logits
+            logits, extras = _run(request, ids[:, start:end], mask[:, :end], np.arange(len(ids), dtype=np.int32),
+                                  extra=self._extra)
+            for name, value in extras.items():
+                parts.setdefault(name, []).append(value)
+        self.extras = {name: np.concatenate(chunks, axis=1) for name, chunks in parts.items()}
+        return logits[:, -1]
 
     def _merge(self, keys: list[Hashable], mask: np.ndarray) -> None:
         """The live rows' cache, then the side request's, left-padded to one width with the columns only padding
@@ -106,9 +119,29 @@ class StatefulBatch(BatchedDecoder):
         mask = np.concatenate([self._mask[live], np.ones((len(live), 1), np.int64)], axis=1)
         ids = np.array([[tokens[key]] for key in self._rows], np.int64)
         # beam_idx = the live rows: the graph's Gather drops the rows that left from every variable
-        logits = _run(self._request, ids, mask, np.asarray(live, np.int32))
+        logits, _ = _run(self._request, ids, mask, np.asarray(live, np.int32))
         self._mask = mask
-        return {key: logits[row] for row, key in enumerate(self._rows)}
+        return {key: logits[row, -1] for row, key in enumerate(self._rows)}
+
+    def verify(self, fed: dict[Hashable, list[int]]) -> dict[Hashable, np.ndarray]:
+        """PersistentBatch.verify's: every running sequence fed its tokens in one infer, its logits [its tokens,
+        vocab] returned; ``keep`` must follow."""
+        self._check_step(fed)
+        live = self._live()
+        self._rows = [self._rows[row] for row in live]
+        ids, new, _ = self._verify_feeds(fed, None)
+        mask = np.concatenate([self._mask[live], new], axis=1)
+        logits, self.extras = _run(self._request, ids, mask, np.asarray(live, np.int32), keep=0, extra=self._extra)
+        self._mask = mask
+        return {key: logits[row, :len(fed[key])] for row, key in enumerate(self._rows) if key is not None}
+
+    def _compact(self) -> None:
+        """Each row's held columns right-aligned in every variable (rows that left too: the next infer drops
+        them)."""
+        mask, columns = compacted(self._mask)
+        for state in self._request.query_state():
+            state.state = _tensor(compact_cache(np.array(state.state.data, np.float32), columns, mask.shape[1]))
+        self._mask = mask
 
     def leave(self, keys: Iterable[Hashable]) -> None:
         drop = set(keys)
@@ -118,15 +151,17 @@ class StatefulBatch(BatchedDecoder):
             self._request.reset_state()
 
 
-def _run(request, ids: np.ndarray, mask: np.ndarray, beam_idx: np.ndarray) -> np.ndarray:
-    """The last position's logits [B, vocab] of one infer (the IR computes the lm_head for it alone)."""
+def _run(request, ids: np.ndarray, mask: np.ndarray, beam_idx: np.ndarray, keep: int = 1,
+         extra: tuple[str, ...] = ()) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+    """The logits [B, ``keep`` positions, vocab] of one infer (the IR computes the lm_head for them alone; 0: for
+    every position) and the ``extra`` outputs."""
     ids = np.ascontiguousarray(ids, np.int64)
     mask = np.ascontiguousarray(mask, np.int64)
     result = request.infer({"input_ids": ids, "attention_mask": mask,
                             "position_ids": np.ascontiguousarray(positions(mask, ids.shape[1])),
-                            "beam_idx": beam_idx, LOGITS_TO_KEEP: np.array(1, np.int64)},
+                            "beam_idx": beam_idx, LOGITS_TO_KEEP: np.array(keep, np.int64)},
                            share_inputs=True)  # as the decoder feeds the same request (no copy into its tensors)
-    return np.array(result["logits"], np.float32)[:, -1]
+    return np.array(result["logits"], np.float32), {name: np.array(result[name]) for name in extra}
 
 
 def _tensor(array: np.ndarray):

@@ -131,6 +131,7 @@ class OnnxRuntimeDecoder(ChunkedForward):
         self._past = ort_cache(self.session)
         self._outputs = [o.name for o in self.session.get_outputs()]
         self._extra = list(extra_outputs)
+        self.extra_outputs = tuple(extra_outputs)  # what a batch over its session reads too (batching.py)
         self._binding = self.session.io_binding()
         self.cache: dict = {}  # past_key_values.* input -> the OrtValue the last run returned for it
         self.extras: dict[str, np.ndarray] = {}
@@ -216,6 +217,7 @@ class OpenVINODecoder(ChunkedForward):
             if name != "SUPPORTED_PROPERTIES"}}
         self._logits = compiled.output(LOGITS)
         self._extra = {name: compiled.output(name) for name in extra_outputs}
+        self.extra_outputs = tuple(extra_outputs)  # what a batch over its infer request reads too
         self.extras: dict[str, np.ndarray] = {}
 
     def reset(self) -> None:
@@ -333,6 +335,7 @@ class StatelessDecoder(ChunkedForward):
         self.backend = runner.backend
         self.chunking = chunking
         self._run, self._past_specs = runner, past_specs  # past_key_values.* -> (heads, head dim)
+        self.runner, self.past_specs = runner, past_specs  # what a batch over the same graph runs (batching.py)
         self._extra = tuple(extra_outputs)  # graph outputs returned in extras
         self.extras: dict[str, np.ndarray] = {}
         self.reset()

@@ -71,7 +71,9 @@ def openvino_with_logits_to_keep(model) -> None:
     hidden = value.get_node().input_value(0)
     if hidden.get_node().get_type_name() == "Reshape":  # a tied lm_head's Gemm reads it flattened to 2-D
         hidden = hidden.get_node().input_value(0)
-    readers = list(hidden.get_target_inputs())  # before the Slice below becomes one
+    # before the Slice below becomes one; a graph output of the hidden state itself (the MTP layer's input, added
+    # with model.add_outputs) keeps every position, as the ONNX graph's does
+    readers = [r for r in hidden.get_target_inputs() if r.get_node().get_type_name() != "Result"]
     keep = ops.parameter(ov.PartialShape([]), ov.Type.i64, name=INPUT)
     keep.output(0).get_tensor().set_names({INPUT})
     k = ops.reshape(keep, ops.constant(np.array([1], np.int64)), False)

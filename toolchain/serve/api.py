@@ -115,6 +115,9 @@ def create_app(service) -> Intake:
         state = engine.state
         body = {"state": state, "model": service.model_name, "backend": service.artifact.backend,
                 "engine": getattr(engine, "engine_name", None)}
+        if service.settings.speculate is not None:
+            body["speculation"] = {"method": service.settings.speculate,
+                                   "draft_tokens": service.settings.draft_tokens, **service.metrics.speculation()}
         if isinstance(engine, ReplicaSet):
             # each replica as Ray Serve's router last saw it; ready while one of them is
             replicas = engine.replica_stats()

@@ -4,8 +4,9 @@ join and leave the running batch between steps, cancellation, and the per-token 
 A backend (engine_openvino.py, engine_runner.py) provides ``load()``, ``add(requests)`` (start them; may
 already return their first tokens), ``drop(requests)`` (free them at once), ``step()`` (one decode step of every
 running request: ``[(request, new tokens, finish reason or None)]``; a request reported finished is already freed),
-``reset()`` (forget every request, after an error), ``kv_cache_usage()`` (0..1) and ``close()``. Every call to it
-comes from the engine's thread.
+``reset()`` (forget every request, after an error), ``kv_cache_usage()`` (0..1) and ``close()``; one that decodes
+speculatively also has ``drafted``, each request's (drafts proposed or None if unknown, accepted) in its last
+step. Every call to it comes from the engine's thread.
 
 One request never fails another: a backend finishes a request whose own sampling or prefill raises with
 ``"error"`` (its ``error`` the traceback) and goes on with the others. What the engine catches itself fails only
@@ -113,6 +114,7 @@ class Observer:
     def tokens(self, prompt: int, generated: int) -> None: ...
     def finished(self, reason: str) -> None: ...
     def step(self, seconds: float, batch: int) -> None: ...
+    def drafts(self, proposed: int | None, accepted: int) -> None: ...
 
 
 class Engine:
@@ -256,6 +258,8 @@ class Engine:
                 started = time.perf_counter()
                 results = self.backend.step()
                 self.observer.step(time.perf_counter() - started, len(self._running))
+                for proposed, accepted in getattr(self.backend, "drafted", ()):
+                    self.observer.drafts(proposed, accepted)
                 self._deliver(results)
             except Exception as e:
                 self._fail(list(self._running), e)

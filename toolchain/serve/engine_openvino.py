@@ -8,6 +8,10 @@ are read from every request's handle; a cancelled handle frees its KV blocks in 
 
 A request whose generation config or ``add_request`` raises (the pipeline checks the config there) fails alone;
 the others are added and go on.
+
+With ``--speculate prompt-lookup`` the pipeline is openvino_genai's prompt-lookup one (its own drafts and batched
+verification; greedy output unchanged). It does not say how many drafts it proposed: ``drafted`` reports each
+request's accepted drafts of a step (the tokens it gave beyond one) with the proposed count unknown (None).
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ class OpenVINOBackend:
         self.properties: dict = {}
         self.scheduler: Any = None
         self._live: dict[int, Request] = {}
+        self.drafted: list[tuple[int | None, int]] = []  # with prompt lookup: (None, accepted) per request and step
 
     def load(self) -> None:
         self.pipeline, self.properties, self.scheduler = openvino_pipeline(self.artifact, self.settings)
@@ -49,7 +54,8 @@ class OpenVINOBackend:
                 config = openvino_generation_config(
                     max_new_tokens=request.max_tokens, stop_ids=request.stop_ids,
                     temperature=request.sampling.temperature, top_p=request.sampling.top_p,
-                    seed=request.sampling.seed, ignore_eos=request.ignore_eos)
+                    seed=request.sampling.seed, ignore_eos=request.ignore_eos,
+                    prompt_lookup=self.settings.prompt_lookup)
                 request.state = self.pipeline.add_request(
                     request.id, ov.Tensor(np.array([request.prompt], np.int64)), config)
             except Exception as e:  # a value the config or the pipeline refuses: this request only
@@ -62,6 +68,7 @@ class OpenVINOBackend:
     def step(self):
         import openvino_genai as genai
 
+        self.drafted = []
         if not self._live:
             return []
         self.pipeline.step()
@@ -74,6 +81,8 @@ class OpenVINOBackend:
                 for output in handle.read().values():
                     tokens += list(output.generated_ids)
                     reason = output.finish_reason
+            if self.settings.prompt_lookup and tokens and request.generated:  # a verify step, not the prefill's
+                self.drafted.append((None, len(tokens) - 1))
             if status == genai.GenerationStatus.RUNNING:
                 results.append((request, tokens, None))
                 continue

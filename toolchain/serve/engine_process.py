@@ -41,6 +41,7 @@ from toolchain.runtime.sampling import Sampling
 from toolchain.serve.engine import Engine, Event, NotReady, Observer, QueueFull, Request, deliver_events, wait_ready
 from toolchain.serve.engine_openvino import OpenVINOBackend
 from toolchain.serve.engine_runner import RunnerBackend
+from toolchain.settings.speculation import PROMPT_LOOKUP
 
 RESTART_DELAY_S = 0.5
 log = logging.getLogger("dstc.serve")
@@ -50,11 +51,14 @@ def make_backend(backend: str, artifact_path: str, options: dict):
     """The backend object of toolchain/serve/engine.py for an artifact (in the engine's process)."""
     artifact = open_artifact(artifact_path)
     if backend == "openvino":
+        options = dict(options)
+        speculation = options.pop("speculation", None)
         if not pageable(artifact.path / MODEL_XML):  # e.g. MLA's latent cache: dstc's runner batches it
             return RunnerBackend(artifact, threads=options["threads"], max_batch=options["max_batch"],
                                  max_context=options["max_context"], f32=options["f32"],
-                                 runtime_cache=options["runtime_cache"])
-        return OpenVINOBackend(artifact, PipelineSettings(**options))
+                                 runtime_cache=options["runtime_cache"], speculation=speculation)
+        lookup = speculation.draft_tokens if speculation and speculation.speculate == PROMPT_LOOKUP else 0
+        return OpenVINOBackend(artifact, PipelineSettings(**options, prompt_lookup=lookup))
     return RunnerBackend(artifact, **options)
 
 
@@ -284,6 +288,9 @@ class _Recorder(Observer):
 
     def step(self, seconds: float, batch: int) -> None:
         self.items.append(("step", seconds, batch))
+
+    def drafts(self, proposed: int | None, accepted: int) -> None:
+        self.items.append(("drafts", proposed, accepted))
 
 
 def worker(fd: int) -> None:

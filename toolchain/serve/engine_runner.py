@@ -7,6 +7,14 @@ greedy at temperature 0, else sampling with a generator per request, seeded by i
 
 What one request raises fails that request alone: its generator or its token choice, and its prefill (a batched
 prefill that raises is tried again one request at a time; the running batch is untouched until a prefill returns).
+
+With speculation (dstc serve --speculate): each step drafts up to --draft-tokens tokens
+for every running request (toolchain/runtime/batched_drafts.py; a request its drafter has none for is fed its last
+token alone), one forward of the model verifies them all (``verify`` of PersistentBatch or StatefulBatch, holes
+in the cache for what is rejected: toolchain/runtime/batch_holes.py), and each request keeps its accepted
+prefix and the model's next token, as toolchain/runtime/speculative.py does for one sequence: greedy while the
+drafts are the argmax, speculative sampling at a temperature (the drafts are deterministic: one-hot). ``drafted``
+holds each request's (drafts proposed, accepted) of the last step, for the metrics.
 """
 
 from __future__ import annotations
@@ -19,13 +27,17 @@ import numpy as np
 
 from toolchain.errors import InputError
 from toolchain.runtime.artifact import Artifact
-from toolchain.runtime.batching import batched_decoder
+from toolchain.runtime.batched_drafts import batch_drafter
+from toolchain.runtime.batching import PersistentBatch, batched_decoder
 from toolchain.runtime.batching_openvino import StatefulBatch
 from toolchain.runtime.decoder import open_decoder
-from toolchain.runtime.sampling import next_token
+from toolchain.runtime.sampling import distribution, next_token
+from toolchain.runtime.speculative import verify_greedy, verify_sampled
 from toolchain.serve.engine import Request, failure
+from toolchain.settings.speculation import SpeculationSettings
 
 if TYPE_CHECKING:  # imported when the backend loads
+    from toolchain.runtime.batched_drafts import BatchDrafter
     from toolchain.runtime.batching import BatchedDecoder
     from toolchain.runtime.decoder import Decoder
 
@@ -35,13 +47,16 @@ class _State:
     rng: np.random.Generator | None
     last: int = -1
     count: int = 0
+    tokens: list[int] | None = None  # with speculation: the prompt and the tokens chosen so far
+    hidden: np.ndarray | None = None  # with MTP drafts: the main model's hidden states its drafter reads next
 
 
 class RunnerBackend:
     name = "dstc"
 
     def __init__(self, artifact: Artifact, *, threads: int | None, max_batch: int, max_context: int,
-                 layout: str = "batch", f32: bool = False, runtime_cache: int | None = None) -> None:
+                 layout: str = "batch", f32: bool = False, runtime_cache: int | None = None,
+                 speculation: SpeculationSettings | None = None) -> None:
         self.artifact = artifact
         self.threads = threads
         self.max_batch = max_batch
@@ -49,19 +64,27 @@ class RunnerBackend:
         self.layout = layout
         self.f32 = f32  # OpenVINO: f32 compute and cache instead of the plugin's deployment defaults
         self.runtime_cache = runtime_cache  # OpenVINO: CPU_RUNTIME_CACHE_CAPACITY, None the plugin's
+        self.speculation = speculation if speculation is not None and speculation.speculate else None
         self.decoder: Decoder | None = None
         self.batch: BatchedDecoder | None = None
+        self.drafter: BatchDrafter | None = None
+        self.drafted: list[tuple[int, int]] = []  # (drafts proposed, accepted) of each request in the last step
         self._live: dict[int, Request] = {}
 
     def load(self) -> None:
+        if self.speculation is not None:
+            self.drafter = batch_drafter(self.speculation, self.artifact, threads=self.threads, openvino_f32=self.f32)
         self.decoder = open_decoder(self.artifact, threads=self.threads, openvino_f32=self.f32,
-                                    openvino_runtime_cache=self.runtime_cache)
+                                    openvino_runtime_cache=self.runtime_cache,
+                                    extra_outputs=self.drafter.main_outputs if self.drafter else ())
         self.batch = self._batch()
 
     def _batch(self) -> BatchedDecoder:
         if self.decoder is None:
             raise RuntimeError("the runner backend is used before it is loaded")
         if self.decoder.backend != "openvino":
+            if self.speculation is not None and self.layout != "batch":
+                raise InputError(f"--speculate verifies drafts in the 'batch' KV-cache layout, not {self.layout!r}")
             return batched_decoder(self.decoder, self.artifact.pad_token_id, self.layout)
         if self.layout != "batch":
             raise InputError(f"KV-cache layout {self.layout!r} is ONNX Runtime's; an OpenVINO artifact is batched in "
@@ -72,6 +95,12 @@ class RunnerBackend:
         if self.batch is None:
             raise RuntimeError("the runner backend is used before it is loaded")
         return self.batch
+
+    def _verifier(self) -> PersistentBatch | StatefulBatch:
+        """The running batch, which speculation runs only on (``_batch`` refuses the gathered layout)."""
+        batch = self._loaded()
+        assert isinstance(batch, PersistentBatch | StatefulBatch)
+        return batch
 
     @property
     def runtime_config(self) -> dict:
@@ -100,12 +129,18 @@ class RunnerBackend:
         if not requests:
             return {}
         try:
-            return self._loaded().join({r.id: r.prompt for r in requests})
+            logits = self._loaded().join({r.id: r.prompt for r in requests})
         except Exception as e:
             if len(requests) == 1:
                 results.append(self._failed(requests[0], e))
                 return {}
-        logits: dict[Hashable, np.ndarray] = {}
+        else:
+            if self.drafter is not None and self.drafter.main_outputs:  # what the drafter reads of the prompt
+                hidden = self._verifier().row_extras(*self.drafter.main_outputs)
+                for request in requests:
+                    request.state.hidden = hidden[request.id]
+            return logits
+        logits = {}
         for request in requests:
             logits.update(self._join([request], results))
         return logits
@@ -117,10 +152,81 @@ class RunnerBackend:
 
     def step(self):
         live = list(self._live.values())
+        self.drafted = []
         if not live:
             return []
+        if self.drafter is not None:
+            return self._speculative_step(live)
         logits = self._loaded().step({r.id: r.state.last for r in live})
         return self._choose(live, logits)
+
+    def _speculative_step(self, live: list[Request]):
+        """Drafts for every request, one verify forward, each request's accepted drafts and next token."""
+        assert self.drafter is not None and self.speculation is not None
+        batch = self._verifier()
+        # never more drafts than the request's budget has room for beside the next token: a request's cache holds
+        # no more positions than plain decoding's
+        room = {r.id: min(self.speculation.draft_tokens, r.max_tokens - r.state.count - 1) for r in live}
+        proposed = self.drafter.propose({r.id: r.state.tokens for r in live}, {r.id: r.state.hidden for r in live},
+                                        max(room.values()))
+        drafts = {r.id: [int(t) for t in proposed.get(r.id, [])[:room[r.id]]] for r in live}
+        logits = batch.verify({r.id: [r.state.last, *drafts[r.id]] for r in live})
+        hidden = batch.row_extras(*self.drafter.main_outputs) if self.drafter.main_outputs else {}
+        kept: dict[Hashable, int] = {}
+        chosen: dict[int, list[int]] = {}
+        failed: dict[int, Exception] = {}
+        for request in live:
+            rows, own = logits[request.id], drafts[request.id]
+            try:
+                if not np.isfinite(rows).all():
+                    raise FloatingPointError("the model returned non-finite logits")
+                if request.sampling.greedy:
+                    accepted, following = verify_greedy(own, rows)
+                else:
+                    target = np.stack([distribution(row, request.sampling) for row in rows])
+                    accepted, following = verify_sampled(own, None, target, request.state.rng)
+            except Exception as e:  # e.g. probabilities the temperature made NaN
+                failed[request.id] = e
+                kept[request.id] = 1
+                continue
+            kept[request.id] = 1 + accepted
+            chosen[request.id] = [*own[:accepted], following]
+            self.drafted.append((len(own), accepted))
+            if request.id in hidden:
+                request.state.hidden = hidden[request.id][:1 + accepted]
+        batch.keep(kept)
+        results: list[tuple[Request, list[int], str | None]] = []
+        leaving = []
+        for request in live:
+            if request.id in failed:
+                results.append(self._failed(request, failed[request.id]))
+                leaving.append(request.id)
+                continue
+            tokens, finish = chosen[request.id], None
+            if not request.ignore_eos:
+                stop = next((i for i, token in enumerate(tokens) if token in request.stop_ids), None)
+                if stop is not None:
+                    tokens, finish = tokens[:stop], "stop"
+            state = request.state
+            state.count += len(tokens)
+            state.tokens += tokens
+            if tokens:
+                state.last = tokens[-1]
+            if finish is None and state.count >= request.max_tokens:
+                finish = "length"
+            results.append((request, tokens, finish))
+            if finish is not None:
+                leaving.append(request.id)
+        self._leave(leaving)
+        return results
+
+    def _leave(self, keys: list[int]) -> None:
+        if keys:
+            self._loaded().leave(keys)
+            if self.drafter is not None:
+                self.drafter.leave(keys)
+            for key in keys:
+                self._live.pop(key, None)
 
     def _choose(self, requests: list[Request], logits: dict[Hashable, np.ndarray]):
         results: list[tuple[Request, list[int], str | None]] = []
@@ -144,26 +250,24 @@ class RunnerBackend:
                 continue
             state.last = token
             state.count += 1
+            if self.drafter is not None:
+                state.tokens = [*request.prompt, token]
             if state.count >= request.max_tokens:
                 results.append((request, [token], "length"))
                 leaving.append(request.id)
             else:
                 results.append((request, [token], None))
-        if leaving:
-            self._loaded().leave(leaving)
-            for key in leaving:
-                self._live.pop(key, None)
+        self._leave(leaving)
         return results
 
     def drop(self, requests: list[Request]) -> None:
-        keys = [r.id for r in requests if r.id in self._live]
-        self._loaded().leave(keys)
-        for key in keys:
-            del self._live[key]
+        self._leave([r.id for r in requests if r.id in self._live])
 
     def reset(self) -> None:
         self._live = {}
         self.batch = self._batch()
+        if self.drafter is not None:
+            self.drafter.reset()
 
     def kv_cache_usage(self) -> float:
         return self.batch.tokens_held() / (self.max_batch * self.max_context) if self.batch else 0.0

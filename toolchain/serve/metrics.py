@@ -4,7 +4,11 @@
   ``dstc_inter_token_latency_seconds``, ``dstc_decode_step_seconds``, ``dstc_request_duration_seconds``;
 - counters: ``dstc_prompt_tokens_total``, ``dstc_generation_tokens_total``, ``dstc_requests_total{finish_reason}``,
   ``dstc_rejected_requests_total{reason}`` (queue_full, invalid_request, not_ready, unauthorized, body_too_large,
-  body_timeout);
+  body_timeout); with ``--speculate``, ``dstc_speculative_proposed_total{position}`` and
+  ``dstc_speculative_accepted_total{position}`` (draft tokens per draft position, 0 the first of a step: the
+  acceptance rate at each is their ratio; openvino_genai's prompt lookup does not say what it proposed: accepted
+  only) and ``dstc_speculative_verify_steps_total`` (requests' verify steps: the mean tokens a step gives a
+  request is 1 + accepted / verify steps);
 - gauges read when scraped: ``dstc_queue_depth``, ``dstc_running_batch_size``, ``dstc_kv_cache_usage_ratio``,
   ``dstc_generation_tokens_per_second`` (over the last 10 s), ``dstc_ready``, ``dstc_health_status`` (0 ok, 1 warn,
   2 alert) and ``dstc_health_check_status{metric}``;
@@ -13,9 +17,9 @@
   compression.json (``dstc_quantization_*``: bits per weight, KL and top-1 agreement against the uncompressed
   model, MoE routing agreement, and per layer the largest weight and output errors).
 
-With ``--replicas N`` the engine's series (the histograms but the request duration, the token and request
-counters, the queue, batch and KV-cache gauges) carry a ``replica`` label (its rank: a replacement takes the
-rank of the replica it replaces), and ``dstc_replicas_ready``, ``dstc_replicas_target`` and
+With ``--replicas N`` the engine's series (the histograms but the request duration, the token, request and
+speculative counters, the queue, batch and KV-cache gauges) carry a ``replica`` label (its rank: a replacement
+takes the rank of the replica it replaces), and ``dstc_replicas_ready``, ``dstc_replicas_target`` and
 ``dstc_replicas_replaced_total`` count them; the rest is the server's, over all replicas.
 """
 
@@ -93,11 +97,23 @@ class ServerMetrics(Observer):
         self.generation_tokens = Counter("dstc_generation_tokens", "Tokens generated.", by, registry=r)
         self.requests = Counter("dstc_requests", "Requests finished, by finish reason.", [*by, "finish_reason"],
                                 registry=r)
+        # speculative decoding (dstc serve --speculate): per draft position, 0 the first draft of a step
+        self.proposed = Counter("dstc_speculative_proposed", "Draft tokens proposed, by draft position.",
+                                [*by, "position"], registry=r)
+        self.accepted = Counter("dstc_speculative_accepted", "Draft tokens accepted, by draft position.",
+                                [*by, "position"], registry=r)
+        self.verify_steps = Counter("dstc_speculative_verify_steps",
+                                    "Requests' verify steps (each gives its accepted drafts and one token).", by,
+                                    registry=r)
         self.rejected = Counter("dstc_rejected_requests", "Requests refused, by reason.", ["reason"], registry=r)
         for reason in ("queue_full", "invalid_request", "not_ready", "unauthorized", "body_too_large", "body_timeout"):
             self.rejected.labels(reason)
         self._lock = threading.Lock()
         self._recent: collections.deque[tuple[float, int]] = collections.deque()
+        # speculation's counts over all replicas, for /health
+        self._verify_steps = 0
+        self._proposed: list[int] = []
+        self._accepted: list[int] = []
         self.engine: LiveEngine | None = None  # set by attach(), which registers the live gauges
         self._series = None if replica_label else _Series(self, ())
         self._replicas: dict[str, _Series] = {}
@@ -127,6 +143,26 @@ class ServerMetrics(Observer):
 
     def step(self, seconds: float, batch: int) -> None:
         self._single().step(seconds, batch)
+
+    def drafts(self, proposed: int | None, accepted: int) -> None:
+        self._single().drafts(proposed, accepted)
+
+    def _drafted(self, proposed: int | None, accepted: int) -> None:
+        with self._lock:
+            self._verify_steps += 1
+            for totals, count in ((self._proposed, proposed or 0), (self._accepted, accepted)):
+                totals += [0] * max(0, count - len(totals))
+                for position in range(count):
+                    totals[position] += 1
+
+    def speculation(self) -> dict:
+        """The acceptance counted so far (/health): per draft position, and the mean accepted drafts per verify
+        step of a request."""
+        with self._lock:
+            steps, proposed, accepted = self._verify_steps, list(self._proposed), list(self._accepted)
+        return {"verify_steps": steps, "proposed_per_position": proposed, "accepted_per_position": accepted,
+                "acceptance_per_position": [round(a / p, 4) if p else None for a, p in zip(accepted, proposed)],
+                "accepted_per_verify_step": round(sum(accepted) / steps, 4) if steps else None}
 
     def _generated(self, count: int) -> None:
         with self._lock:
@@ -171,6 +207,7 @@ class _Series(Observer):
         self.step_seconds = metrics.step_seconds.labels(*labels) if labels else metrics.step_seconds
         self.prompt_tokens = metrics.prompt_tokens.labels(*labels) if labels else metrics.prompt_tokens
         self.generation_tokens = metrics.generation_tokens.labels(*labels) if labels else metrics.generation_tokens
+        self.verify_steps = metrics.verify_steps.labels(*labels) if labels else metrics.verify_steps
 
     def first_token(self, seconds: float) -> None:
         self.ttft.observe(seconds)
@@ -193,6 +230,14 @@ class _Series(Observer):
 
     def step(self, seconds: float, batch: int) -> None:
         self.step_seconds.observe(seconds)
+
+    def drafts(self, proposed: int | None, accepted: int) -> None:
+        self.metrics._drafted(proposed, accepted)
+        self.verify_steps.inc()
+        for position in range(accepted):
+            self.metrics.accepted.labels(*self.labels, str(position)).inc()
+        for position in range(proposed or 0):
+            self.metrics.proposed.labels(*self.labels, str(position)).inc()
 
 
 class _LiveGauges:

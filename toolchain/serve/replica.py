@@ -107,6 +107,9 @@ class _Recorder(Observer):
     def step(self, seconds: float, batch: int) -> None:
         self._add("step", seconds, batch)
 
+    def drafts(self, proposed: int | None, accepted: int) -> None:
+        self._add("drafts", proposed, accepted)
+
     def take(self) -> list[tuple]:
         with self._lock:
             items, self._items = self._items, []

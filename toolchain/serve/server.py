@@ -22,6 +22,7 @@ from collections.abc import Callable
 
 from toolchain.errors import InputError
 from toolchain.runtime.artifact import Artifact, open_artifact
+from toolchain.runtime.batched_drafts import check_batch_speculation
 from toolchain.runtime.generate import prompt_ids
 from toolchain.runtime.memory import artifact_runtime_bytes, require_artifact_memory
 from toolchain.runtime.sampling import Sampling
@@ -39,6 +40,7 @@ from toolchain.serve.health import (
 from toolchain.serve.metrics import ServerMetrics
 from toolchain.serve.replicated import ReplicatedEngine
 from toolchain.serve.settings import ServeSettings
+from toolchain.settings.speculation import SpeculationSettings
 
 DEFAULT_MAX_CONTEXT = 4096  # when the model's own is longer: the OpenVINO KV cache is allocated for it
 
@@ -82,16 +84,21 @@ class Service:
         that many of them on Ray Serve (replicated.py)."""
         s = self.settings
         options: dict
+        check_batch_speculation(s, self.artifact)  # refused here, before an engine starts
         if self.artifact.backend == "openvino":
             options = {"threads": s.threads, "max_batch": s.max_batch, "max_context": self.context,
                        "prefix_caching": s.prefix_caching, "f32": s.openvino_f32,
-                       "runtime_cache": s.openvino_runtime_cache}
+                       "runtime_cache": s.openvino_runtime_cache,
+                       "speculation": SpeculationSettings(speculate=s.speculate, draft_tokens=s.draft_tokens)}
         else:
             if s.openvino_runtime_cache is not None:
                 raise InputError(f"--openvino-runtime-cache is the OpenVINO CPU plugin's; {self.artifact.path} is an "
                                  f"{self.artifact.backend} artifact")
+            if s.speculate is not None and s.kv_layout != "batch":
+                raise InputError(f"--speculate verifies drafts in the 'batch' KV-cache layout, not {s.kv_layout!r}")
             options = {"threads": s.threads, "max_batch": s.max_batch, "max_context": self.context,
-                       "layout": s.kv_layout}
+                       "layout": s.kv_layout,
+                       "speculation": SpeculationSettings(speculate=s.speculate, draft_tokens=s.draft_tokens)}
         if s.replicas is not None:
             return ReplicatedEngine(self.artifact.backend, str(self.artifact.path), options, replicas=s.replicas,
                                     threads=s.threads, address=s.ray, max_batch=s.max_batch, max_queue=s.max_queue,

@@ -1,0 +1,262 @@
+"""dstc serve --speculate (toolchain/serve/engine_runner.py, toolchain/runtime/batched_drafts.py): greedy output
+identical to plain serving through the API and in the runner's backend, with requests of different lengths joining
+and leaving so that one verify step's rows accept different counts (holes in the batch's cache, compacted on
+rebuilds); the acceptance counters in /metrics; the combinations refused."""
+
+from __future__ import annotations
+
+import re
+import threading
+
+import httpx
+import numpy as np
+import pytest
+from conftest import run_cli
+from serve_helpers import Server
+
+from toolchain.models.corpus import task_examples
+from toolchain.runtime.sampling import Sampling
+from toolchain.serve.engine import Request
+from toolchain.serve.engine_runner import RunnerBackend
+from toolchain.settings.speculation import SpeculationSettings
+
+pytestmark = pytest.mark.timeout(300)
+
+LATENT, GQA = "deepseek-v3-tiny", "r1-distill-qwen-tiny"
+ORT = {"compile": {"backend": "onnxruntime", "verify": False}}
+def sections(method: str, backend: str) -> dict | None:
+    """The recipe sections of the artifact a case runs on: with the MTP layer for mtp drafts, else the default."""
+    if method != "mtp":
+        return None
+    return {"export": {"parity": [], "mtp": True}, "compile": {"backend": backend, "verify": False}}
+
+
+def texts(count: int = 6) -> list[str]:
+    """Held-out problems after one to three solved ones (n-grams for prompt lookup), and a short one."""
+    ex = task_examples("heldout", count + 6)
+    return ["".join(p + a + "\n" for p, a in ex[i:i + 1 + i % 3]) + ex[i + 4][0] for i in range(count)] + ["12+345="]
+
+
+def backend_run(art, speculation: SpeculationSettings | None, sampled: bool = False
+                ) -> tuple[dict[int, list[int]], list[tuple[int, int]]]:
+    """Each prompt's tokens from the runner's backend, two requests joining per step (max tokens 24..42), and
+    every step's (proposed, accepted) per request. ``sampled``: every other request at temperature 0.8, seeded."""
+    tokenizer = art.tokenizer()
+    backend = RunnerBackend(art, threads=2, max_batch=16, max_context=256, f32=True, speculation=speculation)
+    backend.load()
+    requests = [Request(prompt=tokenizer(text)["input_ids"], max_tokens=24 + 3 * i,
+                        sampling=Sampling(temperature=0.8, seed=i) if sampled and i % 2 else Sampling(),
+                        stop_ids=frozenset(art.eos_token_ids), sink=lambda event: None, id=i + 1)
+                for i, text in enumerate(texts())]
+    out: dict[int, list[int]] = {r.id: [] for r in requests}
+    pending, finished, drafted = list(requests), set(), []
+    while len(finished) < len(requests):
+        results = backend.add(pending[:2]) if pending else []
+        pending = pending[2:]
+        results += backend.step()
+        drafted += backend.drafted
+        for request, tokens, finish in results:
+            assert finish != "error", request.error
+            out[request.id] += tokens
+            if finish is not None:
+                finished.add(request.id)
+    return out, drafted
+
+
+@pytest.mark.parametrize(("model", "method", "backend"), [
+    (LATENT, "mtp", "onnxruntime"), (LATENT, "prompt-lookup", "onnxruntime"), (GQA, "prompt-lookup", "onnxruntime"),
+    (LATENT, "prompt-lookup", "openvino"), (LATENT, "mtp", "openvino")])  # dstc's OpenVINO latent runner, at f32
+def test_backend_speculates_to_plain_serving_tokens(artifact, model, method, backend):
+    art = artifact(model, backend, sections(method, backend))
+    plain, none = backend_run(art, None)
+    assert none == [] and all(plain.values())
+    spoken, drafted = backend_run(art, SpeculationSettings(speculate=method, draft_tokens=4))
+    assert spoken == plain
+    accepted = [a for _, a in drafted]
+    assert max(p for p, _ in drafted) == 4 and sum(accepted) > 0
+    # rows of one step accepted different counts (what leaves holes of different widths in the cache)
+    assert len(set(accepted)) > 2
+
+
+def test_sampled_requests_beside_greedy_ones(artifact):
+    """Speculative sampling rows (seeded) in the same verify steps as greedy ones: the greedy rows keep plain
+    serving's tokens, a sampled row's tokens are the same from run to run and fill its budget or end at a stop."""
+    art = artifact(LATENT, "onnxruntime", sections("mtp", "onnxruntime"))
+    plain, _ = backend_run(art, None)
+    settings = SpeculationSettings(speculate="mtp", draft_tokens=3)
+    first, drafted = backend_run(art, settings, sampled=True)
+    again, _ = backend_run(art, settings, sampled=True)
+    assert first == again and sum(a for _, a in drafted) > 0
+    greedy = [i for i in first if i % 2]  # request ids are 1-based: the odd ones were greedy
+    sampled = [i for i in first if not i % 2]
+    assert all(first[i] == plain[i] for i in greedy)
+    assert all(0 < len(first[i]) <= 24 + 3 * (i - 1) for i in sampled)
+    assert any(first[i] != plain[i] for i in sampled)  # (a confident answer may be drawn as the greedy one)
+
+
+@pytest.mark.slow
+def test_backend_speculates_to_plain_serving_tokens_past_the_indexer_top_k(artifact):
+    """DeepSeek-V3.2: the indexer adds the mask to its scores before its top-k, so holes are never chosen."""
+    art = artifact("deepseek-v32-tiny", "onnxruntime", ORT)
+    plain, _ = backend_run(art, None)
+    spoken, drafted = backend_run(art, SpeculationSettings(speculate="prompt-lookup", draft_tokens=4))
+    assert spoken == plain and sum(p for p, _ in drafted) > 0
+
+
+def served(server: Server, prompts: list[str]) -> list[str]:
+    """Greedy completions of ``prompts``, sent at once (max tokens 20..41)."""
+    out: list[str] = [""] * len(prompts)
+
+    def one(i: int) -> None:
+        response = httpx.post(server.base + "/v1/completions", timeout=120, json={
+            "model": server.name, "prompt": prompts[i], "max_tokens": 20 + 3 * i, "temperature": 0})
+        assert response.status_code == 200, response.text
+        out[i] = response.json()["choices"][0]["text"]
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return out
+
+
+@pytest.mark.slow  # two servers per case (about 30 s each)
+@pytest.mark.parametrize(("model", "method", "backend"), [
+    (LATENT, "mtp", "onnxruntime"), (GQA, "prompt-lookup", "onnxruntime"),
+    (LATENT, "mtp", "openvino"),  # dstc's runner of the latent cache
+    (GQA, "prompt-lookup", "openvino")])  # openvino_genai's pipeline, with its own prompt lookup
+def test_served_greedy_completions_are_plain_servings_and_metrics_count_drafts(artifact, model, method, backend):
+    art = artifact(model, backend, sections(method, backend))
+    prompts = texts() * 2
+    f32 = ("--openvino-f32",) if backend == "openvino" else ()
+    plain = Server(art, *f32)
+    try:
+        expected = served(plain, prompts)
+        assert not any(name.startswith("dstc_speculative_accepted_total{") for name in plain.metrics())
+    finally:
+        plain.stop()
+    server = Server(art, *f32, "--speculate", method, "--draft-tokens", "3")
+    try:
+        assert served(server, prompts) == expected
+        engine = httpx.get(server.base + "/health").json()["engine"]
+        metrics = server.metrics()
+    finally:
+        server.stop()
+    proposed = [metrics.get(f"dstc_speculative_proposed_total{{position={i}}}", 0.0) for i in range(4)]
+    accepted = [metrics.get(f"dstc_speculative_accepted_total{{position={i}}}", 0.0) for i in range(4)]
+    assert accepted[0] > 0 and accepted[3] == 0 and accepted[0] >= accepted[1] >= accepted[2]
+    if engine == "openvino_genai":  # it does not say what it proposed
+        assert proposed == [0.0] * 4
+    else:
+        assert proposed[0] > 0 and proposed[3] == 0 and proposed[0] >= proposed[1] >= proposed[2]
+        assert all(a <= p for a, p in zip(accepted, proposed))
+    steps = metrics["dstc_speculative_verify_steps_total"]
+    # a verify step gives a request its accepted drafts and one token (fewer at a stop token), the prefill the first
+    assert steps < metrics["dstc_generation_tokens_total"] <= steps + sum(accepted) + len(prompts)
+
+
+@pytest.mark.parametrize(("model", "args", "message"), [
+    (GQA, ("--speculate", "mtp"), "has no MTP layer (mtp/) to draft with"),
+    (GQA, ("--speculate", "prompt-lookup", "--kv-layout", "gather"), "in the 'batch' KV-cache layout"),
+    (GQA, ("--speculate", "draft:/nowhere"), "a draft model's batched drafting is not implemented"),
+    (GQA, ("--speculate", "ngram"), "is not 'prompt-lookup', 'mtp' or draft:ARTIFACT"),
+])
+def test_combinations_that_cannot_work_are_refused_in_one_line(artifact, monkeypatch, capsys, model, args, message):
+    art = artifact(model, "onnxruntime")
+    code, _, err = run_cli(monkeypatch, capsys, "serve", art.path, "--port", "0", *args)
+    assert code == 2 and len(err.strip().splitlines()) == 1 and message in err, err
+
+
+@pytest.mark.parametrize(("model", "backend", "method", "message"), [
+    (GQA, "openvino", "mtp", "served by openvino_genai's ContinuousBatchingPipeline, which drafts by"),
+    pytest.param("deepseek-v4-tiny", "onnxruntime", "prompt-lookup", "per-token cache (DeepSeek-V4's sliding window",
+                 marks=pytest.mark.slow),  # its export takes a minute
+])
+def test_caches_and_engines_without_a_batched_verify_are_refused(artifact, model, backend, method, message):
+    from toolchain.errors import InputError
+    from toolchain.runtime.batched_drafts import check_batch_speculation
+
+    art = artifact(model, backend, {"compile": {"backend": backend, "verify": False}})
+    with pytest.raises(InputError, match=re.escape(message)):
+        check_batch_speculation(SpeculationSettings(speculate=method), art)
+
+
+def test_holes_are_masked_out_and_compacted_once_they_fill_half_the_cache(artifact):
+    """PersistentBatch: what a row does not keep of a verify step turns into holes (not held); the next steps'
+    logits are those of a batch that was never fed them; once holes are as many as the held positions the cache is
+    rebuilt without them."""
+    from toolchain.runtime.batching import PersistentBatch
+    from toolchain.runtime.decoder import open_decoder
+
+    art = artifact(GQA, "onnxruntime")
+    batch = PersistentBatch(open_decoder(art, threads=2), art.pad_token_id)
+    clean = PersistentBatch(open_decoder(art, threads=2), art.pad_token_id)
+    prompts = {"a": [5, 17, 3, 9, 40, 22], "b": [8, 31, 12]}
+    batch.join(prompts)
+    clean.join(prompts)
+    batch.verify({"a": [60, 61, 62, 63], "b": [70, 71]})
+    batch.keep({"a": 1, "b": 2})  # holes: a's 61-63, b's two padding columns
+    assert batch.tokens_held() == 12 and batch.holes() == 5
+    clean.verify({"a": [60], "b": [70, 71]})
+    clean.keep({"a": 1, "b": 2})
+
+    def same(fed: dict, kept: dict) -> None:
+        ours, theirs = batch.verify(fed), clean.verify(fed)
+        for key in fed:
+            np.testing.assert_allclose(ours[key], theirs[key], rtol=1e-5, atol=1e-5)
+        batch.keep(kept)
+        clean.keep(kept)
+
+    same({"a": [64, 65], "b": [72]}, {"a": 2, "b": 1})
+    assert batch.tokens_held() == 15 and batch.holes() == 6 and batch.padded_positions() == 2 * 12
+    batch.verify({"a": [1, 2, 3, 4, 5, 6, 7, 8, 9, 10], "b": [11]})
+    batch.keep({"a": 1, "b": 1})  # 24 holes against 17 held: compacted
+    clean.verify({"a": [1], "b": [11]})
+    clean.keep({"a": 1, "b": 1})
+    assert batch.tokens_held() == 17 and batch.holes() == 0 and batch.padded_positions() == 2 * 10
+    same({"a": [80, 81], "b": [82, 83]}, {"a": 2, "b": 2})
+
+
+@pytest.mark.parametrize("replicas", [False, True])
+def test_draft_counters_per_position_and_per_replica(replicas):
+    """Each request's (proposed, accepted) of a step counts at positions 0..; with --replicas each replica's under
+    its rank (not summed), /health's summary over all of them; openvino_genai's unknown proposed count adds none."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from toolchain.serve.health import HealthMonitor
+    from toolchain.serve.metrics import ServerMetrics
+
+    metrics = ServerMetrics(HealthMonitor([]), replica_label=replicas)
+    first, second = (metrics.replica("0"), metrics.replica("1")) if replicas else (metrics, metrics)
+    first.drafts(3, 1)
+    first.drafts(2, 2)
+    second.drafts(1, 1)
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+               for family in text_string_to_metric_families(render_text(metrics)) for s in family.samples}
+
+    def value(name: str, replica: str, **labels) -> float:
+        key = {**labels, **({"replica": replica} if replicas else {})}
+        return samples.get((name, tuple(sorted(key.items()))), 0.0)
+
+    assert [value("dstc_speculative_proposed_total", "0", position=str(i)) for i in range(4)] == \
+        ([2, 2, 1, 0] if replicas else [3, 2, 1, 0])
+    assert [value("dstc_speculative_accepted_total", "0", position=str(i)) for i in range(3)] == \
+        ([2, 1, 0] if replicas else [3, 1, 0])
+    if replicas:
+        assert value("dstc_speculative_accepted_total", "1", position="0") == 1
+        assert value("dstc_speculative_proposed_total", "1", position="0") == 1
+        assert value("dstc_speculative_verify_steps_total", "0") == 2
+    assert metrics.speculation() == {"verify_steps": 3, "proposed_per_position": [3, 2, 1],
+                                     "accepted_per_position": [3, 1], "acceptance_per_position": [1.0, 0.5],
+                                     "accepted_per_verify_step": round(4 / 3, 4)}
+    genai = ServerMetrics(HealthMonitor([]))
+    genai.drafts(None, 2)  # openvino_genai's prompt lookup: accepted drafts only
+    assert genai.speculation()["proposed_per_position"] == [] and genai.speculation()["accepted_per_position"] == \
+        [1, 1]
+
+
+def render_text(metrics) -> str:
+    from toolchain.serve.metrics import render
+
+    return render(metrics).decode()

@@ -1,0 +1,169 @@
+"""Drafts for every sequence of a running batch, for speculative decoding under continuous batching
+(toolchain/serve/engine_runner.py): prompt lookup per sequence, or DeepSeek's MTP layer run on the whole batch at
+once, as the main model is.
+
+The MTP layer (toolchain/runtime/mtp_drafter.py says what it reads and drafts) keeps its cache in a PersistentBatch
+of its own graph (toolchain/runtime/batching.py; an ArrayBatch of an OpenVINO artifact's stateless MTP IR), its
+rows the main batch's sequences: each propose feeds every
+running sequence the positions the main model accepted since the last one (their hidden states from the main
+model's verify step) in one forward, prefills the sequences that are new in another, then chains the layer on its
+own output for the further drafts, one forward per draft for all rows. The chained positions are speculative: they
+become holes in its cache once drafted (``forget``), as the main batch's rejected drafts do.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Iterable
+from typing import Protocol
+
+import numpy as np
+
+from toolchain.errors import InputError
+from toolchain.interface.files import MODEL_XML, ONNX_MODEL
+from toolchain.interface.graph import HIDDEN_STATES, KV_CACHE, LATENT, MTP_HIDDEN, PER_HEAD, graph_metadata
+from toolchain.runtime.artifact import Artifact
+from toolchain.runtime.batching import ArrayBatch, PersistentBatch
+from toolchain.runtime.batching_openvino import pageable
+from toolchain.runtime.decoder import OnnxRuntimeDecoder, StatelessDecoder
+from toolchain.runtime.mtp_drafter import open_mtp_drafter
+from toolchain.runtime.speculative import PromptLookup, draft_artifact
+from toolchain.settings.speculation import MTP, PROMPT_LOOKUP, SpeculationSettings
+
+
+class BatchDrafter(Protocol):
+    main_outputs: tuple[str, ...]  # extra outputs of the main graph it reads (the batch's decoder opens them)
+
+    def propose(self, sequences: dict[Hashable, list[int]], hidden: dict[Hashable, np.ndarray],
+                k: int) -> dict[Hashable, list[int]]:
+        """Up to ``k`` drafts after each running sequence's tokens so far (all of them, every step). ``hidden``: the
+        main model's hidden states (``main_outputs``) at the positions its last forward of that sequence kept: the
+        prompt's after the prefill, then the fed token's and the accepted drafts'."""
+
+    def leave(self, keys: Iterable[Hashable]) -> None:
+        """Sequences that left the running batch."""
+
+    def reset(self) -> None:
+        """Forget every sequence."""
+
+
+class BatchPromptLookup:
+    """PromptLookup's n-gram drafts, sequence by sequence (no cache)."""
+
+    main_outputs: tuple[str, ...] = ()
+
+    def __init__(self) -> None:
+        self.lookup = PromptLookup()
+
+    def propose(self, sequences: dict[Hashable, list[int]], hidden: dict[Hashable, np.ndarray],
+                k: int) -> dict[Hashable, list[int]]:
+        del hidden
+        return {key: self.lookup.propose(tokens, {}, k) for key, tokens in sequences.items()}
+
+    def leave(self, keys: Iterable[Hashable]) -> None:
+        pass
+
+    def reset(self) -> None:
+        pass
+
+
+class BatchMtp:
+    """The MTP layer's greedy drafts for a running batch (see the module doc)."""
+
+    main_outputs: tuple[str, ...] = (HIDDEN_STATES,)
+
+    def __init__(self, batch: PersistentBatch) -> None:
+        self.batch = batch  # over the MTP graph
+        self._real: dict[Hashable, int] = {}  # per sequence: MTP positions computed from the main model's states
+
+    def propose(self, sequences: dict[Hashable, list[int]], hidden: dict[Hashable, np.ndarray],
+                k: int) -> dict[Hashable, list[int]]:
+        if k < 1:
+            return {}
+        running = self.batch.keys
+        if set(running) - set(sequences):
+            raise ValueError("every running sequence is given to each propose")
+        last: dict[Hashable, np.ndarray] = {}  # each sequence's logits of its first draft
+        own: dict[Hashable, np.ndarray] = {}  # and the layer's hidden state there, which the next draft reads
+        if running:
+            fed = {key: sequences[key][self._real[key] + 1:] for key in running}
+            for key in running:
+                if len(fed[key]) != len(hidden[key]):
+                    raise ValueError(f"{len(fed[key])} new positions and {len(hidden[key])} hidden states")
+            logits = self.batch.verify(fed, {HIDDEN_STATES: {key: hidden[key] for key in running}})
+            states = self.batch.row_extras(MTP_HIDDEN)
+            self.batch.keep({key: len(tokens) for key, tokens in fed.items()})
+            last.update((key, rows[-1]) for key, rows in logits.items())
+            own.update((key, rows[-1]) for key, rows in states.items())
+        joining = [key for key in sequences if key not in self._real]
+        if joining:  # the prompt's positions: each reads the main model's state there and the token after it
+            logits = self.batch.join({key: sequences[key][1:] for key in joining},
+                                     {HIDDEN_STATES: {key: hidden[key] for key in joining}})
+            states = self.batch.row_extras(MTP_HIDDEN)
+            last.update(logits)
+            own.update((key, states[key][-1]) for key in joining)
+        for key, tokens in sequences.items():
+            self._real[key] = len(tokens) - 1
+        drafts = {key: [int(row.argmax())] for key, row in last.items()}
+        for _ in range(k - 1):
+            logits = self.batch.verify({key: [drafted[-1]] for key, drafted in drafts.items()},
+                                       {HIDDEN_STATES: {key: state[None] for key, state in own.items()}})
+            states = self.batch.row_extras(MTP_HIDDEN)
+            self.batch.keep(dict.fromkeys(drafts, 1))
+            for key, rows in logits.items():
+                drafts[key].append(int(rows[-1].argmax()))
+                own[key] = states[key][-1]
+        if k > 1:
+            self.batch.forget(k - 1)
+        return drafts
+
+    def leave(self, keys: Iterable[Hashable]) -> None:
+        gone = [key for key in keys if key in self._real]
+        self.batch.leave(gone)
+        for key in gone:
+            del self._real[key]
+
+    def reset(self) -> None:
+        self.batch.leave(self.batch.keys)
+        self._real = {}
+
+
+def check_batch_speculation(settings: SpeculationSettings, artifact: Artifact) -> None:
+    """InputError, before anything loads, where speculation in a running batch cannot work on ``artifact``: dstc's
+    runners verify drafts of prompt lookup or of the MTP layer; openvino_genai's pipeline (what serves a pageable
+    OpenVINO artifact) does its own prompt lookup."""
+    if settings.speculate is None:
+        return
+    if settings.speculate not in (PROMPT_LOOKUP, MTP):
+        raise InputError(f"--speculate {settings.speculate}: a running batch drafts with {PROMPT_LOOKUP} or {MTP}; "
+                         "a draft model's batched drafting is not implemented")
+    if artifact.backend == "openvino":
+        if settings.speculate == MTP and pageable(artifact.path / MODEL_XML):
+            raise InputError(f"{artifact.path}: served by openvino_genai's ContinuousBatchingPipeline, which drafts "
+                             f"by {PROMPT_LOOKUP} or a draft model, not an MTP layer")
+        kv_cache = graph_metadata(artifact.path / MODEL_XML).get(KV_CACHE)
+    else:
+        kv_cache = graph_metadata(artifact.path / ONNX_MODEL).get(KV_CACHE)
+    if kv_cache not in (None, PER_HEAD, LATENT):
+        # the sliding window and the compressed blocks are counted in cache columns: a hole would shift them
+        raise InputError(f"{artifact.path}: --speculate leaves rejected drafts in the cache as masked-out holes, "
+                         f"which its {kv_cache} cache (DeepSeek-V4's sliding window and compressed blocks over "
+                         "cache columns) does not ignore")
+    draft_artifact(settings, artifact)  # an MTP layer to draft with
+
+
+def batch_drafter(settings: SpeculationSettings, artifact: Artifact, *, threads: int | None,
+                  openvino_f32: bool = False) -> BatchDrafter | None:
+    """The drafter ``settings`` ask for on a running batch of ``artifact``'s sequences (None: no speculation);
+    InputError where check_batch_speculation says it cannot work."""
+    if settings.speculate is None:
+        return None
+    check_batch_speculation(settings, artifact)
+    if settings.speculate == PROMPT_LOOKUP:
+        return BatchPromptLookup()
+    drafter = open_mtp_drafter(artifact, threads=threads, openvino_f32=openvino_f32)
+    decoder = drafter.decoder
+    if isinstance(decoder, OnnxRuntimeDecoder):
+        return BatchMtp(PersistentBatch(decoder, artifact.pad_token_id))
+    assert isinstance(decoder, StatelessDecoder)  # an OpenVINO artifact's MTP IR (stateless)
+    return BatchMtp(ArrayBatch(decoder.runner, decoder.past_specs, (MTP_HIDDEN,), decoder.chunking,
+                               artifact.pad_token_id))
