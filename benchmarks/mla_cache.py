@@ -96,6 +96,24 @@ def decode_ms(runner, specs: dict, vocab: int, context: int, steps: int, rng) ->
     return total * 1e3 / steps
 
 
+def context_rounds(runners: dict, specs: dict, vocab: int, contexts: list[int], steps: int, rounds: int, rng,
+                   report=lambda context, medians: None) -> dict[int, dict[str, list[float]]]:
+    """{context: {contender: each round's ms/token}}: an unmeasured round first (the weights' pages read in, the
+    kernels' first runs), then per context a warm-up (allocations of the new sizes) and ``rounds`` rounds
+    alternating the contenders; ``report(context, {contender: median})`` after each context."""
+    for name in runners:
+        decode_ms(runners[name], specs[name], vocab, contexts[0], steps, rng)
+    out = {}
+    for context in contexts:
+        for name in runners:
+            decode_ms(runners[name], specs[name], vocab, context, 2, rng)
+        out[context] = {name: [] for name in runners}
+        for _, name in harness.alternation(list(runners), rounds):
+            out[context][name].append(decode_ms(runners[name], specs[name], vocab, context, steps, rng))
+        report(context, {name: statistics.median(times) for name, times in out[context].items()})
+    return out
+
+
 def measure_child(args) -> None:
     """One (backend, precision) group: both layouts loaded, contexts in turn, rounds alternating the layouts."""
     from toolchain.interface.graph import graph_cache_spec
@@ -110,23 +128,17 @@ def measure_child(args) -> None:
         runners[layout] = GraphRunner(Path(graphs[layout]), backend, numerics=args.numerics, threads=args.threads)
         creation[layout] = time.perf_counter() - started
         specs[layout] = graph_cache_spec(Path(graphs[layout]))
-    rng = np.random.default_rng(0)
-    rows = []
-    for layout in LAYOUTS:  # an unmeasured round first: the weights' pages read in, the kernels' first runs
-        decode_ms(runners[layout], specs[layout], args.vocab, args.contexts[0], args.steps, rng)
-    for context in args.contexts:
-        for layout in LAYOUTS:  # a warm-up at this context (allocations of the new sizes)
-            decode_ms(runners[layout], specs[layout], args.vocab, context, 2, rng)
-        rounds: dict = {layout: [] for layout in LAYOUTS}
-        for _, layout in harness.alternation(LAYOUTS, args.rounds):
-            rounds[layout].append(decode_ms(runners[layout], specs[layout], args.vocab, context, args.steps, rng))
-        for layout in LAYOUTS:
-            rows.append({"backend": backend, "precision": precision, "layout": layout, "context": context,
-                         "decode_ms_per_token": statistics.median(rounds[layout]), "rounds_ms": rounds[layout],
-                         "creation_s": creation[layout], "graph": graphs[layout],
-                         "kv_bytes_per_token_layer": cache_bytes_per_token_layer(Path(graphs[layout]))})
+    def report(context: int, medians: dict[str, float]) -> None:
         print(f"{backend} {precision} context {context}: " + ", ".join(
-            f"{r['layout']} {r['decode_ms_per_token']:.1f} ms" for r in rows[-2:]), file=sys.stderr, flush=True)
+            f"{layout} {ms:.1f} ms" for layout, ms in medians.items()), file=sys.stderr, flush=True)
+
+    measured = context_rounds(runners, specs, args.vocab, args.contexts, args.steps, args.rounds,
+                              np.random.default_rng(0), report)
+    rows = [{"backend": backend, "precision": precision, "layout": layout, "context": context,
+             "decode_ms_per_token": statistics.median(rounds[layout]), "rounds_ms": rounds[layout],
+             "creation_s": creation[layout], "graph": graphs[layout],
+             "kv_bytes_per_token_layer": cache_bytes_per_token_layer(Path(graphs[layout]))}
+            for context, rounds in measured.items() for layout in LAYOUTS]
     print(json.dumps(rows))
 
 

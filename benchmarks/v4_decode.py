@@ -32,7 +32,7 @@ import numpy as np
 sys.modules["openvino_telemetry"] = None  # it forks per event; see tests/conftest.py
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # a script: the harness is imported from the repo
 from benchmarks import harness  # noqa: E402
-from benchmarks.mla_cache import decode_ms  # noqa: E402
+from benchmarks.mla_cache import context_rounds  # noqa: E402
 
 MODELS = {"v4-flash": ("deepseek-v4-flash", False), "v3": ("deepseek-v3", True)}  # reference, --fp8
 BACKENDS = ("onnxruntime", "openvino")
@@ -85,24 +85,18 @@ def measure_child(args) -> None:
         runners[model] = GraphRunner(Path(graph), args.measure, numerics="exact", threads=args.threads)
         creation[model] = time.perf_counter() - started
         specs[model] = graph_cache_spec(Path(graph))
-    rng = np.random.default_rng(0)
-    for model in graphs:  # an unmeasured round: the weights' pages read in, the kernels' first runs
-        decode_ms(runners[model], specs[model], args.vocab, args.contexts[0], args.steps, rng)
-    rows = []
-    for context in args.contexts:
-        for model in graphs:  # a warm-up at this context (allocations of the new sizes)
-            decode_ms(runners[model], specs[model], args.vocab, context, 2, rng)
-        rounds: dict = {model: [] for model in graphs}
-        for _, model in harness.alternation(list(graphs), args.rounds):
-            rounds[model].append(decode_ms(runners[model], specs[model], args.vocab, context, args.steps, rng))
-        for model in graphs:
-            rows.append({"backend": args.measure, "model": model, "context": context,
-                         "decode_ms_per_token": statistics.median(rounds[model]), "rounds_ms": rounds[model],
-                         "creation_s": creation[model], "graph": graphs[model],
-                         "cache_bytes_per_token": cache_bytes_per_token(Path(graphs[model]))})
-        print(f"{args.measure} context {context}: " + ", ".join(
-            f"{r['model']} {r['decode_ms_per_token']:.1f} ms" for r in rows[-len(graphs):]), file=sys.stderr,
-            flush=True)
+
+    def report(context: int, medians: dict[str, float]) -> None:
+        print(f"{args.measure} context {context}: " + ", ".join(f"{name} {ms:.1f} ms" for name, ms in medians.items()),
+              file=sys.stderr, flush=True)
+
+    measured = context_rounds(runners, specs, args.vocab, args.contexts, args.steps, args.rounds,
+                              np.random.default_rng(0), report)
+    rows = [{"backend": args.measure, "model": model, "context": context,
+             "decode_ms_per_token": statistics.median(rounds[model]), "rounds_ms": rounds[model],
+             "creation_s": creation[model], "graph": graphs[model],
+             "cache_bytes_per_token": cache_bytes_per_token(Path(graphs[model]))}
+            for context, rounds in measured.items() for model in graphs]
     print(json.dumps(rows))
 
 
