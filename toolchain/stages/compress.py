@@ -317,15 +317,21 @@ def _shipped_streaming(model, weights, in_dir, out_dir, target, options, policy,
                     "precision": job.precision if job else {"bfloat16": "bf16"}.get(w.storage, "fp32"),
                     "bits_per_weight": round(stored_bits, 4),
                     "weight_error": job.weight_error if job else 0.0, "output_error": None})
-            unmeasured = "not measured: the model is compressed one weight at a time, without running it"
-            typed = CompressionReport(
-                **_head(target, options, policy, report, in_dir, tmp, files, weight_rows),
-                streaming=True, calibration=None,
-                model={"tokens": 0, "top1_agreement": None, "kl_mean": None, "kl_max": None, "note": unmeasured},
-                routing=[], routing_agreement_min=None, layers=_layer_summary(weight_rows), per_weight=weight_rows,
-                details=details, timings={k: round(v, 3) for k, v in timings.items()})
+            typed = _streamed_report(_head(target, options, policy, report, in_dir, tmp, files, weight_rows),
+                                     weight_rows, None, details, timings)
             typed.write(tmp / "compression.json")
     return typed.dump()
+
+
+def _streamed_report(head: dict, weight_rows: list[dict], calibration: dict | None, details: dict,
+                     timings: dict[str, float]) -> CompressionReport:
+    """compression.json of a streamed compression: weight errors only, the model not run on calibration text."""
+    unmeasured = "not measured: the model is compressed one weight at a time, without running it"
+    return CompressionReport(
+        **head, streaming=True, calibration=calibration,
+        model={"tokens": 0, "top1_agreement": None, "kl_mean": None, "kl_max": None, "note": unmeasured},
+        routing=[], routing_agreement_min=None, layers=_layer_summary(weight_rows), per_weight=weight_rows,
+        details=details, timings={k: round(v, 3) for k, v in timings.items()})
 
 
 def _head(target, options, policy, report, in_dir, tmp, files, weight_rows) -> dict:
@@ -517,12 +523,7 @@ def _compress_streaming(model, in_dir, out_dir, target, options, policy, report,
                 weight_rows[-1]["heads"] = [{"head": h, "weight_error": e, "output_error": None}
                                             for h, e in enumerate(jobs[w.name].stats["head_errors"])]
         weight_rows += fused_moe.weight_rows(expert_jobs, fused, policy.precision)
-        unmeasured = "not measured: the model is compressed one weight at a time, without running it"
-        typed = CompressionReport(
-            **_head(target, options, policy, report, in_dir, tmp, files, weight_rows),
-            streaming=True, calibration=calibration_report,
-            model={"tokens": 0, "top1_agreement": None, "kl_mean": None, "kl_max": None, "note": unmeasured},
-            routing=[], routing_agreement_min=None, layers=_layer_summary(weight_rows), per_weight=weight_rows,
-            details=details, timings={k: round(v, 3) for k, v in timings.items()})
+        typed = _streamed_report(_head(target, options, policy, report, in_dir, tmp, files, weight_rows),
+                                 weight_rows, calibration_report, details, timings)
         typed.write(tmp / "compression.json")
     return typed.dump()
