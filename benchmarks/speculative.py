@@ -11,7 +11,7 @@ r1-distill-llama-tiny for it, opened at the same numerics), --draft-tokens per v
 methods' order; tokens/s is the median over rounds of each round's tokens over its seconds (prefill included).
 ``identical``: every prompt's speculative tokens equal plain decoding's (expected at exact numerics); ``match``:
 the mean fraction of the tokens up to the first difference (the greedy-match rate, for deployment numerics). Timing
-holds /work/bench.lock (benchmarks/peers.py's bench_lock): one benchmark at a time on the shared machine.
+holds the benchmark lock (benchmarks/harness.py's one_at_a_time): one benchmark at a time on the shared machine.
 
     .venv/bin/python benchmarks/speculative.py --workdir /tmp/spec-bench --json speculative.json
 """
@@ -28,7 +28,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.modules["openvino_telemetry"] = None  # it forks per event; see tests/conftest.py
-from benchmarks.peers import bench_lock  # noqa: E402
+from benchmarks import harness  # noqa: E402
+from benchmarks.harness import one_at_a_time  # noqa: E402
 
 MODELS = ("deepseek-v3-tiny", "deepseek-v2-lite-tiny", "r1-distill-qwen-tiny", "r1-distill-llama-tiny")
 CONFIGS = {"onnxruntime": ("onnxruntime", True), "openvino-exact": ("openvino", True),
@@ -130,7 +131,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--models", default=",".join(MODELS))
     parser.add_argument("--configs", default=",".join(CONFIGS))
-    parser.add_argument("--lock", type=Path, default=Path("/work/bench.lock"))
+    parser.add_argument("--lock", type=Path, default=harness.LOCK)
     args = parser.parse_args()
 
     from toolchain.runtime.artifact import open_artifact
@@ -139,7 +140,7 @@ def main() -> None:
     args.workdir.mkdir(parents=True, exist_ok=True)
     paths = build_artifacts(args.workdir)
     results = []
-    with bench_lock(args.lock):
+    with one_at_a_time(args.lock):
         for model in args.models.split(","):
             for config in args.configs.split(","):
                 backend, exact = CONFIGS[config]
