@@ -7,7 +7,8 @@ r1-distill-qwen,r1-distill-llama}-tiny-{onnxruntime,openvino}-int4.yaml`) are co
 start --head --num-cpus 0` (a head that runs no builds) and N `ray start --address ... --num-cpus 1` workers on
 this machine, a fresh stage cache, `dstc build RECIPES... -o OUT --ray 127.0.0.1:PORT` timed from start to exit,
 `ray stop`. Each round's artifacts are compared by their manifests' file hashes with the first round's, and
-``--local`` recipes (names) are built without Ray once and compared too. Holds the benchmark
+``--local`` recipes (names) are built without Ray once and compared too. Ray's workers run at nice 0 here
+(its default is 15), as the local builds do. Holds the benchmark
 lock (benchmarks/harness.py's one_at_a_time): one benchmark at a time on the shared machine.
 
     .venv/bin/python benchmarks/ray_matrix.py --work /tmp/ray-matrix --rounds 3 --json ray_matrix.json
@@ -97,7 +98,8 @@ def main() -> None:
     work = args.work.resolve()
     work.mkdir(parents=True, exist_ok=True)
     paths = recipes(work)
-    env = {**os.environ, "RAY_AUTH_MODE": "token", "PYTHONPATH": str(REPO)}
+    # Ray runs its workers at nice 15; at 0 the machine's other (niced) work does not take their CPU mid-run
+    env = {**os.environ, "RAY_AUTH_MODE": "token", "PYTHONPATH": str(REPO), "RAY_worker_niceness": "0"}
     runs: list[dict] = []
     reference: dict | None = None
     with one_at_a_time():

@@ -3,6 +3,7 @@ the policy for sensitive weights, and error metrics that can fail."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections import Counter
 from pathlib import Path
@@ -301,6 +302,24 @@ def test_calibration_from_files_and_bad_input(runs, exports, tmp_path):
         with pytest.raises(InputError):
             compress(exports["qwen2"], out, CompressSection.check(options), target=target)
         assert not out.exists()
+
+
+def test_compressed_bytes_do_not_depend_on_the_blas_threads(tmp_path):
+    """GPTQ sums through numpy's BLAS, whose thread count splits them: the stage writes the same bytes under one BLAS
+    thread (a Ray task of one CPU) and two (this machine's build); without toolchain/compress/blas_threads.py they
+    differ."""
+    from threadpoolctl import threadpool_limits
+
+    from toolchain.models.registry import embedded_path
+
+    export(str(embedded_path("deepseek-v3-tiny")), tmp_path / "export", parity=())  # random tiny ones split no sum
+    section = CompressSection.check({"scheme": "int4-grouped", "backup": "int8", "gptq": True})
+    digests = set()
+    for threads in (1, 2):
+        with threadpool_limits(limits=threads, user_api="blas"):
+            compress(tmp_path / "export", tmp_path / str(threads), section, target="openvino")
+        digests.add(hashlib.sha256((tmp_path / str(threads) / "openvino_model.bin").read_bytes()).hexdigest())
+    assert len(digests) == 1
 
 
 def test_policy_roles_and_defaults():

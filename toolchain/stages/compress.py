@@ -45,6 +45,7 @@ from toolchain.compress import (
     streamed_awq,
     streaming as stream,
 )
+from toolchain.compress.blas_threads import one_blas_thread
 from toolchain.compress.layer_statistics import linear_statistics
 from toolchain.compress.policy import Policy
 from toolchain.compress.streaming import blocked_dq_to_nbits
@@ -146,6 +147,7 @@ def _layer_summary(rows: list[dict]) -> list[dict]:
     return out
 
 
+@one_blas_thread()
 def compress(in_dir: Path, out_dir: Path, section: CompressSection, *, target: str = "onnxruntime",
              source: Path | None = None, parts: PartRunner | None = None,
              log: Callable[[str], None] = lambda _: None) -> dict:
@@ -437,6 +439,7 @@ def _split(parts: PartRunner | None, options: engine.Options, log) -> PartRunner
     return parts
 
 
+@one_blas_thread()
 def compress_part(task: PartTask, log: Callable[[str], None] = lambda _: None) -> PartFile:
     """One part of a split streamed compression (toolchain/stages/compress_parts.py), in its own process: the
     compression planned as the stage plans it, and the part's tensors written to ``task.path``."""
