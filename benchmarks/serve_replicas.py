@@ -36,7 +36,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
-from process_memory import tree_memory  # noqa: E402
+from harness import tree_memory  # noqa: E402
 from serve_load import ServerProcess, server_level, workload_prompt  # noqa: E402
 
 from toolchain.runtime.artifact import open_artifact  # noqa: E402
