@@ -33,6 +33,7 @@ def test_rows_ratios_acceptance_and_greedy_match(spec):
     rows = {r["contender"]: r for r in spec.rows_for(SAMPLES)}
     plain, mtp = rows["dstc-ort/plain"], rows["dstc-ort/mtp"]
     assert plain["tokens_per_s"] == pytest.approx(20.0)
+    assert plain["tokens_per_s_best"] == pytest.approx(40.0)
     assert plain["speedup"] == pytest.approx(1.0)
     assert plain["to_best_peer_plain"] == pytest.approx(0.5)
     assert plain["greedy_match"] == pytest.approx(1.0)
@@ -62,6 +63,7 @@ def test_table_has_a_row_per_contender_and_the_reason_of_each_skip(spec):
     assert len(lines) == 2 + len(SAMPLES) + 1
     assert lines[0].split("|")[1].strip() == "contender"
     skipped = next(line for line in lines if line.startswith("| ortgenai-builder/plain"))
-    assert "skipped: exit 1: not currently supported" in skipped
+    assert skipped.split("|")[-2].strip() == "skipped: exit 1: not currently supported"
+    assert skipped.split("|")[2].strip() == "-"
     mtp = next(line for line in lines if line.startswith("| dstc-ort/mtp"))
-    assert [c.strip() for c in mtp.split("|")[2:5]] == ["80.00", "4.00", "2.00"]
+    assert [c.strip() for c in mtp.split("|")[2:6]] == ["80.00", "80.00", "4.00", "2.00"]
