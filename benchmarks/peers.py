@@ -48,6 +48,9 @@ The machine is shared and noisy: read ratios within one run, not figures across 
 
 ``--widths`` takes NAME[:LAYERS[:EXPERTS]] items: qwen-1.5b, qwen-7b, llama-8b, v2-lite, v3 (R1-Distill-Qwen-1.5B /
 7B, R1-Distill-Llama-8B, DeepSeek-V2-Lite, DeepSeek-V3 widths).
+
+Speculative decoding accepts no drafts on random weights: benchmarks/peers_speculative.py times it beside the peers
+on the embedded trained models, with this module's builders and child runs.
 """
 
 from __future__ import annotations
@@ -68,8 +71,7 @@ import yaml
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
-from benchmarks import optimum_intel_env  # noqa: E402
-from benchmarks import harness  # noqa: E402
+from benchmarks import harness, optimum_intel_env  # noqa: E402
 from benchmarks.artifact_sizes import active_experts, footprint  # noqa: E402
 from toolchain.hardware import cpu_line, describe_cpu  # noqa: E402
 
