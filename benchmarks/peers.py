@@ -48,6 +48,9 @@ The machine is shared and noisy: read ratios within one run, not figures across 
 
 ``--widths`` takes NAME[:LAYERS[:EXPERTS]] items: qwen-1.5b, qwen-7b, llama-8b, v2-lite, v3 (R1-Distill-Qwen-1.5B /
 7B, R1-Distill-Llama-8B, DeepSeek-V2-Lite, DeepSeek-V3 widths).
+
+Speculative decoding accepts no drafts on random weights: benchmarks/peers_speculative.py times it beside the peers
+on the embedded trained models, with this module's builders and child runs.
 """
 
 from __future__ import annotations
@@ -68,8 +71,7 @@ import yaml
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
-from benchmarks import optimum_intel_env  # noqa: E402
-from benchmarks import harness  # noqa: E402
+from benchmarks import harness, optimum_intel_env  # noqa: E402
 from benchmarks.artifact_sizes import active_experts, footprint  # noqa: E402
 from toolchain.hardware import cpu_line, describe_cpu  # noqa: E402
 
@@ -100,32 +102,35 @@ def run_measured(cmd: list[str], *, env: dict | None = None, cwd: Path | None = 
     return {"wall_s": round(run.wall_s, 1), "peak_rss_gib": round(run.peak_bytes / GiB, 2)}
 
 
-def build_dstc(checkpoint: Path, backend: str, out: Path, work: Path, max_rss: int, **compress) -> dict:
+def build_dstc(checkpoint: Path, backend: str, out: Path, work: Path, max_rss: int, *,
+               scheme: str | None = "int4-grouped", mtp: bool = False, **compress) -> dict:
+    """dstc's artifact of ``checkpoint`` for ``backend``: compressed with ``scheme`` (None: fp32, no compress
+    stage), with the MTP layer where ``mtp``."""
     recipe = work / f"{out.name}.yaml"
-    recipe.write_text(yaml.safe_dump({"name": f"peers-{out.name}", "model": str(checkpoint), "export": {"parity": []},
-                                      "passes": {"target": backend},
-                                      "compress": {"scheme": "int4-grouped", **compress},
+    sections = {"passes": {"target": backend}, "compress": {"scheme": scheme, **compress}} if scheme else {}
+    recipe.write_text(yaml.safe_dump({"name": f"peers-{out.name}", "model": str(checkpoint),
+                                      "export": {"parity": [], **({"mtp": True} if mtp else {})}, **sections,
                                       "compile": {"backend": backend, "verify": False}}))
     return run_measured([*DSTC, "build", str(recipe), "-o", str(out), "--no-cache"], cwd=REPO, max_rss=max_rss,
                         env={"DSTC_CACHE_DIR": str(work / "dstc-cache")})
 
 
-def build_optimum(checkpoint: Path, out: Path, max_rss: int) -> dict:
+def build_optimum(checkpoint: Path, out: Path, max_rss: int, weight_format: str = "int4") -> dict:
     cli = optimum_intel_env.OPTIMUM_CLI  # optimum-intel's own environment: it needs transformers<5.6
     if not cli.is_file():
         raise Failed(f"optimum-cli is not installed in {cli.parent.parent} (./install.sh makes it)")
-    return run_measured([str(cli), "export", "openvino", "--model", str(checkpoint), "--weight-format", "int4",
+    return run_measured([str(cli), "export", "openvino", "--model", str(checkpoint), "--weight-format", weight_format,
                          "--task", "text-generation-with-past", str(out)], env={"HF_HUB_OFFLINE": "1"},
                         max_rss=max_rss)
 
 
-def build_ortgenai(checkpoint: Path, out: Path, work: Path, max_rss: int) -> dict:
+def build_ortgenai(checkpoint: Path, out: Path, work: Path, max_rss: int, precision: str = "int4") -> dict:
     try:
         import onnxruntime_genai  # noqa: F401
     except ImportError:
         raise Failed("onnxruntime-genai is not installed") from None
     return run_measured([sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(checkpoint), "-o",
-                         str(out), "-p", "int4", "-e", "cpu", "-c", str(work / "builder-cache")],
+                         str(out), "-p", precision, "-e", "cpu", "-c", str(work / "builder-cache")],
                         env={"HF_HUB_OFFLINE": "1"}, max_rss=max_rss)
 
 
@@ -137,7 +142,7 @@ def build_llamacpp(checkpoint: Path, out: Path, max_rss: int) -> dict:
         import llama_cpp  # noqa: F401
     except ImportError as e:
         raise Failed(f"{e.name} is not installed (pip install llama-cpp-python gguf sentencepiece)") from None
-    converter = _llamacpp_converter()
+    converter = llamacpp_converter()
     out.mkdir(parents=True, exist_ok=True)
     f16 = out / "model-f16.gguf"
     first = run_measured([sys.executable, str(Path(__file__).resolve()), "--convert-gguf", str(converter),
@@ -149,7 +154,7 @@ def build_llamacpp(checkpoint: Path, out: Path, max_rss: int) -> dict:
             "peak_rss_gib": max(first["peak_rss_gib"], second["peak_rss_gib"])}
 
 
-def _llamacpp_converter() -> Path:
+def llamacpp_converter() -> Path:
     """convert_hf_to_gguf.py: beside llama_cpp where a source install left it, else from the sdist in pip's cache
     (``--llamacpp-converter`` names it otherwise)."""
     import llama_cpp
@@ -158,7 +163,7 @@ def _llamacpp_converter() -> Path:
         for candidate in (base / "convert_hf_to_gguf.py", base / "vendor" / "llama.cpp" / "convert_hf_to_gguf.py"):
             if candidate.is_file():
                 return candidate
-    if ARGS.llamacpp_converter:
+    if ARGS is not None and ARGS.llamacpp_converter:  # None: imported by another benchmark
         return ARGS.llamacpp_converter
     raise Failed("llama.cpp's convert_hf_to_gguf.py was not found (--llamacpp-converter PATH: it is in "
                  "llama-cpp-python's source, vendor/llama.cpp/)")
@@ -265,13 +270,23 @@ def _ovgenai(path: Path, threads: int):
     return generate
 
 
-def _ortgenai(path: Path, threads: int):
+def ortgenai_model(path: Path, threads: int, overlay: dict | None = None):
+    """onnxruntime-genai's Model of the folder (its genai_config.json) on the CPU with ``threads`` threads, the
+    config ``overlay`` laid over it."""
     import onnxruntime_genai as og
 
     config = og.Config(str(path))
     config.clear_providers()
     config.overlay(json.dumps({"model": {"decoder": {"session_options": {"intra_op_num_threads": threads}}}}))
-    model = og.Model(config)
+    if overlay:
+        config.overlay(json.dumps(overlay))
+    return og.Model(config)
+
+
+def _ortgenai(path: Path, threads: int):
+    import onnxruntime_genai as og
+
+    model = ortgenai_model(path, threads)
 
     def generate(prompts, new):
         params = og.GeneratorParams(model)
@@ -291,7 +306,8 @@ def _ortgenai(path: Path, threads: int):
     return generate
 
 
-def _llamacpp(path: Path, threads: int):
+def llama(gguf: Path, threads: int, n_ctx: int, **kwargs):
+    """llama-cpp-python's Llama on ``gguf`` without repacked weight buffers (see the module doc)."""
     import llama_cpp
 
     # Llama() takes unknown keywords silently (**kwargs): use_extra_bufts must be set on the model parameters
@@ -302,8 +318,12 @@ def _llamacpp(path: Path, threads: int):
         params.use_extra_bufts = False
         return params
     llama_cpp.llama_cpp.llama_model_default_params = model_params
-    llm = llama_cpp.Llama(str(path / "model-q4_k_m.gguf"), n_threads=threads, n_threads_batch=threads,
-                          n_ctx=ARGS.prompt + ARGS.new_tokens + 8, n_batch=512, logits_all=False, verbose=False)
+    return llama_cpp.Llama(str(gguf), n_threads=threads, n_threads_batch=threads, n_ctx=n_ctx, n_batch=512,
+                           verbose=False, **kwargs)
+
+
+def _llamacpp(path: Path, threads: int):
+    llm = llama(path / "model-q4_k_m.gguf", threads, ARGS.prompt + ARGS.new_tokens + 8, logits_all=False)
 
     def generate(prompts, new):
         if len(prompts) > 1:
@@ -329,7 +349,13 @@ def measure(kind: str, path: Path, vocab: int) -> dict:
            "--threads", str(ARGS.threads), "--prompt", str(ARGS.prompt), "--new-tokens", str(ARGS.new_tokens)]
     if not ARGS.batch4:
         cmd.append("--no-batch4")
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, check=False)
+    return child_json(cmd)
+
+
+def child_json(cmd: list[str], timeout: float = 1800) -> dict:
+    """Run a measurement's child process: the JSON object of its last line of output; Failed with its last line
+    of error output when it fails."""
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, check=False)
     if done.returncode != 0:
         lines = [line for line in (done.stderr or done.stdout).strip().splitlines() if line.strip()]
         raise Failed(f"exit {done.returncode}: {(lines or ['no output'])[-1].strip()[:200]}")
@@ -386,19 +412,11 @@ def prepare(width: str, work: Path, wanted: list[str]) -> tuple[dict, dict, dict
         source = uses.get(contender, contender)
         if source not in paths and source not in skipped:
             out, build = steps[source]
-            if (out / ".built").is_file() and not ARGS.rebuild:
-                builds[source] = json.loads((out / ".built").read_text())
-            else:
-                shutil.rmtree(out, ignore_errors=True)
-                print(f"[{width}] building {source}", flush=True)
-                try:
-                    builds[source] = build(out)
-                except Failed as e:
-                    skipped[source] = str(e)
-                    shutil.rmtree(out, ignore_errors=True)
-                    continue
-                (out / ".built").write_text(json.dumps(builds[source]))
-            paths[source] = out
+            try:
+                builds[source] = build_once(width, source, out, build, ARGS.rebuild)
+                paths[source] = out
+            except Failed as e:
+                skipped[source] = str(e)
         if source in skipped:
             skipped[contender] = skipped[source] if contender == source else f"{source} did not build"
         elif contender == "dstc-ort-genai" and not (paths[source] / "genai_config.json").is_file():
@@ -407,6 +425,22 @@ def prepare(width: str, work: Path, wanted: list[str]) -> tuple[dict, dict, dict
         else:
             paths[contender] = paths[source]
     return {c: paths[c] for c in wanted if c in paths and c not in skipped}, builds, skipped, checkpoint, config
+
+
+def build_once(label: str, source: str, out: Path, build, rebuild: bool) -> dict:
+    """``build(out)``'s wall time and peak RSS, or those of the build already in ``out`` (its ``.built`` marker)
+    unless ``rebuild``; Failed (``out`` removed) when it fails."""
+    if (out / ".built").is_file() and not rebuild:
+        return json.loads((out / ".built").read_text())
+    shutil.rmtree(out, ignore_errors=True)
+    print(f"[{label}] building {source}", flush=True)
+    try:
+        built = build(out)
+    except Failed:
+        shutil.rmtree(out, ignore_errors=True)
+        raise
+    (out / ".built").write_text(json.dumps(built))
+    return built
 
 
 def time_contenders(paths: dict, vocab: int, skipped: dict, bandwidths: list[float]) -> dict:
