@@ -30,6 +30,7 @@ class Job:
     recipe: Path
     name: str
     out_dir: Path
+    export: str = ""  # the checkpoint and export section: recipes that agree on it share their export stage
 
 
 @dataclass
@@ -47,19 +48,21 @@ def plan_jobs(recipes: list[Path], out: Path | None, model: str | None) -> list[
     checked, refused = [], []
     for path in recipes:
         try:
-            checked.append((path, check(path, model).name))
+            recipe = check(path, model)
         except InputError as e:
             refused.append(str(e))
+            continue
+        checked.append((path, recipe.name, f"{recipe.model}@{recipe.revision} {recipe.export.model_dump_json()}"))
     if refused:
         raise InputError(f"{len(refused)} of {len(recipes)} recipes refused, nothing built: {'; '.join(refused)}")
-    names = [name for _, name in checked]
+    names = [name for _, name, _ in checked]
     if twice := sorted({n for n in names if names.count(n) > 1}):
         raise InputError(f"several recipes are named {', '.join(twice)}: their artifacts would be one directory")
     if len(checked) == 1 and out is not None:
-        jobs = [Job(checked[0][0].resolve(), checked[0][1], out.resolve())]
+        jobs = [Job(checked[0][0].resolve(), checked[0][1], out.resolve(), checked[0][2])]
     else:
         root = (out or DEFAULT_ROOT).resolve()
-        jobs = [Job(path.resolve(), name, root / name) for path, name in checked]
+        jobs = [Job(path.resolve(), name, root / name, export) for path, name, export in checked]
     for job in jobs:
         check_writable_target(job.out_dir)
     return jobs
@@ -99,6 +102,17 @@ def run_one(job: Job, model: str | None, use_cache: bool, events: Events, parts:
 def run_local(jobs: list[Job], model: str | None, use_cache: bool,
               events: Callable[[Job], Events] = lambda job: LineEvents(job.name)) -> list[Outcome]:
     return [run_one(job, model, use_cache, events(job)) for job in jobs]
+
+
+def spread(jobs: list[Job]) -> list[Job]:
+    """The jobs in the order to start them in parallel: round-robin over the groups that share an export, so that
+    the first wave builds different exports and a recipe reusing one starts once it is in the stage cache (two
+    builds started together on one export: one waits for the other's, its CPU idle)."""
+    groups: dict[str, list[Job]] = {}
+    for job in jobs:
+        groups.setdefault(job.export, []).append(job)
+    return [group[i] for i in range(max(map(len, groups.values()), default=0)) for group in groups.values()
+            if i < len(group)]
 
 
 def worst(outcomes: list[Outcome]) -> int:

@@ -232,3 +232,17 @@ def test_split_without_ray_is_refused(streamed, tmp_path, monkeypatch, capsys):
     assert code == 2 and err.strip().splitlines()[-1] == \
         "dstc: error: --split N splits a build's streamed compression over Ray workers: use it with --ray"
     assert not (tmp_path / "art").exists()
+
+
+def test_recipes_sharing_an_export_start_apart(tmp_path):
+    """A matrix lists a model's recipes together; started in parallel, two of them would wait on one export."""
+    from toolchain.build_set import plan_jobs, spread
+
+    paths = [write_recipe(tmp_path / f"{model}-{backend}.yaml", model, compile={"backend": backend})
+             for model in MODELS for backend in ("onnxruntime", "openvino")]
+    paths.append(write_recipe(tmp_path / "qwen-other-export.yaml", MODELS[0], export={"parity": ["onnxruntime"]}))
+    jobs = plan_jobs(paths, tmp_path / "out", None)
+    assert [job.name for job in spread(jobs)] == [
+        "r1-distill-qwen-tiny-onnxruntime", "r1-distill-llama-tiny-onnxruntime", "qwen-other-export",
+        "r1-distill-qwen-tiny-openvino", "r1-distill-llama-tiny-openvino"]
+    assert sorted(spread(jobs), key=jobs.index) == jobs

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import os
 
-from toolchain.build_set import Job, LineEvents, Outcome, run_one
+from toolchain.build_set import Job, LineEvents, Outcome, run_one, spread
 from toolchain.cache import cache_dir
 from toolchain.distributed.ray_cluster import MAX_RETRIES, connect_ray
 from toolchain.distributed.ray_parts import RayParts
@@ -40,8 +40,8 @@ def run_on_ray(jobs: list[Job], address: str | None, model: str | None, use_cach
     if parts is None:
         parts = max(1, int(ray.cluster_resources().get("CPU", 1)))
     try:
-        refs = [task.options(name=job.name).remote(job, model, use_cache, env, parts) for job in jobs]
-        return [_outcome(ray, job, ref) for job, ref in zip(jobs, refs)]
+        refs = {job: task.options(name=job.name).remote(job, model, use_cache, env, parts) for job in spread(jobs)}
+        return [_outcome(ray, job, refs[job]) for job in jobs]
     finally:
         if started:
             ray.shutdown()
