@@ -570,6 +570,24 @@ def versions() -> dict:
     return out
 
 
+def add_build_arguments(parser: argparse.ArgumentParser, work: Path) -> None:
+    """The options of the builds and the run that peers.py and peers_speculative.py share."""
+    parser.add_argument("--work", type=Path, default=work,
+                        help="checkpoints and builds (kept: a later run reuses them unless --rebuild)")
+    parser.add_argument("--rebuild", action="store_true")
+    parser.add_argument("--max-build-gib", type=float, default=7.0, help="a build above this RSS is killed, skipped")
+    parser.add_argument("--lock", type=Path, default=harness.LOCK)
+    parser.add_argument("--json", type=Path, default=None)
+
+
+def chosen(names: str, known, what: str) -> list[str]:
+    """The comma-separated ``names``, each one of ``known`` (else the run stops naming the unknown ones)."""
+    wanted = names.split(",")
+    if unknown := sorted(set(wanted) - set(known)):
+        raise SystemExit(f"unknown {what} {unknown}: choose from {', '.join(known)}")
+    return wanted
+
+
 def main() -> None:
     if ARGS.worker:
         kind, path, vocab = ARGS.worker
@@ -584,10 +602,7 @@ def main() -> None:
     if ARGS.retable:
         retable(ARGS.retable)
         return
-    wanted = ARGS.contenders.split(",")
-    unknown = sorted(set(wanted) - set(CONTENDERS))
-    if unknown:
-        raise SystemExit(f"unknown contenders {unknown}: choose from {', '.join(CONTENDERS)}")
+    wanted = chosen(ARGS.contenders, CONTENDERS, "contenders")
     cpu = describe_cpu()
     results = {"machine": {"cpu": cpu, "threads": ARGS.threads}, "versions": versions(), "settings": {
         "prompt": ARGS.prompt, "new_tokens": ARGS.new_tokens, "threads": ARGS.threads, "rounds": ARGS.rounds,
@@ -665,12 +680,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--contenders", default=",".join(CONTENDERS))
-    parser.add_argument("--work", type=Path, default=Path("/work/peers-work/peers"),
-                        help="checkpoints and builds (kept: a later run reuses them unless --rebuild)")
-    parser.add_argument("--rebuild", action="store_true")
-    parser.add_argument("--max-build-gib", type=float, default=7.0, help="a build above this RSS is killed, skipped")
-    parser.add_argument("--lock", type=Path, default=harness.LOCK)
-    parser.add_argument("--json", type=Path, default=None)
+    add_build_arguments(parser, Path("/work/peers-work/peers"))
     parser.add_argument("--no-batch4", dest="batch4", action="store_false")
     parser.add_argument("--llamacpp-converter", type=Path, default=None)
     parser.add_argument("--retable", type=Path, default=None, metavar="JSON",

@@ -375,10 +375,7 @@ def main(args: argparse.Namespace) -> None:
     if args.worker:
         print(json.dumps(worker(json.loads(args.worker.read_text()))))
         return
-    runners = args.runners.split(",")
-    unknown = sorted(set(runners) - set(RUNNERS))
-    if unknown:
-        raise SystemExit(f"unknown runners {unknown}: choose from {', '.join(RUNNERS)}")
+    runners = peers.chosen(args.runners, RUNNERS, "runners")
     cpu = describe_cpu()
     results: dict = {"machine": {"cpu": cpu}, "versions": peers.versions(),
                      "settings": {k: str(v) for k, v in vars(args).items() if k != "worker"}, "models": {}}
@@ -437,12 +434,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--passes", type=int, default=3,
                         help="timed passes over the prompts per measurement: the fastest is its figure")
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--work", type=Path, default=Path("/work/peers-work/speculative"),
-                        help="builds (kept: a later run reuses them unless --rebuild)")
-    parser.add_argument("--rebuild", action="store_true")
-    parser.add_argument("--max-build-gib", type=float, default=7.0, help="a build above this RSS is killed, skipped")
-    parser.add_argument("--lock", type=Path, default=harness.LOCK)
-    parser.add_argument("--json", type=Path, default=None)
+    peers.add_build_arguments(parser, Path("/work/peers-work/speculative"))
     parser.add_argument("--worker", type=Path, default=None, help=argparse.SUPPRESS)
     return parser.parse_args()
 
