@@ -9,17 +9,18 @@ writes after them; so ORT is run twice, its weights file a FIFO that a thread re
 
 1. layout: the stream is hashed (BLAKE3) and dropped; ORT's model.onnx gives each output tensor's offset and length.
 2. write: the stream is written to the artifact's weights file. An output tensor with a same-named input tensor of
-   the same type, shape and length is compared with the input's bytes as it streams past; when equal (ORT reads an
-   input tensor just before it writes it), the blocks it held are punched out of the input file
+   the same type, shape and length is compared with the input's bytes as it streams past, and what is equal (ORT
+   has read it: it reads an input tensor before it writes it) is punched out of the input file, block by block
    (fallocate PUNCH_HOLE). Input tensors that are not in the optimized graph (folded by ORT) go when the stream
    ends. What ORT created (constant folding: DeepSeek's dequantized absorbed kv_b_proj) comes from the stream.
 
 The artifact's weights are ORT's own stream, so its bytes are those ORT writes to a file (tests/compile/
 test_ort_streamed.py), and the second run must write the first one's model.onnx and weights (same BLAKE3), else
 the stage fails: an input tensor ORT read again after it was released would show there. The input is left whole
-(a plain save, one run) when its weights are not one file of disjoint tensors, and per tensor when its bytes differ
-from ORT's. The input entry is marked incomplete (``release_input``) before its first byte goes; another build
-reading the same entry at that moment would read holes (a build that keeps no stages builds one recipe, alone).
+(a plain save, one run) when its weights are not one file of disjoint tensors, and a tensor from the first byte
+where ORT's tensor of its name differs. The input entry is marked incomplete (``release_input``) before its first
+byte goes; another build reading the same entry at that moment would read holes (a build that keeps no stages
+builds one recipe, alone).
 """
 
 from __future__ import annotations
@@ -239,7 +240,7 @@ def optimize_releasing(src: Path, dst: Path, external_min_bytes: int, release_in
 
 class _Releasing:
     """Compares each output tensor that should be an input one with the input's bytes as ORT's stream passes it,
-    and releases the input tensor once all of it has passed, equal."""
+    and releases what has passed, equal: ORT has read those bytes (the tensor's rest follows in the next chunks)."""
 
     def __init__(self, copies: list[tuple[Tensor, Tensor]], source_fd: int, holes: _Holes) -> None:
         self.copies, self.fd, self.holes = copies, source_fd, holes
@@ -254,11 +255,12 @@ class _Releasing:
             if lo >= end:
                 return
             if hi > lo and self.equal:
-                self.equal = os.pread(self.fd, hi - lo, src.offset + lo - out.offset) == chunk[lo - offset:hi - offset]
+                start = src.offset + lo - out.offset
+                self.equal = os.pread(self.fd, hi - lo, start) == chunk[lo - offset:hi - offset]
+                if self.equal:
+                    self.holes.release(start, hi - lo)
             if out.offset + out.length > end:
                 return  # the rest of this tensor comes in the next chunk
-            if self.equal:
-                self.holes.release(src.offset, src.length)
-            else:
+            if not self.equal:
                 self.differ.append(out.name)
             self.next, self.equal = self.next + 1, True
