@@ -61,7 +61,6 @@ def external_tensors(model_path: Path) -> tuple[list[Tensor], set[str], set[str]
     Constant nodes unnamed; the files they are in; and the names of the initializers stored inline."""
     import onnx  # where a graph is read: the CLI imports the compile stage
 
-
     model = onnx.load(str(model_path), load_external_data=False)
     tensors, files, inline = [], set(), set()
 
@@ -71,7 +70,9 @@ def external_tensors(model_path: Path) -> tuple[list[Tensor], set[str], set[str]
             return
         info = {e.key: e.value for e in t.external_data}
         files.add(info["location"])
-        tensors.append(Tensor(name, int(info.get("offset", 0)), int(info["length"]), t.data_type, tuple(t.dims)))
+        # no length: to the end of the file (ONNX's external data), which _disjoint refuses
+        tensors.append(Tensor(name, int(info.get("offset", 0)), int(info.get("length", -1)), t.data_type,
+                              tuple(t.dims)))
 
     def walk(graph) -> None:
         for t in graph.initializer:
@@ -90,7 +91,8 @@ def external_tensors(model_path: Path) -> tuple[list[Tensor], set[str], set[str]
 
 def _disjoint(tensors: list[Tensor]) -> bool:
     ordered = sorted(tensors, key=lambda t: t.offset)
-    return all(a.offset + a.length <= b.offset for a, b in itertools.pairwise(ordered))
+    return all(t.length >= 0 for t in tensors) and \
+        all(a.offset + a.length <= b.offset for a, b in itertools.pairwise(ordered))
 
 
 class _Holes:
