@@ -114,6 +114,7 @@ def test_a_streamed_build_never_holds_the_export_weights_and_builds_the_same_byt
     assert (export / "model.onnx").read_bytes() == \
         (next((tmp_path / "written" / "cache" / "stages").glob("export-*")) / "model.onnx").read_bytes()
     assert any("read from" in line and "as they are compressed" in line for line in log)
+    assert not any("given up" in line for line in log)  # its stages are kept: ORT writes the artifact itself
     # the model's size before compression, as the export with its weights records it
     reports = [m["provenance"]["stage_reports"] for m in (manifest, reference)]
     assert reports[0]["export/export.json"]["graph"]["deferred"]["bytes"] == weights
@@ -129,6 +130,9 @@ def test_no_keep_stages_leaves_no_entry_of_its_own_and_keeps_what_it_reused(stre
     assert manifest["files"] == reference["files"]
     assert not [p for p in (root / "cache" / "stages").iterdir() if not p.name.startswith(".")]
     assert sum("(--no-keep-stages)" in line for line in log) == 3  # export and compress deleted, compile moved
+    # the compile stage gave up the compressed weights as it wrote the artifact's, the same bytes
+    assert [line for line in log if "of the input's weights given up as the artifact's" in line
+            and "(0 of the same name, type and shape differ)" in line]
     artifact = tree_bytes(root / "art")
     assert disk.peak < 3 * artifact, (disk.peak, artifact)  # two stages' outputs (INT4) and the small export
     # entries it did not write are not its own to delete
@@ -139,6 +143,17 @@ def test_no_keep_stages_leaves_no_entry_of_its_own_and_keeps_what_it_reused(stre
         ["export", "compress", "compile"]
     assert sorted(p.name for p in (root / "cache" / "stages").iterdir() if not p.name.startswith(".")) == entries
     assert not any("(--no-keep-stages)" in line for line in log)
+
+
+def test_no_keep_stages_keeps_the_compressed_weights_while_the_verification_runs_them(streamed, tmp_path,
+                                                                                   monkeypatch):
+    recipe = yaml.safe_load(streamed.read_text())
+    streamed.write_text(yaml.safe_dump({**recipe, "compile": {**recipe["compile"], "verify": True}}))
+    manifest, _, log = built(streamed, tmp_path / "verified", monkeypatch, keep_stages=False)
+    assert "the input's weights are kept until the verification has run the compressed graph" in log
+    assert not any("given up" in line for line in log)
+    verification = manifest["provenance"]["stage_reports"]["compile/compile.json"]["verification"]
+    assert verification["passed"] and verification["reference"] == "compressed input graph"
 
 
 def test_an_export_without_its_weights_file_is_refused_by_the_stages_that_read_it(streamed, tmp_path, monkeypatch):

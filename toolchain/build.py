@@ -40,6 +40,7 @@ from toolchain.stages.runner import (
     export_stage,
     move_stage_files,
     passes_stage,
+    releasing,
     run_cached,
 )
 
@@ -110,6 +111,8 @@ def build(recipe_path: Path, out_dir: Path | None = None, *, model: str | None =
     written: list[Path] = []  # the stage cache entries this build wrote (not reused)
     with atomic_output_dir(out_dir) as tmp:
         for stage in plan(recipe, source.path, events.log, parts):
+            if not keep_stages and stage_dir in written:  # deleted once read: may be given up as it is read
+                stage = releasing(stage, stage_dir)
             t0 = time.perf_counter()
             target, stage_id, cached = run_cached(
                 stage, stage_dir, parent, use_cache=use_cache, log=events.log,

@@ -26,6 +26,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
+from toolchain.compile import ort_streamed
 from toolchain.interface.files import GENAI_CONFIG, ONNX_MODEL, ONNX_WEIGHTS
 from toolchain.interface.graph import GENAI_MODEL_TYPE, PAST_PREFIX, PRESENT_PREFIX, graph_cache_spec, graph_metadata
 from toolchain.runtime.engines import ort_options, ort_session
@@ -112,11 +113,16 @@ def genai_config(config: dict, generation: dict, dims: dict[str, tuple[int, int]
     }
 
 
-def write(onnx_path: Path, out_dir: Path, config: dict, generation: dict, log: Callable[[str], None]) -> dict:
+def write(onnx_path: Path, out_dir: Path, config: dict, generation: dict, log: Callable[[str], None],
+          release_input: Callable[[], None] | None = None) -> dict:
+    """``release_input``: the input's weights may be given up as the artifact's are written (its entry is deleted
+    after: toolchain/compile/ort_streamed.py); called before they are touched."""
     import json
 
     log("applying ONNX Runtime's basic graph optimisations; weights to external data")
-    optimize(onnx_path, out_dir / ONNX_MODEL)
+    if release_input is None or not ort_streamed.optimize_releasing(onnx_path, out_dir / ONNX_MODEL, INLINE_MAX_BYTES,
+                                                                    release_input, log):
+        optimize(onnx_path, out_dir / ONNX_MODEL)
     files = [ONNX_MODEL] + ([ONNX_WEIGHTS] if (out_dir / ONNX_WEIGHTS).exists() else [])
     dims = graph_cache_spec(out_dir / ONNX_MODEL)
     genai_type = genai_model_type(onnx_path)

@@ -154,7 +154,10 @@ def _verify_mtp(backend: str, mtp_dir: Path, source: Path, new_tokens: int, log:
 
 def compile_artifact(export_dir: Path, out_dir: Path, backend: str, *, verify: bool = True, smoke: bool = True,
                      new_tokens: int = VERIFY_TOKENS, source: Path | None = None,
-                     log: Callable[[str], None] = lambda _: None) -> dict:
+                     log: Callable[[str], None] = lambda _: None,
+                     release_input: Callable[[], None] | None = None) -> dict:
+    """``release_input``: the input directory is deleted after this stage (a build that keeps no stages), so the
+    ONNX Runtime backend may give up its weights as it writes the artifact's; called before they are touched."""
     export_dir, out_dir = Path(export_dir), Path(out_dir)
     if backend not in BACKENDS:
         raise InputError(f"unknown backend {backend!r}; known: {', '.join(BACKENDS)}")
@@ -174,7 +177,11 @@ def compile_artifact(export_dir: Path, out_dir: Path, backend: str, *, verify: b
             details = openvino_ir.write(graph if graph.is_file() else export_dir / ONNX_MODEL, source, tmp,
                                         versions, has_tokenizer, log)
         else:
-            details = onnxruntime_artifact.write(export_dir / ONNX_MODEL, tmp, config, generation, log)
+            if release_input is not None and verify and (export_dir / COMPRESSION_REPORT).is_file():
+                log("the input's weights are kept until the verification has run the compressed graph")
+                release_input = None
+            details = onnxruntime_artifact.write(export_dir / ONNX_MODEL, tmp, config, generation, log,
+                                                 release_input)
         files = details.pop("files") + copy_checkpoint_files(source, tmp)
         mtp_files = _compile_mtp(backend, export_dir / MTP_DIR / ONNX_MODEL, tmp / MTP_DIR, config, log)
         files += mtp_files

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import shutil
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
 
@@ -59,6 +59,9 @@ class Stage:
     config: dict
     run: Callable[[Path | None, Path, Log], dict]
     module: str  # the stage's code, whose import closure goes into its id
+    # the run of a stage whose input entry is deleted after it, which may give up the input's files as it reads
+    # them; it calls its last argument before it touches them (releasing())
+    run_releasing: Callable[[Path | None, Path, Log, Callable[[], None]], dict] | None = None
 
     def id(self, parent: str) -> str:
         return digest({"stage": self.name, "config": self.config, "parent": parent,
@@ -125,7 +128,25 @@ def compile_stage(section: CompileSection, source: Path) -> Stage:
     return Stage("compile", config,
                  lambda inp, out, log: compile_artifact(inp, out, section.backend, verify=section.verify,  # type: ignore[arg-type]
                                                         smoke=section.smoke, source=source, log=log),
-                 "toolchain.stages.compile")
+                 "toolchain.stages.compile",
+                 lambda inp, out, log, release: compile_artifact(inp, out, section.backend,  # type: ignore[arg-type]
+                                                                 verify=section.verify, smoke=section.smoke,
+                                                                 source=source, log=log, release_input=release))
+
+
+def releasing(stage: Stage, entry: Path) -> Stage:
+    """``stage`` run on the cache entry ``entry``, which the build deletes once the stage has read it (it keeps no
+    stages): with the run that may give up the entry's files as it reads them, the entry marked incomplete (under
+    its lock) before the first byte goes. ``stage`` itself when it has no such run."""
+    run = stage.run_releasing
+    if run is None:
+        return stage
+
+    def release() -> None:
+        with _entry_lock(entry):
+            (entry / STAGE_RECORD).unlink(missing_ok=True)
+
+    return replace(stage, run=lambda inp, out, log: run(inp, out, log, release))
 
 
 def cache_damage(target: Path) -> str | None:
