@@ -57,11 +57,18 @@ def plan(recipe: Recipe, source: Path, log: Callable[[str], None] = lambda _: No
     checkpoint this build resolved (``source``), not the path an earlier, perhaps cached, stage recorded.
     ``parts``: a streamed compression is written in parts by its tasks (the same bytes)."""
     # the exporter (torch) loads when a build plans its stages, not when the CLI starts
-    from toolchain.stages.export import resolve_moe
+    from toolchain.stages.export import resolve_moe, routed_experts
 
     export, why = resolve_moe(recipe.export, source, recipe.compile.backend, recipe.compress)
     if why:
         log(f"MoE lowering: {export.moe} ({why})")
+    compress = recipe.compress
+    if compress and compress.prefill_int8 is None and export.moe == "dispatch" and routed_experts(source):
+        # its int8 copies would be made of every routed expert's 4-bit weights too: 3x their bytes on disk and in
+        # memory (a DeepSeek-V3 INT4 artifact of ~370 GB would grow to ~1 TB), for prompts' expert products
+        compress = compress.model_copy(update={"prefill_int8": False})
+        log("prefill_int8 off: the MoE layers' routed experts are separate MatMuls (dispatch), each would get an "
+            "int8 copy (set compress.prefill_int8 to choose)")
     # a streamed compression reads each weight from the checkpoint itself (the export's weights file, 30 GB at
     # DeepSeek-V3's widths x 4 layers, is then not written); the passes stage rewrites the graph with its weights
     streamed = recipe.compress is not None and recipe.compress.streaming != "never"
@@ -70,8 +77,8 @@ def plan(recipe: Recipe, source: Path, log: Callable[[str], None] = lambda _: No
                            recipe.passes else None)]
     if recipe.passes:
         stages.append(passes_stage(recipe.passes, source))
-    if recipe.compress:
-        stages.append(compress_stage(recipe.compress, recipe.compile.backend, source, parts))
+    if compress:
+        stages.append(compress_stage(compress, recipe.compile.backend, source, parts))
     stages.append(compile_stage(recipe.compile, source))
     return stages
 

@@ -450,6 +450,34 @@ def test_a_build_resolves_auto_before_its_export_stage(tiny_checkpoints, tmp_pat
     assert export_config(dense, "onnxruntime", compress=int4) == ("dispatch", ["onnxruntime", "openvino"], [])
 
 
+def test_prefill_int8_is_not_decided_on_for_dispatched_experts(tiny_checkpoints, tmp_path, monkeypatch):
+    """prefill_int8 stores an int8 copy of each 4-bit MatMul: of every routed expert under the dispatch lowering (3x
+    their bytes), of none under QMoE. Decided off for dispatched experts where the CPU would turn it on, kept where
+    the recipe sets it, and a dense model's decision is the CPU's."""
+    import yaml
+
+    import toolchain.recipe as recipe_module
+    from toolchain.build import plan
+    from toolchain.recipe import load_recipe
+
+    monkeypatch.setattr(recipe_module, "has_int8_dot_product", lambda: True)
+
+    def compress_config(model, export=None, **compress):
+        recipe = tmp_path / "r.yaml"
+        recipe.write_text(yaml.safe_dump({"name": "r", "model": str(model), "compile": {"backend": "onnxruntime"},
+                                          "compress": {"scheme": "int4-grouped", **compress},
+                                          **({"export": export} if export else {})}))
+        logged: list[str] = []
+        stages = {s.name: s.config for s in plan(load_recipe(recipe), model, logged.append)}
+        return stages["compress"]["prefill_int8"], any(line.startswith("prefill_int8 off") for line in logged)
+
+    moe_model, dense = tiny_checkpoints["deepseek_v3"], tiny_checkpoints["qwen2"]
+    assert compress_config(moe_model) == (True, False)  # QMoE: no expert is a MatMulNBits
+    assert compress_config(moe_model, {"moe": "dispatch"}) == (False, True)
+    assert compress_config(moe_model, {"moe": "dispatch"}, prefill_int8=True) == (True, False)
+    assert compress_config(dense, {"moe": "dispatch"}) == (True, False)
+
+
 @pytest.mark.parametrize("lowering", FUSED)
 def test_fused_lowering_passes_layer_by_layer_parity(tiny_checkpoints, tmp_path, monkeypatch, lowering):
     """Above the end-to-end budget each layer is checked against its transformers module: the fused MoE layer is

@@ -45,6 +45,13 @@ from toolchain.verify.parity import compare, parity_cases, too_large_for_end_to_
 LAYER_STEPS = 4
 
 
+def routed_experts(source: Path) -> int:
+    """The routed experts of each MoE layer of the checkpoint at ``source`` (0: a dense model)."""
+    config = reference_config(source)
+    arch = architecture_for(config.model_type)
+    return arch.routed_experts(config) if isinstance(arch, MoeArchitecture) else 0
+
+
 def resolve_moe(section: ExportSection, source: Path, backend: str, compress: CompressSection | None) \
         -> tuple[ExportSection, str | None]:
     """A build's export section with ``moe: auto`` resolved for its backend and compression (moe.auto_lowering),
@@ -52,9 +59,7 @@ def resolve_moe(section: ExportSection, source: Path, backend: str, compress: Co
     stage id is what it was before auto existed."""
     if section.moe != moe_lowering.AUTO:
         return section, None
-    config = reference_config(source)
-    arch = architecture_for(config.model_type)
-    experts = arch.routed_experts(config) if isinstance(arch, MoeArchitecture) else 0
+    experts = routed_experts(source)
     with open_checkpoint(source) as reader:  # the tensors' headers only
         storage = storage_for(section.weights, reader)
     lowering, why = moe_lowering.auto_lowering(
