@@ -140,7 +140,7 @@ def measure_child(args) -> None:
     from toolchain.interface.graph import graph_cache_spec
     from toolchain.runtime.engines import GraphRunner
 
-    graphs = json.loads(args.graphs)  # name -> [graph file, vocabulary size]
+    graphs = json.loads(args.graph_files)  # name -> [graph file, vocabulary size]
     numerics = "exact" if args.measure == "onnxruntime" else "deployment"
     runners, specs, vocab = {}, {}, {}
     for name, (graph, size) in graphs.items():
@@ -176,7 +176,7 @@ def measure(files: dict, args) -> list[dict]:
                       for name in args.graphs if name.startswith(family)}
             if not graphs:
                 continue
-            command = [sys.executable, __file__, "--measure", backend, "--graphs", json.dumps(graphs),
+            command = [sys.executable, __file__, "--measure", backend, "--graph-files", json.dumps(graphs),
                        "--context", str(args.context), "--max-tokens", str(args.max_tokens),
                        "--rounds", str(args.rounds), "--repeats", str(args.repeats), "--threads", str(args.threads)]
             log(f"measuring {family} on {backend}")
@@ -302,6 +302,7 @@ def main() -> None:
     parser.add_argument("--build-only", action="store_true", help="build the graphs, measure nothing")
     parser.add_argument("--measure", metavar="BACKEND", help=argparse.SUPPRESS)
     parser.add_argument("--max-tokens", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--graph-files", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.measure:  # a child of measure
         measure_child(args)
