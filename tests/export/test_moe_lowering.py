@@ -419,6 +419,9 @@ def test_auto_picks_the_lowering_measured_fastest_that_the_build_can_compress():
     assert pick("openvino", 256, None, False, ("onnxruntime", "openvino")) == "fused-openvino"
     # stacked experts are float32: not where the export keeps the checkpoint's bf16
     assert pick("openvino", 256, "int4-grouped", False, None, "bfloat16") == "dispatch"
+    # an architecture whose experts have no fused form (DeepSeek-V4's clipped SwiGLU)
+    assert pick("onnxruntime", 256, "int4-grouped", False, lowerings=("dispatch",)) == "dispatch"
+    assert pick("openvino", 256, None, False, lowerings=("dispatch",)) == "dispatch"
 
 
 def test_a_build_resolves_auto_before_its_export_stage(tiny_checkpoints, tmp_path):
@@ -474,6 +477,8 @@ def test_prefill_int8_is_not_decided_on_for_dispatched_experts(tiny_checkpoints,
     moe_model, dense = tiny_checkpoints["deepseek_v3"], tiny_checkpoints["qwen2"]
     assert compress_config(moe_model) == (True, False)  # QMoE: no expert is a MatMulNBits
     assert compress_config(moe_model, {"moe": "dispatch"}) == (False, True)
+    # DeepSeek-V4: auto can only dispatch its experts (it counts them, as it does V3's)
+    assert compress_config(tiny_checkpoints["deepseek_v4"]) == (False, True)
     assert compress_config(moe_model, {"moe": "dispatch"}, prefill_int8=True) == (True, False)
     assert compress_config(dense, {"moe": "dispatch"}) == (True, False)
 

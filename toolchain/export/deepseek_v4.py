@@ -49,12 +49,13 @@ def _get(config, name: str):
     return config.get(name) if isinstance(config, dict) else getattr(config, name, None)
 
 
-class DeepseekV4Architecture:
+class DeepseekV4Architecture(moe_layer.MoeArchitecture):
     model_types: tuple[str, ...] = ("deepseek_v4",)
     attention_kind = "compressed"  # sliding-window K=V attention with CSA / HCA pooled entries
     kv_cache = PER_TOKEN  # K=V and the compressors' projections per token (deepseek_v4_attention.py)
     genai_model_type: str | None = None  # onnxruntime-genai's config describes no hyper-connections
     moe_lowering: str | None = "dispatch"
+    lowerings = ("dispatch",)  # no fused form has its clipped SwiGLU experts
     # q, k and the output's inverse rotation; the passes expect nothing of "compressed" attention (passes/targets.py)
     rotations_per_layer = 3
     # transformers 5.24's V4 pools a left-padded row's padding into its compressed entries (its caches count cache
@@ -78,7 +79,7 @@ class DeepseekV4Architecture:
                                         f"(supported: {', '.join(SCORINGS)})")
         if config.num_key_value_heads != 1:
             raise UnsupportedModelError("deepseek_v4: the attention shares one K=V head (num_key_value_heads 1)")
-        if self.moe_lowering != "dispatch":
+        if self.moe_lowering not in self.lowerings:
             raise UnsupportedModelError(f"deepseek_v4: the {self.moe_lowering} MoE lowering is not implemented for "
                                         f"its clipped SwiGLU experts; use dispatch")
 

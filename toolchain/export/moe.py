@@ -55,15 +55,19 @@ FUSED_FROM_EXPERTS = 64
 
 
 def auto_lowering(backend: str | None, experts: int, scheme: str | None, data_aware: bool,
-                  parity: tuple[str, ...] | None = None, storage: str = "float32") -> tuple[str, str]:
+                  parity: tuple[str, ...] | None = None, storage: str = "float32",
+                  lowerings: tuple[str, ...] = LOWERINGS) -> tuple[str, str]:
     """The lowering ``auto`` picks, and why: for a build on ``backend`` (None: an export alone, for no runtime in
     particular) of a model with ``experts`` routed experts (0: dense), whose weights the build compresses with
     ``scheme`` (None: not compressed; data-aware or not), whose parity is asked on ``parity`` (None: the
-    default) and whose export stores its matrices as ``storage`` (toolchain/export/weights.py storage_for)."""
+    default), whose export stores its matrices as ``storage`` (toolchain/export/weights.py storage_for) and
+    whose architecture builds its experts in ``lowerings`` (MoeArchitecture.lowerings)."""
     if backend is None:
         return "dispatch", "no target backend: the form every runtime runs"
     if not experts:
         return "dispatch", "no MoE layer"
+    if lowerings == ("dispatch",):
+        return "dispatch", "the architecture's experts have no fused form"
     # the compress stage refuses both with a fused lowering (toolchain/compress/moe.py, stages/compress.py)
     if data_aware:
         return "dispatch", "data-aware compression sees the dispatch form's experts only"

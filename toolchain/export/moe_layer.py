@@ -52,6 +52,7 @@ class MoeArchitecture:
     block in the layers ``moe_layers`` names and transformers' dense gated MLP in the others."""
 
     moe_lowering: str | None = "dispatch"  # moe.with_lowering gives a copy with another (moe.LOWERINGS)
+    lowerings: tuple[str, ...] = moe.LOWERINGS  # the lowerings the family's experts are built in
 
     def moe(self, config, layer: int) -> MoeLayer:
         """The family's MoE layer ``layer`` for ``config``: router kind and parameters, shared experts."""

@@ -59,12 +59,14 @@ def resolve_moe(section: ExportSection, source: Path, backend: str, compress: Co
     stage id is what it was before auto existed."""
     if section.moe != moe_lowering.AUTO:
         return section, None
+    arch = architecture_for(reference_config(source).model_type)
     experts = routed_experts(source)
     with open_checkpoint(source) as reader:  # the tensors' headers only
         storage = storage_for(section.weights, reader)
     lowering, why = moe_lowering.auto_lowering(
         backend, experts, compress.scheme if compress else None, bool(compress and compress.data_aware),
-        tuple(section.parity) if section.parity_given else None, storage)
+        tuple(section.parity) if section.parity_given else None, storage,
+        arch.lowerings if isinstance(arch, MoeArchitecture) else moe_lowering.LOWERINGS)
     return section.with_lowering(lowering), why if experts else None
 
 
