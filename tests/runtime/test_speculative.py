@@ -131,6 +131,24 @@ def test_greedy_tokens_are_plain_decodings_with_every_drafter(artifact, model, b
                     assert sum(acceptance.proposed) > 0 and acceptance.rate == 0
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("model", ["deepseek-v2-lite-tiny", "deepseek-v32-tiny", "deepseek-v4-tiny",
+                                   "r1-distill-llama-tiny"])
+def test_every_other_embedded_model_keeps_its_greedy_tokens(artifact, model, backend):
+    """The other embedded models' caches (V2-Lite's latent, V3.2's indexer keys, V4's sliding window and
+    compressors' per-token state, Llama's per-head keys) roll back exactly: prompt lookup and a drafter whose
+    every draft is rejected give plain greedy decoding's tokens."""
+    art = artifact(model, backend)
+    decoder = exact_decoder(art)
+    for prompt in prompts(art):
+        plain = greedy_generate(decoder, [prompt], 24, set(art.eos_token_ids), art.pad_token_id).tokens[0]
+        for draft_tokens in (1, 4):
+            for drafter in (PromptLookup(), Garbage(set(plain))):
+                tokens, acceptance = speculative(decoder, drafter, prompt, art, 24, draft_tokens)
+                assert tokens == plain, (type(drafter).__name__, draft_tokens)
+                assert sum(acceptance.proposed) > 0
+
+
 def test_prompt_lookup_drafts_what_followed_the_longest_suffix_match():
     lookup = PromptLookup(max_ngram=3)
     assert lookup.propose([1, 2, 3, 4, 5, 9, 2, 3, 7, 7, 2, 3], {}, 2) == [4, 5]  # "2 3": first occurrence
