@@ -34,7 +34,9 @@ batch 1 and at batch 4 (where the runner batches), the bytes of weights read per
 the embedding table, of which a token reads one row), the share of the read-bandwidth limit that is (bandwidth
 measured here before every measurement: a sum over 512 MB with the same threads, best of 5; the limit takes the
 best of these, the least disturbed by the machine's other work; each sample keeps its own and the load average),
-KV-cache bytes per token at the precision the runtime keeps it in (OpenVINO's u8 cache also keeps small per-group
+the peak RSS of the measuring process (the largest over rounds: the interpreter, the model, its caches and
+scratch at this prompt; for long prompts with ``--prompt 4096``), KV-cache bytes per token at the precision the
+runtime keeps it in (OpenVINO's u8 cache also keeps small per-group
 scales, not counted), and each figure's
 ratio to the best peer (non-dstc) contender. On ``qwen-1.5b:4`` the issue's targets are judged on dstc's own runner
 (``dstc-ort`` or ``dstc-ort-prefill8``, whichever is better for the figure, and ``dstc-ov``): decode at >= 70 %
@@ -59,6 +61,7 @@ import argparse
 import contextlib
 import json
 import os
+import resource
 import shutil
 import statistics
 import subprocess
@@ -232,6 +235,8 @@ def worker(kind: str, path: Path, vocab: int) -> dict:
             result["batch4_tokens_per_s"] = 4 * len(steps4) / sum(steps4)
         except Failed as e:
             result["batch4_skipped"] = str(e)
+    # the contender's whole footprint: the model, its caches and scratch at this prompt, and the interpreter
+    result["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     return result
 
 
@@ -482,6 +487,7 @@ def rows_for(samples: dict, footprints: dict, bw: float) -> list[dict]:
                "tokens_per_s_batch4": statistics.median(b4) if b4 else None,
                "batch4_skipped": next((r["batch4_skipped"] for r in runs if "batch4_skipped" in r), None),
                "load_s": statistics.median(r["load_s"] for r in runs), "runs": len(runs),
+               "peak_rss_mib": max((r["peak_rss_mib"] for r in runs if "peak_rss_mib" in r), default=None),
                **footprints[contender]}
         row["limit_ms_per_token"] = 1e3 * row["bytes_per_token"] / bw
         row["bandwidth_share"] = row["bytes_per_token"] / bw / decode
@@ -536,18 +542,20 @@ def targets(rows: list[dict]) -> list[dict]:
 def table(rows: list[dict], skipped: dict) -> str:
     """The Markdown table of ``rows_for`` rows, then one line per skipped contender."""
     lines = [("| contender | TTFT ms | decode ms/token | tokens/s b1 | tokens/s b4 | MB read/token | % of BW limit | "
-              "KV bytes/token | TTFT / best peer | decode / best peer | b4 tokens/s / best peer |"), "|" + "---|" * 11]
+              "KV bytes/token | peak RSS MiB | TTFT / best peer | decode / best peer | b4 tokens/s / best peer |"),
+             "|" + "---|" * 12]
 
     def ratio(value):
         return f"{value:.2f}" if value is not None else "–"
     for r in rows:
         b4 = f"{r['tokens_per_s_batch4']:.1f}" if r["tokens_per_s_batch4"] else "–"
+        rss = f"{r['peak_rss_mib']:.0f}" if r.get("peak_rss_mib") else "–"
         lines.append(f"| {r['contender']} | {r['ttft_ms']:.1f} | {r['decode_ms_per_token']:.2f} | "
                      f"{r['tokens_per_s']:.1f} | {b4} | {r['bytes_per_token'] / 1e6:.0f} | "
                      f"{100 * r['bandwidth_share']:.0f} % | {r['kv_bytes_per_token']} ({r['kv_precision']}) | "
-                     f"{ratio(r['ttft_ms_to_best_peer'])} | {ratio(r['decode_ms_per_token_to_best_peer'])} | "
+                     f"{rss} | {ratio(r['ttft_ms_to_best_peer'])} | {ratio(r['decode_ms_per_token_to_best_peer'])} | "
                      f"{ratio(r['tokens_per_s_batch4_to_best_peer'])} |")
-    lines += [f"| {name} | skipped: {why} |" + " |" * 9 for name, why in skipped.items()]
+    lines += [f"| {name} | skipped: {why} |" + " |" * 10 for name, why in skipped.items()]
     return "\n".join(lines)
 
 
