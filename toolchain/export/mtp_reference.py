@@ -12,8 +12,8 @@ proposer passes on) and the embedding of token i+1, and predicts token i+2::
 
 The layer attends over its own cache, one entry per position (RoPE at i), as the main model's layers do. ``y`` is
 also returned: a second draft feeds it back as the hidden state (vLLM's recursive use of one MTP layer).
-DeepSeek-V3.2's MTP layer is a V3.2 decoder layer (DeepSeek's inference/model.py builds it as its other layers): its
-attention has the lightning indexer, whose keys are a third cache of the layer (transformers' DynamicIndexedLayer).
+DeepSeek-V3.2's MTP layer is a V3.2 decoder layer: its attention has the lightning indexer, whose keys are a third
+cache of the layer (transformers' DynamicIndexedLayer).
 
 Checkpoint names (DeepSeek-V3's hub layout, toolchain/checkpoint/fp8.py): the layer at index ``num_hidden_layers``
 + k holds a decoder layer's tensors plus ``enorm``, ``hnorm``, ``eh_proj`` [H, 2H], ``shared_head.norm`` and
@@ -101,8 +101,8 @@ class MtpLayer(nn.Module):
         super().__init__()
         decoder_layer, rms_norm = _transformers_modules(config.model_type)
         hidden, eps = config.hidden_size, config.rms_norm_eps
-        # index >= first_k_dense_replace: an MoE layer, as DeepSeek-V3's is
         self.config = layer_config(config, index)  # its modules' (their attention implementation)
+        # index >= first_k_dense_replace: an MoE layer, as DeepSeek-V3's is
         self.block = decoder_layer(self.config, index)
         # the layer's own cache has one layer (V3.2's indexer keeps its keys in it too)
         self.block.self_attn.layer_idx = 0
