@@ -29,11 +29,14 @@ int4-grouped (g128, asymmetric, INT8 embeddings and lm_head) per backend, run st
 --threads, OpenVINO at its deployment numerics) in a child process per backend and model family that holds the
 benchmark lock; each T is the median of --rounds rounds of --repeats forwards, rounds alternating the graphs.
 
-Acceptance: the embedded trained models built INT4 for ONNX Runtime (deepseek-v3-tiny with its MTP layer,
-export.mtp; r1-distill-qwen-tiny drafted by r1-distill-llama-tiny, the embedded pair of one tokenizer), greedy over
-benchmarks/speculative.py's few-shot held-out arithmetic prompts, for each k: E_k = 1 + accepted / verify steps.
+Acceptance: the embedded trained models built INT4 for ONNX Runtime (deepseek-v3-tiny and deepseek-v32-tiny with
+their MTP layers, export.mtp; r1-distill-qwen-tiny drafted by r1-distill-llama-tiny, the embedded pair of one
+tokenizer), greedy over benchmarks/speculative.py's few-shot held-out arithmetic prompts, for each k:
+E_k = 1 + accepted / verify steps (``--acceptance-only``: these alone, of the pairs ``--methods`` names).
 
     .venv/bin/python benchmarks/speculation_widths.py --workdir /tmp/spec-widths --json speculation_widths.json
+    .venv/bin/python benchmarks/speculation_widths.py --workdir /tmp/spec-widths --acceptance-only \
+        --methods "mtp,mtp (v32-tiny)" --json acceptance.json
 """
 
 from __future__ import annotations
@@ -67,6 +70,7 @@ V3_MOE, QWEN_LAYERS = 58, 28
 EH_PROJ_SHARE = 2 * 7168 * 7168 / 583e6  # eh_proj's weights over a V3 dense layer's (attention + MLP)
 # embedded pairs for acceptance: method -> (main model, recipe export extras, draft model or None)
 ACCEPTANCE = {"mtp": ("deepseek-v3-tiny", {"mtp": True}, None),
+              "mtp (v32-tiny)": ("deepseek-v32-tiny", {"mtp": True}, None),
               "draft": ("r1-distill-qwen-tiny", {}, "r1-distill-llama-tiny"),
               "prompt-lookup (v3-tiny)": ("deepseek-v3-tiny", {}, None),
               "prompt-lookup (qwen-tiny)": ("r1-distill-qwen-tiny", {}, None)}
@@ -237,9 +241,10 @@ def acceptance(work: Path, ks: list[int], args) -> dict[str, dict[int, dict]]:
         return open_artifact(out)
 
     result: dict[str, dict[int, dict]] = {}
-    for method, (model, export, draft) in ACCEPTANCE.items():
+    for method in args.methods:
+        model, export, draft = ACCEPTANCE[method]
         art = artifact(model, export)
-        mtp = method == "mtp"
+        mtp = method.startswith("mtp")
         decoder = open_decoder(art, threads=args.threads, extra_outputs=(HIDDEN_STATES,) if mtp else ())
         prompt_ids = prompts(art.tokenizer(), args.prompts, args.shots)
         result[method] = {}
@@ -303,6 +308,10 @@ def main() -> None:
     parser.add_argument("--shots", type=int, default=3)
     parser.add_argument("--tokens", type=int, default=64, help="tokens generated per prompt for acceptance")
     parser.add_argument("--build-only", action="store_true", help="build the graphs, measure nothing")
+    parser.add_argument("--methods", default=",".join(ACCEPTANCE), type=lambda s: s.split(","),
+                        help="the embedded pairs whose acceptance is measured")
+    parser.add_argument("--acceptance-only", action="store_true",
+                        help="measure the embedded pairs' acceptance alone (no graphs at real widths)")
     parser.add_argument("--measure", metavar="BACKEND", help=argparse.SUPPRESS)
     parser.add_argument("--max-tokens", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--graph-files", help=argparse.SUPPRESS)
@@ -314,6 +323,13 @@ def main() -> None:
         parser.error("--workdir is required")
     args.max_tokens = max(args.ks) + 1
     args.workdir.mkdir(parents=True, exist_ok=True)
+    if args.acceptance_only:
+        accepted = acceptance(args.workdir, args.ks, args)
+        args.json.write_text(json.dumps({"settings": {k: str(v) for k, v in vars(args).items()},
+                                         "acceptance": accepted}, indent=1) + "\n")
+        print(harness.markdown_table(["method", *(f"k = {k}" for k in args.ks)],
+                                     [[m, *(accepted[m][k]["tokens_per_step"] for k in args.ks)] for m in accepted]))
+        return
     files = build_graphs(args.workdir, args.graphs, args.backends)
     if args.build_only:
         return

@@ -1,6 +1,8 @@
-"""DeepSeek's MTP layer (issue #26): the main graph's optional hidden-state output, the MTP layer's graph against its
-PyTorch reference on both backends, the embedded deepseek-v3-tiny's trained MTP layer (main model untouched), and
-the self-speculative drafter over the graphs: lossless, and drafting exactly what the reference drafts."""
+"""DeepSeek's MTP layer (issue #26), on the embedded DeepSeek-V3 and V3.2 models (V3.2's layer with its lightning
+indexer and the indexer's key cache): the main graph's optional hidden-state output, the MTP layer's graph against
+its PyTorch reference on both backends, the embedded models' trained MTP layers (main model untouched), the MTP
+cache cut back after speculative positions, and the self-speculative drafter over the graphs: lossless, and
+drafting exactly what the reference drafts."""
 
 from __future__ import annotations
 
@@ -13,15 +15,22 @@ import torch
 from conftest import run_cli
 
 from toolchain import source as sources
-from toolchain.export.mtp_reference import mtp_layer_indices
 from toolchain.checkpoint.reader import open_checkpoint
 from toolchain.export.architectures import architecture_for
 from toolchain.export.decoder import build_decoder
 from toolchain.export.graph import save_graph
 from toolchain.export.mtp import build_mtp_graph
-from toolchain.interface.graph import HIDDEN_OUTPUT, HIDDEN_STATES, MTP_HIDDEN, MTP_LAYER, graph_cache_spec
+from toolchain.export.mtp_reference import mtp_layer_indices
+from toolchain.interface.graph import (
+    CACHE_KINDS,
+    HIDDEN_OUTPUT,
+    HIDDEN_STATES,
+    MOE_LAYERS,
+    MTP_HIDDEN,
+    MTP_LAYER,
+    graph_cache_spec,
+)
 from toolchain.models import corpus
-from toolchain.models.registry import embedded_path
 from toolchain.runtime.decoder import StatelessDecoder
 from toolchain.runtime.engines import GraphRunner
 from toolchain.runtime.mtp_drafter import MtpDrafter
@@ -30,20 +39,20 @@ from toolchain.tokenizer_loading import load_tokenizer
 from toolchain.verify.mtp_parity import MtpTorchDecoder, compare_mtp_graph, reference_mtp
 from toolchain.verify.parity import parity_cases
 
-MODEL = "deepseek-v3-tiny"
+MODELS = ("deepseek-v3-tiny", "deepseek-v32-tiny")
 BACKENDS = ("onnxruntime", "openvino")
 
 
-@pytest.fixture(scope="module")
-def source():
-    return sources.resolve(MODEL)
+@pytest.fixture(scope="module", params=MODELS)
+def source(request):
+    return sources.resolve(request.param)
 
 
 @pytest.fixture(scope="module")
 def graphs(source, tmp_path_factory):
     """The embedded model's main graph with its hidden-state output, and its MTP layer's graph."""
     out = tmp_path_factory.mktemp("mtp-graphs")
-    arch = architecture_for("deepseek_v3")
+    arch = architecture_for(source.config["model_type"])
     with open_checkpoint(source.path) as reader:
         skeleton = sources.skeleton(source, reader)
         save_graph(build_decoder(skeleton, arch, reader, hidden_output=True), out / "main.onnx")
@@ -53,7 +62,7 @@ def graphs(source, tmp_path_factory):
 
 
 def test_the_hidden_state_output_is_off_by_default_and_recorded_when_on(source):
-    arch = architecture_for("deepseek_v3")
+    arch = architecture_for(source.config["model_type"])
     with open_checkpoint(source.path) as reader:
         skeleton = sources.skeleton(source, reader)
         plain = build_decoder(skeleton, arch, reader)
@@ -84,7 +93,7 @@ def test_the_embedded_checkpoint_holds_its_mtp_layer_beside_an_unchanged_main_mo
 def test_the_recorded_acceptance_is_what_the_checkpoint_gives(source):
     from toolchain.models.mtp_training import heldout_sequences, teacher_forced_acceptance
 
-    record = json.loads((embedded_path(MODEL) / "training.json").read_text())["mtp"]
+    record = json.loads((source.path / "training.json").read_text())["mtp"]
     model = reference_model(source)
     mtp = reference_mtp(model, source.path)
     threads = torch.get_num_threads()
@@ -94,10 +103,12 @@ def test_the_recorded_acceptance_is_what_the_checkpoint_gives(source):
     finally:
         torch.set_num_threads(threads)
     assert measured == {k: record["metrics"][k] for k in measured}
-    assert record["metrics"]["mtp_acceptance"] > 0.6  # 0.7033 when trained
+    assert record["metrics"]["mtp_acceptance"] > 0.6  # when trained: V3 0.7033, V3.2 0.7172
 
 
 def test_mtp_training_is_deterministic_and_leaves_the_main_model_alone(source):
+    """V3.2's indexer through its dense warm-up (1 step) and a sparse step: its KL trains it."""
+    from toolchain.models.indexer_training import IndexerSettings
     from toolchain.models.mtp_training import MTP_SETTINGS, new_mtp, train_mtp
     from toolchain.models.train import encode_lines, pack_rows
 
@@ -105,32 +116,79 @@ def test_mtp_training_is_deterministic_and_leaves_the_main_model_alone(source):
     rows = pack_rows(encode_lines(tokenizer, corpus.text_samples("train", 64)), 64, tokenizer.bos_token_id,
                      tokenizer.eos_token_id, tokenizer.pad_token_id)
     settings = replace(MTP_SETTINGS, steps=3, batch_size=4, warmup=1)
+    indexed = source.config["model_type"] == "deepseek_v32"
+    indexer = IndexerSettings(dense_steps=1) if indexed else None
     model = sources.load(source)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     runs = []
     for _ in range(2):
         mtp = new_mtp(model, settings)
-        loss = train_mtp(model, mtp, rows, tokenizer.pad_token_id, settings)
+        initial = {k: v.clone() for k, v in mtp.layer.state_dict().items()}
+        loss = train_mtp(model, mtp, rows, tokenizer.pad_token_id, settings, indexer=indexer)
         runs.append((loss, {k: v.clone() for k, v in mtp.layer.state_dict().items()}))
     assert runs[0][0] == runs[1][0]
     assert all(torch.equal(runs[0][1][k], runs[1][1][k]) for k in runs[0][1])
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    if indexed:  # transformers' indexer has no gradient of its own: these moved by its KL alone
+        assert runs[0][0]["mtp_final_indexer_kl"] > 0
+        assert not torch.equal(initial["block.self_attn.indexer.wk.weight"],
+                               runs[0][1]["block.self_attn.indexer.wk.weight"])
+        assert mtp.layer.config._attn_implementation == model.config._attn_implementation  # set back
 
 
 def test_mtp_graph_matches_pytorch_on_both_backends(source, graphs):
+    """V3.2's: the indexer's keys a third cache, named and recorded as the main graph's; the long parity case and
+    its greedy tokens cross the indexer's top-k (16)."""
     _, mtp_graph = graphs
     import onnx
 
     proto = onnx.load(str(mtp_graph), load_external_data=False)
+    kinds = ["key", "value", *(["index_key"] if source.config["model_type"] == "deepseek_v32" else [])]
     assert [i.name for i in proto.graph.input] == ["input_ids", "attention_mask", "position_ids", HIDDEN_STATES,
-                                                    "past_key_values.0.key", "past_key_values.0.value"]
-    assert [o.name for o in proto.graph.output] == ["logits", "present.0.key", "present.0.value", MTP_HIDDEN]
-    assert {p.key: p.value for p in proto.metadata_props}[MTP_LAYER] == "3"
+                                                    *(f"past_key_values.0.{k}" for k in kinds)]
+    assert [o.name for o in proto.graph.output] == ["logits", *(f"present.0.{k}" for k in kinds), MTP_HIDDEN]
+    metadata = {p.key: p.value for p in proto.metadata_props}
+    assert metadata[MTP_LAYER] == "3" and json.loads(metadata[CACHE_KINDS]) == kinds
+    assert json.loads(metadata[MOE_LAYERS]) == [3]
     model = reference_model(source)
     results = compare_mtp_graph(model, source.path, mtp_graph, BACKENDS, parity_cases(source.path, 640), 8, 2)
     for backend, result in results.items():
         assert result["passed"], (backend, result)
         assert result["max_relative_diff"] < 1e-5  # measured 3e-7 on both
+
+
+def test_a_rolled_back_mtp_cache_gives_the_logits_of_one_that_never_held_the_rejected_positions(source, graphs):
+    """The MTP graph's cache cut back after speculative positions (rejected drafts chained on the layer's own
+    hidden state) is the cache that never held them: the next positions' logits are bit-identical, on ONNX
+    Runtime's decoder (its OrtValue cache) and the stateless decoders of both backends. 20 positions and 4 more
+    cross V3.2's index_topk (16), so its indexer chooses among its rolled-back keys."""
+    from toolchain.runtime.decoder import OnnxRuntimeDecoder
+
+    _, mtp_graph = graphs
+    tokens = torch.tensor([[(7 * i + 3) % 600 + 20 for i in range(25)]])
+    with torch.no_grad():
+        hidden = reference_model(source).model(input_ids=tokens).last_hidden_state.numpy()
+    ids = tokens.numpy()
+    ones = lambda n: np.ones((1, n), np.int64)  # noqa: E731
+    rejected = np.random.default_rng(0).standard_normal((1, 3, hidden.shape[-1])).astype(np.float32)
+    spec = graph_cache_spec(mtp_graph)
+    decoders = {"onnxruntime": lambda: OnnxRuntimeDecoder(mtp_graph, None, (MTP_HIDDEN,)),
+                **{f"{b} stateless": (lambda b=b: StatelessDecoder(GraphRunner(mtp_graph, b), spec)) for b in BACKENDS}}
+    for name, make in decoders.items():
+        decoder = make()
+        decoder.forward(ids[:, 1:21], ones(20), inputs={HIDDEN_STATES: hidden[:, :20]})
+        never = decoder.forward(ids[:, 21:25], ones(24), inputs={HIDDEN_STATES: hidden[:, 20:24]})
+        decoder.reset()
+        decoder.forward(ids[:, 1:21], ones(20), inputs={HIDDEN_STATES: hidden[:, :20]})
+        decoder.forward(np.array([[5, 6, 7]]), ones(23), inputs={HIDDEN_STATES: rejected})
+        held = decoder.forward(ids[:, 21:25], ones(27), inputs={HIDDEN_STATES: hidden[:, 20:24]})
+        assert not np.array_equal(held, never), name  # the rejected positions change what follows
+        decoder.reset()
+        decoder.forward(ids[:, 1:21], ones(20), inputs={HIDDEN_STATES: hidden[:, :20]})
+        decoder.forward(np.array([[5, 6, 7]]), ones(23), inputs={HIDDEN_STATES: rejected})
+        decoder.rollback(20)
+        again = decoder.forward(ids[:, 21:25], ones(24), inputs={HIDDEN_STATES: hidden[:, 20:24]})
+        np.testing.assert_array_equal(again, never, err_msg=name)
 
 
 def prompts_of(source, n: int = 8) -> list[list[int]]:
@@ -215,14 +273,15 @@ def test_mtp_drafter_over_the_graphs_drafts_what_the_reference_drafts(source, gr
     assert rate > 0.5, rate
 
 
-def test_the_speculative_loop_with_mtp_drafts_gives_the_plain_greedy_tokens(source, graphs):
-    """dstc's verify loop (toolchain/runtime/speculative.py, as generate and eval run it) with the MTP drafter:
-    the plain greedy tokens at 1 and 3 drafts a step, and its acceptance counted."""
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_the_speculative_loop_with_mtp_drafts_gives_the_plain_greedy_tokens(source, graphs, backend):
+    """dstc's verify loop (toolchain/runtime/speculative.py, as generate and eval run it) with the MTP drafter, at
+    fp32 on each backend: the plain greedy tokens at 1 and 3 drafts a step, and its acceptance counted."""
     from toolchain.runtime.speculative import Acceptance, speculative_steps
 
     main_graph, mtp_graph = graphs
-    main = StatelessDecoder(GraphRunner(main_graph, "onnxruntime"), graph_cache_spec(main_graph), (HIDDEN_STATES,))
-    drafter = MtpDrafter(StatelessDecoder(GraphRunner(mtp_graph, "onnxruntime"), graph_cache_spec(mtp_graph),
+    main = StatelessDecoder(GraphRunner(main_graph, backend), graph_cache_spec(main_graph), (HIDDEN_STATES,))
+    drafter = MtpDrafter(StatelessDecoder(GraphRunner(mtp_graph, backend), graph_cache_spec(mtp_graph),
                                           (MTP_HIDDEN,)))
     for k in (1, 3):
         acceptance = Acceptance()
@@ -243,7 +302,7 @@ def test_built_artifact_carries_the_mtp_layer_and_its_drafter_drafts_the_greedy_
     from toolchain.runtime.mtp_drafter import open_mtp_drafter
 
     recipe = tmp_path / "mtp.yaml"
-    recipe.write_text(f"name: mtp-{backend}\nmodel: {MODEL}\nexport:\n  mtp: true\n"
+    recipe.write_text(f"name: mtp-{backend}\nmodel: {source.spec}\nexport:\n  mtp: true\n"
                       f"passes:\n  target: {backend}\ncompile:\n  backend: {backend}\n")
     out = tmp_path / "artifact"
     code, _, err = run_cli(monkeypatch, capsys, "build", recipe, "-o", out)
@@ -265,11 +324,12 @@ def test_built_artifact_carries_the_mtp_layer_and_its_drafter_drafts_the_greedy_
 
 
 @pytest.mark.slow
-def test_mtp_layer_of_a_hub_fp8_checkpoint_with_its_own_embedding_and_head(source, tmp_path):
+def test_mtp_layer_of_a_hub_fp8_checkpoint_with_its_own_embedding_and_head(tmp_path):
     """DeepSeek-V3's hub layout (toolchain/checkpoint/fp8.py): the MTP layer in FP8 with its own copies of the
     embedding and head, read dequantized by both the graph and the reference."""
     from toolchain.models.shape_faithful import write_fp8_checkpoint
 
+    source = sources.resolve("deepseek-v3-tiny")
     fp8 = write_fp8_checkpoint(source.path, tmp_path / "fp8", shard_bytes=1_000_000, mtp_layers=1)
     with open_checkpoint(fp8, mtp=True) as reader:
         assert mtp_layer_indices(reader.names(), reader.config) == [3]

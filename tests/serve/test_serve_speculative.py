@@ -22,7 +22,7 @@ from toolchain.settings.speculation import SpeculationSettings
 
 pytestmark = pytest.mark.timeout(300)
 
-LATENT, GQA = "deepseek-v3-tiny", "r1-distill-qwen-tiny"
+LATENT, GQA, V32 = "deepseek-v3-tiny", "r1-distill-qwen-tiny", "deepseek-v32-tiny"
 ORT = {"compile": {"backend": "onnxruntime", "verify": False}}
 def sections(method: str, backend: str) -> dict | None:
     """The recipe sections of the artifact a case runs on: with the MTP layer for mtp drafts, else the default."""
@@ -65,7 +65,8 @@ def backend_run(art, speculation: SpeculationSettings | None, sampled: bool = Fa
 
 @pytest.mark.parametrize(("model", "method", "backend"), [
     (LATENT, "mtp", "onnxruntime"), (LATENT, "prompt-lookup", "onnxruntime"), (GQA, "prompt-lookup", "onnxruntime"),
-    (LATENT, "prompt-lookup", "openvino"), (LATENT, "mtp", "openvino")])  # dstc's OpenVINO latent runner, at f32
+    (LATENT, "prompt-lookup", "openvino"), (LATENT, "mtp", "openvino"),  # dstc's OpenVINO latent runner, at f32
+    (V32, "mtp", "onnxruntime"), (V32, "mtp", "openvino")])  # MTP's own indexer keys, with holes
 def test_backend_speculates_to_plain_serving_tokens(artifact, model, method, backend):
     art = artifact(model, backend, sections(method, backend))
     plain, none = backend_run(art, None)
@@ -97,7 +98,7 @@ def test_sampled_requests_beside_greedy_ones(artifact):
 @pytest.mark.slow
 def test_backend_speculates_to_plain_serving_tokens_past_the_indexer_top_k(artifact):
     """DeepSeek-V3.2: the indexer adds the mask to its scores before its top-k, so holes are never chosen."""
-    art = artifact("deepseek-v32-tiny", "onnxruntime", ORT)
+    art = artifact(V32, "onnxruntime", ORT)
     plain, _ = backend_run(art, None)
     spoken, drafted = backend_run(art, SpeculationSettings(speculate="prompt-lookup", draft_tokens=4))
     assert spoken == plain and sum(p for p, _ in drafted) > 0

@@ -42,7 +42,7 @@ INDEX_KEY = "index_key"  # the indexer's cache: past_key_values.N.index_key / pr
 class DeepseekV32Architecture(DeepseekV3Architecture):
     model_types: tuple[str, ...] = ("deepseek_v32",)
     rotations_per_layer = 4  # MLA's q and k, the indexer's q and k
-    exports_mtp = False  # its MTP layer carries an indexer: not exported yet
+    exports_mtp = True  # its MTP layer is a V3.2 layer, indexer and all (toolchain/export/mtp.py)
     # V3's FP8 layout with power-of-two scales and the indexer's wq_b and wk in e4m3, always (no bf16 form shipped)
     bf16_unless_asked = False
 

@@ -4,8 +4,10 @@ main one.
 Interface: the main graph's (toolchain/interface/graph.py) with one more input, ``hidden_states`` [B, S, H]: the
 main graph's final-normed hidden state at positions i (its ``hidden_states`` output, toolchain/export/decoder.py),
 with ``input_ids`` the tokens at i + 1 and ``position_ids`` i; outputs ``logits`` (of tokens i + 2), the layer's own
-cache ``present.0.*`` (same layout as the main graph's layers: the MLA latent or per-head, and the same cache
-contract, so the runtime's decoders and the compile stage's stateful IR treat it as a one-layer decoder) and
+cache ``present.0.*`` (same layout as the main graph's layers: the MLA latent or per-head, with any further cache
+of the architecture's layers, DeepSeek-V3.2's ``index_key``, named and recorded as the main graph's (extra_caches,
+CACHE_KINDS); the same cache contract, so the runtime's decoders and the compile stage's IR treat it as a one-layer
+decoder) and
 ``mtp_hidden_states`` (MTP_HIDDEN), the layer's output before its head's norm (for a further draft, fed back as
 the hidden state).
 The decoder layer is built by the main graph's own code (decoder_layer, the architecture's attention and MoE), in
@@ -15,7 +17,6 @@ on).
 
 from __future__ import annotations
 
-import copy
 import json
 
 import onnx_ir as ir
@@ -32,7 +33,7 @@ from toolchain.export.decoder import (
     rotary_module,
 )
 from toolchain.export.graph import GraphBuilder, rename_output, tensor_input
-from toolchain.export.mtp_reference import OWN_EMBEDDING, OWN_HEAD, MtpModel, layer_prefix
+from toolchain.export.mtp_reference import OWN_EMBEDDING, OWN_HEAD, MtpModel, layer_config, layer_prefix
 from toolchain.export.weights import HFModule, Params
 from toolchain.interface.graph import (
     ATTENTION_MASK,
@@ -62,18 +63,17 @@ def build_mtp_graph(model: HFModule, arch: Architecture, reader, index: int, wei
     named = {**dict(mtp.layer.named_parameters()), **dict(mtp.layer.named_buffers())}
     params.add({mtp.layer.checkpoint_names(index)[name]: t for name, t in named.items()})
     # the family's MoE rule (layers first_k_dense_replace .. num_hidden_layers - 1) reaching the MTP layer's index
-    layer_config = copy.copy(config)
-    layer_config.num_hidden_layers = index + 1
-    g = GraphBuilder(params, weights, layer_config)
+    reaching = layer_config(config, index)
+    g = GraphBuilder(params, weights, reaching)
     heads, key_dim, value_dim = arch.cache_dims(config)
-    if arch.extra_caches(config):
-        raise ValueError(f"{config.model_type}: an MTP layer with caches beyond key and value is not exported")
+    cache_dims = {"key": (heads, key_dim), "value": (heads, value_dim), **arch.extra_caches(config)}
     input_ids = tensor_input(INPUT_IDS, INT64, ["batch_size", "sequence_length"])
     mask_2d = tensor_input(ATTENTION_MASK, INT64, ["batch_size", "total_sequence_length"])
     position_ids = tensor_input(POSITION_IDS, INT64, ["batch_size", "sequence_length"])
     hidden = tensor_input(HIDDEN_STATES, FLOAT, ["batch_size", "sequence_length", config.hidden_size])
     past = {kind: tensor_input(f"{PAST_PREFIX}0.{kind}", FLOAT, ["batch_size", h, "past_sequence_length", d])
-            for kind, (h, d) in {"key": (heads, key_dim), "value": (heads, value_dim)}.items()}
+            for kind, (h, d) in cache_dims.items()}
+    extra = {kind: value for kind, value in past.items() if kind not in ("key", "value")}
     prefix = layer_prefix(index)
 
     def shared(name: str, module_weight: torch.Tensor):
@@ -92,21 +92,21 @@ def build_mtp_graph(model: HFModule, arch: Architecture, reader, index: int, wei
         h = blocks.rms_norm(g, hidden, layer.hnorm, "hnorm")
         with g.role("mlp"):  # compression treats the projection like the layer's other matrices
             x = blocks.linear(g, g.op("Concat", e, h, axis=-1), layer.eh_proj, "eh_proj")
-        y, key, value = decoder_layer(g, arch, layer.block, x, LayerInputs(cos, sin, mask, past["key"],
-                                                                           past["value"]))
+        layer_inputs = LayerInputs(cos, sin, mask, past["key"], past["value"], past=extra)
+        y, key, value = decoder_layer(g, arch, layer.block, x, layer_inputs)
         out = blocks.rms_norm(g, y, layer.shared_head.norm, "shared_head.norm")
     with g.role("lm_head"):
         logits = blocks.matmul_weight(g, out, shared(OWN_HEAD, model.lm_head.weight), "lm_head")
+    presents = {"key": key, "value": value, **{kind: layer_inputs.present[kind] for kind in extra}}
     outputs = [rename_output(logits, LOGITS, FLOAT, ["batch_size", "sequence_length", config.vocab_size]),
-               rename_output(key, f"{PRESENT_PREFIX}0.key", FLOAT, ["batch_size", heads, "total_sequence_length",
-                                                                    key_dim]),
-               rename_output(value, f"{PRESENT_PREFIX}0.value", FLOAT, ["batch_size", heads,
-                                                                        "total_sequence_length", value_dim]),
+               *(rename_output(present, f"{PRESENT_PREFIX}0.{kind}", FLOAT,
+                               ["batch_size", cache_dims[kind][0], "total_sequence_length", cache_dims[kind][1]])
+                 for kind, present in presents.items()),
                rename_output(g.op("Identity", y), MTP_HIDDEN, FLOAT,
                              ["batch_size", "sequence_length", config.hidden_size])]
     ir_model = g.model([input_ids, mask_2d, position_ids, hidden, *past.values()], outputs,
                        doc=f"{config.model_type} MTP layer {index} exported by dstc")
-    moe = index in arch.moe_layers(layer_config)
+    moe = index in arch.moe_layers(reaching)
     ir_model.metadata_props.update({
         MODEL_TYPE: config.model_type,
         NUM_LAYERS: "1",

@@ -1,5 +1,5 @@
-"""DeepSeek's multi-token-prediction (MTP) layer as a torch module made of transformers' own DeepSeek-V3 modules, and
-where its weights are in a checkpoint.
+"""DeepSeek's multi-token-prediction (MTP) layer as a torch module made of transformers' own DeepSeek-V3 (or V3.2)
+modules, and where its weights are in a checkpoint.
 
 transformers does not implement the MTP layer; vLLM's ``deepseek_mtp.py`` (``DeepSeekMultiTokenPredictorLayer``)
 and SGLang's ``deepseek_nextn.py`` do, and this is their wiring: position i of the MTP layer reads the main model's
@@ -12,6 +12,8 @@ proposer passes on) and the embedding of token i+1, and predicts token i+2::
 
 The layer attends over its own cache, one entry per position (RoPE at i), as the main model's layers do. ``y`` is
 also returned: a second draft feeds it back as the hidden state (vLLM's recursive use of one MTP layer).
+DeepSeek-V3.2's MTP layer is a V3.2 decoder layer: its attention has the lightning indexer, whose keys are a third
+cache of the layer (transformers' DynamicIndexedLayer).
 
 Checkpoint names (DeepSeek-V3's hub layout, toolchain/checkpoint/fp8.py): the layer at index ``num_hidden_layers``
 + k holds a decoder layer's tensors plus ``enorm``, ``hnorm``, ``eh_proj`` [H, 2H], ``shared_head.norm`` and
@@ -22,6 +24,8 @@ deepseek-v3-tiny, whose config is kept byte-identical for its artifacts) is read
 """
 
 from __future__ import annotations
+
+import copy
 
 import torch
 from torch import nn
@@ -54,11 +58,31 @@ def mtp_layer_indices(names: list[str], config: dict) -> list[int]:
 
 
 def _transformers_modules(model_type: str):
+    """(decoder layer class, RMSNorm class) of the family's transformers modules."""
     if not exports_mtp(model_type):
         raise ValueError(f"no MTP layer for {model_type}")
-    from transformers.models.deepseek_v3 import modeling_deepseek_v3 as modeling
+    if model_type == "deepseek_v32":
+        from transformers.models.deepseek_v32 import modeling_deepseek_v32 as v32
 
-    return modeling
+        return v32.DeepseekV32DecoderLayer, v32.DeepseekV32RMSNorm
+    from transformers.models.deepseek_v3 import modeling_deepseek_v3 as v3
+
+    return v3.DeepseekV3DecoderLayer, v3.DeepseekV3RMSNorm
+
+
+def layer_config(config, index: int):
+    """``config`` reaching MTP layer ``index``: num_hidden_layers = index + 1, and the per-layer type lists that
+    V3.2's config has (layer_types, mlp_layer_types) grown by the family's rule (an MoE layer from
+    first_k_dense_replace on; V3.2's one attention kind), so that the layer's module and the exporter's MoE rule
+    (Architecture.moe_layers) see its index."""
+    grown = copy.copy(config)
+    grown.num_hidden_layers = index + 1
+    for name, kind in (("mlp_layer_types", "sparse" if index >= config.first_k_dense_replace else "dense"),
+                       ("layer_types", "indexed_attention")):
+        types = getattr(config, name, None)
+        if types:
+            setattr(grown, name, [*types, *[kind] * (index + 1 - len(types))][:index + 1])
+    return grown
 
 
 class SharedHead(nn.Module):
@@ -75,15 +99,19 @@ class MtpLayer(nn.Module):
 
     def __init__(self, config, index: int) -> None:
         super().__init__()
-        modeling = _transformers_modules(config.model_type)
+        decoder_layer, rms_norm = _transformers_modules(config.model_type)
         hidden, eps = config.hidden_size, config.rms_norm_eps
+        self.config = layer_config(config, index)  # its modules' (their attention implementation)
         # index >= first_k_dense_replace: an MoE layer, as DeepSeek-V3's is
-        self.block = modeling.DeepseekV3DecoderLayer(config, index)
-        self.block.self_attn.layer_idx = 0  # the layer's own cache has one layer
-        self.enorm = modeling.DeepseekV3RMSNorm(hidden, eps=eps)
-        self.hnorm = modeling.DeepseekV3RMSNorm(hidden, eps=eps)
+        self.block = decoder_layer(self.config, index)
+        # the layer's own cache has one layer (V3.2's indexer keeps its keys in it too)
+        self.block.self_attn.layer_idx = 0
+        if hasattr(self.block.self_attn, "indexer"):
+            self.block.self_attn.indexer.layer_idx = 0
+        self.enorm = rms_norm(hidden, eps=eps)
+        self.hnorm = rms_norm(hidden, eps=eps)
         self.eh_proj = nn.Linear(2 * hidden, hidden, bias=False)
-        self.shared_head = SharedHead(modeling.DeepseekV3RMSNorm(hidden, eps=eps))
+        self.shared_head = SharedHead(rms_norm(hidden, eps=eps))
 
     def checkpoint_names(self, index: int) -> dict[str, str]:
         """state_dict name -> checkpoint name (the block's tensors without ``block.``)."""
@@ -104,7 +132,9 @@ class MtpModel(nn.Module):
     def new_cache(self):
         from transformers import DynamicCache
 
-        return DynamicCache()
+        # one layer of the MTP layer's kind: DynamicIndexedLayer for V3.2 (its config's layer_types say so)
+        cache_config = layer_config(self.config, 0)
+        return DynamicCache(config=cache_config)
 
     def forward(self, hidden, next_ids, attention_mask=None, position_ids=None, cache=None):
         from transformers.masking_utils import create_causal_mask
@@ -114,8 +144,10 @@ class MtpModel(nn.Module):
         if position_ids is None:
             past = cache.get_seq_length() if cache is not None else 0
             position_ids = torch.arange(past, past + x.shape[1])[None]
-        mask = create_causal_mask(config=self.config, inputs_embeds=x, attention_mask=attention_mask,
-                                  position_ids=position_ids, **{cache_argument(): cache})
+        # V3.2's indexer reads the mask: made even where SDPA could skip it (as DeepseekV32Model does)
+        skip = {"allow_is_causal_skip": False} if hasattr(layer.block.self_attn, "indexer") else {}
+        mask = create_causal_mask(config=layer.config, inputs_embeds=x, attention_mask=attention_mask,
+                                  position_ids=position_ids, **{cache_argument(): cache}, **skip)
         y = layer.block(x, attention_mask=mask, position_ids=position_ids, use_cache=cache is not None,
                         position_embeddings=self.rotary_emb(x, position_ids), **{cache_argument(): cache})
         return self.lm_head(layer.shared_head.norm(y)), y

@@ -66,11 +66,12 @@ def index_scores(indexer: HFModule, hidden: torch.Tensor, q_latent: torch.Tensor
 
 
 class IndexerTap:
-    """Hooks on every layer's attention: the indexer's inputs and chosen keys, the attention's probabilities, and
-    (while ``dense``) all keys in place of the indexer's choice."""
+    """Hooks on every layer's attention (or on ``attentions``: an MTP layer's, toolchain/models/mtp_training.py):
+    the indexer's inputs and chosen keys, the attention's probabilities, and (while ``dense``) all keys in place of
+    the indexer's choice."""
 
-    def __init__(self, model: HFModule):
-        self.attentions = [layer.self_attn for layer in model.model.layers]
+    def __init__(self, model: HFModule, attentions: Sequence[HFModule] = ()):
+        self.attentions = list(attentions) or [layer.self_attn for layer in model.model.layers]
         self.dense = False
         self.inputs: list[tuple] = [()] * len(self.attentions)
         self.chosen: list[torch.Tensor | None] = [None] * len(self.attentions)

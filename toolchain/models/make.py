@@ -34,8 +34,9 @@ SETTINGS = {
     # arithmetic to get past that plateau within the step budget.
     "deepseek-v2-lite-tiny": TrainSettings(steps=1000, n_texts=8000),
 }
-# The embedded models trained with an MTP layer (toolchain/models/mtp_training.py), after their main model.
-MTP_MODELS = ("deepseek-v3-tiny",)
+# The embedded models trained with an MTP layer (toolchain/models/mtp_training.py), after their main model (V3.2's
+# with its indexer's KL loss, as its main layers').
+MTP_MODELS = ("deepseek-v3-tiny", "deepseek-v32-tiny")
 # The embedded models whose lightning indexer is trained with DeepSeek's KL loss (toolchain/models/indexer_training.py).
 INDEXER_MODELS = {"deepseek-v32-tiny": IndexerSettings()}
 HELDOUT_PROBLEMS = 500
@@ -111,7 +112,7 @@ def make_model(name: str, path: Path, tokenizer) -> dict:
         "metrics": metrics,
     }
     if name in MTP_MODELS:
-        record["mtp"] = make_mtp(model, tokenizer, rows, path)
+        record["mtp"] = make_mtp(model, tokenizer, rows, path, indexer=INDEXER_MODELS.get(name))
     (path / "training.json").write_text(json.dumps(record, indent=2) + "\n")
     return metrics
 

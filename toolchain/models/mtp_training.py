@@ -6,6 +6,10 @@ artifacts are what they were. The MTP layer learns token t+2 from the main model
 and the embedding of token t+1, on the same packed rows the main model trained on. Its tensors are appended to
 the checkpoint's model.safetensors under the hub's names (``model.layers.N.*``, N = num_hidden_layers), without
 copies of the embedding and head, which it shares with the main model (float32: ~0.5 M values).
+
+DeepSeek-V3.2's MTP layer has a lightning indexer, which transformers runs without gradients: it is trained as the
+main layers' are (toolchain/models/indexer_training.py), from its own KL loss beside the layer's LM loss, with
+the same dense warm-up (its attention over every key for the first ``dense_steps``) and then sparse training.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import torch
 
 from toolchain.export.mtp_reference import MtpModel, hub_tensors
 from toolchain.models import corpus
+from toolchain.models.indexer_training import IndexerSettings, IndexerTap
 from toolchain.models.train import TrainSettings, run_steps, seed_everything
 
 MTP_SETTINGS = TrainSettings(steps=1000)
@@ -43,25 +48,49 @@ def mtp_batches(model, rows: torch.Tensor):
 
 
 def train_mtp(model, mtp: MtpModel, rows: torch.Tensor, pad: int, settings: TrainSettings = MTP_SETTINGS,
-              log: Callable[[str], None] | None = None) -> dict:
-    """Train ``mtp.layer`` only (the embedding and head are the frozen main model's); returns the final loss."""
+              log: Callable[[str], None] | None = None, indexer: IndexerSettings | None = None) -> dict:
+    """Train ``mtp.layer`` only (the embedding and head are the frozen main model's); returns the final loss.
+    ``indexer``: the layer's lightning indexer's training (module doc), for a V3.2 MTP layer."""
     seed_everything(settings.seed, settings.threads)
     model.eval()
     for p in model.parameters():
         p.requires_grad_(False)
     mtp.layer.train()
+    tap, dense_steps = None, 0
+    if indexer is not None:  # the KL reads the attention's probabilities, which the eager implementation returns
+        implementation = mtp.layer.config._attn_implementation
+        mtp.layer.config._attn_implementation = "eager"
+        tap, dense_steps = IndexerTap(None, [mtp.layer.block.self_attn]), indexer.dense_steps
+    recent: dict[str, list[float]] = {"lm": [], "kl": []}
 
-    def loss_of(batch: torch.Tensor, _step: int) -> torch.Tensor:
+    def loss_of(batch: torch.Tensor, step: int) -> torch.Tensor:
         hidden, next_ids, targets = mtp_batches(model, batch)
+        if tap is not None:
+            tap.dense = step < dense_steps
         logits, _ = mtp(hidden, next_ids)
         labels = targets.masked_fill(targets == pad, -100)
-        return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1),
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1),
                                                  ignore_index=-100)
+        if tap is None:
+            return loss
+        kl = tap.layer_kl(0, next_ids != pad)
+        recent["lm"] = [*recent["lm"], loss.item()][-50:]
+        recent["kl"] = [*recent["kl"], kl.item()][-50:]
+        return loss + kl
 
     generator = torch.Generator().manual_seed(settings.seed + 1)  # not the main model's batch order
-    loss = run_steps(list(mtp.layer.parameters()), rows, settings, generator, loss_of, log, "mtp step")
+    try:
+        loss = run_steps(list(mtp.layer.parameters()), rows, settings, generator, loss_of, log, "mtp step")
+    finally:
+        if tap is not None:
+            tap.remove()
+            mtp.layer.config._attn_implementation = implementation
     mtp.layer.eval()
-    return {"mtp_final_train_loss": loss}
+    if tap is None:
+        return {"mtp_final_train_loss": loss}
+    # run_steps' loss is their sum; the LM loss alone is what V3's figure is
+    return {"mtp_final_train_loss": round(sum(recent["lm"]) / len(recent["lm"]), 4),
+            "mtp_final_indexer_kl": round(sum(recent["kl"]) / len(recent["kl"]), 4)}
 
 
 @torch.no_grad()
@@ -90,15 +119,15 @@ def heldout_sequences(tokenizer, n: int = HELDOUT_TEXTS, seed: int = 0) -> list[
 
 
 def make_mtp(model, tokenizer, rows: torch.Tensor, checkpoint: Path, settings: TrainSettings = MTP_SETTINGS,
-             log: Callable[[str], None] | None = None) -> dict:
+             log: Callable[[str], None] | None = None, indexer: IndexerSettings | None = None) -> dict:
     """Train the MTP layer over the trained ``model``, append it to ``checkpoint``/model.safetensors and return its
-    training record (settings, wall time, acceptance on held-out text)."""
+    training record (settings, wall time, acceptance on held-out text). ``indexer``: train_mtp's."""
     from safetensors import safe_open
     from safetensors.torch import save_file
 
     mtp = new_mtp(model, settings)
     start = time.perf_counter()
-    losses = train_mtp(model, mtp, rows, tokenizer.pad_token_id, settings, log)
+    losses = train_mtp(model, mtp, rows, tokenizer.pad_token_id, settings, log, indexer)
     wall = time.perf_counter() - start
     metrics = {**teacher_forced_acceptance(model, mtp, heldout_sequences(tokenizer)), **losses,
                "heldout_texts": HELDOUT_TEXTS}
@@ -109,6 +138,6 @@ def make_mtp(model, tokenizer, rows: torch.Tensor, checkpoint: Path, settings: T
     tensors.update(hub_tensors(mtp))
     save_file(tensors, str(file), metadata=metadata)
     return {"layer": mtp.index, "parameters": sum(p.numel() for p in mtp.layer.parameters()),
-            "settings": vars(settings), "wall_time_s": round(wall, 1), "threads": torch.get_num_threads(),
-            "metrics": metrics}
+            "settings": vars(settings) | (vars(indexer) if indexer else {}), "wall_time_s": round(wall, 1),
+            "threads": torch.get_num_threads(), "metrics": metrics}
 

@@ -7,7 +7,8 @@ the n known tokens: the drafter runs the MTP layer over the positions it has not
 logits there draft token n. Further drafts chain the layer on itself (vLLM's recursive use of one MTP layer): the
 previous draft as the token and the layer's own output hidden state (``mtp_hidden_states``) in place of the main
 model's, which is not known yet. Cache entries made that way are speculative and dropped by the next ``propose``
-whatever the verify step accepted; ``rollback(keep)`` drops more.
+whatever the verify step accepted; ``rollback(keep)`` drops more. Every cache tensor of the graph is cut alike
+(the decoders' ``rollback``): DeepSeek-V3.2's MTP layer caches its indexer's keys beside the latent.
 """
 
 from __future__ import annotations
