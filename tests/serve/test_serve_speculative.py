@@ -156,7 +156,7 @@ def served(server: Server, prompts: list[str]) -> list[str]:
 @pytest.mark.parametrize(("model", "method", "backend"), [
     (LATENT, "mtp", "onnxruntime"), (GQA, "prompt-lookup", "onnxruntime"), (GQA, "draft:ort-int4", "onnxruntime"),
     (LATENT, "mtp", "openvino"), (LATENT, "draft:ov-latent-int4", "openvino"),  # dstc's runner of the latent cache
-    (GQA, "prompt-lookup", "openvino")])  # openvino_genai's pipeline, with its own prompt lookup
+    (GQA, "prompt-lookup", "openvino"), (GQA, "draft:ov-int4", "openvino")])  # openvino_genai's pipeline, its own
 def test_served_greedy_completions_are_plain_servings_and_metrics_count_drafts(artifact, model, method, backend):
     art = artifact(model, backend, sections(method, backend))
     prompts = texts() * 2
@@ -213,7 +213,7 @@ def test_combinations_that_cannot_work_are_refused_in_one_line(artifact, monkeyp
 
 @pytest.mark.parametrize(("model", "backend", "method", "message"), [
     (GQA, "openvino", "mtp", "served by openvino_genai's ContinuousBatchingPipeline, which drafts by"),
-    (GQA, "openvino", "draft:ort", "not dstc's batched draft model (which dstc's runner runs: an ONNX Runtime"),
+    (GQA, "openvino", "draft:ort", "draft-model speculation pages the draft's KV cache as the main one's: the draft"),
     pytest.param("deepseek-v4-tiny", "onnxruntime", "prompt-lookup", "per-token cache (DeepSeek-V4's sliding window",
                  marks=pytest.mark.slow),  # its export takes a minute
     pytest.param(GQA, "onnxruntime", "draft:v4", "per-token cache (DeepSeek-V4's sliding window",

@@ -202,14 +202,20 @@ def _check_holes(artifact: Artifact) -> None:
 def check_batch_speculation(settings: SpeculationSettings, artifact: Artifact) -> None:
     """InputError, before anything loads, where speculation in a running batch cannot work on ``artifact``: dstc's
     runners verify drafts of prompt lookup, of the MTP layer or of a draft artifact (whose cache holds holes too);
-    openvino_genai's pipeline (what serves a pageable OpenVINO artifact) does its own prompt lookup."""
+    openvino_genai's pipeline (what serves a pageable OpenVINO artifact) does its own prompt lookup or draft-model
+    speculation."""
     if settings.speculate is None:
         return
-    if artifact.backend == "openvino" and settings.speculate != PROMPT_LOOKUP and pageable(artifact.path / MODEL_XML):
-        raise InputError(f"{artifact.path}: served by openvino_genai's ContinuousBatchingPipeline, which drafts "
-                         f"by {PROMPT_LOOKUP} (--speculate {PROMPT_LOOKUP}) or a draft model of its own, not "
-                         f"dstc's {'MTP layer' if settings.speculate == MTP else 'batched draft model'} (which dstc's "
-                         "runner runs: an ONNX Runtime build of it)")
+    if artifact.backend == "openvino" and pageable(artifact.path / MODEL_XML):
+        if settings.speculate == MTP:
+            raise InputError(f"{artifact.path}: served by openvino_genai's ContinuousBatchingPipeline, which drafts "
+                             f"by {PROMPT_LOOKUP} or a draft model, not an MTP layer")
+        draft = draft_artifact(settings, artifact)
+        if draft is not None and not (draft.backend == "openvino" and pageable(draft.path / MODEL_XML)):
+            raise InputError(f"{artifact.path}: served by openvino_genai's ContinuousBatchingPipeline, whose "
+                             f"draft-model speculation pages the draft's KV cache as the main one's: the draft "
+                             f"{draft.path} must be an OpenVINO artifact it can page too")
+        return  # openvino_genai's own speculation
     _check_holes(artifact)
     draft = draft_artifact(settings, artifact)  # an MTP layer, or a draft artifact of the same tokenizer
     if draft is not None:
