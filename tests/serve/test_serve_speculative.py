@@ -109,12 +109,13 @@ def test_backend_speculates_to_plain_serving_tokens(artifact, model, method, bac
         assert any({a == p for p, a in step} == {True, False} for step in steps), steps
 
 
-def test_sampled_requests_beside_greedy_ones(artifact):
+@pytest.mark.parametrize(("model", "method"), [(LATENT, "mtp"), (GQA, "draft:ort-int4")])
+def test_sampled_requests_beside_greedy_ones(artifact, model, method):
     """Speculative sampling rows (seeded) in the same verify steps as greedy ones: the greedy rows keep plain
     serving's tokens, a sampled row's tokens are the same from run to run and fill its budget or end at a stop."""
-    art = artifact(LATENT, "onnxruntime", sections("mtp", "onnxruntime"))
+    art = artifact(model, "onnxruntime", sections(method, "onnxruntime"))
     plain, _ = backend_run(art, None)
-    settings = SpeculationSettings(speculate="mtp", draft_tokens=3)
+    settings = SpeculationSettings(speculate=speculate(artifact, method), draft_tokens=3)
     first, drafted = backend_run(art, settings, sampled=True)
     again, _ = backend_run(art, settings, sampled=True)
     assert first == again and sum(a for _, a in drafted) > 0
