@@ -18,6 +18,7 @@ step, join and leave times for batches of 1, 4, 16 at contexts of 64 and 512 tok
         artifacts/deepseek-v3-tiny-onnxruntime-int4
     .venv/bin/python benchmarks/serve_load.py layouts artifacts/deepseek-v3-tiny-onnxruntime-int4
     .venv/bin/python benchmarks/serve_load.py speculate ARTIFACT... --methods none,prompt-lookup,mtp
+    .venv/bin/python benchmarks/serve_load.py speculate ARTIFACT --methods none,prompt-lookup,draft:DRAFT_ARTIFACT
 
 ``speculate``: `dstc serve` without and with ``--speculate`` (each method a server of its own, all started at once;
 the load workload above at each level, the methods in turn for ``--repeats`` rounds, the median round reported),
@@ -405,7 +406,7 @@ def speculate(args) -> None:
                                            args.max_tokens, args.time_limit, method)
                         runs[method].append((run, before, _speculative_counters(server.base)))
                 for method in methods:
-                    rows.append(_speculate_row(name, method, runs[method]))
+                    rows.append(_speculate_row(name, _label(method), runs[method]))
                     print(json.dumps(rows[-1]), flush=True)
         finally:
             for server in servers.values():
@@ -424,6 +425,11 @@ def speculate(args) -> None:
     print("\n".join(lines))
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1) + "\n")
+
+
+def _label(method: str) -> str:
+    """A method as the table names it: a draft artifact by its directory's name."""
+    return f"draft:{Path(method[len('draft:'):]).name}" if method.startswith("draft:") else method
 
 
 def _speculate_row(name: str, method: str, runs: list) -> dict:
@@ -490,7 +496,8 @@ def main() -> None:
     p.set_defaults(func=load)
     p = sub.add_parser("speculate", help="the server without and with --speculate, per artifact")
     p.add_argument("artifacts", nargs="+", type=Path)
-    p.add_argument("--methods", default="none,prompt-lookup,mtp", help="none and --speculate values")
+    p.add_argument("--methods", default="none,prompt-lookup,mtp",
+                   help="none and --speculate values (draft:ARTIFACT: an absolute path, the servers run in the repo)")
     p.add_argument("--draft-tokens", type=int, default=4)
     p.add_argument("--repeats", type=int, default=3, help="rounds of every method per level")
     p.add_argument("--clients", default="1,4,16")

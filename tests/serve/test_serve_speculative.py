@@ -1,11 +1,14 @@
 """dstc serve --speculate (toolchain/serve/engine_runner.py, toolchain/runtime/batched_drafts.py): greedy output
 identical to plain serving through the API and in the runner's backend, with requests of different lengths joining
 and leaving so that one verify step's rows accept different counts (holes in the batch's cache, compacted on
-rebuilds); the acceptance counters in /metrics; the combinations refused."""
+rebuilds), for prompt lookup, the MTP layer and draft artifacts; the acceptance counters in /metrics; the
+combinations refused."""
 
 from __future__ import annotations
 
+import json
 import re
+import shutil
 import threading
 
 import httpx
@@ -24,6 +27,25 @@ pytestmark = pytest.mark.timeout(300)
 
 LATENT, GQA, V32 = "deepseek-v3-tiny", "r1-distill-qwen-tiny", "deepseek-v32-tiny"
 ORT = {"compile": {"backend": "onnxruntime", "verify": False}}
+INT4 = {"scheme": "int4-grouped", "group_size": 128, "sym": False, "backup": "int8"}
+# draft models (model, backend, recipe sections) of the cases' "draft:NAME": a main model's own weights at INT4,
+# which agree with its fp32 build on most tokens but not all (rejections beside acceptances)
+DRAFTS = {
+    "draft:ort-int4": (GQA, "onnxruntime", {"compress": INT4, "compile": {"backend": "onnxruntime", "verify": False}}),
+    "draft:ov-int4": (GQA, "openvino", {"compress": INT4, "compile": {"backend": "openvino", "verify": False}}),
+    "draft:ov-latent-int4": (LATENT, "openvino", {"compress": INT4, "compile": {"backend": "openvino",
+                                                                                "verify": False}}),
+}
+
+
+def speculate(artifact, method: str) -> str:
+    """The --speculate value of a case: a draft model's built for it."""
+    if method not in DRAFTS:
+        return method
+    model, backend, recipe = DRAFTS[method]
+    return f"draft:{artifact(model, backend, recipe).path}"
+
+
 def sections(method: str, backend: str) -> dict | None:
     """The recipe sections of the artifact a case runs on: with the MTP layer for mtp drafts, else the default."""
     if method != "mtp":
@@ -37,10 +59,11 @@ def texts(count: int = 6) -> list[str]:
     return ["".join(p + a + "\n" for p, a in ex[i:i + 1 + i % 3]) + ex[i + 4][0] for i in range(count)] + ["12+345="]
 
 
-def backend_run(art, speculation: SpeculationSettings | None, sampled: bool = False
-                ) -> tuple[dict[int, list[int]], list[tuple[int, int]]]:
+def backend_run(art, speculation: SpeculationSettings | None, sampled: bool = False,
+                steps: list | None = None) -> tuple[dict[int, list[int]], list[tuple[int, int]]]:
     """Each prompt's tokens from the runner's backend, two requests joining per step (max tokens 24..42), and
-    every step's (proposed, accepted) per request. ``sampled``: every other request at temperature 0.8, seeded."""
+    every step's (proposed, accepted) per request (``steps``: appended each step's list of them).
+    ``sampled``: every other request at temperature 0.8, seeded."""
     tokenizer = art.tokenizer()
     backend = RunnerBackend(art, threads=2, max_batch=16, max_context=256, f32=True, speculation=speculation)
     backend.load()
@@ -55,6 +78,8 @@ def backend_run(art, speculation: SpeculationSettings | None, sampled: bool = Fa
         pending = pending[2:]
         results += backend.step()
         drafted += backend.drafted
+        if steps is not None:
+            steps.append(backend.drafted)
         for request, tokens, finish in results:
             assert finish != "error", request.error
             out[request.id] += tokens
@@ -66,25 +91,32 @@ def backend_run(art, speculation: SpeculationSettings | None, sampled: bool = Fa
 @pytest.mark.parametrize(("model", "method", "backend"), [
     (LATENT, "mtp", "onnxruntime"), (LATENT, "prompt-lookup", "onnxruntime"), (GQA, "prompt-lookup", "onnxruntime"),
     (LATENT, "prompt-lookup", "openvino"), (LATENT, "mtp", "openvino"),  # dstc's OpenVINO latent runner, at f32
-    (V32, "mtp", "onnxruntime"), (V32, "mtp", "openvino")])  # MTP's own indexer keys, with holes
+    (V32, "mtp", "onnxruntime"), (V32, "mtp", "openvino"),  # MTP's own indexer keys, with holes
+    (GQA, "draft:ort-int4", "onnxruntime"), (GQA, "draft:ov-int4", "onnxruntime"),  # the draft's own batch
+    (LATENT, "draft:ov-latent-int4", "openvino")])
 def test_backend_speculates_to_plain_serving_tokens(artifact, model, method, backend):
     art = artifact(model, backend, sections(method, backend))
     plain, none = backend_run(art, None)
     assert none == [] and all(plain.values())
-    spoken, drafted = backend_run(art, SpeculationSettings(speculate=method, draft_tokens=4))
+    steps: list[list[tuple[int, int]]] = []
+    spoken, drafted = backend_run(art, SpeculationSettings(speculate=speculate(artifact, method), draft_tokens=4),
+                                  steps=steps)
     assert spoken == plain
     accepted = [a for _, a in drafted]
     assert max(p for p, _ in drafted) == 4 and sum(accepted) > 0
     # rows of one step accepted different counts (what leaves holes of different widths in the cache)
     assert len(set(accepted)) > 2
+    if method.startswith("draft:"):  # a step whose rows accepted every draft beside rows that rejected one
+        assert any({a == p for p, a in step} == {True, False} for step in steps), steps
 
 
-def test_sampled_requests_beside_greedy_ones(artifact):
+@pytest.mark.parametrize(("model", "method"), [(LATENT, "mtp"), (GQA, "draft:ort-int4")])
+def test_sampled_requests_beside_greedy_ones(artifact, model, method):
     """Speculative sampling rows (seeded) in the same verify steps as greedy ones: the greedy rows keep plain
     serving's tokens, a sampled row's tokens are the same from run to run and fill its budget or end at a stop."""
-    art = artifact(LATENT, "onnxruntime", sections("mtp", "onnxruntime"))
+    art = artifact(model, "onnxruntime", sections(method, "onnxruntime"))
     plain, _ = backend_run(art, None)
-    settings = SpeculationSettings(speculate="mtp", draft_tokens=3)
+    settings = SpeculationSettings(speculate=speculate(artifact, method), draft_tokens=3)
     first, drafted = backend_run(art, settings, sampled=True)
     again, _ = backend_run(art, settings, sampled=True)
     assert first == again and sum(a for _, a in drafted) > 0
@@ -124,9 +156,9 @@ def served(server: Server, prompts: list[str]) -> list[str]:
 
 @pytest.mark.slow  # two servers per case (about 30 s each)
 @pytest.mark.parametrize(("model", "method", "backend"), [
-    (LATENT, "mtp", "onnxruntime"), (GQA, "prompt-lookup", "onnxruntime"),
-    (LATENT, "mtp", "openvino"),  # dstc's runner of the latent cache
-    (GQA, "prompt-lookup", "openvino")])  # openvino_genai's pipeline, with its own prompt lookup
+    (LATENT, "mtp", "onnxruntime"), (GQA, "prompt-lookup", "onnxruntime"), (GQA, "draft:ort-int4", "onnxruntime"),
+    (LATENT, "mtp", "openvino"), (LATENT, "draft:ov-latent-int4", "openvino"),  # dstc's runner of the latent cache
+    (GQA, "prompt-lookup", "openvino"), (GQA, "draft:ov-int4", "openvino")])  # openvino_genai's pipeline, its own
 def test_served_greedy_completions_are_plain_servings_and_metrics_count_drafts(artifact, model, method, backend):
     art = artifact(model, backend, sections(method, backend))
     prompts = texts() * 2
@@ -137,7 +169,7 @@ def test_served_greedy_completions_are_plain_servings_and_metrics_count_drafts(a
         assert not any(name.startswith("dstc_speculative_accepted_total{") for name in plain.metrics())
     finally:
         plain.stop()
-    server = Server(art, *f32, "--speculate", method, "--draft-tokens", "3")
+    server = Server(art, *f32, "--speculate", speculate(artifact, method), "--draft-tokens", "3")
     try:
         assert served(server, prompts) == expected
         engine = httpx.get(server.base + "/health").json()["engine"]
@@ -160,27 +192,85 @@ def test_served_greedy_completions_are_plain_servings_and_metrics_count_drafts(a
 @pytest.mark.parametrize(("model", "args", "message"), [
     (GQA, ("--speculate", "mtp"), "has no MTP layer (mtp/) to draft with"),
     (GQA, ("--speculate", "prompt-lookup", "--kv-layout", "gather"), "in the 'batch' KV-cache layout"),
-    (GQA, ("--speculate", "draft:/nowhere"), "a draft model's batched drafting is not implemented"),
+    (GQA, ("--speculate", "draft:/nowhere"), "/nowhere is not a directory (expected an artifact"),
+    (GQA, ("--speculate", "draft:SELF", "--kv-layout", "gather"), "in the 'batch' KV-cache layout"),
+    (GQA, ("--speculate", "draft:TINY"), "has no tokenizer.json"),
+    (GQA, ("--speculate", "draft:OTHER"), "has another tokenizer than"),
     (GQA, ("--speculate", "ngram"), "is not 'prompt-lookup', 'mtp' or draft:ARTIFACT"),
 ])
-def test_combinations_that_cannot_work_are_refused_in_one_line(artifact, monkeypatch, capsys, model, args, message):
+def test_combinations_that_cannot_work_are_refused_in_one_line(artifact, monkeypatch, capsys, tiny_checkpoints,
+                                                               tmp_path, model, args, message):
     art = artifact(model, "onnxruntime")
+    # draft artifacts: the main one, one without its tokenizer (a random checkpoint's), one with a token more
+    tiny = str(artifact(tiny_checkpoints["deepseek_v32"], "onnxruntime").path)
+    other = tmp_path / "other"
+    shutil.copytree(art.path, other)
+    tokenizer = json.loads((other / "tokenizer.json").read_text())
+    tokenizer["added_tokens"].append({**tokenizer["added_tokens"][-1], "id": 640, "content": "<extra>"})
+    (other / "tokenizer.json").write_text(json.dumps(tokenizer))
+    args = tuple(arg.replace("TINY", tiny).replace("SELF", str(art.path)).replace("OTHER", str(other)) for arg in args)
     code, _, err = run_cli(monkeypatch, capsys, "serve", art.path, "--port", "0", *args)
     assert code == 2 and len(err.strip().splitlines()) == 1 and message in err, err
 
 
 @pytest.mark.parametrize(("model", "backend", "method", "message"), [
     (GQA, "openvino", "mtp", "served by openvino_genai's ContinuousBatchingPipeline, which drafts by"),
+    (GQA, "openvino", "draft:ort", "draft-model speculation pages the draft's KV cache as the main one's: the draft"),
     pytest.param("deepseek-v4-tiny", "onnxruntime", "prompt-lookup", "per-token cache (DeepSeek-V4's sliding window",
                  marks=pytest.mark.slow),  # its export takes a minute
+    pytest.param(GQA, "onnxruntime", "draft:v4", "per-token cache (DeepSeek-V4's sliding window",
+                 marks=pytest.mark.slow),  # the draft's cache: holes of its chained drafts
 ])
 def test_caches_and_engines_without_a_batched_verify_are_refused(artifact, model, backend, method, message):
     from toolchain.errors import InputError
     from toolchain.runtime.batched_drafts import check_batch_speculation
 
     art = artifact(model, backend, {"compile": {"backend": backend, "verify": False}})
+    drafts = {"draft:ort": (GQA, "onnxruntime"), "draft:v4": ("deepseek-v4-tiny", "onnxruntime")}
+    if method in drafts:
+        draft_model, draft_backend = drafts[method]
+        draft = artifact(draft_model, draft_backend, {"compile": {"backend": draft_backend, "verify": False}})
+        method = f"draft:{draft.path}"
     with pytest.raises(InputError, match=re.escape(message)):
         check_batch_speculation(SpeculationSettings(speculate=method), art)
+
+
+@pytest.mark.parametrize("backend", ["onnxruntime", "openvino"])
+def test_batched_draft_model_drafts_what_it_drafts_for_one_sequence(artifact, backend):
+    """BatchDraftModel over sequences that join, grow by a random accepted prefix and a token of their own, and
+    leave, at different steps: each propose's drafts are the draft model's greedy continuation of each sequence
+    alone (DraftModel at batch 1, from an empty cache), its chained positions forgotten in between."""
+    from toolchain.runtime.batched_drafts import BatchDraftModel, batch_drafter
+    from toolchain.runtime.decoder import open_decoder
+    from toolchain.runtime.speculative import DraftModel
+
+    main = artifact(GQA, "onnxruntime")
+    draft = artifact(GQA, backend)
+    drafter = batch_drafter(SpeculationSettings(speculate=f"draft:{draft.path}"), main, threads=2, openvino_f32=True)
+    assert isinstance(drafter, BatchDraftModel)
+    alone = DraftModel(open_decoder(draft, threads=2, openvino_f32=True))
+    tokenizer = main.tokenizer()
+    prompts = [tokenizer(text)["input_ids"] for text in texts(4)]
+    rng = np.random.default_rng(0)
+    sequences: dict[int, list[int]] = {}
+    accepted = []
+    for step in range(10):
+        if step < len(prompts):  # one joins per step
+            sequences[step] = list(prompts[step])
+        if step in (5, 7):  # and leaves
+            drafter.leave([min(sequences)])
+            del sequences[min(sequences)]
+        proposed = drafter.propose(sequences, {}, 3)
+        for key, tokens in sequences.items():
+            alone.reset()
+            assert proposed[key] == alone.propose(tokens, {}, 3), (step, key)
+            taken = int(rng.integers(0, 4))
+            accepted.append(taken)
+            sequences[key] = [*tokens, *proposed[key][:taken], int(rng.integers(10, 600))]  # (a vocabulary of 640)
+    assert len(set(accepted)) == 4  # rows refed 1 to 4 tokens in one forward
+    drafter.reset()
+    assert drafter.batch.keys == [] and drafter.propose({9: list(prompts[0])}, {}, 2)[9] == \
+        (alone.reset(), alone.propose(list(prompts[0]), {}, 2))[1]
 
 
 def test_holes_are_masked_out_and_compacted_once_they_fill_half_the_cache(artifact):

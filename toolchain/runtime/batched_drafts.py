@@ -1,6 +1,6 @@
 """Drafts for every sequence of a running batch, for speculative decoding under continuous batching
-(toolchain/serve/engine_runner.py): prompt lookup per sequence, or DeepSeek's MTP layer run on the whole batch at
-once, as the main model is.
+(toolchain/serve/engine_runner.py): prompt lookup per sequence, or DeepSeek's MTP layer or a smaller draft artifact
+run on the whole batch at once, as the main model is.
 
 The MTP layer (toolchain/runtime/mtp_drafter.py says what it reads and drafts) keeps its cache in a PersistentBatch
 of its own graph (toolchain/runtime/batching.py; an ArrayBatch of an OpenVINO artifact's stateless MTP IR), its
@@ -9,6 +9,13 @@ running sequence the positions the main model accepted since the last one (their
 model's verify step) in one forward, prefills the sequences that are new in another, then chains the layer on its
 own output for the further drafts, one forward per draft for all rows. The chained positions are speculative: they
 become holes in its cache once drafted (``forget``), as the main batch's rejected drafts do.
+
+A draft artifact (``draft:ARTIFACT``, of the main model's tokenizer) runs the same way on a batch of its own graph
+(a PersistentBatch of an ONNX Runtime artifact, a StatefulBatch of an OpenVINO one), with tokens in place of the
+main model's hidden states: each propose feeds every running sequence the tokens it was given since its last
+propose (the accepted drafts and the next token) in one forward, prefills the new sequences, and chains k-1
+single-token forwards of all rows, forgotten at once. Its drafts are greedy: one-hot to the server's speculative
+sampling, which keeps a sampled request's tokens distributed as the main model's.
 """
 
 from __future__ import annotations
@@ -23,8 +30,8 @@ from toolchain.interface.files import MODEL_XML, ONNX_MODEL
 from toolchain.interface.graph import HIDDEN_STATES, KV_CACHE, LATENT, MTP_HIDDEN, PER_HEAD, graph_metadata
 from toolchain.runtime.artifact import Artifact
 from toolchain.runtime.batching import ArrayBatch, PersistentBatch
-from toolchain.runtime.batching_openvino import pageable
-from toolchain.runtime.decoder import OnnxRuntimeDecoder, StatelessDecoder
+from toolchain.runtime.batching_openvino import StatefulBatch, pageable
+from toolchain.runtime.decoder import OnnxRuntimeDecoder, StatelessDecoder, open_decoder
 from toolchain.runtime.mtp_drafter import open_mtp_drafter
 from toolchain.runtime.speculative import PromptLookup, draft_artifact
 from toolchain.settings.speculation import MTP, PROMPT_LOOKUP, SpeculationSettings
@@ -127,28 +134,92 @@ class BatchMtp:
         self._real = {}
 
 
-def check_batch_speculation(settings: SpeculationSettings, artifact: Artifact) -> None:
-    """InputError, before anything loads, where speculation in a running batch cannot work on ``artifact``: dstc's
-    runners verify drafts of prompt lookup or of the MTP layer; openvino_genai's pipeline (what serves a pageable
-    OpenVINO artifact) does its own prompt lookup."""
-    if settings.speculate is None:
-        return
-    if settings.speculate not in (PROMPT_LOOKUP, MTP):
-        raise InputError(f"--speculate {settings.speculate}: a running batch drafts with {PROMPT_LOOKUP} or {MTP}; "
-                         "a draft model's batched drafting is not implemented")
-    if artifact.backend == "openvino":
-        if settings.speculate == MTP and pageable(artifact.path / MODEL_XML):
-            raise InputError(f"{artifact.path}: served by openvino_genai's ContinuousBatchingPipeline, which drafts "
-                             f"by {PROMPT_LOOKUP} or a draft model, not an MTP layer")
-        kv_cache = graph_metadata(artifact.path / MODEL_XML).get(KV_CACHE)
-    else:
-        kv_cache = graph_metadata(artifact.path / ONNX_MODEL).get(KV_CACHE)
+class BatchDraftModel:
+    """A draft artifact's greedy drafts for a running batch (see the module doc)."""
+
+    main_outputs: tuple[str, ...] = ()
+
+    def __init__(self, batch: PersistentBatch | StatefulBatch, vocab: int | None) -> None:
+        self.batch = batch  # over the draft artifact's graph
+        # the main model's vocabulary: ids past it (a draft embedding padded wider) are never drafted
+        self.vocab = vocab
+        self._cached: dict[Hashable, int] = {}  # per sequence: its tokens in the draft's cache (chained ones not)
+
+    def propose(self, sequences: dict[Hashable, list[int]], hidden: dict[Hashable, np.ndarray],
+                k: int) -> dict[Hashable, list[int]]:
+        del hidden
+        if k < 1:
+            return {}
+        running = self.batch.keys
+        if set(running) - set(sequences):
+            raise ValueError("every running sequence is given to each propose")
+        last: dict[Hashable, np.ndarray] = {}  # each sequence's logits of its first draft
+        if running:
+            fed = {key: sequences[key][self._cached[key]:] for key in running}
+            logits = self.batch.verify(fed)
+            self.batch.keep({key: len(tokens) for key, tokens in fed.items()})
+            last.update((key, rows[-1]) for key, rows in logits.items())
+        joining = {key: tokens for key, tokens in sequences.items() if key not in self._cached}
+        if joining:
+            last.update(self.batch.join(joining))
+        for key, tokens in sequences.items():
+            self._cached[key] = len(tokens)
+        drafts = {key: [self._greedy(row)] for key, row in last.items()}
+        for _ in range(k - 1):
+            logits = self.batch.verify({key: [drafted[-1]] for key, drafted in drafts.items()})
+            self.batch.keep(dict.fromkeys(drafts, 1))
+            for key, rows in logits.items():
+                drafts[key].append(self._greedy(rows[-1]))
+        if k > 1:
+            self.batch.forget(k - 1)
+        return drafts
+
+    def _greedy(self, row: np.ndarray) -> int:
+        return int(row[:self.vocab].argmax())
+
+    def leave(self, keys: Iterable[Hashable]) -> None:
+        gone = [key for key in keys if key in self._cached]
+        self.batch.leave(gone)
+        for key in gone:
+            del self._cached[key]
+
+    def reset(self) -> None:
+        self.batch.leave(self.batch.keys)
+        self._cached = {}
+
+
+def _check_holes(artifact: Artifact) -> None:
+    """InputError where ``artifact``'s cache cannot hold the holes of rejected (or forgotten) drafts."""
+    xml = artifact.path / (MODEL_XML if artifact.backend == "openvino" else ONNX_MODEL)
+    kv_cache = graph_metadata(xml).get(KV_CACHE)
     if kv_cache not in (None, PER_HEAD, LATENT):
         # the sliding window and the compressed blocks are counted in cache columns: a hole would shift them
         raise InputError(f"{artifact.path}: --speculate leaves rejected drafts in the cache as masked-out holes, "
                          f"which its {kv_cache} cache (DeepSeek-V4's sliding window and compressed blocks over "
                          "cache columns) does not ignore")
-    draft_artifact(settings, artifact)  # an MTP layer to draft with
+
+
+def check_batch_speculation(settings: SpeculationSettings, artifact: Artifact) -> None:
+    """InputError, before anything loads, where speculation in a running batch cannot work on ``artifact``: dstc's
+    runners verify drafts of prompt lookup, of the MTP layer or of a draft artifact (whose cache holds holes too);
+    openvino_genai's pipeline (what serves a pageable OpenVINO artifact) does its own prompt lookup or draft-model
+    speculation."""
+    if settings.speculate is None:
+        return
+    if artifact.backend == "openvino" and pageable(artifact.path / MODEL_XML):
+        if settings.speculate == MTP:
+            raise InputError(f"{artifact.path}: served by openvino_genai's ContinuousBatchingPipeline, which drafts "
+                             f"by {PROMPT_LOOKUP} or a draft model, not an MTP layer")
+        draft = draft_artifact(settings, artifact)
+        if draft is not None and not (draft.backend == "openvino" and pageable(draft.path / MODEL_XML)):
+            raise InputError(f"{artifact.path}: served by openvino_genai's ContinuousBatchingPipeline, whose "
+                             f"draft-model speculation pages the draft's KV cache as the main one's: the draft "
+                             f"{draft.path} must be an OpenVINO artifact it can page too")
+        return  # openvino_genai's own speculation
+    _check_holes(artifact)
+    draft = draft_artifact(settings, artifact)  # an MTP layer, or a draft artifact of the same tokenizer
+    if draft is not None:
+        _check_holes(draft)
 
 
 def batch_drafter(settings: SpeculationSettings, artifact: Artifact, *, threads: int | None,
@@ -160,6 +231,12 @@ def batch_drafter(settings: SpeculationSettings, artifact: Artifact, *, threads:
     check_batch_speculation(settings, artifact)
     if settings.speculate == PROMPT_LOOKUP:
         return BatchPromptLookup()
+    draft = draft_artifact(settings, artifact)
+    if draft is not None:  # opened as the main one is: its threads and numerics
+        opened = open_decoder(draft, threads=threads, openvino_f32=openvino_f32)
+        batch = StatefulBatch(opened, draft.pad_token_id) if opened.backend == "openvino" else \
+            PersistentBatch(opened, draft.pad_token_id)
+        return BatchDraftModel(batch, artifact.config.get("vocab_size"))
     drafter = open_mtp_drafter(artifact, threads=threads, openvino_f32=openvino_f32)
     decoder = drafter.decoder
     if isinstance(decoder, OnnxRuntimeDecoder):

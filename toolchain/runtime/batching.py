@@ -434,6 +434,10 @@ class PipelineSettings:
     kv_cache_precision: str | None = None
     # dstc serve --speculate prompt-lookup: openvino_genai's own prompt lookup, this many draft tokens (0: none)
     prompt_lookup: int = 0
+    # dstc serve --speculate draft:ARTIFACT: openvino_genai's own draft-model speculation, the draft an OpenVINO
+    # artifact it pages too (its directory), ``draft_tokens`` drafts per step
+    draft_model: str | None = None
+    draft_tokens: int = 0
 
 
 def kv_cache_precision(settings: PipelineSettings) -> str:
@@ -493,16 +497,23 @@ def openvino_pipeline(artifact: Artifact, settings: PipelineSettings):
                   **({"INFERENCE_NUM_THREADS": settings.threads} if settings.threads else {}),
                   **runtime_cache_property(settings.runtime_cache),
                   **({"prompt_lookup": True} if settings.prompt_lookup else {})}
-    pipeline = openvino_genai.ContinuousBatchingPipeline(str(artifact.path), scheduler, "CPU", properties)
-    return pipeline, properties, scheduler
+    draft = {}
+    if settings.draft_model:  # on the main model's scheduler (its KV blocks apart) and numerics
+        draft = {"draft_model": openvino_genai.draft_model(settings.draft_model, "CPU", scheduler_config=scheduler,
+                                                           **properties)}
+    pipeline = openvino_genai.ContinuousBatchingPipeline(str(artifact.path), scheduler, "CPU",
+                                                         {**properties, **draft})
+    return pipeline, {**properties, **({"draft_model": settings.draft_model} if draft else {})}, scheduler
 
 
 def openvino_generation_config(*, max_new_tokens: int, stop_ids: Iterable[int], temperature: float, top_p: float,
-                               seed: int | None, ignore_eos: bool = False, prompt_lookup: int = 0):
+                               seed: int | None, ignore_eos: bool = False, prompt_lookup: int = 0,
+                               draft_tokens: int = 0):
     """An openvino_genai.GenerationConfig for one request given token ids (no chat template: the caller applied
     it): greedy at temperature 0, else multinomial sampling with temperature and top-p. ``prompt_lookup``: draft
     tokens of a pipeline built with it (which takes no request without them), n-grams of up to 3 tokens as
-    toolchain/runtime/speculative.py's PromptLookup."""
+    toolchain/runtime/speculative.py's PromptLookup; ``draft_tokens``: those of a pipeline built with a draft
+    model."""
     import openvino_genai
 
     config = openvino_genai.GenerationConfig()
@@ -513,6 +524,8 @@ def openvino_generation_config(*, max_new_tokens: int, stop_ids: Iterable[int], 
     if prompt_lookup:
         config.num_assistant_tokens = prompt_lookup
         config.max_ngram_size = 3
+    elif draft_tokens:  # a pipeline built with a draft model
+        config.num_assistant_tokens = draft_tokens
     if temperature > 0:
         config.do_sample = True
         config.temperature = float(temperature)

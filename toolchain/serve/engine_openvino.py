@@ -9,8 +9,9 @@ are read from every request's handle; a cancelled handle frees its KV blocks in 
 A request whose generation config or ``add_request`` raises (the pipeline checks the config there) fails alone;
 the others are added and go on.
 
-With ``--speculate prompt-lookup`` the pipeline is openvino_genai's prompt-lookup one (its own drafts and batched
-verification; greedy output unchanged). It does not say how many drafts it proposed: ``drafted`` reports each
+With ``--speculate prompt-lookup`` the pipeline is openvino_genai's prompt-lookup one, with ``--speculate
+draft:ARTIFACT`` its draft-model one (an OpenVINO draft artifact it pages as well): its own drafts and batched
+verification, greedy output unchanged. It does not say how many drafts it proposed: ``drafted`` reports each
 request's accepted drafts of a step (the tokens it gave beyond one) with the proposed count unknown (None).
 """
 
@@ -55,7 +56,7 @@ class OpenVINOBackend:
                     max_new_tokens=request.max_tokens, stop_ids=request.stop_ids,
                     temperature=request.sampling.temperature, top_p=request.sampling.top_p,
                     seed=request.sampling.seed, ignore_eos=request.ignore_eos,
-                    prompt_lookup=self.settings.prompt_lookup)
+                    prompt_lookup=self.settings.prompt_lookup, draft_tokens=self.settings.draft_tokens)
                 request.state = self.pipeline.add_request(
                     request.id, ov.Tensor(np.array([request.prompt], np.int64)), config)
             except Exception as e:  # a value the config or the pipeline refuses: this request only
@@ -81,7 +82,8 @@ class OpenVINOBackend:
                 for output in handle.read().values():
                     tokens += list(output.generated_ids)
                     reason = output.finish_reason
-            if self.settings.prompt_lookup and tokens and request.generated:  # a verify step, not the prefill's
+            speculating = self.settings.prompt_lookup or self.settings.draft_model
+            if speculating and tokens and request.generated:  # a verify step, not the prefill's
                 self.drafted.append((None, len(tokens) - 1))
             if status == genai.GenerationStatus.RUNNING:
                 results.append((request, tokens, None))

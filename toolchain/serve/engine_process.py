@@ -58,7 +58,9 @@ def make_backend(backend: str, artifact_path: str, options: dict):
                                  max_context=options["max_context"], f32=options["f32"],
                                  runtime_cache=options["runtime_cache"], speculation=speculation)
         lookup = speculation.draft_tokens if speculation and speculation.speculate == PROMPT_LOOKUP else 0
-        return OpenVINOBackend(artifact, PipelineSettings(**options, prompt_lookup=lookup))
+        draft = speculation.draft_artifact if speculation else None  # openvino_genai's draft-model speculation
+        return OpenVINOBackend(artifact, PipelineSettings(**options, prompt_lookup=lookup, draft_model=draft,
+                                                          draft_tokens=speculation.draft_tokens if draft else 0))
     return RunnerBackend(artifact, **options)
 
 

@@ -18,12 +18,13 @@ class ServeSettings(SpeculationSettings):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     speculate: str | None = Field(
-        None, json_schema_extra={"metavar": "prompt-lookup|mtp"},
+        None, json_schema_extra={"metavar": "prompt-lookup|mtp|draft:ARTIFACT"},
         description="Speculative decoding of the running batch (lossless: the same greedy tokens, and sampling "
                     "follows the same distribution): each step drafts tokens per request by n-gram lookup in its "
-                    "text so far or by the artifact's multi-token-prediction layer (built with export.mtp), and one "
-                    "forward of the model verifies every request's drafts (default: none; openvino_genai's "
-                    "pipeline does its own prompt lookup, and no mtp).")
+                    "text so far, by the artifact's multi-token-prediction layer (built with export.mtp) or by a "
+                    "smaller artifact of the same tokenizer, and one forward of the model verifies every request's "
+                    "drafts (default: none; openvino_genai's pipeline does its own prompt lookup and draft-model "
+                    "speculation, with an OpenVINO draft it pages, and no mtp).")
 
     threads: int | None = Field(
         None, ge=1, description="Runtime threads (default: the runtime's choice; with --replicas, each replica's, "
