@@ -693,9 +693,9 @@ def _print_gates(results) -> None:
                    "The embedded models were trained on raw text: use --raw with them.")
 @click.option("--threads", type=click.IntRange(1), default=None)
 @click.option("--openvino-runtime-cache", "runtime_cache", type=click.IntRange(0), default=None, metavar="ENTRIES",
-              help="OpenVINO: entries of the CPU plugin's caches of kernels built per input shape "
-                   "(CPU_RUNTIME_CACHE_CAPACITY and oneDNN's primitive cache). Default: dstc's choice, bounded for a "
-                   "large latent-MLA, V3.2 or V4 model, recorded by --json (README \"Long prompts\").")
+              help="OpenVINO: entries of the CPU plugin's cache of kernels built per input shape "
+                   "(CPU_RUNTIME_CACHE_CAPACITY). Default: dstc's choice, bounded (with oneDNN's primitive cache) "
+                   "for a large latent-MLA, V3.2 or V4 model, recorded by --json (README \"Long prompts\").")
 @section_options(SpeculationSettings)
 @click.option("--json", "as_json", is_flag=True,
               help="Print one JSON object when done (tokens, text, time, speculation's acceptance per draft "

@@ -14,28 +14,30 @@ from conftest import run_cli as run_cli_output
 from toolchain.interface.graph import CACHE_KINDS, KV_CACHE
 from toolchain.runtime import engines, kernel_caches
 from toolchain.runtime.decoder import open_decoder
-from toolchain.runtime.kernel_caches import BOUNDED, LARGE_MODEL_BYTES, ONEDNN_CACHE, KernelCaches
+from toolchain.runtime.kernel_caches import LARGE_MODEL_BYTES, ONEDNN_BOUND, ONEDNN_CACHE, RUNTIME_BOUND, KernelCaches
 
 LARGE = 5 * LARGE_MODEL_BYTES // 2  # the shape-faithful DeepSeek-V3's 2.3 GiB, about
 SMALL = 2 << 20  # deepseek-v3-tiny's INT4 artifact
 
 
 @pytest.mark.parametrize(("metadata", "size", "entries"), [
-    ({KV_CACHE: "latent"}, LARGE, BOUNDED),
-    ({KV_CACHE: "per-token"}, LARGE, BOUNDED),  # DeepSeek-V4
-    ({KV_CACHE: "per-head", CACHE_KINDS: '["key", "value", "index_key"]'}, LARGE, BOUNDED),  # V3.2's indexer
-    ({KV_CACHE: "latent"}, SMALL, None),  # a step about as long as a rebuild: the defaults
-    ({KV_CACHE: "latent"}, LARGE_MODEL_BYTES - 1, None),
-    ({KV_CACHE: "per-head", CACHE_KINDS: '["key", "value"]'}, LARGE, None),  # ScaledDotProductAttention
-    ({}, LARGE, None),  # a graph exported before the record: per-head
+    ({KV_CACHE: "latent"}, LARGE, (RUNTIME_BOUND, ONEDNN_BOUND)),
+    ({KV_CACHE: "per-token"}, LARGE, (RUNTIME_BOUND, ONEDNN_BOUND)),  # DeepSeek-V4
+    ({KV_CACHE: "per-head", CACHE_KINDS: '["key", "value", "index_key"]'}, LARGE,  # V3.2's indexer
+     (RUNTIME_BOUND, ONEDNN_BOUND)),
+    ({KV_CACHE: "latent"}, SMALL, (None, None)),  # a step about as long as a rebuild: the defaults
+    ({KV_CACHE: "latent"}, LARGE_MODEL_BYTES - 1, (None, None)),
+    ({KV_CACHE: "per-head", CACHE_KINDS: '["key", "value"]'}, LARGE, (None, None)),  # ScaledDotProductAttention
+    ({}, LARGE, (None, None)),  # a graph exported before the record: per-head
 ])
 def test_bounded_only_for_a_large_graph_whose_shapes_follow_the_context(metadata, size, entries):
-    assert kernel_caches.kernel_caches(None, metadata, size).entries == entries
+    chosen = kernel_caches.kernel_caches(None, metadata, size)
+    assert (chosen.entries, chosen.onednn) == entries
 
 
-def test_a_given_capacity_wins_either_way():
-    assert kernel_caches.kernel_caches(0, {KV_CACHE: "per-head"}, SMALL) == KernelCaches(0, "given")
-    assert kernel_caches.kernel_caches(5000, {KV_CACHE: "latent"}, LARGE).entries == 5000
+def test_a_given_capacity_wins_either_way_and_leaves_onednn_to_the_environment():
+    assert kernel_caches.kernel_caches(0, {KV_CACHE: "per-head"}, SMALL) == KernelCaches(0, None, "given")
+    assert kernel_caches.kernel_caches(5000, {KV_CACHE: "latent"}, LARGE) == KernelCaches(5000, None, "given")
 
 
 def spy_compile(monkeypatch) -> list[dict]:
@@ -62,8 +64,8 @@ def test_the_choice_reaches_the_plugin_and_onednn(artifact, monkeypatch):
 
     monkeypatch.setattr(kernel_caches, "LARGE_MODEL_BYTES", art.size_bytes)
     large = open_decoder(art, threads=2)
-    assert given[-1]["CPU_RUNTIME_CACHE_CAPACITY"] == BOUNDED
-    assert large.kernel_caches.record() == {"runtime_cache": BOUNDED, "onednn_primitive_cache": str(BOUNDED),
+    assert given[-1]["CPU_RUNTIME_CACHE_CAPACITY"] == RUNTIME_BOUND
+    assert large.kernel_caches.record() == {"runtime_cache": RUNTIME_BOUND, "onednn_primitive_cache": str(ONEDNN_BOUND),
                                             "reason": large.kernel_caches.reason}
 
     monkeypatch.setenv(ONEDNN_CACHE, "7")  # the user's environment wins
@@ -88,7 +90,7 @@ def test_generate_takes_the_option_and_records_the_choice(artifact, monkeypatch,
         records[option] = json.loads(out)
     assert records[()]["openvino_kernel_caches"]["runtime_cache"] is None
     assert records[("--openvino-runtime-cache", "3")]["openvino_kernel_caches"] == {
-        "runtime_cache": 3, "onednn_primitive_cache": "3", "reason": "given"}
+        "runtime_cache": 3, "onednn_primitive_cache": None, "reason": "given"}
     assert records[()]["tokens"] == records[("--openvino-runtime-cache", "3")]["tokens"]
 
 

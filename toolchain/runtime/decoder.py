@@ -189,7 +189,7 @@ class OpenVINODecoder(ChunkedForward):
         import openvino as ov
 
         self.chunking = chunking
-        self.kernel_caches = caches or KernelCaches(None, "the defaults")
+        self.kernel_caches = caches or KernelCaches(None, None, "the defaults")
         self.kernel_caches.apply()  # oneDNN's, before this process's first compile (kernel_caches.py)
         started = time.perf_counter()
         model = engines.openvino_read(path)

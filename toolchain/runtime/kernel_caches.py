@@ -6,12 +6,14 @@ cache (``CPU_RUNTIME_CACHE_CAPACITY``, 5000 executors) and, under it, oneDNN's p
 it first needs the cache). A graph whose attention is not one ScaledDotProductAttention (MLA's latent cache, V4's
 per-token cache, V3.2's indexer) has shapes that follow the context, so every prefill chunk and decode step adds
 entries, and at real widths an entry grows with the context: a 16k-token prompt of a shape-faithful DeepSeek-V3 (2
-layers, INT4, 451 chunks) peaked at 8.65 GiB with both defaults, 5.32 GiB with the runtime cache bounded to 16, and
-within its 2 x (weights + cache) target with both bounded (README "Long prompts"). A bound costs a rebuild of the
-kernels of a shape that comes back after it was evicted: about nothing next to a step of a large model, and nothing
-where no shape comes back (one sequence's growing context), but a step of a small model is about as long as a
-rebuild (deepseek-v3-tiny serving restarted sequences: steps 2.7-3.4x slower bounded), so small models keep the
-defaults.
+layers, INT4, 451 chunks) peaked at 8.65 GiB with both defaults, 5.32 GiB with the runtime cache bounded to 16 and
+4.24 GiB with oneDNN's bounded too, within its 2 x (weights + cache) target (README "Long prompts").
+
+A bound costs a rebuild of the kernels of a shape that comes back after it was evicted. The runtime cache at 16
+cost nothing measurable in decode at real widths, where oneDNN's cache below it still holds the primitives that
+come back (a MoE expert's 0 or 1 tokens); oneDNN's at 16 as well made decode steps ~20 % slower, so its bound is
+wider. A step of a small model is about as long as a rebuild (deepseek-v3-tiny serving restarted sequences: steps
+2.7-3.4x slower with the runtime cache bounded), so small models keep the defaults.
 """
 
 from __future__ import annotations
@@ -23,7 +25,8 @@ from toolchain.interface.graph import KV_CACHE, UNPAGEABLE, extra_cache_kinds
 from toolchain.runtime.engines import runtime_cache_property
 
 ONEDNN_CACHE = "ONEDNN_PRIMITIVE_CACHE_CAPACITY"
-BOUNDED = 16  # entries of each cache where dstc bounds them: what the 16k-token measurement above used
+RUNTIME_BOUND = 16  # the plugin's runtime cache where dstc bounds it
+ONEDNN_BOUND = 64  # oneDNN's primitive cache then
 # Model files from which a step is long next to a kernel rebuild: the shape-faithful DeepSeek-V3 (2.3 GiB) decoded
 # as fast bounded as not; deepseek-v3-tiny (2 MB) did not.
 LARGE_MODEL_BYTES = 1 << 30
@@ -37,7 +40,8 @@ def shapes_follow_context(metadata: dict[str, str]) -> bool:
 
 @dataclass(frozen=True)
 class KernelCaches:
-    entries: int | None  # each cache's capacity; None: the plugin's and oneDNN's defaults
+    entries: int | None  # the plugin's runtime cache; None: its default
+    onednn: int | None  # oneDNN's primitive cache; None: its default or what the environment says
     reason: str
 
     def properties(self) -> dict[str, int]:
@@ -48,8 +52,8 @@ class KernelCaches:
         """Bound oneDNN's primitive cache, unless the environment sets it already. oneDNN reads it once per process,
         when it first needs the cache: before a decoder's first compile in dstc's commands (generate, eval, the
         server's engine process); a process that built oneDNN kernels before keeps what it read then."""
-        if self.entries is not None:
-            os.environ.setdefault(ONEDNN_CACHE, str(self.entries))
+        if self.onednn is not None:
+            os.environ.setdefault(ONEDNN_CACHE, str(self.onednn))
 
     def record(self) -> dict:
         """What was chosen and why, with oneDNN's setting as this process's environment has it."""
@@ -58,14 +62,15 @@ class KernelCaches:
 
 
 def kernel_caches(given: int | None, metadata: dict[str, str], model_bytes: int) -> KernelCaches:
-    """The caches' capacity for a graph of this exporter ``metadata`` and model files' size; ``given`` (dstc
-    generate / serve --openvino-runtime-cache) wins."""
+    """The caches' capacities for a graph of this exporter ``metadata`` and model files' size. ``given`` (dstc
+    generate / serve --openvino-runtime-cache) is the runtime cache's, and leaves oneDNN's to the environment."""
     if given is not None:
-        return KernelCaches(given, "given")
+        return KernelCaches(given, None, "given")
     if not shapes_follow_context(metadata):
-        return KernelCaches(None, "the graph's shapes do not follow the context")
+        return KernelCaches(None, None, "the graph's shapes do not follow the context")
     if model_bytes < LARGE_MODEL_BYTES:
-        return KernelCaches(None, f"a small model ({model_bytes / 2**20:.0f} MiB): a step is about as long as "
-                                  "rebuilding its kernels")
-    return KernelCaches(BOUNDED, f"a large model ({model_bytes / 2**30:.1f} GiB) whose shapes follow the context: "
-                                 "each new shape's kernels, kept, grow its memory with the context")
+        return KernelCaches(None, None, f"a small model ({model_bytes / 2**20:.0f} MiB): a step is about as long as "
+                                        "rebuilding its kernels")
+    return KernelCaches(RUNTIME_BOUND, ONEDNN_BOUND,
+                        f"a large model ({model_bytes / 2**30:.1f} GiB) whose shapes follow the context: each new "
+                        "shape's kernels, kept, grow its memory with the context")
