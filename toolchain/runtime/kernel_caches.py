@@ -6,13 +6,13 @@ cache (``CPU_RUNTIME_CACHE_CAPACITY``, 5000 executors) and, under it, oneDNN's p
 it first needs the cache). A graph whose attention is not one ScaledDotProductAttention (MLA's latent cache, V4's
 per-token cache, V3.2's indexer) has shapes that follow the context, so every prefill chunk and decode step adds
 entries, and at real widths an entry grows with the context: a 16k-token prompt of a shape-faithful DeepSeek-V3 (2
-layers, INT4, 451 chunks) peaked at 8.65 GiB with both defaults, 5.32 GiB with the runtime cache bounded to 16 and
-4.24 GiB with oneDNN's bounded too, within its 2 x (weights + cache) target (README "Long prompts").
+layers, INT4, 451 chunks) peaked at 8.65 GiB with both defaults, 5.32 GiB with the runtime cache bounded to 16, and
+4.34 GiB with oneDNN's at 64 as well (4.24 at 0), within its 2 x (weights + cache) target (README "Long prompts").
 
 A bound costs a rebuild of the kernels of a shape that comes back after it was evicted. The runtime cache at 16
 cost nothing measurable in decode at real widths, where oneDNN's cache below it still holds the primitives that
-come back (a MoE expert's 0 or 1 tokens); oneDNN's at 16 as well made decode steps ~20 % slower, so its bound is
-wider. A step of a small model is about as long as a rebuild (deepseek-v3-tiny serving restarted sequences: steps
+come back (presumably a MoE expert's 0 or 1 tokens); oneDNN's at 16 as well made decode steps ~20 % slower, so its
+bound is wider. A step of a small model is about as long as a rebuild (deepseek-v3-tiny serving restarted sequences: steps
 2.7-3.4x slower with the runtime cache bounded), so small models keep the defaults.
 """
 
@@ -28,7 +28,7 @@ ONEDNN_CACHE = "ONEDNN_PRIMITIVE_CACHE_CAPACITY"
 RUNTIME_BOUND = 16  # the plugin's runtime cache where dstc bounds it
 ONEDNN_BOUND = 64  # oneDNN's primitive cache then
 # Model files from which a step is long next to a kernel rebuild: the shape-faithful DeepSeek-V3 (2.3 GiB) decoded
-# as fast bounded as not; deepseek-v3-tiny (2 MB) did not.
+# as fast bounded as not; deepseek-v3-tiny (2 MB) serving restarted sequences did not.
 LARGE_MODEL_BYTES = 1 << 30
 
 
