@@ -12,8 +12,8 @@ layers, INT4, 451 chunks) peaked at 8.65 GiB with both defaults, 5.32 GiB with t
 A bound costs a rebuild of the kernels of a shape that comes back after it was evicted. The runtime cache at 16
 cost nothing measurable in decode at real widths, where oneDNN's cache below it still holds the primitives that
 come back (presumably a MoE expert's 0 or 1 tokens); oneDNN's at 16 as well made decode steps ~20 % slower, so its
-bound is wider. A step of a small model is about as long as a rebuild (deepseek-v3-tiny serving restarted sequences: steps
-2.7-3.4x slower with the runtime cache bounded), so small models keep the defaults.
+bound is wider. A step of a small model is about as long as a rebuild (deepseek-v3-tiny serving restarted
+sequences: steps 2.7-3.4x slower with the runtime cache bounded), so small models keep the defaults.
 """
 
 from __future__ import annotations
