@@ -692,12 +692,16 @@ def _print_gates(results) -> None:
               help="Wrap PROMPT in the tokenizer's chat template (default when it has one) or send it as is. "
                    "The embedded models were trained on raw text: use --raw with them.")
 @click.option("--threads", type=click.IntRange(1), default=None)
+@click.option("--openvino-runtime-cache", "runtime_cache", type=click.IntRange(0), default=None, metavar="ENTRIES",
+              help="OpenVINO: entries of the CPU plugin's cache of kernels built per input shape "
+                   "(CPU_RUNTIME_CACHE_CAPACITY). Default: dstc's choice, bounded (with oneDNN's primitive cache) "
+                   "for a large latent-MLA, V3.2 or V4 model, recorded by --json (README \"Long prompts\").")
 @section_options(SpeculationSettings)
 @click.option("--json", "as_json", is_flag=True,
               help="Print one JSON object when done (tokens, text, time, speculation's acceptance per draft "
                    "position) instead of streaming the text.")
 def generate_cmd(artifact: Path, prompt: str, max_new_tokens: int, chat: bool | None, threads: int | None,
-                 as_json: bool, **options) -> None:
+                 runtime_cache: int | None, as_json: bool, **options) -> None:
     """Generate greedily from PROMPT with ARTIFACT, streaming tokens as they come."""
     # loaded when the command runs: the CLI starts without numpy, torch or the runtimes
     from toolchain.runtime.decoder import open_decoder
@@ -706,11 +710,15 @@ def generate_cmd(artifact: Path, prompt: str, max_new_tokens: int, chat: bool | 
 
     settings = given_section(SpeculationSettings, options)
     art = open_artifact(artifact)
+    if runtime_cache is not None and art.backend != "openvino":
+        raise InputError(f"--openvino-runtime-cache is the OpenVINO CPU plugin's; {artifact} is an {art.backend} "
+                         "artifact")
     if chat is None:
         chat = bool(getattr(art.tokenizer(), "chat_template", None))
     art.check_length(len(prompt_ids(art, prompt, chat=chat)), max_new_tokens)  # before the model is loaded
     speculation = open_speculation(settings, art, threads=threads)
-    decoder = open_decoder(art, threads=threads, extra_outputs=speculation.main_outputs if speculation else ())
+    decoder = open_decoder(art, threads=threads, extra_outputs=speculation.main_outputs if speculation else (),
+                           openvino_runtime_cache=runtime_cache)
     if as_json:
         click.echo(json.dumps(answer_record(art, decoder, prompt, max_new_tokens=max_new_tokens, chat=chat,
                                             speculation=speculation), indent=2))

@@ -40,6 +40,7 @@ from toolchain.interface.graph import (
 )
 from toolchain.runtime import engines
 from toolchain.runtime.artifact import Artifact, load_error
+from toolchain.runtime.kernel_caches import KernelCaches, kernel_caches
 from toolchain.runtime.last_logits import (
     INPUT as LOGITS_TO_KEEP,
     onnx_with_logits_to_keep,
@@ -184,9 +185,11 @@ class OpenVINODecoder(ChunkedForward):
     backend = "openvino"
 
     def __init__(self, path: Path, threads: int | None, extra_outputs: Sequence[str], numerics: str,
-                 chunking: PrefillChunking | None = None, runtime_cache: int | None = None) -> None:
+                 chunking: PrefillChunking | None = None, caches: KernelCaches | None = None) -> None:
         import openvino as ov
 
+        self.kernel_caches = caches or KernelCaches(None, None, "the defaults")
+        self.kernel_caches.apply()  # oneDNN's, before this process's first compile (kernel_caches.py)
         started = time.perf_counter()
         model = engines.openvino_read(path)
         # the CPU plugin's SDPA kernel blocks over the keys and holds no [heads, new, past + new] scores, and a
@@ -203,7 +206,7 @@ class OpenVINODecoder(ChunkedForward):
         # request) separates the weights' error from the plugin's bf16 compute, KV cache precision and on-the-fly
         # int8 activations, which the deployment defaults add.
         config = {**engines.NUMERICS[numerics], **({"INFERENCE_NUM_THREADS": threads} if threads else {}),
-                  **engines.runtime_cache_property(runtime_cache)}
+                  **self.kernel_caches.properties()}
         if numerics == "deployment" and _fused_mlp_divides_by_zero(model, config):
             raise InputError(
                 f"OpenVINO {ov.__version__.split('-')[0]}'s CPU plugin crashes (SIGFPE) compiling {path} at "
@@ -312,8 +315,9 @@ def open_decoder(artifact: Artifact, *, threads: int | None = None, extra_output
     """A Decoder on the artifact's backend; ``threads`` None takes every CPU (ORT) or the plugin's choice
     (OpenVINO). ``extra_outputs``: graph values to return in ``extras`` after each forward. ``openvino_f32``:
     f32 compute and KV cache instead of the CPU plugin's deployment defaults (ONNX Runtime is fp32 already);
-    ``openvino_runtime_cache``: the plugin's CPU_RUNTIME_CACHE_CAPACITY (engines.runtime_cache_property). A long
-    prompt is prefilled in chunks (PrefillChunking.for_model) where the graph would hold its score tensor.
+    ``openvino_runtime_cache``: the capacity of the CPU plugin's kernel caches, None dstc's choice for the artifact
+    (toolchain/runtime/kernel_caches.py). A long prompt is prefilled in chunks (PrefillChunking.for_model) where the
+    graph would hold its score tensor.
     InputError when the artifact would not fit in the memory available (toolchain/memory_guard.py) or its runtime
     cannot load it."""
     if threads is not None and threads < 1:
@@ -322,8 +326,9 @@ def open_decoder(artifact: Artifact, *, threads: int | None = None, extra_output
     chunking = PrefillChunking.for_model(artifact.config, artifact.size_bytes)
     try:
         if artifact.backend == "openvino":
+            caches = kernel_caches(openvino_runtime_cache, artifact.metadata, artifact.size_bytes)
             return OpenVINODecoder(artifact.path / MODEL_XML, threads, tuple(extra_outputs),
-                                   "exact" if openvino_f32 else "deployment", chunking, openvino_runtime_cache)
+                                   "exact" if openvino_f32 else "deployment", chunking, caches)
         return OnnxRuntimeDecoder(artifact.path / ONNX_MODEL, threads, tuple(extra_outputs), chunking)
     except Exception as e:
         error = load_error(artifact, e)

@@ -123,10 +123,9 @@ def openvino_read(path: Path | str):
 
 
 def runtime_cache_property(entries: int | None) -> dict[str, int]:
-    """The CPU plugin's CPU_RUNTIME_CACHE_CAPACITY: kernels it keeps built per input shape, 5000 by default. A graph
-    whose shapes change with the context (the latent MLA's, V3.2's and V4's) adds an entry per context length, so
-    the plugin's memory grows with every new length; a bound caps it, and a step whose shape is not cached rebuilds
-    its kernels (README "Long prompts"). ``entries`` None: the plugin's default."""
+    """The CPU plugin's CPU_RUNTIME_CACHE_CAPACITY: kernels it keeps built per input shape, 5000 by default; what
+    dstc's decoders give it, and why, is toolchain/runtime/kernel_caches.py's. ``entries`` None: the plugin's
+    default."""
     return {} if entries is None else {"CPU_RUNTIME_CACHE_CAPACITY": entries}
 
 

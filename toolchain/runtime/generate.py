@@ -14,6 +14,7 @@ import numpy as np
 from toolchain.errors import InputError
 from toolchain.runtime.artifact import Artifact
 from toolchain.runtime.decoder import Decoder, RewindableDecoder
+from toolchain.runtime.kernel_caches import KernelCaches
 from toolchain.runtime.speculative import Speculation
 
 
@@ -169,8 +170,9 @@ def stream_text(artifact: Artifact, decoder: Decoder, prompt: str, *, max_new_to
 def answer_record(artifact: Artifact, decoder: Decoder, prompt: str, *, max_new_tokens: int, chat: bool,
                   speculation: Speculation | None = None) -> dict:
     """The greedy answer as JSON: its tokens and text, the decoding's wall time and rate (prefill included), the
-    prefill's time to the first token and its query chunks (toolchain/runtime/prefill_chunks.py), and with
-    ``speculation`` its acceptance per draft position."""
+    prefill's time to the first token and its query chunks (toolchain/runtime/prefill_chunks.py), on OpenVINO the
+    CPU plugin's kernel caches and why (toolchain/runtime/kernel_caches.py), and with ``speculation`` its acceptance
+    per draft position."""
     ids = prompt_ids(artifact, prompt, chat=chat)
     artifact.check_length(len(ids), max_new_tokens)
     started = time.perf_counter()
@@ -180,8 +182,10 @@ def answer_record(artifact: Artifact, decoder: Decoder, prompt: str, *, max_new_
     chunks = list(getattr(decoder, "chunks", [len(ids)]))  # the prefill's, before a decode step replaces them
     tokens += [t for step in steps for t in step]
     seconds = time.perf_counter() - started
+    caches: KernelCaches | None = getattr(decoder, "kernel_caches", None)
     return {"prompt_tokens": len(ids), "new_tokens": len(tokens), "tokens": tokens,
             "text": artifact.tokenizer().decode(tokens), "seconds": round(seconds, 6),
             "ttft_seconds": round(ttft, 6), "prefill_chunks": len(chunks), "largest_prefill_chunk": max(chunks),
             "tokens_per_second": round(len(tokens) / seconds, 3) if seconds else None,
+            "openvino_kernel_caches": caches.record() if caches is not None else None,
             "speculation": speculation.summary() if speculation is not None else None}

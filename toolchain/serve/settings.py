@@ -56,10 +56,11 @@ class ServeSettings(SpeculationSettings):
     openvino_runtime_cache: int | None = Field(
         None, ge=0, json_schema_extra={"metavar": "ENTRIES"},
         description="OpenVINO: entries of the CPU plugin's cache of kernels built per input shape "
-                    "(CPU_RUNTIME_CACHE_CAPACITY). A latent-MLA or V3.2/V4 artifact adds one per context length, so "
-                    "its memory grows with each new length up to the plugin's 5000 entries; a bound caps it, and a "
-                    "step whose shape is not cached rebuilds its kernels (steps 2.8-3.4x slower on "
-                    "deepseek-v3-tiny at 64 and 0). Default: the plugin's.")
+                    "(CPU_RUNTIME_CACHE_CAPACITY). A latent-MLA or V3.2/V4 artifact adds entries at every context "
+                    "length, so its memory grows with each new length up to the plugin's 5000; a bound caps it, and "
+                    "a step whose shape is not cached rebuilds its kernels (steps 2.8-3.4x slower on "
+                    "deepseek-v3-tiny at 64 and 0). Default: dstc's choice, 16 (and oneDNN's primitive cache 64) "
+                    "for such an artifact of 1 GiB or more, the plugin's otherwise (runtime/kernel_caches.py).")
     kv_layout: Literal["batch", "gather"] = Field(
         "batch", description="ONNX Runtime: the running batch's KV cache, one tensor for all rows (batch) or one per "
                              "sequence gathered each step (gather); toolchain/runtime/batching.py.")
