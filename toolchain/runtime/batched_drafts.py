@@ -73,26 +73,50 @@ class BatchPromptLookup:
         pass
 
 
-class BatchMtp:
-    """The MTP layer's greedy drafts for a running batch (see the module doc)."""
+class _OwnBatch:
+    """A drafter running a batch of its own graph, its rows the main batch's sequences, and per sequence how far its
+    cache has taken it in (``_seen``)."""
+
+    def __init__(self, batch) -> None:
+        self.batch = batch
+        self._seen: dict[Hashable, int] = {}
+
+    def _running(self, sequences: dict[Hashable, list[int]]) -> list[Hashable]:
+        """The batch's sequences, every one of which each propose is given."""
+        running = self.batch.keys
+        if set(running) - set(sequences):
+            raise ValueError("every running sequence is given to each propose")
+        return running
+
+    def leave(self, keys: Iterable[Hashable]) -> None:
+        gone = [key for key in keys if key in self._seen]
+        self.batch.leave(gone)
+        for key in gone:
+            del self._seen[key]
+
+    def reset(self) -> None:
+        self.batch.leave(self.batch.keys)
+        self._seen = {}
+
+
+class BatchMtp(_OwnBatch):
+    """The MTP layer's greedy drafts for a running batch (see the module doc). ``_seen``: per sequence, the last
+    position the MTP graph computed from the main model's states."""
 
     main_outputs: tuple[str, ...] = (HIDDEN_STATES,)
 
     def __init__(self, batch: PersistentBatch) -> None:
-        self.batch = batch  # over the MTP graph
-        self._real: dict[Hashable, int] = {}  # per sequence: MTP positions computed from the main model's states
+        super().__init__(batch)  # over the MTP graph
 
     def propose(self, sequences: dict[Hashable, list[int]], hidden: dict[Hashable, np.ndarray],
                 k: int) -> dict[Hashable, list[int]]:
         if k < 1:
             return {}
-        running = self.batch.keys
-        if set(running) - set(sequences):
-            raise ValueError("every running sequence is given to each propose")
+        running = self._running(sequences)
         last: dict[Hashable, np.ndarray] = {}  # each sequence's logits of its first draft
         own: dict[Hashable, np.ndarray] = {}  # and the layer's hidden state there, which the next draft reads
         if running:
-            fed = {key: sequences[key][self._real[key] + 1:] for key in running}
+            fed = {key: sequences[key][self._seen[key] + 1:] for key in running}
             for key in running:
                 if len(fed[key]) != len(hidden[key]):
                     raise ValueError(f"{len(fed[key])} new positions and {len(hidden[key])} hidden states")
@@ -101,7 +125,7 @@ class BatchMtp:
             self.batch.keep({key: len(tokens) for key, tokens in fed.items()})
             last.update((key, rows[-1]) for key, rows in logits.items())
             own.update((key, rows[-1]) for key, rows in states.items())
-        joining = [key for key in sequences if key not in self._real]
+        joining = [key for key in sequences if key not in self._seen]
         if joining:  # the prompt's positions: each reads the main model's state there and the token after it
             logits = self.batch.join({key: sequences[key][1:] for key in joining},
                                      {HIDDEN_STATES: {key: hidden[key] for key in joining}})
@@ -109,7 +133,7 @@ class BatchMtp:
             last.update(logits)
             own.update((key, states[key][-1]) for key in joining)
         for key, tokens in sequences.items():
-            self._real[key] = len(tokens) - 1
+            self._seen[key] = len(tokens) - 1
         drafts = {key: [int(row.argmax())] for key, row in last.items()}
         for _ in range(k - 1):
             logits = self.batch.verify({key: [drafted[-1]] for key, drafted in drafts.items()},
@@ -123,47 +147,35 @@ class BatchMtp:
             self.batch.forget(k - 1)
         return drafts
 
-    def leave(self, keys: Iterable[Hashable]) -> None:
-        gone = [key for key in keys if key in self._real]
-        self.batch.leave(gone)
-        for key in gone:
-            del self._real[key]
 
-    def reset(self) -> None:
-        self.batch.leave(self.batch.keys)
-        self._real = {}
-
-
-class BatchDraftModel:
-    """A draft artifact's greedy drafts for a running batch (see the module doc)."""
+class BatchDraftModel(_OwnBatch):
+    """A draft artifact's greedy drafts for a running batch (see the module doc). ``_seen``: per sequence, its tokens
+    in the draft's cache (the chained drafts' not)."""
 
     main_outputs: tuple[str, ...] = ()
 
     def __init__(self, batch: PersistentBatch | StatefulBatch, vocab: int | None) -> None:
-        self.batch = batch  # over the draft artifact's graph
+        super().__init__(batch)  # over the draft artifact's graph
         # the main model's vocabulary: ids past it (a draft embedding padded wider) are never drafted
         self.vocab = vocab
-        self._cached: dict[Hashable, int] = {}  # per sequence: its tokens in the draft's cache (chained ones not)
 
     def propose(self, sequences: dict[Hashable, list[int]], hidden: dict[Hashable, np.ndarray],
                 k: int) -> dict[Hashable, list[int]]:
         del hidden
         if k < 1:
             return {}
-        running = self.batch.keys
-        if set(running) - set(sequences):
-            raise ValueError("every running sequence is given to each propose")
+        running = self._running(sequences)
         last: dict[Hashable, np.ndarray] = {}  # each sequence's logits of its first draft
         if running:
-            fed = {key: sequences[key][self._cached[key]:] for key in running}
+            fed = {key: sequences[key][self._seen[key]:] for key in running}
             logits = self.batch.verify(fed)
             self.batch.keep({key: len(tokens) for key, tokens in fed.items()})
             last.update((key, rows[-1]) for key, rows in logits.items())
-        joining = {key: tokens for key, tokens in sequences.items() if key not in self._cached}
+        joining = {key: tokens for key, tokens in sequences.items() if key not in self._seen}
         if joining:
             last.update(self.batch.join(joining))
         for key, tokens in sequences.items():
-            self._cached[key] = len(tokens)
+            self._seen[key] = len(tokens)
         drafts = {key: [self._greedy(row)] for key, row in last.items()}
         for _ in range(k - 1):
             logits = self.batch.verify({key: [drafted[-1]] for key, drafted in drafts.items()})
@@ -176,16 +188,6 @@ class BatchDraftModel:
 
     def _greedy(self, row: np.ndarray) -> int:
         return int(row[:self.vocab].argmax())
-
-    def leave(self, keys: Iterable[Hashable]) -> None:
-        gone = [key for key in keys if key in self._cached]
-        self.batch.leave(gone)
-        for key in gone:
-            del self._cached[key]
-
-    def reset(self) -> None:
-        self.batch.leave(self.batch.keys)
-        self._cached = {}
 
 
 def _check_holes(artifact: Artifact) -> None:
