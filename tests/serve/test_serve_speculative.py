@@ -239,7 +239,8 @@ def test_caches_and_engines_without_a_batched_verify_are_refused(artifact, model
 def test_batched_draft_model_drafts_what_it_drafts_for_one_sequence(artifact, backend):
     """BatchDraftModel over sequences that join, grow by a random accepted prefix and a token of their own, and
     leave, at different steps: each propose's drafts are the draft model's greedy continuation of each sequence
-    alone (DraftModel at batch 1, from an empty cache), its chained positions forgotten in between."""
+    alone (DraftModel at batch 1, from an empty cache). Its chained positions stay cached: a row is refed only the
+    tokens past the drafts it accepted (the catch-up forward's width counted), the rest forgotten."""
     from toolchain.runtime.batched_drafts import BatchDraftModel, batch_drafter
     from toolchain.runtime.decoder import open_decoder
     from toolchain.runtime.speculative import DraftModel
@@ -254,20 +255,31 @@ def test_batched_draft_model_drafts_what_it_drafts_for_one_sequence(artifact, ba
     rng = np.random.default_rng(0)
     sequences: dict[int, list[int]] = {}
     accepted = []
+    catch_up: list[dict] = []
+    verify = drafter.batch.verify
+    drafter.batch.verify = lambda fed, *rest: (catch_up.append({key: len(t) for key, t in fed.items()}),
+                                               verify(fed, *rest))[1]
+    expected: dict[int, int] = {}  # tokens each running row is refed at the next propose
     for step in range(10):
         if step < len(prompts):  # one joins per step
             sequences[step] = list(prompts[step])
         if step in (5, 7):  # and leaves
             drafter.leave([min(sequences)])
+            expected.pop(min(sequences))
             del sequences[min(sequences)]
+        catch_up.clear()
         proposed = drafter.propose(sequences, {}, 3)
+        if expected:
+            assert catch_up[0] == expected, step
         for key, tokens in sequences.items():
             alone.reset()
             assert proposed[key] == alone.propose(tokens, {}, 3), (step, key)
             taken = int(rng.integers(0, 4))
             accepted.append(taken)
             sequences[key] = [*tokens, *proposed[key][:taken], int(rng.integers(10, 600))]  # (a vocabulary of 640)
-    assert len(set(accepted)) == 4  # rows refed 1 to 4 tokens in one forward
+            # the chained positions were fed the first two drafts: those accepted are not fed again
+            expected[key] = 1 + taken - min(taken, 2)
+    assert len(set(accepted)) == 4
     drafter.reset()
     assert drafter.batch.keys == [] and drafter.propose({9: list(prompts[0])}, {}, 2)[9] == \
         (alone.reset(), alone.propose(list(prompts[0]), {}, 2))[1]

@@ -92,10 +92,17 @@ class Holes:
         self._fed = 0
         self._compact_if_sparse()
 
-    def forget(self, columns: int) -> None:
-        """The last ``columns`` positions of every row become holes (an MTP layer's chained drafts, which the next
-        verify step replaces by what the main model accepted)."""
-        self._mask[:, self._mask.shape[1] - columns:] = 0
+    def forget(self, columns: int | dict[Hashable, int]) -> None:
+        """The last ``columns`` positions of every row (or of each sequence its own count) become holes: the chained
+        drafts of an MTP layer, which the next verify step replaces by what the main model accepted, or those a
+        draft model drafted past what was accepted."""
+        width = self._mask.shape[1]
+        if isinstance(columns, int):
+            self._mask[:, width - columns:] = 0
+        else:
+            for row, key in enumerate(self._rows):
+                if key is not None and columns.get(key, 0):
+                    self._mask[row, width - columns[key]:] = 0
         self._compact_if_sparse()
 
     def row_extras(self, name: str) -> dict[Hashable, np.ndarray]:

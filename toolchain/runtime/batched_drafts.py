@@ -14,7 +14,9 @@ A draft artifact (``draft:ARTIFACT``, of the main model's tokenizer) runs the sa
 (a PersistentBatch of an ONNX Runtime artifact, a StatefulBatch of an OpenVINO one), with tokens in place of the
 main model's hidden states: each propose feeds every running sequence the tokens it was given since its last
 propose (the accepted drafts and the next token) in one forward, prefills the new sequences, and chains k-1
-single-token forwards of all rows, forgotten at once. Its drafts are greedy: one-hot to the server's speculative
+single-token forwards of all rows. The chained positions stay in its cache: the next propose keeps each row's
+accepted ones (as DraftModel rolls back to them at batch 1) and forgets the rest, so an accepted draft is not
+computed twice. Its drafts are greedy: one-hot to the server's speculative
 sampling, which keeps a sampled request's tokens distributed as the main model's.
 """
 
@@ -150,7 +152,7 @@ class BatchMtp(_OwnBatch):
 
 class BatchDraftModel(_OwnBatch):
     """A draft artifact's greedy drafts for a running batch (see the module doc). ``_seen``: per sequence, its tokens
-    in the draft's cache (the chained drafts' not)."""
+    in the draft's cache before its chained drafts (``_chained``: the tokens those positions were fed)."""
 
     main_outputs: tuple[str, ...] = ()
 
@@ -158,6 +160,17 @@ class BatchDraftModel(_OwnBatch):
         super().__init__(batch)  # over the draft artifact's graph
         # the main model's vocabulary: ids past it (a draft embedding padded wider) are never drafted
         self.vocab = vocab
+        self._chained: dict[Hashable, list[int]] = {}
+
+    def leave(self, keys: Iterable[Hashable]) -> None:
+        keys = list(keys)
+        super().leave(keys)
+        for key in keys:
+            self._chained.pop(key, None)
+
+    def reset(self) -> None:
+        super().reset()
+        self._chained = {}
 
     def propose(self, sequences: dict[Hashable, list[int]], hidden: dict[Hashable, np.ndarray],
                 k: int) -> dict[Hashable, list[int]]:
@@ -167,7 +180,14 @@ class BatchDraftModel(_OwnBatch):
         running = self._running(sequences)
         last: dict[Hashable, np.ndarray] = {}  # each sequence's logits of its first draft
         if running:
-            fed = {key: sequences[key][self._seen[key]:] for key in running}
+            fed, dropped = {}, {}
+            for key in running:
+                new, chained = sequences[key][self._seen[key]:], self._chained.pop(key, [])
+                # the chained positions whose tokens the sequence now holds were computed as they are: kept
+                taken = next((i for i, (a, b) in enumerate(zip(chained, new)) if a != b), min(len(chained), len(new)))
+                taken = max(0, min(taken, len(new) - 1))  # the last new token is fed: its logits are the first draft's
+                fed[key], dropped[key] = new[taken:], len(chained) - taken
+            self.batch.forget(dropped)
             logits = self.batch.verify(fed)
             self.batch.keep({key: len(tokens) for key, tokens in fed.items()})
             last.update((key, rows[-1]) for key, rows in logits.items())
@@ -182,8 +202,7 @@ class BatchDraftModel(_OwnBatch):
             self.batch.keep(dict.fromkeys(drafts, 1))
             for key, rows in logits.items():
                 drafts[key].append(self._greedy(rows[-1]))
-        if k > 1:
-            self.batch.forget(k - 1)
+        self._chained = {key: drafted[:-1] for key, drafted in drafts.items()}
         return drafts
 
     def _greedy(self, row: np.ndarray) -> int:
