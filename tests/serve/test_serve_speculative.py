@@ -25,7 +25,7 @@ from toolchain.settings.speculation import SpeculationSettings
 
 pytestmark = pytest.mark.timeout(300)
 
-LATENT, GQA, V32 = "deepseek-v3-tiny", "r1-distill-qwen-tiny", "deepseek-v32-tiny"
+LATENT, GQA, V32, V4 = "deepseek-v3-tiny", "r1-distill-qwen-tiny", "deepseek-v32-tiny", "deepseek-v4-tiny"
 ORT = {"compile": {"backend": "onnxruntime", "verify": False}}
 INT4 = {"scheme": "int4-grouped", "group_size": 128, "sym": False, "backup": "int8"}
 # draft models (model, backend, recipe sections) of the cases' "draft:NAME": a main model's own weights at INT4,
@@ -35,6 +35,7 @@ DRAFTS = {
     "draft:ov-int4": (GQA, "openvino", {"compress": INT4, "compile": {"backend": "openvino", "verify": False}}),
     "draft:ov-latent-int4": (LATENT, "openvino", {"compress": INT4, "compile": {"backend": "openvino",
                                                                                 "verify": False}}),
+    "draft:v4-int4": (V4, "onnxruntime", {"compress": INT4, "compile": {"backend": "onnxruntime", "verify": False}}),
 }
 
 
@@ -93,7 +94,10 @@ def backend_run(art, speculation: SpeculationSettings | None, sampled: bool = Fa
     (LATENT, "prompt-lookup", "openvino"), (LATENT, "mtp", "openvino"),  # dstc's OpenVINO latent runner, at f32
     (V32, "mtp", "onnxruntime"), (V32, "mtp", "openvino"),  # MTP's own indexer keys, with holes
     (GQA, "draft:ort-int4", "onnxruntime"), (GQA, "draft:ov-int4", "onnxruntime"),  # the draft's own batch
-    (LATENT, "draft:ov-latent-int4", "openvino")])
+    (LATENT, "draft:ov-latent-int4", "openvino"),
+    # DeepSeek-V4's per-token cache, compacted after every step (its rows' slots are counted from held columns)
+    (V4, "prompt-lookup", "onnxruntime"), (V4, "prompt-lookup", "openvino"),
+    pytest.param(V4, "draft:v4-int4", "onnxruntime", marks=pytest.mark.slow)])  # an INT4 V4 build: a minute more
 def test_backend_speculates_to_plain_serving_tokens(artifact, model, method, backend):
     art = artifact(model, backend, sections(method, backend))
     plain, none = backend_run(art, None)
@@ -216,20 +220,14 @@ def test_combinations_that_cannot_work_are_refused_in_one_line(artifact, monkeyp
 @pytest.mark.parametrize(("model", "backend", "method", "message"), [
     (GQA, "openvino", "mtp", "served by openvino_genai's ContinuousBatchingPipeline, which drafts by"),
     (GQA, "openvino", "draft:ort", "draft-model speculation pages the draft's KV cache as the main one's: the draft"),
-    pytest.param("deepseek-v4-tiny", "onnxruntime", "prompt-lookup", "per-token cache (DeepSeek-V4's sliding window",
-                 marks=pytest.mark.slow),  # its export takes a minute
-    pytest.param(GQA, "onnxruntime", "draft:v4", "per-token cache (DeepSeek-V4's sliding window",
-                 marks=pytest.mark.slow),  # the draft's cache: holes of its chained drafts
 ])
-def test_caches_and_engines_without_a_batched_verify_are_refused(artifact, model, backend, method, message):
+def test_engines_without_a_batched_verify_are_refused(artifact, model, backend, method, message):
     from toolchain.errors import InputError
     from toolchain.runtime.batched_drafts import check_batch_speculation
 
     art = artifact(model, backend, {"compile": {"backend": backend, "verify": False}})
-    drafts = {"draft:ort": (GQA, "onnxruntime"), "draft:v4": ("deepseek-v4-tiny", "onnxruntime")}
-    if method in drafts:
-        draft_model, draft_backend = drafts[method]
-        draft = artifact(draft_model, draft_backend, {"compile": {"backend": draft_backend, "verify": False}})
+    if method == "draft:ort":
+        draft = artifact(GQA, "onnxruntime", {"compile": {"backend": "onnxruntime", "verify": False}})
         method = f"draft:{draft.path}"
     with pytest.raises(InputError, match=re.escape(message)):
         check_batch_speculation(SpeculationSettings(speculate=method), art)

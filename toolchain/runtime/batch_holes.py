@@ -6,8 +6,9 @@ has its right position, and dstc's graphs ignore the column (toolchain/export/bl
 columns, padding from the mask, which DeepSeek-V3.2's indexer adds to its scores before its top-k). Holes cost
 attention work and memory until a compaction (each row's held columns, right-aligned) cuts them; the batch compacts
 when they fill half of what its rows hold, and on the rebuilds that joins make anyway. DeepSeek-V4's per-token
-cache counts its sliding window and compressed blocks in columns, which a hole would shift: refused there
-(toolchain/runtime/batched_drafts.py).
+cache pools its compressed windows over a row's columns after its left padding, which a hole would shift: a batch
+of it compacts after every step that leaves one (``compact_each_step``, :func:`holds_holes`), which leaves each
+row as left-padded as a row that joined with its accepted tokens.
 
 :class:`Holes` is the bookkeeping both batched runners share (ONNX Runtime's PersistentBatch, OpenVINO's
 StatefulBatch); each compacts its own cache (``_compact``).
@@ -15,9 +16,11 @@ StatefulBatch); each compacts its own cache (``_compact``).
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+from collections.abc import Hashable, Mapping
 
 import numpy as np
+
+from toolchain.interface.graph import KV_CACHE, LATENT, PER_HEAD
 
 
 def compacted(mask: np.ndarray) -> tuple[np.ndarray, list[np.ndarray]]:
@@ -39,6 +42,12 @@ def compact_cache(cache: np.ndarray, columns: list[np.ndarray], width: int) -> n
     return out
 
 
+def holds_holes(metadata: Mapping[str, str]) -> bool:
+    """Whether the cache of a graph (its metadata) can keep holes between steps: per-head and latent caches, whose
+    attention reads the mask; not DeepSeek-V4's per-token one (module doc)."""
+    return metadata.get(KV_CACHE) in (None, PER_HEAD, LATENT)
+
+
 class Holes:
     """The verify/keep bookkeeping of a batch whose rows (``_rows``, None a row that left) and ``_mask`` [rows,
     columns] follow its cache."""
@@ -49,6 +58,7 @@ class Holes:
     pad_id: int
     _fed = 0  # columns of the last verify, until keep
     _spans: dict[Hashable, tuple[int, int, int]]  # each sequence's (row, columns) in ``extras``
+    compact_each_step = False  # a cache that cannot keep holes (holds_holes): cut them after every keep / forget
 
     def holes(self) -> int:
         """Masked-out columns after each live row's first held one."""
@@ -74,7 +84,10 @@ class Holes:
         for row, key in enumerate(self._rows):
             tokens = [self.pad_id] if key is None else fed[key]
             ids[row, :len(tokens)] = tokens
-            new[row, :len(tokens)] = 1
+            # DeepSeek-V4 finds a row's slots from its count of held columns, as if every other one were left
+            # padding: there its padding on the right is held for this forward (causal, so its tokens do not see
+            # it) and turns into holes at keep
+            new[row, :width if self.compact_each_step else len(tokens)] = 1
             if key is not None:
                 for name, value in (inputs or {}).items():
                     extra[name][row, :len(tokens)] = value[key]
@@ -113,7 +126,8 @@ class Holes:
 
     def _compact_if_sparse(self) -> None:
         held = int(self._mask[[row for row, key in enumerate(self._rows) if key is not None]].sum())
-        if held and self.holes() >= held:
+        holes = self.holes()
+        if held and (holes >= held or (self.compact_each_step and holes)):
             self._compact()
 
     def _compact(self) -> None:

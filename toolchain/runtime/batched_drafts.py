@@ -28,9 +28,10 @@ from typing import Protocol
 import numpy as np
 
 from toolchain.errors import InputError
-from toolchain.interface.files import MODEL_XML, ONNX_MODEL
-from toolchain.interface.graph import HIDDEN_STATES, KV_CACHE, LATENT, MTP_HIDDEN, PER_HEAD, graph_metadata
+from toolchain.interface.files import MODEL_XML
+from toolchain.interface.graph import HIDDEN_STATES, MTP_HIDDEN
 from toolchain.runtime.artifact import Artifact
+from toolchain.runtime.batch_holes import holds_holes
 from toolchain.runtime.batching import ArrayBatch, PersistentBatch
 from toolchain.runtime.batching_openvino import StatefulBatch, pageable
 from toolchain.runtime.decoder import OnnxRuntimeDecoder, StatelessDecoder, open_decoder
@@ -209,17 +210,6 @@ class BatchDraftModel(_OwnBatch):
         return int(row[:self.vocab].argmax())
 
 
-def _check_holes(artifact: Artifact) -> None:
-    """InputError where ``artifact``'s cache cannot hold the holes of rejected (or forgotten) drafts."""
-    xml = artifact.path / (MODEL_XML if artifact.backend == "openvino" else ONNX_MODEL)
-    kv_cache = graph_metadata(xml).get(KV_CACHE)
-    if kv_cache not in (None, PER_HEAD, LATENT):
-        # the sliding window and the compressed blocks are counted in cache columns: a hole would shift them
-        raise InputError(f"{artifact.path}: --speculate leaves rejected drafts in the cache as masked-out holes, "
-                         f"which its {kv_cache} cache (DeepSeek-V4's sliding window and compressed blocks over "
-                         "cache columns) does not ignore")
-
-
 def check_batch_speculation(settings: SpeculationSettings, artifact: Artifact) -> None:
     """InputError, before anything loads, where speculation in a running batch cannot work on ``artifact``: dstc's
     runners verify drafts of prompt lookup, of the MTP layer or of a draft artifact (whose cache holds holes too);
@@ -237,10 +227,7 @@ def check_batch_speculation(settings: SpeculationSettings, artifact: Artifact) -
                              f"draft-model speculation pages the draft's KV cache as the main one's: the draft "
                              f"{draft.path} must be an OpenVINO artifact it can page too")
         return  # openvino_genai's own speculation
-    _check_holes(artifact)
-    draft = draft_artifact(settings, artifact)  # an MTP layer, or a draft artifact of the same tokenizer
-    if draft is not None:
-        _check_holes(draft)
+    draft_artifact(settings, artifact)  # an MTP layer, or a draft artifact of the same tokenizer: checked
 
 
 def batch_drafter(settings: SpeculationSettings, artifact: Artifact, *, threads: int | None,
@@ -257,11 +244,14 @@ def batch_drafter(settings: SpeculationSettings, artifact: Artifact, *, threads:
         opened = open_decoder(draft, threads=threads, openvino_f32=openvino_f32)
         batch = StatefulBatch(opened, draft.pad_token_id) if opened.backend == "openvino" else \
             PersistentBatch(opened, draft.pad_token_id)
+        batch.compact_each_step = not holds_holes(draft.metadata)
         return BatchDraftModel(batch, artifact.config.get("vocab_size"))
     drafter = open_mtp_drafter(artifact, threads=threads, openvino_f32=openvino_f32)
     decoder = drafter.decoder
     if isinstance(decoder, OnnxRuntimeDecoder):
-        return BatchMtp(PersistentBatch(decoder, artifact.pad_token_id))
-    assert isinstance(decoder, StatelessDecoder)  # an OpenVINO artifact's MTP IR (stateless)
-    return BatchMtp(ArrayBatch(decoder.runner, decoder.past_specs, (MTP_HIDDEN,), decoder.chunking,
-                               artifact.pad_token_id))
+        mtp: PersistentBatch = PersistentBatch(decoder, artifact.pad_token_id)
+    else:
+        assert isinstance(decoder, StatelessDecoder)  # an OpenVINO artifact's MTP IR (stateless)
+        mtp = ArrayBatch(decoder.runner, decoder.past_specs, (MTP_HIDDEN,), decoder.chunking, artifact.pad_token_id)
+    mtp.compact_each_step = not holds_holes(artifact.metadata)  # the MTP graph's cache is the main graph's kind
+    return BatchMtp(mtp)

@@ -27,6 +27,7 @@ import numpy as np
 
 from toolchain.errors import InputError
 from toolchain.runtime.artifact import Artifact
+from toolchain.runtime.batch_holes import Holes, holds_holes
 from toolchain.runtime.batched_drafts import batch_drafter
 from toolchain.runtime.batching import PersistentBatch, batched_decoder
 from toolchain.runtime.batching_openvino import StatefulBatch
@@ -85,11 +86,15 @@ class RunnerBackend:
         if self.decoder.backend != "openvino":
             if self.speculation is not None and self.layout != "batch":
                 raise InputError(f"--speculate verifies drafts in the 'batch' KV-cache layout, not {self.layout!r}")
-            return batched_decoder(self.decoder, self.artifact.pad_token_id, self.layout)
-        if self.layout != "batch":
+            batch = batched_decoder(self.decoder, self.artifact.pad_token_id, self.layout)
+        elif self.layout != "batch":
             raise InputError(f"KV-cache layout {self.layout!r} is ONNX Runtime's; an OpenVINO artifact is batched in "
                              "its infer request's variables (layout 'batch')")
-        return StatefulBatch(self.decoder, self.artifact.pad_token_id)
+        else:
+            batch = StatefulBatch(self.decoder, self.artifact.pad_token_id)
+        if isinstance(batch, Holes):  # where speculation leaves holes
+            batch.compact_each_step = not holds_holes(self.artifact.metadata)
+        return batch
 
     def _loaded(self) -> BatchedDecoder:
         if self.batch is None:
