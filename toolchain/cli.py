@@ -715,8 +715,9 @@ def generate_cmd(artifact: Path, prompt: str, max_new_tokens: int, chat: bool | 
                          "artifact")
     if chat is None:
         chat = bool(getattr(art.tokenizer(), "chat_template", None))
-    art.check_length(len(prompt_ids(art, prompt, chat=chat)), max_new_tokens)  # before the model is loaded
-    speculation = open_speculation(settings, art, threads=threads)
+    prompt_tokens = len(prompt_ids(art, prompt, chat=chat))
+    art.check_length(prompt_tokens, max_new_tokens)  # before the model is loaded
+    speculation = open_speculation(settings, art, threads=threads, context=prompt_tokens + max_new_tokens)
     decoder = open_decoder(art, threads=threads, extra_outputs=speculation.main_outputs if speculation else (),
                            openvino_runtime_cache=runtime_cache)
     if as_json:

@@ -201,6 +201,7 @@ def test_served_greedy_completions_are_plain_servings_and_metrics_count_drafts(a
     (GQA, ("--speculate", "draft:TINY"), "has no tokenizer.json"),
     (GQA, ("--speculate", "draft:OTHER"), "has another tokenizer than"),
     (GQA, ("--speculate", "ngram"), "is not 'prompt-lookup', 'mtp' or draft:ARTIFACT"),
+    (GQA, ("--speculate", "draft:SHORT"), "has a context of 512 tokens, and sequences here reach 1024: use a shorter"),
 ])
 def test_combinations_that_cannot_work_are_refused_in_one_line(artifact, monkeypatch, capsys, tiny_checkpoints,
                                                                tmp_path, model, args, message):
@@ -212,9 +213,35 @@ def test_combinations_that_cannot_work_are_refused_in_one_line(artifact, monkeyp
     tokenizer = json.loads((other / "tokenizer.json").read_text())
     tokenizer["added_tokens"].append({**tokenizer["added_tokens"][-1], "id": 640, "content": "<extra>"})
     (other / "tokenizer.json").write_text(json.dumps(tokenizer))
-    args = tuple(arg.replace("TINY", tiny).replace("SELF", str(art.path)).replace("OTHER", str(other)) for arg in args)
+    short = shorter_context(art.path, tmp_path / "short", 512)
+    args = tuple(arg.replace("TINY", tiny).replace("SELF", str(art.path)).replace("OTHER", str(other))
+                 .replace("SHORT", str(short)) for arg in args)
     code, _, err = run_cli(monkeypatch, capsys, "serve", art.path, "--port", "0", *args)
     assert code == 2 and len(err.strip().splitlines()) == 1 and message in err, err
+
+
+def shorter_context(path, to, context: int):
+    """A copy of the artifact at ``path`` whose config says its context is ``context`` tokens."""
+    shutil.copytree(path, to)
+    config = json.loads((to / "config.json").read_text())
+    (to / "config.json").write_text(json.dumps({**config, "max_position_embeddings": context}))
+    return to
+
+
+def test_a_draft_is_checked_against_the_longest_sequence_it_follows(artifact, monkeypatch, capsys, tmp_path):
+    """A draft model whose context is shorter than the sequences it would draft after (it would draft garbage past
+    it) is refused before anything loads; a context that fits the sequences is taken."""
+    from toolchain.runtime.batched_drafts import check_batch_speculation
+
+    art = artifact(GQA, "onnxruntime")
+    short = shorter_context(art.path, tmp_path / "short", 64)
+    code, _, err = run_cli(monkeypatch, capsys, "generate", art.path, "12+345=", "--max-new-tokens", "60",
+                           "--speculate", f"draft:{short}")
+    assert code == 2 and "has a context of 64 tokens, and sequences here reach" in err, err
+    code, out, err = run_cli(monkeypatch, capsys, "generate", art.path, "12+345=", "--max-new-tokens", "8",
+                             "--raw", "--speculate", f"draft:{short}")
+    assert code == 0, err
+    check_batch_speculation(SpeculationSettings(speculate=f"draft:{short}"), art, 64)  # serve --max-context 64
 
 
 @pytest.mark.parametrize(("model", "backend", "method", "message"), [

@@ -210,8 +210,9 @@ class BatchDraftModel(_OwnBatch):
         return int(row[:self.vocab].argmax())
 
 
-def check_batch_speculation(settings: SpeculationSettings, artifact: Artifact) -> None:
-    """InputError, before anything loads, where speculation in a running batch cannot work on ``artifact``: dstc's
+def check_batch_speculation(settings: SpeculationSettings, artifact: Artifact, context: int | None = None) -> None:
+    """InputError, before anything loads, where speculation in a running batch cannot work on ``artifact`` with
+    sequences of up to ``context`` tokens (draft_artifact): dstc's
     runners verify drafts of prompt lookup, of the MTP layer or of a draft artifact (whose cache holds holes too);
     openvino_genai's pipeline (what serves a pageable OpenVINO artifact) does its own prompt lookup or draft-model
     speculation."""
@@ -221,13 +222,13 @@ def check_batch_speculation(settings: SpeculationSettings, artifact: Artifact) -
         if settings.speculate == MTP:
             raise InputError(f"{artifact.path}: served by openvino_genai's ContinuousBatchingPipeline, which drafts "
                              f"by {PROMPT_LOOKUP} or a draft model, not an MTP layer")
-        draft = draft_artifact(settings, artifact)
+        draft = draft_artifact(settings, artifact, context)
         if draft is not None and not (draft.backend == "openvino" and pageable(draft.path / MODEL_XML)):
             raise InputError(f"{artifact.path}: served by openvino_genai's ContinuousBatchingPipeline, whose "
                              f"draft-model speculation pages the draft's KV cache as the main one's: the draft "
                              f"{draft.path} must be an OpenVINO artifact it can page too")
         return  # openvino_genai's own speculation
-    draft_artifact(settings, artifact)  # an MTP layer, or a draft artifact of the same tokenizer: checked
+    draft_artifact(settings, artifact, context)  # an MTP layer, or a draft artifact of the same tokenizer: checked
 
 
 def batch_drafter(settings: SpeculationSettings, artifact: Artifact, *, threads: int | None,

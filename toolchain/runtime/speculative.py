@@ -279,10 +279,10 @@ class Speculation:
         return {"method": self.method, "draft_tokens": self.draft_tokens, **self.acceptance.summary()}
 
 
-def draft_artifact(settings: SpeculationSettings, artifact: Artifact) -> Artifact | None:
-    """The draft model's artifact that ``settings`` name, if any, checked (InputError) to be one and to have
-    ``artifact``'s tokenizer, or for MTP drafts that the artifact has its MTP layer: what a command checks before
-    it does any work."""
+def draft_artifact(settings: SpeculationSettings, artifact: Artifact, context: int | None = None) -> Artifact | None:
+    """The draft model's artifact that ``settings`` name, if any, checked (InputError) to be one, to have
+    ``artifact``'s tokenizer and a context of at least ``context`` tokens (the longest sequence it will draft
+    after), or for MTP drafts that the artifact has its MTP layer: what a command checks before it does any work."""
     if settings.speculate == MTP and not (artifact.path / MTP_DIR).is_dir():
         raise InputError(f"{artifact.path} has no MTP layer ({MTP_DIR}/) to draft with: build it with export.mtp")
     if settings.draft_artifact is None:
@@ -291,11 +291,17 @@ def draft_artifact(settings: SpeculationSettings, artifact: Artifact) -> Artifac
     if draft.tokenizer().get_vocab() != artifact.tokenizer().get_vocab():
         raise InputError(f"the draft model {draft.path} has another tokenizer than {artifact.path}: speculative "
                          "decoding needs the same token ids")
+    if context is not None and draft.context_length is not None and draft.context_length < context:
+        # past its context a model does not fail, it drafts garbage: every draft rejected, each step a loss
+        raise InputError(f"the draft model {draft.path} has a context of {draft.context_length} tokens, and "
+                         f"sequences here reach {context}: use a shorter context (serve --max-context, generate "
+                         "--max-new-tokens) or another draft")
     return draft
 
 
 def open_speculation(settings: SpeculationSettings, artifact: Artifact, *, threads: int | None = None,
-                     openvino_f32: bool = False, sampling: Sampling | None = None) -> Speculation | None:
+                     openvino_f32: bool = False, sampling: Sampling | None = None,
+                     context: int | None = None) -> Speculation | None:
     """The speculation ``settings`` ask for on ``artifact``'s sequences (None when they ask for none): a draft
     artifact is opened as the main one is (same threads and numerics) and must have its tokenizer; InputError
     otherwise."""
@@ -305,7 +311,7 @@ def open_speculation(settings: SpeculationSettings, artifact: Artifact, *, threa
         return Speculation(MTP, open_mtp_drafter(artifact, threads=threads, openvino_f32=openvino_f32),
                            settings.draft_tokens, main_outputs=(HIDDEN_STATES,))
     drafter: Drafter = PromptLookup()
-    draft = draft_artifact(settings, artifact)
+    draft = draft_artifact(settings, artifact, context)
     if draft is not None:
         decoder = open_decoder(draft, threads=threads, openvino_f32=openvino_f32)
         seed = None if sampling is None or sampling.seed is None else [sampling.seed, 1]  # apart from the main's

@@ -84,7 +84,7 @@ class Service:
         that many of them on Ray Serve (replicated.py)."""
         s = self.settings
         options: dict
-        check_batch_speculation(s, self.artifact)  # refused here, before an engine starts
+        check_batch_speculation(s, self.artifact, self.context)  # refused here, before an engine starts
         if self.artifact.backend == "openvino":
             options = {"threads": s.threads, "max_batch": s.max_batch, "max_context": self.context,
                        "prefix_caching": s.prefix_caching, "f32": s.openvino_f32,
