@@ -213,7 +213,9 @@ def evaluate_artifact(path: Path, settings: EvalSettings | None = None, *, refer
     settings = settings if settings is not None else EvalSettings()
     artifact = open_artifact(path)
     tokenizer = artifact.tokenizer()
-    draft_artifact(settings, artifact)  # a bad draft model is bad input now, not after the accuracy runs
+    # a bad draft model is bad input now, not after the accuracy runs (it drafts after the latency cases' prompts)
+    draft_artifact(settings, artifact,
+                   max(settings.prompt_lengths) + settings.new_tokens if settings.latency else None)
     task = artifact.manifest is not None and artifact.manifest.source.kind == "embedded"
     data = load_data(settings, tokenizer, task=task,
                      max_length=int(artifact.config.get("max_position_embeddings") or settings.window))
