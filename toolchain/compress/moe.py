@@ -277,6 +277,7 @@ class Job(ComputedOnSave):
     # AWQ's scale s of each expert's down_proj input channels (the layer's jobs share it: up_proj's rows take 1 / s)
     awq: dict[int, np.ndarray] = field(default_factory=dict)
     statistics: Statistics | None = None  # the inputs' statistics for scale estimation (down_proj's after AWQ)
+    calibrated: bool = False  # AWQ or scale estimation asked for (and the experts INT4)
     data_aware: Counter = field(default_factory=Counter)  # expert matrices: "awq", "scale_estimation", "data_free"
 
     def _scaled(self, e: int, w: np.ndarray, undo: bool = False) -> np.ndarray:
@@ -302,7 +303,6 @@ class Job(ComputedOnSave):
         parts = len(self.stacked.projections)
         stats = [self.statistics(e, p) for p in self.stacked.projections]
         if any(stat is None for stat in stats):
-            self.data_aware["data_free"] += parts
             return None, None
         scale: np.ndarray | None = None
         zp: np.ndarray | None = None
@@ -335,6 +335,8 @@ class Job(ComputedOnSave):
                 self.data_aware["awq"] += sum(p in ("up_proj", "down_proj") for p in self.stacked.projections)
             w = self._scaled(e, w)
             given, given_zp = self._estimated(e, w, mode)
+            if self.calibrated and e not in self.awq and given is None:  # no calibration token reached it
+                self.data_aware["data_free"] += parts
             quantized = lowering.quantize(w, 1, mode, spec.group, keep_restored=True, scale=given,
                                           zero_point=given_zp)
             restored = self._scaled(e, cast(np.ndarray, quantized.restored).reshape(w.shape), undo=True)
@@ -455,8 +457,8 @@ def compress_experts(model: ir.Model, layers: list[FusedLayer], plan: Callable[.
             of_layer = partial(statistics, layer)
         scales = awq_scales(layer, of_layer, specs) if options.awq and of_layer else {}
         estimate = _after_awq(of_layer, scales) if options.scale_estimation and of_layer else None
-        layer_jobs = [Job(layer, s, spec, bound, awq=scales, statistics=estimate) for s in layer.weights
-                      if (spec := specs[s.name])]
+        layer_jobs = [Job(layer, s, spec, bound, awq=scales, statistics=estimate, calibrated=of_layer is not None)
+                      for s in layer.weights if (spec := specs[s.name])]
         if layer.form == "onnxruntime":
             _to_qmoe(model, layer, layer_jobs, accuracy_level)
         else:
@@ -520,8 +522,8 @@ def _after_awq(statistics: Statistics, scales: dict[int, np.ndarray]) -> Statist
 
 def data_aware_counts(jobs: list[Job]) -> dict[str, int]:
     """compression.json's details of the fused experts' data-aware options, once the model is saved: expert
-    matrices quantized with AWQ's scale, with scale estimation's, and with NNCF's data-free ones where the
-    options asked for scale estimation but no calibration token reached the expert."""
+    matrices quantized with AWQ's scale, with scale estimation's, and with NNCF's data-free ones (no calibration
+    token reached the expert)."""
     total: Counter = Counter()
     for job in jobs:
         total.update(job.data_aware)
