@@ -517,6 +517,12 @@ def test_a_build_resolves_auto_before_its_export_stage(tiny_checkpoints, tmp_pat
     assert export_config(moe_model, "openvino", {"moe": "fused-openvino"})[:2] == \
         ("fused-openvino", ["onnxruntime", "openvino"])
     assert export_config(dense, "onnxruntime", compress=int4) == ("dispatch", ["onnxruntime", "openvino"], [])
+    # AWQ and scale estimation run on fused experts; GPTQ and ratio < 1 on the dispatch form's only
+    assert export_config(moe_model, "onnxruntime", compress={**int4, "awq": True, "scale_estimation": True})[0] == \
+        "fused-onnxruntime"
+    lowering, parity, logged = export_config(moe_model, "onnxruntime", compress={**int4, "ratio": 0.8})
+    assert (lowering, parity) == ("dispatch", ["onnxruntime", "openvino"])
+    assert logged[0] == "MoE lowering: dispatch (gptq and ratio < 1 see the dispatch form's experts only)"
 
 
 def test_prefill_int8_is_not_decided_on_for_dispatched_experts(tiny_checkpoints, tmp_path, monkeypatch):
