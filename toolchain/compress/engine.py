@@ -219,7 +219,7 @@ def compress_onnx(model: ir.Model, plan: dict[str, str], options: Options, datas
     calls = [(kind, groups[kind]) for kind in ("int8", "int4") if kind in groups]
     later = {w.node for w in weights if len(w.shape) == 3}.intersection(groups.get("int8", []))
     if options.data_aware and later and "int4" in groups:
-        calls = [("int8", [n for n in groups.get("int8", []) if n not in later]), ("int4", groups["int4"]),
+        calls = [("int8", [n for n in groups["int8"] if n not in later]), ("int4", groups["int4"]),
                  ("int8", [n for n in groups["int8"] if n in later])]
     for kind, nodes in calls:
         if not nodes:
