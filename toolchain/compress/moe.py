@@ -262,7 +262,8 @@ def _spec(precision: str, ks: list[int], options: Options) -> Spec | None:
     return Spec(8, None, options.sym)  # int8, int8-per-head (experts have no heads: per channel), int4's backup
 
 
-Statistics = Callable[[int, str], "WCTensorStatistic | None"]  # (expert, projection) -> its input's
+# (expert, projection) -> the statistics of its input, None where no calibration token reached the expert
+Statistics = Callable[[int, str], "WCTensorStatistic | None"]
 
 
 @dataclass
