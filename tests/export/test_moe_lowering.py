@@ -289,6 +289,72 @@ def test_fused_experts_written_are_each_experts_own_with_nncfs_optimized_functio
         assert np.allclose(got[name].astype(np.float64), array.astype(np.float64), rtol=1e-6, atol=0), name
 
 
+@pytest.mark.parametrize("target", ["onnxruntime", "openvino"])
+def test_awq_and_scale_estimation_lower_the_fused_experts_output_error(compressed, target):
+    """Each expert the calibration tokens reach is quantized with AWQ's scale (NNCF's data-aware step on its
+    up_proj -> down_proj) and scale estimation's scales (from its inputs' statistics) instead of NNCF's data-free
+    ones: on the tiny V3 their matrices' mean calibration output error falls from 0.090 to 0.072. An expert no
+    token reached keeps the data-free quantization, and details.fused_experts counts both."""
+    _, free = compressed(f"fused-{target}", target)
+    _, aware = compressed(f"fused-{target}", target, awq=True, scale_estimation=True)
+    free_rows, rows = expert_rows(free), expert_rows(aware)
+    reached = {n for n, r in rows.items() if r["output_error"] is not None}
+    experts = {n.rsplit("/", 2)[0] for n in reached}
+    assert 0 < len(experts) < 32 and len(reached) == 3 * len(experts)
+    assert aware["details"]["fused_experts"] == \
+        {"awq": 2 * len(experts), "scale_estimation": 3 * len(experts), "data_free": 3 * (32 - len(experts))}
+    assert all(rows[n]["weight_error"] == free_rows[n]["weight_error"] for n in rows.keys() - reached)
+    changed = [n for n in reached if rows[n]["weight_error"] != free_rows[n]["weight_error"]]
+    assert len(changed) == len(reached)
+    before = np.mean([free_rows[n]["output_error"] for n in reached])
+    after = np.mean([rows[n]["output_error"] for n in reached])
+    assert after < 0.85 * before, (before, after)
+
+
+def test_fused_data_aware_quantization_is_the_dispatch_forms(compressed, fused_exports, tiny_checkpoints,
+                                                            tmp_path):
+    """Streamed, where both forms take their statistics from the checkpoint's layers
+    (toolchain/compress/layer_statistics.py): AWQ and scale estimation give every fused expert exactly the values,
+    scales and zero points of the dispatch form's MatMulNBits (the same NNCF algorithms on the same matrices and
+    rows), which are not the data-free ones where calibration tokens reached the expert."""
+    export(str(tiny_checkpoints["deepseek_v3"]), tmp_path / "dispatch", parity=())
+    source = fused_exports("deepseek_v3", "fused-onnxruntime")[0]
+    options = dict(scheme="int4-grouped", streaming="always", prefill_int8=False)
+    aware = dict(awq=True, scale_estimation=True)
+    compress(tmp_path / "dispatch", tmp_path / "d", CompressSection(**options, **aware), target="onnxruntime")
+    summary = compress(source, tmp_path / "f", CompressSection(**options, **aware), target="onnxruntime")
+    compress(source, tmp_path / "free", CompressSection(**options), target="onnxruntime")
+    _, whole = compressed("fused-onnxruntime", "onnxruntime", awq=True, scale_estimation=True)
+    assert summary["details"]["fused_experts"] == whole["details"]["fused_experts"]
+
+    def initializers(path):
+        return {n: v.const_value.numpy() for n, v in ir.load(path / "model.onnx").graph.initializers.items()
+                if v.const_value is not None}
+
+    dispatch, fused, free = (initializers(tmp_path / d) for d in ("d", "f", "free"))
+    differ = 0
+    for layer in (1, 2):
+        for key in ("quantized", "scale", "zero_point"):
+            fc1, fc2 = (fused[f"layers.{layer}/mlp/experts/{w}_{key}"] for w in ("gate_up_proj", "down_proj"))
+            free_fc2 = free[f"layers.{layer}/mlp/experts/down_proj_{key}"]
+            for e in range(16):
+                for projection, got in (("gate_proj", fc1[e][0::2]), ("up_proj", fc1[e][1::2]),
+                                        ("down_proj", fc2[e])):
+                    expected = dispatch[f"layers.{layer}/mlp/experts/{e}/{projection}/weight_{key}"]
+                    assert np.array_equal(got.reshape(-1), expected.reshape(-1)), (layer, e, projection, key)
+                differ += key == "scale" and not np.array_equal(fc2[e], free_fc2[e])
+    assert differ == summary["details"]["fused_experts"]["awq"] // 2
+
+
+def test_gptq_and_ratio_below_one_are_refused_for_fused_experts(fused_exports, tmp_path, monkeypatch, capsys):
+    ort_export, ov_export = (fused_exports("deepseek_v3", lw)[0] for lw in FUSED)
+    for args in ([ort_export, "--ratio", "0.5"], [ov_export, "--target", "openvino", "--gptq"]):
+        out = tmp_path / str(len(args))
+        code, _, err = run_cli(monkeypatch, capsys, "compress", *args, "-o", out)
+        assert code == 2 and "gptq and ratio < 1 are not available for fused MoE experts" in err
+        assert not out.exists()
+
+
 def test_int8_fused_experts_and_what_is_refused(fused_exports, tmp_path):
     ort_export, ov_export = (fused_exports("deepseek_v3", lw)[0] for lw in FUSED)
     summary = compress(ort_export, tmp_path / "int8", CompressSection(scheme="int8-per-channel"), target="onnxruntime")
@@ -451,6 +517,12 @@ def test_a_build_resolves_auto_before_its_export_stage(tiny_checkpoints, tmp_pat
     assert export_config(moe_model, "openvino", {"moe": "fused-openvino"})[:2] == \
         ("fused-openvino", ["onnxruntime", "openvino"])
     assert export_config(dense, "onnxruntime", compress=int4) == ("dispatch", ["onnxruntime", "openvino"], [])
+    # AWQ and scale estimation run on fused experts; GPTQ and ratio < 1 on the dispatch form's only
+    assert export_config(moe_model, "onnxruntime", compress={**int4, "awq": True, "scale_estimation": True})[0] == \
+        "fused-onnxruntime"
+    lowering, parity, logged = export_config(moe_model, "onnxruntime", compress={**int4, "ratio": 0.8})
+    assert (lowering, parity) == ("dispatch", ["onnxruntime", "openvino"])
+    assert logged[0] == "MoE lowering: dispatch (gptq and ratio < 1 see the dispatch form's experts only)"
 
 
 def test_prefill_int8_is_not_decided_on_for_dispatched_experts(tiny_checkpoints, tmp_path, monkeypatch):

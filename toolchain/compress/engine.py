@@ -213,14 +213,21 @@ def compress_onnx(model: ir.Model, plan: dict[str, str], options: Options, datas
     details = {"demoted_3d": demoted, **_per_head(model, weights, plan, options, log)}
     all_nodes = [w.node for w in weights]
     # INT8 first: NNCF's INT4 output has MatMulNBits without importing its domain, which the shape inference
-    # NNCF runs first on its input rejects; the import is added after each call all the same.
-    for kind in ("int8", "int4"):
-        if kind not in groups:
+    # NNCF runs first on its input rejects; the import is added after each call all the same. A data-aware INT4
+    # call runs the model on ORT, which refuses NNCF's INT8 DequantizeLinear of a 3-D weight (to-matmul-nbits
+    # repairs it after): those are compressed after it.
+    calls = [(kind, groups[kind]) for kind in ("int8", "int4") if kind in groups]
+    later = {w.node for w in weights if len(w.shape) == 3}.intersection(groups.get("int8", []))
+    if options.data_aware and later and "int4" in groups:
+        calls = [("int8", [n for n in groups["int8"] if n not in later]), ("int4", groups["int4"]),
+                 ("int8", [n for n in groups["int8"] if n in later])]
+    for kind, nodes in calls:
+        if not nodes:
             continue
-        log(f"NNCF {kind} on {len(groups[kind])} weights")
+        log(f"NNCF {kind} on {len(nodes)} weights")
         data_dir = external_data_dir(model)
         proto = ir.serde.serialize_model(model)
-        proto = _run_nncf(proto, _nncf_call(kind, options, groups[kind], all_nodes, dataset, data_dir), "ONNX")
+        proto = _run_nncf(proto, _nncf_call(kind, options, nodes, all_nodes, dataset, data_dir), "ONNX")
         model = ir.serde.deserialize_model(proto)
         if any(node.domain == MS_DOMAIN for node in model.graph):
             model.opset_imports.setdefault(MS_DOMAIN, 1)

@@ -24,14 +24,27 @@ InputError, and so is fp32 for fused-openvino experts (NNCF's whole-model call w
 Each quantized tensor is computed when saved, one stacked weight at a time, from the export's weights (a memory
 map for external data); per expert and projection the relative weight error is recorded and, given calibration
 activations, the output error on the tokens routed to that expert.
+
+AWQ and scale estimation run per expert as on the dispatch form's MatMuls in bounded memory
+(toolchain/compress/streamed_awq.py, streaming.py): given the calibration statistics of each expert's inputs (a
+WCTensorStatistic per projection: the rows routed to it, and act(gate) * up of them for down_proj, per sequence),
+NNCF's ``AWQ._data_aware_step`` on the expert's up_proj -> down_proj pair gives s, down_proj is quantized as W * s
+per input channel and up_proj's rows (every second row of the onnxruntime form's gate/up weight) as W / s, and
+NNCF's scale estimation gives each matrix's scales from its input's statistics (down_proj's divided by s). Each is
+called on the [in, out] matrix the dispatch form's MatMul holds, so the same statistics give the same scales. The
+AWQ scales are computed when the graph is rewritten (both weights of a pair read, one expert at a time); an expert
+no calibration token reached keeps NNCF's data-free scales. Errors are measured in the model's units: a weight
+restored with AWQ's scale undone against the export's. GPTQ and ratio < 1 are refused here.
 """
 
 from __future__ import annotations
 
 import re
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import cast
+from functools import partial
+from typing import TYPE_CHECKING, cast
 
 import numpy as np
 import onnx_ir as ir
@@ -43,6 +56,9 @@ from toolchain.compress.streaming import ComputedOnSave, adjusted_group, raise_o
 from toolchain.errors import InputError
 from toolchain.export.moe import MS_DOMAIN
 from toolchain.interface.graph import ROLE, moe_lowering
+
+if TYPE_CHECKING:
+    from nncf.common.tensor_statistics.statistics import WCTensorStatistic
 
 _LAYER = re.compile(r"^layers\.(\d+)/")
 
@@ -134,35 +150,81 @@ def capture_names(layers: list[FusedLayer]) -> list[str]:
     return [name for layer in layers for name in (layer.x, layer.topk_idx)]
 
 
+def _gate_up(layer: FusedLayer, expert: int) -> tuple[np.ndarray, np.ndarray]:
+    """An expert's gate_proj and up_proj [intermediate, hidden] in float32 (interleaved rows in the onnxruntime
+    form's stacked weight)."""
+    by_projection = {p: s for s in layer.weights for p in s.projections}
+    fc = by_projection["gate_proj"]
+    matrix = fc.tensor.numpy()[expert]
+    if len(fc.projections) > 1:
+        return np.array(matrix[0::2], np.float32), np.array(matrix[1::2], np.float32)
+    return np.array(matrix, np.float32), np.array(by_projection["up_proj"].tensor.numpy()[expert], np.float32)
+
+
+def _down_input(x: np.ndarray, gate: np.ndarray, up: np.ndarray) -> np.ndarray:
+    """silu(x gate^T) * (x up^T): down_proj's input for rows ``x``."""
+    import torch
+
+    xt = torch.from_numpy(np.array(x, np.float32))
+    g = xt @ torch.from_numpy(gate).T
+    return (torch.nn.functional.silu(g) * (xt @ torch.from_numpy(up).T)).numpy()
+
+
+def _routed(layers: list[FusedLayer], outputs: list[dict]) -> dict[int, list[tuple[np.ndarray, np.ndarray]]]:
+    """MoE layer -> per calibration sequence, its input rows [tokens, hidden] and the router's choice [tokens, k]."""
+    def rows(v: np.ndarray) -> np.ndarray:
+        return v.reshape(-1, v.shape[-1])
+
+    return {layer.layer: [(rows(o[layer.x]), rows(o[layer.topk_idx])) for o in outputs] for layer in layers}
+
+
 def calibration_activations(layers: list[FusedLayer],
                             outputs: list[dict]) -> Callable[[FusedLayer, int, str], np.ndarray | None]:
     """(layer, expert, projection) -> the calibration rows that reach that projection of that expert in the fp32
     graph (at most metrics.MAX_ROWS): the layer input's rows routed to the expert for gate and up, and
     silu(x gate^T) * (x up^T) of those rows for down. ``outputs``: per calibration sequence, the fp32 run's values
     of :func:`capture_names`."""
-    import torch
-
-    def stacked(values: list[dict], name: str) -> np.ndarray:
-        return np.concatenate([v[name].reshape(-1, v[name].shape[-1]) for v in values])
-
-    inputs = {layer.layer: (stacked(outputs, layer.x), stacked(outputs, layer.topk_idx)) for layer in layers}
+    sequences = _routed(layers, outputs)
 
     def rows(layer: FusedLayer, expert: int, projection: str) -> np.ndarray | None:
-        x, idx = inputs[layer.layer]
-        x = x[(idx == expert).any(-1)][:metrics.MAX_ROWS]
-        if not len(x) or projection != "down_proj":
-            return x if len(x) else None
-        by_projection = {p: s for s in layer.weights for p in s.projections}
-        fc = by_projection["gate_proj"]
-        matrix = fc.tensor.numpy()[expert]
-        parts = len(fc.projections)
-        gate = matrix[0::parts] if parts > 1 else matrix
-        up = matrix[1::parts] if parts > 1 else by_projection["up_proj"].tensor.numpy()[expert]
-        xt = torch.from_numpy(np.array(x, np.float32))
-        g = xt @ torch.from_numpy(np.array(gate, np.float32)).T
-        return (torch.nn.functional.silu(g) * (xt @ torch.from_numpy(np.array(up, np.float32)).T)).numpy()
+        x = np.concatenate([x[(idx == expert).any(-1)] for x, idx in sequences[layer.layer]])[:metrics.MAX_ROWS]
+        if not len(x):
+            return None
+        return x if projection != "down_proj" else _down_input(x, *_gate_up(layer, expert))
 
     return rows
+
+
+def calibration_statistics(layers: list[FusedLayer], outputs: list[dict]) \
+        -> Callable[[FusedLayer, int, str], WCTensorStatistic | None]:
+    """(layer, expert, projection) -> the statistics NNCF's data-aware algorithms read of that projection's input
+    (an nncf WCTensorStatistic: per calibration sequence that routes a token to the expert, the mean of its rows
+    and their shape, as toolchain/compress/layer_statistics.py gives them), or None for an expert no calibration
+    token reached. ``outputs`` as for :func:`calibration_activations`."""
+    from nncf.common.tensor_statistics.statistics import WCTensorStatistic
+    from nncf.tensor import Tensor
+
+    sequences = _routed(layers, outputs)
+
+    def statistics(layer: FusedLayer, expert: int, projection: str) -> WCTensorStatistic | None:
+        inputs = [x[(idx == expert).any(-1)] for x, idx in sequences[layer.layer]]
+        inputs = [x for x in inputs if len(x)]
+        if not inputs:
+            return None
+        if projection == "down_proj":
+            gate, up = _gate_up(layer, expert)
+            inputs = [_down_input(x, gate, up) for x in inputs]
+        return WCTensorStatistic(mean_values=[Tensor(x.mean(0)) for x in inputs],
+                                 shape_values=[tuple(x.shape) for x in inputs])
+
+    return statistics
+
+
+def int4_names(layers: list[FusedLayer], plan: Callable[..., str]) -> set[str]:
+    """The expert matrices (dispatch-form names) the plan makes INT4: those whose inputs' statistics AWQ and scale
+    estimation read."""
+    return {name for layer in layers for s in layer.weights for _, _, name in layer.names(s)
+            if plan(name, s.node, s.role) == "int4"}
 
 
 def check(layers: list[FusedLayer], target: str, options: Options) -> None:
@@ -171,9 +233,9 @@ def check(layers: list[FusedLayer], target: str, options: Options) -> None:
     if layers[0].form != target:
         raise InputError(f"the export's MoE layers are lowered for {layers[0].form} (fused-{layers[0].form}); "
                          f"compress it for that target, or export with --moe fused-{target}")
-    if options.data_aware:
-        raise InputError("awq, scale estimation, gptq and ratio < 1 are not available for fused MoE experts "
-                         "(NNCF does not see them); use the data-free scheme, or export with --moe dispatch")
+    if options.gptq or options.ratio < 1.0:
+        raise InputError("gptq and ratio < 1 are not available for fused MoE experts (NNCF does not see them); "
+                         "use the data-free scheme, awq or scale estimation, or export with --moe dispatch")
 
 
 @dataclass
@@ -200,6 +262,10 @@ def _spec(precision: str, ks: list[int], options: Options) -> Spec | None:
     return Spec(8, None, options.sym)  # int8, int8-per-head (experts have no heads: per channel), int4's backup
 
 
+# (expert, projection) -> the statistics of its input, None where no calibration token reached the expert
+Statistics = Callable[[int, str], "WCTensorStatistic | None"]
+
+
 @dataclass
 class Job(ComputedOnSave):
     """The quantization of one stacked weight, computed when the first of its tensors is saved."""
@@ -209,6 +275,51 @@ class Job(ComputedOnSave):
     spec: Spec
     activations: Callable[[int, str], np.ndarray | None] | None
     stats: dict[str, dict] = field(default_factory=dict)  # weight name -> errors
+    # AWQ's scale s of each expert's down_proj input channels (the layer's jobs share it: up_proj's rows take 1 / s)
+    awq: dict[int, np.ndarray] = field(default_factory=dict)
+    statistics: Statistics | None = None  # the inputs' statistics for scale estimation (down_proj's after AWQ)
+    calibrated: bool = False  # AWQ or scale estimation asked for (and the experts INT4)
+    data_aware: Counter = field(default_factory=Counter)  # expert matrices: "awq", "scale_estimation", "data_free"
+
+    def _scaled(self, e: int, w: np.ndarray, undo: bool = False) -> np.ndarray:
+        """``w`` (expert ``e``'s [out, in], in place) with AWQ's scales applied, or taken back off a restored one."""
+        s = self.awq.get(e)
+        if s is None:
+            return w
+        parts = len(self.stacked.projections)
+        inverse = (1.0 / s).astype(np.float32)  # as streaming.Spec.column_scale multiplies the dispatch's up_proj
+        for i, projection in enumerate(self.stacked.projections):
+            if projection == "up_proj":
+                w[i::parts] *= (s if undo else inverse)[:, None]
+            elif projection == "down_proj":
+                w *= (inverse if undo else s)[None, :]
+        return w
+
+    def _estimated(self, e: int, w: np.ndarray, mode: str) -> tuple[np.ndarray | None, np.ndarray | None]:
+        """NNCF's scale estimation of expert ``e``'s (AWQ-scaled) [out, in] matrix, each projection on its own
+        [in, out] (the dispatch form's MatMul weight) from its input's statistics, in lowering.quantize's shapes
+        for axis 1 ([out, in / group, 1]); (None, None) when not asked or no calibration token reached it."""
+        if self.statistics is None:
+            return None, None
+        parts = len(self.stacked.projections)
+        stats = [self.statistics(e, p) for p in self.stacked.projections]
+        if any(stat is None for stat in stats):
+            return None, None
+        scale: np.ndarray | None = None
+        zp: np.ndarray | None = None
+        for i, stat in enumerate(stats):
+            got = lowering.estimate_scales(np.ascontiguousarray(w[i::parts].T), stat, mode, self.spec.group)
+            # [in / group, 1, out_i] -> [out_i, in / group, 1]
+            part_scale, part_zp = (None if a is None else a.transpose(2, 0, 1) for a in got)
+            assert part_scale is not None
+            if scale is None:
+                scale = np.empty((w.shape[0], *part_scale.shape[1:]), part_scale.dtype)
+                zp = None if part_zp is None else np.empty((w.shape[0], *part_zp.shape[1:]), part_zp.dtype)
+            scale[i::parts] = part_scale
+            if zp is not None:
+                zp[i::parts] = part_zp
+        self.data_aware["scale_estimation"] += parts
+        return scale, zp
 
     def _compute(self) -> dict[str, np.ndarray]:
         spec = self.spec
@@ -220,8 +331,16 @@ class Job(ComputedOnSave):
         qs, scales, zps = [], [], []
         for e in range(stacked.shape[0]):
             w = np.array(stacked[e], dtype=np.float32)  # [out, in]
-            quantized = lowering.quantize(w, 1, mode, spec.group, keep_restored=True)
-            restored = cast(np.ndarray, quantized.restored).reshape(w.shape)
+            original = w.copy() if e in self.awq else w
+            if e in self.awq:
+                self.data_aware["awq"] += sum(p in ("up_proj", "down_proj") for p in self.stacked.projections)
+            w = self._scaled(e, w)
+            given, given_zp = self._estimated(e, w, mode)
+            if self.calibrated and e not in self.awq and given is None:  # no calibration token reached it
+                self.data_aware["data_free"] += parts
+            quantized = lowering.quantize(w, 1, mode, spec.group, keep_restored=True, scale=given,
+                                          zero_point=given_zp)
+            restored = self._scaled(e, cast(np.ndarray, quantized.restored).reshape(w.shape), undo=True)
             qs.append(quantized.q.reshape(w.shape))
             scales.append(quantized.scale.reshape(w.shape[0], -1))
             if quantized.zero_point is not None:
@@ -229,10 +348,10 @@ class Job(ComputedOnSave):
             for i, (_, projection, name) in enumerate(names[e * parts:(e + 1) * parts]):
                 rows = slice(i, None, parts)  # interleaved projections: every parts-th row from the i-th
                 # [in, out] as the dispatch lowering's MatMul weight, so that x @ W is the projection
-                original, approx = w[rows].T, restored[rows].T
+                original_t, approx = original[rows].T, restored[rows].T
                 x = self.activations(e, projection) if self.activations else None
-                self.stats[name] = {"weight_error": metrics.relative_error(original, approx),
-                                    "output_error": metrics.output_error(x, original, approx)}
+                self.stats[name] = {"weight_error": metrics.relative_error(original_t, approx),
+                                    "output_error": metrics.output_error(x, original_t, approx)}
         del stacked
         if isinstance(tensor, ir.ExternalTensor):
             tensor.release()
@@ -306,11 +425,14 @@ def stored_bits(form: str, spec: Spec, shape: tuple[int, int]) -> int:
 
 def compress_experts(model: ir.Model, layers: list[FusedLayer], plan: Callable[..., str], options: Options,
                      accuracy_level: int | None,
-                     activations: Callable[[FusedLayer, int, str], np.ndarray | None] | None = None) -> list[Job]:
+                     activations: Callable[[FusedLayer, int, str], np.ndarray | None] | None = None,
+                     statistics: Callable[[FusedLayer, int, str], WCTensorStatistic | None] | None = None) \
+        -> list[Job]:
     """Rewrite ``model``'s fused experts in place as the plan says (``plan(weight name, node name, role)`` ->
     precision, i.e. Policy.precision); returns one Job per compressed stacked weight, whose stats fill as the
     model is saved. ``activations(layer, expert, projection)``: calibration rows reaching that projection of that
-    expert, for output errors."""
+    expert, for output errors; ``statistics(layer, expert, projection)``: their nncf WCTensorStatistic (None for an
+    expert no calibration token reached), for the options' AWQ and scale estimation of INT4 experts."""
     jobs = []
     for layer in layers:
         planned = {s.name: {plan(name, s.node, s.role) for _, _, name in layer.names(s)} for s in layer.weights}
@@ -330,7 +452,14 @@ def compress_experts(model: ir.Model, layers: list[FusedLayer], plan: Callable[.
         if all(spec is None for spec in specs.values()):
             continue
         bound = (lambda e, p, _layer=layer: activations(_layer, e, p)) if activations else None
-        layer_jobs = [Job(layer, s, spec, bound) for s in layer.weights if (spec := specs[s.name])]
+        int4 = all(spec is not None and spec.bits == 4 and spec.group for spec in specs.values())
+        of_layer: Statistics | None = None
+        if statistics is not None and int4:
+            of_layer = partial(statistics, layer)
+        scales = awq_scales(layer, of_layer, specs) if options.awq and of_layer else {}
+        estimate = _after_awq(of_layer, scales) if options.scale_estimation and of_layer else None
+        layer_jobs = [Job(layer, s, spec, bound, awq=scales, statistics=estimate, calibrated=of_layer is not None)
+                      for s in layer.weights if (spec := specs[s.name])]
         if layer.form == "onnxruntime":
             _to_qmoe(model, layer, layer_jobs, accuracy_level)
         else:
@@ -340,6 +469,66 @@ def compress_experts(model: ir.Model, layers: list[FusedLayer], plan: Callable[.
     if any(job.layer.form == "openvino" for job in jobs):
         raise_opset(model)
     return jobs
+
+
+def awq_scales(layer: FusedLayer, statistics: Statistics, specs: dict[str, Spec | None]) -> dict[int, np.ndarray]:
+    """expert -> AWQ's scale of its down_proj input channels: NNCF's data-aware step (its default parameters, as
+    toolchain/compress/streamed_awq.py runs it) on the expert's down_proj and up_proj as the dispatch form's
+    [in, out] MatMul weights, for each expert whose both inputs have statistics. Reads the two weights of one
+    expert at a time."""
+    from types import SimpleNamespace
+
+    from nncf.quantization.advanced_parameters import AdvancedAWQParameters
+    from nncf.quantization.algorithms.weight_compression.awq import AWQ
+    from nncf.tensor import Tensor
+
+    p = AdvancedAWQParameters()
+    awq = AWQ(p.subset_size, p.percent_to_apply, p.alpha_min, p.alpha_max, p.steps, p.prefer_data_aware_scaling)
+    fc2 = next(s for s in layer.weights if "down_proj" in s.projections)
+    spec = cast(Spec, specs[fc2.name])
+    step = SimpleNamespace(compression_config=lowering.config(f"INT4_{'SYM' if spec.sym else 'ASYM'}", spec.group),
+                           reduction_axes=(0,))
+    scales = {}
+    for e in range(layer.num_experts):
+        down_stats, up_stats = statistics(e, "down_proj"), statistics(e, "up_proj")
+        if down_stats is None or up_stats is None:
+            continue
+        down = np.ascontiguousarray(np.array(fc2.tensor.numpy()[e], np.float32).T)
+        up = np.ascontiguousarray(_gate_up(layer, e)[1].T)
+        with lowering.NNCF_LOCK:  # its grid search quantizes with NNCF's functions
+            scale = awq._data_aware_step(step, Tensor(down), down_stats, -1, Tensor(up), up_stats)
+        scales[e] = np.array(scale.data, np.float32).reshape(-1)
+    for s in layer.weights:
+        if isinstance(s.tensor, ir.ExternalTensor):
+            s.tensor.release()
+    return scales
+
+
+def _after_awq(statistics: Statistics, scales: dict[int, np.ndarray]) -> Statistics:
+    """The inputs' statistics once AWQ's scales are applied: down_proj's input divided by s, as NNCF's
+    ``update_statistics`` makes it for a scale estimation that follows."""
+    from nncf.common.tensor_statistics.statistics import WCTensorStatistic
+    from nncf.tensor import Tensor
+
+    def of(expert: int, projection: str) -> WCTensorStatistic | None:
+        stat = statistics(expert, projection)
+        s = scales.get(expert)
+        if stat is None or s is None or projection != "down_proj":
+            return stat
+        return WCTensorStatistic(mean_values=[Tensor(np.asarray(m.data) / s) for m in stat.mean_values],
+                                 shape_values=stat.shape_values)
+
+    return of
+
+
+def data_aware_counts(jobs: list[Job]) -> dict[str, int]:
+    """compression.json's details of the fused experts' data-aware options, once the model is saved: expert
+    matrices quantized with AWQ's scale, with scale estimation's, and with NNCF's data-free ones (no calibration
+    token reached the expert)."""
+    total: Counter = Counter()
+    for job in jobs:
+        total.update(job.data_aware)
+    return {key: total[key] for key in ("awq", "scale_estimation", "data_free")}
 
 
 def _inputs(model: ir.Model, job: Job) -> dict[str, ir.Value]:
@@ -372,7 +561,9 @@ def _to_qmoe(model: ir.Model, layer: FusedLayer, jobs: list[Job], accuracy_level
     model.graph.insert_before(moe, qmoe)
     output = moe.outputs[0]
     output.replace_all_uses_with(qmoe.outputs[0], replace_graph_outputs=True)
-    qmoe.outputs[0].name = output.name
+    # what onnx's shape inference cannot infer of a com.microsoft op, and NNCF's statistics of the MatMuls after
+    # it need (their input's rank)
+    qmoe.outputs[0].name, qmoe.outputs[0].type, qmoe.outputs[0].shape = output.name, output.type, output.shape
     model.graph.remove(moe, safe=True)
     for job in jobs:
         del model.graph.initializers[job.stacked.name]

@@ -54,14 +54,14 @@ AUTO = "auto"
 FUSED_FROM_EXPERTS = 64
 
 
-def auto_lowering(backend: str | None, experts: int, scheme: str | None, data_aware: bool,
+def auto_lowering(backend: str | None, experts: int, scheme: str | None, gptq_or_ratio: bool,
                   parity: tuple[str, ...] | None = None, storage: str = "float32",
                   lowerings: tuple[str, ...] = LOWERINGS) -> tuple[str, str]:
     """The lowering ``auto`` picks, and why: for a build on ``backend`` (None: an export alone, for no runtime in
     particular) of a model with ``experts`` routed experts (0: dense), whose weights the build compresses with
-    ``scheme`` (None: not compressed; data-aware or not), whose parity is asked on ``parity`` (None: the
-    default), whose export stores its matrices as ``storage`` (toolchain/export/weights.py storage_for) and
-    whose architecture builds its experts in ``lowerings`` (MoeArchitecture.lowerings)."""
+    ``scheme`` (None: not compressed; ``gptq_or_ratio``: with GPTQ or ratio < 1), whose parity is asked on
+    ``parity`` (None: the default), whose export stores its matrices as ``storage`` (toolchain/export/weights.py
+    storage_for) and whose architecture builds its experts in ``lowerings`` (MoeArchitecture.lowerings)."""
     if backend is None:
         return "dispatch", "no target backend: the form every runtime runs"
     if not experts:
@@ -69,8 +69,8 @@ def auto_lowering(backend: str | None, experts: int, scheme: str | None, data_aw
     if lowerings == ("dispatch",):
         return "dispatch", "the architecture's experts have no fused form"
     # the compress stage refuses both with a fused lowering (toolchain/compress/moe.py, stages/compress.py)
-    if data_aware:
-        return "dispatch", "data-aware compression sees the dispatch form's experts only"
+    if gptq_or_ratio:
+        return "dispatch", "gptq and ratio < 1 see the dispatch form's experts only"
     if scheme == "shipped":
         return "dispatch", "the shipped scheme keeps the dispatch form's expert weights as they ship"
     # StackedExperts are float32 only: where dispatch's experts would be bf16, a fused export doubles their bytes

@@ -203,12 +203,15 @@ def compress(in_dir: Path, out_dir: Path, section: CompressSection, *, target: s
         fused_moe.router_indices(fused)
     log(f"fp32 reference on {len(feed_list)} calibration sequences ({tokenization})")
     rows, ref_logits, ref_routing = metrics.capture(model, weights, feed_list, routers)
-    activations = None
+    activations = statistics = None
     if fused:
         run = GraphRunner(model, "onnxruntime", extra_outputs=fused_moe.capture_names(fused))
-        activations = fused_moe.calibration_activations(fused, [run(feeds) for feeds in feed_list])
+        captured = [run(feeds) for feeds in feed_list]
+        activations = fused_moe.calibration_activations(fused, captured)
+        if opts.awq or opts.scale_estimation:
+            statistics = fused_moe.calibration_statistics(fused, captured)
     expert_jobs = fused_moe.compress_experts(model, fused, policy.precision, opts, opts.accuracy_level,
-                                             activations)
+                                             activations, statistics)
     timings["reference_s"] = time.perf_counter() - t0
 
     with atomic_output_dir(out_dir) as tmp:
@@ -251,6 +254,8 @@ def compress(in_dir: Path, out_dir: Path, section: CompressSection, *, target: s
         outputs = [run(feeds) for feeds in feed_list]
         weight_rows = _weight_rows(weights, plan, restored, rows, layout) + \
             fused_moe.weight_rows(expert_jobs, fused, policy.precision)
+        if statistics is not None:
+            details["fused_experts"] = fused_moe.data_aware_counts(expert_jobs)
         routing = []
         for layer, name in sorted(routers.items()):
             agreement, tokens = metrics.routing_agreement(ref_routing[layer], [o[name] for o in outputs])
@@ -389,15 +394,18 @@ def _plan_streaming(model, target, options, policy, fused, source, config, timin
     plan = policy.plan(weights)
     specs = stream.plan_specs(weights, plan, options, target)
     calibration_report, data_aware = None, {}
+    expert_statistics = None
     if options.scale_estimation or options.awq:
         int4 = {s.weight.name: s for s in specs if s.bits == 4 and s.form in ("nbits", "dq-blocked")}
-        if not int4:
+        experts = fused_moe.int4_names(fused, policy.precision)
+        if not int4 and not experts:
             raise InputError("awq and scale estimation apply to INT4 weights, and this plan has none")
         texts = calibration.load_texts(options.dataset, CALIBRATION_SEQUENCES)
         sequences, tokenization = calibration.token_sequences(texts, source, config["vocab_size"])
         log(f"calibration statistics layer by layer on {len(sequences)} sequences ({tokenization})")
         t1 = time.perf_counter()
-        statistics = linear_statistics(source, sequences, set(int4), log)
+        statistics = linear_statistics(source, sequences, set(int4) | experts, log)
+        expert_statistics = {name: statistics.pop(name) for name in experts if name in statistics}
         timings["statistics_s"] = time.perf_counter() - t1
         calibration_report = {"sequences": len(sequences), "tokens": int(sum(len(s) for s in sequences)),
                               "tokenization": tokenization}
@@ -414,7 +422,10 @@ def _plan_streaming(model, target, options, policy, fused, source, config, timin
                 f"no calibration token reached and weights the checkpoint's layers do not compute as such, take "
                 f"NNCF's data-free scales)")
     jobs = stream.compress_streaming(model, specs, log, keep=target == "onnxruntime")
-    expert_jobs = fused_moe.compress_experts(model, fused, policy.precision, options, options.accuracy_level)
+    expert_jobs = fused_moe.compress_experts(
+        model, fused, policy.precision, options, options.accuracy_level,
+        statistics=None if expert_statistics is None else
+        lambda layer, e, p: expert_statistics.get(f"{layer.scope}/{e}/{p}/weight"))
     details = {"demoted_3d": [s.weight.name for s in specs if s.form == "stacked" and plan[s.weight.name] == "int4"],
                "per_head": {}, **data_aware}
     if target == "onnxruntime":
@@ -504,6 +515,8 @@ def _compress_streaming(model, in_dir, out_dir, target, options, policy, report,
             files = save_graph(model, tmp / "model.onnx", external=True, workers=2)
         del model, planned
         timings["compress_s"] = time.perf_counter() - t0
+        if expert_jobs and (options.awq or options.scale_estimation):
+            details["fused_experts"] = fused_moe.data_aware_counts(expert_jobs)
         shutil.copyfile(in_dir / "export.json", tmp / "export.json")
         files += ["export.json", *carry_mtp(in_dir, tmp)]
         by_name = {s.weight.name: s for s in specs}

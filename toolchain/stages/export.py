@@ -64,7 +64,8 @@ def resolve_moe(section: ExportSection, source: Path, backend: str, compress: Co
     with open_checkpoint(source) as reader:  # the tensors' headers only
         storage = storage_for(section.weights, reader)
     lowering, why = moe_lowering.auto_lowering(
-        backend, experts, compress.scheme if compress else None, bool(compress and compress.data_aware),
+        backend, experts, compress.scheme if compress else None,
+        bool(compress and (compress.gptq or compress.ratio < 1.0)),
         tuple(section.parity) if section.parity_given else None, storage,
         arch.lowerings if isinstance(arch, MoeArchitecture) else moe_lowering.LOWERINGS)
     return section.with_lowering(lowering), why if experts else None
