@@ -311,6 +311,20 @@ def test_awq_and_scale_estimation_lower_the_fused_experts_output_error(compresse
     assert after < 0.85 * before, (before, after)
 
 
+def test_whole_model_awq_on_dispatched_experts_gives_unreached_ones_data_free_scales(compressed):
+    """NNCF's whole-model AWQ fails on a routed expert no calibration token reaches (an empty activation: an
+    IndexError in its statistics); those weights get a data-free INT4 call of their own after the data-aware one,
+    named in details.data_free_unreached: the same weights as the data-free build's, while every reached expert's
+    differ."""
+    _, free = compressed("dispatch", "onnxruntime")
+    _, aware = compressed("dispatch", "onnxruntime", awq=True, scale_estimation=True)
+    free_rows, rows = expert_rows(free), expert_rows(aware)
+    unreached = set(aware["details"]["data_free_unreached"])
+    assert unreached and len(unreached) % 3 == 0 and unreached < set(rows)
+    assert all(rows[n]["weight_error"] == free_rows[n]["weight_error"] for n in unreached)
+    assert all(rows[n]["weight_error"] != free_rows[n]["weight_error"] for n in set(rows) - unreached)
+
+
 def test_fused_data_aware_quantization_is_the_dispatch_forms(compressed, fused_exports, tiny_checkpoints,
                                                             tmp_path):
     """Streamed, where both forms take their statistics from the checkpoint's layers

@@ -127,9 +127,9 @@ def external_data_dir(model: ir.Model) -> str | None:
 
 
 def _nncf_call(kind: str, options: Options, names: list[str], all_nodes: list[str], dataset,
-               data_dir: str | None = None):
+               data_dir: str | None = None, data_aware: bool = True):
     """keyword arguments of nncf.compress_weights for one precision group; ``data_dir``: the ONNX graph's
-    external weights folder."""
+    external weights folder; ``data_aware`` False: NNCF's data-free scales whatever the options."""
     import nncf
     from nncf.onnx.quantization.backend_parameters import BackendParameters
     from nncf.quantization.advanced_parameters import AdvancedCompressionParameters, GroupSizeFallbackMode
@@ -150,7 +150,7 @@ def _nncf_call(kind: str, options: Options, names: list[str], all_nodes: list[st
                   advanced_parameters=AdvancedCompressionParameters(
                       backend_params=backend_params, group_size_fallback_mode=GroupSizeFallbackMode.ADJUST,
                       min_adjusted_group_size=MIN_ADJUSTED_GROUP_SIZE))
-    if options.data_aware:
+    if options.data_aware and data_aware:
         # only the options asked for: NNCF's ONNX backend refuses gptq even as False
         kwargs.update(dataset=dataset, subset_size=dataset.get_length() or 128,
                       **{k: True for k in ("awq", "scale_estimation", "gptq") if getattr(options, k)})
@@ -205,8 +205,10 @@ def _per_head(model: ir.Model, weights: list[Weight], plan: dict[str, str], opti
 
 
 def compress_onnx(model: ir.Model, plan: dict[str, str], options: Options, dataset,
-                  log: Callable[[str], None]) -> tuple[ir.Model, dict]:
-    """The ONNX graph with its weights compressed per ``plan``, before the ORT kernel rewrite."""
+                  log: Callable[[str], None], unreached: frozenset[str] = frozenset()) -> tuple[ir.Model, dict]:
+    """The ONNX graph with its weights compressed per ``plan``, before the ORT kernel rewrite. ``unreached``: the
+    weights no calibration token reaches (a routed expert the calibration never chose), which take NNCF's
+    data-free INT4 scales: its data-aware call fails on an empty activation (AWQ's statistics, NNCF 3.x)."""
     weights = graph_weights(model)
     groups, demoted = _groups(weights, plan)
     _check_nncf_options(options, groups, dataset)
@@ -215,19 +217,25 @@ def compress_onnx(model: ir.Model, plan: dict[str, str], options: Options, datas
     # INT8 first: NNCF's INT4 output has MatMulNBits without importing its domain, which the shape inference
     # NNCF runs first on its input rejects; the import is added after each call all the same. A data-aware INT4
     # call runs the model on ORT, which refuses NNCF's INT8 DequantizeLinear of a 3-D weight (to-matmul-nbits
-    # repairs it after): those are compressed after it.
-    calls = [(kind, groups[kind]) for kind in ("int8", "int4") if kind in groups]
+    # repairs it after): those are compressed after it. The INT4 weights no calibration token reaches get a
+    # data-free call of their own after the data-aware one.
+    calls = [(kind, groups[kind], True) for kind in ("int8", "int4") if kind in groups]
     later = {w.node for w in weights if len(w.shape) == 3}.intersection(groups.get("int8", []))
-    if options.data_aware and later and "int4" in groups:
-        calls = [("int8", [n for n in groups["int8"] if n not in later]), ("int4", groups["int4"]),
-                 ("int8", [n for n in groups["int8"] if n in later])]
-    for kind, nodes in calls:
+    if options.data_aware and "int4" in groups:
+        idle = {w.node for w in weights if w.name in unreached}
+        calls = [("int8", [n for n in groups.get("int8", []) if n not in later], True),
+                 ("int4", [n for n in groups["int4"] if n not in idle], True),
+                 ("int4", [n for n in groups["int4"] if n in idle], False),
+                 ("int8", [n for n in groups.get("int8", []) if n in later], True)]
+    for kind, nodes, data_aware in calls:
         if not nodes:
             continue
-        log(f"NNCF {kind} on {len(nodes)} weights")
+        free = "" if data_aware or not options.data_aware else " (data-free: no calibration token reaches them)"
+        log(f"NNCF {kind} on {len(nodes)} weights{free}")
         data_dir = external_data_dir(model)
         proto = ir.serde.serialize_model(model)
-        proto = _run_nncf(proto, _nncf_call(kind, options, nodes, all_nodes, dataset, data_dir), "ONNX")
+        proto = _run_nncf(proto, _nncf_call(kind, options, nodes, all_nodes, dataset, data_dir, data_aware),
+                          "ONNX")
         model = ir.serde.deserialize_model(proto)
         if any(node.domain == MS_DOMAIN for node in model.graph):
             model.opset_imports.setdefault(MS_DOMAIN, 1)

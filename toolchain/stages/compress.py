@@ -226,7 +226,10 @@ def compress(in_dir: Path, out_dir: Path, section: CompressSection, *, target: s
             if target == "onnxruntime":
                 details["onnxruntime_kernels"] = ort_kernels(tmp / "model.onnx", feed_list[0])
         elif target == "onnxruntime":
-            compressed, details = engine.compress_onnx(model, plan, opts, nncf_dataset, log)
+            unreached = frozenset(name for name, x in rows.items() if x is not None and not len(x))
+            compressed, details = engine.compress_onnx(model, plan, opts, nncf_dataset, log, unreached)
+            if opts.data_aware:
+                details["data_free_unreached"] = sorted(n for n in unreached if plan.get(n) == "int4")
             restored = metrics.restored_onnx(compressed, weights)
             details["ort_rewrites"] = {"blocked_dq_to_matmul_nbits": blocked_dq_to_nbits(compressed),
                                        **engine.to_ort_kernels(compressed, opts.accuracy_level, opts.prefill_int8)}
