@@ -181,6 +181,26 @@ def test_whole_model_data_aware_options_are_refused_in_streaming_form(exports, t
         assert not (tmp_path / "o").exists()
 
 
+def test_statistics_that_would_not_fit_are_refused_before_a_layer_runs(exports, tmp_path, monkeypatch):
+    """Streamed awq / scale estimation holds every INT4 weight's calibration statistics until it compresses it:
+    what they hold at most (a mean per sequence of each distinct input; gate_proj and up_proj, q / k / v share
+    one) and a layer are checked against the memory available first, in one line, nothing written."""
+    from toolchain.compress.layer_statistics import statistics_bytes
+
+    widths = {"layers.0/mlp/gate_proj/weight": 64, "layers.0/mlp/up_proj/weight": 64,
+              "layers.0/mlp/down_proj/weight": 128, "layers.0/self_attn/q_proj/weight": 64,
+              "layers.0/self_attn/k_proj/weight": 64, "layers.0/self_attn/o_proj/weight": 32,
+              "layers.0/mlp/experts/3/gate_proj/weight": 64, "layers.0/mlp/experts/3/up_proj/weight": 64}
+    assert statistics_bytes(widths, 16) == 4 * 16 * (64 + 128 + 64 + 32 + 64)
+    monkeypatch.setenv("DSTC_MEMORY_LIMIT_BYTES", "4096")  # the tiny model's statistics and layer: more
+    with pytest.raises(InputError, match=r"awq / scale estimation's calibration statistics \(.* at most: .* sequences "
+                                         r"x the inputs of \d+ INT4 weights\) beside one decoder layer needs about"):
+        compress(exports["qwen2"], tmp_path / "o",
+                 CompressSection(scheme="int4-grouped", scale_estimation=True, streaming="always"),
+                 target="onnxruntime")
+    assert not (tmp_path / "o").exists()
+
+
 def scales(path: Path) -> dict[str, np.ndarray]:
     return {name: a for name, a in initializers(path).items() if name.endswith("_scale") and a.dtype.kind == "f"}
 
@@ -265,7 +285,12 @@ def test_routed_experts_statistics_are_their_inputs_in_the_exported_graph(export
     rng = np.random.default_rng(3)
     vocab = int(json.loads((tiny_checkpoints["deepseek_v3"] / "config.json").read_text())["vocab_size"])
     sequences = [rng.integers(0, vocab, n).tolist() for n in (24, 40, 64)]
-    stats = linear_statistics(tiny_checkpoints["deepseek_v3"], sequences, set(experts))
+    widths = {name: model.graph.initializers[name].shape[0] for name in experts}
+    stats = linear_statistics(tiny_checkpoints["deepseek_v3"], sequences, widths)
+    for name in stats:  # gate_proj and up_proj read one input: their means are one array each sequence
+        if name.endswith("/gate_proj/weight"):
+            up = stats[name.replace("/gate_proj/", "/up_proj/")]
+            assert all(a.data is b.data for a, b in zip(stats[name].mean_values, up.mean_values))
     run = GraphRunner(model_path, "onnxruntime", extra_outputs=sorted(set(inputs.values())))
     specs = cache_spec((v.name, v.shape) for v in model.graph.inputs)
     outputs = [run(calibration.feeds(ids, specs)) for ids in sequences]

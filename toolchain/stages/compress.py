@@ -407,7 +407,10 @@ def _plan_streaming(model, target, options, policy, fused, source, config, timin
         sequences, tokenization = calibration.token_sequences(texts, source, config["vocab_size"])
         log(f"calibration statistics layer by layer on {len(sequences)} sequences ({tokenization})")
         t1 = time.perf_counter()
-        statistics = linear_statistics(source, sequences, set(int4) | experts, log)
+        widths = {name: spec.weight.shape[0] for name, spec in int4.items()}  # [K, N] MatMul weights
+        widths |= {name: s.shape[2] for layer in fused for s in layer.weights for _, _, name in layer.names(s)
+                   if name in experts}  # [E, out, in]
+        statistics = linear_statistics(source, sequences, widths, log)
         expert_statistics = {name: statistics.pop(name) for name in experts if name in statistics}
         timings["statistics_s"] = time.perf_counter() - t1
         calibration_report = {"sequences": len(sequences), "tokens": int(sum(len(s) for s in sequences)),
