@@ -17,7 +17,6 @@ from typing import Protocol
 import onnx_ir as ir
 import torch
 
-from toolchain.errors import InputError
 from toolchain.export import blocks
 from toolchain.export.graph import GraphBuilder, rename_output, tensor_input
 from toolchain.export.weights import HFModule, Params
@@ -158,10 +157,7 @@ def build_decoder(model: HFModule, arch: Architecture, reader=None,
     metadata (HIDDEN_OUTPUT)."""
     own_graph = getattr(arch, "build_graph", None)  # an architecture whose layers are not this skeleton's
     if own_graph is not None:
-        if hidden_output:
-            raise InputError(f"{model.config.model_type}: the hidden-state output is exported for the shared "
-                             f"decoder's architectures only")
-        return own_graph(model, reader, on_layer, weights)
+        return own_graph(model, reader, on_layer, weights, hidden_output=hidden_output)
     config = model.config
     arch.check(config)
     cached_heads, key_dim, value_dim = arch.cache_dims(config)

@@ -55,6 +55,9 @@ def build_mtp_graph(model: HFModule, arch: Architecture, reader, index: int, wei
     """The graph of MTP layer ``index`` (module doc). ``model``: the main model's meta-device skeleton (its
     embedding, head and rotary embedding, shared unless the checkpoint holds the layer's own copies); ``reader``:
     the checkpoint opened with its MTP layers (open_checkpoint(path, mtp=True))."""
+    own_graph = getattr(arch, "build_mtp_graph", None)  # an architecture whose layers are built by its own module
+    if own_graph is not None:
+        return own_graph(model, reader, index, weights)
     config = model.config
     arch.check(config)
     with torch.device("meta"):

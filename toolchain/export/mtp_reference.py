@@ -26,6 +26,7 @@ deepseek-v3-tiny, whose config is kept byte-identical for its artifacts) is read
 from __future__ import annotations
 
 import copy
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -33,7 +34,10 @@ from torch import nn
 from toolchain.export.architectures import ARCHITECTURES
 from toolchain.export.reference import cache_argument
 
-EH_PROJ = "eh_proj.weight"
+if TYPE_CHECKING:
+    from toolchain.export.deepseek_v4_mtp_reference import V4MtpModel
+
+EH_PROJ, V4_E_PROJ = "eh_proj.weight", "e_proj.weight"
 OWN_EMBEDDING, OWN_HEAD = "embed_tokens.weight", "shared_head.head.weight"
 
 
@@ -47,11 +51,13 @@ def layer_prefix(index: int) -> str:
 
 
 def mtp_layer_indices(names: list[str], config: dict) -> list[int]:
-    """The indices of the checkpoint's MTP layers (module doc) among tensor ``names``."""
+    """The indices of the checkpoint's MTP layers (module doc; DeepSeek-V4's blocks hold ``e_proj`` instead:
+    deepseek_v4_mtp_reference.py) among tensor ``names``."""
     first = config["num_hidden_layers"]
     declared = config.get("num_nextn_predict_layers")
     found = sorted({int(n.split(".")[2]) for n in names
-                    if n.startswith("model.layers.") and n.endswith("." + EH_PROJ) and int(n.split(".")[2]) >= first})
+                    if n.startswith("model.layers.") and n.endswith(("." + EH_PROJ, "." + V4_E_PROJ))
+                    and int(n.split(".")[2]) >= first})
     if declared is None:
         return found
     return [i for i in range(first, first + declared) if i in found]
@@ -153,10 +159,15 @@ class MtpModel(nn.Module):
         return self.lm_head(layer.shared_head.norm(y)), y
 
 
-def load_mtp(model, reader, index: int) -> MtpModel:
+def load_mtp(model, reader, index: int) -> MtpModel | V4MtpModel:
     """The MTP layer ``index`` of the checkpoint ``reader`` opened with its MTP layers (open_checkpoint(path,
-    mtp=True)), over ``model``'s (the main transformers model's) embedding, head and rotary embedding, in float32."""
+    mtp=True)), over ``model``'s (the main transformers model's) embedding, head and rotary embedding, in float32;
+    DeepSeek-V4's block: deepseek_v4_mtp_reference.py."""
     config = model.config
+    if config.model_type == "deepseek_v4":
+        from toolchain.export.deepseek_v4_mtp_reference import load_v4_mtp  # it reads tensors as this module does
+
+        return load_v4_mtp(model, reader, index)
     prefix = layer_prefix(index)
     embed, head = model.model.embed_tokens, model.lm_head
     if reader.has(prefix + OWN_EMBEDDING):
@@ -167,12 +178,12 @@ def load_mtp(model, reader, index: int) -> MtpModel:
     mtp = MtpModel(config, index, embed, head, model.model.rotary_emb)
     state = {}
     for name, target in mtp.layer.checkpoint_names(index).items():
-        state[name] = _read(reader, target, mtp.layer.state_dict()[name])
+        state[name] = read_tensor(reader, target, mtp.layer.state_dict()[name])
     mtp.layer.load_state_dict(state)
     return mtp.eval()
 
 
-def _read(reader, name: str, like: torch.Tensor) -> torch.Tensor:
+def read_tensor(reader, name: str, like: torch.Tensor) -> torch.Tensor:
     """A tensor of the layer from the checkpoint; transformers' fused experts from the hub's per-expert names."""
     prefix, _, leaf = name.rpartition(".")
     if leaf in ("gate_up_proj", "down_proj") and prefix.endswith(".experts") and like.dim() == 3:
