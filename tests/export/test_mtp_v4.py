@@ -204,3 +204,40 @@ def test_the_speculative_loop_with_mtp_drafts_is_lossless_and_drafts_what_the_re
             # each step's first draft: from real positions alone (the chained ones before it cut back)
             assert drafted and all(drafts[0] == int(expected[place - 2]) for place, drafts in drafted if drafts), \
                 (backend, k, prompt)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_dstc_generate_speculates_with_a_v4_artifacts_mtp_block(hub, backend, tmp_path, monkeypatch, capsys):
+    """`dstc build` with export.mtp writes and verifies the block's graph; `dstc generate --speculate mtp` gives
+    the plain greedy tokens (a random model's drafts are rejected: the verify loop's own tokens); a running batch
+    still refuses to speculate on V4 (its cache's sliding window and compressed blocks over cache columns)."""
+    from conftest import run_cli
+
+    from toolchain.errors import InputError
+    from toolchain.runtime.artifact import open_artifact
+    from toolchain.runtime.batched_drafts import check_batch_speculation
+    from toolchain.settings.speculation import MTP, SpeculationSettings
+
+    recipe = tmp_path / "mtp.yaml"
+    recipe.write_text(f"name: v4-mtp-{backend}\nmodel: {hub[0]}\nexport:\n  mtp: true\n"
+                      f"passes:\n  target: {backend}\ncompile:\n  backend: {backend}\n")
+    out = tmp_path / "artifact"
+    code, _, err = run_cli(monkeypatch, capsys, "build", recipe, "-o", out)
+    assert code == 0, err
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert ("mtp/openvino_model.xml" if backend == "openvino" else "mtp/model.onnx") in manifest["files"]
+    verification = manifest["provenance"]["stage_reports"]["compile/compile.json"]["mtp"]["verification"]
+    assert verification["passed"] and verification["drafts_identical"]
+    runs = {}
+    for draft_tokens in (None, 1, 3):
+        speculate = () if draft_tokens is None else ("--speculate", "mtp", "--draft-tokens", draft_tokens)
+        # ids below the random model's vocabulary (300) in the copied tokenizer
+        code, stdout, err = run_cli(monkeypatch, capsys, "generate", out, "1 2 3 4 5 6 7 8", "--raw",
+                                    "--max-new-tokens", 24, "--json", *speculate)
+        assert code == 0, err
+        runs[draft_tokens] = json.loads(stdout)
+    assert runs[1]["tokens"] == runs[3]["tokens"] == runs[None]["tokens"]
+    assert runs[3]["speculation"]["method"] == MTP and runs[3]["speculation"]["proposed_per_position"][2] > 0
+    with pytest.raises(InputError, match="does not ignore"):
+        check_batch_speculation(SpeculationSettings(speculate=MTP), open_artifact(out))

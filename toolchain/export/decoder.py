@@ -153,8 +153,8 @@ def build_decoder(model: HFModule, arch: Architecture, reader=None,
     weights ``reader`` (toolchain/checkpoint/reader.py) reads when the graph is saved. on_layer(i, n) is called
     as each of the n layers is built (progress on large models). ``weights``: their storage, "float32" or
     "bfloat16" (toolchain/export/weights.py storage_for). ``hidden_output``: also output the final-normed hidden
-    state (``hidden_states`` [B, S, H], what the MTP layer reads; toolchain/export/mtp.py), recorded in the
-    metadata (HIDDEN_OUTPUT)."""
+    state (``hidden_states`` [B, S, H], what the MTP layer reads; toolchain/export/mtp.py; DeepSeek-V4's graph
+    its streams before hc_head), recorded in the metadata (HIDDEN_OUTPUT)."""
     own_graph = getattr(arch, "build_graph", None)  # an architecture whose layers are not this skeleton's
     if own_graph is not None:
         return own_graph(model, reader, on_layer, weights, hidden_output=hidden_output)

@@ -130,16 +130,54 @@ class V4MtpModel(nn.Module):
         return self.lm_head(layer.shared_head.norm(layer.hc_head(y))), y
 
 
-def main_streams(model, **inputs) -> torch.Tensor:
-    """The main V4 model's streams before its hc_head [B, S, hc, D] (what the MTP block reads), for ``inputs`` of
-    its forward."""
+def main_outputs(model, **inputs) -> tuple[torch.Tensor, torch.Tensor]:
+    """(final-normed hidden state [B, S, D], streams before hc_head [B, S, hc, D]: what the MTP block reads) of
+    the main V4 model for ``inputs`` of its forward."""
     captured = []
     handle = model.model.hc_head.register_forward_hook(lambda _m, args, _out: captured.append(args[0]))
     try:
-        model.model(**inputs)
+        out = model.model(**inputs)
     finally:
         handle.remove()
-    return captured[0]
+    return out.last_hidden_state, captured[0]
+
+
+def main_streams(model, **inputs) -> torch.Tensor:
+    return main_outputs(model, **inputs)[1]
+
+
+def hub_tensors(model, mtp: V4MtpModel) -> dict[str, torch.Tensor]:
+    """The block's tensors under V4's hub names (``mtp.N.``, toolchain/checkpoint/v4_layout.py's mtp_tensors of
+    ``model``, the main transformers model), unquantized, routed experts per expert: each found by the name the
+    reader gives it (hub_names.py), so that the reader reads back exactly these values."""
+    from toolchain.checkpoint.hub_names import model_module_names, mtp_module_name
+    from toolchain.checkpoint.v4_layout import mtp_tensors
+
+    layers, block = model.config.num_hidden_layers, mtp.index - model.config.num_hidden_layers
+    state = mtp.layer.state_dict()
+    prefix = f"model.layers.{mtp.index}."
+    out = {}
+    for t in mtp_tensors(model, block + 1):
+        if not t.name.startswith(f"mtp.{block}."):
+            continue
+        module = mtp_module_name(t.name, layers)
+        if module is None:  # a layer tensor: named as the layer at its index would be
+            alias = f"layers.{mtp.index}." + t.name.split(".", 2)[2]
+            module = "model." + model_module_names(model, [alias])[alias].removeprefix("model.")
+        name = module.removeprefix(prefix)
+        local = name if name in state else "block." + name
+        out[t.name] = _expert_part(state, local) if local not in state else state[local].detach().contiguous()
+    return out
+
+
+def _expert_part(state: dict[str, torch.Tensor], name: str) -> torch.Tensor:
+    """A per-expert weight (``block.mlp.experts.E.{gate,up,down}_proj.weight``) of transformers' fused experts."""
+    head, expert, proj, _ = name.rsplit(".", 3)
+    if proj == "down_proj":
+        return state[f"{head}.down_proj"][int(expert)].contiguous()
+    gate_up = state[f"{head}.gate_up_proj"][int(expert)]
+    half = gate_up.shape[0] // 2
+    return (gate_up[:half] if proj == "gate_proj" else gate_up[half:]).contiguous()
 
 
 def load_v4_mtp(model, reader, index: int) -> V4MtpModel:
