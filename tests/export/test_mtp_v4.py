@@ -241,3 +241,58 @@ def test_dstc_generate_speculates_with_a_v4_artifacts_mtp_block(hub, backend, tm
     assert runs[3]["speculation"]["method"] == MTP and runs[3]["speculation"]["proposed_per_position"][2] > 0
     with pytest.raises(InputError, match="does not ignore"):
         check_batch_speculation(SpeculationSettings(speculate=MTP), open_artifact(out))
+
+
+def test_the_embedded_v4_tiny_holds_its_trained_mtp_block_beside_an_unchanged_main_model():
+    """Appended under V4's hub names after the main model's training (toolchain/models/mtp_training.py); the main
+    model's reader does not see it, the MTP exporter's does, and the acceptance recorded is what it gives."""
+    from toolchain.models.mtp_training import heldout_sequences, teacher_forced_acceptance
+    from toolchain.tokenizer_loading import load_tokenizer
+
+    source = sources.resolve("deepseek-v4-tiny")
+    layers = source.config["num_hidden_layers"]
+    with open_checkpoint(source.path) as reader:
+        assert reader.skipped_layers == (layers,)
+        assert not any(n.startswith(f"model.layers.{layers}.") or "mtp" in n for n in reader.names())
+    with open_checkpoint(source.path, mtp=True) as reader:
+        assert mtp_layer_indices(reader.names(), reader.config) == [layers]
+        assert reader.stored_name(f"model.layers.{layers}.e_proj.weight") == "mtp.0.e_proj.weight"
+    record = json.loads((source.path / "training.json").read_text())["mtp"]
+    model = reference_model(source)
+    mtp = reference_mtp(model, source.path)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as it was measured
+    try:
+        measured = teacher_forced_acceptance(model, mtp, heldout_sequences(load_tokenizer(source.path)))
+    finally:
+        torch.set_num_threads(threads)
+    # the block read back through the reader's names is the block trained
+    assert measured == {k: record["metrics"][k] for k in measured}
+    assert record["metrics"]["mtp_acceptance"] > 0.6  # when trained (400 steps): 0.716
+
+
+def test_v4_mtp_training_is_deterministic_and_leaves_the_main_model_alone():
+    from dataclasses import replace
+
+    from toolchain.models import corpus
+    from toolchain.models.mtp_training import MTP_SETTINGS, new_mtp, train_mtp
+    from toolchain.models.train import encode_lines, pack_rows
+    from toolchain.tokenizer_loading import load_tokenizer
+
+    source = sources.resolve("deepseek-v4-tiny")
+    tokenizer = load_tokenizer(source.path)
+    rows = pack_rows(encode_lines(tokenizer, corpus.text_samples("train", 32)), 64, tokenizer.bos_token_id,
+                     tokenizer.eos_token_id, tokenizer.pad_token_id)
+    settings = replace(MTP_SETTINGS, steps=2, batch_size=4, warmup=1)
+    model = sources.load(source)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    runs = []
+    for _ in range(2):
+        mtp = new_mtp(model, settings)
+        initial = {k: v.clone() for k, v in mtp.layer.state_dict().items()}
+        loss = train_mtp(model, mtp, rows, tokenizer.pad_token_id, settings)
+        runs.append((loss, {k: v.clone() for k, v in mtp.layer.state_dict().items()}))
+    assert runs[0][0] == runs[1][0]
+    assert all(torch.equal(runs[0][1][k], runs[1][1][k]) for k in runs[0][1])
+    assert not torch.equal(initial["h_proj.weight"], runs[0][1]["h_proj.weight"])  # it learns from the streams
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
