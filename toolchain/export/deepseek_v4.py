@@ -163,12 +163,6 @@ class DeepseekV4Architecture(moe_layer.MoeArchitecture):
                                         **({HIDDEN_OUTPUT: HIDDEN_STATES} if hidden_output else {})})
         return ir_model
 
-    def build_mtp_graph(self, model: HFModule, reader, index: int, weights: str = "float32") -> ir.Model:
-        """MTP block ``index``'s graph (toolchain/export/mtp.py's contract): deepseek_v4_mtp.py."""
-        from toolchain.export.deepseek_v4_mtp import build_v4_mtp_graph  # it builds on this module
-
-        return build_v4_mtp_graph(model, self, reader, index, weights)
-
     def layer(self, g: GraphBuilder, config, index: int, layer, h, step: v4attn.StepInputs, input_ids):
         """Decoder layer ``index`` (``layer``, transformers' module; inside its ``layers.N`` scope) over the streams
         h: (the streams after it, its cache outputs by name). ``config``'s per-layer type lists reach ``index``."""

@@ -36,8 +36,10 @@ import copy
 import torch
 from torch import nn
 
+from toolchain.checkpoint.hub_names import model_module_names, mtp_module_name
+from toolchain.checkpoint.v4_layout import mtp_tensors
 from toolchain.errors import InputError
-from toolchain.export.mtp_reference import read_tensor
+from toolchain.export.layer_tensors import read_tensor
 
 SLIDING, SCORED = "sliding_attention", "moe"
 
@@ -150,9 +152,6 @@ def hub_tensors(model, mtp: V4MtpModel) -> dict[str, torch.Tensor]:
     """The block's tensors under V4's hub names (``mtp.N.``, toolchain/checkpoint/v4_layout.py's mtp_tensors of
     ``model``, the main transformers model), unquantized, routed experts per expert: each found by the name the
     reader gives it (hub_names.py), so that the reader reads back exactly these values."""
-    from toolchain.checkpoint.hub_names import model_module_names, mtp_module_name
-    from toolchain.checkpoint.v4_layout import mtp_tensors
-
     layers, block = model.config.num_hidden_layers, mtp.index - model.config.num_hidden_layers
     state = mtp.layer.state_dict()
     prefix = f"model.layers.{mtp.index}."

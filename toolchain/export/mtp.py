@@ -32,6 +32,8 @@ from toolchain.export.decoder import (
     decoder_layer,
     rotary_module,
 )
+from toolchain.export.deepseek_v4 import DeepseekV4Architecture
+from toolchain.export.deepseek_v4_mtp import build_v4_mtp_graph
 from toolchain.export.graph import GraphBuilder, rename_output, tensor_input
 from toolchain.export.mtp_reference import OWN_EMBEDDING, OWN_HEAD, MtpModel, layer_config, layer_prefix
 from toolchain.export.weights import HFModule, Params
@@ -55,9 +57,8 @@ def build_mtp_graph(model: HFModule, arch: Architecture, reader, index: int, wei
     """The graph of MTP layer ``index`` (module doc). ``model``: the main model's meta-device skeleton (its
     embedding, head and rotary embedding, shared unless the checkpoint holds the layer's own copies); ``reader``:
     the checkpoint opened with its MTP layers (open_checkpoint(path, mtp=True))."""
-    own_graph = getattr(arch, "build_mtp_graph", None)  # an architecture whose layers are built by its own module
-    if own_graph is not None:
-        return own_graph(model, reader, index, weights)
+    if isinstance(arch, DeepseekV4Architecture):  # its layers are its own module's (hyper-connection streams)
+        return build_v4_mtp_graph(model, arch, reader, index, weights)
     config = model.config
     arch.check(config)
     with torch.device("meta"):

@@ -26,16 +26,14 @@ deepseek-v3-tiny, whose config is kept byte-identical for its artifacts) is read
 from __future__ import annotations
 
 import copy
-from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from toolchain.export.architectures import ARCHITECTURES
+from toolchain.export.deepseek_v4_mtp_reference import V4MtpModel, load_v4_mtp
+from toolchain.export.layer_tensors import exact, read_tensor
 from toolchain.export.reference import cache_argument
-
-if TYPE_CHECKING:
-    from toolchain.export.deepseek_v4_mtp_reference import V4MtpModel
 
 EH_PROJ, V4_E_PROJ = "eh_proj.weight", "e_proj.weight"
 OWN_EMBEDDING, OWN_HEAD = "embed_tokens.weight", "shared_head.head.weight"
@@ -165,44 +163,20 @@ def load_mtp(model, reader, index: int) -> MtpModel | V4MtpModel:
     DeepSeek-V4's block: deepseek_v4_mtp_reference.py."""
     config = model.config
     if config.model_type == "deepseek_v4":
-        from toolchain.export.deepseek_v4_mtp_reference import load_v4_mtp  # it reads tensors as this module does
-
         return load_v4_mtp(model, reader, index)
     prefix = layer_prefix(index)
     embed, head = model.model.embed_tokens, model.lm_head
     if reader.has(prefix + OWN_EMBEDDING):
-        embed = nn.Embedding.from_pretrained(_exact(reader, prefix + OWN_EMBEDDING), freeze=True)
+        embed = nn.Embedding.from_pretrained(exact(reader, prefix + OWN_EMBEDDING), freeze=True)
     if reader.has(prefix + OWN_HEAD):
         head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        head.weight.data = _exact(reader, prefix + OWN_HEAD)
+        head.weight.data = exact(reader, prefix + OWN_HEAD)
     mtp = MtpModel(config, index, embed, head, model.model.rotary_emb)
     state = {}
     for name, target in mtp.layer.checkpoint_names(index).items():
         state[name] = read_tensor(reader, target, mtp.layer.state_dict()[name])
     mtp.layer.load_state_dict(state)
     return mtp.eval()
-
-
-def read_tensor(reader, name: str, like: torch.Tensor) -> torch.Tensor:
-    """A tensor of the layer from the checkpoint; transformers' fused experts from the hub's per-expert names."""
-    prefix, _, leaf = name.rpartition(".")
-    if leaf in ("gate_up_proj", "down_proj") and prefix.endswith(".experts") and like.dim() == 3:
-        parts = []
-        for e in range(like.shape[0]):
-            if leaf == "gate_up_proj":
-                parts.append(torch.cat([_exact(reader, f"{prefix}.{e}.gate_proj.weight"),
-                                        _exact(reader, f"{prefix}.{e}.up_proj.weight")]))
-            else:
-                parts.append(_exact(reader, f"{prefix}.{e}.down_proj.weight"))
-        return torch.stack(parts)
-    return _exact(reader, name).to(like.dtype)
-
-
-def _exact(reader, name: str) -> torch.Tensor:
-    """The tensor in float32 as the exporter's graph holds it: read in the dtype that holds its values exactly (an
-    FP8 weight dequantized to bf16, as DeepSeek's fp8_cast_bf16 and the main model's reference do)."""
-    t = reader.tensor(name, reader.natural_dtype(name))
-    return t.to(torch.float32) if t.is_floating_point() else t
 
 
 def hub_tensors(mtp: MtpModel) -> dict[str, torch.Tensor]:

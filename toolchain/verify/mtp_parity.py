@@ -13,12 +13,12 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from toolchain.checkpoint.reader import open_checkpoint
+from toolchain.export.deepseek_v4_mtp_reference import V4MtpModel, main_streams
 from toolchain.export.mtp_reference import MtpModel, load_mtp, mtp_layer_indices
 from toolchain.interface.graph import HIDDEN_STATES, MTP_HIDDEN, graph_cache_spec
 from toolchain.runtime.decoder import Decoder, StatelessDecoder, positions
@@ -26,9 +26,6 @@ from toolchain.runtime.engines import GraphRunner
 from toolchain.runtime.generate import greedy_logits
 from toolchain.runtime.torch_reference import TorchDecoder
 from toolchain.verify.parity import TOLERANCES, Case
-
-if TYPE_CHECKING:
-    from toolchain.export.deepseek_v4_mtp_reference import V4MtpModel
 
 
 class MtpTorchDecoder:
@@ -89,8 +86,6 @@ def main_hidden(model, ids: np.ndarray, mask: np.ndarray) -> np.ndarray:
         with torch.no_grad():
             return model.model(input_ids=torch.from_numpy(ids), attention_mask=torch.from_numpy(mask),
                                position_ids=torch.from_numpy(positions(mask, ids.shape[1]))).last_hidden_state.numpy()
-    from toolchain.export.deepseek_v4_mtp_reference import main_streams
-
     out = np.zeros((*ids.shape, model.config.hc_mult, model.config.hidden_size), np.float32)
     for row, (row_ids, row_mask) in enumerate(zip(ids, mask)):
         real = row_mask.astype(bool)
