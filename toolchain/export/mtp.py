@@ -12,7 +12,7 @@ decoder) and
 the hidden state).
 The decoder layer is built by the main graph's own code (decoder_layer, the architecture's attention and MoE), in
 the scope ``layers.N`` of its checkpoint index N, whose MoE rule is the family's (layers from first_k_dense_replace
-on).
+on). DeepSeek-V4's block, over hyper-connection streams, is built by deepseek_v4_mtp.py.
 """
 
 from __future__ import annotations

@@ -13,7 +13,8 @@ proposer passes on) and the embedding of token i+1, and predicts token i+2::
 The layer attends over its own cache, one entry per position (RoPE at i), as the main model's layers do. ``y`` is
 also returned: a second draft feeds it back as the hidden state (vLLM's recursive use of one MTP layer).
 DeepSeek-V3.2's MTP layer is a V3.2 decoder layer: its attention has the lightning indexer, whose keys are a third
-cache of the layer (transformers' DynamicIndexedLayer).
+cache of the layer (transformers' DynamicIndexedLayer). DeepSeek-V4's MTP block reads the main model's
+hyper-connection streams and is wired otherwise: deepseek_v4_mtp_reference.py (load_mtp builds it).
 
 Checkpoint names (DeepSeek-V3's hub layout, toolchain/checkpoint/fp8.py): the layer at index ``num_hidden_layers``
 + k holds a decoder layer's tensors plus ``enorm``, ``hnorm``, ``eh_proj`` [H, 2H], ``shared_head.norm`` and
