@@ -29,10 +29,10 @@ int4-grouped (g128, asymmetric, INT8 embeddings and lm_head) per backend, run st
 --threads, OpenVINO at its deployment numerics) in a child process per backend and model family that holds the
 benchmark lock; each T is the median of --rounds rounds of --repeats forwards, rounds alternating the graphs.
 
-Acceptance: the embedded trained models built INT4 for ONNX Runtime (deepseek-v3-tiny and deepseek-v32-tiny with
-their MTP layers, export.mtp; r1-distill-qwen-tiny drafted by r1-distill-llama-tiny, the embedded pair of one
-tokenizer), greedy over benchmarks/speculative.py's few-shot held-out arithmetic prompts, for each k:
-E_k = 1 + accepted / verify steps (``--acceptance-only``: these alone, of the pairs ``--methods`` names).
+Acceptance: the embedded trained models built INT4 for ONNX Runtime (deepseek-v3-tiny, deepseek-v32-tiny and
+deepseek-v4-tiny with their MTP layers, export.mtp; r1-distill-qwen-tiny drafted by r1-distill-llama-tiny, the
+embedded pair of one tokenizer), greedy over benchmarks/speculative.py's few-shot held-out arithmetic prompts, for
+each k: E_k = 1 + accepted / verify steps (``--acceptance-only``: these alone, of the pairs ``--methods`` names).
 
     .venv/bin/python benchmarks/speculation_widths.py --workdir /tmp/spec-widths --json speculation_widths.json
     .venv/bin/python benchmarks/speculation_widths.py --workdir /tmp/spec-widths --acceptance-only \
@@ -71,6 +71,7 @@ EH_PROJ_SHARE = 2 * 7168 * 7168 / 583e6  # eh_proj's weights over a V3 dense lay
 # embedded pairs for acceptance: method -> (main model, recipe export extras, draft model or None)
 ACCEPTANCE = {"mtp": ("deepseek-v3-tiny", {"mtp": True}, None),
               "mtp (v32-tiny)": ("deepseek-v32-tiny", {"mtp": True}, None),
+              "mtp (v4-tiny)": ("deepseek-v4-tiny", {"mtp": True}, None),
               "draft": ("r1-distill-qwen-tiny", {}, "r1-distill-llama-tiny"),
               "prompt-lookup (v3-tiny)": ("deepseek-v3-tiny", {}, None),
               "prompt-lookup (qwen-tiny)": ("r1-distill-qwen-tiny", {}, None)}

@@ -117,9 +117,9 @@ EXPORT_HELP = {
     "weights": "Weight storage: bfloat16 keeps a bf16 or FP8 checkpoint's values as bf16 initializers widened by a "
                "Cast in the graph (the same float32 values, half the bytes); auto does so above 1 GiB of float32 "
                "weights.",
-    "mtp": "Also export the checkpoint's multi-token-prediction layer (DeepSeek-V3) as mtp/model.onnx with its own "
-           "KV cache, checked against its PyTorch reference, and give the main graph its hidden_states output; the "
-           "artifact carries it for self-speculative drafts.",
+    "mtp": "Also export the checkpoint's multi-token-prediction layer (DeepSeek-V3, V3.2, V4) as mtp/model.onnx with "
+           "its own KV cache, checked against its PyTorch reference, and give the main graph its hidden_states output; "
+           "the artifact carries it for self-speculative drafts.",
 }
 PASSES_HELP = {
     "target": "onnxruntime: fuse into ORT's contrib kernels; openvino: standard ops shaped for OpenVINO's fusions.",

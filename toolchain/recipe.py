@@ -37,8 +37,8 @@ class ExportSection(Section):
     mla_cache: Literal["latent", "per-head"] | None = None
     # how the weights are stored (toolchain/export/weights.py STORAGES): bf16 values as bf16 + Cast, or float32
     weights: Literal["auto", "float32", "bfloat16"] = "auto"
-    # export the checkpoint's MTP layer (DeepSeek-V3) as mtp/model.onnx, carried into the artifact, and the main
-    # graph's hidden-state output it reads (toolchain/export/mtp.py)
+    # export the checkpoint's MTP layer (DeepSeek-V3, V3.2, V4) as mtp/model.onnx, carried into the artifact, and the
+    # main graph's hidden-state output it reads (toolchain/export/mtp.py)
     mtp: bool = False
     _parity_given: bool = PrivateAttr(False)
 

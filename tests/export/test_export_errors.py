@@ -98,5 +98,5 @@ def test_qwen3_moe_config_that_cannot_be_exported(monkeypatch, capsys, tiny_chec
 
 def test_an_mtp_layer_is_refused_for_an_architecture_that_has_none(monkeypatch, capsys, out):
     code, err = run_cli(monkeypatch, capsys, "export", "r1-distill-qwen-tiny", "--mtp", "-o", out)
-    assert_one_line_error(code, err, "mtp: the MTP layer is exported for deepseek_v3, deepseek_v32, not qwen2")
+    assert_one_line_error(code, err, "mtp: the MTP layer is exported for deepseek_v3, deepseek_v32, deepseek_v4, not qwen2")
     assert not out.exists()

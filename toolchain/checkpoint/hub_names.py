@@ -7,6 +7,9 @@ the per-expert tensors into fused ``gate_up_proj`` / ``down_proj``; the reader k
 dstc's exporters ask for with every DeepSeek model: ``model.layers.L.mlp.experts.E.{gate,up,down}_proj.weight``
 (the first source of ``gate_up_proj`` is its gate half, as transformers concatenates them).
 
+DeepSeek-V4's multi-token-prediction blocks (``mtp.N.``), which transformers does not load, are given the names
+dstc's MTP exporter reads (``mtp_module_name``; toolchain/export/deepseek_v4_mtp_reference.py).
+
 Model types whose mapping only fuses experts (DeepSeek-V2/V3/V3.2) have hub names that are already the module
 names and are left alone.
 """
@@ -23,6 +26,20 @@ from toolchain.quiet_transformers import quiet_transformers
 
 _EXPERT = re.compile(r"\.experts\.(\d+)\.")
 _FUSED_PARTS = {"gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}
+# an MTP block's own tensors (beside its layer's) -> their module names in the MTP reference's layer
+MTP_MODULES = {"e_proj.weight": "e_proj.weight", "h_proj.weight": "h_proj.weight", "enorm.weight": "enorm.weight",
+               "hnorm.weight": "hnorm.weight", "norm.weight": "shared_head.norm.weight",
+               "hc_head_fn": "hc_head.hc_fn", "hc_head_base": "hc_head.hc_base", "hc_head_scale": "hc_head.hc_scale"}
+_MTP_BLOCK = re.compile(r"(?:model\.)?mtp\.(\d+)\.(.*)")
+
+
+def mtp_module_name(name: str, layers: int) -> str | None:
+    """``model.layers.{layers + N}.<module>`` of MTP block N's own tensor ``name`` (``mtp.N.e_proj.weight``);
+    None for the block's layer tensors, which are renamed as a layer's."""
+    match = _MTP_BLOCK.fullmatch(name)
+    if match is None or match.group(2) not in MTP_MODULES:
+        return None
+    return f"model.layers.{layers + int(match.group(1))}.{MTP_MODULES[match.group(2)]}"
 
 
 def module_names(path: Path, config: dict, names: list[str]) -> dict[str, str] | None:

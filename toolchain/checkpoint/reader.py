@@ -27,8 +27,9 @@ saves them). What the reader hides:
 - layers at index ``num_hidden_layers`` and beyond (DeepSeek-V3's multi-token-prediction layer) are not part of
   the causal LM: they are left out and their indices listed in ``skipped_layers``; so are DeepSeek-V4's
   ``mtp.N.`` blocks, listed as layer ``num_hidden_layers + N`` (the index V4's ``compress_ratios`` gives them).
-  ``open_checkpoint(path, mtp=True)`` keeps the ``model.layers.N.`` ones, for the MTP exporter
-  (toolchain/export/mtp_reference.py).
+  ``open_checkpoint(path, mtp=True)`` keeps them, for the MTP exporter (toolchain/export/mtp_reference.py): V4's
+  under ``model.layers.{num_hidden_layers + N}.``, the block's tensors by transformers' names for a layer and its
+  own ones as hub_names.py's ``MTP_MODULES`` name them.
 - tied embeddings (``tie_word_embeddings`` with no ``lm_head.weight`` stored): ``lm_head.weight`` is the
   embedding table, and ``tied`` is True.
 
@@ -50,7 +51,7 @@ import torch
 from safetensors import safe_open
 
 from toolchain.checkpoint import fp4
-from toolchain.checkpoint.hub_names import module_names
+from toolchain.checkpoint.hub_names import module_names, mtp_module_name
 from toolchain.errors import InputError
 
 SINGLE_FILE = "model.safetensors"
@@ -164,7 +165,7 @@ class CheckpointReader:
             layer, block = _LAYER.match(key), _MTP.match(key)
             if isinstance(layers, int) and layer and int(layer.group(1)) >= layers and not mtp:
                 skipped.add(int(layer.group(1)))
-            elif block:
+            elif block and not (mtp and isinstance(layers, int)):
                 skipped.add(int(block.group(1)) + (layers if isinstance(layers, int) else 0))
             else:
                 stored[key] = file
@@ -387,13 +388,23 @@ class CheckpointReader:
         return entries
 
     def _rename(self, entries: dict[str, _Entry]) -> dict[str, _Entry]:
-        """The entries under transformers' module names (hub_names.py), when the checkpoint's are others."""
-        names = module_names(self.path, self.config, list(entries))
+        """The entries under transformers' module names (hub_names.py), when the checkpoint's are others; V4's
+        MTP blocks as the module docstring says."""
+        layers = self.config.get("num_hidden_layers")
+        first = layers if isinstance(layers, int) else 0  # kept only with an int num_hidden_layers (__init__)
+        blocks = {name: mtp_module_name(name, first) for name in entries if _MTP.match(name)}
+        # a block's layer tensors are renamed as a layer's at its index (transformers has none of its own)
+        aliases = {name: _MTP.sub(lambda m: f"layers.{int(m.group(1)) + first}.", name, count=1)
+                   for name, module in blocks.items() if module is None}
+        names = module_names(self.path, self.config, [aliases.get(name, name) for name in entries
+                                                      if blocks.get(name) is None])
         if names is None:
             return entries
         renamed: dict[str, _Entry] = {}
         for name, entry in entries.items():
-            module = names[name]
+            module = blocks.get(name) or names[aliases.get(name, name)]
+            if name in aliases and not module.startswith("model."):
+                module = "model." + module
             if module in renamed:
                 raise InputError(f"{self.path}: {renamed[module].stored.key} and {entry.stored.key} are both "
                                  f"{module} in transformers' names")

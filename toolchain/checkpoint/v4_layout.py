@@ -12,7 +12,8 @@ The names, dtypes and shapes are those of the shipped ``model.safetensors.index.
   ``ffn.shared_experts.{w1,w2,w3}`` in e4m3; ``{attn,ffn}_norm.weight`` (bf16); ``hc_{attn,ffn}_{fn,base,scale}``
   (float32);
 - ``mtp.N.``: a multi-token-prediction block (a layer's tensors, ``e_proj``/``h_proj`` in e4m3, ``enorm``,
-  ``hnorm``, ``norm`` and its own ``hc_head_*``), which transformers does not load.
+  ``hnorm``, ``norm`` and its own ``hc_head_*``; sliding-window attention, score routing), which transformers
+  does not load; dstc's MTP exporter reads it (hub_names.py names it, deepseek_v4_mtp_reference.py runs it).
 
 Every name is checked against the skeleton through transformers' own conversion mapping (hub_names.py): each
 parameter of the model is written exactly once, so a transformers release that renames V4's modules fails here
@@ -102,8 +103,8 @@ def hub_tensors(model) -> list[HubTensor]:
 
 
 def mtp_tensors(model, blocks: int) -> list[HubTensor]:
-    """``blocks`` MTP blocks (module docstring), shaped as the model's last layer; transformers has no parameters
-    for them (``module`` is empty)."""
+    """``blocks`` MTP blocks (module docstring), shaped as the model's last layer with sliding-window attention
+    and score routing; transformers has no parameters for them (``module`` is empty)."""
     config, hidden = model.config, model.config.hidden_size
     last = hub_tensors(model)
     last_prefix = f"layers.{config.num_hidden_layers - 1}."
@@ -111,7 +112,9 @@ def mtp_tensors(model, blocks: int) -> list[HubTensor]:
     for n in range(blocks):
         prefix = f"mtp.{n}."
         for t in last:
-            if t.name.startswith(last_prefix):
+            # the block's attention is the sliding window alone (V4-Flash's compress_ratios end in 0)
+            if t.name.startswith(last_prefix) and not t.name.startswith((last_prefix + "attn.compressor.",
+                                                                         last_prefix + "attn.indexer.")):
                 name = prefix + t.name[len(last_prefix):]
                 shape = t.shape
                 if name.endswith(".gate.tid2eid"):  # the shipped MTP block routes by score, not by hash

@@ -17,7 +17,6 @@ from typing import Protocol
 import onnx_ir as ir
 import torch
 
-from toolchain.errors import InputError
 from toolchain.export import blocks
 from toolchain.export.graph import GraphBuilder, rename_output, tensor_input
 from toolchain.export.weights import HFModule, Params
@@ -154,14 +153,11 @@ def build_decoder(model: HFModule, arch: Architecture, reader=None,
     weights ``reader`` (toolchain/checkpoint/reader.py) reads when the graph is saved. on_layer(i, n) is called
     as each of the n layers is built (progress on large models). ``weights``: their storage, "float32" or
     "bfloat16" (toolchain/export/weights.py storage_for). ``hidden_output``: also output the final-normed hidden
-    state (``hidden_states`` [B, S, H], what the MTP layer reads; toolchain/export/mtp.py), recorded in the
-    metadata (HIDDEN_OUTPUT)."""
+    state (``hidden_states`` [B, S, H], what the MTP layer reads; toolchain/export/mtp.py; DeepSeek-V4's graph
+    its streams before hc_head), recorded in the metadata (HIDDEN_OUTPUT)."""
     own_graph = getattr(arch, "build_graph", None)  # an architecture whose layers are not this skeleton's
     if own_graph is not None:
-        if hidden_output:
-            raise InputError(f"{model.config.model_type}: the hidden-state output is exported for the shared "
-                             f"decoder's architectures only")
-        return own_graph(model, reader, on_layer, weights)
+        return own_graph(model, reader, on_layer, weights, hidden_output=hidden_output)
     config = model.config
     arch.check(config)
     cached_heads, key_dim, value_dim = arch.cache_dims(config)

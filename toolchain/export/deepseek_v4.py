@@ -31,6 +31,8 @@ from toolchain.export.routers import SCORINGS, BiasedTopK, HashRouter
 from toolchain.export.weights import HFModule, Params, to_numpy
 from toolchain.interface.graph import (
     ATTENTION_MASK,
+    HIDDEN_OUTPUT,
+    HIDDEN_STATES,
     INPUT_IDS,
     LOGITS,
     MODEL_TYPE,
@@ -62,7 +64,7 @@ class DeepseekV4Architecture(moe_layer.MoeArchitecture):
     # slots, not positions: a row's logits depend on its batch-mates' lengths, up to 0.7 of the logits' range on the
     # test suite's tiny V4); its reference runs each row alone, with a cache of its own, as dstc's graph computes it
     reference_row_by_row = True
-    exports_mtp = False  # its mtp.N blocks are skipped and said so (toolchain/checkpoint/v4_layout.py)
+    exports_mtp = True  # its mtp.N blocks: toolchain/export/deepseek_v4_mtp.py
     hub_layout = "v4"  # FP8 attention, FP4 routed experts (toolchain/checkpoint/v4_layout.py)
     bf16_unless_asked = False
 
@@ -112,9 +114,11 @@ class DeepseekV4Architecture(moe_layer.MoeArchitecture):
         raise NotImplementedError("DeepSeek-V4's layers are built by build_graph")
 
     def build_graph(self, model: HFModule, reader=None, on_layer: Callable[[int, int], None] | None = None,
-                    weights: str = "float32") -> ir.Model:
+                    weights: str = "float32", hidden_output: bool = False) -> ir.Model:
         """The whole graph (decoder.build_decoder's contract): the interface's inputs and outputs, with each
-        layer's cache tensors named by deepseek_v4_attention.cache_widths."""
+        layer's cache tensors named by deepseek_v4_attention.cache_widths. ``hidden_output``: also output the
+        streams before hc_head (``hidden_states`` [B, S, hc_mult, hidden], what the MTP block reads:
+        toolchain/export/deepseek_v4_mtp.py), recorded in the metadata (HIDDEN_OUTPUT)."""
         config = model.config
         self.check(config)
         g = GraphBuilder(Params(model, reader), weights)
@@ -123,37 +127,23 @@ class DeepseekV4Architecture(moe_layer.MoeArchitecture):
         position_ids = tensor_input(POSITION_IDS, INT64, ["batch_size", "sequence_length"])
         inputs, presents = [input_ids, mask_2d, position_ids], []
         decoder = model.model
-        streams = config.hc_mult
 
         with g.role("embeddings"):
             table = g.weight("embed_tokens.weight", g.params.array(decoder.embed_tokens.weight))
         x = g.op("Gather", table, input_ids, axis=0)
-        h = g.op("Expand", g.op("Unsqueeze", x, g.const([2])), g.const([1, 1, streams, 1]))  # [B, S, hc, hidden]
+        h = g.op("Expand", g.op("Unsqueeze", x, g.const([2])), g.const([1, 1, config.hc_mult, 1]))  # [B, S, hc, D]
         step = step_inputs(g, model, input_ids, mask_2d, position_ids)
         for i, layer in enumerate(decoder.layers):
             layer_type = config.layer_types[i]
-            step.past = {name: tensor_input(f"{PAST_PREFIX}{i}.{name}", FLOAT,
-                                            ["batch_size", 1, "past_sequence_length", width])
-                         for name, width in v4attn.cache_widths(config, layer_type).items()}
+            step.past = cache_inputs(config, layer_type, i)
             inputs += list(step.past.values())
             with g.scope(f"layers.{i}"):
-                with g.scope("attn_hc"), g.role("hyper_connection"):
-                    post, comb, collapsed = hyper_connection(g, layer.attn_hc, h)
-                normed = blocks.rms_norm(g, collapsed, layer.input_layernorm, "input_layernorm")
-                with g.scope("self_attn"), g.role("attention"):
-                    out, layer_presents = v4attn.attention(g, layer.self_attn, normed, step)
-                h = mix(g, post, comb, out, h)
-                with g.scope("ffn_hc"), g.role("hyper_connection"):
-                    post, comb, collapsed = hyper_connection(g, layer.ffn_hc, h)
-                normed = blocks.rms_norm(g, collapsed, layer.post_attention_layernorm, "post_attention_layernorm")
-                with g.scope("mlp"), g.role("mlp"):
-                    out = moe_layer.block(g, self.moe(config, i), self.moe_lowering or "dispatch", layer.mlp, normed,
-                                          input_ids)
-                h = mix(g, post, comb, out, h)
+                h, layer_presents = self.layer(g, config, i, layer, h, step, input_ids)
             presents += [(f"{i}.{name}", value, v4attn.cache_widths(config, layer_type)[name])
                          for name, value in layer_presents.items()]
             if on_layer:
                 on_layer(i + 1, len(decoder.layers))
+        streams = h
 
         with g.scope("hc_head"), g.role("hyper_connection"):
             x = hyper_head(g, decoder.hc_head, h)
@@ -164,10 +154,37 @@ class DeepseekV4Architecture(moe_layer.MoeArchitecture):
         outputs += [rename_output(value, f"{PRESENT_PREFIX}{name}", FLOAT,
                                   ["batch_size", 1, "total_sequence_length", width])
                     for name, value, width in presents]
+        if hidden_output:  # the last output, so the graph's others keep their places
+            outputs.append(rename_output(streams, HIDDEN_STATES, FLOAT,
+                                         ["batch_size", "sequence_length", config.hc_mult, config.hidden_size]))
         ir_model = g.model(inputs, outputs, doc=f"{config.model_type} exported by dstc")
         ir_model.metadata_props.update({MODEL_TYPE: config.model_type, NUM_LAYERS: str(len(decoder.layers)),
-                                        **architecture_metadata(self, config)})
+                                        **architecture_metadata(self, config),
+                                        **({HIDDEN_OUTPUT: HIDDEN_STATES} if hidden_output else {})})
         return ir_model
+
+    def layer(self, g: GraphBuilder, config, index: int, layer, h, step: v4attn.StepInputs, input_ids):
+        """Decoder layer ``index`` (``layer``, transformers' module; inside its ``layers.N`` scope) over the streams
+        h: (the streams after it, its cache outputs by name). ``config``'s per-layer type lists reach ``index``."""
+        with g.scope("attn_hc"), g.role("hyper_connection"):
+            post, comb, collapsed = hyper_connection(g, layer.attn_hc, h)
+        normed = blocks.rms_norm(g, collapsed, layer.input_layernorm, "input_layernorm")
+        with g.scope("self_attn"), g.role("attention"):
+            out, presents = v4attn.attention(g, layer.self_attn, normed, step)
+        h = mix(g, post, comb, out, h)
+        with g.scope("ffn_hc"), g.role("hyper_connection"):
+            post, comb, collapsed = hyper_connection(g, layer.ffn_hc, h)
+        normed = blocks.rms_norm(g, collapsed, layer.post_attention_layernorm, "post_attention_layernorm")
+        with g.scope("mlp"), g.role("mlp"):
+            out = moe_layer.block(g, self.moe(config, index), self.moe_lowering or "dispatch", layer.mlp, normed,
+                                  input_ids)
+        return mix(g, post, comb, out, h), presents
+
+
+def cache_inputs(config, layer_type: str, index: int) -> dict[str, ir.Value]:
+    """Layer ``index``'s cache inputs by name (past_key_values.{index}.*)."""
+    return {name: tensor_input(f"{PAST_PREFIX}{index}.{name}", FLOAT, ["batch_size", 1, "past_sequence_length", width])
+            for name, width in v4attn.cache_widths(config, layer_type).items()}
 
 
 def step_inputs(g: GraphBuilder, model: HFModule, input_ids, mask_2d, position_ids) -> v4attn.StepInputs:

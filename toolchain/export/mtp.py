@@ -12,7 +12,7 @@ decoder) and
 the hidden state).
 The decoder layer is built by the main graph's own code (decoder_layer, the architecture's attention and MoE), in
 the scope ``layers.N`` of its checkpoint index N, whose MoE rule is the family's (layers from first_k_dense_replace
-on).
+on). DeepSeek-V4's block, over hyper-connection streams, is built by deepseek_v4_mtp.py.
 """
 
 from __future__ import annotations
@@ -32,6 +32,8 @@ from toolchain.export.decoder import (
     decoder_layer,
     rotary_module,
 )
+from toolchain.export.deepseek_v4 import DeepseekV4Architecture
+from toolchain.export.deepseek_v4_mtp import build_v4_mtp_graph
 from toolchain.export.graph import GraphBuilder, rename_output, tensor_input
 from toolchain.export.mtp_reference import OWN_EMBEDDING, OWN_HEAD, MtpModel, layer_config, layer_prefix
 from toolchain.export.weights import HFModule, Params
@@ -55,6 +57,8 @@ def build_mtp_graph(model: HFModule, arch: Architecture, reader, index: int, wei
     """The graph of MTP layer ``index`` (module doc). ``model``: the main model's meta-device skeleton (its
     embedding, head and rotary embedding, shared unless the checkpoint holds the layer's own copies); ``reader``:
     the checkpoint opened with its MTP layers (open_checkpoint(path, mtp=True))."""
+    if isinstance(arch, DeepseekV4Architecture):  # its layers are its own module's (hyper-connection streams)
+        return build_v4_mtp_graph(model, arch, reader, index, weights)
     config = model.config
     arch.check(config)
     with torch.device("meta"):

@@ -13,7 +13,8 @@ proposer passes on) and the embedding of token i+1, and predicts token i+2::
 The layer attends over its own cache, one entry per position (RoPE at i), as the main model's layers do. ``y`` is
 also returned: a second draft feeds it back as the hidden state (vLLM's recursive use of one MTP layer).
 DeepSeek-V3.2's MTP layer is a V3.2 decoder layer: its attention has the lightning indexer, whose keys are a third
-cache of the layer (transformers' DynamicIndexedLayer).
+cache of the layer (transformers' DynamicIndexedLayer). DeepSeek-V4's MTP block reads the main model's
+hyper-connection streams and is wired otherwise: deepseek_v4_mtp_reference.py (load_mtp builds it).
 
 Checkpoint names (DeepSeek-V3's hub layout, toolchain/checkpoint/fp8.py): the layer at index ``num_hidden_layers``
 + k holds a decoder layer's tensors plus ``enorm``, ``hnorm``, ``eh_proj`` [H, 2H], ``shared_head.norm`` and
@@ -31,9 +32,11 @@ import torch
 from torch import nn
 
 from toolchain.export.architectures import ARCHITECTURES
+from toolchain.export.deepseek_v4_mtp_reference import V4MtpModel, load_v4_mtp
+from toolchain.export.layer_tensors import exact, read_tensor
 from toolchain.export.reference import cache_argument
 
-EH_PROJ = "eh_proj.weight"
+EH_PROJ, V4_E_PROJ = "eh_proj.weight", "e_proj.weight"
 OWN_EMBEDDING, OWN_HEAD = "embed_tokens.weight", "shared_head.head.weight"
 
 
@@ -47,11 +50,13 @@ def layer_prefix(index: int) -> str:
 
 
 def mtp_layer_indices(names: list[str], config: dict) -> list[int]:
-    """The indices of the checkpoint's MTP layers (module doc) among tensor ``names``."""
+    """The indices of the checkpoint's MTP layers (module doc; DeepSeek-V4's blocks hold ``e_proj`` instead:
+    deepseek_v4_mtp_reference.py) among tensor ``names``."""
     first = config["num_hidden_layers"]
     declared = config.get("num_nextn_predict_layers")
     found = sorted({int(n.split(".")[2]) for n in names
-                    if n.startswith("model.layers.") and n.endswith("." + EH_PROJ) and int(n.split(".")[2]) >= first})
+                    if n.startswith("model.layers.") and n.endswith(("." + EH_PROJ, "." + V4_E_PROJ))
+                    and int(n.split(".")[2]) >= first})
     if declared is None:
         return found
     return [i for i in range(first, first + declared) if i in found]
@@ -153,45 +158,26 @@ class MtpModel(nn.Module):
         return self.lm_head(layer.shared_head.norm(y)), y
 
 
-def load_mtp(model, reader, index: int) -> MtpModel:
+def load_mtp(model, reader, index: int) -> MtpModel | V4MtpModel:
     """The MTP layer ``index`` of the checkpoint ``reader`` opened with its MTP layers (open_checkpoint(path,
-    mtp=True)), over ``model``'s (the main transformers model's) embedding, head and rotary embedding, in float32."""
+    mtp=True)), over ``model``'s (the main transformers model's) embedding, head and rotary embedding, in float32;
+    DeepSeek-V4's block: deepseek_v4_mtp_reference.py."""
     config = model.config
+    if config.model_type == "deepseek_v4":
+        return load_v4_mtp(model, reader, index)
     prefix = layer_prefix(index)
     embed, head = model.model.embed_tokens, model.lm_head
     if reader.has(prefix + OWN_EMBEDDING):
-        embed = nn.Embedding.from_pretrained(_exact(reader, prefix + OWN_EMBEDDING), freeze=True)
+        embed = nn.Embedding.from_pretrained(exact(reader, prefix + OWN_EMBEDDING), freeze=True)
     if reader.has(prefix + OWN_HEAD):
         head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        head.weight.data = _exact(reader, prefix + OWN_HEAD)
+        head.weight.data = exact(reader, prefix + OWN_HEAD)
     mtp = MtpModel(config, index, embed, head, model.model.rotary_emb)
     state = {}
     for name, target in mtp.layer.checkpoint_names(index).items():
-        state[name] = _read(reader, target, mtp.layer.state_dict()[name])
+        state[name] = read_tensor(reader, target, mtp.layer.state_dict()[name])
     mtp.layer.load_state_dict(state)
     return mtp.eval()
-
-
-def _read(reader, name: str, like: torch.Tensor) -> torch.Tensor:
-    """A tensor of the layer from the checkpoint; transformers' fused experts from the hub's per-expert names."""
-    prefix, _, leaf = name.rpartition(".")
-    if leaf in ("gate_up_proj", "down_proj") and prefix.endswith(".experts") and like.dim() == 3:
-        parts = []
-        for e in range(like.shape[0]):
-            if leaf == "gate_up_proj":
-                parts.append(torch.cat([_exact(reader, f"{prefix}.{e}.gate_proj.weight"),
-                                        _exact(reader, f"{prefix}.{e}.up_proj.weight")]))
-            else:
-                parts.append(_exact(reader, f"{prefix}.{e}.down_proj.weight"))
-        return torch.stack(parts)
-    return _exact(reader, name).to(like.dtype)
-
-
-def _exact(reader, name: str) -> torch.Tensor:
-    """The tensor in float32 as the exporter's graph holds it: read in the dtype that holds its values exactly (an
-    FP8 weight dequantized to bf16, as DeepSeek's fp8_cast_bf16 and the main model's reference do)."""
-    t = reader.tensor(name, reader.natural_dtype(name))
-    return t.to(torch.float32) if t.is_floating_point() else t
 
 
 def hub_tensors(mtp: MtpModel) -> dict[str, torch.Tensor]:

@@ -40,7 +40,8 @@ MOE_LOWERING = "dstc.moe_lowering"
 ROTATIONS_PER_LAYER = "dstc.rotations_per_layer"  # tensors RoPE rotates in each layer (the passes' expectations)
 CACHE_KINDS = "dstc.cache_kinds"  # JSON: each layer's cache tensors (key, value, and any more), in input order
 # The main graph's optional output of its final-normed hidden state [batch, sequence, hidden] (what DeepSeek's MTP
-# layer reads), and the MTP graph's input of it; HIDDEN_OUTPUT names the output in a graph that has it.
+# layer reads; DeepSeek-V4's: its hyper-connection streams before hc_head [batch, sequence, hc_mult, hidden]), and
+# the MTP graph's input of it; HIDDEN_OUTPUT names the output in a graph that has it.
 HIDDEN_STATES = "hidden_states"
 HIDDEN_OUTPUT = "dstc.hidden_output"
 MTP_HIDDEN = "mtp_hidden_states"  # an MTP graph's output of its layer's hidden state (toolchain/export/mtp.py)

@@ -78,7 +78,8 @@ def deepseek_v4_tiny() -> DeepseekV4Config:
     up to three HCA blocks (16); an arithmetic problem (9 + 5 tokens) stays within the window. The compressed layers'
     RoPE is YaRN as the hub's (scaled down like the other models'). Two hyper-connection streams and 5 Sinkhorn
     iterations, not the real 4 and 20: those doubled the training time, and the graph is the same for any count.
-    swiglu_limit 3 clips 0.5 % of the trained experts' gate and up values on 20 held-out texts. No MTP layer."""
+    swiglu_limit 3 clips 0.5 % of the trained experts' gate and up values on 20 held-out texts. One MTP block
+    (toolchain/models/mtp_training.py), which transformers does not build."""
     return _config(
         DeepseekV4Config, **_TOKEN_IDS, hidden_size=128, max_position_embeddings=MAX_POSITIONS,
         tie_word_embeddings=False,
@@ -95,7 +96,7 @@ def deepseek_v4_tiny() -> DeepseekV4Config:
         rope_theta=10000.0, compress_rope_theta=160000.0,
         rope_parameters={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 256,
                          "beta_fast": 32.0, "beta_slow": 1.0},
-        num_nextn_predict_layers=0,
+        num_nextn_predict_layers=1,
     )
 
 

@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM, GenerationConfig
 from toolchain.models import corpus
 from toolchain.models.configs import build_config
 from toolchain.models.indexer_training import IndexerSettings, top_k_attention_mass, train_with_indexer
-from toolchain.models.mtp_training import make_mtp
+from toolchain.models.mtp_training import MTP_SETTINGS, make_mtp
 from toolchain.models.parameters import parameter_count
 from toolchain.models.registry import EMBEDDED, EMBEDDED_ROOT, embedded_path
 from toolchain.models.tokenizer import build_tokenizer, save_tokenizer
@@ -35,8 +35,11 @@ SETTINGS = {
     "deepseek-v2-lite-tiny": TrainSettings(steps=1000, n_texts=8000),
 }
 # The embedded models trained with an MTP layer (toolchain/models/mtp_training.py), after their main model (V3.2's
-# with its indexer's KL loss, as its main layers').
-MTP_MODELS = ("deepseek-v3-tiny", "deepseek-v32-tiny")
+# with its indexer's KL loss, as its main layers'; V4's a block over its hyper-connection streams).
+MTP_MODELS = ("deepseek-v3-tiny", "deepseek-v32-tiny", "deepseek-v4-tiny")
+# V4's block in 400 steps, not 1000: each step runs the frozen main model's four V4 layers (compressors, indexer,
+# hyper-connections) too, 1.25 s a step on one thread of this 2-core machine under load (500 s)
+MTP_SETTINGS_OF = {"deepseek-v4-tiny": TrainSettings(steps=400)}
 # The embedded models whose lightning indexer is trained with DeepSeek's KL loss (toolchain/models/indexer_training.py).
 INDEXER_MODELS = {"deepseek-v32-tiny": IndexerSettings()}
 HELDOUT_PROBLEMS = 500
@@ -112,7 +115,8 @@ def make_model(name: str, path: Path, tokenizer) -> dict:
         "metrics": metrics,
     }
     if name in MTP_MODELS:
-        record["mtp"] = make_mtp(model, tokenizer, rows, path, indexer=INDEXER_MODELS.get(name))
+        record["mtp"] = make_mtp(model, tokenizer, rows, path, MTP_SETTINGS_OF.get(name, MTP_SETTINGS),
+                                 indexer=INDEXER_MODELS.get(name))
     (path / "training.json").write_text(json.dumps(record, indent=2) + "\n")
     return metrics
 

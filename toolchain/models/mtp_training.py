@@ -10,6 +10,10 @@ copies of the embedding and head, which it shares with the main model (float32: 
 DeepSeek-V3.2's MTP layer has a lightning indexer, which transformers runs without gradients: it is trained as the
 main layers' are (toolchain/models/indexer_training.py), from its own KL loss beside the layer's LM loss, with
 the same dense warm-up (its attention over every key for the first ``dense_steps``) and then sparse training.
+
+DeepSeek-V4's MTP block (toolchain/export/deepseek_v4_mtp_reference.py) learns from the main model's
+hyper-connection streams before hc_head instead, and is appended under V4's hub names (``mtp.0.*``, unquantized),
+which transformers ignores when it loads the main model.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from toolchain.export import deepseek_v4_mtp_reference as v4_mtp
 from toolchain.export.mtp_reference import MtpModel, hub_tensors
 from toolchain.models import corpus
 from toolchain.models.indexer_training import IndexerSettings, IndexerTap
@@ -29,26 +34,41 @@ MTP_SETTINGS = TrainSettings(steps=1000)
 HELDOUT_TEXTS = 200
 
 
-def new_mtp(model, settings: TrainSettings = MTP_SETTINGS) -> MtpModel:
+def _v4(model) -> bool:
+    return model.config.model_type == "deepseek_v4"
+
+
+def new_mtp(model, settings: TrainSettings = MTP_SETTINGS) -> MtpModel | v4_mtp.V4MtpModel:
     """An MTP layer over ``model``'s embedding, head and rotary embedding, initialised from the settings' seed (so
     its weights do not depend on what ran before)."""
     seed_everything(settings.seed, settings.threads)
     config = model.config
-    mtp = MtpModel(config, config.num_hidden_layers, model.model.embed_tokens, model.lm_head, model.model.rotary_emb)
+    kind = v4_mtp.V4MtpModel if _v4(model) else MtpModel
+    mtp = kind(config, config.num_hidden_layers, model.model.embed_tokens, model.lm_head, model.model.rotary_emb)
     mtp.layer.apply(model._init_weights)
     return mtp
 
 
-def mtp_batches(model, rows: torch.Tensor):
-    """(hidden [B, S-2, H], next ids [B, S-2], labels [B, S-2]) of a batch of rows: the frozen main model's hidden
-    state at t, token t+1, target t+2."""
+def main_outputs(model, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the frozen main model's final-normed hidden state, what its MTP layer reads: the same, or V4's streams
+    before hc_head) at every position of ``rows``."""
     with torch.no_grad():
+        if _v4(model):
+            return v4_mtp.main_outputs(model, input_ids=rows)
         hidden = model.model(input_ids=rows).last_hidden_state
+    return hidden, hidden
+
+
+def mtp_batches(model, rows: torch.Tensor):
+    """(hidden [B, S-2, H] (V4: [B, S-2, hc, H]), next ids [B, S-2], labels [B, S-2]) of a batch of rows: what
+    the MTP layer reads of the frozen main model at t, token t+1, target t+2."""
+    hidden = main_outputs(model, rows)[1]
     return hidden[:, :-2], rows[:, 1:-1], rows[:, 2:]
 
 
-def train_mtp(model, mtp: MtpModel, rows: torch.Tensor, pad: int, settings: TrainSettings = MTP_SETTINGS,
-              log: Callable[[str], None] | None = None, indexer: IndexerSettings | None = None) -> dict:
+def train_mtp(model, mtp: MtpModel | v4_mtp.V4MtpModel, rows: torch.Tensor, pad: int,
+              settings: TrainSettings = MTP_SETTINGS, log: Callable[[str], None] | None = None,
+              indexer: IndexerSettings | None = None) -> dict:
     """Train ``mtp.layer`` only (the embedding and head are the frozen main model's); returns the final loss.
     ``indexer``: the layer's lightning indexer's training (module doc), for a V3.2 MTP layer."""
     seed_everything(settings.seed, settings.threads)
@@ -94,7 +114,7 @@ def train_mtp(model, mtp: MtpModel, rows: torch.Tensor, pad: int, settings: Trai
 
 
 @torch.no_grad()
-def teacher_forced_acceptance(model, mtp: MtpModel, sequences: list[list[int]]) -> dict:
+def teacher_forced_acceptance(model, mtp: MtpModel | v4_mtp.V4MtpModel, sequences: list[list[int]]) -> dict:
     """Over every position t of each sequence with a t+2: how often the MTP layer's argmax (from the main model's
     hidden state at t and the text's token t+1) is the main model's greedy token at t+2 (its argmax at t+1, on the
     same text), which is what a self-speculative step accepts; and how often it is the text's token t+2."""
@@ -103,9 +123,9 @@ def teacher_forced_acceptance(model, mtp: MtpModel, sequences: list[list[int]]) 
         if len(ids) < 3:
             continue
         tokens = torch.tensor([ids])
-        out = model.model(input_ids=tokens)
-        main_next = model.lm_head(out.last_hidden_state).argmax(-1)[0]  # [S]: the greedy token after each position
-        logits, _ = mtp(out.last_hidden_state[:, :-2], tokens[:, 1:-1])
+        final, hidden = main_outputs(model, tokens)
+        main_next = model.lm_head(final).argmax(-1)[0]  # [S]: the greedy token after each position
+        logits, _ = mtp(hidden[:, :-2], tokens[:, 1:-1])
         draft = logits.argmax(-1)[0]  # [S-2]: the draft of token t+2
         agree += int((draft == main_next[1:-1]).sum())
         correct += int((draft == tokens[0, 2:]).sum())
@@ -135,7 +155,7 @@ def make_mtp(model, tokenizer, rows: torch.Tensor, checkpoint: Path, settings: T
     with safe_open(str(file), framework="pt") as f:
         tensors = {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118 - a safetensors handle
         metadata = f.metadata()
-    tensors.update(hub_tensors(mtp))
+    tensors.update(v4_mtp.hub_tensors(model, mtp) if isinstance(mtp, v4_mtp.V4MtpModel) else hub_tensors(mtp))
     save_file(tensors, str(file), metadata=metadata)
     return {"layer": mtp.index, "parameters": sum(p.numel() for p in mtp.layer.parameters()),
             "settings": vars(settings) | (vars(indexer) if indexer else {}), "wall_time_s": round(wall, 1),

@@ -1,5 +1,6 @@
 """Self-speculative drafts from DeepSeek's MTP layer (toolchain/export/mtp.py): the artifact's mtp/ graph run by
-dstc's decoders with its own KV cache, fed the main graph's final-normed hidden states.
+dstc's decoders with its own KV cache, fed the main graph's final-normed hidden states (DeepSeek-V4's: its
+hyper-connection streams, one more axis, which nothing here reads: toolchain/export/deepseek_v4_mtp.py).
 
 MTP position i reads the main model's hidden state at i and token i + 1 and drafts token i + 2. After a verify
 step, the main decoder's ``hidden_states`` output at the accepted positions (``extras``) ends at position n - 2 of
@@ -8,7 +9,8 @@ logits there draft token n. Further drafts chain the layer on itself (vLLM's rec
 previous draft as the token and the layer's own output hidden state (``mtp_hidden_states``) in place of the main
 model's, which is not known yet. Cache entries made that way are speculative and dropped by the next ``propose``
 whatever the verify step accepted; ``rollback(keep)`` drops more. Every cache tensor of the graph is cut alike
-(the decoders' ``rollback``): DeepSeek-V3.2's MTP layer caches its indexer's keys beside the latent.
+(the decoders' ``rollback``): DeepSeek-V3.2's MTP layer caches its indexer's keys beside the latent; DeepSeek-V4's
+block one K=V entry per position, its sliding window a mask over them, cut as its main graph's cache is.
 """
 
 from __future__ import annotations

@@ -12,8 +12,8 @@ model scores them all, the accepted prefix is kept and the cache rolled back ove
 
 Drafters: :class:`PromptLookup` (n-gram match in the sequence so far, as transformers' prompt_lookup_num_tokens
 and vLLM's ngram speculator), :class:`DraftModel` (a smaller artifact of the same tokenizer on a Decoder of its
-own) and DeepSeek-V3's or V3.2's MTP layer (toolchain/runtime/mtp_drafter.py), which reads the main model's hidden
-state from ``extras``: the main decoder is opened with the outputs ``Speculation.main_outputs`` names.
+own) and DeepSeek-V3's, V3.2's or V4's MTP layer (toolchain/runtime/mtp_drafter.py), which reads the main model's
+hidden state from ``extras``: the main decoder is opened with the outputs ``Speculation.main_outputs`` names.
 """
 
 from __future__ import annotations

@@ -215,8 +215,8 @@ def _mtp_layer(source) -> int:
     with open_checkpoint(source.path, mtp=True) as reader:
         layers = mtp_layer_indices(reader.names(), reader.config)
     if not layers:
-        raise InputError(f"mtp: {source.spec} has no MTP layer (no model.layers.N.eh_proj.weight from "
-                         f"num_hidden_layers on)")
+        raise InputError(f"mtp: {source.spec} has no MTP layer (no model.layers.N.eh_proj.weight, or DeepSeek-V4's "
+                         f"mtp.N.e_proj.weight, from num_hidden_layers on)")
     return layers[0]
 
 
