@@ -97,6 +97,7 @@ def backend_run(art, speculation: SpeculationSettings | None, sampled: bool = Fa
     (LATENT, "draft:ov-latent-int4", "openvino"),
     # DeepSeek-V4's per-token cache, compacted after every step (its rows' slots are counted from held columns)
     (V4, "prompt-lookup", "onnxruntime"), (V4, "prompt-lookup", "openvino"),
+    (V4, "mtp", "onnxruntime"), (V4, "mtp", "openvino"),  # its MTP block's cache is per-token too
     pytest.param(V4, "draft:v4-int4", "onnxruntime", marks=pytest.mark.slow)])  # an INT4 V4 build: a minute more
 def test_backend_speculates_to_plain_serving_tokens(artifact, model, method, backend):
     art = artifact(model, backend, sections(method, backend))
@@ -238,7 +239,7 @@ def test_a_draft_is_checked_against_the_longest_sequence_it_follows(artifact, mo
     code, _, err = run_cli(monkeypatch, capsys, "generate", art.path, "12+345=", "--max-new-tokens", "60",
                            "--speculate", f"draft:{short}")
     assert code == 2 and "has a context of 64 tokens, and sequences here reach" in err, err
-    code, out, err = run_cli(monkeypatch, capsys, "generate", art.path, "12+345=", "--max-new-tokens", "8",
+    code, _, err = run_cli(monkeypatch, capsys, "generate", art.path, "12+345=", "--max-new-tokens", "8",
                              "--raw", "--speculate", f"draft:{short}")
     assert code == 0, err
     check_batch_speculation(SpeculationSettings(speculate=f"draft:{short}"), art, 64)  # serve --max-context 64
@@ -308,6 +309,54 @@ def test_batched_draft_model_drafts_what_it_drafts_for_one_sequence(artifact, ba
     drafter.reset()
     assert drafter.batch.keys == [] and drafter.propose({9: list(prompts[0])}, {}, 2)[9] == \
         (alone.reset(), alone.propose(list(prompts[0]), {}, 2))[1]
+
+
+@pytest.mark.parametrize(("model", "backend"), [(LATENT, "onnxruntime"), (V4, "onnxruntime"), (V4, "openvino")])
+def test_batched_mtp_drafts_what_it_drafts_for_one_sequence(artifact, model, backend):
+    """BatchMtp over sequences that join, grow by a random accepted prefix and a token of their own, and leave:
+    each propose's drafts are the MTP layer's for that sequence alone (MtpDrafter at batch 1, from an empty cache,
+    fed the main model's hidden states of the sequence alone). Served greedy tokens do not show a wrong draft
+    cache (speculation keeps them whatever it drafts); this does: DeepSeek-V4's MTP batch fails it without its
+    compaction after each step."""
+    from toolchain.interface.graph import HIDDEN_STATES
+    from toolchain.runtime.batched_drafts import BatchMtp, batch_drafter
+    from toolchain.runtime.decoder import open_decoder
+    from toolchain.runtime.mtp_drafter import open_mtp_drafter
+
+    art = artifact(model, backend, sections("mtp", backend))
+    drafter = batch_drafter(SpeculationSettings(speculate="mtp"), art, threads=2, openvino_f32=True)
+    assert isinstance(drafter, BatchMtp)
+    alone = open_mtp_drafter(art, threads=2, openvino_f32=True)
+    main = open_decoder(art, threads=2, openvino_f32=True, extra_outputs=(HIDDEN_STATES,))
+
+    def states(tokens: list[int]) -> np.ndarray:
+        """The main model's hidden states at each position of ``tokens``, run alone."""
+        main.reset()
+        main.forward(np.array([tokens], np.int64), np.ones((1, len(tokens)), np.int64), 1)
+        return main.extras[HIDDEN_STATES][0]
+
+    tokenizer = art.tokenizer()
+    prompts = [tokenizer(text)["input_ids"] for text in texts(4)]
+    rng = np.random.default_rng(1)
+    sequences: dict[int, list[int]] = {}
+    seen: dict[int, int] = {}  # per sequence, the last position whose hidden state the drafter was given
+    accepted = []
+    for step in range(8):
+        if step < len(prompts):
+            sequences[step] = list(prompts[step])
+        if step == 5:
+            drafter.leave([min(sequences)])
+            del sequences[min(sequences)]
+        hidden = {key: states(tokens)[seen.get(key, -1) + 1:len(tokens) - 1] for key, tokens in sequences.items()}
+        proposed = drafter.propose(sequences, hidden, 3)
+        for key, tokens in sequences.items():
+            alone.reset()
+            assert proposed[key] == alone.propose(tokens, {HIDDEN_STATES: states(tokens)[None, :-1]}, 3), (step, key)
+            seen[key] = len(tokens) - 2
+            taken = int(rng.integers(0, 4))
+            accepted.append(taken)
+            sequences[key] = [*tokens, *proposed[key][:taken], int(rng.integers(10, 600))]
+    assert len(set(accepted)) == 4
 
 
 def test_holes_are_masked_out_and_compacted_once_they_fill_half_the_cache(artifact):
