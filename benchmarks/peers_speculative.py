@@ -60,11 +60,11 @@ sys.path.insert(0, str(REPO))
 from benchmarks import harness, optimum_intel_env, peers  # noqa: E402
 from benchmarks.speculative import common_prefix, draft_model, prompts  # noqa: E402
 from toolchain.hardware import cpu_line, describe_cpu  # noqa: E402
+from toolchain.models.make import MTP_MODELS  # noqa: E402  (the embedded models trained with an MTP layer)
 from toolchain.models.registry import embedded_path  # noqa: E402
 from toolchain.tokenizer_loading import load_tokenizer  # noqa: E402
 
 MODELS = ("deepseek-v3-tiny", "r1-distill-qwen-tiny")
-MTP_MODELS = ("deepseek-v3-tiny",)  # the embedded models trained with an MTP layer (toolchain/models/make.py)
 DSTC_METHODS = ("plain", "prompt-lookup", "mtp", "draft")
 RUNNERS = {"dstc-ort": DSTC_METHODS, "dstc-ov": DSTC_METHODS,
            "optimum-ov-genai": ("plain", "plain-paged", "prompt-lookup", "draft"),
