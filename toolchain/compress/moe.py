@@ -50,7 +50,7 @@ import numpy as np
 import onnx_ir as ir
 
 from passes.graph import HeldInitializer, name_of, present, produced
-from toolchain.compress import lowering, metrics
+from toolchain.compress import lowering, metrics, streamed_awq
 from toolchain.compress.engine import Options
 from toolchain.compress.streaming import ComputedOnSave, adjusted_group, raise_opset
 from toolchain.errors import InputError
@@ -472,22 +472,11 @@ def compress_experts(model: ir.Model, layers: list[FusedLayer], plan: Callable[.
 
 
 def awq_scales(layer: FusedLayer, statistics: Statistics, specs: dict[str, Spec | None]) -> dict[int, np.ndarray]:
-    """expert -> AWQ's scale of its down_proj input channels: NNCF's data-aware step (its default parameters, as
-    toolchain/compress/streamed_awq.py runs it) on the expert's down_proj and up_proj as the dispatch form's
-    [in, out] MatMul weights, for each expert whose both inputs have statistics. Reads the two weights of one
-    expert at a time."""
-    from types import SimpleNamespace
-
-    from nncf.quantization.advanced_parameters import AdvancedAWQParameters
-    from nncf.quantization.algorithms.weight_compression.awq import AWQ
-    from nncf.tensor import Tensor
-
-    p = AdvancedAWQParameters()
-    awq = AWQ(p.subset_size, p.percent_to_apply, p.alpha_min, p.alpha_max, p.steps, p.prefer_data_aware_scaling)
+    """expert -> AWQ's scale of its down_proj input channels (streamed_awq.pair_scale) on the expert's down_proj
+    and up_proj as the dispatch form's [in, out] MatMul weights, for each expert whose both inputs have
+    statistics. Reads the two weights of one expert at a time."""
     fc2 = next(s for s in layer.weights if "down_proj" in s.projections)
     spec = cast(Spec, specs[fc2.name])
-    step = SimpleNamespace(compression_config=lowering.config(f"INT4_{'SYM' if spec.sym else 'ASYM'}", spec.group),
-                           reduction_axes=(0,))
     scales = {}
     for e in range(layer.num_experts):
         down_stats, up_stats = statistics(e, "down_proj"), statistics(e, "up_proj")
@@ -495,9 +484,7 @@ def awq_scales(layer: FusedLayer, statistics: Statistics, specs: dict[str, Spec 
             continue
         down = np.ascontiguousarray(np.array(fc2.tensor.numpy()[e], np.float32).T)
         up = np.ascontiguousarray(_gate_up(layer, e)[1].T)
-        with lowering.NNCF_LOCK:  # its grid search quantizes with NNCF's functions
-            scale = awq._data_aware_step(step, Tensor(down), down_stats, -1, Tensor(up), up_stats)
-        scales[e] = np.array(scale.data, np.float32).reshape(-1)
+        scales[e] = streamed_awq.pair_scale(down, down_stats, up, up_stats, spec.sym, cast(int, spec.group))
     for s in layer.weights:
         if isinstance(s.tensor, ir.ExternalTensor):
             s.tensor.release()
@@ -505,18 +492,14 @@ def awq_scales(layer: FusedLayer, statistics: Statistics, specs: dict[str, Spec 
 
 
 def _after_awq(statistics: Statistics, scales: dict[int, np.ndarray]) -> Statistics:
-    """The inputs' statistics once AWQ's scales are applied: down_proj's input divided by s, as NNCF's
-    ``update_statistics`` makes it for a scale estimation that follows."""
-    from nncf.common.tensor_statistics.statistics import WCTensorStatistic
-    from nncf.tensor import Tensor
+    """The inputs' statistics once AWQ's scales are applied: down_proj's divided by s (streamed_awq.divided)."""
 
     def of(expert: int, projection: str) -> WCTensorStatistic | None:
         stat = statistics(expert, projection)
         s = scales.get(expert)
         if stat is None or s is None or projection != "down_proj":
             return stat
-        return WCTensorStatistic(mean_values=[Tensor(np.asarray(m.data) / s) for m in stat.mean_values],
-                                 shape_values=stat.shape_values)
+        return streamed_awq.divided(stat, s)
 
     return of
 
