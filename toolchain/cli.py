@@ -151,6 +151,8 @@ COMPRESS_HELP = {
     "shared_experts": "MoE shared experts' weights.",
     "streaming": "Compress one weight at a time in bounded memory (auto: above 1 GiB of float weights; data-free, "
                  "or AWQ / scale estimation on statistics computed layer by layer), or with NNCF's whole-model call.",
+    "max_weight_error": "Fail the stage (exit 6) when a compressed weight's relative error is above this (1.0: a "
+                        "weight of zeros; INT4 measures ~0.1).",
 }
 COMPRESS_SPELLINGS = {"sym": "--sym/--asym"}
 COMPILE_HELP = {

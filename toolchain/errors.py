@@ -60,3 +60,10 @@ class RuntimeCrashError(DstcError):
         super().__init__(message)
         self.signal = signal
         self.where = where
+
+
+class CompressionError(DstcError):
+    """The compress stage lost a weight: its relative error is above the recipe's ``max_weight_error`` (an expert
+    written as zeros, a scale that underflowed). The message names the worst weight; nothing is written."""
+
+    exit_code = 6

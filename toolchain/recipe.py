@@ -99,6 +99,10 @@ class CompressSection(Section):
     shared_experts: Literal["scheme", "int8", "fp32"] = "scheme"
     # one weight at a time (bounded memory): "auto" above 1 GiB of float weights (toolchain/stages/compress.py)
     streaming: Literal["auto", "always", "never"] = "auto"
+    # the largest relative error ||W - Q(W)|| / ||W|| a compressed weight may have: above it the stage fails (exit
+    # 6) rather than ship a weight that is lost (1.0 is a weight written as zeros). INT4 g128 measures ~0.1, INT8
+    # ~0.005, so 0.5 only catches a lost weight; a recipe that means to keep such a weight raises it.
+    max_weight_error: float = Field(0.5, gt=0, allow_inf_nan=False)
 
     @property
     def data_aware(self) -> bool:

@@ -304,22 +304,50 @@ def test_calibration_from_files_and_bad_input(runs, exports, tmp_path):
         assert not out.exists()
 
 
-def test_compressed_bytes_do_not_depend_on_the_blas_threads(tmp_path):
-    """GPTQ sums through numpy's BLAS, whose thread count splits them: the stage writes the same bytes under one BLAS
-    thread (a Ray task of one CPU) and two (this machine's build); without toolchain/compress/blas_threads.py they
-    differ."""
-    from threadpoolctl import threadpool_limits
-
+@pytest.fixture(scope="module")
+def v3_tiny_export(tmp_path_factory):
+    """The embedded (trained) deepseek-v3-tiny's export: random tiny models split no BLAS sum, and their routers
+    reach every expert."""
     from toolchain.models.registry import embedded_path
 
-    export(str(embedded_path("deepseek-v3-tiny")), tmp_path / "export", parity=())  # random tiny ones split no sum
+    out = tmp_path_factory.mktemp("v3-tiny") / "export"
+    export(str(embedded_path("deepseek-v3-tiny")), out, parity=())
+    return out
+
+
+def test_compressed_bytes_do_not_depend_on_the_blas_threads(v3_tiny_export, tmp_path):
+    """GPTQ sums through numpy's BLAS, whose thread count splits them: the stage writes the same bytes under one BLAS
+    thread (a Ray task of one CPU) and two (this machine's build); without toolchain/compress/blas_threads.py they
+    differ. No weight is lost on the way: the calibration text reaches no token to some of the model's routed
+    experts, to which GPTQ (fitting a weight to its inputs) wrote zeros (relative error 1.0) while every gate passed;
+    they take NNCF's data-free scales."""
+    from threadpoolctl import threadpool_limits
+
     section = CompressSection.check({"scheme": "int4-grouped", "backup": "int8", "gptq": True})
     digests = set()
     for threads in (1, 2):
         with threadpool_limits(limits=threads, user_api="blas"):
-            compress(tmp_path / "export", tmp_path / str(threads), section, target="openvino")
+            report = compress(v3_tiny_export, tmp_path / str(threads), section, target="openvino")
         digests.add(hashlib.sha256((tmp_path / str(threads) / "openvino_model.bin").read_bytes()).hexdigest())
     assert len(digests) == 1
+    unreached = report["details"]["data_free_unreached"]
+    errors = {row["weight"]: row["weight_error"] for row in report["per_weight"]}
+    assert len(unreached) >= 3 and all("/experts/" in name for name in unreached)
+    assert max(errors.values()) < 0.5
+    assert all(0.02 < errors[name] < 0.2 for name in unreached)  # INT4's error, neither zeros nor untouched
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_a_weight_above_max_weight_error_fails_the_stage(v3_tiny_export, tmp_path, target):
+    """The bound on a weight's relative error: INT4 g128 measures about 0.1, so a bound of 0.01 fails the stage
+    (exit 6) naming the worst weight, and nothing is written."""
+    from toolchain.errors import CompressionError
+
+    section = CompressSection.check({"scheme": "int4-grouped", "max_weight_error": 0.01})
+    with pytest.raises(CompressionError, match=r"above max_weight_error 0.01, the worst .* at 0\.\d+") as caught:
+        compress(v3_tiny_export, tmp_path / "out", section, target=target)
+    assert caught.value.exit_code == 6
+    assert not (tmp_path / "out").exists()
 
 
 def test_policy_roles_and_defaults():

@@ -204,34 +204,48 @@ def _per_head(model: ir.Model, weights: list[Weight], plan: dict[str, str], opti
     return {"per_head": counts, "per_head_near_misses": [str(m) for m in pass_.near_misses(model)]}
 
 
+def _calls(weights: list[Weight], groups: dict[str, list[str]], options: Options,
+           unreached: frozenset[str]) -> tuple[list[tuple[str, list[str], bool]], dict]:
+    """NNCF's calls in order, (kind, nodes, data_aware), and what details records of them. INT8 first: NNCF's
+    INT4 output has MatMulNBits without importing its domain, which the shape inference NNCF runs first on its
+    input rejects; the import is added after each call all the same. A data-aware INT4 call runs the model on ORT,
+    which refuses NNCF's INT8 DequantizeLinear of a 3-D weight (to-matmul-nbits repairs it after): those are
+    compressed after it. The INT4 weights no calibration token reaches (a routed expert the calibration never
+    chose) get a data-free call of their own after the data-aware one: NNCF's AWQ fails on their empty
+    activations and its GPTQ writes zeros where an input column was never active, which is every column of
+    theirs."""
+    calls = [(kind, groups[kind], True) for kind in ("int8", "int4") if kind in groups]
+    if not (options.data_aware and "int4" in groups):
+        return calls, {}
+    later = {w.node for w in weights if len(w.shape) == 3}.intersection(groups.get("int8", []))
+    idle = {w.node for w in weights if w.name in unreached}
+    calls = [("int8", [n for n in groups.get("int8", []) if n not in later], True),
+             ("int4", [n for n in groups["int4"] if n not in idle], True),
+             ("int4", [n for n in groups["int4"] if n in idle], False),
+             ("int8", [n for n in groups.get("int8", []) if n in later], True)]
+    free = sorted(w.name for w in weights if w.name in unreached and w.node in groups["int4"])
+    return [c for c in calls if c[1]], {"data_free_unreached": free}
+
+
+def _log_call(log: Callable[[str], None], kind: str, nodes: list[str], data_aware: bool, options: Options,
+              backend: str = "") -> None:
+    free = "" if data_aware or not options.data_aware else " (data-free: no calibration token reaches them)"
+    log(f"NNCF {kind} on {len(nodes)} weights{backend}{free}")
+
+
 def compress_onnx(model: ir.Model, plan: dict[str, str], options: Options, dataset,
                   log: Callable[[str], None], unreached: frozenset[str] = frozenset()) -> tuple[ir.Model, dict]:
     """The ONNX graph with its weights compressed per ``plan``, before the ORT kernel rewrite. ``unreached``: the
-    weights no calibration token reaches (a routed expert the calibration never chose), which take NNCF's
-    data-free INT4 scales: its data-aware call fails on an empty activation (AWQ's statistics, NNCF 3.x)."""
+    weights no calibration token reaches, which take NNCF's data-free scales (_calls)."""
     weights = graph_weights(model)
     groups, demoted = _groups(weights, plan)
     _check_nncf_options(options, groups, dataset)
     details = {"demoted_3d": demoted, **_per_head(model, weights, plan, options, log)}
     all_nodes = [w.node for w in weights]
-    # INT8 first: NNCF's INT4 output has MatMulNBits without importing its domain, which the shape inference
-    # NNCF runs first on its input rejects; the import is added after each call all the same. A data-aware INT4
-    # call runs the model on ORT, which refuses NNCF's INT8 DequantizeLinear of a 3-D weight (to-matmul-nbits
-    # repairs it after): those are compressed after it. The INT4 weights no calibration token reaches get a
-    # data-free call of their own after the data-aware one.
-    calls = [(kind, groups[kind], True) for kind in ("int8", "int4") if kind in groups]
-    later = {w.node for w in weights if len(w.shape) == 3}.intersection(groups.get("int8", []))
-    if options.data_aware and "int4" in groups:
-        idle = {w.node for w in weights if w.name in unreached}
-        calls = [("int8", [n for n in groups.get("int8", []) if n not in later], True),
-                 ("int4", [n for n in groups["int4"] if n not in idle], True),
-                 ("int4", [n for n in groups["int4"] if n in idle], False),
-                 ("int8", [n for n in groups.get("int8", []) if n in later], True)]
+    calls, called = _calls(weights, groups, options, unreached)
+    details.update(called)
     for kind, nodes, data_aware in calls:
-        if not nodes:
-            continue
-        free = "" if data_aware or not options.data_aware else " (data-free: no calibration token reaches them)"
-        log(f"NNCF {kind} on {len(nodes)} weights{free}")
+        _log_call(log, kind, nodes, data_aware, options)
         data_dir = external_data_dir(model)
         proto = ir.serde.serialize_model(model)
         proto = _run_nncf(proto, _nncf_call(kind, options, nodes, all_nodes, dataset, data_dir, data_aware),
@@ -243,9 +257,9 @@ def compress_onnx(model: ir.Model, plan: dict[str, str], options: Options, datas
 
 
 def compress_openvino(onnx_model: ir.Model, plan: dict[str, str], options: Options, dataset, work_dir,
-                      log: Callable[[str], None]) -> tuple[Any, dict]:
+                      log: Callable[[str], None], unreached: frozenset[str] = frozenset()) -> tuple[Any, dict]:
     """ov.Model of the graph with its weights compressed per ``plan`` (per-head INT8 written in the ONNX first,
-    which OpenVINO reads as its compressed-weight pattern)."""
+    which OpenVINO reads as its compressed-weight pattern); ``unreached`` as compress_onnx's."""
     import openvino as ov
 
     weights = graph_weights(onnx_model)
@@ -261,10 +275,12 @@ def compress_openvino(onnx_model: ir.Model, plan: dict[str, str], options: Optio
     if data:
         data.unlink()  # convert_model has read (or mapped) the weights; a mapping outlives the name
     all_nodes = [w.node for w in weights]
-    for kind in ("int8", "int4"):
-        if kind in groups:
-            log(f"NNCF {kind} on {len(groups[kind])} weights (OpenVINO)")
-            model = _run_nncf(model, _nncf_call(kind, options, groups[kind], all_nodes, dataset), "OpenVINO")
+    calls, called = _calls(weights, groups, options, unreached)
+    details.update(called)
+    for kind, nodes, data_aware in calls:
+        _log_call(log, kind, nodes, data_aware, options, " (OpenVINO)")
+        model = _run_nncf(model, _nncf_call(kind, options, nodes, all_nodes, dataset, data_aware=data_aware),
+                          "OpenVINO")
     return model, details
 
 

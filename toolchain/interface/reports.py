@@ -193,6 +193,7 @@ class CompressionOptions(_Model):
     dataset: str
     accuracy_level: int | None  # None on openvino: MatMulNBits' compute precision is an onnxruntime setting
     prefill_int8: bool = False  # absent from reports written before the option
+    max_weight_error: float = 0.5  # absent from reports written before the option (which had no bound)
 
 
 class CompressionPolicy(_Model):

@@ -49,7 +49,7 @@ from toolchain.compress.blas_threads import one_blas_thread
 from toolchain.compress.layer_statistics import linear_statistics
 from toolchain.compress.policy import Policy
 from toolchain.compress.streaming import blocked_dq_to_nbits
-from toolchain.errors import InputError
+from toolchain.errors import CompressionError, InputError
 from toolchain.export.graph import float32_bytes, load_graph, save_graph
 from toolchain.interface.graph import HEAD_LAYOUT, cache_spec
 from toolchain.interface.reports import CompressionOptions, CompressionReport
@@ -214,6 +214,10 @@ def compress(in_dir: Path, out_dir: Path, section: CompressSection, *, target: s
                                              activations, statistics)
     timings["reference_s"] = time.perf_counter() - t0
 
+    # the weights no calibration token reaches (routed experts the calibration never chose): NNCF's data-aware
+    # steps have nothing to fit them to (GPTQ zeroes every weight column whose input is never active), so they
+    # take its data-free scales on every backend
+    unreached = frozenset(name for name, x in rows.items() if x is not None and not len(x))
     with atomic_output_dir(out_dir) as tmp:
         t0 = time.perf_counter()
         nncf_dataset = engine.numpy_dataset(feed_list) if opts.data_aware else None
@@ -226,10 +230,7 @@ def compress(in_dir: Path, out_dir: Path, section: CompressSection, *, target: s
             if target == "onnxruntime":
                 details["onnxruntime_kernels"] = ort_kernels(tmp / "model.onnx", feed_list[0])
         elif target == "onnxruntime":
-            unreached = frozenset(name for name, x in rows.items() if x is not None and not len(x))
             compressed, details = engine.compress_onnx(model, plan, opts, nncf_dataset, log, unreached)
-            if opts.data_aware:
-                details["data_free_unreached"] = sorted(n for n in unreached if plan.get(n) == "int4")
             restored = metrics.restored_onnx(compressed, weights)
             details["ort_rewrites"] = {"blocked_dq_to_matmul_nbits": blocked_dq_to_nbits(compressed),
                                        **engine.to_ort_kernels(compressed, opts.accuracy_level, opts.prefill_int8)}
@@ -246,7 +247,7 @@ def compress(in_dir: Path, out_dir: Path, section: CompressSection, *, target: s
         else:
             import openvino as ov
 
-            compressed, details = engine.compress_openvino(model, plan, opts, nncf_dataset, tmp, log)
+            compressed, details = engine.compress_openvino(model, plan, opts, nncf_dataset, tmp, log, unreached)
             restored = metrics.restored_openvino(compressed, weights)
             ov.save_model(compressed, tmp / OPENVINO_XML, compress_to_fp16=False)
             files = [OPENVINO_XML, OPENVINO_XML.replace(".xml", ".bin")]
@@ -344,8 +345,23 @@ def _streamed_report(head: dict, weight_rows: list[dict], calibration: dict | No
         details=details, timings={k: round(v, 3) for k, v in timings.items()})
 
 
+def _refuse_lost_weights(weight_rows: list[dict], limit: float) -> None:
+    """CompressionError when a compressed weight's relative error is above ``limit`` (recipe max_weight_error):
+    a weight written as zeros measures 1.0, and the model's metrics need not see it (an expert no eval token
+    reaches)."""
+    lost = sorted((r for r in weight_rows if r["weight_error"] > limit), key=lambda r: -r["weight_error"])
+    if lost:
+        worst = lost[0]
+        raise CompressionError(
+            f"{len(lost)} compressed weight(s) with a relative error above max_weight_error {limit}, the worst "
+            f"{worst['weight']} ({worst['precision']}) at {worst['weight_error']:.3g}: the compression lost them "
+            f"(1.0 is a weight of zeros); raise compress.max_weight_error only if that is meant")
+
+
 def _head(target, options, policy, report, in_dir, tmp, files, weight_rows) -> dict:
-    """The fields of compression.json both forms of compression write alike."""
+    """The fields of compression.json both forms of compression write alike, once no weight is lost
+    (_refuse_lost_weights)."""
+    _refuse_lost_weights(weight_rows, options.max_weight_error)
     params = sum(int(np.prod(r["shape"])) for r in weight_rows)
     stored_bits = sum(r["bits_per_weight"] * int(np.prod(r["shape"])) for r in weight_rows)
     return {
