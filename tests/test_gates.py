@@ -69,8 +69,8 @@ def gate(*args) -> subprocess.CompletedProcess:
 
 def test_gate_cli_exit_codes_and_table(tmp_path):
     good, bad = tmp_path / "good.json", tmp_path / "bad.json"
-    good.write_text(json.dumps(report().dump()))
-    bad.write_text(json.dumps(report(top1=0.5).dump()))
+    good.write_text(json.dumps(report().sealed()))
+    bad.write_text(json.dumps(report(top1=0.5).sealed()))
     assert load_report(good).value("top1_agreement") == 0.95
 
     ok = gate(good, "--min-top1", "0.9", "--max-ppl-increase", "0.1")

@@ -5,6 +5,7 @@ line and nothing written."""
 from __future__ import annotations
 
 import errno
+import hashlib
 import json
 import os
 import shutil
@@ -20,6 +21,7 @@ from cli_helpers import assert_one_line_error, run_cli
 from toolchain.atomic import MARKER
 from toolchain.build import build
 from toolchain.interface.files import MANIFEST, SIGNATURE
+from toolchain.hashing import self_digest
 from toolchain.manifest import verify_artifact
 from toolchain.stages.runner import cache_root
 
@@ -202,6 +204,68 @@ def test_a_report_edited_after_eval_is_refused(monkeypatch, capsys, tmp_path, ev
     assert_one_line_error(code, err, "changed after dstc wrote it")
 
 
+def _forge(report_path: Path, digest: bool) -> dict:
+    """The report with its accuracy made perfect: what a text editor does to pass a gate."""
+    report = json.loads(report_path.read_text())
+    report["metrics"]["kl_mean"]["value"] = 0.0
+    report["metrics"]["top1_agreement"]["value"] = 1.0
+    report.pop("digest", None)
+    if digest:
+        report["digest"] = self_digest(report)
+    report_path.write_text(json.dumps(report, indent=2) + "\n")
+    return report
+
+
+def test_a_forged_report_passes_neither_gate_nor_verify(monkeypatch, capsys, tmp_path, evaluated):
+    """Issue #39: a report with its figures edited and its digest deleted passed `dstc gate` and `dstc verify`; with
+    the digest recomputed it still must not, since manifest.json records the report eval wrote."""
+    a, _ = evaluated
+    target = tmp_path / "a"
+    shutil.copytree(a, target)
+    strict = ("--max-kl", "1e-10")  # the fp32 artifact measures ~8e-9
+    assert run_cli(monkeypatch, capsys, "gate", target, *strict)[0] == 1  # the real figures fail these limits
+    assert run_cli(monkeypatch, capsys, "verify", target)[0] == 0
+    _forge(target / "report.json", digest=False)
+    assert_one_line_error(*run_cli(monkeypatch, capsys, "gate", target, *strict), "has no digest")
+    assert run_cli(monkeypatch, capsys, "verify", target)[0] == 1
+    _forge(target / "report.json", digest=True)
+    assert_one_line_error(*run_cli(monkeypatch, capsys, "gate", target, *strict), "is not the report manifest.json")
+    assert any("is not the report manifest.json records" in p for p in verify_artifact(target))
+    # a standalone copy without a digest is refused too
+    alone = tmp_path / "alone.json"
+    shutil.copyfile(target / "report.json", alone)
+    _forge(alone, digest=False)
+    assert_one_line_error(*run_cli(monkeypatch, capsys, "gate", alone, *strict), "has no digest")
+    # and a manifest rewritten to record the forged report no longer matches its digest, or, recomputed, a signature
+    manifest = json.loads((target / MANIFEST).read_text())
+    manifest["report"]["report.json"] = hashlib.sha256((target / "report.json").read_bytes()).hexdigest()
+    (target / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+    assert_one_line_error(*run_cli(monkeypatch, capsys, "gate", target, *strict), "changed after dstc wrote it")
+    signed = tmp_path / "signed"
+    shutil.copytree(a, signed)
+    key, pub = tmp_path / "key.pem", tmp_path / "pub.pem"
+    assert run_cli(monkeypatch, capsys, "keygen", key, pub)[0] == 0
+    assert run_cli(monkeypatch, capsys, "sign", signed, "--key", key)[0] == 0
+    _forge(signed / "report.json", digest=True)
+    manifest = json.loads((signed / MANIFEST).read_text())
+    manifest["report"]["report.json"] = hashlib.sha256((signed / "report.json").read_bytes()).hexdigest()
+    manifest["digest"] = self_digest(manifest)
+    (signed / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+    assert verify_artifact(signed) == []  # hashes anyone can recompute: only the signature tells
+    assert verify_artifact(signed, pub)[0].startswith("bad signature")
+
+
+def test_a_report_of_an_older_schema_is_read_with_a_warning(monkeypatch, capsys, tmp_path, evaluated):
+    a, _ = evaluated
+    report = json.loads((a / "report.json").read_text())
+    report = {**report, "schema": "dstc.report/4"}
+    report.pop("digest")
+    old = tmp_path / "old.json"
+    old.write_text(json.dumps(report))
+    code, err = run_cli(monkeypatch, capsys, "gate", old, "--min-top1", "0.5")
+    assert code == 0 and "dstc: warning:" in err and "an edit of its figures cannot be told" in err
+
+
 def test_sign_and_verify_with_ed25519(monkeypatch, capsys, tmp_path, art_copy):
     key, pub = tmp_path / "key.pem", tmp_path / "pub.pem"
     assert run_cli(monkeypatch, capsys, "keygen", key, pub)[0] == 0
@@ -215,8 +279,6 @@ def test_sign_and_verify_with_ed25519(monkeypatch, capsys, tmp_path, art_copy):
     run_cli(monkeypatch, capsys, "keygen", other_key, other_pub)
     assert verify_artifact(art_copy, other_pub)[0].startswith("bad signature")
     # a rewritten manifest (even with a recomputed digest) no longer matches the signature
-    from toolchain.hashing import self_digest
-
     manifest = json.loads((art_copy / MANIFEST).read_text())
     manifest["git_commit"] = "forged"
     manifest["digest"] = self_digest(manifest)
@@ -411,6 +473,7 @@ def test_duplicate_recipe_key_negative_perplexity_and_unmeasured_gates(monkeypat
     report = json.loads((a / "report.json").read_text())
     report.pop("digest")
     report["metrics"]["perplexity"]["value"] = -3.0
+    report["digest"] = self_digest(report)
     baseline = tmp_path / "baseline.json"
     baseline.write_text(json.dumps(report))
     assert_one_line_error(*run_cli(monkeypatch, capsys, "gate", a, "--baseline", baseline, "--max-ppl-increase",
@@ -419,6 +482,7 @@ def test_duplicate_recipe_key_negative_perplexity_and_unmeasured_gates(monkeypat
     report = json.loads((a / "report.json").read_text())
     report.pop("digest")
     report["metrics"]["exact_match_drop"]["value"] = None
+    report["digest"] = self_digest(report)
     unmeasured = tmp_path / "unmeasured.json"
     unmeasured.write_text(json.dumps(report))
     code, _ = run_cli(monkeypatch, capsys, "gate", unmeasured, "--max-em-drop", "2")

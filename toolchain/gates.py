@@ -28,6 +28,9 @@ class GateLimits(Section):
     min_top1_agreement: float | None = Field(None, ge=0, le=1, description="Smallest allowed top-1 agreement.")
     max_exact_match_drop: float | None = Field(None, ge=0, description="Largest allowed exact-match drop, points.")
     max_kl_mean: float | None = Field(None, ge=0, description="Largest allowed mean KL, nats.")
+    max_weight_error: float | None = Field(
+        None, ge=0, description="Largest allowed relative error of any compressed weight (1.0: a weight of zeros), "
+                                "from the compress stage's measurements.")
     max_task_drop: float | None = Field(
         None, ge=0, description="Largest allowed drop, in points, of each lm-eval task's main metric (eval --tasks).")
     max_latency_ratio: float | None = Field(
@@ -114,6 +117,9 @@ def check_gates(report: Report, limits: GateLimits, baseline: Report | None = No
     if limits.max_kl_mean is not None:
         gate("max_kl_mean", "kl_mean", report.value("kl_mean"), limits.max_kl_mean, at_most,
              "nats, vs the fp32 reference")
+    if limits.max_weight_error is not None:
+        gate("max_weight_error", "max_weight_error", report.value("max_weight_error"), limits.max_weight_error,
+             at_most, "relative, the worst compressed weight")
     if limits.max_task_drop is not None:
         drops = sorted(name for name in report.metrics if name.endswith("/drop"))
         if not drops:

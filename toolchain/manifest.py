@@ -6,8 +6,10 @@ no file hash covers and no comparison reads. ``digest`` is the sha256 of everyth
 manifest is detected; an Ed25519 signature over the whole file (``dstc sign``, toolchain/signing.py) proves who
 built it.
 
-The report files `dstc eval` writes into an artifact are not hashed here (their latencies differ from run to run);
-report.json records the sha256 of this manifest and of report.md / report.html, and carries a digest of its own.
+The report files `dstc eval` writes into an artifact are not among ``files`` (their latencies differ from run to run,
+so a rebuild never reproduces them): ``report`` records report.json's sha256 when eval writes it (record_report),
+report.json records this manifest's digest without that entry and the sha256 of report.md / report.html, and a
+digest of its own (toolchain/report/schema.py).
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import subprocess
 from pathlib import Path
 
 from toolchain import __version__
-from toolchain.atomic import MARKER
+from toolchain.atomic import MARKER, write_file_atomically
 from toolchain.errors import InputError
 from toolchain.hashing import digest, file_hashes, self_digest, sha256_file
 from toolchain.interface.files import MANIFEST, REPORT_FILES, SIGNATURE
@@ -150,6 +152,19 @@ def read_manifest(artifact: Path) -> Manifest:
     return Manifest.parse(data, str(path))
 
 
+def record_report(artifact: Path, report_sha256: str) -> None:
+    """Record report.json's sha256 in the artifact's manifest (its ``report`` entry and digest rewritten). A
+    signature made before no longer matches: the report it vouched for was replaced."""
+    path = Path(artifact) / MANIFEST
+    data = _manifest_data(path)
+    if data.get("digest") != self_digest(data):
+        raise InputError(f"{path} was changed after dstc wrote it (its content does not match its digest): "
+                         f"refusing to record a report in it")
+    data = {**data, "report": {REPORT_FILES[0]: report_sha256}}
+    data["digest"] = self_digest(data)
+    write_file_atomically(path, json.dumps(data, indent=2) + "\n")
+
+
 def verify_artifact(artifact: Path, public_key: Path | None = None) -> list[str]:
     """Problems found checking the artifact: manifest.json against its digest (and signature, given a public
     key), every file against the manifest (changed, missing, extra), and the report files against report.json
@@ -174,6 +189,9 @@ def verify_artifact(artifact: Path, public_key: Path | None = None) -> list[str]
     problems += [f"changed: {name}" for name in sorted(expected) if name in actual and actual[name] != expected[name]]
     problems += [f"missing: {name}" for name in sorted(set(expected) - set(actual))]
     problems += [f"extra: {name}" for name in sorted(set(actual) - set(expected))]
+    recorded = data.get("report") or {}
+    if not (artifact / REPORT_FILES[0]).is_file() and recorded:
+        problems.append(f"missing: {REPORT_FILES[0]} (recorded in {MANIFEST})")
     if (artifact / REPORT_FILES[0]).is_file():
         try:
             report = read_report_data(artifact / REPORT_FILES[0])

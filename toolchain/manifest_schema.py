@@ -94,6 +94,9 @@ class Manifest(Schema):
     nondeterministic: dict[str, str]
     files: dict[str, str]  # sha256 of every artifact file but the unhashed ones (toolchain/manifest.py UNHASHED)
     provenance: Provenance
+    # the sha256 of report.json as `dstc eval` wrote it into the artifact (toolchain/manifest.py record_report),
+    # so that this digest and a signature cover the report; None until a report is written
+    report: dict[str, str] | None = None
     digest: str  # sha256 of everything else (toolchain/hashing.py self_digest)
 
     def dump(self) -> dict:

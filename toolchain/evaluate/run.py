@@ -21,14 +21,14 @@ from toolchain.evaluate.dataset import load_data
 from toolchain.evaluate.latency import measure_latency
 from toolchain.evaluate.reference import resolve_reference
 from toolchain.hardware import describe_cpu
-from toolchain.hashing import self_digest
 from toolchain.interface.files import MANIFEST, REPORT_FILES
-from toolchain.interface.reports import CompressionReport
-from toolchain.manifest import versions
+from toolchain.interface.reports import CompressionReport, read_json_file
+from toolchain.manifest import record_report, versions
 from toolchain.memory_guard import RETRY, require_memory, size
 from toolchain.report.html import render_html
 from toolchain.report.markdown import render_markdown
-from toolchain.report.schema import SCHEMA, HeadError, LatencyCase, LayerError, Metric, Report, Series
+from toolchain.report.schema import (SCHEMA, HeadError, LatencyCase, LayerError, Metric, Report, Series,
+                                     manifest_binding)
 from toolchain.runtime.artifact import open_artifact
 from toolchain.runtime.decoder import open_decoder
 from toolchain.runtime.routing import router_outputs
@@ -84,9 +84,45 @@ def _speculative_metrics(case: dict | None, where: str) -> list[tuple[str, Metri
                 description=f"share of the tokens before the first that differs from plain decoding's ({how})"))]
 
 
+def compressed_report(manifest: Manifest | None) -> CompressionReport | None:
+    return manifest.provenance.report("compress", CompressionReport) if manifest else None
+
+
+def compression_metrics(layer_errors: list[LayerError], routes: dict[int, list[np.ndarray]], config: dict,
+                        compression: CompressionReport | None) -> dict[str, Metric]:
+    """What the model's metrics cannot see: the worst weight the compression stage measured (an expert written as
+    zeros measures 1.0 whatever the KL, when no eval token reaches it), how many weights no calibration token
+    reached (NNCF's data-free scales), and the share of routed experts the eval data reached (the experts whose
+    outputs KL and routing agreement judge at all)."""
+    metrics = {}
+    if layer_errors:
+        worst = max(layer_errors, key=lambda e: e.weight_error)
+        metrics["max_weight_error"] = Metric(
+            value=worst.weight_error, unit="ratio", direction="lower",
+            description=f"largest relative weight error ||W - Q(W)|| / ||W|| of any compressed weight ({worst.weight}"
+                        f"; 1.0: a weight of zeros)")
+    elif compression is None:
+        metrics["max_weight_error"] = Metric(value=0.0, unit="ratio", direction="lower",
+                                             description="no weight compressed: every weight as exported")
+    unreached = (compression.details.get("data_free_unreached") if compression else None) or []
+    options = compression.options if compression else None
+    if options and (options.gptq or options.awq or options.scale_estimation or options.ratio < 1):
+        metrics["calibration_unreached_weights"] = Metric(
+            value=float(len(unreached)), unit="", direction="none",
+            description="routed-expert weights no calibration token reached: compressed data-free")
+    experts = config.get("n_routed_experts")
+    if routes and experts:
+        reached = sum(len(np.unique(np.concatenate([r.ravel() for r in rows]))) for rows in routes.values())
+        metrics["expert_coverage"] = Metric(
+            value=reached / (experts * len(routes)), unit="ratio", direction="higher",
+            description=f"share of the {len(routes)} MoE layers' {experts} routed experts the eval data reached "
+                        "in the reference (KL and routing agreement say nothing of the rest)")
+    return metrics
+
+
 def quantization_series(manifest: Manifest | None) -> tuple[list[LayerError], list[HeadError]]:
     """Per-weight and per-head errors the compression stage measured, from the manifest's provenance."""
-    report = manifest.provenance.report("compress", CompressionReport) if manifest else None
+    report = compressed_report(manifest)
     layers, heads = [], []
     for row in report.per_weight if report else []:
         layers.append(LayerError(weight=row.weight, layer=row.layer, precision=row.precision,
@@ -255,6 +291,8 @@ def evaluate_artifact(path: Path, settings: EvalSettings | None = None, *, refer
                                       description="model files on disk (graph and weights)")
 
     layer_errors, head_errors = quantization_series(artifact.manifest)
+    metrics.update(compression_metrics(layer_errors, record.routes, artifact.config,
+                                       compressed_report(artifact.manifest)))
     manifest_file = Path(path) / MANIFEST
     recipe = artifact.manifest.recipe if artifact.manifest else None
     return Report.model_validate({
@@ -264,7 +302,7 @@ def evaluate_artifact(path: Path, settings: EvalSettings | None = None, *, refer
                      "model": artifact.manifest.source.model if artifact.manifest else None,
                      "model_type": artifact.config.get("model_type"),
                      "compression": recipe.compress.scheme if recipe and recipe.compress else "none",
-                     "manifest_sha256": hashlib.sha256(manifest_file.read_bytes()).hexdigest()
+                     "manifest_digest": manifest_binding(read_json_file(manifest_file, "manifest"))
                      if manifest_file.is_file() else None,
                      "size_bytes": artifact.size_bytes, "report_files": list(REPORT_FILES)},
         "reference": ref_about,
@@ -291,10 +329,9 @@ def write_report(report: Report, directory: Path) -> list[Path]:
 
     texts = {"report.md": render_markdown(report), "report.html": render_html(report)}
     report.files = {name: hashlib.sha256(text.encode()).hexdigest() for name, text in texts.items()}
-    report.digest = None
-    data = report.dump()
-    report.digest = data["digest"] = self_digest(data)
-    texts["report.json"] = json.dumps(data, indent=2) + "\n"
+    texts["report.json"] = json.dumps(report.sealed(), indent=2) + "\n"
     for name, text in texts.items():
         write_file_atomically(Path(directory) / name, text)
+    if (Path(directory) / MANIFEST).is_file():  # an artifact: its manifest records the report (check_report_binding)
+        record_report(Path(directory), hashlib.sha256(texts["report.json"].encode()).hexdigest())
     return [Path(directory) / name for name in REPORT_FILES]

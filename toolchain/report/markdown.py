@@ -150,7 +150,7 @@ def facts(report: Report) -> list[tuple[str, str]]:
     """(label, text) lines about the artifact, the reference and the machine."""
     a, env = report.artifact, report.environment
     size = f"{a['size_bytes'] / 1e6:,.1f} MB" if isinstance(a.get("size_bytes"), (int, float)) else ""
-    sha = str(a.get("manifest_sha256") or "")[:12]
+    sha = str(a.get("manifest_digest") or a.get("manifest_sha256") or "")[:12]
     artifact = (str(a.get("path", "")), size, f"manifest {sha}" if sha else "")
     cpu = cpu_line(env.cpu.model_dump())
     machine = (f"host {env.host}" if env.host else "", f"cpu {cpu}" if cpu else "",

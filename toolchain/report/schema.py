@@ -3,14 +3,20 @@
 Every metric carries its unit and its direction ("lower" or "higher" is better, "none" for facts such as a
 size), so a gate or a comparison never needs to know a metric by name to tell better from worse.
 
-A report is bound to what it measured: ``artifact.manifest_sha256`` is the sha256 of the artifact's
-manifest.json, ``files`` the sha256 of the report.md / report.html written with it, and ``digest`` the sha256 of
-the report itself without that field. A report read from inside an artifact must match that artifact's manifest.
+A report is bound to what it measured, both ways: ``artifact.manifest_digest`` is the artifact's manifest digest
+without its ``report`` entry (manifest_binding), ``files`` the sha256 of the report.md / report.html written with it,
+and ``digest`` the sha256 of the report itself without that field, which every report of this schema must have; the
+manifest's ``report`` entry records the sha256 of report.json (toolchain/manifest.py record_report), so its digest,
+and a signature of manifest.json, cover the report. A report read from inside an artifact must match that artifact's
+manifest both ways. These are hashes anyone can recompute: they catch an edit, a deleted field or a report copied
+from another artifact; only a signature (`dstc sign`) proves who wrote the report.
 """
 
 from __future__ import annotations
 
 import math
+import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Literal
 
@@ -21,10 +27,12 @@ from toolchain.hashing import self_digest, sha256_file
 from toolchain.interface.files import MANIFEST, REPORT_FILES
 from toolchain.interface.reports import read_json_file
 
-SCHEMA = "dstc.report/4"
-# Reports of these schemas are read too, upgraded to SCHEMA (_upgrade); /3 added Metric.stderr, /4
-# LatencyCase.speculative.
-OLDER_SCHEMAS = ("dstc.report/1", "dstc.report/2", "dstc.report/3")
+SCHEMA = "dstc.report/5"
+# Reports of these schemas are read too, upgraded to SCHEMA (_upgrade), with a warning (UNPROVEN): /3 added
+# Metric.stderr, /4 LatencyCase.speculative, /5 the digest required and the binding to the manifest both ways.
+OLDER_SCHEMAS = ("dstc.report/1", "dstc.report/2", "dstc.report/3", "dstc.report/4")
+UNPROVEN = ("was written by an earlier dstc ({schema}): its digest was optional and manifest.json does not record "
+            "it, so an edit of its figures cannot be told; run dstc eval again to gate on figures dstc can vouch for")
 
 Direction = Literal["lower", "higher", "none"]
 
@@ -177,23 +185,60 @@ class Report(_Strict):
     def dump(self) -> dict:
         return self.model_dump(mode="json", by_alias=True)
 
+    def sealed(self) -> dict:
+        """The report as written: its JSON with ``digest`` (set on this object too) the sha256 of the rest."""
+        self.digest = None
+        data = self.dump()
+        self.digest = data["digest"] = self_digest(data)
+        return data
 
-def read_report_data(path: Path) -> dict:
-    """report.json as a dict of the right schema whose digest (when it has one) matches its content."""
+
+def read_report_data(path: Path, warn: Callable[[str], None] | None = None) -> dict:
+    """report.json as a dict of the right schema whose digest matches its content: required at SCHEMA, checked
+    when there is one in an older schema, which ``warn`` is told of (UNPROVEN; default: a warning on stderr)."""
     data = read_json_file(path, "report")
-    if data.get("schema") != SCHEMA and data.get("schema") not in OLDER_SCHEMAS:
-        raise InputError(f"{path}: not a dstc report of schema {SCHEMA} (schema: {str(data.get('schema'))[:40]!r})")
+    schema = data.get("schema")
+    if schema != SCHEMA and schema not in OLDER_SCHEMAS:
+        raise InputError(f"{path}: not a dstc report of schema {SCHEMA} (schema: {str(schema)[:40]!r})")
+    if schema == SCHEMA and not isinstance(data.get("digest"), str):
+        raise InputError(f"{path} has no digest: dstc writes one into every report, so it was edited after dstc "
+                         f"wrote it")
     if data.get("digest") is not None and data["digest"] != self_digest(data):
         raise InputError(f"{path} was changed after dstc wrote it (its content does not match its digest)")
+    if schema != SCHEMA:
+        (warn or _warn)(f"{path} {UNPROVEN.format(schema=schema)}")
     return data
 
 
+def _warn(message: str) -> None:
+    print(f"dstc: warning: {message}", file=sys.stderr)
+
+
+def manifest_binding(manifest: dict) -> str:
+    """What a report records of the manifest it was written for: its digest without the ``report`` entry, which
+    eval writes after the report (and which a report cannot hold a hash of itself in)."""
+    return self_digest({k: v for k, v in manifest.items() if k != "report"})
+
+
 def check_report_binding(report: dict, artifact: Path, path: Path) -> None:
-    """InputError unless the report (read from ``path``) was written for this artifact's manifest.json."""
-    recorded = (report.get("artifact") or {}).get("manifest_sha256")
-    actual = sha256_file(Path(artifact) / MANIFEST)
+    """InputError unless the report (read from ``path``) was written for this artifact's manifest.json and, at
+    SCHEMA, is the report that manifest records (record_report in toolchain/manifest.py)."""
+    manifest_path = Path(artifact) / MANIFEST
+    if report.get("schema") != SCHEMA:  # older reports recorded the manifest file's sha256
+        recorded, actual = (report.get("artifact") or {}).get("manifest_sha256"), sha256_file(manifest_path)
+    else:
+        manifest = read_json_file(manifest_path, "manifest")
+        if manifest.get("digest") != self_digest(manifest):
+            raise InputError(f"{manifest_path} was changed after dstc wrote it (its content does not match its "
+                             f"digest), so the report it records cannot be trusted")
+        recorded, actual = (report.get("artifact") or {}).get("manifest_digest"), manifest_binding(manifest)
+        listed = (manifest.get("report") or {}).get(path.name)
+        if recorded == actual and listed != sha256_file(path):
+            raise InputError(f"{path} is not the report {MANIFEST} records "
+                             f"({'none recorded' if listed is None else f'sha256 {listed[:12]}'}): it was replaced "
+                             f"or edited after dstc eval wrote it; run dstc eval again")
     if recorded != actual:
-        raise InputError(f"{path} was not written for the artifact in {artifact}: it records manifest sha256 "
+        raise InputError(f"{path} was not written for the artifact in {artifact}: it records manifest "
                          f"{str(recorded)[:12]}, the artifact's manifest.json is {actual[:12]} (copied from another "
                          f"artifact, or the artifact was rebuilt: run dstc eval again)")
 
@@ -205,7 +250,7 @@ def _upgrade(data: dict) -> dict:
         if isinstance(environment.get("cpu"), str):
             environment["cpu"] = {"architecture": environment["cpu"]}
         data = {**data, "schema": "dstc.report/2", "environment": environment}
-    if data.get("schema") in ("dstc.report/2", "dstc.report/3"):
+    if data.get("schema") in ("dstc.report/2", "dstc.report/3", "dstc.report/4"):
         data = {**data, "schema": SCHEMA}
     return data
 
