@@ -106,3 +106,24 @@ def test_a_report_of_the_previous_schema_is_read_upgraded(tmp_path):
     (tmp_path / "old.json").write_text(json.dumps(data))
     old = load_report(tmp_path / "old.json")
     assert old.schema_ == SCHEMA and old.environment.cpu.architecture == "x86_64" and old.environment.threads == 2
+
+
+def test_a_latency_gate_across_machines_is_refused_unless_allowed():
+    """A baseline made on an Intel Xeon with AMX and a report from an AMD EPYC: the ratio of their latencies
+    measures the machines. Refused in one line; allowed, the gate runs and its detail names the difference."""
+    def on(model, isa, threads):
+        r = report()
+        r.environment.cpu.model, r.environment.cpu.isa, r.environment.threads = model, isa, threads
+        return r
+
+    xeon, epyc = on("Intel(R) Xeon(R)", ["avx512f", "amx_int8"], 2), on("AMD EPYC", ["avx2"], 2)
+    with pytest.raises(InputError, match="compares machines, not artifacts: CPU AMD EPYC vs the baseline's Intel"):
+        check_gates(epyc, GateLimits(max_latency_ratio=1.5), xeon)
+    results = check_gates(epyc, GateLimits(max_latency_ratio=1.5, max_kl_mean=1.0, allow_other_machine=True), xeon)
+    assert [r.name for r in results if "another machine: CPU AMD EPYC" in r.detail] == [
+        "max_latency_ratio (ttft_p50_ms)", "max_latency_ratio (itl_p50_ms)"]
+    with pytest.raises(InputError, match="4 threads vs the baseline's 2"):
+        check_gates(on("AMD EPYC", ["avx2"], 4), GateLimits(max_latency_ratio=1.5), epyc)
+    # accuracy alone is judged across machines without a word of refusal
+    assert check_gates(epyc, GateLimits(max_kl_mean=1.0), xeon)[0].passed
+    assert check_gates(epyc, GateLimits(max_latency_ratio=1.5), on("AMD EPYC", ["avx2"], 2))[0].passed

@@ -651,7 +651,8 @@ def compare_cmd(artifacts: tuple[Path, ...], reference: str | None, html_out: Pa
 GATE_SPELLINGS = {"max_perplexity_increase": "--max-ppl-increase", "min_top1_agreement": "--min-top1",
                   "max_exact_match_drop": "--max-em-drop", "max_kl_mean": "--max-kl",
                   "allow_unmeasured": "--allow-unmeasured/--no-allow-unmeasured",
-                  "allow_other_model": "--allow-other-model/--no-allow-other-model"}
+                  "allow_other_model": "--allow-other-model/--no-allow-other-model",
+                  "allow_other_machine": "--allow-other-machine/--no-allow-other-machine"}
 
 
 @cli.command("gate")

@@ -44,10 +44,13 @@ class GateLimits(Section):
                            "trained on the embedded task) as skipped instead of failed.")
     allow_other_model: bool = Field(
         False, description="Accept a baseline that measured another model than the report (refused otherwise).")
+    allow_other_machine: bool = Field(
+        False, description="Judge latency against a baseline measured on another CPU or thread count (refused "
+                           "otherwise: the ratio would measure the machines, not the artifact).")
 
     def any(self) -> bool:
         return any(v is not None for k, v in self.model_dump().items()
-                   if k not in ("baseline", "allow_unmeasured", "allow_other_model"))
+                   if k not in ("baseline", "allow_unmeasured", "allow_other_model", "allow_other_machine"))
 
 
 def measured_model(report: Report) -> str | None:
@@ -66,6 +69,25 @@ def check_baseline_model(model: str | None, baseline: Report, limits: GateLimits
                      f"allow_other_model: true under a recipe's gates)")
 
 
+def machine_of(report: Report) -> tuple:
+    """What latency depends on besides the artifact: the CPU (model, ISA extensions) and the threads it ran on."""
+    env = report.environment
+    return env.cpu.model, tuple(sorted(env.cpu.isa)), env.threads
+
+
+def machine_difference(report: Report, baseline: Report) -> str | None:
+    """How the report's machine differs from the baseline's, in words, or None when they are alike."""
+    (model, isa, threads), (b_model, b_isa, b_threads) = machine_of(report), machine_of(baseline)
+    differences = []
+    if model != b_model:
+        differences.append(f"CPU {model or 'unknown'} vs the baseline's {b_model or 'unknown'}")
+    elif isa != b_isa:
+        differences.append(f"ISA {' '.join(sorted(set(isa) ^ set(b_isa)))} on one side only")
+    if threads != b_threads:
+        differences.append(f"{threads} threads vs the baseline's {b_threads}")
+    return "; ".join(differences) or None
+
+
 def _ratio_to(value: float | None, base: float | None) -> float | None:
     return None if value is None or not base else value / base
 
@@ -79,8 +101,14 @@ def _task_main_metric(report: Report, task: str) -> str | None:
 def check_gates(report: Report, limits: GateLimits, baseline: Report | None = None) -> list[GateResult]:
     """Each set limit as a GateResult. Without a baseline, accuracy is judged against the report's own fp32
     reference; latency always needs a baseline (InputError otherwise), of the same model (check_baseline_model)."""
+    other_machine = None
     if baseline is not None:
         check_baseline_model(measured_model(report), baseline, limits)
+        other_machine = machine_difference(report, baseline)
+        if other_machine and limits.max_latency_ratio is not None and not limits.allow_other_machine:
+            raise InputError(f"the latency gate compares machines, not artifacts: {other_machine}. Gate latency "
+                             f"against a baseline made on this machine (dstc compare runs both in one job), or say "
+                             f"that another is meant (--allow-other-machine; allow_other_machine: true under gates)")
     results = []
 
     def gate(name: str, metric: str, value: float | None, limit: float, ok, detail: str) -> None:
@@ -94,7 +122,9 @@ def check_gates(report: Report, limits: GateLimits, baseline: Report | None = No
                                   passed=bool(ok(value, limit)), detail=detail))
 
     at_most, at_least = (lambda v, lim: v <= lim), (lambda v, lim: v >= lim)
-    against = "baseline" if baseline else "fp32 reference"
+    # accuracy does not depend on the machine as latency does, but the detail says where the baseline came from
+    against = ("baseline" + (f" (another machine: {other_machine})" if other_machine else "")) if baseline \
+        else "fp32 reference"
     if limits.max_perplexity_increase is not None:
         if baseline:
             ratio = _ratio_to(report.value("perplexity"), baseline.value("perplexity"))
@@ -139,5 +169,5 @@ def check_gates(report: Report, limits: GateLimits, baseline: Report | None = No
         for metric in ("ttft_p50_ms", "itl_p50_ms"):
             gate(f"max_latency_ratio ({metric})", metric,
                  _ratio_to(report.value(metric), baseline.value(metric)), limits.max_latency_ratio, at_most,
-                 "ratio, vs the baseline")
+                 f"ratio, vs the {against}")
     return results
