@@ -335,6 +335,10 @@ def test_compressed_bytes_do_not_depend_on_the_blas_threads(v3_tiny_export, tmp_
     assert len(unreached) >= 3 and all("/experts/" in name for name in unreached)
     assert max(errors.values()) < 0.5
     assert all(0.02 < errors[name] < 0.2 for name in unreached)  # INT4's error, neither zeros nor untouched
+    # their outputs are measured too, on their layer's other experts' calibration inputs
+    rows = {row["weight"]: row for row in report["per_weight"]}
+    assert all(rows[name]["borrowed_inputs"] and 0.02 < rows[name]["output_error"] < 0.3 for name in unreached)
+    assert not any(row["borrowed_inputs"] for name, row in rows.items() if name not in unreached)
 
 
 @pytest.mark.parametrize("target", TARGETS)

@@ -253,6 +253,8 @@ class WeightRow(_Model):
     bits_per_weight: float
     weight_error: float
     output_error: float | None  # None: no calibration activations reached it (embeddings, streamed compression)
+    # output_error measured on the inputs of its layer's other routed experts: no calibration token reached it
+    borrowed_inputs: bool = False
     head_side: Literal["output channels", "input rows", "stacked"] | None = None  # stacked: axis 0 of [heads, K, N]
     heads: list[HeadRow] | None = None
 

@@ -102,14 +102,32 @@ def check_target(section: CompressSection, target: str) -> None:
         raise InputError(problem)
 
 
+def _borrowed_inputs(weights, rows) -> dict[str, np.ndarray]:
+    """For each routed expert's weight no calibration token reached: the calibration inputs of its layer's other
+    routed-expert weights of the same input width (the hidden states routed to them, or their activations), so
+    that its output error is measured on inputs of that layer's distribution rather than not at all."""
+    reached: dict[tuple, list[np.ndarray]] = defaultdict(list)
+    for w in weights:
+        x = rows.get(w.name)
+        if w.role == "routed_expert" and w.kind == "matmul" and len(w.shape) == 2 and x is not None and len(x):
+            reached[(w.layer, w.shape[0])].append(x)
+    borrowed = {}
+    for w in weights:
+        x, donors = rows.get(w.name), reached.get((w.layer, w.shape[0]))
+        if w.role == "routed_expert" and x is not None and not len(x) and donors:
+            borrowed[w.name] = np.concatenate(donors)[:metrics.MAX_ROWS]
+    return borrowed
+
+
 def _weight_rows(weights, plan, restored, rows, layout) -> list[dict]:
     out = []
+    borrowed = _borrowed_inputs(weights, rows)
     for w in weights:
         r = restored.get(w.name)
         if r is None:
             continue
         original = w.array
-        x = rows.get(w.name)
+        x = borrowed.get(w.name, rows.get(w.name))
         if w.kind == "gather":  # rows of the table the calibration tokens read
             x = None
         row = {"weight": w.name, "node": w.node, "role": w.role,
@@ -117,7 +135,8 @@ def _weight_rows(weights, plan, restored, rows, layout) -> list[dict]:
                "shape": list(w.shape), "planned": plan[w.name], "precision": r.precision,
                "bits_per_weight": round(8 * r.nbytes / original.size, 4),
                "weight_error": metrics.relative_error(original, r.array),
-               "output_error": metrics.output_error(x, original, r.array) if w.kind == "matmul" else None}
+               "output_error": metrics.output_error(x, original, r.array) if w.kind == "matmul" else None,
+               "borrowed_inputs": w.name in borrowed}
         projection = w.name.split("/")[-2] if "/" in w.name else ""
         side, width = layout.get(projection, ("", 0)) if w.kind == "matmul" else ("", 0)
         if side == "stacked" and len(w.shape) == 3:  # MLA's absorbed kv_b_proj: a head per index of axis 0
