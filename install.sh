@@ -13,7 +13,7 @@ pip install -q torch==2.13.0
 # PyPI's torchvision does not import beside this torch build, and transformers then fails to import the
 # DeepSeek models. dstc does not use it: remove it if an earlier install brought it into this venv.
 if pip show -q torchvision >/dev/null 2>&1; then pip uninstall -q -y torchvision; fi
-# optimum-intel requires transformers<5.6 and does not import beside dstc's transformers (README, "Install"):
+# optimum-intel requires transformers<5.6 and does not import beside dstc's transformers (docs/install-and-develop.md, "Install"):
 # it lives in .venv-optimum-intel. Remove it if an earlier install left it here.
 if pip show -q optimum-intel >/dev/null 2>&1; then pip uninstall -q -y optimum-intel; fi
 extras=$(IFS=,; echo "$*")

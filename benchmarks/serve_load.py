@@ -24,7 +24,7 @@ step, join and leave times for batches of 1, 4, 16 at contexts of 64 and 512 tok
 the load workload above at each level, the methods in turn for ``--repeats`` rounds, the median round reported),
 and from each server's /metrics over the level the verify steps and drafts: the mean tokens a verify step gives a
 request (1 + accepted drafts per step) and the acceptance per draft position. Measured on the embedded
-deepseek-v3-tiny (README "Serving", speculative decoding): lossless and 0.13-0.9x the plain server's tokens/s, the
+deepseek-v3-tiny (docs/serve.md "Serving", speculative decoding): lossless and 0.13-0.9x the plain server's tokens/s, the
 tiny model's steps being bound by compute and per-run overhead rather than by reading weights.
 
 An OpenVINO artifact built with ``export: {mla_cache: per-head}`` runs on openvino_genai's pipeline; the shipped

@@ -244,9 +244,9 @@ def test_a_recipe_gated_against_another_models_baseline_is_refused_before_the_bu
 # -- 14. one parameter count everywhere -----------------------------------------------------------------------------
 
 
-def _readme_parameters() -> dict[str, int]:
+def _documented_parameters() -> dict[str, int]:
     rows = {}
-    for line in (REPO / "README.md").read_text().splitlines():
+    for line in (REPO / "docs" / "models.md").read_text().splitlines():
         cells = [c.strip() for c in line.strip("|").split("|")]
         if len(cells) == 4 and cells[0].endswith("-tiny") and cells[1].replace(",", "").isdigit():
             rows[cells[0]] = int(cells[1].replace(",", ""))
@@ -264,7 +264,7 @@ def test_models_list_training_json_readme_and_export_give_one_parameter_count(mo
     listed = {row["name"]: row["parameters"] for row in json.loads(out) if row["kind"] == "embedded"}
     trained = {name: json.loads((embedded_path(name) / "training.json").read_text())["parameters"]
                for name in EMBEDDED}
-    assert listed == trained == _readme_parameters()
+    assert listed == trained == _documented_parameters()
     assert listed["deepseek-v3-tiny"] == 1_241_248
     # the checkpoint holds 32 values more: the routers' e_score_correction_bias buffers (16 experts, 2 MoE layers);
     # and its MTP layer (layer 3, counted apart in training.json, with its router's 16)

@@ -108,8 +108,8 @@ EXPORT_HELP = {
     "new_tokens": "Greedy decode steps in the parity check.",
     "moe": "MoE routed experts: per-expert sparse dispatch (any runtime), one com.microsoft.MoE node per layer (ONNX "
            "Runtime only), or the tiled block OpenVINO's CPU plugin runs as GatherMatmul; auto: in a build, the one "
-           "measured fastest for its backend, expert count and compression (README \"Export\", export.moe), dispatch "
-           "for an export alone.",
+           "measured fastest for its backend, expert count and compression (docs/deepseek-generations.md "
+           "\"Export\", export.moe), dispatch for an export alone.",
     "mla_cache": "What MLA attention (DeepSeek-V2/V3) caches per token: the normalized latent and the rotary key, with "
                  "kv_b_proj absorbed, or transformers' per-head keys and values, which openvino_genai's paged "
                  "continuous batching and ONNX Runtime's fused attention (fuse-mla-attention) need  [default: latent; "
@@ -698,7 +698,8 @@ def _print_gates(results) -> None:
 @click.option("--openvino-runtime-cache", "runtime_cache", type=click.IntRange(0), default=None, metavar="ENTRIES",
               help="OpenVINO: entries of the CPU plugin's cache of kernels built per input shape "
                    "(CPU_RUNTIME_CACHE_CAPACITY). Default: dstc's choice, bounded (with oneDNN's primitive cache) "
-                   "for a large latent-MLA, V3.2 or V4 model, recorded by --json (README \"Long prompts\").")
+                   "for a large latent-MLA, V3.2 or V4 model, recorded by --json (docs/deepseek-generations.md "
+                   "\"Long prompts\").")
 @section_options(SpeculationSettings)
 @click.option("--json", "as_json", is_flag=True,
               help="Print one JSON object when done (tokens, text, time, speculation's acceptance per draft "

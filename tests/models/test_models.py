@@ -36,7 +36,7 @@ def tokenizer():
 
 
 # deepseek-v4-tiny learned the texts (perplexity 3.76, as the others) but not the arithmetic in its 1000 steps (held-out
-# exact match 0.012; README "Embedded models"): its figures are held to what it measured until it is retrained
+# exact match 0.012; docs/models.md "Embedded models"): its figures are held to what it measured until it is retrained
 MIN_EXACT_MATCH = {"deepseek-v4-tiny": 0.01}
 
 

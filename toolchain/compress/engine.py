@@ -214,7 +214,8 @@ def _calls(weights: list[Weight], groups: dict[str, list[str]], options: Options
     chose) get a data-free call of their own after the data-aware one: NNCF's AWQ fails on their empty
     activations and its GPTQ writes zeros where an input column was never active, which is every column of
     theirs."""
-    calls = [(kind, groups[kind], True) for kind in ("int8", "int4") if kind in groups]
+    calls: list[tuple[str, list[str], bool]] = [(kind, groups[kind], True) for kind in ("int8", "int4")
+                                                if kind in groups]
     if not (options.data_aware and "int4" in groups):
         return calls, {}
     later = {w.node for w in weights if len(w.shape) == 3}.intersection(groups.get("int8", []))

@@ -19,7 +19,7 @@ Defaults, and why (numbers in benchmarks/compression.py):
   run on every token (a routed expert on top_k / n_experts of them), so their error reaches every token, but
   they are 0.4 % of a V3 MoE layer's weights and the measured gain from 8 bits is small (see the benchmark).
 * named weights (``int8_scope``, a recipe's ``compress.int8``): INT8 per channel, for the few small weights
-  upstream of a router whose INT4 error flips its expert choice (README "INT4 fidelity"); ``ignored_scope``
+  upstream of a router whose INT4 error flips its expert choice (docs/compression.md "INT4 fidelity"); ``ignored_scope``
   (fp32) wins over it, and it over the roles.
 """
 

@@ -27,8 +27,7 @@ from toolchain.manifest import record_report, versions
 from toolchain.memory_guard import RETRY, require_memory, size
 from toolchain.report.html import render_html
 from toolchain.report.markdown import render_markdown
-from toolchain.report.schema import (SCHEMA, HeadError, LatencyCase, LayerError, Metric, Report, Series,
-                                     manifest_binding)
+from toolchain.report.schema import SCHEMA, HeadError, LatencyCase, LayerError, Metric, Report, Series, manifest_binding
 from toolchain.runtime.artifact import open_artifact
 from toolchain.runtime.decoder import open_decoder
 from toolchain.runtime.routing import router_outputs
@@ -324,7 +323,6 @@ def evaluate_artifact(path: Path, settings: EvalSettings | None = None, *, refer
 def write_report(report: Report, directory: Path) -> list[Path]:
     """report.md, report.html, then report.json (which records their sha256 and a digest of itself) into
     ``directory``, each written to a temporary name and renamed, so a reader never sees half a report."""
-    import hashlib
     import json
 
     texts = {"report.md": render_markdown(report), "report.html": render_html(report)}

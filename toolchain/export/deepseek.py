@@ -15,7 +15,8 @@ routed experts run (toolchain/export/moe.py), ``kv_cache`` what the cache holds 
   compress stage's rules for them are in toolchain/compress/engine.py). DeepSeek-V3 widths cache 512 + 64 values
   per token and layer instead of 128 x (192 + 128). The default because benchmarks/mla_cache.py (V2-Lite widths,
   2 layers) measured it at least as fast at decode at every context, and faster from 1k on, on both backends:
-  1.3x (ONNX Runtime fp32) to 5.5x (OpenVINO INT4) for the whole step at 4k (README, "MLA KV cache").
+  1.3x (ONNX Runtime fp32) to 5.5x (OpenVINO INT4) for the whole step at 4k (docs/deepseek-generations.md, "MLA KV
+  cache").
 * ``per-head``: transformers 5.5's form (5.24 caches the latent), per-head keys [H, nope + rope] and values
   [H, v], kv_b_proj applied to the latent of every new token. Chosen for what only it has: ``fuse-mla-attention``
   fuses it into ONNX Attention for ONNX Runtime, and openvino_genai's continuous batching (``dstc serve`` on

@@ -47,10 +47,11 @@ RUNS_ON = {"dispatch": BACKENDS, "fused-onnxruntime": ("onnxruntime",), "fused-o
 # A recipe's default: the lowering chosen for its backend, expert count and compression (auto_lowering).
 AUTO = "auto"
 # From this many routed experts on, the fused forms decode faster than dispatch on both backends whatever the
-# precision: benchmarks/moe_decode.py (V3-style, 8 active experts, 2 threads, README "Export", export.moe), decode
-# ms/token at 16 -> 256 experts, ONNX Runtime INT4 dispatch 5.0 -> 30.4, fused 3.4 -> 4.1; OpenVINO INT4 dispatch
-# 6.6 -> 45.6, fused 4.0 -> 4.1. Below it, OpenVINO's fused block prefills 2-2.7x slower than dispatch, and ONNX
-# Runtime's float32 MoE kernel decoded 1.2x slower than dispatch at 16 experts (its QMoE 1.9x faster).
+# precision: benchmarks/moe_decode.py (V3-style, 8 active experts, 2 threads, docs/deepseek-generations.md "Export",
+# export.moe), decode ms/token at 16 -> 256 experts, ONNX Runtime INT4 dispatch 5.0 -> 30.4, fused 3.4 -> 4.1;
+# OpenVINO INT4 dispatch 6.6 -> 45.6, fused 4.0 -> 4.1. Below it, OpenVINO's fused block prefills 2-2.7x slower
+# than dispatch, and ONNX Runtime's float32 MoE kernel decoded 1.2x slower than dispatch at 16 experts (its QMoE
+# 1.9x faster).
 FUSED_FROM_EXPERTS = 64
 
 

@@ -7,7 +7,8 @@ it first needs the cache). A graph whose attention is not one ScaledDotProductAt
 per-token cache, V3.2's indexer) has shapes that follow the context, so every prefill chunk and decode step adds
 entries, and at real widths an entry grows with the context: a 16k-token prompt of a shape-faithful DeepSeek-V3 (2
 layers, INT4, 451 chunks) peaked at 8.65 GiB with both defaults, 5.32 GiB with the runtime cache bounded to 16, and
-4.34 GiB with oneDNN's at 64 as well (4.24 at 0), within its 2 x (weights + cache) target (README "Long prompts").
+4.34 GiB with oneDNN's at 64 as well (4.24 at 0), within its 2 x (weights + cache) target
+(docs/deepseek-generations.md "Long prompts").
 
 A bound costs a rebuild of the kernels of a shape that comes back after it was evicted. The runtime cache at 16
 cost nothing measurable in decode at real widths, where oneDNN's cache below it still holds the primitives that

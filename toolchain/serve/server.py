@@ -5,8 +5,8 @@ here, with the tokenizer ``dstc generate`` uses), the engine over the artifact's
 health monitor. ``serve`` binds the socket first (so a port in use is an error before anything loads), starts
 answering ``/health`` with ``loading`` at once, and loads the model in the engine's thread.
 
-What one client can make the server hold is bounded (``ServeSettings``; README "Serving"): connections, the time to
-send a request's headers and its body, the body's size, a prompt's characters (checked before it is tokenized),
+What one client can make the server hold is bounded (``ServeSettings``; docs/serve.md "Serving"): connections, the
+time to send a request's headers and its body, the body's size, a prompt's characters (checked before it is tokenized),
 the messages of a chat, the time a stream waits for a client that reads nothing. An address other than the
 loopback's is served only with an API key, or when told to serve it without one.
 """

@@ -1,4 +1,4 @@
-"""How ``dstc serve`` runs an artifact, and what one client can make the server hold (README "Serving"). The
+"""How ``dstc serve`` runs an artifact, and what one client can make the server hold (docs/serve.md "Serving"). The
 command's options are generated from these fields (toolchain/cli_options.py): the help is each field's description,
 the bounds are checked by the section, from the command line as from Python."""
 
