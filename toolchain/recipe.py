@@ -17,6 +17,7 @@ from pydantic import Field, PrivateAttr, ValidationError, model_validator
 from toolchain.errors import InputError, RecipeError
 from toolchain.gates import GateLimits
 from toolchain.hardware import has_int8_dot_product
+from toolchain.interface.moe_lowerings import parity_backends
 from toolchain.interface.reports import CompressionScheme
 from toolchain.settings.evaluation import EvalSettings
 from toolchain.settings.section import Section
@@ -46,9 +47,6 @@ class ExportSection(Section):
     def _parity_runs_the_lowering(self) -> ExportSection:
         """Unless given, parity runs on every backend that runs the lowering's graph; a given one it cannot run
         on is an error."""
-        # the exporter (torch, onnx_ir) loads only where an export section is checked
-        from toolchain.export.moe import parity_backends
-
         self._parity_given = "parity" in self.model_fields_set
         try:
             # names from toolchain/export/moe.py's BACKENDS, which are the Backends

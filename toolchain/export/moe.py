@@ -39,13 +39,14 @@ from toolchain.export import blocks
 from toolchain.export.decoder import Architecture
 from toolchain.export.graph import GraphBuilder
 from toolchain.export.weights import HFModule, LazyArray
+from toolchain.interface.moe_lowerings import (  # AUTO, BACKENDS: re-exported for moe.AUTO / moe.BACKENDS
+    AUTO as AUTO,
+    BACKENDS as BACKENDS,
+    LOWERINGS,
+    RUNS_ON,
+    parity_backends,
+)
 
-LOWERINGS = ("dispatch", "fused-onnxruntime", "fused-openvino")
-BACKENDS = ("onnxruntime", "openvino")
-# The runtimes that can run each lowering's graph.
-RUNS_ON = {"dispatch": BACKENDS, "fused-onnxruntime": ("onnxruntime",), "fused-openvino": BACKENDS}
-# A recipe's default: the lowering chosen for its backend, expert count and compression (auto_lowering).
-AUTO = "auto"
 # From this many routed experts on, the fused forms decode faster than dispatch on both backends whatever the
 # precision: benchmarks/moe_decode.py (V3-style, 8 active experts, 2 threads, docs/deepseek-generations.md "Export",
 # export.moe), decode ms/token at 16 -> 256 experts, ONNX Runtime INT4 dispatch 5.0 -> 30.4, fused 3.4 -> 4.1;
@@ -108,20 +109,6 @@ def with_lowering(arch: Architecture, lowering: str) -> Architecture:
     arch = copy.copy(arch)
     arch.moe_lowering = lowering
     return arch
-
-
-def parity_backends(lowering: str, requested: tuple[str, ...] | None) -> tuple[str, ...]:
-    """The backends to check an export of ``lowering`` on: ``requested``, or when None every backend that runs it.
-    A requested backend that cannot run the graph is an InputError."""
-    # auto: resolved for a build's backend before its export runs (auto_lowering); until then any backend
-    runs_on = BACKENDS if lowering == AUTO else RUNS_ON[lowering]
-    if requested is None:
-        return runs_on
-    refused = [b for b in requested if b not in runs_on]
-    if refused:
-        raise InputError(f"the {lowering} MoE lowering runs on {', '.join(runs_on)} only (com.microsoft.MoE has no "
-                         f"OpenVINO conversion); drop {', '.join(refused)} from the parity backends")
-    return tuple(requested)
 
 
 @dataclass(frozen=True)
