@@ -204,7 +204,10 @@ def test_fused_experts_compress_as_nncf_compresses_each_expert(compressed, targe
     for name, row in rows.items():
         assert row["precision"] == ref_rows[name]["precision"] == "int4-asym-g64"
         assert row["weight_error"] == pytest.approx(ref_rows[name]["weight_error"], rel=rel)
-        assert (row["output_error"] is None) == (ref_rows[name]["output_error"] is None)
+        # an expert no calibration token reached: the dispatch form measures its output on its layer's other
+        # experts' inputs (borrowed_inputs), the fused form does not measure it
+        borrowed = ref_rows[name]["borrowed_inputs"]
+        assert (row["output_error"] is None) == (borrowed or ref_rows[name]["output_error"] is None)
         if row["output_error"] is not None:
             assert row["output_error"] == pytest.approx(ref_rows[name]["output_error"], rel=max(rel, 1e-6))
     assert 0.02 < max(r["weight_error"] for r in rows.values()) < 0.2

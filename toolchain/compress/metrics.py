@@ -173,6 +173,22 @@ def relative_error(reference: np.ndarray, approx: np.ndarray) -> float:
     return _ratio(_norm(reference - np.asarray(approx, np.float64)), _norm(reference))
 
 
+def rescaled_error(reference: np.ndarray, approx: np.ndarray) -> float | None:
+    """relative_error after the best rescale of each row, or of each column (the smaller): what is left of the
+    error when a per-channel factor is not counted. AWQ folds such factors into pairs of weights (an up projection's
+    columns divided by what the down projection's rows are multiplied by), an equivalent transform whose plain
+    relative error says nothing of what was lost; a weight of zeros still measures 1.0. None for a 3-D weight."""
+    if np.ndim(reference) != 2:
+        return None
+    w, q = np.asarray(reference, np.float64), np.asarray(approx, np.float64)
+    errors = []
+    for axis in (0, 1):
+        energy = np.square(q).sum(axis, keepdims=True)
+        scale = np.divide((w * q).sum(axis, keepdims=True), energy, out=np.zeros_like(energy), where=energy > 0)
+        errors.append(_ratio(_norm(w - scale * q), _norm(w)))
+    return min(errors)
+
+
 def output_error(x: np.ndarray | None, w: np.ndarray, w_hat: np.ndarray) -> float | None:
     """||X W - X Ŵ|| / ||X W||, with the numerator computed as ||X (W - Ŵ)||: the difference of two float32 products
     would cancel to the products' rounding, while W - Ŵ is exact or nearly so in float32."""

@@ -22,7 +22,7 @@ from toolchain.evaluate.latency import measure_latency
 from toolchain.evaluate.reference import resolve_reference
 from toolchain.hardware import describe_cpu
 from toolchain.interface.files import MANIFEST, REPORT_FILES
-from toolchain.interface.reports import CompressionReport, read_json_file
+from toolchain.interface.reports import CompressionReport, lost_share, read_json_file
 from toolchain.manifest import record_report, versions
 from toolchain.memory_guard import RETRY, require_memory, size
 from toolchain.report.html import render_html
@@ -87,19 +87,20 @@ def compressed_report(manifest: Manifest | None) -> CompressionReport | None:
     return manifest.provenance.report("compress", CompressionReport) if manifest else None
 
 
-def compression_metrics(layer_errors: list[LayerError], routes: dict[int, list[np.ndarray]], config: dict,
+def compression_metrics(routes: dict[int, list[np.ndarray]], config: dict,
                         compression: CompressionReport | None) -> dict[str, Metric]:
     """What the model's metrics cannot see: the worst weight the compression stage measured (an expert written as
     zeros measures 1.0 whatever the KL, when no eval token reaches it), how many weights no calibration token
     reached (NNCF's data-free scales), and the share of routed experts the eval data reached (the experts whose
     outputs KL and routing agreement judge at all)."""
     metrics = {}
-    if layer_errors:
-        worst = max(layer_errors, key=lambda e: e.weight_error)
+    rows = compression.per_weight if compression else []
+    if rows:
+        worst = max(rows, key=lambda r: lost_share(r.weight_error, r.rescaled_error))
         metrics["max_weight_error"] = Metric(
-            value=worst.weight_error, unit="ratio", direction="lower",
-            description=f"largest relative weight error ||W - Q(W)|| / ||W|| of any compressed weight ({worst.weight}"
-                        f"; 1.0: a weight of zeros)")
+            value=lost_share(worst.weight_error, worst.rescaled_error), unit="ratio", direction="lower",
+            description=f"largest relative weight error ||W - Q(W)|| / ||W|| of any compressed weight, AWQ's "
+                        f"per-channel rescaling not counted ({worst.weight}; 1.0: a weight of zeros)")
     elif compression is None:
         metrics["max_weight_error"] = Metric(value=0.0, unit="ratio", direction="lower",
                                              description="no weight compressed: every weight as exported")
@@ -290,8 +291,7 @@ def evaluate_artifact(path: Path, settings: EvalSettings | None = None, *, refer
                                       description="model files on disk (graph and weights)")
 
     layer_errors, head_errors = quantization_series(artifact.manifest)
-    metrics.update(compression_metrics(layer_errors, record.routes, artifact.config,
-                                       compressed_report(artifact.manifest)))
+    metrics.update(compression_metrics(record.routes, artifact.config, compressed_report(artifact.manifest)))
     manifest_file = Path(path) / MANIFEST
     recipe = artifact.manifest.recipe if artifact.manifest else None
     return Report.model_validate({

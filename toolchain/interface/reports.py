@@ -255,8 +255,17 @@ class WeightRow(_Model):
     output_error: float | None  # None: no calibration activations reached it (embeddings, streamed compression)
     # output_error measured on the inputs of its layer's other routed experts: no calibration token reached it
     borrowed_inputs: bool = False
+    # weight_error after the best per-row or per-column rescale (compress/metrics.py rescaled_error): AWQ's
+    # equivalent rescaling not counted; None where not measured (3-D, fused and streamed rows)
+    rescaled_error: float | None = None
     head_side: Literal["output channels", "input rows", "stacked"] | None = None  # stacked: axis 0 of [heads, K, N]
     heads: list[HeadRow] | None = None
+
+
+def lost_share(weight_error: float, rescaled_error: float | None) -> float:
+    """How much of a weight its compression lost, as the max_weight_error bound and gate read it: its relative error,
+    or the rescaled one where measured (AWQ's equivalent per-channel factors are not a loss; zeros are 1.0)."""
+    return weight_error if rescaled_error is None else min(weight_error, rescaled_error)
 
 
 class LayerRow(_Model):

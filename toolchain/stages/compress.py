@@ -52,7 +52,7 @@ from toolchain.compress.streaming import blocked_dq_to_nbits
 from toolchain.errors import CompressionError, InputError
 from toolchain.export.graph import float32_bytes, load_graph, save_graph
 from toolchain.interface.graph import HEAD_LAYOUT, cache_spec
-from toolchain.interface.reports import CompressionOptions, CompressionReport
+from toolchain.interface.reports import CompressionOptions, CompressionReport, lost_share
 from toolchain.recipe import CompressSection
 from toolchain.runtime.engines import GraphRunner, ort_kernels
 from toolchain.stages import compress_parts
@@ -136,7 +136,8 @@ def _weight_rows(weights, plan, restored, rows, layout) -> list[dict]:
                "bits_per_weight": round(8 * r.nbytes / original.size, 4),
                "weight_error": metrics.relative_error(original, r.array),
                "output_error": metrics.output_error(x, original, r.array) if w.kind == "matmul" else None,
-               "borrowed_inputs": w.name in borrowed}
+               "borrowed_inputs": w.name in borrowed,
+               "rescaled_error": metrics.rescaled_error(original, r.array) if w.kind == "matmul" else None}
         projection = w.name.split("/")[-2] if "/" in w.name else ""
         side, width = layout.get(projection, ("", 0)) if w.kind == "matmul" else ("", 0)
         if side == "stacked" and len(w.shape) == 3:  # MLA's absorbed kv_b_proj: a head per index of axis 0
@@ -368,12 +369,15 @@ def _refuse_lost_weights(weight_rows: list[dict], limit: float) -> None:
     """CompressionError when a compressed weight's relative error is above ``limit`` (recipe max_weight_error):
     a weight written as zeros measures 1.0, and the model's metrics need not see it (an expert no eval token
     reaches)."""
-    lost = sorted((r for r in weight_rows if r["weight_error"] > limit), key=lambda r: -r["weight_error"])
-    if lost:
-        worst = lost[0]
+    def lost(row: dict) -> float:
+        return lost_share(row["weight_error"], row.get("rescaled_error"))
+
+    above = sorted((r for r in weight_rows if lost(r) > limit), key=lambda r: -lost(r))
+    if above:
+        worst = above[0]
         raise CompressionError(
-            f"{len(lost)} compressed weight(s) with a relative error above max_weight_error {limit}, the worst "
-            f"{worst['weight']} ({worst['precision']}) at {worst['weight_error']:.3g}: the compression lost them "
+            f"{len(above)} compressed weight(s) with a relative error above max_weight_error {limit}, the worst "
+            f"{worst['weight']} ({worst['precision']}) at {lost(worst):.3g}: the compression lost them "
             f"(1.0 is a weight of zeros); raise compress.max_weight_error only if that is meant")
 
 
