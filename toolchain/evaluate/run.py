@@ -181,8 +181,10 @@ def reference_task_scores(artifact, settings: EvalSettings, *, reference: str | 
     source, choice = resolve_reference(artifact.manifest, reference)
     key = reference_cache.task_key(checkpoint_hashes(source.path), tasks.task_files(Path(str(settings.task_data))),
                                    settings)
-    scores = reference_cache.load_tasks(key) if settings.reference_cache else None
+    scores, why = reference_cache.load_tasks(key) if settings.reference_cache else (None, "absent")
     reused = scores is not None
+    if why not in (None, "absent"):
+        log(f"the reference cache entry tasks-{key[:16]} is not usable ({why}); scoring the reference again")
     if scores is None:
         require_layered_reference_memory(source)
         ref = open_reference(source, settings.threads, choice)
