@@ -205,10 +205,10 @@ def damage_index(entries: Entries, kind: str) -> None:
 
 CACHES = {"stage": (stage_entries, ["data", "record"]), "reference": (reference_entries, ["data", "record"]),
           "tasks": (task_entries, ["record"]), "source-hashes": (source_entries, ["record"])}
-CASES = [pytest.param(cache, role, kind, id=f"{cache}-{role}-{kind}")
-         for cache, (_, roles) in CACHES.items()
-         for role in roles for kind in FILE_DAMAGE] + \
-        [pytest.param(cache, None, kind, id=f"{cache}-{kind}") for cache in CACHES for kind in (*ENTRY_DAMAGE, "intact")]
+CASES = [*(pytest.param(cache, role, kind, id=f"{cache}-{role}-{kind}")
+           for cache, (_, roles) in CACHES.items() for role in roles for kind in FILE_DAMAGE),
+         *(pytest.param(cache, None, kind, id=f"{cache}-{kind}")
+           for cache in CACHES for kind in (*ENTRY_DAMAGE, "intact"))]
 
 
 @pytest.mark.timeout(60)

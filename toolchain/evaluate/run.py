@@ -214,6 +214,7 @@ def evaluate_artifact(path: Path, settings: EvalSettings | None = None, *, refer
 
     settings = settings if settings is not None else EvalSettings()
     artifact = open_artifact(path)
+    tasks.check(settings)  # before the reference runs (minutes at real size)
     tokenizer = artifact.tokenizer()
     # a bad draft model is bad input now, not after the accuracy runs (it drafts after the latency cases' prompts)
     draft_artifact(settings, artifact,
