@@ -312,11 +312,12 @@ def _readable(task: str, path: Path) -> Path:
                 return path
     except OSError as exc:
         raise InputError(f"{where} cannot be read: {exc.strerror}") from None
+    text: str | None
     try:  # a multi-byte character cut at the end of what was read is still text
         text = codecs.getincrementaldecoder("utf-8")().decode(head, final=len(head) == size)
     except UnicodeDecodeError:
-        text = "\0"
-    if "\0" in text:
+        text = None
+    if text is None or "\0" in text:
         raise InputError(f"{where} is binary, not UTF-8 JSON")
     if not text.strip():
         raise InputError(f"{where} holds only whitespace, no examples")
