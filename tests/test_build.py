@@ -14,7 +14,7 @@ import pytest
 import yaml
 
 from toolchain.build import build
-from toolchain.hashing import blake3_file
+from toolchain.hashing import blake3_file, self_digest
 from toolchain.errors import RecipeError
 from toolchain.recipe import load_recipe
 
@@ -204,6 +204,7 @@ def test_a_cached_stage_from_a_checkout_that_is_gone_is_still_usable(tmp_path, m
     report_file.write_text(json.dumps(report))
     record = json.loads((report_file.parent / "stage.json").read_text())  # as that clone recorded it
     record["files"]["export.json"] = blake3_file(report_file)
+    record["digest"] = self_digest(record)
     (report_file.parent / "stage.json").write_text(json.dumps(record))
     recipe = write_recipe(tmp_path / "b.yaml", model="r1-distill-llama-tiny",
                           compile={"backend": "onnxruntime", "verify": True})

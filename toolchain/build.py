@@ -21,6 +21,7 @@ from toolchain.atomic import atomic_output_dir
 from toolchain.compress import shipped
 from toolchain.compress.calibration import EMBEDDED
 from toolchain.errors import InputError
+from toolchain.evaluate import tasks
 from toolchain.evaluate.run import evaluate_artifact, write_report
 from toolchain.gates import GateFailed, check_baseline_model, check_gates
 from toolchain.hashing import digest
@@ -204,7 +205,7 @@ def _gate_baseline(recipe: Recipe, recipe_path: Path):
 
 def _eval_settings(recipe: Recipe, recipe_path: Path):
     """The recipe's eval settings (None: no eval), its dataset relative to the recipe's directory and checked to
-    be there before anything is built."""
+    be there, and its tasks and their data checked, before anything is built."""
     if not (recipe.eval or recipe.gates):
         return None
     settings = recipe.eval or EvalSettings()
@@ -213,6 +214,7 @@ def _eval_settings(recipe: Recipe, recipe_path: Path):
         if not dataset.is_file():
             raise InputError(f"{recipe_path}: eval.dataset {settings.dataset} is not a file (looked for {dataset})")
         settings = settings.model_copy(update={"dataset": str(dataset)})
+    tasks.check(settings)
     return settings
 
 

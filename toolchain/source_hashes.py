@@ -5,8 +5,9 @@ index remembers file contents, in ``DSTC_CACHE_DIR/source-hashes.json``: at 1.5 
 (690 GB) would otherwise spend 8 minutes hashing a checkpoint that did not change. A file written since has a new
 mtime and ctime, and is hashed again; a file modified less than ``SETTLED_S`` before it was hashed is not
 remembered (a second write within the same timestamp tick would leave its stat unchanged: git's "racy clean").
-`dstc build` starts hashing (``Hashing``) before it imports transformers to check the config, which takes
-seconds the hash can use (sha256 releases the GIL).
+Each entry carries the digest of its path, stat and hash: an entry edited, damaged or moved under another path does
+not match, and its file is hashed again. `dstc build` starts hashing (``Hashing``) before it imports transformers
+to check the config, which takes seconds the hash can use (sha256 releases the GIL).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import time
 from pathlib import Path
 
 from toolchain.cache import cache_dir
-from toolchain.hashing import file_hashes, sha256_file
+from toolchain.hashing import digest, file_hashes, sha256_file
 
 SETTLED_S = 2.0
 
@@ -29,6 +30,10 @@ def _store() -> Path:
 
 def _key(st: os.stat_result) -> str:
     return f"{st.st_dev}:{st.st_ino}:{st.st_size}:{st.st_mtime_ns}:{st.st_ctime_ns}"
+
+
+def _digest(name: str, stat: str, sha: str) -> str:
+    return digest({"path": name, "stat": stat, "sha256": sha})
 
 
 def checkpoint_hashes(root: Path) -> dict[str, str]:
@@ -45,12 +50,13 @@ def checkpoint_hashes(root: Path) -> dict[str, str]:
         st = path.stat()
         name, key = str(path.resolve()), _key(st)
         entry = known.get(name)
-        if isinstance(entry, dict) and entry.get("stat") == key and isinstance(entry.get("sha256"), str):
+        if isinstance(entry, dict) and entry.get("stat") == key and isinstance(entry.get("sha256"), str) and \
+                entry.get("digest") == _digest(name, key, entry["sha256"]):
             return entry["sha256"]
         started = time.time()
         sha = sha256_file(path)
         if st.st_mtime < started - SETTLED_S:
-            seen[name] = {"stat": key, "sha256": sha}
+            seen[name] = {"stat": key, "sha256": sha, "digest": _digest(name, key, sha)}
         return sha
 
     hashes = file_hashes(root, hash_file=hashed)

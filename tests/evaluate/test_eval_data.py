@@ -337,8 +337,8 @@ def test_a_long_window_run_in_prefill_chunks_gives_the_figures_of_one_prefill(ar
 
 def test_eval_scores_an_lm_eval_task_on_both_sides_caches_the_reference_and_gates_the_drop(artifact, tmp_path, cache):
     """`dstc eval --tasks arc_easy --task-data DIR`: the harness's accuracy and standard error for the artifact, the
-    reference's beside it, the drop in points; the second eval reuses the reference's scores; `dstc gate
-    --max-task-drop` reads them."""
+    reference's beside it, the drop in points; the second eval reuses the reference's scores, the third scores them
+    again after they were edited in the cache; `dstc gate --max-task-drop` reads them."""
     rows = []
     for i, text in enumerate(corpus.text_samples("heldout", 24, seed=5)):
         question, answer = text.rsplit(" ", 1)
@@ -361,6 +361,15 @@ def test_eval_scores_an_lm_eval_task_on_both_sides_caches_the_reference_and_gate
     second = json.loads(dstc("eval", artifact, *args, env=cache).stdout)
     assert second["reference"]["tasks_cache"] == {**report["reference"]["tasks_cache"], "reused": True}
     assert second["metrics"]["arc_easy/acc"] == acc
+    # a cached score edited: not taken, the reference scored again (one line says so)
+    entry = Path(cache["DSTC_CACHE_DIR"]) / "references" / f"tasks-{report['reference']['tasks_cache']['key']}.json"
+    edited = json.loads(entry.read_text())
+    edited["scores"]["arc_easy"]["metrics"]["acc,none"] = 0.0123
+    entry.write_text(json.dumps(edited))
+    third = dstc("eval", artifact, *args, env=cache)
+    assert third.returncode == 0 and third.stderr.count("is not usable") == 1, third.stderr
+    assert "does not match its digest); scoring the reference again" in third.stderr
+    assert json.loads(third.stdout)["metrics"]["arc_easy/acc"] == acc
     gate = dstc("gate", artifact / "report.json", "--max-task-drop", "0.5", env=cache)
     assert gate.returncode == 0 and "max_task_drop (arc_easy)" in gate.stdout, gate.stdout + gate.stderr
     missing = dstc("eval", artifact, "--tasks", "arc_easy", "--no-latency", env=cache)

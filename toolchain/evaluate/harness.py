@@ -16,6 +16,9 @@ lm-eval's own task configs, prompts, filters, metrics and standard errors; dstc 
   is an InputError naming the path expected, and so is an unknown task.
 * :func:`evaluate_lm`: any lm-eval LM (DecoderLM, or lm-eval's own HFLM) on those tasks through
   ``lm_eval.simple_evaluate``; :func:`score_tasks` does it for a Decoder.
+* :func:`check_tasks`: every problem of the tasks and their data (an unknown task, a missing split, a file that is
+  empty, binary or does not parse, data that lacks what the task's prompts read) as one InputError, before any
+  model runs: `dstc eval` and `dstc build` check them before the reference is computed.
 
 Each task's result: ``{"metrics": {"acc,none": 0.71, ...}, "stderr": {"acc,none": 0.045, ...}, "samples": 100,
 "samples_total": 500, "num_fewshot": 0, "version": 1.0, "higher_is_better": {"acc": True, ...}}``; the keys are
@@ -31,6 +34,7 @@ lm-eval's ``metric,filter`` names, a standard error lm-eval does not give (perpl
 
 from __future__ import annotations
 
+import codecs
 import difflib
 import functools
 import os
@@ -290,6 +294,36 @@ def _split_files(directory: Path, split: str) -> list[Path]:
     return [directory / f"{split}{suffix}" for suffix in BUILDERS if (directory / f"{split}{suffix}").is_file()]
 
 
+def _readable(task: str, path: Path) -> Path:
+    """``path``, if it is not empty and is what its suffix says (UTF-8 text for JSON, Parquet's magic number at both
+    ends): else an InputError, rather than what datasets raises on it (StopIteration on an empty file, ArrowInvalid
+    on a file that is not Parquet)."""
+    where = f"task {task}: {path}"
+    try:
+        size = path.stat().st_size
+        if size == 0:
+            raise InputError(f"{where} is empty")
+        with open(path, "rb") as f:
+            head = f.read(1 << 16)
+            if path.suffix == ".parquet":  # "PAR1" at both ends; what is between, datasets reads
+                f.seek(max(size - 4, 0))
+                if size < 12 or not head.startswith(b"PAR1") or f.read(4) != b"PAR1":
+                    raise InputError(f"{where} is not a Parquet file (no PAR1 at its start and end)")
+                return path
+    except OSError as exc:
+        raise InputError(f"{where} cannot be read: {exc.strerror}") from None
+    text: str | None
+    try:  # a multi-byte character cut at the end of what was read is still text
+        text = codecs.getincrementaldecoder("utf-8")().decode(head, final=len(head) == size)
+    except UnicodeDecodeError:
+        text = None
+    if text is None or "\0" in text:
+        raise InputError(f"{where} is binary, not UTF-8 JSON")
+    if not text.strip():
+        raise InputError(f"{where} holds only whitespace, no examples")
+    return path
+
+
 def _local_config(manager, name: str, task_data: Path, num_fewshot: int | None, cache_dir: str,
                   log: Callable[[str], None]) -> dict:
     """The task's config with its dataset read from ``task_data/<name>/<split>.<suffix>``."""
@@ -336,7 +370,7 @@ def _local_config(manager, name: str, task_data: Path, num_fewshot: int | None, 
         if len(found) > 1:
             raise InputError(f"task {name}: {' and '.join(map(str, found))} are both the {split} split; keep one")
         if found:
-            files[split] = found[0]
+            files[split] = _readable(name, found[0])
         elif split in needed:
             role = "" if split == evaluated else f" (its {shots}-shot examples)"
             raise InputError(f"task {name}: no {split} split{role}: expected {directory / split}.jsonl (or .json, "
@@ -395,12 +429,9 @@ def _task_manager(names: list[str]):
     return TaskManager()
 
 
-def evaluate_lm(lm, tasks: Sequence[str], task_data: Path, *, limit: int | None = None,
-                num_fewshot: int | None = None, log: Callable[[str], None] = lambda _: None) -> dict[str, dict]:
-    """Scores of any lm-eval LM (DecoderLM, HFLM) on the named tasks with their data from ``task_data`` (see the
-    module's docstring): lm-eval's simple_evaluate, its metrics and standard errors."""
-    from lm_eval import simple_evaluate
-
+def _tasks(tasks: Sequence[str], task_data: Path, limit: int | None):
+    """The task names (deduplicated), the data directory and lm-eval's TaskManager over them; what is wrong with
+    them, an InputError."""
     _offline()
     names = list(dict.fromkeys(tasks))
     if not names:
@@ -410,7 +441,50 @@ def evaluate_lm(lm, tasks: Sequence[str], task_data: Path, *, limit: int | None 
     task_data = Path(task_data)
     if not task_data.is_dir():
         raise InputError(f"{task_data} is not a directory (expected one folder of data files per task)")
-    manager = _task_manager(names)
+    return names, task_data, _task_manager(names)
+
+
+def check_tasks(tasks: Sequence[str], task_data: Path, *, limit: int | None = None,
+                num_fewshot: int | None = None) -> None:
+    """What :func:`evaluate_lm` would find wrong with the tasks and their data, found before any model runs: each
+    task loaded from its files and its requests built (the prompts of the examples scored, with their few-shot
+    examples), as simple_evaluate does. Anything wrong is an InputError naming the task and its files."""
+    names, task_data, manager = _tasks(tasks, task_data, limit)
+    with tempfile.TemporaryDirectory(prefix="dstc-tasks-") as cache_dir:
+        for name in names:
+            config = _local_config(manager, name, task_data, num_fewshot, cache_dir, lambda _: None)
+            _requests(_load(manager, config), config, limit, num_fewshot)
+
+
+def _requests(task, config: dict, limit: int | None, num_fewshot: int | None) -> None:
+    """The task's requests built as simple_evaluate builds them (its few-shot count and seed): a field of the wrong
+    type, or missing from an example after the first, fails here."""
+    from lm_eval.defaults import DEFAULT_OTHER_SEED  # simple_evaluate's default fewshot_random_seed
+    from lm_eval.evaluator_utils import get_sample_size
+
+    try:
+        if num_fewshot is not None and task.get_config("num_fewshot") != 0:
+            task.set_config(key="num_fewshot", value=num_fewshot)
+        elif task.get_config("num_fewshot") is None:
+            task.set_config(key="num_fewshot", value=0)
+        task.set_fewshot_seed(seed=DEFAULT_OTHER_SEED)
+        task.build_all_requests(limit=get_sample_size(task, limit))
+    except InputError:
+        raise
+    except Exception as exc:  # lm-eval's prompt code on the user's data: anything it raises is the data's fault
+        files = ", ".join(config["dataset_kwargs"]["data_files"].values())
+        first = (str(exc).splitlines() or [""])[0]
+        raise InputError(f"task {config['task']}: its data ({files}) does not make the task's prompts: "
+                         f"{type(exc).__name__}: {first}") from exc
+
+
+def evaluate_lm(lm, tasks: Sequence[str], task_data: Path, *, limit: int | None = None,
+                num_fewshot: int | None = None, log: Callable[[str], None] = lambda _: None) -> dict[str, dict]:
+    """Scores of any lm-eval LM (DecoderLM, HFLM) on the named tasks with their data from ``task_data`` (see the
+    module's docstring): lm-eval's simple_evaluate, its metrics and standard errors."""
+    from lm_eval import simple_evaluate
+
+    names, task_data, manager = _tasks(tasks, task_data, limit)
     # datasets keeps Arrow copies of the files, read while the tasks run: in a directory of this call's own.
     with tempfile.TemporaryDirectory(prefix="dstc-tasks-") as cache_dir:
         loaded = [_load(manager, _local_config(manager, name, task_data, num_fewshot, cache_dir, log))
@@ -423,14 +497,14 @@ def evaluate_lm(lm, tasks: Sequence[str], task_data: Path, *, limit: int | None 
 def _load(manager, config: dict):
     """The lm-eval Task of a config; data that does not parse, or lacks a field the task's prompt reads (lm-eval
     renders the first example when it builds the task), is an InputError naming the files."""
-    from datasets.exceptions import DatasetGenerationError
-    from jinja2.exceptions import UndefinedError
-
     try:
         return manager.load([config])["tasks"][config["task"]]
-    except (DatasetGenerationError, UndefinedError, KeyError) as exc:
+    except InputError:
+        raise
+    except Exception as exc:  # datasets and lm-eval reading the user's files: anything they raise is the data's fault
         files = ", ".join(config["dataset_kwargs"]["data_files"].values())
-        raise InputError(f"task {config['task']}: its data ({files}) does not load: {exc.__cause__ or exc}") from exc
+        first = (str(exc.__cause__ or exc).splitlines() or [""])[0]
+        raise InputError(f"task {config['task']}: its data ({files}) does not load: {first}") from exc
 
 
 def _task_scores(results: dict, name: str) -> dict[str, Any]:

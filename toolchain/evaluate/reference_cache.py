@@ -3,24 +3,28 @@
 The key hashes the source checkpoint's file hashes, the data's tokens (EvalData.digest), the settings that change
 the reference's side (not latency, threads or the artifact's runtime: settings.ARTIFACT_ONLY) and the code that
 computes the record, so an entry is reused exactly when the reference would compute the same thing. An entry is
-``<key>.npz`` and ``<key>.json`` (written last: the npz's BLAKE3 and what the entry was made from); an entry whose
-npz does not hash to what its json recorded is computed again, as the stage cache treats a damaged stage.
+``<key>.npz`` and ``<key>.json`` (written last: the key, the npz's BLAKE3 and what the entry was made from, under a
+digest of all of it); the lm-eval scores' entry is ``tasks-<key>.json``, the key and the scores under their digest.
+The key inside what is digested binds an entry's files to it: an entry edited, damaged, or moved under another key
+(its recorded key rewritten or not) no longer matches, and is computed again, as the stage cache treats a damaged
+stage.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import zipfile
 from pathlib import Path
 
 from toolchain.cache import cache_dir
 from toolchain.evaluate.dataset import EvalData
 from toolchain.evaluate.reference_record import ReferenceRecord
-from toolchain.hashing import blake3_file, digest
+from toolchain.hashing import blake3_file, digest, self_digest
 from toolchain.manifest import code_digest
 from toolchain.settings.evaluation import ARTIFACT_ONLY, TASK_SETTINGS, EvalSettings
 
-SCHEMA = "dstc.reference/1"
+SCHEMA = "dstc.reference/2"  # /2: each entry under a digest of its key and contents
 
 
 def cache_root() -> Path:
@@ -41,37 +45,58 @@ def task_key(source_files: dict[str, str], task_files: dict[str, str], settings:
                    "code": code_digest("toolchain.evaluate.harness")})
 
 
-def load_tasks(key: str) -> dict | None:
-    path = cache_root() / f"tasks-{key}.json"
+def _recorded(path: Path, key: str) -> tuple[dict | None, str | None]:
+    """The JSON document of an entry, if it is this key's and matches its digest; else None and why not."""
+    if not path.is_file():
+        return None, "absent"
     try:
-        entry = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-    return entry.get("scores") if isinstance(entry, dict) and entry.get("key") == key else None
+        recorded = json.loads(path.read_text())
+    except (OSError, ValueError) as e:  # UnicodeDecodeError is a ValueError
+        return None, f"{path.name} unreadable ({type(e).__name__})"
+    if not isinstance(recorded, dict) or recorded.get("schema") != SCHEMA:
+        return None, f"{path.name} written by another version"
+    if recorded.get("key") != key:
+        return None, f"{path.name} holds another key's entry"
+    if recorded.get("digest") != self_digest(recorded):
+        return None, f"{path.name} does not match its digest"
+    return recorded, None
+
+
+def _write(path: Path, document: dict) -> None:
+    """``document`` with its digest (of what a reader will parse), to a temporary name renamed into place."""
+    document = json.loads(json.dumps(document))
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(json.dumps({**document, "digest": self_digest(document)}, indent=2) + "\n")
+    os.replace(tmp, path)
+
+
+def load_tasks(key: str) -> tuple[dict | None, str | None]:
+    """The lm-eval scores under ``key``, or None and why not ("absent", or what is damaged)."""
+    recorded, why = _recorded(cache_root() / f"tasks-{key}.json", key)
+    if recorded is None:
+        return None, why
+    scores = recorded.get("scores")
+    return (scores, None) if isinstance(scores, dict) else (None, "no scores")
 
 
 def store_tasks(key: str, scores: dict) -> None:
     root = cache_root()
     root.mkdir(parents=True, exist_ok=True)
-    tmp = root / f".tasks-{key}.json.tmp-{os.getpid()}"
-    tmp.write_text(json.dumps({"schema": SCHEMA, "key": key, "scores": scores}, indent=2) + "\n")
-    os.replace(tmp, root / f"tasks-{key}.json")
+    _write(root / f"tasks-{key}.json", {"schema": SCHEMA, "key": key, "scores": scores})
 
 
 def load_cached(key: str) -> tuple[ReferenceRecord | None, str | None]:
     """The entry under ``key``, or None and why not ("absent", or what is damaged)."""
-    meta, data = cache_root() / f"{key}.json", cache_root() / f"{key}.npz"
-    if not meta.is_file():
-        return None, "absent"
+    recorded, why = _recorded(cache_root() / f"{key}.json", key)
+    if recorded is None:
+        return None, why
+    data = cache_root() / f"{key}.npz"
     try:
-        recorded = json.loads(meta.read_text())
-        if recorded.get("schema") != SCHEMA or recorded.get("key") != key:
-            return None, "written by another version"
         if not data.is_file() or blake3_file(data) != recorded.get("blake3"):
             return None, f"{data.name} does not match its record"
         return ReferenceRecord.load(data), None
-    except (OSError, ValueError, KeyError) as e:
-        return None, f"unreadable ({type(e).__name__})"
+    except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile) as e:
+        return None, f"{data.name} unreadable ({type(e).__name__})"
 
 
 def store(key: str, record: ReferenceRecord, about: dict) -> Path:
@@ -85,9 +110,5 @@ def store(key: str, record: ReferenceRecord, about: dict) -> Path:
         os.replace(tmp, data)
     finally:
         tmp.unlink(missing_ok=True)
-    text = json.dumps({"schema": SCHEMA, "key": key, "blake3": blake3_file(data),
-                       "seconds": record.seconds, **about}, indent=2) + "\n"
-    tmp_meta = root / f".{key}.json.tmp-{os.getpid()}"
-    tmp_meta.write_text(text)
-    os.replace(tmp_meta, meta)
+    _write(meta, {**about, "schema": SCHEMA, "key": key, "blake3": blake3_file(data), "seconds": record.seconds})
     return data

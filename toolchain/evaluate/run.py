@@ -217,8 +217,10 @@ def reference_task_scores(artifact, settings: EvalSettings, *, reference: str | 
     source, choice = resolve_reference(artifact.manifest, reference)
     key = reference_cache.task_key(checkpoint_hashes(source.path), tasks.task_files(Path(str(settings.task_data))),
                                    settings)
-    scores = reference_cache.load_tasks(key) if settings.reference_cache else None
+    scores, why = reference_cache.load_tasks(key) if settings.reference_cache else (None, "absent")
     reused = scores is not None
+    if why not in (None, "absent"):
+        log(f"the reference cache entry tasks-{key[:16]} is not usable ({why}); scoring the reference again")
     if scores is None:
         require_layered_reference_memory(source)
         ref = open_reference(source, settings.threads, choice)
@@ -248,6 +250,7 @@ def evaluate_artifact(path: Path, settings: EvalSettings | None = None, *, refer
 
     settings = settings if settings is not None else EvalSettings()
     artifact = open_artifact(path)
+    tasks.check(settings)  # before the reference runs (minutes at real size)
     tokenizer = artifact.tokenizer()
     # a bad draft model is bad input now, not after the accuracy runs (it drafts after the latency cases' prompts)
     draft_artifact(settings, artifact,

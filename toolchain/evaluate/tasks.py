@@ -21,6 +21,18 @@ def task_files(task_data: Path) -> dict[str, str]:
             for p in sorted(task_data.rglob("*")) if p.is_file()}
 
 
+def check(settings: EvalSettings) -> None:
+    """The settings' tasks and their data checked before any model runs (toolchain/evaluate/harness.py
+    check_tasks): what is wrong is an InputError now, not after the reference has run."""
+    if not settings.tasks:
+        return
+    # lm-evaluation-harness loads only when tasks are scored
+    from toolchain.evaluate.harness import check_tasks
+
+    check_tasks(settings.tasks, Path(str(settings.task_data)), limit=settings.task_limit,
+                num_fewshot=settings.num_fewshot)
+
+
 def score(decoder, tokenizer, settings: EvalSettings, *, max_length: int, stop_ids: list[int],
           log: Callable[[str], None]) -> dict[str, dict]:
     # lm-evaluation-harness loads only when tasks are scored

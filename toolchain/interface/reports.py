@@ -325,15 +325,17 @@ def _scalar(value):
 
 class StageRecord(Schema):
     """stage.json: which stage made a directory, from what (``parent``: the id of its input) and how (``config``),
-    and the BLAKE3 of every file it wrote, checked before the directory is reused from the stage cache."""
+    and the BLAKE3 of every file it wrote, checked before the directory is reused from the stage cache; ``digest``:
+    the sha256 of the rest, the id with the files' hashes (toolchain/stages/runner.py)."""
 
-    SCHEMA: ClassVar[str] = "dstc.stage/2"  # /2: BLAKE3, where /1 recorded sha256
+    SCHEMA: ClassVar[str] = "dstc.stage/3"  # /2: BLAKE3, where /1 recorded sha256; /3: the digest
     schema_: str = Field(SCHEMA, alias="schema")
     name: str
     id: str
     parent: str
     config: dict
     files: dict[str, str]
+    digest: str
 
 
 # The reports by file name, as a stage directory holds them.

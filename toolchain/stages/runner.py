@@ -15,6 +15,7 @@ checkpoint's file hashes for an export, else the hashes of the input directory a
 
 from __future__ import annotations
 
+import json
 import shutil
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -25,7 +26,7 @@ from toolchain import source as sources
 from toolchain.atomic import MARKER, atomic_output_dir, check_writable_dir, check_writable_target, lock_file
 from toolchain.cache import cache_dir
 from toolchain.errors import InputError
-from toolchain.hashing import blake3_file, digest, file_hashes
+from toolchain.hashing import blake3_file, digest, file_hashes, self_digest
 from toolchain.interface.files import STAGE_RECORD
 from toolchain.interface.reports import (
     STAGE_REPORTS,
@@ -35,6 +36,7 @@ from toolchain.interface.reports import (
     PassesReport,
     StageRecord,
     StageReport,
+    read_json_file,
 )
 from toolchain.manifest import code_digest
 from toolchain.recipe import CompileSection, CompressSection, ExportSection, PassesSection
@@ -149,15 +151,23 @@ def releasing(stage: Stage, entry: Path) -> Stage:
     return replace(stage, run=lambda inp, out, log: run(inp, out, log, release))
 
 
-def cache_damage(target: Path) -> str | None:
-    """None when the stage directory is complete and every file has the hash recorded when it was written; else
-    what is wrong ("absent" when there is no finished stage)."""
+def cache_damage(target: Path, stage_id: str | None = None) -> str | None:
+    """None when the stage directory is complete, its stage.json is ``stage_id``'s (when given) and matches its
+    digest, and every file has the hash recorded when it was written; else what is wrong ("absent" when there is
+    no finished stage). The digest covers the id with the files' hashes: files moved from another entry, with or
+    without its stage.json (its id rewritten or not), do not match."""
     if not (target / STAGE_RECORD).is_file():
         return "absent"
     try:
-        recorded = StageRecord.read(target / STAGE_RECORD).files
+        document = read_json_file(target / STAGE_RECORD, STAGE_RECORD)
+        record = StageRecord.parse(document, str(target / STAGE_RECORD))
     except InputError:
         return f"unreadable {STAGE_RECORD}"
+    if stage_id is not None and record.id != stage_id:
+        return f"{STAGE_RECORD} is another stage's ({record.name} {record.id[:12]})"
+    if document["digest"] != self_digest(document):
+        return f"{STAGE_RECORD} does not match its digest"
+    recorded = record.files
     actual = file_hashes(target, exclude=(STAGE_RECORD, MARKER), hash_file=blake3_file)
     changed = [f"changed {n}" for n in sorted(recorded) if n in actual and actual[n] != recorded[n]]
     changed += [f"missing {n}" for n in sorted(set(recorded) - set(actual))]
@@ -182,8 +192,22 @@ def _run_stage(stage: Stage, input_dir: Path | None, target: Path, stage_id: str
     (target / STAGE_RECORD).unlink(missing_ok=True)
     stage.run(input_dir, target, log)
     files = file_hashes(target, exclude=(STAGE_RECORD, MARKER), hash_file=blake3_file)
-    StageRecord(name=stage.name, id=stage_id, parent=parent, config=stage.config, files=files).write(
-        target / STAGE_RECORD)
+    # the digest of what a reader parses (JSON, not the Python values)
+    document = json.loads(json.dumps({"schema": StageRecord.SCHEMA, "name": stage.name, "id": stage_id,
+                                      "parent": parent, "config": stage.config, "files": files}))
+    document["digest"] = self_digest(document)
+    StageRecord.parse(document)  # a field the record lacks fails here, not when the next build reads it
+    (target / STAGE_RECORD).write_text(json.dumps(document, indent=2) + "\n")
+
+
+def _intact(stage: Stage, target: Path, stage_id: str, log: Log) -> bool:
+    """Whether the cache entry ``target`` holds ``stage_id``'s finished stage; one line when it is there but
+    damaged."""
+    damage = cache_damage(target, stage_id)
+    if damage and damage != "absent":
+        log(f"the stage cache entry {target} does not match what was recorded when it was written ({damage}); "
+            f"running the {stage.name} stage again")
+    return damage is None
 
 
 def run_cached(stage: Stage, input_dir: Path | None, parent: str, *, use_cache: bool, log: Log,
@@ -193,11 +217,7 @@ def run_cached(stage: Stage, input_dir: Path | None, parent: str, *, use_cache: 
     stage_id = stage.id(parent)
     target = _entry(stage, stage_id)
     with _entry_lock(target):
-        damage = cache_damage(target) if use_cache else None
-        cached = use_cache and not damage
-        if damage and damage != "absent":
-            log(f"the stage cache entry {target} does not match what was recorded when it was written ({damage}); "
-                f"running the {stage.name} stage again")
+        cached = use_cache and _intact(stage, target, stage_id, log)
         started(stage_id, cached)
         if not cached:
             _run_stage(stage, input_dir, target, stage_id, parent, log)
@@ -241,7 +261,7 @@ def _run_into(stage: Stage, input_dir: Path | None, parent: str, out_dir: Path, 
     target = _entry(stage, stage_id)
     name = next(file for file, kind in STAGE_REPORTS.items() if kind is report)
     with _entry_lock(target):
-        cached = use_cache and not cache_damage(target)
+        cached = use_cache and _intact(stage, target, stage_id, log)
         if cached:
             log(f"stage {stage_id[:12]} reused from the stage cache ({target})")
             with atomic_output_dir(out_dir) as tmp:
