@@ -37,13 +37,16 @@ def _fd(stream: TextIO) -> int | None:
 @contextmanager
 def stdout_held() -> Iterator[None]:
     """Run the body with fd 1 and ``sys.stdout`` on stderr; `echo` writes to the real stdout meanwhile."""
-    if _held:
+    try:
+        saved = None if _held else os.dup(1)
+    except OSError:  # no stdout at all (closed by the caller): nothing to keep apart
+        saved = None
+    if saved is None:
         yield
         return
     original = sys.stdout
     original.flush()
     sys.stderr.flush()
-    saved = os.dup(1)
     os.dup2(2, 1)
     own = original
     if _fd(original) == 1:  # the process's stdout: written through the saved descriptor
