@@ -99,7 +99,7 @@ def test_a_string_or_number_for_a_boolean_is_refused_as_one_for_a_number(monkeyp
 
 
 def test_string_numbers_were_refused_already_and_true_false_still_load(tmp_path):
-    with pytest.raises(RecipeError, match="compress.group_size"):
+    with pytest.raises(RecipeError, match=r"compress\.group_size"):
         load_recipe(_recipe(tmp_path, f'{BASE}compress: {{scheme: int4-grouped, group_size: "128"}}\n'
                                       "compile: {backend: onnxruntime}\n"))
     recipe = load_recipe(_recipe(tmp_path, f"{BASE}compress: {{scheme: int4-grouped, sym: true, prefill_int8: null}}\n"
