@@ -2,15 +2,15 @@
 
 from __future__ import annotations
 
-import json
 import os
 import sys
+import traceback
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import click
 
-from toolchain import __version__, interrupts
+from toolchain import __version__, interrupts, stdout_guard
 from toolchain.atomic import (
     check_writable_file,
     check_writable_target,
@@ -19,7 +19,7 @@ from toolchain.atomic import (
     write_file_atomically,
 )
 from toolchain.cli_options import given_section, section_options
-from toolchain.errors import DstcError, InputError
+from toolchain.errors import INTERNAL_ERROR_EXIT, INTERRUPTED_EXIT, DstcError, InputError
 from toolchain.gates import GateFailed, GateLimits, check_gates
 from toolchain.interface.reports import CompileReport, CompressionReport, ExportReport, PassesReport
 from toolchain.manifest import read_manifest, sign_artifact, verify_artifact
@@ -35,12 +35,27 @@ from toolchain.serve.settings import SERVE_SPELLINGS, ServeSettings
 from toolchain.settings.evaluation import EvalSettings
 from toolchain.settings.speculation import SpeculationSettings
 from toolchain.signing import generate_keys
+from toolchain.stdout_guard import echo, own_stdout, print_json, stdout_held
 
 if TYPE_CHECKING:
     from rich.status import Status
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+class _Command(click.Command):
+    """A command whose work runs with stdout held for dstc's own output (toolchain/stdout_guard.py): what
+    libraries, runtimes and child processes print goes to stderr. Parsing and --help are not held."""
+
+    def invoke(self, ctx):
+        with stdout_held():
+            return super().invoke(ctx)
+
+
+class _Group(click.Group):
+    command_class = _Command
+    group_class = type  # subgroups (models, passes) are _Groups too
+
+
+@click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="dstc")
 def cli() -> None:
     """dstc: export DeepSeek language models to ONNX, optimise, compress and compile them for CPU inference.
@@ -64,10 +79,10 @@ def models_list(as_json: bool) -> None:
 
     rows = list_embedded()
     if as_json:
-        click.echo(json.dumps(rows, indent=2))
+        print_json(rows)
         return
     for row in rows:
-        click.echo(f"{row['name']:<24} {row['model_type']:<12} {row['parameters']:>10,} params  {row['path']}")
+        echo(f"{row['name']:<24} {row['model_type']:<12} {row['parameters']:>10,} params  {row['path']}")
 
 
 @models.command("make")
@@ -80,7 +95,7 @@ def models_make(names: tuple[str, ...], out_root: Path | None) -> None:
     from toolchain.models.make import make_models
 
     for name, path, metrics in make_models(list(names) or None, out_root):
-        click.echo(f"{name}: {path}  " + "  ".join(f"{k}={v}" for k, v in metrics.items()))
+        echo(f"{name}: {path}  " + "  ".join(f"{k}={v}" for k, v in metrics.items()))
 
 
 @models.command("shape-faithful")
@@ -98,7 +113,7 @@ def models_shape_faithful(reference: str, out_dir: Path, layers: int, experts: i
     from toolchain.models.shape_faithful import make_shape_faithful
 
     path = make_shape_faithful(reference, out_dir, num_layers=layers, num_experts=experts, seed=seed, fp8=fp8)
-    click.echo(str(path))
+    echo(str(path))
 
 
 # Help of each stage option, by section field: the options themselves come from the sections
@@ -200,19 +215,19 @@ def export_cmd(model: str, out_dir: Path, no_cache: bool, as_json: bool, **optio
     report, _ = run_export(model, given_section(ExportSection, options), out_dir, use_cache=not no_cache,
                            log=_logger("export"))
     if as_json:
-        click.echo(json.dumps(report.dump(), indent=2))
+        print_json(report.dump())
         return
     src, graph = report.source, report.graph
-    click.echo(f"{src.spec} ({src.model_type}, {src.parameters:,} parameters) -> {out_dir / 'model.onnx'}  "
+    echo(f"{src.spec} ({src.model_type}, {src.parameters:,} parameters) -> {out_dir / 'model.onnx'}  "
                f"[{graph.nodes} nodes, {graph.size_bytes / 1e6:.1f} MB, {graph.weights} weights]")
     for backend, r in report.parity.items():
         if r.mode == "layer by layer":
-            click.echo(f"parity {backend:<11} {'PASS' if r.passed else 'FAIL'}  layer by layer: max diff "
+            echo(f"parity {backend:<11} {'PASS' if r.passed else 'FAIL'}  layer by layer: max diff "
                        f"{r.max_relative_diff:.2e} of the reference's range (limit "
                        f"{r.tolerance_relative_to_logits_range:.0e}) over {len(r.pieces or {})} pieces")
             continue
         cases = ", ".join(f"{c['name']} {c['relative_diff']:.1e}" for c in r.cases)
-        click.echo(f"parity {backend:<11} {'PASS' if r.passed else 'FAIL'}  max |diff| {r.max_abs_diff:.2e} "
+        echo(f"parity {backend:<11} {'PASS' if r.passed else 'FAIL'}  max |diff| {r.max_abs_diff:.2e} "
                    f"= {r.max_relative_diff:.2e} of logits range (limit {r.tolerance_relative_to_logits_range:.0e}); "
                    f"greedy tokens {'identical' if r.tokens_identical else 'DIFFER'}  [{cases}]")
 
@@ -240,17 +255,17 @@ def optimize_cmd(in_dir: Path, out_dir: Path, no_parity: bool, no_cache: bool, a
     report, _ = run_passes(in_dir, section, out_dir, parity=not no_parity, use_cache=not no_cache,
                            log=_logger("optimize"))
     if as_json:
-        click.echo(json.dumps(report.dump(), indent=2))
+        print_json(report.dump())
         return
-    click.echo(f"{report.target}: {report.input['nodes']} -> {report.output['nodes']} nodes -> "
+    echo(f"{report.target}: {report.input['nodes']} -> {report.output['nodes']} nodes -> "
                f"{out_dir / 'model.onnx'}")
     for stat in report.passes:
         counts = ", ".join(f"{k} {v}" for k, v in stat["counts"].items())
-        click.echo(f"  {stat['name']:<28} {stat['nodes_before']:>6} -> {stat['nodes_after']:<6} {counts}")
+        echo(f"  {stat['name']:<28} {stat['nodes_before']:>6} -> {stat['nodes_after']:<6} {counts}")
     for fusion, count in (report.openvino_fusions or {}).items():
-        click.echo(f"  OpenVINO runtime {fusion}: {count}")
+        echo(f"  OpenVINO runtime {fusion}: {count}")
     for backend, r in (report.parity or {}).items():
-        click.echo(f"parity {backend}: {'PASS' if r.passed else 'FAIL'}, max relative logit diff "
+        echo(f"parity {backend}: {'PASS' if r.passed else 'FAIL'}, max relative logit diff "
                    f"{r.max_relative_diff:.1e}, greedy tokens {'identical' if r.tokens_identical else 'DIFFER'}")
 
 
@@ -278,16 +293,16 @@ def compress_cmd(in_dir: Path, out_dir: Path, target: str, no_cache: bool, as_js
     section = given_section(CompressSection, options, COMPRESS_SPELLINGS)
     report, _ = run_compress(in_dir, section, target, out_dir, use_cache=not no_cache, log=_logger("compress"))
     if as_json:
-        click.echo(json.dumps(report.dump(), indent=2))
+        print_json(report.dump())
         return
     # input_size_bytes: every compress stage records it
-    click.echo(f"{report.scheme} for {target} -> {out_dir}: {report.input_size_bytes / 1e6:.1f} MB -> "  # type: ignore[operator]
+    echo(f"{report.scheme} for {target} -> {out_dir}: {report.input_size_bytes / 1e6:.1f} MB -> "  # type: ignore[operator]
                f"{report.size_bytes / 1e6:.1f} MB, {report.weights.bits_per_weight:.2f} bits/weight")
     model = report.model
     if model.top1_agreement is None:
-        click.echo(f"weight errors measured per weight; {model.note or 'the model was not run'}")
+        echo(f"weight errors measured per weight; {model.note or 'the model was not run'}")
         return
-    click.echo(f"vs uncompressed on {model.tokens} calibration tokens: top-1 agreement {model.top1_agreement:.3f}, "
+    echo(f"vs uncompressed on {model.tokens} calibration tokens: top-1 agreement {model.top1_agreement:.3f}, "
                f"mean KL {model.kl_mean:.2e}" + (f", min MoE routing agreement {report.routing_agreement_min:.3f}"
                                                  if report.routing_agreement_min is not None else ""))
 
@@ -314,14 +329,14 @@ def compile_cmd(export_dir: Path, out_dir: Path, no_cache: bool, as_json: bool, 
     section = given_section(CompileSection, options)
     report, _ = run_compile(export_dir, section, out_dir, use_cache=not no_cache, log=_logger("compile"))
     if as_json:
-        click.echo(json.dumps(report.dump(), indent=2))
+        print_json(report.dump())
         return
-    click.echo(f"{report.backend} artifact for {report.model_type} -> {out_dir} ({len(report.files)} files)")
+    echo(f"{report.backend} artifact for {report.model_type} -> {out_dir} ({len(report.files)} files)")
     verification = report.verification
     if verification and verification.get("skipped"):
-        click.echo(f"verification skipped: {verification['skipped']}")
+        echo(f"verification skipped: {verification['skipped']}")
     elif verification:
-        click.echo(f"verified against {verification['reference']}: {'PASS' if verification['passed'] else 'FAIL'}, "
+        echo(f"verified against {verification['reference']}: {'PASS' if verification['passed'] else 'FAIL'}, "
                    f"max relative logit diff {verification['max_relative_diff']:.1e}, greedy tokens "
                    f"{'identical' if verification['tokens_identical'] else 'DIFFER'}")
 
@@ -404,17 +419,17 @@ def _print_build_summary(manifest, out_dir: Path) -> None:
     for stage in manifest.stages:
         cached = "cached" if stage.name in prov.cached_stages else f"{prov.durations_s[stage.name]:.1f} s"
         table.add_row(stage.name, stage.id[:12], cached, _stage_check(stage.name, prov))
-    console = Console()
+    console = Console(file=own_stdout())
     console.print(table)
     size = sum((out_dir / f).stat().st_size for f in manifest.files)
     console.print(f"artifact {out_dir}  ({len(manifest.files)} files, {size / 1e6:.1f} MB, "
                   f"built in {prov.durations_s['total']:.1f} s)")
     if (out_dir / "report.json").is_file():
         report = load_report(out_dir / "report.json")
-        click.echo(render_summary(report))  # plain text: its own line breaks, not the console's wrapping
+        echo(render_summary(report))  # plain text: its own line breaks, not the console's wrapping
         if report.gates:
             _print_gates(report.gates)
-        click.echo(f"report: {(out_dir / 'report.html').resolve()}")
+        echo(f"report: {(out_dir / 'report.html').resolve()}")
 
 
 # --ray without an address
@@ -488,7 +503,7 @@ def build_cmd(recipes: tuple[Path, ...], out_dir: Path | None, model: str | None
     finally:
         display.close()
     if as_json:
-        click.echo(json.dumps(manifest, indent=2))
+        print_json(manifest)
     else:
         typed = Manifest.parse(manifest)
         _print_build_summary(typed, Path(typed.provenance.output))
@@ -508,8 +523,8 @@ def _build_set(recipes: list[Path], out_dir: Path | None, model: str | None, use
 
         outcomes = run_on_ray(jobs, None if ray_address == _LOCAL_RAY else ray_address, model, use_cache, parts)
     if as_json:
-        click.echo(json.dumps([{"recipe": o.name, "output": str(o.out_dir), "exit_code": o.exit_code,
-                                "error": o.error, "manifest": o.manifest or None} for o in outcomes], indent=2))
+        print_json([{"recipe": o.name, "output": str(o.out_dir), "exit_code": o.exit_code, "error": o.error,
+                     "manifest": o.manifest or None} for o in outcomes])
     for o in outcomes:
         if o.exit_code == 0:
             seconds = o.manifest["provenance"]["durations_s"]["total"]
@@ -530,11 +545,11 @@ def verify_cmd(artifact: Path, public_key: Path | None) -> None:
     changed, missing or extra file, 2 if ARTIFACT is not an artifact."""
     problems = verify_artifact(artifact, public_key)
     for problem in problems:
-        click.echo(problem)
+        echo(problem)
     if problems:
         sys.exit(1)
     signed = " and is signed by that key" if public_key else ""
-    click.echo(f"{artifact}: every file matches manifest.json{signed}")
+    echo(f"{artifact}: every file matches manifest.json{signed}")
 
 
 @cli.command("sign")
@@ -545,7 +560,7 @@ def verify_cmd(artifact: Path, public_key: Path | None) -> None:
 def sign_cmd(artifact: Path, key: Path) -> None:
     """Sign ARTIFACT's manifest.json with an Ed25519 key (manifest.json.sig), after checking every file against
     it. `dstc verify ARTIFACT --public-key PUB` checks the signature."""
-    click.echo(str(sign_artifact(artifact, key)))
+    echo(str(sign_artifact(artifact, key)))
 
 
 @cli.command("keygen")
@@ -555,7 +570,7 @@ def keygen_cmd(private_key: Path, public_key: Path) -> None:
     """Write a new Ed25519 key pair (PEM) for `dstc sign` and `dstc verify --public-key`; existing files are
     never overwritten."""
     generate_keys(private_key, public_key)
-    click.echo(f"private key {private_key} (mode 0600), public key {public_key}")
+    echo(f"private key {private_key} (mode 0600), public key {public_key}")
 
 
 EVAL_SPELLINGS = {"reference_cache": "--reference-cache/--no-reference-cache", "latency": "--latency/--no-latency",
@@ -608,10 +623,10 @@ def eval_cmd(artifact: Path, reference: str | None, out_dir: Path | None, as_jso
     report = evaluate_artifact(artifact, settings, reference=reference, log=_logger("eval"))
     written = write_report(report, ensure_output_dir(out_dir) if out_dir is not None else artifact)
     if as_json:
-        click.echo(json.dumps(report.dump(), indent=2))
+        print_json(report.dump())
         return
-    click.echo(render_summary(report))
-    click.echo(f"report: {written[-1]}")
+    echo(render_summary(report))
+    echo(f"report: {written[-1]}")
 
 
 @cli.command("compare")
@@ -640,12 +655,12 @@ def compare_cmd(artifacts: tuple[Path, ...], reference: str | None, html_out: Pa
     if html_out:
         write_file_atomically(html_out, render_comparison_html(reports, labels))
     if as_json:
-        click.echo(json.dumps({"labels": labels, "rows": comparison_rows(reports, labels),
-                               "reports": [r.dump() for r in reports]}, indent=2))
+        print_json({"labels": labels, "rows": comparison_rows(reports, labels),
+                    "reports": [r.dump() for r in reports]})
         return
-    click.echo(render_comparison_text(reports, labels))
+    echo(render_comparison_text(reports, labels))
     if html_out:
-        click.echo(f"comparison: {html_out}")
+        echo(f"comparison: {html_out}")
 
 
 GATE_SPELLINGS = {"max_perplexity_increase": "--max-ppl-increase", "min_top1_agreement": "--min-top1",
@@ -669,7 +684,7 @@ def gate_cmd(report_path: Path, as_json: bool, **options) -> None:
     baseline = load_report(Path(limits.baseline)) if limits.baseline else None
     results = check_gates(load_report(report_path), limits, baseline)
     if as_json:
-        click.echo(json.dumps([r.model_dump() for r in results], indent=2))
+        print_json([r.model_dump() for r in results])
     else:
         _print_gates(results)
     if not all(r.passed for r in results):
@@ -684,7 +699,7 @@ def _print_gates(results) -> None:
              for r in results]
     widths = [max(len(row[i]) for row in rows) for i in range(4)]
     for row in rows:
-        click.echo("  ".join(cell.ljust(w) for cell, w in zip(row, widths)) + "  " + row[4])
+        echo("  ".join(cell.ljust(w) for cell, w in zip(row, widths)) + "  " + row[4])
 
 
 @cli.command("generate")
@@ -725,13 +740,13 @@ def generate_cmd(artifact: Path, prompt: str, max_new_tokens: int, chat: bool | 
     decoder = open_decoder(art, threads=threads, extra_outputs=speculation.main_outputs if speculation else (),
                            openvino_runtime_cache=runtime_cache)
     if as_json:
-        click.echo(json.dumps(answer_record(art, decoder, prompt, max_new_tokens=max_new_tokens, chat=chat,
-                                            speculation=speculation), indent=2))
+        print_json(answer_record(art, decoder, prompt, max_new_tokens=max_new_tokens, chat=chat,
+                                 speculation=speculation))
         return
     for piece in stream_text(art, decoder, prompt, max_new_tokens=max_new_tokens, chat=chat,
                              speculation=speculation):
-        click.echo(piece, nl=False)
-    click.echo()
+        echo(piece, nl=False)
+    echo()
     if speculation is not None:
         rates = " ".join(f"{r:.2f}" for r in speculation.acceptance.rates)
         click.echo(f"speculation: {speculation.acceptance.steps} verify steps, acceptance per draft position "
@@ -754,10 +769,10 @@ def passes_list(target: str | None, as_json: bool) -> None:
 
     rows = list_passes(target)
     if as_json:
-        click.echo(json.dumps(rows, indent=2))
+        print_json(rows)
         return
     for row in rows:  # a row's targets: a list of names
-        click.echo(f"{row['name']:<28} {','.join(row['targets']):<22} {row['description']}")  # type: ignore[arg-type]
+        echo(f"{row['name']:<28} {','.join(row['targets']):<22} {row['description']}")  # type: ignore[arg-type]
 
 
 @cli.command("serve")
@@ -786,26 +801,42 @@ def serve_cmd(artifact: Path, host: str, port: int, api_key: str | None, api_key
     serve(artifact, settings, host=host, port=port, log=lambda m: click.echo(m, err=True))
 
 
+def _exit(message: str, code: int, as_json: bool, prefix: str = "dstc: error: ") -> None:
+    """One line on stderr, the failure's JSON document on stdout with --json, and the exit code."""
+    click.echo(f"{prefix}{message}", err=True)
+    if as_json:
+        stdout_guard.print_json_error(message, code)
+    sys.exit(code)
+
+
 def main() -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never download: checkpoints come from disk or the HF cache
     interrupts.install()
+    as_json = stdout_guard.json_requested(sys.argv[1:])
+    stdout_guard.start()
     try:
         cli(standalone_mode=False)
         interrupts.raise_if_interrupted()
     except (click.exceptions.Abort, KeyboardInterrupt):
-        click.echo("dstc: interrupted", err=True)
-        sys.exit(130)
+        _exit("interrupted", INTERRUPTED_EXIT, as_json, prefix="dstc: ")
     except click.ClickException as e:
         # one line, as for every other bad input (click's own form spreads it over a usage block)
         ctx = getattr(e, "ctx", None)  # a UsageError's
         command = f" (see {ctx.command_path} --help)" if ctx is not None else ""
-        click.echo(f"dstc: error: {e.format_message()}{command}", err=True)
-        sys.exit(2)
+        _exit(f"{e.format_message()}{command}", InputError.exit_code, as_json)
     except DstcError as e:
-        click.echo(f"dstc: error: {e}", err=True)
-        sys.exit(e.exit_code)
+        _exit(str(e), e.exit_code, as_json)
     except OSError as e:
         if not is_write_error(e):
-            raise
-        click.echo(f"dstc: error: {e.strerror}: {e.filename}", err=True)  # a full disk is not a bug: no traceback
-        sys.exit(2)
+            _internal_error(e, as_json)
+        _exit(f"{e.strerror}: {e.filename}", InputError.exit_code, as_json)  # a full disk is not a bug: no traceback
+    except Exception as e:
+        _internal_error(e, as_json)
+
+
+def _internal_error(error: Exception, as_json: bool) -> None:
+    """A bug: its traceback, then one line saying so, exit 70 (EX_SOFTWARE) apart from every documented failure."""
+    traceback.print_exception(error)
+    what = " ".join(f"{type(error).__name__}: {error}".split())[:300]  # one line: the traceback has it whole
+    _exit(f"internal error ({what}): a bug in dstc; please report it with the command line and the traceback above",
+          INTERNAL_ERROR_EXIT, as_json, prefix="dstc: ")

@@ -1,7 +1,7 @@
 """The toolchain's error hierarchy.
 
-The CLI prints a DstcError as one line and exits with its ``exit_code``; any other exception is a bug and
-keeps its traceback.
+The CLI prints a DstcError as one line and exits with its ``exit_code``; any other exception is a bug: it keeps its
+traceback, followed by one line asking for a bug report, and exits with INTERNAL_ERROR_EXIT.
 """
 
 
@@ -67,3 +67,9 @@ class CompressionError(DstcError):
     written as zeros, a scale that underflowed). The message names the worst weight; nothing is written."""
 
     exit_code = 6
+
+
+# Exit codes that are no DstcError's (README "Exit codes"): an unexpected exception is a bug (EX_SOFTWARE of
+# sysexits.h, apart from every documented failure), Ctrl-C is 128 + SIGINT.
+INTERNAL_ERROR_EXIT = 70
+INTERRUPTED_EXIT = 130

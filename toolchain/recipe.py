@@ -186,11 +186,17 @@ class ServeSection(Section):
         return self
 
 
+# Bounds of free text: a recipe is a page of settings, not a place for a megabyte of prose (a name is a directory's,
+# which file systems bound at 255 bytes; a model a path or hub id, which Linux bounds at 4096).
+DESCRIPTION_CHARS, NAME_CHARS, PATH_CHARS = 2000, 200, 4096
+
+
 class Recipe(Section):
-    name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
-    description: str = ""
-    model: str
-    revision: str | None = None  # a real checkpoint's pinned commit, checked against the local copy
+    name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$", max_length=NAME_CHARS)
+    description: str = Field("", max_length=DESCRIPTION_CHARS)
+    model: str = Field(max_length=PATH_CHARS)
+    # a real checkpoint's pinned commit, checked against the local copy
+    revision: str | None = Field(None, max_length=NAME_CHARS)
     export: ExportSection = Field(default_factory=ExportSection)
     passes: PassesSection | None = None
     compress: CompressSection | None = None
@@ -198,6 +204,22 @@ class Recipe(Section):
     eval: EvalSettings | None = None  # evaluate the artifact after building it (report files inside it)
     gates: GateLimits | None = None  # fail the build (exit 1, report kept) when a gate fails; implies eval
     serve: ServeSection | None = None
+
+    @model_validator(mode="after")
+    def _one_runtime(self) -> Recipe:
+        """Every stage builds for the compile backend: a passes target or a MoE lowering for another runtime is
+        refused when the recipe loads, not found by a stage that cannot convert the other's operators."""
+        # the exporter (torch, onnx_ir) loads only where a recipe is checked
+        from toolchain.export.moe import RUNS_ON
+
+        backend = self.compile.backend
+        if self.passes and self.passes.target != backend:
+            raise ValueError(f"passes.target is {self.passes.target} and compile.backend is {backend}: the stages "
+                             "build for one runtime, set both to the same")
+        if self.export.moe in RUNS_ON and backend not in RUNS_ON[self.export.moe]:
+            raise ValueError(f"export.moe is {self.export.moe}, which runs on {', '.join(RUNS_ON[self.export.moe])} "
+                             f"only, and compile.backend is {backend}: choose another lowering (or auto)")
+        return self
 
     @model_validator(mode="after")
     def _compression_fits_the_backend(self) -> Recipe:
@@ -210,12 +232,19 @@ class Recipe(Section):
         return hashlib.sha256(json.dumps(self.model_dump(mode="json"), sort_keys=True).encode()).hexdigest()
 
 
+_MERGE = "tag:yaml.org,2002:merge"
+ANCHOR_PREFIX = "x-"
+
+
 class _UniqueKeyLoader(yaml.SafeLoader):
-    """YAML's safe loader, refusing a key given twice in one mapping (plain YAML keeps the last silently)."""
+    """YAML's safe loader, refusing a key given twice in one mapping (plain YAML keeps the last silently). Merge
+    keys (``<<: *base``) are YAML's: the mapping's own keys override the merged ones, and are the ones checked."""
 
     def construct_mapping(self, node, deep=False):
         seen = set()
         for key_node, _ in node.value:
+            if key_node.tag == _MERGE:  # no object of its own: SafeLoader's construct_mapping merges it in
+                continue
             key = self.construct_object(key_node, deep=deep)
             try:
                 duplicate = key in seen
@@ -244,13 +273,17 @@ def load_recipe(path: Path, model_override: str | None = None) -> Recipe:
         raise RecipeError(f"{path}: nested too deeply to be a recipe") from None
     if not isinstance(data, dict):
         raise RecipeError(f"{path}: a recipe is a mapping of keys to values")
+    # top-level x- keys hold what the recipe's anchors name (``x-base: &base {...}``, merged with ``<<: *base``),
+    # as in Compose files: YAML only, no part of the recipe
+    data = {k: v for k, v in data.items() if not (isinstance(k, str) and k.startswith(ANCHOR_PREFIX))}
     if model_override:
         data = {**data, "model": model_override, "revision": None}
     try:
         return Recipe.model_validate(data)
     except ValidationError as e:
         first = e.errors()[0]
-        key = ".".join(str(p) for p in first["loc"]) or "(top level)"
+        # a rule across sections names its keys itself
+        key = ".".join(str(p) for p in first["loc"])
         problem = "unknown key" if first["type"] == "extra_forbidden" else first["msg"].removeprefix("Value error, ")
         more = f" (and {e.error_count() - 1} more)" if e.error_count() > 1 else ""
-        raise RecipeError(f"{path}: {key}: {problem}{more}") from None
+        raise RecipeError(f"{path}: {key + ': ' if key else ''}{problem}{more}") from None

@@ -7,6 +7,8 @@ from pathlib import Path
 
 # The class names under which a tokenizer_config.json asks for tokenizer.json as it is, with no model's own class
 GENERIC_TOKENIZERS = ("TokenizersBackend", "PreTrainedTokenizerFast")
+# transformers' key of its "Token indices sequence length is longer than the specified maximum" warning
+LONG_TEXT_WARNING = "sequence-length-is-longer-than-the-specified-maximum"
 
 
 def load_tokenizer(path: Path):
@@ -20,5 +22,11 @@ def load_tokenizer(path: Path):
     config_file = Path(path) / "tokenizer_config.json"
     declared = json.loads(config_file.read_text()).get("tokenizer_class") if config_file.is_file() else None
     if declared in GENERIC_TOKENIZERS and (Path(path) / "tokenizer.json").is_file():
-        return PreTrainedTokenizerFast.from_pretrained(path)
-    return AutoTokenizer.from_pretrained(path)
+        tokenizer = PreTrainedTokenizerFast.from_pretrained(path)
+    else:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    # dstc measures a text against the model's context itself (a prompt: one line, exit 2; eval's data: cut into
+    # windows): transformers' warning of a text longer than model_max_length, printed before that line, is marked as
+    # given, as transformers does after printing it once
+    tokenizer.deprecation_warnings[LONG_TEXT_WARNING] = True
+    return tokenizer

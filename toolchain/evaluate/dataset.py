@@ -20,6 +20,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from toolchain.chat_roles import CHAT_ROLES
 from toolchain.errors import InputError
 from toolchain.models import corpus
 from toolchain.settings.evaluation import EvalSettings
@@ -108,6 +109,9 @@ def _record(path: Path, n: int, record: dict, tokenizer) -> tuple[str | None, tu
                 isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
                 for m in messages)):
             raise InputError(f"{where}: messages must be a list of {{role, content}} strings")
+        if unknown := sorted({m["role"] for m in messages} - set(CHAT_ROLES)):
+            raise InputError(f"{where}: unknown message role {', '.join(map(repr, unknown))} (one of "
+                             f"{', '.join(CHAT_ROLES)}, as the server's)")
         if getattr(tokenizer, "chat_template", None) is None:
             raise InputError(f"{where}: chat messages, but the artifact's tokenizer has no chat template")
         if messages[-1]["role"] == "assistant" and len(messages) > 1:

@@ -18,6 +18,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, field_validator, model_validator
 
+from toolchain.chat_roles import ChatRole
+
 MAX_STOP_SEQUENCES = 4
 MAX_STOP_CHARS = 256  # per stop sequence: holding back a partial match costs its length squared per token
 MAX_SEED = 2**64 - 1
@@ -109,7 +111,7 @@ class ContentPart(_Body):
 
 
 class ChatMessage(_Body):
-    role: Literal["system", "developer", "user", "assistant", "tool"]
+    role: ChatRole
     content: StrictStr | list[ContentPart] | None = None
 
     def text(self) -> str:
