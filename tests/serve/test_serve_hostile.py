@@ -497,6 +497,29 @@ def test_api_keys_and_addresses(tmp_path):
         assert not authorized(header, (KEY,)), header
 
 
+def test_a_port_in_use_is_refused_in_one_line_before_the_artifact_is_opened(monkeypatch, capsys, tmp_path):
+    from conftest import run_cli
+
+    from toolchain.serve import server as server_module
+
+    opened = []
+    real_open = server_module.open_artifact
+
+    def open_artifact(path):
+        opened.append(path)
+        return real_open(path)
+
+    monkeypatch.setattr(server_module, "open_artifact", open_artifact)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        code, out, err = run_cli(monkeypatch, capsys, "serve", tmp_path / "artifact", "--port", port)
+    assert (code, out) == (2, "")
+    assert err == f"dstc: error: cannot listen on 127.0.0.1:{port}: Address already in use\n"
+    assert opened == []  # nor its tokenizer read, nor an engine started
+
+
 # -- case 7: internal errors -----------------------------------------------------------------------------------------
 
 
