@@ -312,9 +312,10 @@ class Generation:
         parts: list[str] = []
 
         async def generate() -> tuple[str, FinishReason | None]:
-            finish = None
-            async for text, finish in self.pieces():
+            finish: FinishReason | None = None
+            async for text, reason in self.pieces():
                 parts.append(text)
+                finish = reason
             return "".join(parts), finish
 
         async def disconnect() -> None:
