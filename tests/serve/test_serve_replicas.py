@@ -20,6 +20,7 @@ import psutil
 import pytest
 from serve_helpers import ROOT, Server, build_artifacts
 
+from toolchain.distributed.ray_cluster import sigterm_exits
 from toolchain.serve.replica import _cpu_list, core_set
 
 openai = pytest.importorskip("openai")
@@ -100,6 +101,20 @@ def test_the_router_prefers_the_replica_holding_the_prompt_prefix_unless_it_is_o
     assert asyncio.run(router.choose_replicas([a, b], request(prompt))) == [[a], [a, b]]
     b.routing_stats.update(kv_cache_usage=0.2, state="failed")  # its engine died: left out until replaced
     assert asyncio.run(router.choose_replicas([a, b], request(prompt))) == [[a], [a]]
+
+
+@pytest.mark.subprocess  # a SIGTERM not handled ends the process
+def test_sigterm_under_sigterm_exits_is_exit_143_even_when_the_code_it_hit_exits_otherwise():
+    """dstc build --ray: SIGTERM raised in ray.get came out as Ray's SystemExit(1), and before, with Ray's C++
+    handler, as an abort (-6) that skipped Ray's shutdown."""
+    before = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(SystemExit) as exit_, sigterm_exits():
+        try:
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(5)
+        except SystemExit:
+            raise SystemExit(1) from None  # what ray.get makes of it
+    assert exit_.value.code == 143 and signal.getsignal(signal.SIGTERM) is before
 
 
 # -- servers ------------------------------------------------------------------------------------------------------
