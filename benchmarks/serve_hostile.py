@@ -1,4 +1,5 @@
-"""`dstc serve` under hostile clients: issue #22's server cases (1-7) replayed against a server of each artifact.
+"""`dstc serve` under hostile clients: issue #22's server cases (1-7) and issue #39's (8-10) replayed against a server
+of each artifact.
 
 For each artifact, a `dstc serve` child on a free port of 127.0.0.1 (the only address this script sends anything
 to), at the default limits and timeouts, with an API key. Then, in order:
@@ -14,7 +15,13 @@ to), at the default limits and timeouts, with an API key. Then, in order:
    they are held; then a stream whose client reads nothing;
 6. no key, a wrong key, the key; /health and /metrics without one; `--host 0.0.0.0` without a key;
 7. the engine process killed under a request: its 500's body and the log line with its request id; the
-   X-Request-Id header on every response seen.
+   X-Request-Id header on every response seen;
+8. eight non-streaming 1000-token requests whose clients close their sockets after 0.5 s: the running batch
+   afterwards, the requests counted as cancelled;
+9. a second `dstc serve` on the port the first one holds: its exit code, its one line and how long it took;
+10. `dstc serve --replicas 2` started and stopped by SIGTERM (--replica-cycles times, 3 by default; 0 skips it): its
+   exit, its processes (its local Ray's) still running after it exited, and Ray's or dstc's orphaned processes
+   (under PID 1) on the machine before and after the cycles.
 
 Printed per case: what was sent, the outcome (HTTP status, message, figures) and PASS / FAIL. Every wait is
 bounded; the run stops by itself (with the default timeouts, about two minutes per artifact).
@@ -63,6 +70,7 @@ class Row:
 class Server:
     artifact: Path
     threads: int
+    start_args: tuple[str, ...] = ()
     process: subprocess.Popen | None = None
     port: int = 0
     log: list[str] = field(default_factory=list)
@@ -73,7 +81,7 @@ class Server:
         self.name = self.artifact.resolve().name
         self.process = subprocess.Popen(
             [sys.executable, "-m", "toolchain", "serve", str(self.artifact), "--host", HOST, "--port", "0",
-             "--threads", str(self.threads), "--api-key-file", "/dev/stdin"],
+             "--threads", str(self.threads), "--api-key-file", "/dev/stdin", *self.start_args],
             cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         assert self.process.stdin is not None
         self.process.stdin.write(KEY + "\n")  # the key off the command line, as --api-key-file is for
@@ -426,6 +434,79 @@ def case7(server: Server, seen_ids: list[str]) -> list[Row]:
     return rows
 
 
+def case8(server: Server) -> list[Row]:
+    body = json.dumps({"model": server.name, "prompt": PROMPT, "max_tokens": 1000, "ignore_eos": True,
+                       "temperature": 0}).encode()
+    cancelled_before = _labelled(server, "dstc_requests_total", 'finish_reason="cancelled"')
+    clients = [connect(server, head(f"Content-Length: {len(body)}") + body) for _ in range(8)]
+    time.sleep(0.5)
+    running = [server.metric("dstc_running_batch_size")]
+    for sock in clients:
+        sock.close()
+    closed_at = time.monotonic()
+    while time.monotonic() - closed_at < 2.0:
+        time.sleep(0.25)
+        running.append(server.metric("dstc_running_batch_size"))
+    cancelled = _labelled(server, "dstc_requests_total", 'finish_reason="cancelled"') - cancelled_before
+    return [Row("8", "8 x 1000 tokens, sockets closed after 0.5 s",
+                f"running batch at close and every 0.25 s for 2 s: {[int(r) for r in running]}; cancelled "
+                f"{cancelled:.0f}", running[-1] == 0 and cancelled == 8)]
+
+
+def _labelled(server: Server, name: str, label: str) -> float:
+    """A labelled sample of /metrics (0 before its first observation)."""
+    for line in httpx.get(server.base + "/metrics", timeout=10).text.splitlines():
+        if line.startswith(f"{name}{{{label}}} "):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def case9(server: Server) -> list[Row]:
+    started = time.perf_counter()
+    result = subprocess.run([sys.executable, "-m", "toolchain", "serve", str(server.artifact), "--port",
+                             str(server.port)], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    seconds = time.perf_counter() - started
+    line = result.stderr.strip()
+    return [Row("9", "dstc serve on the port in use", f"exit {result.returncode} in {seconds:.1f} s: {line[:70]}",
+                result.returncode == 2 and "\n" not in line and "Address already in use" in line)]
+
+
+def case10(artifact: Path, cycles: int) -> list[Row]:
+    import psutil
+
+    def orphans() -> set[int]:
+        """Ray's or dstc's processes whose parent is gone (re-parented to PID 1), as the leaked agents were: not
+        those of a server still running (another one on the machine)."""
+        found = set()
+        for process in psutil.process_iter(["cmdline", "ppid"]):
+            command = " ".join(process.info["cmdline"] or [])
+            if process.info["ppid"] == 1 and ("ray::" in command or "/ray/" in command or "toolchain" in command):
+                found.add(process.pid)
+        return found
+
+    before = orphans()
+    rows = []
+    for cycle in range(cycles):
+        server = Server(artifact, 1, ("--replicas", "2"))
+        server.start(timeout=300)
+        assert server.process is not None
+        tree = psutil.Process(server.process.pid).children(recursive=True)
+        started = time.monotonic()
+        server.stop()
+        seconds = time.monotonic() - started
+        _, alive = psutil.wait_procs(tree, timeout=5)
+        dumped = [line for line in server.log if "SIGTERM received" in line or "logging.cc" in line]
+        rows.append(Row("10", f"--replicas 2, SIGTERM (cycle {cycle + 1})",
+                        f"exit {server.process.returncode} in {seconds:.1f} s; of its {len(tree)} processes "
+                        f"{len(alive)} left {sorted(p.name() for p in alive)}; C++ dump lines: {len(dumped)}",
+                        not alive and not dumped and server.process.returncode == -signal.SIGTERM))
+    left = orphans() - before
+    megabytes = sum(p.memory_info().rss for p in map(psutil.Process, left) if p.is_running()) / 2**20
+    rows.append(Row("10", f"orphaned Ray / dstc processes, {cycles} cycles", f"{len(before)} before, {len(left)} "
+                    f"more after ({megabytes:.0f} MB)", not left))
+    return rows
+
+
 def run(artifact: Path, connections: int, threads: int) -> tuple[list[Row], dict]:
     server = Server(artifact, threads)
     server.start()
@@ -442,7 +523,7 @@ def run(artifact: Path, connections: int, threads: int) -> tuple[list[Row], dict
         rows = case1(server)
         more, figures = case2(server)
         rows += more + case3(server) + case4(server, connections) + case5(server, connections) + case6(server)
-        rows += case7(server, seen)
+        rows += case8(server) + case9(server) + case7(server, seen)
         return rows, figures
     finally:
         server.stop()
@@ -453,6 +534,7 @@ def main() -> None:
     parser.add_argument("artifacts", nargs="+", type=Path)
     parser.add_argument("--connections", type=int, default=2000, help="slow / early-closing connections (cases 4, 5)")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--replica-cycles", type=int, default=3, help="dstc serve --replicas 2 starts (case 10)")
     args = parser.parse_args()
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (min(hard, max(soft, 2 * args.connections + 512)), hard))
@@ -460,6 +542,8 @@ def main() -> None:
     for artifact in args.artifacts:
         started = time.monotonic()
         rows, figures = run(artifact, args.connections, args.threads)
+        if args.replica_cycles:
+            rows += case10(artifact, args.replica_cycles)
         print(f"\n{artifact.resolve().name} ({time.monotonic() - started:.0f} s)")
         print(f"{'case':<5} {'sent':<58} {'outcome':<100} result")
         for row in rows:

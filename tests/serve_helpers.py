@@ -146,11 +146,11 @@ class Server:
                 return lines
             time.sleep(0.05)
 
-    def stop(self) -> None:
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 15.0) -> None:
         if self.process.poll() is None:
-            self.process.terminate()
+            self.process.send_signal(sig)
             try:
-                self.process.wait(15)
+                self.process.wait(timeout)
             except subprocess.TimeoutExpired:
                 self.process.kill()
                 self.process.wait()

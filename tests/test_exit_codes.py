@@ -24,9 +24,10 @@ MODEL = "r1-distill-qwen-tiny"
 
 
 def _table_codes(path: str = "README.md", heading: str = "## Exit codes") -> list[int]:
-    text = (REPO / path).read_text()
-    table = text.split(f"{heading}\n", 1)[1].split("\n\n", 2)[1].split("\n\n", 1)[0]
-    return [int(m) for m in re.findall(r"^\| `(\d+)` \|", table, flags=re.M)]
+    section = (REPO / path).read_text().split(f"{heading}\n", 1)[1]
+    table = re.search(r"(?:^\|.*\n)+", section, flags=re.M)  # the section's first table
+    assert table is not None
+    return [int(m) for m in re.findall(r"^\| `(\d+)` \|", table.group(0), flags=re.M)]
 
 
 def _error_classes(cls=errors.DstcError):

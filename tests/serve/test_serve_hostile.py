@@ -432,6 +432,26 @@ def test_a_stream_nobody_reads_is_disconnected_and_its_request_freed(servers):
     assert drained["dstc_queue_depth"] == 0
 
 
+def test_non_streaming_requests_whose_clients_went_away_leave_the_batch(servers):
+    """Issue #39: each step brought a piece of text, so the check for a gone client (made only after a quiet
+    half-second) never ran: abandoned requests kept their slots and generated all their tokens."""
+    server = servers["onnxruntime"]
+    before = server.metrics()
+    body = json.dumps({"model": server.name, "prompt": PROMPT, "max_tokens": 1000, "temperature": 0,
+                       "ignore_eos": True})
+    head = post_head("/v1/completions", f"Content-Length: {len(body)}", f"Authorization: Bearer {KEY}").encode()
+    clients = [socket.create_connection(server.address) for _ in range(4)]
+    for sock in clients:
+        sock.sendall(head + body.encode())
+    server.wait_for(lambda m: m["dstc_running_batch_size"] == 4, timeout=30)
+    for sock in clients:
+        sock.close()
+    after = server.wait_for(lambda m: m["dstc_running_batch_size"] == 0, timeout=30)
+    cancelled = "dstc_requests_total{finish_reason=cancelled}"
+    assert after[cancelled] - before.get(cancelled, 0) == 4
+    assert after["dstc_generation_tokens_total"] - before["dstc_generation_tokens_total"] < 4 * 1000
+
+
 # -- case 6: authentication ------------------------------------------------------------------------------------------
 
 
@@ -495,6 +515,29 @@ def test_api_keys_and_addresses(tmp_path):
     assert authorized(f"bearer  {KEY} ".encode(), (KEY,))
     for header in (None, b"", KEY.encode(), f"Bearer {KEY[:-1]}".encode(), b"Bearer ", f"Token {KEY}".encode()):
         assert not authorized(header, (KEY,)), header
+
+
+def test_a_port_in_use_is_refused_in_one_line_before_the_artifact_is_opened(monkeypatch, capsys, tmp_path):
+    from conftest import run_cli
+
+    from toolchain.serve import server as server_module
+
+    opened = []
+    real_open = server_module.open_artifact
+
+    def open_artifact(path):
+        opened.append(path)
+        return real_open(path)
+
+    monkeypatch.setattr(server_module, "open_artifact", open_artifact)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        code, out, err = run_cli(monkeypatch, capsys, "serve", tmp_path / "artifact", "--port", port)
+    assert (code, out) == (2, "")
+    assert err == f"dstc: error: cannot listen on 127.0.0.1:{port}: Address already in use\n"
+    assert opened == []  # nor its tokenizer read, nor an engine started
 
 
 # -- case 7: internal errors -----------------------------------------------------------------------------------------

@@ -14,7 +14,7 @@ import os
 
 from toolchain.build_set import Job, LineEvents, Outcome, run_one, spread
 from toolchain.cache import cache_dir
-from toolchain.distributed.ray_cluster import MAX_RETRIES, connect_ray
+from toolchain.distributed.ray_cluster import MAX_RETRIES, connect_ray, shutdown_ray, sigterm_exits
 from toolchain.distributed.ray_parts import RayParts
 
 # the exit code of a recipe whose worker died on every try: a crashed process, as a crashed runtime's
@@ -37,14 +37,16 @@ def run_on_ray(jobs: list[Job], address: str | None, model: str | None, use_cach
     started = connect_ray(address)
     env = {"DSTC_CACHE_DIR": str(cache_dir().resolve()), "HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "1")}
     task = ray.remote(num_cpus=1, max_retries=MAX_RETRIES, retry_exceptions=False)(_build_task)
-    if parts is None:
-        parts = max(1, int(ray.cluster_resources().get("CPU", 1)))
     try:
-        refs = {job: task.options(name=job.name).remote(job, model, use_cache, env, parts) for job in spread(jobs)}
-        return [_outcome(ray, job, refs[job]) for job in jobs]
+        with sigterm_exits():
+            if parts is None:
+                parts = max(1, int(ray.cluster_resources().get("CPU", 1)))
+            refs = {job: task.options(name=job.name).remote(job, model, use_cache, env, parts)
+                    for job in spread(jobs)}
+            return [_outcome(ray, job, refs[job]) for job in jobs]
     finally:
         if started:
-            ray.shutdown()
+            shutdown_ray()
 
 
 def _outcome(ray, job: Job, ref) -> Outcome:

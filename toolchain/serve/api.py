@@ -7,9 +7,9 @@ wrong type or range, an unknown model, a prompt longer than the context (checked
 tokenized), ``max_tokens`` below 1 or past the context all get a 400 with OpenAI's error body (``{"error":
 {"message", "type", "param", "code"}}``); more requests waiting than ``--max-queue`` a 429 with ``Retry-After``; a
 request before the model is loaded a 503. Streams are server-sent events (``data: {chunk}`` ... ``data: [DONE]``); a
-client that disconnects has its request cancelled in the engine before its next step. No request can take the
-server down: anything unexpected is a 500 for that request (or an error event in its stream) saying "internal
-error" and the request id, which the server's log line with the traceback carries; the engine goes on.
+client that disconnects, streaming or not, has its request cancelled in the engine before its next step. No request
+can take the server down: anything unexpected is a 500 for that request (or an error event in its stream) saying
+"internal error" and the request id, which the server's log line with the traceback carries; the engine goes on.
 """
 
 from __future__ import annotations
@@ -37,7 +37,6 @@ from toolchain.serve.metrics import CONTENT_TYPE, ReplicaSet, render
 from toolchain.serve.schemas import FinishReason
 from toolchain.serve.text import IncrementalText, StopText
 
-DISCONNECT_POLL_S = 0.5  # how often a non-streaming request checks that its client is still there
 # Requests parsed and tokenized at once, in worker threads: bounds the memory their Python objects take (a body's
 # text, its token ids) whatever the number of clients; the engine's process has the cores.
 PREPARE_THREADS = 2
@@ -307,25 +306,33 @@ class Generation:
                 yield out, None
 
     async def collect(self, request: Request) -> tuple[str, FinishReason | None]:
-        """The whole text and finish reason; (partial text, None) when the client disconnects first."""
+        """The whole text and finish reason; (partial text, None) when the client disconnects first. The disconnect
+        is listened for while the engine generates: a check made only when no piece came for a while never ran
+        while each step brought one, and an abandoned request kept its batch slot to its last token."""
         parts: list[str] = []
-        pieces = self.pieces()
-        while True:
-            task = asyncio.ensure_future(pieces.__anext__())
-            while True:
-                done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
-                if done:
-                    break
-                if await request.is_disconnected():
-                    task.cancel()
-                    return "".join(parts), None
-            try:
-                text, finish = task.result()
-            except StopAsyncIteration:
-                return "".join(parts), None
-            parts.append(text)
-            if finish is not None:
-                return "".join(parts), finish
+
+        async def generate() -> tuple[str, FinishReason | None]:
+            finish: FinishReason | None = None
+            async for text, reason in self.pieces():
+                parts.append(text)
+                finish = reason
+            return "".join(parts), finish
+
+        async def disconnect() -> None:
+            while (await request.receive())["type"] != "http.disconnect":
+                pass
+
+        generating = asyncio.ensure_future(generate())
+        listening = asyncio.ensure_future(disconnect())
+        try:
+            await asyncio.wait({generating, listening}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            listening.cancel()
+            if not generating.done():
+                generating.cancel()
+        if generating.done() and not generating.cancelled():
+            return generating.result()
+        return "".join(parts), None
 
     def usage(self) -> schemas.Usage:
         return schemas.Usage(prompt_tokens=len(self.prompt), completion_tokens=self.completion_tokens,

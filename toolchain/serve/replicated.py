@@ -22,13 +22,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import logging
 import os
 import socket
 import threading
 import time
 from collections.abc import Callable
 
-from toolchain.distributed.ray_cluster import connect_ray
+from toolchain.distributed.ray_cluster import connect_ray, shutdown_ray
 from toolchain.errors import InputError
 from toolchain.memory_guard import size
 from toolchain.serve.engine import Event, NotReady, QueueFull, Request, wait_ready
@@ -99,6 +100,8 @@ class ReplicatedEngine:
         import ray  # loaded when used: the single-engine server starts without it
         from ray import serve
 
+        logging.getLogger("ray.serve").setLevel(logging.WARNING)  # its INFO lines of each start on our stderr
+
         if self.address and self.address.startswith("ray://"):
             # Ray Client does not carry Ray Serve's streaming responses
             raise InputError(f"--ray {self.address}: Ray Client addresses cannot stream from Ray Serve; run dstc "
@@ -106,7 +109,10 @@ class ReplicatedEngine:
         # a local Ray's workers at the server's own priority: Ray starts them at niceness 15 by default, below
         # whatever else runs on the machine, and a replica's engine process inherits it
         local = {} if self.address else {"_system_config": {"worker_niceness": 0}}
-        self._started_ray = connect_ray(self.address, include_dashboard=False, **local)
+        # log_to_driver off: what Ray's processes print (Ray Serve's controller, the raylet's retries of the
+        # controller's tasks as it is stopped) stays in Ray's session directory, out of the server's log; a request's
+        # failure in a replica reaches the server as an exception, logged with the request's id
+        self._started_ray = connect_ray(self.address, include_dashboard=False, log_to_driver=False, **local)
         cpus = int(ray.cluster_resources().get("CPU", 0))
         threads = self.threads or max(1, cpus // self.target)
         if self.target * threads > cpus:
@@ -149,7 +155,9 @@ class ReplicatedEngine:
                              f"has room for {fit} (Ray's memory resource of each node): run fewer replicas or "
                              "add nodes")
 
-    def stop(self, timeout: float = 10.0) -> None:
+    def stop(self, timeout: float = 30.0) -> None:
+        """Cancels the requests in flight and waits for the application's deletion from a cluster, or for a local
+        Ray's shutdown (shutdown_ray)."""
         for task in list(self._tasks.values()):
             task.cancel()
         self._stopping.set()
@@ -158,15 +166,16 @@ class ReplicatedEngine:
     def _shut_down(self) -> None:
         import ray  # loaded by _run_application already
 
-        with contextlib.suppress(Exception):
-            from ray import serve
-
-            if self._started_ray:
-                serve.shutdown()
-            elif ray.is_initialized():  # a cluster others may use: only this server's application goes
-                serve.delete(self.app_name)
         if self._started_ray:
-            ray.shutdown()
+            # the replicas, Ray Serve's controller and Ray at once, their requests cancelled already (stop());
+            # serve.shutdown() first waited out each replica's grace period, and its controller's task killed on
+            # the way was reported on stdout as a failure
+            shutdown_ray()
+        elif ray.is_initialized():  # a cluster others may use: only this server's application goes
+            with contextlib.suppress(Exception):
+                from ray import serve
+
+                serve.delete(self.app_name)
 
     def wait_ready(self, timeout: float | None = None) -> bool:
         return wait_ready(self, timeout)

@@ -2,8 +2,8 @@
 
 ``Service`` ties the parts together: the artifact and its tokenizer (prompts and chat templates are tokenized
 here, with the tokenizer ``dstc generate`` uses), the engine over the artifact's backend, the metrics and the
-health monitor. ``serve`` binds the socket first (so a port in use is an error before anything loads), starts
-answering ``/health`` with ``loading`` at once, and loads the model in the engine's thread.
+health monitor. ``serve`` binds the socket first (so a port in use is an error before the artifact is even
+opened), starts answering ``/health`` with ``loading`` at once, and loads the model in the engine's thread.
 
 What one client can make the server hold is bounded (``ServeSettings``; docs/serve.md "Serving"): connections, the
 time to send a request's headers and its body, the body's size, a prompt's characters (checked before it is tokenized),
@@ -245,14 +245,19 @@ def serve(artifact_path, settings: ServeSettings, *, host: str = "127.0.0.1", po
     import uvicorn
 
     check_exposure(host, settings.api_keys, settings.allow_unauthenticated)
-    artifact = open_artifact(artifact_path)
-    # the engine's process loads it; with --replicas on this machine, each replica's engine at once (on a cluster
-    # at --ray ADDRESS, Ray places each replica on a node with the memory it asks for: replicated.py)
-    require_artifact_memory(artifact, settings.replicas if settings.replicas and settings.ray is None else 1)
-    service = Service(artifact, settings)
+    # before the artifact is opened: opening it and its tokenizer took 15 s of a refusal that needs none of it
+    sock = bind(host, port)
+    try:
+        artifact = open_artifact(artifact_path)
+        # the engine's process loads it; with --replicas on this machine, each replica's engine at once (on a
+        # cluster at --ray ADDRESS, Ray places each replica on a node with the memory it asks for: replicated.py)
+        require_artifact_memory(artifact, settings.replicas if settings.replicas and settings.ray is None else 1)
+        service = Service(artifact, settings)
+    except BaseException:
+        sock.close()
+        raise
     engine = service.engine
     assert engine is not None  # made by Service
-    sock = bind(host, port)
     bound_host, bound_port = sock.getsockname()[:2]
     url_host = f"[{bound_host}]" if ":" in bound_host else bound_host
     app = create_app(service)
