@@ -11,10 +11,22 @@ runtimes pair it with ``present.N.index_key`` by name like the others. Scores:
     index[b, s, t] = sum_h (weights_proj(h)[b, s, h] * heads^-0.5) * relu(q[b, s, h] . k[b, t] * dim^-0.5)
 
 plus the additive causal/padding mask (so a disallowed token scores the float32 minimum), and TopK with
-k = min(index_topk, T) picks the chosen tokens. The attention mask keeps its value at the chosen tokens and is
-the float32 minimum elsewhere, as transformers' eager path masks them (masked_fill with finfo.min). A disallowed
-token that TopK picks (when fewer than k are allowed) stays masked, so what attention sees is the allowed tokens
-among the chosen, as in transformers; with T <= index_topk every token is chosen and the mask is unchanged.
+k = min(index_topk, T) picks the chosen tokens, positions [B, 1, S, k] (IndexedInputs.chosen). The attention
+gathers them (deepseek.py's latent_context / per_head_context hooks): GatherND (batch_dims 1) takes each query's k
+rows of the latent [B, T, rank] and rotary key [B, T, rope] caches to [B, S, k, *], scores are [B, S, H, k], the
+softmax runs over k with the mask's values at the chosen positions (GatherElements), and the context is the
+probabilities times the gathered latent: attention reads and multiplies k cached tokens per query, not T (the
+indexer alone still scores all T, with its 64 heads of 128 against MLA's 128 of 576). transformers' eager path
+masks the unchosen tokens with finfo.min instead, which gives them zero weight: the same sum, in another order.
+A disallowed token that TopK picks (when fewer than k are allowed) stays masked, so what attention sees is the
+allowed tokens among the chosen, as in transformers. The per-head layout gathers per head (GatherND batch_dims 2,
+[B, H, S, k, nope + rope] and [B, H, S, k, v]), which is H times wider per query: it does so for up to
+GATHERED_QUERIES queries (a decode step, a speculative verify) and keeps the mask narrowed to the chosen tokens
+over the dense scores for a prompt (an If on the query length). The latent layout always gathers: per query its
+gathered rows are k x (rank + rope) floats (4.7 MB at V3.2's widths), and its scores [H, k], where the dense
+form's were [H, T] (and its product did H x T x (rank + rope) work instead of H x k x (rank + rope)); an If would
+also keep compress's prefill-int8 pass (ORT INT4 prompts) from wrapping the decoder, which it does only for a
+span without subgraphs.
 
 Ties: ONNX's TopK prefers the lower position between equal scores, torch.topk's CPU kernel leaves their order
 unspecified. Only bit-equal index scores at the k-th place can make the chosen tokens differ; among allowed
