@@ -58,7 +58,7 @@ def build(work: Path, args, log) -> dict[tuple[str, str], Path]:
         if not (exported / "export.json").is_file():
             log(f"export {model}")
             export(str(ckpt), exported, parity=())
-        for backend in BACKENDS:
+        for backend in args.backends:
             out = work / f"{model}-int4-{backend}"
             if not (out / "compression.json").is_file():
                 log(f"compress {model} INT4 for {backend}")
