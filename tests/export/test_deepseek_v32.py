@@ -146,6 +146,45 @@ def test_graph_interface_has_the_indexer_key_cache_and_the_facts(exports):
         assert roles == {"attention"}
 
 
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_a_decode_step_attends_to_k_gathered_entries_not_the_whole_cache(exports, layout):
+    """A decode step over a cache of 4 x index_topk positions: each layer's attention Softmax (per-head: in the
+    branch of its If that a step of one query takes) has k = index_topk scores per query and head, not the
+    context's 25 (the masked dense form had 25)."""
+    import onnxruntime as ort
+
+    from toolchain.export.deepseek_v32 import GATHERED_QUERIES
+
+    config = tiny_configs()[NAME]
+    k, past = config.index_topk, 4 * config.index_topk
+    model = onnx.load(str(exports[layout] / "model.onnx"))
+    nodes, ifs = [], 0
+    for node in model.graph.node:
+        if node.op_type != "If":
+            nodes.append(node)
+            continue
+        ifs += 1
+        taken = next(a.g for a in node.attribute if a.name == "then_branch")  # a query length <= GATHERED_QUERIES
+        assert GATHERED_QUERIES >= 1 and node.output[0].startswith(f"layers.{ifs - 1}/")
+        for inner in taken.node:
+            inner.output[:] = [node.output[0] if out == taken.output[0].name else out for out in inner.output]
+            nodes.append(inner)
+    assert ifs == (config.num_hidden_layers if layout == "per-head" else 0)
+    del model.graph.node[:]
+    model.graph.node.extend(nodes)
+    scores = [n.input[0] for n in model.graph.node if n.op_type == "Softmax"]
+    assert len(scores) == config.num_hidden_layers
+    model.graph.output.extend(onnx.ValueInfoProto(name=name) for name in scores)
+    rng = np.random.default_rng(0)
+    feeds = {"input_ids": np.array([[5]], np.int64), "attention_mask": np.ones((1, past + 1), np.int64),
+             "position_ids": np.array([[past]], np.int64)}
+    for value in model.graph.input[3:]:
+        _, heads, _, dim = (d.dim_value for d in value.type.tensor_type.shape.dim)
+        feeds[value.name] = rng.standard_normal((1, heads, past, dim)).astype(np.float32)
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    assert [out.shape[-1] for out in session.run(scores, feeds)] == [k] * config.num_hidden_layers
+
+
 def test_export_is_byte_identical_when_repeated(tiny_checkpoints, tmp_path):
     for out in ("a", "b"):
         export(str(tiny_checkpoints[NAME]), tmp_path / out, parity=())

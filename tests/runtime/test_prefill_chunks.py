@@ -34,6 +34,20 @@ def test_chunks_cover_the_prompt_within_the_budget_and_shrink_as_the_cache_grows
     assert chunking.spans(batch=4, past=10**6, new=3) == [(0, 1), (1, 2), (2, 3)]  # never less than a position
 
 
+def test_deepseek_v32_chunks_count_the_gathered_latent_rows():
+    """V3.2's latent graph gathers k = min(index_topk, past + C) rows of 576 floats per query beside the scores: its
+    chunks are smaller than V3's under index_topk and every chunk's bytes stay within the budget."""
+    config = {"num_attention_heads": 128, "index_topk": 2048, "kv_lora_rank": 512, "qk_rope_head_dim": 64}
+    v32 = PrefillChunking.for_model(config, 0)
+    assert v32 is not None and v32.gathered == (2048, 576)
+    v3 = PrefillChunking.for_model({"num_attention_heads": 128, "kv_lora_rank": 512}, 0)
+    assert v3 is not None and v3.gathered == (0, 0)
+    spans = v32.spans(batch=1, past=0, new=16384)
+    assert spans[-1][1] == 16384 and all(a == b for (_, a), (b, _) in itertools.pairwise(spans))
+    assert all(4 * (end - start) * (128 * end + 576 * min(end, 2048)) <= BUDGET_FLOOR for start, end in spans)
+    assert spans[0][1] < v3.spans(batch=1, past=0, new=16384)[0][1]
+
+
 def test_the_budget_is_the_floor_or_a_sixteenth_of_the_weights():
     assert PrefillChunking.for_model({"num_attention_heads": 16}, 10**6) == PrefillChunking(16, BUDGET_FLOOR)
     assert PrefillChunking.for_model({"num_attention_heads": 16}, 16 << 30).budget_bytes == 1 << 30

@@ -159,14 +159,33 @@ class DeepseekArchitecture(MoeArchitecture):
         q = g.op("Concat", q_nope, q_rot, axis=-1)
         key = g.op("Concat", inputs.past_key, g.op("Concat", k_nope, k_rot, axis=-1), axis=2)
         value = g.op("Concat", inputs.past_value, v, axis=2)
-        out = blocks.sdpa(g, q, key, value, inputs.mask, attn.scaling, num_heads)
+        out = self.per_head_context(g, attn, q, key, value, inputs)
         return blocks.linear(g, out, attn.o_proj, "o_proj"), key, value
 
     def attention_inputs(self, g: GraphBuilder, attn, h, q_a, inputs: LayerInputs) -> LayerInputs:
-        """What the layer's attention reads (its mask, caches): ``inputs`` as they are; DeepSeek-V3.2's indexer
-        narrows the mask to the tokens it picks (deepseek_v32.py). h: the normed hidden state, q_a: the query's
+        """What the layer's attention reads (its mask, caches): ``inputs`` as they are; DeepSeek-V3.2's adds the
+        tokens its indexer picks (deepseek_v32.py). h: the normed hidden state, q_a: the query's
         normed latent (None without q_lora)."""
         return inputs
+
+    def per_head_context(self, g: GraphBuilder, attn, q, key, value, inputs: LayerInputs):
+        """The per-head layout's attention, [B, S, H * v]: q [B, H, S, nope + rope], key and value the grown
+        caches [B, H, T, *]. DeepSeek-V3.2 attends to its indexer's chosen tokens only (deepseek_v32.py)."""
+        return blocks.sdpa(g, q, key, value, inputs.mask, attn.scaling, attn.num_heads)
+
+    def latent_context(self, g: GraphBuilder, attn, q_lat, q_rot, key, value, inputs: LayerInputs):
+        """The latent layout's attention, the attended latent [B, H, S, rank]: q_lat [B, H, S, rank], q_rot
+        [B, H, S, rope] (rotated), key [B, 1, T, rope] and value [B, 1, T, rank] the grown caches. DeepSeek-V3.2
+        attends to its indexer's chosen tokens only (deepseek_v32.py)."""
+        # The heads go into the rows of one product per cached tensor ([B, H, S, d] -> [B, 1, H*S, d]), so each
+        # cached position is read once for all heads rather than once per head.
+        fold, unfold = g.const([0, 1, -1, 0]), g.const([0, attn.num_heads, -1, 0])
+        nope_scores = g.op("MatMul", g.op("Reshape", q_lat, fold), g.op("Transpose", value, perm=[0, 1, 3, 2]))
+        rope_scores = g.op("MatMul", g.op("Reshape", q_rot, fold), g.op("Transpose", key, perm=[0, 1, 3, 2]))
+        scores = g.op("Reshape", g.op("Add", nope_scores, rope_scores), unfold)  # [B, H, S, T]
+        scores = g.op("Mul", scores, g.const(attn.scaling, np.float32))
+        probs = g.op("Softmax", g.op("Add", scores, inputs.mask), axis=-1)
+        return g.op("Reshape", g.op("MatMul", g.op("Reshape", probs, fold), value), unfold)
 
     def _latent_attention(self, g: GraphBuilder, attn, q_nope, q_rot, latent, k_rot, inputs: LayerInputs):
         """Attention over the latent cache with kv_b_proj absorbed (module doc). q_nope, q_rot: [B, H, S, *];
@@ -181,15 +200,7 @@ class DeepseekArchitecture(MoeArchitecture):
         key = g.op("Concat", inputs.past_key, k_rot, axis=2)  # [B, 1, T, rope]
         value = g.op("Concat", inputs.past_value, g.op("Unsqueeze", latent, g.const([1])), axis=2)  # [B, 1, T, rank]
         with g.scope("mla"):
-            # The heads go into the rows of one product per cached tensor ([B, H, S, d] -> [B, 1, H*S, d]), so each
-            # cached position is read once for all heads rather than once per head.
-            fold, unfold = g.const([0, 1, -1, 0]), g.const([0, num_heads, -1, 0])
-            nope_scores = g.op("MatMul", g.op("Reshape", q_lat, fold), g.op("Transpose", value, perm=[0, 1, 3, 2]))
-            rope_scores = g.op("MatMul", g.op("Reshape", q_rot, fold), g.op("Transpose", key, perm=[0, 1, 3, 2]))
-            scores = g.op("Reshape", g.op("Add", nope_scores, rope_scores), unfold)  # [B, H, S, T]
-            scores = g.op("Mul", scores, g.const(attn.scaling, np.float32))
-            probs = g.op("Softmax", g.op("Add", scores, inputs.mask), axis=-1)
-            ctx = g.op("Reshape", g.op("MatMul", g.op("Reshape", probs, fold), value), unfold)  # [B, H, S, rank]
+            ctx = self.latent_context(g, attn, q_lat, q_rot, key, value, inputs)  # [B, H, S, rank]
         with g.scope("kv_b_proj"):
             out = g.op("MatMul", ctx, g.weight("v_absorbed", w_uv))  # [B, H, S, v]
         out = g.op("Reshape", g.op("Transpose", out, perm=[0, 2, 1, 3]), g.const([0, 0, -1]))

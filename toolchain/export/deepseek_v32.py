@@ -11,10 +11,22 @@ runtimes pair it with ``present.N.index_key`` by name like the others. Scores:
     index[b, s, t] = sum_h (weights_proj(h)[b, s, h] * heads^-0.5) * relu(q[b, s, h] . k[b, t] * dim^-0.5)
 
 plus the additive causal/padding mask (so a disallowed token scores the float32 minimum), and TopK with
-k = min(index_topk, T) picks the chosen tokens. The attention mask keeps its value at the chosen tokens and is
-the float32 minimum elsewhere, as transformers' eager path masks them (masked_fill with finfo.min). A disallowed
-token that TopK picks (when fewer than k are allowed) stays masked, so what attention sees is the allowed tokens
-among the chosen, as in transformers; with T <= index_topk every token is chosen and the mask is unchanged.
+k = min(index_topk, T) picks the chosen tokens, positions [B, 1, S, k] (IndexedInputs.chosen). The attention
+gathers them (deepseek.py's latent_context / per_head_context hooks): GatherND (batch_dims 1) takes each query's k
+rows of the latent [B, T, rank] and rotary key [B, T, rope] caches to [B, S, k, *], scores are [B, S, H, k], the
+softmax runs over k with the mask's values at the chosen positions (GatherElements), and the context is the
+probabilities times the gathered latent: attention reads and multiplies k cached tokens per query, not T (the
+indexer alone still scores all T, with its 64 heads of 128 against MLA's 128 of 576). transformers' eager path
+masks the unchosen tokens with finfo.min instead, which gives them zero weight: the same sum, in another order.
+A disallowed token that TopK picks (when fewer than k are allowed) stays masked, so what attention sees is the
+allowed tokens among the chosen, as in transformers. The per-head layout gathers per head (GatherND batch_dims 2,
+[B, H, S, k, nope + rope] and [B, H, S, k, v]), which is H times wider per query: it does so for up to
+GATHERED_QUERIES queries (a decode step, a speculative verify) and keeps the mask narrowed to the chosen tokens
+over the dense scores for a prompt (an If on the query length). The latent layout always gathers: per query its
+gathered rows are k x (rank + rope) floats (4.7 MB at V3.2's widths), and its scores [H, k], where the dense
+form's were [H, T] (and its product did H x T x (rank + rope) work instead of H x k x (rank + rope)); an If would
+also keep compress's prefill-int8 pass (ORT INT4 prompts) from wrapping the decoder, which it does only for a
+span without subgraphs.
 
 Ties: ONNX's TopK prefers the lower position between equal scores, torch.topk's CPU kernel leaves their order
 unspecified. Only bit-equal index scores at the k-th place can make the chosen tokens differ; among allowed
@@ -24,7 +36,7 @@ matters). Both cache layouts (deepseek.py) carry the indexer unchanged.
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass
 
 import numpy as np
 import onnx_ir as ir
@@ -36,6 +48,10 @@ from toolchain.export.deepseek_v3 import DeepseekV3Architecture
 from toolchain.export.graph import GraphBuilder
 from toolchain.export.moe_layer import config_value
 
+# The per-head layout gathers [H, k, nope + rope + v] floats per query (at V3.2's widths 128 x 2048 x 320: 335 MB),
+# where the dense path's scores are [H, T] per query: beyond a decode step or a speculative verify the dense masked
+# path is kept (an If on the query length).
+GATHERED_QUERIES = 4
 INDEX_KEY = "index_key"  # the indexer's cache: past_key_values.N.index_key / present.N.index_key
 
 
@@ -75,14 +91,76 @@ class DeepseekV32Architecture(DeepseekV3Architecture):
 
     def attention_inputs(self, g: GraphBuilder, attn, h, q_a, inputs: LayerInputs) -> LayerInputs:
         with g.scope("indexer"):
-            mask, keys = sparse_mask(g, attn.indexer, h, q_a, inputs)
+            chosen, keys = top_k_positions(g, attn.indexer, h, q_a, inputs)
         inputs.present[INDEX_KEY] = keys
-        return replace(inputs, mask=mask)
+        return IndexedInputs(**vars(inputs), chosen=chosen)
+
+    def latent_context(self, g: GraphBuilder, attn, q_lat, q_rot, key, value, inputs: LayerInputs):
+        assert isinstance(inputs, IndexedInputs)
+        positions = g.op("Unsqueeze", g.op("Squeeze", inputs.chosen, g.const([1])), g.const([-1]))  # [B, S, k, 1]
+
+        def gathered(cache):  # [B, 1, T, d] -> [B, S, k, d]: the chosen rows of the cache, per query
+            return g.op("GatherND", g.op("Squeeze", cache, g.const([1])), positions, batch_dims=1)
+
+        latent, k_rot = gathered(value), gathered(key)
+        per_query = [0, 2, 1, 3]  # [B, H, S, d] <-> [B, S, H, d]
+        nope_scores = g.op("MatMul", g.op("Transpose", q_lat, perm=per_query),
+                           g.op("Transpose", latent, perm=[0, 1, 3, 2]))
+        rope_scores = g.op("MatMul", g.op("Transpose", q_rot, perm=per_query),
+                           g.op("Transpose", k_rot, perm=[0, 1, 3, 2]))
+        scores = g.op("Mul", g.op("Add", nope_scores, rope_scores), g.const(attn.scaling, np.float32))  # [B, S, H, k]
+        mask = g.op("Transpose", chosen_mask(g, inputs), perm=per_query)  # [B, S, 1, k]
+        probs = g.op("Softmax", g.op("Add", scores, mask), axis=-1)
+        return g.op("Transpose", g.op("MatMul", probs, latent), perm=per_query)  # [B, H, S, rank]
+
+    def per_head_context(self, g: GraphBuilder, attn, q, key, value, inputs: LayerInputs):
+        assert isinstance(inputs, IndexedInputs)
+        queries = g.op("Squeeze", g.op("Shape", q, start=2, end=3))
+        gather = g.op("LessOrEqual", queries, g.const(GATHERED_QUERIES))
+        dense = lambda: blocks.sdpa(g, q, key, value, narrowed_mask(g, inputs), attn.scaling,  # noqa: E731
+                                    attn.num_heads)
+        return g.op("If", gather, then_branch=g.subgraph("gathered", lambda: gathered_per_head(g, attn, q, key, value,
+                                                                                                  inputs)),
+                    else_branch=g.subgraph("dense", dense))
 
 
-def sparse_mask(g: GraphBuilder, indexer, h, q_a, inputs: LayerInputs):
-    """(the attention mask [B, 1, S, T] narrowed to the indexer's top-k tokens, the indexer's keys [B, 1, T, D]
-    grown by this step's). h [B, S, hidden]: the normed hidden state; q_a [B, S, q_lora_rank]."""
+@dataclass
+class IndexedInputs(LayerInputs):
+    chosen: ir.Value | None = None  # [B, 1, S, k] int64: the cached positions each query attends to, best first
+
+
+def gathered_per_head(g: GraphBuilder, attn, q, key, value, inputs: IndexedInputs) -> ir.Value:
+    """The per-head layout's attention over the chosen cached keys and values only, [B, S, H * v]: q [B, H, S, d],
+    key and value [B, H, T, *] gathered to [B, H, S, k, *]."""
+    positions = g.op("Expand", g.op("Unsqueeze", inputs.chosen, g.const([-1])),
+                     g.const([1, attn.num_heads, 1, 1, 1]))  # [B, H, S, k, 1]
+    keys = g.op("GatherND", key, positions, batch_dims=2)
+    values = g.op("GatherND", value, positions, batch_dims=2)
+    one_row = g.const([3])  # each query a [1, d] row against its own k keys
+    scores = g.op("MatMul", g.op("Unsqueeze", q, one_row), g.op("Transpose", keys, perm=[0, 1, 2, 4, 3]))
+    scores = g.op("Mul", scores, g.const(attn.scaling, np.float32))  # [B, H, S, 1, k]
+    probs = g.op("Softmax", g.op("Add", scores, g.op("Unsqueeze", chosen_mask(g, inputs), one_row)), axis=-1)
+    out = g.op("Squeeze", g.op("MatMul", probs, values), one_row)  # [B, H, S, v]
+    return g.op("Reshape", g.op("Transpose", out, perm=[0, 2, 1, 3]), g.const([0, 0, -1]))
+
+
+def chosen_mask(g: GraphBuilder, inputs: IndexedInputs) -> ir.Value:
+    """The additive mask's values at the chosen positions, [B, 1, S, k]: a disallowed token that TopK picks (fewer
+    than k allowed) stays masked."""
+    return g.op("GatherElements", inputs.mask, inputs.chosen, axis=-1)
+
+
+def narrowed_mask(g: GraphBuilder, inputs: IndexedInputs) -> ir.Value:
+    """The additive mask [B, 1, S, T] kept at the chosen positions and the float32 minimum elsewhere."""
+    zeros = g.op("ConstantOfShape", g.op("Shape", inputs.mask), value=ir.tensor(np.zeros(1, np.float32)))
+    ones = g.op("ConstantOfShape", g.op("Shape", inputs.chosen), value=ir.tensor(np.ones(1, np.float32)))
+    picked = g.op("Cast", g.op("ScatterElements", zeros, inputs.chosen, ones, axis=-1), to=ir.DataType.BOOL)
+    return g.op("Where", picked, inputs.mask, g.const(blocks.MASK_MIN, np.float32))
+
+
+def top_k_positions(g: GraphBuilder, indexer, h, q_a, inputs: LayerInputs):
+    """(the positions [B, 1, S, k] of the k = min(index_topk, T) tokens each query scores highest, the indexer's
+    keys [B, 1, T, D] grown by this step's). h [B, S, hidden]: the normed hidden state; q_a [B, S, q_lora_rank]."""
     heads, dim, rope = indexer.n_heads, indexer.head_dim, indexer.qk_rope_head_dim
     split = g.const([rope, dim - rope])
 
@@ -96,18 +174,16 @@ def sparse_mask(g: GraphBuilder, indexer, h, q_a, inputs: LayerInputs):
     k = blocks.layer_norm(g, blocks.linear(g, h, indexer.wk, "wk"), indexer.k_norm, "k_norm")
     k = rotated(g.op("Unsqueeze", k, g.const([1])))  # [B, 1, S, D]
     keys = g.op("Concat", inputs.past[INDEX_KEY], k, axis=2)  # [B, 1, T, D]
-    scores = g.op("MatMul", q, g.op("Transpose", keys, perm=[0, 1, 3, 2]))  # [B, H, S, T]
+    # [B, S, H, D] @ [B, 1, D, T]: the scores query-major, so that no [.., T] tensor is transposed (a decode step at
+    # 32k spent 23 ms per layer on ONNX Runtime transposing [B, H, S, T] scores)
+    scores = g.op("MatMul", g.op("Transpose", q, perm=[0, 2, 1, 3]), g.op("Transpose", keys, perm=[0, 1, 3, 2]))
     scores = g.op("Relu", g.op("Mul", scores, g.const(indexer.softmax_scale, np.float32)))
     weights = g.op("Mul", blocks.linear(g, h, indexer.weights_proj, "weights_proj"),
                    g.const(heads ** -0.5, np.float32))  # [B, S, H]
     # [B, S, 1, H] @ [B, S, H, T]: the heads' weighted sum, as transformers' matmul
-    index = g.op("MatMul", g.op("Unsqueeze", weights, g.const([2])), g.op("Transpose", scores, perm=[0, 2, 1, 3]))
+    index = g.op("MatMul", g.op("Unsqueeze", weights, g.const([2])), scores)
     index = g.op("Add", g.op("Transpose", index, perm=[0, 2, 1, 3]), inputs.mask)  # [B, 1, S, T]
     total = g.op("Shape", index, start=-1)
     k_top = g.op("Min", g.const([indexer.index_topk]), total)
     _, chosen = g.op("TopK", index, k_top, axis=-1, outputs=2)
-    zeros = g.op("ConstantOfShape", g.op("Shape", index), value=ir.tensor(np.zeros(1, np.float32)))
-    ones = g.op("ConstantOfShape", g.op("Shape", chosen), value=ir.tensor(np.ones(1, np.float32)))
-    picked = g.op("Cast", g.op("ScatterElements", zeros, chosen, ones, axis=-1), to=ir.DataType.BOOL)
-    mask = g.op("Where", picked, inputs.mask, g.const(blocks.MASK_MIN, np.float32))
-    return mask, keys
+    return chosen, keys

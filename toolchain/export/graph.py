@@ -7,7 +7,7 @@ de-duplicated small constants.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import cast
@@ -30,6 +30,7 @@ class GraphBuilder:
         self.config = config  # the model's transformers config, for modules that hold none (transformers' MoE blocks)
         self.bf16 = weights == "bfloat16"  # matrices with bf16 values stored as bf16 and widened by a Cast
         self.tape = ir.tape.Tape()
+        self._outer = self.tape  # the main graph's, which holds every initializer (subgraph: another tape's nodes)
         self._scope: list[str] = []
         self._roles: list[str] = []
         self._consts: dict[tuple, ir.Value] = {}
@@ -97,7 +98,7 @@ class GraphBuilder:
             tensor = ir.LazyTensor(lambda: cast(ir.TensorProtocol, ChunkedTensor(array, full, torch.bfloat16)),
                                    dtype=ir.DataType.BFLOAT16, shape=ir.Shape(array.shape), name=full)
             self._annotate(tensor, array)
-            stored = self.tape.initializer(tensor, name=full)
+            stored = self._outer.initializer(tensor, name=full)
             widened = self.tape.op("Cast", [stored], {"to": ir.DataType.FLOAT}, name=f"{full}/Cast")
             widened.name, widened.dtype, widened.shape = f"{full}/Cast/out", ir.DataType.FLOAT, ir.Shape(array.shape)
             return widened
@@ -111,7 +112,7 @@ class GraphBuilder:
             tensor = ir.LazyTensor(lambda: ir.tensor(np.ascontiguousarray(array)),
                                    dtype=ir.DataType.from_numpy(array.dtype), shape=ir.Shape(array.shape), name=full)
         self._annotate(tensor, array)
-        return self.tape.initializer(tensor, name=full)
+        return self._outer.initializer(tensor, name=full)
 
     def const(self, value, dtype=np.int64) -> ir.Value:
         """A small constant, shared by every node that asks for the same value."""
@@ -119,8 +120,20 @@ class GraphBuilder:
         key = (array.dtype.str, array.shape, array.tobytes())
         if key not in self._consts:
             name = f"const/{array.dtype.name}_{len(self._consts)}"
-            self._consts[key] = self.tape.initializer(ir.tensor(array, name=name), name=name)
+            self._consts[key] = self._outer.initializer(ir.tensor(array, name=name), name=name)
         return self._consts[key]
+
+    def subgraph(self, name: str, build: Callable[[], ir.Value]) -> ir.Graph:
+        """A graph (an If's branch) of the nodes ``build`` adds, its output float32 ``build``'s result; the nodes
+        read the main graph's values from the outer scope, and its constants and weights stay the main graph's."""
+        outer, self.tape = self.tape, ir.tape.Tape()
+        try:
+            with self.scope(name):
+                output = build()
+        finally:
+            branch, self.tape = self.tape, outer
+        output.dtype = ir.DataType.FLOAT
+        return ir.Graph([], [output], nodes=branch.nodes, name=self._path(name))
 
     def model(self, inputs: Sequence[ir.Value], outputs: Sequence[ir.Value], doc: str) -> ir.Model:
         # contrib domains (com.microsoft's MoE, version 1) are imported only by graphs that use them

@@ -20,6 +20,11 @@ key's scores, their sum, the softmax; the absorbed queries and outputs, [C, head
 (2 layers, INT4, 2.5 GB of weights), OpenVINO's peak for a 4k prompt was 1.3 GiB over a 19-token one's with an
 eighth of the weights (312 MB) and 0.9 GiB with a sixteenth, which keeps it within 2× the weights and the cache
 (the issue #26 target). What a forward used is kept in ``chunks``.
+
+DeepSeek-V3.2's latent graph also gathers, per query, the latent and rotary-key rows of the k = min(index_topk,
+past + C) tokens its indexer chose (toolchain/export/deepseek_v32.py), 4·B·C·k·(kv_lora_rank + qk_rope_head_dim)
+bytes, 4.5x a 128-head score row at DeepSeek-V3.2's widths while the cache is shorter than index_topk: counted in
+the chunk's bytes beside the indexer's own scores over every key, which the score term bounds.
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ WEIGHTS_SHARE = 16
 class PrefillChunking:
     heads: int  # query heads: the score tensor's
     budget_bytes: int
+    gathered: tuple[int, int] = (0, 0)  # DeepSeek-V3.2: (index_topk, floats gathered per query and chosen key)
 
     @classmethod
     def for_model(cls, config: dict, weights_bytes: int) -> PrefillChunking | None:
@@ -44,16 +50,24 @@ class PrefillChunking:
         heads = config.get("num_attention_heads")
         if not isinstance(heads, int) or heads < 1:
             return None
-        return cls(heads, max(BUDGET_FLOOR, weights_bytes // WEIGHTS_SHARE))
+        gathered = (0, 0)
+        if config.get("index_topk") and config.get("kv_lora_rank"):
+            gathered = (config["index_topk"], config["kv_lora_rank"] + config["qk_rope_head_dim"])
+        return cls(heads, max(BUDGET_FLOOR, weights_bytes // WEIGHTS_SHARE), gathered)
 
     def spans(self, batch: int, past: int, new: int) -> list[tuple[int, int]]:
         """[start, end) of each chunk of ``new`` positions fed on top of ``past`` cached ones."""
         per = 4 * batch * self.heads  # bytes per query position and key
+        top_k, width = self.gathered
+
+        def held_bytes(size: int, held: int) -> int:
+            return per * size * (held + size) + 4 * batch * size * min(held + size, top_k) * width
+
         spans, start = [], 0
         while start < new:
             held = past + start
             size = int((math.sqrt(held * held + 4 * self.budget_bytes / per) - held) / 2)
-            while size > 1 and per * size * (held + size) > self.budget_bytes:
+            while size > 1 and held_bytes(size, held) > self.budget_bytes:
                 size -= 1
             size = max(1, min(new - start, size))
             spans.append((start, start + size))
