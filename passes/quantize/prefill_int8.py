@@ -45,12 +45,20 @@ from passes.registry import register
 DEFAULT_MIN_TOKENS = 8  # the measured crossover above, with margin
 
 
+# The int8 copy's largest code: 7 bits. MLAS's u8s8 GEMM on a CPU without an int8 dot product (AVX2, AVX-512
+# without VNNI) adds pairs of u8 x s8 products in int16 (vpmaddubsw), which saturates above 32767: with codes up to
+# 127 a prompt's logits differed from decode's by 17 % of their range on an AVX2 EPYC, with 63 they cannot
+# (2 x 255 x 64 < 32768). An artifact runs on whatever CPU serves it, so the copy is safe on all of them; ONNX
+# Runtime's quantization guide gives the same advice (reduce_range).
+INT8_COPY_MAX = 63
+
+
 def int8_per_column(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Symmetric int8 [K, N] and its scale [N]: max |column| / 127 (a zero column gets scale 1); _weights.
-    quantize_int8's rule, vectorized over columns (it loops over groups, 19k of them in a 7B MLP weight)."""
-    scale = np.abs(w).max(axis=0) / 127.0
+    """Symmetric 7-bit codes in int8 [K, N] and their scale [N]: max |column| / INT8_COPY_MAX (a zero column gets
+    scale 1), vectorized over columns (_weights.quantize_int8 loops over groups, 19k of them in a 7B MLP weight)."""
+    scale = np.abs(w).max(axis=0) / float(INT8_COPY_MAX)
     scale = np.where(scale > 0, scale, 1.0).astype(np.float32)
-    return np.clip(np.rint(w / scale), -127, 127).astype(np.int8), scale
+    return np.clip(np.rint(w / scale), -INT8_COPY_MAX, INT8_COPY_MAX).astype(np.int8), scale
 
 
 def _input(node: ir.Node, index: int) -> ir.Value | None:
