@@ -23,18 +23,14 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
-
-import numpy as np
 
 sys.modules["openvino_telemetry"] = None  # it forks per event; see tests/conftest.py
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # a script: the harness is imported from the repo
 from benchmarks import harness  # noqa: E402
-from benchmarks.mla_cache import context_rounds  # noqa: E402
+from benchmarks.mla_cache import measure_graphs  # noqa: E402
 
 MODELS = {"v3": ("deepseek-v3", True), "v3.2": ("deepseek-v3.2", False)}  # reference, --fp8 (V3.2: always FP8)
 BACKENDS = ("onnxruntime", "openvino")
@@ -73,26 +69,7 @@ def build(work: Path, args, log) -> dict[tuple[str, str], Path]:
 
 def decode_child(args) -> list[dict]:
     """decode: every model loaded, contexts in turn, rounds alternating the models."""
-    from toolchain.interface.graph import graph_cache_spec
-    from toolchain.runtime.engines import GraphRunner
-
-    graphs = json.loads(args.graphs)
-    runners, specs, creation = {}, {}, {}
-    for model, graph in graphs.items():
-        started = time.perf_counter()
-        runners[model] = GraphRunner(Path(graph), args.measure[1], numerics="exact", threads=args.threads)
-        creation[model] = time.perf_counter() - started
-        specs[model] = graph_cache_spec(Path(graph))
-
-    def report(context: int, medians: dict[str, float]) -> None:
-        print(f"{args.measure[1]} context {context}: " + ", ".join(f"{m} {ms:.1f} ms" for m, ms in medians.items()),
-              file=sys.stderr, flush=True)
-
-    measured = context_rounds(runners, specs, args.vocab, args.contexts, args.steps, args.rounds,
-                              np.random.default_rng(0), report)
-    return [{"model": model, "context": context, "decode_ms_per_token": statistics.median(rounds[model]),
-             "rounds_ms": rounds[model], "creation_s": creation[model]}
-            for context, rounds in measured.items() for model in graphs]
+    return measure_graphs(json.loads(args.graphs), args.measure[1], args)
 
 
 def decode_table(rows: list[dict], args) -> str:

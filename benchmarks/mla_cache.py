@@ -114,6 +114,30 @@ def context_rounds(runners: dict, specs: dict, vocab: int, contexts: list[int], 
     return out
 
 
+def measure_graphs(graphs: dict[str, str], backend: str, args, numerics: str = "exact") -> list[dict]:
+    """Each graph loaded on ``backend`` (its creation time kept), then context_rounds over ``args``' contexts, steps
+    and rounds, progress on stderr: a row per (graph, context) with its median ms/token and every round's."""
+    from toolchain.interface.graph import graph_cache_spec
+    from toolchain.runtime.engines import GraphRunner
+
+    runners, specs, creation = {}, {}, {}
+    for name, graph in graphs.items():
+        started = time.perf_counter()
+        runners[name] = GraphRunner(Path(graph), backend, numerics=numerics, threads=args.threads)
+        creation[name] = time.perf_counter() - started
+        specs[name] = graph_cache_spec(Path(graph))
+
+    def report(context: int, medians: dict[str, float]) -> None:
+        print(f"{backend} context {context}: " + ", ".join(f"{n} {ms:.1f} ms" for n, ms in medians.items()),
+              file=sys.stderr, flush=True)
+
+    measured = context_rounds(runners, specs, args.vocab, args.contexts, args.steps, args.rounds,
+                              np.random.default_rng(0), report)
+    return [{"model": name, "context": context, "decode_ms_per_token": statistics.median(rounds[name]),
+             "rounds_ms": rounds[name], "creation_s": creation[name]}
+            for context, rounds in measured.items() for name in graphs]
+
+
 def measure_child(args) -> None:
     """One (backend, precision) group: both layouts loaded, contexts in turn, rounds alternating the layouts."""
     from toolchain.interface.graph import graph_cache_spec

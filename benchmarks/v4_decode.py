@@ -20,19 +20,15 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
-
-import numpy as np
 
 sys.modules["openvino_telemetry"] = None  # it forks per event; see tests/conftest.py
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # a script: the harness is imported from the repo
 from benchmarks import harness  # noqa: E402
-from benchmarks.mla_cache import context_rounds  # noqa: E402
+from benchmarks.mla_cache import measure_graphs  # noqa: E402
 
 MODELS = {"v4-flash": ("deepseek-v4-flash", False), "v3": ("deepseek-v3", True)}  # reference, --fp8
 BACKENDS = ("onnxruntime", "openvino")
@@ -75,28 +71,10 @@ def cache_bytes_per_token(path: Path) -> int:
 
 def measure_child(args) -> None:
     """One backend: both models loaded, contexts in turn, rounds alternating the models."""
-    from toolchain.interface.graph import graph_cache_spec
-    from toolchain.runtime.engines import GraphRunner
-
     graphs = json.loads(args.graphs)
-    runners, specs, creation = {}, {}, {}
-    for model, graph in graphs.items():
-        started = time.perf_counter()
-        runners[model] = GraphRunner(Path(graph), args.measure, numerics="exact", threads=args.threads)
-        creation[model] = time.perf_counter() - started
-        specs[model] = graph_cache_spec(Path(graph))
-
-    def report(context: int, medians: dict[str, float]) -> None:
-        print(f"{args.measure} context {context}: " + ", ".join(f"{name} {ms:.1f} ms" for name, ms in medians.items()),
-              file=sys.stderr, flush=True)
-
-    measured = context_rounds(runners, specs, args.vocab, args.contexts, args.steps, args.rounds,
-                              np.random.default_rng(0), report)
-    rows = [{"backend": args.measure, "model": model, "context": context,
-             "decode_ms_per_token": statistics.median(rounds[model]), "rounds_ms": rounds[model],
-             "creation_s": creation[model], "graph": graphs[model],
-             "cache_bytes_per_token": cache_bytes_per_token(Path(graphs[model]))}
-            for context, rounds in measured.items() for model in graphs]
+    rows = [{"backend": args.measure, **row, "graph": graphs[row["model"]],
+             "cache_bytes_per_token": cache_bytes_per_token(Path(graphs[row["model"]]))}
+            for row in measure_graphs(graphs, args.measure, args)]
     print(json.dumps(rows))
 
 
