@@ -60,7 +60,7 @@ def _from_hf_cache(repo_id: str, revision: str | None, hint: str) -> Path:
     except (LocalEntryNotFoundError, FileNotFoundError, ValueError):
         at = f" at revision {revision}" if revision else ""
         raise InputError(f"{repo_id}{at} is not in the local Hugging Face cache, and dstc never downloads: "
-                         f"download it first (huggingface-cli download {repo_id}"
+                         f"download it first (hf download {repo_id}"
                          f"{' --revision ' + revision if revision else ''}) or pass {hint}") from None
 
 
