@@ -53,6 +53,24 @@ def test_recipe_typo_names_the_key_and_file(tmp_path):
         load_recipe(path)
 
 
+@pytest.mark.parametrize(("section", "key", "meant"), [
+    ("compress", "grup_size", "group_size"),
+    ("gates", "max_ppl_increase", "max_perplexity_increase"),  # dstc gate's former option name
+    ("gates", "min_top1", "min_top1_agreement"),
+    ("export", "new_token", "new_tokens")])
+def test_an_unknown_key_is_named_first_with_the_key_meant(tmp_path, section, key, meant):
+    values = {"scheme": "int4-grouped"} if section == "compress" else {}
+    # the section's only other problem is a missing compile: the misspelt key is reported before it
+    path = tmp_path / "r.yaml"
+    path.write_text(yaml.safe_dump({"name": "r", "model": "deepseek-v3-tiny", section: {**values, key: 1}}))
+    with pytest.raises(RecipeError, match=rf"r\.yaml: {section}\.{key}: unknown key \(did you mean {meant}\?\) "
+                                          r"\(and 1 more\)"):
+        load_recipe(path)
+    path = write_recipe(tmp_path / "r.yaml", compile={"backend": "openvino", "nothing_like_it": 1})
+    with pytest.raises(RecipeError, match=r"compile\.nothing_like_it: unknown key$"):
+        load_recipe(path)
+
+
 def test_recipe_error_exits_2_and_writes_nothing(tmp_path, env):
     path = write_recipe(tmp_path / "r.yaml", exprot={})
     proc = dstc("build", path, "-o", tmp_path / "out", env=env)

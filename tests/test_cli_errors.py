@@ -184,7 +184,8 @@ def test_compare_html_and_eval_out_in_proc_name_the_real_problem(monkeypatch, ca
 # -- 8. a gate limit that is not a finite number is bad input (exit 2), not a failed gate (exit 1) -----------------
 
 BASELINE = REPO / "baselines/deepseek-v3-tiny-onnxruntime-int4.json"
-GATE_OPTIONS = ["--max-ppl-increase", "--min-top1", "--max-em-drop", "--max-kl", "--max-latency-ratio"]
+GATE_OPTIONS = ["--max-perplexity-increase", "--min-top1-agreement", "--max-exact-match-drop", "--max-kl-mean",
+                "--max-latency-ratio"]
 
 
 @pytest.mark.parametrize("value", ["nan", "NaN", "inf", "-inf", "1e999"])
@@ -206,10 +207,10 @@ def test_a_recipe_gate_that_is_not_finite_is_exit_2_before_the_build(monkeypatch
 
 
 def test_finite_gate_limits_still_gate(monkeypatch, capsys):
-    code, err = run_cli(monkeypatch, capsys, "gate", BASELINE, "--baseline", BASELINE, "--max-kl", "1e-3",
+    code, err = run_cli(monkeypatch, capsys, "gate", BASELINE, "--baseline", BASELINE, "--max-kl-mean", "1e-3",
                         "--max-latency-ratio", "1.5")
     assert code == 0, err
-    code, err = run_cli(monkeypatch, capsys, "gate", BASELINE, "--max-kl", "0")
+    code, err = run_cli(monkeypatch, capsys, "gate", BASELINE, "--max-kl-mean", "0")
     assert code == 1, err
 
 
@@ -219,16 +220,36 @@ OTHER_BASELINE = REPO / "baselines/r1-distill-qwen-tiny-onnxruntime-int4.json"
 
 
 def test_gate_refuses_a_baseline_of_another_model(monkeypatch, capsys):
-    code, err = run_cli(monkeypatch, capsys, "gate", BASELINE, "--baseline", OTHER_BASELINE, "--max-ppl-increase",
-                        "0.5")
+    code, err = run_cli(monkeypatch, capsys, "gate", BASELINE, "--baseline", OTHER_BASELINE,
+                        "--max-perplexity-increase", "0.5")
     assert_one_line_error(code, err, "the baseline is a report of r1-distill-qwen-tiny and the report gated is of "
                                      "deepseek-v3-tiny")
     assert "--allow-other-model" in err
-    code, err = run_cli(monkeypatch, capsys, "gate", BASELINE, "--baseline", OTHER_BASELINE, "--max-ppl-increase",
-                        "0.5", "--allow-other-model")
+    code, err = run_cli(monkeypatch, capsys, "gate", BASELINE, "--baseline", OTHER_BASELINE,
+                        "--max-perplexity-increase", "0.5", "--allow-other-model")
     assert code == 0, err
-    code, err = run_cli(monkeypatch, capsys, "gate", BASELINE, "--baseline", BASELINE, "--max-ppl-increase", "0.5")
+    code, err = run_cli(monkeypatch, capsys, "gate", BASELINE, "--baseline", BASELINE, "--max-perplexity-increase",
+                        "0.5")
     assert code == 0, err
+
+
+# -- one name per option: dstc gate's options are the recipe's gates: keys; the former short names still work --------
+
+@pytest.mark.parametrize(("former", "current"), [("--max-kl", "--max-kl-mean"), ("--min-top1", "--min-top1-agreement"),
+                                                 ("--max-ppl-increase", "--max-perplexity-increase"),
+                                                 ("--max-em-drop", "--max-exact-match-drop")])
+def test_a_gate_option_by_its_former_name_still_gates_and_names_the_current_one(monkeypatch, capsys, former, current):
+    fails = {"--max-kl": "0", "--min-top1": "1", "--max-ppl-increase": "-1e-9", "--max-em-drop": "0"}
+    code, err = run_cli(monkeypatch, capsys, "gate", BASELINE, former, "1e9" if former != "--min-top1" else "0")
+    assert code == 0, err
+    assert f"dstc: warning: {former} is now {current}" in err
+    if former in ("--max-kl", "--min-top1"):  # the baseline's KL > 0 and top-1 < 1: the same limit fails
+        code, err = run_cli(monkeypatch, capsys, "gate", BASELINE, former, fails[former])
+        assert code == 1, err
+    code, err = run_cli(monkeypatch, capsys, "gate", BASELINE, former, "1", current, "1")
+    assert_one_line_error(code, err, f"{current} given twice")
+    help_text = _run(monkeypatch, capsys, "gate", "--help")[1]
+    assert current in help_text and f"{former} " not in help_text
 
 
 def test_a_recipe_gated_against_another_models_baseline_is_refused_before_the_build(monkeypatch, capsys, tmp_path):

@@ -46,9 +46,9 @@ def test_the_readme_table_holds_every_code_dstc_exits_with():
 
 
 def test_0_and_1_a_gate_that_passes_and_one_that_fails(monkeypatch, capsys):
-    code, _, err = run_cli(monkeypatch, capsys, "gate", BASELINE, "--max-kl", "1e9")
+    code, _, err = run_cli(monkeypatch, capsys, "gate", BASELINE, "--max-kl-mean", "1e9")
     assert code == 0, err
-    code, out, err = run_cli(monkeypatch, capsys, "gate", BASELINE, "--max-kl", "0")
+    code, out, err = run_cli(monkeypatch, capsys, "gate", BASELINE, "--max-kl-mean", "0")
     assert code == 1 and "FAIL" in out, err
 
 

@@ -73,16 +73,16 @@ def test_gate_cli_exit_codes_and_table(tmp_path):
     bad.write_text(json.dumps(report(top1=0.5).sealed()))
     assert load_report(good).value("top1_agreement") == 0.95
 
-    ok = gate(good, "--min-top1", "0.9", "--max-ppl-increase", "0.1")
+    ok = gate(good, "--min-top1-agreement", "0.9", "--max-perplexity-increase", "0.1")
     assert ok.returncode == 0 and "min_top1_agreement" in ok.stdout and "pass" in ok.stdout
-    fail = gate(bad, "--min-top1", "0.9", "--json")
+    fail = gate(bad, "--min-top1-agreement", "0.9", "--json")
     assert fail.returncode == 1
     (row,) = json.loads(fail.stdout)
     assert row["passed"] is False and row["value"] == 0.5 and row["limit"] == 0.9
 
     assert gate(good).returncode == 2  # no gates given
     (tmp_path / "other.json").write_text(json.dumps({"schema": "something/9"}))
-    unreadable = gate(tmp_path / "other.json", "--min-top1", "0.9")
+    unreadable = gate(tmp_path / "other.json", "--min-top1-agreement", "0.9")
     assert unreadable.returncode == 2 and SCHEMA in unreadable.stderr and "Traceback" not in unreadable.stderr
     latency = gate(good, "--max-latency-ratio", "1.1")
     assert latency.returncode == 2 and "needs a baseline" in latency.stderr

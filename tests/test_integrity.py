@@ -170,9 +170,9 @@ def test_gate_refuses_a_report_copied_from_another_artifact(monkeypatch, capsys,
     a, b = evaluated
     target = tmp_path / "a"
     shutil.copytree(a, target)
-    assert run_cli(monkeypatch, capsys, "gate", target, "--min-top1", "0.5")[0] == 0
+    assert run_cli(monkeypatch, capsys, "gate", target, "--min-top1-agreement", "0.5")[0] == 0
     shutil.copyfile(b / "report.json", target / "report.json")
-    code, err = run_cli(monkeypatch, capsys, "gate", target, "--min-top1", "0.5")
+    code, err = run_cli(monkeypatch, capsys, "gate", target, "--min-top1-agreement", "0.5")
     assert_one_line_error(code, err, "was not written for the artifact")
     assert any("report: " in p and "not written for the artifact" in p for p in verify_artifact(target))
 
@@ -200,7 +200,7 @@ def test_a_report_edited_after_eval_is_refused(monkeypatch, capsys, tmp_path, ev
     report = json.loads((target / "report.json").read_text())
     report["metrics"]["top1_agreement"]["value"] = 0.5
     (target / "report.json").write_text(json.dumps(report))
-    code, err = run_cli(monkeypatch, capsys, "gate", target / "report.json", "--min-top1", "0.4")
+    code, err = run_cli(monkeypatch, capsys, "gate", target / "report.json", "--min-top1-agreement", "0.4")
     assert_one_line_error(code, err, "changed after dstc wrote it")
 
 
@@ -222,7 +222,7 @@ def test_a_forged_report_passes_neither_gate_nor_verify(monkeypatch, capsys, tmp
     a, _ = evaluated
     target = tmp_path / "a"
     shutil.copytree(a, target)
-    strict = ("--max-kl", "1e-10")  # the fp32 artifact measures ~8e-9
+    strict = ("--max-kl-mean", "1e-10")  # the fp32 artifact measures ~8e-9
     assert run_cli(monkeypatch, capsys, "gate", target, *strict)[0] == 1  # the real figures fail these limits
     assert run_cli(monkeypatch, capsys, "verify", target)[0] == 0
     _forge(target / "report.json", digest=False)
@@ -262,7 +262,7 @@ def test_a_report_of_an_older_schema_is_read_with_a_warning(monkeypatch, capsys,
     report.pop("digest")
     old = tmp_path / "old.json"
     old.write_text(json.dumps(report))
-    code, err = run_cli(monkeypatch, capsys, "gate", old, "--min-top1", "0.5")
+    code, err = run_cli(monkeypatch, capsys, "gate", old, "--min-top1-agreement", "0.5")
     assert code == 0 and "dstc: warning:" in err and "an edit of its figures cannot be told" in err
 
 
@@ -409,7 +409,7 @@ BAD_INPUTS = {
                                                                        "--no-latency"], "cannot write /proc/dstc.html"),
     "missing second artifact in compare": (lambda t, a: ["compare", a, t / "missing", "--no-latency"],
                                            "is not a directory"),
-    "deeply nested report.json": (lambda t, a: ["gate", _nested_report(t), "--min-top1", "0.5"],
+    "deeply nested report.json": (lambda t, a: ["gate", _nested_report(t), "--min-top1-agreement", "0.5"],
                                   "nested too deeply"),
     "generate on an artifact with a missing file": (lambda t, a: ["generate", _without(t, a, "model.onnx.data"
                                                                                        if (a / "model.onnx.data").exists()
@@ -476,7 +476,7 @@ def test_duplicate_recipe_key_negative_perplexity_and_unmeasured_gates(monkeypat
     report["digest"] = self_digest(report)
     baseline = tmp_path / "baseline.json"
     baseline.write_text(json.dumps(report))
-    assert_one_line_error(*run_cli(monkeypatch, capsys, "gate", a, "--baseline", baseline, "--max-ppl-increase",
+    assert_one_line_error(*run_cli(monkeypatch, capsys, "gate", a, "--baseline", baseline, "--max-perplexity-increase",
                                    "0.1"), "perplexity -3.0 is below 1")
     # exact match is measured on the embedded task; drop the measurement to stand for a model it does not apply to
     report = json.loads((a / "report.json").read_text())
@@ -485,9 +485,9 @@ def test_duplicate_recipe_key_negative_perplexity_and_unmeasured_gates(monkeypat
     report["digest"] = self_digest(report)
     unmeasured = tmp_path / "unmeasured.json"
     unmeasured.write_text(json.dumps(report))
-    code, _ = run_cli(monkeypatch, capsys, "gate", unmeasured, "--max-em-drop", "2")
+    code, _ = run_cli(monkeypatch, capsys, "gate", unmeasured, "--max-exact-match-drop", "2")
     assert code == 1
-    code, _ = run_cli(monkeypatch, capsys, "gate", unmeasured, "--max-em-drop", "2", "--allow-unmeasured")
+    code, _ = run_cli(monkeypatch, capsys, "gate", unmeasured, "--max-exact-match-drop", "2", "--allow-unmeasured")
     assert code == 0
 
 

@@ -148,9 +148,9 @@ def test_eval_and_compare_json_cold(built, tmp_path):
 
 def test_gate_json_passing_and_failing(tmp_path):
     """A failed gate exits 1 with its results still the one document."""
-    passing = ok(dstc("gate", BASELINE, "--max-kl", "1e9", "--json", cache=tmp_path))
+    passing = ok(dstc("gate", BASELINE, "--max-kl-mean", "1e9", "--json", cache=tmp_path))
     assert [g["passed"] for g in passing] == [True]
-    failing = dstc("gate", BASELINE, "--max-kl", "0", "--json", cache=tmp_path)
+    failing = dstc("gate", BASELINE, "--max-kl-mean", "0", "--json", cache=tmp_path)
     assert failing.returncode == 1 and [g["passed"] for g in document(failing)] == [False]
 
 
@@ -163,7 +163,7 @@ def test_listings_json(tmp_path, command):
 @pytest.mark.parametrize("args, code, fragment", [
     (["build", "{missing}"], 2, "cannot read recipe"),
     (["export", "no-such-model", "-o", "{out}"], 2, "no-such-model"),
-    (["gate", "{missing}", "--max-kl", "1"], 2, "cannot read report"),
+    (["gate", "{missing}", "--max-kl-mean", "1"], 2, "cannot read report"),
     (["generate", "{missing}", "hi"], 2, ""),
     (["eval", "{missing}", "--no-latency"], 2, ""),
     (["compress", "{missing}", "-o", "{out}", "--scheme", "int8-per-channel", "--awq"], 2, "awq"),

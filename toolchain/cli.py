@@ -573,14 +573,14 @@ def keygen_cmd(private_key: Path, public_key: Path) -> None:
     echo(f"private key {private_key} (mode 0600), public key {public_key}")
 
 
-EVAL_SPELLINGS = {"reference_cache": "--reference-cache/--no-reference-cache", "latency": "--latency/--no-latency",
-                  "openvino_f32": "--openvino-f32/--deployment-defaults"}
+EVAL_SPELLINGS = {"reference_cache": "--reference-cache/--no-reference-cache", "latency": "--latency/--no-latency"}
+EVAL_ALIASES: dict[str, str | tuple[str, bool]] = {"openvino_f32": ("--deployment-defaults", False)}  # as serve's
 
 
 def _eval_options(command):
     """Options shared by `dstc eval` and `dstc compare`: the reference, and how much to measure (a recipe's
     `eval:` section, toolchain/settings/evaluation.py)."""
-    command = section_options(EvalSettings, spellings=EVAL_SPELLINGS,
+    command = section_options(EvalSettings, spellings=EVAL_SPELLINGS, aliases=EVAL_ALIASES,
                               comma=("tasks", "prompt_lengths", "batches"))(command)
     return click.option("--reference", default=None,
                         help="fp32 PyTorch reference checkpoint (default: the source model named in the "
@@ -663,16 +663,18 @@ def compare_cmd(artifacts: tuple[Path, ...], reference: str | None, html_out: Pa
         echo(f"comparison: {html_out}")
 
 
-GATE_SPELLINGS = {"max_perplexity_increase": "--max-ppl-increase", "min_top1_agreement": "--min-top1",
-                  "max_exact_match_drop": "--max-em-drop", "max_kl_mean": "--max-kl",
-                  "allow_unmeasured": "--allow-unmeasured/--no-allow-unmeasured",
+GATE_SPELLINGS = {"allow_unmeasured": "--allow-unmeasured/--no-allow-unmeasured",
                   "allow_other_model": "--allow-other-model/--no-allow-other-model",
                   "allow_other_machine": "--allow-other-machine/--no-allow-other-machine"}
+# the names before the options were spelled as the recipe's gates: keys
+GATE_ALIASES: dict[str, str | tuple[str, bool]] = {
+    "max_perplexity_increase": "--max-ppl-increase", "min_top1_agreement": "--min-top1",
+    "max_exact_match_drop": "--max-em-drop", "max_kl_mean": "--max-kl"}
 
 
 @cli.command("gate")
 @click.argument("report_path", metavar="REPORT", type=click.Path(path_type=Path))
-@section_options(GateLimits, spellings=GATE_SPELLINGS)
+@section_options(GateLimits, spellings=GATE_SPELLINGS, aliases=GATE_ALIASES)
 @click.option("--json", "as_json", is_flag=True, help="Print the gate results as JSON.")
 def gate_cmd(report_path: Path, as_json: bool, **options) -> None:
     """Check REPORT (a report.json or an artifact) against release gates, the options of a recipe's `gates:`.

@@ -18,9 +18,11 @@ import annotated_types
 import click
 from click.core import ParameterSource
 
+from toolchain.errors import InputError
 from toolchain.settings.section import Section
 
 NONE = "none"  # a comma-separated list's spelling of the empty list
+ALIAS = "__alias"  # the parameter name suffix of an option's former spelling (section_options' ``aliases``)
 
 
 def spelling(name: str, spellings: dict[str, str]) -> str:
@@ -102,21 +104,33 @@ def _option(name: str, field, help_text: str, spellings: dict[str, str], default
 
 def section_options(section: type[Section], help: dict[str, str] | None = None, *,
                     spellings: dict[str, str] | None = None, defaults: dict | None = None, comma: tuple[str, ...] = (),
-                    exclude: tuple[str, ...] = ()):
+                    exclude: tuple[str, ...] = (), aliases: dict[str, str | tuple[str, bool]] | None = None):
     """A decorator adding an option for every field of ``section`` but those in ``exclude``: its help is the
     field's description (or ``help``'s entry), ``spellings`` of names other than ``--field-name``
     (``"--sym/--asym"``), ``defaults`` where the command's differs from the section's, ``comma``: lists of names
-    given comma-separated. A field without help, or help, a spelling or a default for no field, is a TypeError
-    when the command is defined: the options cannot drift from the section."""
+    given comma-separated, ``aliases``: a former spelling still taken (a yes/no field's: the flag and the value
+    it sets), hidden from --help, with a warning naming
+    the current one (given_section). A field without help, or help, a spelling, a default or an alias for no field,
+    is a TypeError when the command is defined: the options cannot drift from the section."""
     help = help or {}
+    aliases = aliases or {}
     fields = {name: field for name, field in section.model_fields.items() if name not in exclude}
-    stray = (set(help) | set(spellings or {}) | set(defaults or {}) | set(comma)) - set(fields)
+    stray = (set(help) | set(spellings or {}) | set(defaults or {}) | set(comma) | set(aliases)) - set(fields)
     undocumented = [name for name, field in fields.items() if not (help.get(name) or field.description)]
     if stray or undocumented:
         raise TypeError(f"{section.__name__}: options for no field {sorted(stray)}, fields without help "
                         f"{undocumented}")
 
     def decorate(command):
+        for name, former in aliases.items():
+            kind = _unwrap(fields[name].annotation)
+            if isinstance(former, tuple):  # a yes/no field's former flag and the value it set
+                command = click.option(former[0], name + ALIAS, hidden=True, flag_value=former[1],
+                                       default=None)(command)
+            else:
+                command = click.option(former, name + ALIAS, hidden=True, default=None,
+                                       type=_number_type(kind, fields[name].metadata) if kind in (int, float)
+                                       else None)(command)
         for name, field in reversed(fields.items()):
             command = _option(name, field, help.get(name) or field.description or "", spellings or {}, defaults or {},
                               comma)(command)
@@ -125,10 +139,24 @@ def section_options(section: type[Section], help: dict[str, str] | None = None, 
     return decorate
 
 
+def _given_spelling(ctx: click.Context, param_name: str) -> str:
+    return next(p.opts[0] for p in ctx.command.params if p.name == param_name)
+
+
 def given_section(section: type[Section], values: dict, spellings: dict[str, str] | None = None):
     """The section from the values of its generated options that were given on the command line (the others keep
     the section's defaults, or the command's where it declares its own); an InputError naming the option."""
     ctx = click.get_current_context()
+    for key in [k for k in values if k.endswith(ALIAS)]:
+        name, former = key.removesuffix(ALIAS), values.pop(key)
+        if former is None:
+            continue
+        current = spelling(name, spellings or {})
+        if ctx.get_parameter_source(name) is not ParameterSource.DEFAULT:
+            raise InputError(f"{current} given twice (also by its former name)")
+        click.echo(f"dstc: warning: {_given_spelling(ctx, name + ALIAS)} is now {current}", err=True)
+        values[name] = former
+        ctx.set_parameter_source(name, ParameterSource.COMMANDLINE)
     fields = {}
     for name, field in section.model_fields.items():
         if name not in values:

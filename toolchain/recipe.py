@@ -6,13 +6,15 @@ compress (optional), compile. Each stage's section is its configuration; its has
 
 from __future__ import annotations
 
+import difflib
 import hashlib
 import json
+import typing
 from pathlib import Path
 from typing import Literal, cast
 
 import yaml
-from pydantic import Field, PrivateAttr, ValidationError, model_validator
+from pydantic import BaseModel, Field, PrivateAttr, ValidationError, model_validator
 
 from toolchain.errors import InputError, RecipeError
 from toolchain.gates import GateLimits
@@ -281,9 +283,33 @@ def load_recipe(path: Path, model_override: str | None = None) -> Recipe:
     try:
         return Recipe.model_validate(data)
     except ValidationError as e:
-        first = e.errors()[0]
+        errors = e.errors()
+        # a misspelt key first: the "field required" beside it is usually the same mistake
+        first = next((err for err in errors if err["type"] == "extra_forbidden"), errors[0])
         # a rule across sections names its keys itself
         key = ".".join(str(p) for p in first["loc"])
-        problem = "unknown key" if first["type"] == "extra_forbidden" else first["msg"].removeprefix("Value error, ")
-        more = f" (and {e.error_count() - 1} more)" if e.error_count() > 1 else ""
+        problem = first["msg"].removeprefix("Value error, ")
+        if first["type"] == "extra_forbidden":
+            problem = "unknown key" + _suggestion(first["loc"])
+        more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
         raise RecipeError(f"{path}: {key + ': ' if key else ''}{problem}{more}") from None
+
+
+# keys that `dstc gate` spelled differently before its options took the recipe's names
+_FORMER_KEYS = {"max_ppl_increase": "max_perplexity_increase", "min_top1": "min_top1_agreement",
+                "max_em_drop": "max_exact_match_drop", "max_kl": "max_kl_mean"}
+
+
+def _suggestion(loc: tuple) -> str:
+    """`` (did you mean X?)`` for an unknown key at ``loc`` close to one of its section's keys, else ''."""
+    model: type[BaseModel] | None = Recipe
+    for part in loc[:-1]:
+        field = model.model_fields.get(str(part)) if model else None
+        model = next((t for t in (field.annotation, *typing.get_args(field.annotation))
+                      if isinstance(t, type) and issubclass(t, BaseModel)), None) if field else None
+    if model is None:
+        return ""
+    name = str(loc[-1])
+    known = list(model.model_fields)
+    close = [_FORMER_KEYS[name]] if _FORMER_KEYS.get(name) in known else difflib.get_close_matches(name, known, n=1)
+    return f" (did you mean {close[0]}?)" if close else ""

@@ -19,7 +19,7 @@ from toolchain.report.schema import REPORT_FILES, load_report
 
 SMALL = ["--texts", "40", "--problems", "40", "--prompt-lengths", "16,32", "--batches", "1,2", "--new-tokens", "4",
          "--warmup", "0", "--repetitions", "2"]
-GATES = ["--max-ppl-increase", "0.05", "--min-top1", "0.95", "--max-em-drop", "5"]
+GATES = ["--max-perplexity-increase", "0.05", "--min-top1-agreement", "0.95", "--max-exact-match-drop", "5"]
 ACCURACY = ("perplexity", "perplexity_increase", "exact_match", "exact_match_drop", "kl_mean", "kl_max",
             "top1_agreement", "greedy_match_rate", "routing_agreement")
 LATENCY = ("load_time_s", "ttft_p50_ms", "ttft_p90_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p90_ms", "tokens_per_s",
@@ -95,7 +95,7 @@ def test_gate_rejects_a_damaged_artifact_and_passes_the_healthy_one(healthy, tmp
     verdicts = {g["name"]: g["passed"] for g in json.loads(bad.stdout)}
     assert verdicts["max_perplexity_increase"] is False and verdicts["min_top1_agreement"] is False
     # against the healthy build as baseline, too
-    assert dstc("gate", broken, "--baseline", healthy, "--max-ppl-increase", "0.05", env=cache).returncode == 1
+    assert dstc("gate", broken, "--baseline", healthy, "--max-perplexity-increase", "0.05", env=cache).returncode == 1
 
 
 def test_build_fails_on_a_recipe_gate_and_keeps_the_report(tmp_path, cache):
