@@ -81,8 +81,10 @@ def models_list(as_json: bool) -> None:
     if as_json:
         print_json(rows)
         return
-    for row in rows:
-        echo(f"{row['name']:<24} {row['model_type']:<12} {row['parameters']:>10,} params  {row['path']}")
+    name, kind, size = (max(len(f"{row[k]:,}" if k == "parameters" else str(row[k])) for row in rows)
+                        for k in ("name", "model_type", "parameters"))
+    for row in rows:  # columns as wide as their longest entry: a real model's name and size are longer
+        echo(f"{row['name']:<{name}}  {row['model_type']:<{kind}}  {row['parameters']:>{size},} params  {row['path']}")
 
 
 @models.command("make")
@@ -611,7 +613,7 @@ def eval_cmd(artifact: Path, reference: str | None, out_dir: Path | None, as_jso
     match, MoE routing agreement. The reference runs one decoder layer at a time from the checkpoint, and its
     outputs are kept in the reference cache for the next artifact of the same model and data. Latency (in a fresh
     process): load time, time to first token P50/P90/P99, inter-token latency P50/P90, tokens/s, peak RSS, for
-    every prompt length x batch. Writes report.json (schema dstc.report/4), report.md and report.html.
+    every prompt length x batch. Writes report.json, report.md and report.html.
     """
     # loaded when the command runs: the CLI starts without numpy, torch or the runtimes
     from toolchain.evaluate.run import evaluate_artifact, write_report
@@ -801,6 +803,47 @@ def serve_cmd(artifact: Path, host: str, port: int, api_key: str | None, api_key
     settings = given_section(ServeSettings, options, SERVE_SPELLINGS)
     settings = settings.model_copy(update={"api_keys": load_api_keys(api_key, api_key_file)})
     serve(artifact, settings, host=host, port=port, log=lambda m: click.echo(m, err=True))
+
+
+# Each command's --help ends with examples that run as written from the repository's root (tests/test_cli_help.py
+# runs the ones marked safe), in one place so that they read alike.
+EXAMPLES = {
+    "build": ["dstc build recipes/deepseek-v3-tiny-openvino-int4.yaml",
+              "dstc build recipes/deepseek-v3-tiny-openvino-int4.yaml --model ./my-checkpoint -o out/mine --json"],
+    "export": ["dstc export deepseek-v3-tiny -o out/export"],
+    "optimize": ["dstc optimize out/export -o out/passes --target openvino"],
+    "compress": ["dstc compress out/passes -o out/int4 --target openvino --scheme int4-grouped --group-size 128"],
+    "compile": ["dstc compile out/int4 -o out/artifact --backend openvino"],
+    "eval": ["dstc eval artifacts/deepseek-v3-tiny-openvino-int4 -o out/report",
+             "dstc eval ARTIFACT --dataset my-data.jsonl --no-latency --json > report.json",
+             "dstc eval ARTIFACT --tasks arc_easy --task-data ./task-data --task-limit 50"],
+    "compare": ["dstc compare artifacts/deepseek-v3-tiny-onnxruntime-int4 artifacts/deepseek-v3-tiny-openvino-int4 "
+                "--html compare.html"],
+    "gate": ["dstc gate artifacts/deepseek-v3-tiny-openvino-int4 --max-kl-mean 1e-3 --min-top1-agreement 0.85",
+             "dstc gate ARTIFACT --baseline baselines/deepseek-v3-tiny-openvino-int4.json "
+             "--max-perplexity-increase 0.02 --json > gates.json"],
+    "generate": ["dstc generate artifacts/deepseek-v3-tiny-openvino-int4 \"The capital of\" --raw --max-new-tokens 16"],
+    "serve": ["dstc serve artifacts/deepseek-v3-tiny-openvino-int4 --port 8000 --api-key \"$KEY\""],
+    "verify": ["dstc verify artifacts/deepseek-v3-tiny-openvino-int4 --public-key release.pub"],
+    "sign": ["dstc sign artifacts/deepseek-v3-tiny-openvino-int4 --key release.key"],
+    "keygen": ["dstc keygen release.key release.pub"],
+    "models list": ["dstc models list --json"],
+    "models make": ["dstc models make deepseek-v3-tiny -o out/models"],
+    "models shape-faithful": ["dstc models shape-faithful deepseek-v3 -o out/v3-4-layers --layers 4 --experts 16"],
+    "passes list": ["dstc passes list --target openvino"],
+}
+
+
+def _add_examples(group: click.Group, prefix: str = "") -> None:
+    for name, command in group.commands.items():
+        if isinstance(command, click.Group):
+            _add_examples(command, f"{prefix}{name} ")
+        elif f"{prefix}{name}" in EXAMPLES:
+            # \b keeps click from joining the lines into one paragraph
+            command.epilog = "\b\nExamples:\n" + "\n".join(f"  {line}" for line in EXAMPLES[f"{prefix}{name}"])
+
+
+_add_examples(cli)
 
 
 def _exit(message: str, code: int, as_json: bool, prefix: str = "dstc: error: ") -> None:
