@@ -118,65 +118,11 @@ def models_shape_faithful(reference: str, out_dir: Path, layers: int, experts: i
     echo(str(path))
 
 
-# Help of each stage option, by section field: the options themselves come from the sections
-# (toolchain/cli_options.py), so that they are a recipe's keys with its types, choices, bounds and defaults.
-EXPORT_HELP = {
-    "parity": "Backends to check against PyTorch fp32 (default: every backend that runs the graph).",
-    "new_tokens": "Greedy decode steps in the parity check.",
-    "moe": "MoE routed experts: per-expert sparse dispatch (any runtime), one com.microsoft.MoE node per layer (ONNX "
-           "Runtime only), or the tiled block OpenVINO's CPU plugin runs as GatherMatmul; auto: in a build, the one "
-           "measured fastest for its backend, expert count and compression (docs/deepseek-generations.md "
-           "\"Export\", export.moe), dispatch for an export alone.",
-    "mla_cache": "What MLA attention (DeepSeek-V2/V3) caches per token: the normalized latent and the rotary key, with "
-                 "kv_b_proj absorbed, or transformers' per-head keys and values, which openvino_genai's paged "
-                 "continuous batching and ONNX Runtime's fused attention (fuse-mla-attention) need  [default: latent; "
-                 "refused for models without MLA]",
-    "weights": "Weight storage: bfloat16 keeps a bf16 or FP8 checkpoint's values as bf16 initializers widened by a "
-               "Cast in the graph (the same float32 values, half the bytes); auto does so above 1 GiB of float32 "
-               "weights.",
-    "mtp": "Also export the checkpoint's multi-token-prediction layer (DeepSeek-V3, V3.2, V4) as mtp/model.onnx with "
-           "its own KV cache, checked against its PyTorch reference, and give the main graph its hidden_states output; "
-           "the artifact carries it for self-speculative drafts.",
-}
-PASSES_HELP = {
-    "target": "onnxruntime: fuse into ORT's contrib kernels; openvino: standard ops shaped for OpenVINO's fusions.",
-    "passes": "Pass names to run instead of the target's pipeline (see `dstc passes list`).",
-}
+# The stage options come from the sections (toolchain/cli_options.py), help included (each field's description):
+# a recipe's keys with their types, choices, bounds, defaults and help.
 # a mapping of pass -> expected counts: a recipe's passes.expect, not a command-line value
 PASSES_EXCLUDED = ("expect",)
-COMPRESS_HELP = {
-    "scheme": "INT4 in groups (NNCF), INT8 per output channel (NNCF), INT8 with one scale per attention head, or "
-              "shipped: the checkpoint's FP8/FP4 weights kept as stored (codes and scales), the rest as exported.",
-    "group_size": "Input channels per INT4 scale (int4-grouped).",
-    "sym": "Symmetric (no zero point) or asymmetric.",
-    "ratio": "Share of INT4 weights kept in INT4 (the rest in the backup precision); int4 only.",
-    "backup": "Precision of the INT4 weights left out at ratio < 1.",
-    "awq": "Activation-aware scaling (int4, needs calibration text).",
-    "scale_estimation": "Scale estimation (int4, needs calibration text).",
-    "gptq": "GPTQ (int4, openvino target only).",
-    "dataset": "Calibration text: 'embedded' (the project's corpus), a JSONL file with a \"text\" field, a text file "
-               "or a directory of them. Never downloaded.",
-    "ignore": "Keep matching weights/nodes in fp32 (name or regex).",
-    "int8": "Matching weights/nodes in INT8 per output channel (name or regex; ignore wins over it).",
-    "accuracy_level": "MatMulNBits compute precision on onnxruntime (4: int8 activations, fastest).",
-    "prefill_int8": "onnxruntime, int4: also store each 4-bit weight in int8 per column for prompts of 8+ tokens "
-                    "(DynamicQuantizeMatMul on the int8 GEMM, AMX/VNNI): faster prefill, 3x the 4-bit weights' "
-                    "bytes. Default: on where this CPU has VNNI or AMX.",
-    "embeddings": "Precision of the token embeddings.",
-    "lm_head": "Precision of the output projection.",
-    "router": "MoE router weights ('scheme': the scheme's precision).",
-    "shared_experts": "MoE shared experts' weights.",
-    "streaming": "Compress one weight at a time in bounded memory (auto: above 1 GiB of float weights; data-free, "
-                 "or AWQ / scale estimation on statistics computed layer by layer), or with NNCF's whole-model call.",
-    "max_weight_error": "Fail the stage (exit 6) when a compressed weight's relative error is above this (1.0: a "
-                        "weight of zeros; INT4 measures ~0.1).",
-}
 COMPRESS_SPELLINGS = {"sym": "--sym/--asym"}
-COMPILE_HELP = {
-    "backend": "The runtime the artifact is for.",
-    "verify": "Check the artifact's greedy decoding against PyTorch (or the compressed input graph).",
-    "smoke": "Run the artifact at its runtime's deployment defaults in a child process (crashes, NaNs).",
-}
 
 
 def _stage_command(report_file: str):
@@ -200,7 +146,7 @@ _OUT = click.option("-o", "--out", "out_dir", type=click.Path(path_type=Path), r
 @cli.command("export")
 @click.argument("model")
 @_OUT
-@section_options(ExportSection, EXPORT_HELP)
+@section_options(ExportSection)
 @_stage_command("export.json")
 def export_cmd(model: str, out_dir: Path, no_cache: bool, as_json: bool, **options) -> None:
     """Export MODEL to OUT/model.onnx with a KV cache, and check it against PyTorch (written to OUT/export.json).
@@ -237,7 +183,7 @@ def export_cmd(model: str, out_dir: Path, no_cache: bool, as_json: bool, **optio
 @cli.command("optimize")
 @click.argument("in_dir", metavar="IN", type=click.Path(path_type=Path))
 @_OUT
-@section_options(PassesSection, PASSES_HELP, comma=("passes",), exclude=PASSES_EXCLUDED)
+@section_options(PassesSection, comma=("passes",), exclude=PASSES_EXCLUDED)
 @click.option("--no-parity", is_flag=True, help="Skip the parity check of the optimised graph against PyTorch.")
 @_stage_command("passes.json")
 def optimize_cmd(in_dir: Path, out_dir: Path, no_parity: bool, no_cache: bool, as_json: bool, **options) -> None:
@@ -277,7 +223,7 @@ def optimize_cmd(in_dir: Path, out_dir: Path, no_parity: bool, no_cache: bool, a
 @click.option("--target", type=click.Choice(["onnxruntime", "openvino"]), default="onnxruntime", show_default=True,
               help="onnxruntime: MatMulNBits in model.onnx; openvino: compressed openvino_model.xml (a recipe's "
                    "compile.backend).")
-@section_options(CompressSection, COMPRESS_HELP, spellings=COMPRESS_SPELLINGS, defaults={"scheme": "int4-grouped"})
+@section_options(CompressSection, spellings=COMPRESS_SPELLINGS, defaults={"scheme": "int4-grouped"})
 @_stage_command("compression.json")
 def compress_cmd(in_dir: Path, out_dir: Path, target: str, no_cache: bool, as_json: bool, **options) -> None:
     """Compress the weights of IN (an export or optimize output) through NNCF; errors measured where they
@@ -312,7 +258,7 @@ def compress_cmd(in_dir: Path, out_dir: Path, target: str, no_cache: bool, as_js
 @cli.command("compile")
 @click.argument("export_dir", metavar="IN", type=click.Path(path_type=Path))
 @click.option("-o", "--out", "out_dir", type=click.Path(path_type=Path), required=True, help="Artifact directory.")
-@section_options(CompileSection, COMPILE_HELP)
+@section_options(CompileSection)
 @_stage_command("compile.json")
 def compile_cmd(export_dir: Path, out_dir: Path, no_cache: bool, as_json: bool, **options) -> None:
     """Compile the output of `dstc export` (IN) into an artifact for one runtime.

@@ -29,20 +29,34 @@ _PARITY: tuple[Backend, ...] = ("onnxruntime", "openvino")
 
 
 class ExportSection(Section):
-    parity: list[Backend] = Field(default_factory=lambda: list(_PARITY))
-    new_tokens: int = Field(16, ge=1)
+    parity: list[Backend] = Field(default_factory=lambda: list(_PARITY), description=(
+        "Backends to check against PyTorch fp32 (default: every backend that runs the graph)."))
+    new_tokens: int = Field(16, ge=1, description="Greedy decode steps in the parity check.")
     # how MoE layers' routed experts are lowered (toolchain/export/moe.py LOWERINGS); auto: chosen for the build's
     # backend, expert count and compression (moe.py auto_lowering), dispatch for an export alone
-    moe: Literal["auto", "dispatch", "fused-onnxruntime", "fused-openvino"] = "auto"
+    moe: Literal["auto", "dispatch", "fused-onnxruntime", "fused-openvino"] = Field("auto", description=(
+        "MoE routed experts: per-expert sparse dispatch (any runtime), one com.microsoft.MoE node per layer (ONNX"
+        " Runtime only), or the tiled block OpenVINO's CPU plugin runs as GatherMatmul; auto: in a build, the one"
+        ' measured fastest for its backend, expert count and compression (docs/deepseek-generations.md "Export", '
+        "export.moe), dispatch for an export alone."))
     # what MLA's KV cache holds (toolchain/export/deepseek.py MLA_CACHES); None: the architecture's default
     # (latent; per-head for serving on OpenVINO). An MLA-free model refuses a layout at export, when its
     # architecture is known
-    mla_cache: Literal["latent", "per-head"] | None = None
+    mla_cache: Literal["latent", "per-head"] | None = Field(None, description=(
+        "What MLA attention (DeepSeek-V2/V3) caches per token: the normalized latent and the rotary key, with "
+        "kv_b_proj absorbed, or transformers' per-head keys and values, which openvino_genai's paged continuous "
+        "batching and ONNX Runtime's fused attention (fuse-mla-attention) need  [default: latent; refused for "
+        "models without MLA]"))
     # how the weights are stored (toolchain/export/weights.py STORAGES): bf16 values as bf16 + Cast, or float32
-    weights: Literal["auto", "float32", "bfloat16"] = "auto"
+    weights: Literal["auto", "float32", "bfloat16"] = Field("auto", description=(
+        "Weight storage: bfloat16 keeps a bf16 or FP8 checkpoint's values as bf16 initializers widened by a Cast "
+        "in the graph (the same float32 values, half the bytes); auto does so above 1 GiB of float32 weights."))
     # export the checkpoint's MTP layer (DeepSeek-V3, V3.2, V4) as mtp/model.onnx, carried into the artifact, and the
     # main graph's hidden-state output it reads (toolchain/export/mtp.py)
-    mtp: bool = False
+    mtp: bool = Field(False, description=(
+        "Also export the checkpoint's multi-token-prediction layer (DeepSeek-V3, V3.2, V4) as mtp/model.onnx with"
+        " its own KV cache, checked against its PyTorch reference, and give the main graph its hidden_states "
+        "output; the artifact carries it for self-speculative drafts."))
     _parity_given: bool = PrivateAttr(False)
 
     @model_validator(mode="after")
@@ -71,38 +85,57 @@ class ExportSection(Section):
 
 
 class PassesSection(Section):
-    target: Backend
-    passes: list[str] | None = None  # None: the target's default pipeline
-    expect: dict[str, dict[str, int | str]] | None = None
+    target: Backend = Field(description=(
+        "onnxruntime: fuse into ORT's contrib kernels; openvino: standard ops shaped for OpenVINO's fusions."))
+    passes: list[str] | None = Field(None, description=(
+        "Pass names to run instead of the target's pipeline (see `dstc passes list`; default: the target's)."))
+    expect: dict[str, dict[str, int | str]] | None = Field(None, description=(
+        "What each pass must do, by pass name: {min: N}, {max: N} or {count: N} rewrites, replacing the target's "
+        "own expectations for the model (an empty mapping checks nothing); the stage fails on a miss."))
 
 
 class CompressSection(Section):
     # shipped: the checkpoint's FP8 / FP4 weights kept as they ship (codes and scales), the rest as exported
-    scheme: CompressionScheme
-    group_size: Literal[32, 64, 128] = 128
-    sym: bool = False
-    ratio: float = Field(1.0, gt=0, le=1)
-    backup: Literal["int8", "none"] = "int8"
-    awq: bool = False
-    scale_estimation: bool = False
-    gptq: bool = False
-    dataset: str = "embedded"
-    ignore: list[str] = Field(default_factory=list)
-    int8: list[str] = Field(default_factory=list)
-    accuracy_level: int | None = Field(4, ge=0, le=4)
+    scheme: CompressionScheme = Field(description=(
+        "INT4 in groups (NNCF), INT8 per output channel (NNCF), INT8 with one scale per attention head, or "
+        "shipped: the checkpoint's FP8/FP4 weights kept as stored (codes and scales), the rest as exported."))
+    group_size: Literal[32, 64, 128] = Field(128, description="Input channels per INT4 scale (int4-grouped).")
+    sym: bool = Field(False, description="Symmetric (no zero point) or asymmetric.")
+    ratio: float = Field(1.0, gt=0, le=1, description=(
+        "Share of INT4 weights kept in INT4 (the rest in the backup precision); int4 only."))
+    backup: Literal["int8", "none"] = Field("int8", description="Precision of the INT4 weights left out at ratio < 1.")
+    awq: bool = Field(False, description="Activation-aware scaling (int4, needs calibration text).")
+    scale_estimation: bool = Field(False, description="Scale estimation (int4, needs calibration text).")
+    gptq: bool = Field(False, description="GPTQ (int4, openvino target only).")
+    dataset: str = Field("embedded", description=(
+        'Calibration text: \'embedded\' (the project\'s corpus), a JSONL file with a "text" field, a text file or a '
+        "directory of them. Never downloaded."))
+    ignore: list[str] = Field(default_factory=list, description="Keep matching weights/nodes in fp32 (name or regex).")
+    int8: list[str] = Field(default_factory=list, description=(
+        "Matching weights/nodes in INT8 per output channel (name or regex; ignore wins over it)."))
+    accuracy_level: int | None = Field(4, ge=0, le=4, description=(
+        "MatMulNBits compute precision on onnxruntime (4: int8 activations, fastest)."))
     # onnxruntime, int4-grouped: int8 copies of the 4-bit weights that prompts read (passes/quantize/prefill_int8.py);
     # None: on where the CPU building the artifact has an int8 dot product (VNNI, AMX), off elsewhere
-    prefill_int8: bool | None = None
-    embeddings: Literal["int8", "int4", "fp32"] = "int8"
-    lm_head: Literal["int8", "int4", "fp32"] = "int8"
-    router: Literal["fp32", "int8", "scheme"] = "fp32"
-    shared_experts: Literal["scheme", "int8", "fp32"] = "scheme"
+    prefill_int8: bool | None = Field(None, description=(
+        "onnxruntime, int4: also store each 4-bit weight in int8 per column for prompts of 8+ tokens "
+        "(DynamicQuantizeMatMul on the int8 GEMM, AMX/VNNI): faster prefill, 3x the 4-bit weights' bytes. "
+        "Default: on where this CPU has VNNI or AMX."))
+    embeddings: Literal["int8", "int4", "fp32"] = Field("int8", description="Precision of the token embeddings.")
+    lm_head: Literal["int8", "int4", "fp32"] = Field("int8", description="Precision of the output projection.")
+    router: Literal["fp32", "int8", "scheme"] = Field("fp32", description=(
+        "MoE router weights ('scheme': the scheme's precision)."))
+    shared_experts: Literal["scheme", "int8", "fp32"] = Field("scheme", description="MoE shared experts' weights.")
     # one weight at a time (bounded memory): "auto" above 1 GiB of float weights (toolchain/stages/compress.py)
-    streaming: Literal["auto", "always", "never"] = "auto"
+    streaming: Literal["auto", "always", "never"] = Field("auto", description=(
+        "Compress one weight at a time in bounded memory (auto: above 1 GiB of float weights; data-free, or AWQ /"
+        " scale estimation on statistics computed layer by layer), or with NNCF's whole-model call."))
     # the largest relative error ||W - Q(W)|| / ||W|| a compressed weight may have: above it the stage fails (exit
     # 6) rather than ship a weight that is lost (1.0 is a weight written as zeros). INT4 g128 measures ~0.1, INT8
     # ~0.005, so 0.5 only catches a lost weight; a recipe that means to keep such a weight raises it.
-    max_weight_error: float = Field(0.5, gt=0, allow_inf_nan=False)
+    max_weight_error: float = Field(0.5, gt=0, allow_inf_nan=False, description=(
+        "Fail the stage (exit 6) when a compressed weight's relative error is above this (1.0: a weight of zeros;"
+        " INT4 measures ~0.1)."))
 
     @property
     def data_aware(self) -> bool:
@@ -143,11 +176,13 @@ class CompressSection(Section):
 
 
 class CompileSection(Section):
-    backend: Backend
-    verify: bool = True
+    backend: Backend = Field(description="The runtime the artifact is for.")
+    verify: bool = Field(True, description=(
+        "Check the artifact's greedy decoding against PyTorch (or the compressed input graph)."))
     # run the artifact at the runtime's deployment defaults (toolchain/verify/smoke.py); both checks are skipped,
     # with the reason recorded, for an artifact too large to run on the building machine (stages/compile.py)
-    smoke: bool = True
+    smoke: bool = Field(True, description=(
+        "Run the artifact at its runtime's deployment defaults in a child process (crashes, NaNs)."))
 
 
 # The metrics /health judges against thresholds (toolchain/serve/health.py measures them); higher is worse.
@@ -167,16 +202,18 @@ def check_threshold(metric: str, warn: float, ok: float | None, alert: float | N
 
 
 class ServeThreshold(Section):
-    warn: float
-    ok: float | None = None  # back to ok below this (default: warn)
-    alert: float | None = None
+    warn: float = Field(description="/health reports the metric as degraded at or above this.")
+    ok: float | None = Field(None, description="Back to ok below this (default: warn).")
+    alert: float | None = Field(None, description="/health reports the metric as failing at or above this.")
 
 
 class ServeSection(Section):
     """What ``dstc serve`` reads from the artifact's manifest: /health thresholds by metric (HEALTH_METRICS);
     ``--threshold`` replaces one at serve time. Not part of any stage id."""
 
-    thresholds: dict[str, ServeThreshold] = Field(default_factory=dict)
+    thresholds: dict[str, ServeThreshold] = Field(default_factory=dict, description=(
+        "/health thresholds by metric (ttft_p50_ms ... itl_p99_ms, queue_depth, running_batch, kv_cache_usage, "
+        "rejected_per_minute), each {warn, ok, alert}."))
 
     @model_validator(mode="after")
     def _known_metrics(self) -> ServeSection:
@@ -194,18 +231,23 @@ DESCRIPTION_CHARS, NAME_CHARS, PATH_CHARS = 2000, 200, 4096
 
 
 class Recipe(Section):
-    name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$", max_length=NAME_CHARS)
-    description: str = Field("", max_length=DESCRIPTION_CHARS)
-    model: str = Field(max_length=PATH_CHARS)
-    # a real checkpoint's pinned commit, checked against the local copy
-    revision: str | None = Field(None, max_length=NAME_CHARS)
-    export: ExportSection = Field(default_factory=ExportSection)
-    passes: PassesSection | None = None
-    compress: CompressSection | None = None
-    compile: CompileSection
-    eval: EvalSettings | None = None  # evaluate the artifact after building it (report files inside it)
-    gates: GateLimits | None = None  # fail the build (exit 1, report kept) when a gate fails; implies eval
-    serve: ServeSection | None = None
+    name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$", max_length=NAME_CHARS, description=(
+        "The artifact's name: its directory under artifacts/ unless -o, and the model id `dstc serve` answers to."))
+    description: str = Field("", max_length=DESCRIPTION_CHARS, description="Free text, copied into manifest.json.")
+    model: str = Field(max_length=PATH_CHARS, description=(
+        "An embedded model's name (`dstc models list`), a local Hugging Face checkpoint directory, or a hub id in "
+        "the local Hugging Face cache (nothing is downloaded); `dstc build --model` replaces it."))
+    revision: str | None = Field(None, max_length=NAME_CHARS, description=(
+        "A hub checkpoint's pinned commit, checked against the local copy."))
+    export: ExportSection = Field(default_factory=ExportSection, description="ONNX export with the KV cache.")
+    passes: PassesSection | None = Field(None, description="Graph rewrites for the backend (optional).")
+    compress: CompressSection | None = Field(None, description="Weight compression through NNCF (optional).")
+    compile: CompileSection = Field(description="The runtime artifact: its backend and checks.")
+    eval: EvalSettings | None = Field(None, description=(
+        "Evaluate the artifact after building it (report.json/.md/.html inside it), as `dstc eval`."))
+    gates: GateLimits | None = Field(None, description=(
+        "Fail the build (exit 1, the artifact and report kept) when a gate fails, as `dstc gate`; implies eval."))
+    serve: ServeSection | None = Field(None, description="What `dstc serve` reads from the artifact.")
 
     @model_validator(mode="after")
     def _one_runtime(self) -> Recipe:
