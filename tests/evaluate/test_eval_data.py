@@ -21,7 +21,8 @@ from toolchain.evaluate.accuracy import compare_distributions
 from toolchain.evaluate.dataset import load_data
 from toolchain.settings.evaluation import EvalSettings
 from toolchain.models import corpus
-from toolchain.report.schema import load_report
+from toolchain.report.markdown import summary_settings
+from toolchain.report.schema import Report, load_report
 from toolchain.tokenizer_loading import load_tokenizer
 from toolchain.runtime import layered_reference
 from toolchain.runtime.generate import left_pad
@@ -201,6 +202,29 @@ def test_windows_with_a_stride_score_every_token_once(tmp_path):
     assert all(len(s.ids) <= 128 for s in data.sequences) and data.sequences[-1].ids[-1] == stream[-1]
 
 
+@pytest.mark.parametrize(("context", "window"), [(512, 512), (1024, 1024), (32768, 2048)])
+def test_the_default_window_fits_the_model(tmp_path, context, window):
+    path = tmp_path / "doc.txt"
+    path.write_text(" ".join(corpus.text_samples("heldout", 200, seed=3)))
+    tokenizer = load_tokenizer(sources.resolve("r1-distill-qwen-tiny").path)
+    data = load_data(EvalSettings(dataset=str(path)), tokenizer, task=False, max_length=context)
+    assert data.description["window"] == window and len(data.sequences[0].ids) == window
+    with pytest.raises(InputError, match="--stride 600 is longer than the window"):
+        load_data(EvalSettings(dataset=str(path), stride=600), tokenizer, task=False, max_length=512)
+
+
+@pytest.mark.parametrize(("continuation", "want", "given"), [
+    ("9750\n000+100=", "9750", "9750"),  # the continuation runs on past a one-line answer: its first line
+    (" 9750 \n", "9750", "9750"),
+    ("975", "9750", "975"),
+    ("a\nb\nc", "a\nb", "a\nb\nc"),  # a multi-line answer is compared whole
+])
+def test_exact_match_reads_a_one_line_answer_from_the_first_line(continuation, want, given):
+    from toolchain.evaluate.accuracy import answer_given
+
+    assert answer_given(continuation, want) == given
+
+
 def test_eval_on_a_users_jsonl_records_the_data_and_reuses_the_cached_reference(artifact, user_data, cache):
     first = dstc("eval", artifact, "--dataset", user_data, "--window", "64", *QUICK, env=cache)
     assert first.returncode == 0, first.stderr
@@ -212,6 +236,11 @@ def test_eval_on_a_users_jsonl_records_the_data_and_reuses_the_cached_reference(
     # fp32 ONNX Runtime against the fp32 reference: the same model, on data it was never given
     assert metrics["kl_max"] < 1e-6 and metrics["top1_agreement"] > 0.999 and metrics["exact_match_drop"] == 0
     assert report["reference"]["cache"]["reused"] is False
+    # the summary says what was scored (windows of the user's data), not the embedded corpus's defaults
+    assert report["settings"]["task"] == "prompt/answer records of --dataset"
+    measured = summary_settings(Report.model_validate(report))
+    assert f"{data['windows']} windows of 64 tokens" in measured and "6 problems" in measured
+    assert not any("200" in item for item in measured)
 
     second = dstc("eval", artifact, "--dataset", user_data, "--window", "64", *QUICK, env=cache)
     again = json.loads(second.stdout)

@@ -56,6 +56,14 @@ def compare_distributions(logits: np.ndarray, start: int, ids: list[int], first:
     return np.concatenate(kl), np.concatenate(top1), np.concatenate(nll)
 
 
+def answer_given(continuation: str, want: str) -> str:
+    """The answer a greedy continuation gives: for a one-line answer its first line, as lm-eval's ``until: ["\\n"]``
+    stops it (a continuation runs on past the answer, e.g. ``9750\\n000+100=``, where no stop token ends the line);
+    a longer answer is compared whole."""
+    text = continuation.strip()
+    return text.split("\n", 1)[0].strip() if "\n" not in want.strip() else text
+
+
 def measure_accuracy(decoder, record: ReferenceRecord, data: EvalData, routers: dict[int, str], tokenizer, *,
                      eos_ids: list[int], pad_id: int, newline_id: int | None, settings: EvalSettings,
                      log: Callable[[str], None] = lambda _: None) -> tuple[dict[str, Metric], dict]:
@@ -139,7 +147,7 @@ def measure_accuracy(decoder, record: ReferenceRecord, data: EvalData, routers: 
                            answer_stops(data, eos_ids, newline_id), pad_id)
 
         def score(outputs: list[list[int]]) -> float:
-            return float(np.mean([tokenizer.decode(a, skip_special_tokens=True).strip() == want.strip()
+            return float(np.mean([answer_given(tokenizer.decode(a, skip_special_tokens=True), want) == want.strip()
                                   for a, (_, want) in zip(outputs, data.problems)]))
 
         em, ref_em = score(outputs), score(record.answers)

@@ -23,7 +23,7 @@ from pathlib import Path
 from toolchain.chat_roles import CHAT_ROLES
 from toolchain.errors import InputError
 from toolchain.models import corpus
-from toolchain.settings.evaluation import EvalSettings
+from toolchain.settings.evaluation import DEFAULT_WINDOW, EvalSettings
 
 GREEDY_PREFIX_MAX = 256  # tokens of a window that prompt its greedy continuation
 
@@ -141,9 +141,12 @@ def _from_file(path: Path, settings: EvalSettings, tokenizer, max_length: int) -
                 texts.append(text)
             if problem is not None:
                 problems.append(problem)
-    window, stride = settings.window, settings.stride or settings.window
+    window = settings.window or min(DEFAULT_WINDOW, max_length)
+    stride = settings.stride or window
     if window > max_length:
         raise InputError(f"--window {window} is longer than the model's context ({max_length} tokens)")
+    if stride > window:
+        raise InputError(f"--stride {stride} is longer than the window ({window} tokens, the model's context)")
     stream = [t for text in texts if text for t in tokenizer(text, verbose=False)["input_ids"]]
     sequences: list[Sequence] = []
     begin = 0

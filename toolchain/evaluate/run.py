@@ -32,7 +32,7 @@ from toolchain.runtime.artifact import open_artifact
 from toolchain.runtime.decoder import open_decoder
 from toolchain.runtime.routing import router_outputs
 from toolchain.runtime.speculative import draft_artifact
-from toolchain.settings.evaluation import EvalSettings
+from toolchain.settings.evaluation import DEFAULT_WINDOW, EvalSettings
 from toolchain.source_hashes import checkpoint_hashes
 
 if TYPE_CHECKING:
@@ -227,7 +227,7 @@ def reference_task_scores(artifact, settings: EvalSettings, *, reference: str | 
         try:
             log(f"reference: lm-eval {', '.join(settings.tasks)}")
             scores = tasks.score(ref, artifact.tokenizer(), settings,
-                                 max_length=artifact.context_length or settings.window,
+                                 max_length=artifact.context_length or settings.window or DEFAULT_WINDOW,
                                  stop_ids=artifact.eos_token_ids, log=log)
         finally:
             ref.close()
@@ -257,7 +257,8 @@ def evaluate_artifact(path: Path, settings: EvalSettings | None = None, *, refer
                    max(settings.prompt_lengths) + settings.new_tokens if settings.latency else None)
     task = artifact.manifest is not None and artifact.manifest.source.kind == "embedded"
     data = load_data(settings, tokenizer, task=task,
-                     max_length=int(artifact.config.get("max_position_embeddings") or settings.window))
+                     max_length=int(artifact.config.get("max_position_embeddings") or settings.window
+                                    or DEFAULT_WINDOW))
     newline_id = tokenizer.convert_tokens_to_ids(tokenizer.tokenize(END_OF_LINE))[0] if task else None
     record, ref_about = reference_record(artifact, data, settings, reference=reference, records=records,
                                          eos_ids=artifact.eos_token_ids, pad_id=artifact.pad_token_id,
@@ -273,7 +274,8 @@ def evaluate_artifact(path: Path, settings: EvalSettings | None = None, *, refer
                                        log=log)
     if settings.tasks:
         log(f"lm-eval {', '.join(settings.tasks)} on the artifact")
-        scores = tasks.score(decoder, tokenizer, settings, max_length=artifact.context_length or settings.window,
+        scores = tasks.score(decoder, tokenizer, settings,
+                             max_length=artifact.context_length or settings.window or DEFAULT_WINDOW,
                              stop_ids=artifact.eos_token_ids, log=log)
         metrics.update(tasks.task_metrics(scores, ref_tasks))
     threads, runtime_config = decoder.threads, decoder.runtime_config
@@ -311,7 +313,7 @@ def evaluate_artifact(path: Path, settings: EvalSettings | None = None, *, refer
         "environment": {"host": platform.node(), "cpu": describe_cpu(), "cores": os.cpu_count(),
                         "threads": latency.get("threads", threads),
                         "runtime_config": latency.get("runtime_config", runtime_config), "versions": versions()},
-        "settings": {**settings.model_dump(), "task": "embedded arithmetic" if task and data.problems else None,
+        "settings": {**settings.model_dump(), "task": _task(settings, task, data),
                      "data": data.description,
                      "latency_skipped": latency.get("skipped", []),
                      "rss_increase_mb": round(latency["rss_increase_mb"], 1) if latency else None},
@@ -321,6 +323,13 @@ def evaluate_artifact(path: Path, settings: EvalSettings | None = None, *, refer
                          routing_agreement_per_layer=series["routing_agreement_per_layer"],
                          layer_errors=layer_errors, head_errors=head_errors).model_dump(),
     })
+
+
+def _task(settings: EvalSettings, embedded: bool, data) -> str | None:
+    """What exact match measured: the embedded arithmetic task, the data's prompt/answer records, or nothing."""
+    if not data.problems:
+        return None
+    return "embedded arithmetic" if settings.dataset is None and embedded else "prompt/answer records of --dataset"
 
 
 def write_report(report: Report, directory: Path) -> list[Path]:

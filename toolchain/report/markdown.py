@@ -216,8 +216,14 @@ DERIVED = ("perplexity_increase", "exact_match_drop")
 def summary_settings(report: Report) -> list[str]:
     """The settings one needs to read the numbers: threads, data sizes, latency cases and repetitions."""
     s, threads = report.settings, report.environment.threads or report.settings.get("threads")
-    items = [f"{threads} threads" if threads else "", f"{s['texts']} texts" if s.get("texts") else "",
-             f"{s['problems']} problems" if s.get("task") and s.get("problems") else ""]
+    data = s.get("data") or {}  # what was scored, which the settings only bound (e.g. a short --dataset)
+    if "windows" in data:
+        scored = [f"{data['windows']} windows of {data['window']} tokens"]
+    else:
+        scored = [f"{data.get('texts', s.get('texts'))} texts" if data.get("texts", s.get("texts")) else ""]
+    problems = data.get("problems", s.get("problems"))
+    items = [f"{threads} threads" if threads else "", *scored,
+             f"{problems} problems" if s.get("task") and problems else ""]
     if report.latency:
         lengths = "/".join(str(n) for n in sorted({c.prompt_length for c in report.latency}))
         batches = "/".join(str(n) for n in sorted({c.batch for c in report.latency}))

@@ -15,6 +15,7 @@ TASK_SETTINGS = ("tasks", "task_data", "task_limit", "num_fewshot")
 
 
 WHOLE_VOCABULARY, TOP_K = 1024, 128
+DEFAULT_WINDOW = 2048  # perplexity window of --dataset, unless the model's context is shorter
 
 
 class EvalSettings(SpeculationSettings):
@@ -33,8 +34,8 @@ class EvalSettings(SpeculationSettings):
     dataset: str | None = Field(
         None, description="The data to measure accuracy on instead of the embedded corpus: JSONL (text; prompt + "
                           "answer; or chat messages) or plain text. Its sha256 goes into report.json.")
-    window: int = Field(2048, ge=2, description="Tokens per perplexity window of --dataset (at most the model's "
-                                                "context).")
+    window: int | None = Field(None, ge=2, description=f"Tokens per perplexity window of --dataset (default: the "
+                                                       f"model's context, at most {DEFAULT_WINDOW}).")
     stride: int | None = Field(None, ge=1, description="Tokens between windows of --dataset (default: the window; "
                                                        "less overlaps them, each token still scored once).")
     windows: int = Field(64, ge=1, description="At most this many windows of --dataset.")
@@ -74,7 +75,7 @@ class EvalSettings(SpeculationSettings):
 
     @model_validator(mode="after")
     def _consistent(self) -> EvalSettings:
-        if self.stride is not None and self.stride > self.window:
+        if self.stride is not None and self.window is not None and self.stride > self.window:
             raise ValueError(f"stride {self.stride} is longer than the window ({self.window} tokens)")
         if self.tasks and not self.task_data:
             raise ValueError("tasks need task_data: a directory of the tasks' data files (dstc never downloads)")
