@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 import traceback
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -289,9 +290,19 @@ def compile_cmd(export_dir: Path, out_dir: Path, no_cache: bool, as_json: bool, 
                    f"{'identical' if verification['tokens_identical'] else 'DIFFER'}")
 
 
+_STARTED = time.monotonic()
+
+
+def _elapsed() -> str:
+    """The time since the command started, at the head of each progress line: a CI log shows where the minutes
+    went before a stage ends."""
+    seconds = time.monotonic() - _STARTED
+    return f"{int(seconds // 60):02d}:{seconds % 60:04.1f}"
+
+
 def _logger(stage: str):
     """Progress lines of a stage, on stderr so that --json output stays clean."""
-    return lambda msg: click.echo(f"[{stage}] {msg}", err=True)
+    return lambda msg: click.echo(f"{_elapsed()} [{stage}] {msg}", err=True)
 
 
 class _BuildDisplay:
@@ -300,7 +311,8 @@ class _BuildDisplay:
     def __init__(self) -> None:
         from rich.console import Console
 
-        self.console = Console(stderr=True)
+        # outside a terminal (a CI log) no width applies: a line is not broken at 80 columns, mid-path
+        self.console = Console(stderr=True, soft_wrap=not sys.stderr.isatty())
         self.status: Status | None = None
 
     def stage_started(self, name: str, stage_id: str, cached: bool) -> None:
@@ -315,10 +327,12 @@ class _BuildDisplay:
             self.status.stop()
             self.status = None
         note = "[cyan]reused from the stage cache[/]" if cached else f"[green]done[/] in {seconds:.1f} s"
-        self.console.print(f"  {name:<9} {note}")
+        self.console.print(f"{_elapsed()}  {name:<9} {note}", highlight=False)
 
     def log(self, message: str) -> None:
-        self.console.print(f"[dim]    {message}[/]", highlight=False)
+        from rich.markup import escape
+
+        self.console.print(f"[dim]{_elapsed()}    {escape(message)}[/]", highlight=False)
 
     def close(self) -> None:
         if self.status:
@@ -598,7 +612,7 @@ def compare_cmd(artifacts: tuple[Path, ...], reference: str | None, html_out: Pa
         require_artifact_memory(open_artifact(path))
     settings = _eval_settings(options)
     reports = compare_artifacts(list(artifacts), settings, reference=reference,
-                                log=lambda a, m: click.echo(f"[compare {a}] {m}", err=True))
+                                log=lambda a, m: click.echo(f"{_elapsed()} [compare {a}] {m}", err=True))
     labels = labels_for(reports)
     if html_out:
         write_file_atomically(html_out, render_comparison_html(reports, labels))
