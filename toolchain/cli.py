@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import time
@@ -55,6 +56,12 @@ class _Group(click.Group):
     command_class = _Command
     group_class = type  # subgroups (models, passes) are _Groups too
 
+    def list_commands(self, ctx):
+        """In the order of the work (SUMMARIES), not alphabetical."""
+        prefix = f"{ctx.command_path.removeprefix(ctx.find_root().command_path)} ".lstrip()
+        order = [name.removeprefix(prefix) for name in SUMMARIES if name.startswith(prefix)]
+        return sorted(self.commands, key=lambda n: order.index(n) if n in order else len(order))
+
 
 @click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="dstc")
@@ -84,15 +91,23 @@ def models_list(as_json: bool) -> None:
         return
     name, kind, size = (max(len(f"{row[k]:,}" if k == "parameters" else str(row[k])) for row in rows)
                         for k in ("name", "model_type", "parameters"))
-    for row in rows:  # columns as wide as their longest entry: a real model's name and size are longer
-        echo(f"{row['name']:<{name}}  {row['model_type']:<{kind}}  {row['parameters']:>{size},} params  {row['path']}")
+    name, kind, size = max(name, len("model")), max(kind, len("model_type")), max(size, len("parameters"))
+    for heading, rows_of_kind in (("Embedded models (trained, buildable as they are):",
+                                   [r for r in rows if r["kind"] != "reference"]),
+                                  ("Real models' configs (for `dstc models shape-faithful`; their weights come from "
+                                   "your checkpoint):", [r for r in rows if r["kind"] == "reference"])):
+        echo(heading)
+        echo(f"  {'model':<{name}}  {'model_type':<{kind}}  {'parameters':>{size}}  path")
+        for row in rows_of_kind:  # columns as wide as their longest entry: a real model's name and size are longer
+            echo(f"  {row['name']:<{name}}  {row['model_type']:<{kind}}  {row['parameters']:>{size},}  {row['path']}")
 
 
 @models.command("make")
 @click.argument("names", nargs=-1)
-@click.option("-o", "--out", "out_root", type=click.Path(path_type=Path), default=None,
-              help="Where to write the checkpoints (default: the package's embedded model folder).")
-def models_make(names: tuple[str, ...], out_root: Path | None) -> None:
+@click.option("-o", "--out", "out_root", type=click.Path(path_type=Path), required=True,
+              help="Directory to write the checkpoints into (DIR/<name>); the installed package's own models are "
+                   "never overwritten.")
+def models_make(names: tuple[str, ...], out_root: Path) -> None:
     """Build, train and save the embedded models deterministically (all of them when no NAMES are given)."""
     # loaded when the command runs: the CLI starts without numpy, torch or the runtimes
     from toolchain.models.make import make_models
@@ -103,10 +118,11 @@ def models_make(names: tuple[str, ...], out_root: Path | None) -> None:
 
 @models.command("shape-faithful")
 @click.argument("reference")
-@click.option("-o", "--out", "out_dir", type=click.Path(path_type=Path), required=True)
+@click.option("-o", "--out", "out_dir", type=click.Path(path_type=Path), required=True,
+              help="Directory to write the checkpoint into.")
 @click.option("--layers", type=int, default=4, show_default=True, help="Number of decoder layers to keep.")
 @click.option("--experts", type=int, default=None, help="Routed experts to keep (MoE models; default: all).")
-@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--seed", type=int, default=0, show_default=True, help="Seed of the random weights.")
 @click.option("--fp8", is_flag=True, help="DeepSeek-V3 in the hub's FP8 layout (e4m3 projections with 128x128 block "
                                           "scales), as the real checkpoint ships.")
 def models_shape_faithful(reference: str, out_dir: Path, layers: int, experts: int | None, seed: int,
@@ -563,7 +579,8 @@ def _eval_settings(options: dict) -> EvalSettings:
 @click.argument("artifact", type=click.Path(path_type=Path))
 @_eval_options
 @click.option("-o", "--out", "out_dir", type=click.Path(path_type=Path), default=None,
-              help="Where to write report.json/.md/.html (default: inside ARTIFACT).")
+              help="Where to write report.json/.md/.html (default: inside ARTIFACT, unless it holds its build's "
+                   "gated report: then beside it, in ARTIFACT-eval).")
 @click.option("--json", "as_json", is_flag=True, help="Print report.json to stdout instead of the summary.")
 def eval_cmd(artifact: Path, reference: str | None, out_dir: Path | None, as_json: bool, **options) -> None:
     """Measure ARTIFACT against the fp32 PyTorch reference of its source model, and its latency.
@@ -579,6 +596,10 @@ def eval_cmd(artifact: Path, reference: str | None, out_dir: Path | None, as_jso
     from toolchain.evaluate.run import evaluate_artifact, write_report
 
     settings = _eval_settings(options)
+    if out_dir is None and _holds_gated_report(artifact):
+        out_dir = artifact.with_name(f"{artifact.name}-eval")
+        click.echo(f"{artifact} holds its build's gated report, which eval does not replace: this report goes to "
+                   f"{out_dir} (-o {artifact} replaces it)", err=True)
     if out_dir is not None:
         check_writable_target(out_dir)  # before the work, not after it
     require_artifact_memory(open_artifact(artifact))  # whole, and fits, before the reference is loaded
@@ -589,6 +610,15 @@ def eval_cmd(artifact: Path, reference: str | None, out_dir: Path | None, as_jso
         return
     echo(render_summary(report))
     echo(f"report: {written[-1]}")
+
+
+def _holds_gated_report(artifact: Path) -> bool:
+    """Whether ARTIFACT's report.json carries gate verdicts (a build's with a recipe's gates:), which a release was
+    judged by; a report that cannot be read is no such report (eval replaces it, as before)."""
+    try:
+        return bool(json.loads((artifact / "report.json").read_text()).get("gates"))
+    except (OSError, ValueError, AttributeError):
+        return False
 
 
 @cli.command("compare")
@@ -669,11 +699,12 @@ def _print_gates(results) -> None:
 @cli.command("generate")
 @click.argument("artifact", type=click.Path(path_type=Path))
 @click.argument("prompt")
-@click.option("--max-new-tokens", type=click.IntRange(1), default=64, show_default=True)
+@click.option("--max-new-tokens", type=click.IntRange(1), default=64, show_default=True,
+              help="Stop after this many new tokens (or at an end-of-sequence token).")
 @click.option("--chat/--raw", default=None,
               help="Wrap PROMPT in the tokenizer's chat template (default when it has one) or send it as is. "
                    "The embedded models were trained on raw text: use --raw with them.")
-@click.option("--threads", type=click.IntRange(1), default=None)
+@click.option("--threads", type=click.IntRange(1), default=None, help="Runtime threads (default: every core).")
 @click.option("--openvino-runtime-cache", "runtime_cache", type=click.IntRange(0), default=None, metavar="ENTRIES",
               help="OpenVINO: entries of the CPU plugin's cache of kernels built per input shape "
                    "(CPU_RUNTIME_CACHE_CAPACITY). Default: dstc's choice, bounded (with oneDNN's primitive cache) "
@@ -715,6 +746,35 @@ def generate_cmd(artifact: Path, prompt: str, max_new_tokens: int, chat: bool | 
         rates = " ".join(f"{r:.2f}" for r in speculation.acceptance.rates)
         click.echo(f"speculation: {speculation.acceptance.steps} verify steps, acceptance per draft position "
                    f"{rates or 'n/a'}", err=True)
+
+
+@cli.group("recipe")
+def recipe_group() -> None:
+    """Recipes: write a first one for your model (every key: docs/recipe.md)."""
+
+
+@recipe_group.command("init")
+@click.argument("model")
+@click.option("--backend", type=click.Choice(["openvino", "onnxruntime"]), required=True,
+              help="The runtime the artifact is for.")
+@click.option("--scheme", type=click.Choice(["int4-grouped", "int8-per-channel", "int8-per-head", "fp32"]),
+              default="int4-grouped", show_default=True, help="Weight compression (fp32: none).")
+@click.option("--name", default=None, help="The recipe's and artifact's name (default: from MODEL, backend and "
+                                          "scheme).")
+@click.option("-o", "--out", "out_file", type=click.Path(path_type=Path), default=None,
+              help="Write the recipe to this file (default: stdout); an existing file is not overwritten.")
+def recipe_init(model: str, backend: str, scheme: str, name: str | None, out_file: Path | None) -> None:
+    """Write a recipe that builds MODEL for a backend and scheme, to edit or to build as it is."""
+    from toolchain.recipe_template import recipe_text
+
+    text = recipe_text(model, backend, scheme, name)  # type: ignore[arg-type]  # click's Choice gives a Backend
+    if out_file is None:
+        echo(text.rstrip("\n"))
+        return
+    if out_file.exists():
+        raise InputError(f"{out_file} exists: dstc recipe init does not overwrite a file")
+    write_file_atomically(out_file, text)
+    click.echo(f"wrote {out_file}; build it with: dstc build {out_file}", err=True)
 
 
 @cli.group("passes")
@@ -765,8 +825,34 @@ def serve_cmd(artifact: Path, host: str, port: int, api_key: str | None, api_key
     serve(artifact, settings, host=host, port=port, log=lambda m: click.echo(m, err=True))
 
 
+# Each command's line in `dstc --help`, whole, in the order of the work: build, measure, gate, serve; then the
+# single stages and the tools.
+SUMMARIES = {
+    "build": "Build an artifact from a recipe: export, passes, compress, compile, eval, gates.",
+    "recipe": "Write a first recipe for your model.",
+    "recipe init": "Write a recipe that builds MODEL for a backend and scheme.",
+    "eval": "Measure an artifact against the fp32 PyTorch reference, and its latency.",
+    "compare": "Evaluate several artifacts in one run, side by side.",
+    "gate": "Check a report against release gates: exit 0 pass, 1 a gate failed.",
+    "generate": "Generate text from a prompt with an artifact, streamed.",
+    "serve": "Serve an artifact over HTTP with OpenAI's API.",
+    "verify": "Check an artifact's files and report against its manifest (and signature).",
+    "sign": "Sign an artifact's manifest with an Ed25519 key.",
+    "keygen": "Write a new Ed25519 key pair for sign and verify.",
+    "export": "Stage 1: export a model to ONNX with a KV cache, checked against PyTorch.",
+    "optimize": "Stage 2: rewrite an export's graph for a runtime (passes).",
+    "compress": "Stage 3: compress an export's weights through NNCF.",
+    "compile": "Stage 4: compile an export into a runtime artifact, verified.",
+    "models": "The embedded tiny models, real models' configs, shape-faithful checkpoints.",
+    "models list": "List the embedded models and the real models' configs.",
+    "models make": "Retrain the embedded models deterministically into a directory.",
+    "models shape-faithful": "Write a random checkpoint with a real model's widths.",
+    "passes": "The graph-rewrite passes.",
+    "passes list": "List the registered passes.",
+}
+
 # Each command's --help ends with examples that run as written from the repository's root (tests/test_cli_help.py
-# runs the ones marked safe), in one place so that they read alike.
+# parses each), in one place so that they read alike.
 EXAMPLES = {
     "build": ["dstc build recipes/deepseek-v3-tiny-openvino-int4.yaml",
               "dstc build recipes/deepseek-v3-tiny-openvino-int4.yaml --model ./my-checkpoint -o out/mine --json"],
@@ -791,19 +877,21 @@ EXAMPLES = {
     "models make": ["dstc models make deepseek-v3-tiny -o out/models"],
     "models shape-faithful": ["dstc models shape-faithful deepseek-v3 -o out/v3-4-layers --layers 4 --experts 16"],
     "passes list": ["dstc passes list --target openvino"],
+    "recipe init": ["dstc recipe init ./my-checkpoint --backend openvino --scheme int4-grouped -o my.yaml"],
 }
 
 
-def _add_examples(group: click.Group, prefix: str = "") -> None:
+def _add_help(group: click.Group, prefix: str = "") -> None:
     for name, command in group.commands.items():
+        command.short_help = SUMMARIES.get(f"{prefix}{name}")
         if isinstance(command, click.Group):
-            _add_examples(command, f"{prefix}{name} ")
+            _add_help(command, f"{prefix}{name} ")
         elif f"{prefix}{name}" in EXAMPLES:
             # \b keeps click from joining the lines into one paragraph
             command.epilog = "\b\nExamples:\n" + "\n".join(f"  {line}" for line in EXAMPLES[f"{prefix}{name}"])
 
 
-_add_examples(cli)
+_add_help(cli)
 
 
 def _exit(message: str, code: int, as_json: bool, prefix: str = "dstc: error: ") -> None:

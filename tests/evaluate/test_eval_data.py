@@ -307,6 +307,14 @@ def test_a_recipe_names_its_dataset_relative_to_itself(tmp_path, user_data, cach
     report = load_report(tmp_path / "out")
     assert report.settings["data"]["dataset"] == str((tmp_path / "data" / "mine.jsonl").resolve())
     assert report.gates and all(g.passed for g in report.gates)
+    # eval does not replace the build's gated report unless told to: it writes beside the artifact
+    gated = (tmp_path / "out" / "report.json").read_bytes()
+    proc = dstc("eval", tmp_path / "out", "--dataset", user_data, "--window", "64", *QUICK, env=cache)
+    assert proc.returncode == 0, proc.stderr
+    assert "holds its build's gated report" in proc.stderr
+    assert (tmp_path / "out" / "report.json").read_bytes() == gated
+    assert load_report(tmp_path / "out-eval").settings["data"]["window"] == 64
+    assert dstc("verify", tmp_path / "out", env=cache).returncode == 0
     recipe.write_text(recipe.read_text().replace("data/mine.jsonl", "data/absent.jsonl"))
     with pytest.raises(Exception, match="eval.dataset data/absent.jsonl is not a file"):
         build(recipe, tmp_path / "out2")

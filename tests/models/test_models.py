@@ -53,7 +53,7 @@ def test_unknown_names_are_input_errors_listing_the_known_ones():
     with pytest.raises(InputError, match="deepseek-v2-lite"):
         reference_config("deepseek-v5")
     with pytest.raises(InputError, match="r1-distill-llama-tiny"):
-        next(make_models(["nope"], None))
+        next(make_models(["nope"], Path("unused")))
 
 
 def test_list_embedded_rows():

@@ -15,7 +15,7 @@ from toolchain.models.configs import build_config
 from toolchain.models.indexer_training import IndexerSettings, top_k_attention_mass, train_with_indexer
 from toolchain.models.mtp_training import MTP_SETTINGS, make_mtp
 from toolchain.models.parameters import parameter_count
-from toolchain.models.registry import EMBEDDED, EMBEDDED_ROOT, embedded_path
+from toolchain.models.registry import EMBEDDED, embedded_path
 from toolchain.models.tokenizer import build_tokenizer, save_tokenizer
 from toolchain.models.train import (
     TrainSettings,
@@ -121,12 +121,13 @@ def make_model(name: str, path: Path, tokenizer) -> dict:
     return metrics
 
 
-def make_models(names: list[str] | None, out_root: Path | None) -> Iterator[tuple[str, Path, dict]]:
-    """Train and save each named embedded model (all by default) under ``out_root`` (default: the package)."""
+def make_models(names: list[str] | None, out_root: Path) -> Iterator[tuple[str, Path, dict]]:
+    """Train and save each named embedded model (all by default) under ``out_root`` (the package's own folder,
+    EMBEDDED_ROOT, when the models are remade for a release)."""
     names = names or list(EMBEDDED)
     for name in names:
         embedded_path(name)  # rejects an unknown name before any training
-    out_root = Path(out_root) if out_root is not None else EMBEDDED_ROOT
+    out_root = Path(out_root)
     tokenizer = build_tokenizer()
     for name in names:
         path = out_root / name
