@@ -632,7 +632,7 @@ def compare_cmd(artifacts: tuple[Path, ...], reference: str | None, html_out: Pa
     """Evaluate several ARTIFACTS in one run with the same prompts (typically one recipe built for ONNX Runtime
     and OpenVINO) and print them side by side, with each value's ratio to the first artifact's."""
     # loaded when the command runs: the CLI starts without numpy, torch or the runtimes
-    from toolchain.evaluate.compare import compare_artifacts, labels_for
+    from toolchain.evaluate.compare import build_facts, compare_artifacts, labels_for
 
     if len(artifacts) < 2:
         raise click.BadParameter("give at least two artifacts", param_hint="ARTIFACTS")
@@ -644,13 +644,14 @@ def compare_cmd(artifacts: tuple[Path, ...], reference: str | None, html_out: Pa
     reports = compare_artifacts(list(artifacts), settings, reference=reference,
                                 log=lambda a, m: click.echo(f"{_elapsed()} [compare {a}] {m}", err=True))
     labels = labels_for(reports)
+    facts = [build_facts(open_artifact(path).manifest) for path in artifacts]
     if html_out:
-        write_file_atomically(html_out, render_comparison_html(reports, labels))
+        write_file_atomically(html_out, render_comparison_html(reports, labels, facts))
     if as_json:
-        print_json({"labels": labels, "rows": comparison_rows(reports, labels),
+        print_json({"labels": labels, "rows": comparison_rows(reports, labels), "builds": facts,
                     "reports": [r.dump() for r in reports]})
         return
-    echo(render_comparison_text(reports, labels))
+    echo(render_comparison_text(reports, labels, facts))
     if html_out:
         echo(f"comparison: {html_out}")
 

@@ -222,3 +222,26 @@ def test_comparison_renderings(ort: Report, ov: Report) -> None:
     assert_self_contained(page)
     assert '<td class="num best">5.0 (×0.50)</td>' in page
     assert page.count("<svg") == 7
+
+
+def test_values_that_read_the_same_name_no_winner(ort: Report) -> None:
+    close = ort.model_copy(update={"metrics": {**ort.metrics, "perplexity": ort.metrics["perplexity"].model_copy(
+        update={"value": ort.metrics["perplexity"].value * (1 + 1e-6)})}})
+    row = next(r for r in comparison_rows([ort, close], ["a", "b"]) if r["metric"] == "perplexity")
+    assert row["values"][0] != row["values"][1] and row["better"] is None
+
+
+def test_the_comparison_says_what_else_differs_between_the_builds(ort: Report, ov: Report) -> None:
+    facts = [{"backend": "onnxruntime", "MoE lowering": "fused-onnxruntime", "weights": "int4-grouped g128 asym",
+              "method": "data-free (RTN)"},
+             {"backend": "openvino", "MoE lowering": "dispatch", "weights": "int4-grouped g128 asym",
+              "method": "GPTQ"}]
+    labels = ["onnxruntime", "openvino"]
+    text = render_comparison_text([ort, ov], labels, facts)
+    assert "Besides the runtime, the artifacts differ in:" in text
+    assert "method        onnxruntime: data-free (RTN) | openvino: GPTQ" in text
+    assert "weights" not in text.split("differ in:")[1].split("\n\n")[0]  # the same on both: not listed
+    page = render_comparison_html([ort, ov], labels, facts)
+    assert_self_contained(page)
+    assert "<td>GPTQ</td>" in page and "Measured on" in page
+    assert "| method | data-free (RTN) | GPTQ |" in render_comparison_markdown([ort, ov], labels, facts)

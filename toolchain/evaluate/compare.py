@@ -8,6 +8,8 @@ from functools import partial
 from pathlib import Path
 
 from toolchain.evaluate.reference import resolve_reference
+from toolchain.interface.reports import CompressionReport, ExportReport
+from toolchain.manifest_schema import Manifest
 from toolchain.evaluate.run import evaluate_artifact
 from toolchain.report.schema import Report
 from toolchain.runtime.artifact import open_artifact
@@ -21,6 +23,35 @@ def labels_for(reports: list[Report]) -> list[str]:
         if len(set(names)) == len(names):
             return names
     return [f"{i}:{r.artifact.get('path')}" for i, r in enumerate(reports)]
+
+
+def build_facts(manifest: Manifest | None) -> dict[str, str]:
+    """What an artifact was built with beyond its runtime, from its manifest: a comparison of two builds of "one
+    recipe" shows where they differ (GPTQ + INT8 q_a/kv_a on one side, RTN on the other) before any figure."""
+    if manifest is None:
+        return {}
+    recipe, stages = manifest.recipe, {row.name: row.config for row in manifest.stages}
+    facts = {"backend": recipe.compile.backend}
+    export = manifest.provenance.report("export", ExportReport)
+    facts["MoE lowering"] = str(stages.get("export", {}).get("moe", recipe.export.moe))
+    if export is not None:
+        facts["KV cache"] = export.graph.kv_cache
+    compression = manifest.provenance.report("compress", CompressionReport)
+    if compression is None:
+        facts["weights"] = "float32 (not compressed)"
+        return facts
+    options = compression.options
+    methods = [name for name, on in (("GPTQ", options.gptq), ("AWQ", options.awq),
+                                     ("scale estimation", options.scale_estimation)) if on]
+    facts["weights"] = compression.scheme + (f" g{options.group_size} {'sym' if options.sym else 'asym'}"
+                                             if compression.scheme == "int4-grouped" else "")
+    facts["method"] = ", ".join(methods) or "data-free (RTN)"
+    facts["INT8 weights"] = ", ".join(compression.policy.int8_scope) or "none"
+    if compression.weights.bits_per_weight is not None:
+        facts["bits per weight"] = f"{compression.weights.bits_per_weight:.2f}"
+    if options.prefill_int8:
+        facts["prefill int8 copy"] = "yes"
+    return facts
 
 
 def compare_artifacts(paths: list[Path], settings: EvalSettings, *, reference: str | None = None,

@@ -26,20 +26,43 @@ def _ratios(values: list[float | None]) -> list[float | None]:
     return [None if v is None else v / base for v in values]
 
 
-def _better(values: list[float | None], direction: Direction, labels: list[str]) -> str | None:
-    """The label of the best value; None with no direction, fewer than two values or a tie for best."""
+def _better(values: list[float | None], direction: Direction, labels: list[str], unit: str) -> str | None:
+    """The label of the best value; None with no direction, fewer than two values or a tie for best, where values
+    that read the same as shown (3.75 and 3.75) are a tie: no winner the reader cannot see."""
     present = [(v, label) for v, label in zip(values, labels) if v is not None]
     if direction == "none" or len(present) < 2:
         return None
     best = (min if direction == "lower" else max)(v for v, _ in present)
-    winners = [label for v, label in present if v == best]
+    winners = [label for v, label in present if fmt(v, unit) == fmt(best, unit)]
     return winners[0] if len(winners) == 1 else None
 
 
 def _row(metric: str, case: dict | None, unit: str, direction: Direction, description: str,
          values: list[float | None], labels: list[str]) -> dict:
     return dict(metric=metric, case=case, unit=unit, direction=direction, description=description, values=values,
-                ratios=_ratios(values), better=_better(values, direction, labels))
+                ratios=_ratios(values), better=_better(values, direction, labels, unit))
+
+
+def differences(facts: Sequence[dict[str, str]], reports: list[Report]) -> list[tuple[str, list[str]]]:
+    """What differs between the artifacts besides the figures: each build fact (compression, method, MoE lowering,
+    cache) whose value is not the same for all, then the machine each was measured on when that differs."""
+    rows = []
+    for key in dict.fromkeys(k for f in facts for k in f):
+        values = [f.get(key, "") for f in facts]
+        if len(set(values)) > 1:
+            rows.append((key, values))
+    machines = [f"{r.environment.cpu.model or r.environment.cpu.architecture}, {r.environment.threads} threads"
+                for r in reports]
+    if len(set(machines)) > 1:
+        rows.append(("measured on", machines))
+    return rows
+
+
+def _environment(reports: list[Report]) -> str:
+    first = reports[0].environment
+    return (f"Measured on {first.cpu.model or first.cpu.architecture} ({first.cores} cores), "
+            f"{first.threads} threads" + ("" if len({(r.environment.cpu.model, r.environment.threads)
+                                                      for r in reports}) == 1 else "; the others differ: below"))
 
 
 def comparison_rows(reports: list[Report], labels: list[str]) -> list[dict]:
@@ -86,8 +109,10 @@ def comparison_table(reports: list[Report], labels: list[str]) -> tuple[Table, l
     return (header, rows), classes
 
 
-def render_comparison_text(reports: list[Report], labels: list[str]) -> str:
-    """An aligned plain-text table for the terminal, numbers right-aligned."""
+def render_comparison_text(reports: list[Report], labels: list[str],
+                           facts: Sequence[dict[str, str]] = ()) -> str:
+    """An aligned plain-text table for the terminal, numbers right-aligned, after what else differs between the
+    artifacts (``facts``: each one's build facts, toolchain/evaluate/compare.py build_facts)."""
     (header, rows), _ = comparison_table(reports, labels)
     widths = [max(len(str(x)) for x in column) for column in zip(header, *rows)]
     numeric = set(range(2, 2 + len(labels)))
@@ -98,6 +123,13 @@ def render_comparison_text(reports: list[Report], labels: list[str]) -> str:
 
     width = max(len(label) for label in labels)
     heads = [f"{label:<{width}}  {title(r)}" for label, r in zip(labels, reports)]
+    differ = differences(facts, reports)
+    if differ:
+        key_width = max(len(k) for k, _ in differ)
+        heads += ["", "Besides the runtime, the artifacts differ in:",
+                  *(f"  {k:<{key_width}}  " + " | ".join(f"{label}: {v}" for label, v in zip(labels, values))
+                    for k, values in differ)]
+    heads += ["", _environment(reports) + "; a better value is named only where the values differ as shown."]
     return "\n".join([*heads, "", line(header), line(["-" * w for w in widths]), *(line(r) for r in rows)])
 
 
@@ -105,21 +137,32 @@ def _report_lines(reports: list[Report], labels: list[str]) -> list[tuple[str, s
     return [(label, title(r) + (f" · gates {verdict(r)}" if r.gates else "")) for label, r in zip(labels, reports)]
 
 
-def render_comparison_markdown(reports: list[Report], labels: list[str]) -> str:
-    """The comparison as Markdown: the reports compared, then the table with each row's best value in bold."""
+def render_comparison_markdown(reports: list[Report], labels: list[str],
+                               facts: Sequence[dict[str, str]] = ()) -> str:
+    """The comparison as Markdown: the reports compared, what else differs, then the table with each row's best
+    value in bold."""
     (header, rows), classes = comparison_table(reports, labels)
     bold = [[f"**{c}**" if cls == "best" else c for c, cls in zip(row, row_cls)] for row, row_cls in zip(rows, classes)]
     listing = "\n".join(f"- {label}: {text}" for label, text in _report_lines(reports, labels))
-    return f"# Comparison: {' vs '.join(labels)}\n\n{listing}\n\n{markdown_table((header, bold))}\n"
+    differ = differences(facts, reports)
+    table = markdown_table((["differs", *labels], [[k, *v] for k, v in differ])) + "\n\n" if differ else ""
+    return (f"# Comparison: {' vs '.join(labels)}\n\n{listing}\n\n{_environment(reports)}.\n\n{table}"
+            f"{markdown_table((header, bold))}\n")
 
 
-def render_comparison_html(reports: list[Report], labels: list[str]) -> str:
-    """A self-contained page: the reports compared, the table (best values marked) and the overlaid plots."""
+def render_comparison_html(reports: list[Report], labels: list[str], facts: Sequence[dict[str, str]] = ()) -> str:
+    """A self-contained page: the reports compared, what else differs between the artifacts, the table (best
+    values marked) and the overlaid plots."""
     table, classes = comparison_table(reports, labels)
     plots = all_plots(list(zip(labels, reports)))
-    body = [facts_list(_report_lines(reports, labels)), "<h2>Metrics</h2>", html_table(table, cell_classes=classes),
-            '<p class="settings">Ratios are to the first report; the better value by each metric\'s direction is '
-            "in bold.</p>"]
+    body = [facts_list(_report_lines(reports, labels)), f'<p class="settings">{escape(_environment(reports))}.</p>']
+    differ = differences(facts, reports)
+    if differ:
+        body += ["<h2>Besides the runtime, the artifacts differ in</h2>",
+                 html_table((["", *labels], [[k, *v] for k, v in differ]))]
+    body += ["<h2>Metrics</h2>", html_table(table, cell_classes=classes),
+             '<p class="settings">Ratios are to the first report; the better value by each metric\'s direction is '
+             "in bold, where the values differ as shown.</p>"]
     for key, heading in PLOT_SECTIONS:
         if plots.get(key):
             body += [f"<h2>{escape(heading)}</h2>", figures(plots[key])]
