@@ -8,9 +8,9 @@ from functools import partial
 from pathlib import Path
 
 from toolchain.evaluate.reference import resolve_reference
+from toolchain.evaluate.run import evaluate_artifact
 from toolchain.interface.reports import CompressionReport, ExportReport
 from toolchain.manifest_schema import Manifest
-from toolchain.evaluate.run import evaluate_artifact
 from toolchain.report.schema import Report
 from toolchain.runtime.artifact import open_artifact
 from toolchain.settings.evaluation import EvalSettings
@@ -31,7 +31,7 @@ def build_facts(manifest: Manifest | None) -> dict[str, str]:
     if manifest is None:
         return {}
     recipe, stages = manifest.recipe, {row.name: row.config for row in manifest.stages}
-    facts = {"backend": recipe.compile.backend}
+    facts: dict[str, str] = {"backend": recipe.compile.backend}
     export = manifest.provenance.report("export", ExportReport)
     facts["MoE lowering"] = str(stages.get("export", {}).get("moe", recipe.export.moe))
     if export is not None:
