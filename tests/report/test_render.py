@@ -144,6 +144,8 @@ def test_html_is_self_contained_with_a_plot_per_series(ort: Report) -> None:
     assert '<span class="badge FAIL">FAIL</span>' in page
     assert page.count("<svg") == len([svg for plots in all_plots(ort).values() for svg in plots]) == 7
     assert "3.79" in page and "1.23e-04" in page and "min_tokens_per_s" in page
+    # the settings as a labelled table, not a paragraph of unlabelled values
+    assert re.search(r"<summary>Settings \(\d+\)</summary><table>", page) and "<td>threads</td>" in page
     ids = re.findall(r'\bid="([^"]+)"', page)
     assert len(ids) == len(set(ids)), "two inlined plots share an SVG id"
 

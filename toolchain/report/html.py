@@ -13,7 +13,7 @@ from toolchain.report.markdown import (
     latency_table,
     metric_groups,
     metrics_table,
-    settings_line,
+    settings_rows,
     title,
     verdict,
     worst_weights_table,
@@ -91,7 +91,10 @@ def render_html(report: Report) -> str:
     plots = all_plots(report)
     info = facts(report)
     main_facts = [(k, v) for k, v in info if k in ("artifact", "reference", "machine")]
-    body = [f'<p class="settings">{escape(settings_line(report))}</p>', facts_list(main_facts)]
+    rows = settings_rows(report)
+    body = [facts_list(main_facts),
+            f"<details><summary>Settings ({len(rows)})</summary>{html_table((['setting', 'value'], rows))}</details>"
+            if rows else ""]
     if report.gates:
         body += ["<h2>Gates</h2>", html_table(gate_table(report), row_classes=[
             ("SKIPPED" if g.skipped and g.passed else "PASS" if g.passed else "FAIL") for g in report.gates])]

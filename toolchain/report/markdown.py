@@ -146,6 +146,13 @@ def settings_line(report: Report) -> str:
     return " · ".join(settings_items(report))
 
 
+def settings_rows(report: Report) -> list[list[str]]:
+    """The settings as (name, value) rows, for a table a reader scans by name."""
+    threads = report.environment.threads or report.settings.get("threads")
+    items = {"threads": threads, **{k: v for k, v in report.settings.items() if k != "threads"}}
+    return [[k.replace("_", " "), _plain(v)] for k, v in items.items() if v not in (None, "", [], {})]
+
+
 def facts(report: Report) -> list[tuple[str, str]]:
     """(label, text) lines about the artifact, the reference and the machine."""
     a, env = report.artifact, report.environment
