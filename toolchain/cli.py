@@ -766,6 +766,7 @@ def recipe_group() -> None:
               help="Write the recipe to this file (default: stdout); an existing file is not overwritten.")
 def recipe_init(model: str, backend: str, scheme: str, name: str | None, out_file: Path | None) -> None:
     """Write a recipe that builds MODEL for a backend and scheme, to edit or to build as it is."""
+    # loaded when the command runs: the recipe's models bring pydantic and the settings
     from toolchain.recipe_template import recipe_text
 
     text = recipe_text(model, backend, scheme, name)  # type: ignore[arg-type]  # click's Choice gives a Backend

@@ -77,6 +77,11 @@ class Architecture(Protocol):
     reference_row_by_row: bool
     # whether dstc exports the checkpoint's multi-token-prediction layer (export.mtp; toolchain/export/mtp.py)
     exports_mtp: bool
+    # how that layer is wired (toolchain/export/mtp_block.py): "layer", one of the family's decoder layers over the
+    # main model's final-normed hidden state, made of the transformers classes ``mtp_layer_classes`` names (module,
+    # decoder layer, RMSNorm); "streams", DeepSeek-V4's block over its hyper-connection streams; None without one
+    mtp_wiring: str | None
+    mtp_layer_classes: tuple[str, str, str] | None
     # how the family's checkpoints ship on the hub, the layout toolchain/models/shape_faithful.py writes random ones
     # in: "bf16" (bf16 or fp32 safetensors), "fp8" (DeepSeek-V3's e4m3 projections with 128 x 128 block scales,
     # toolchain/checkpoint/fp8.py) or "v4" (toolchain/checkpoint/v4_layout.py, with multi-token-prediction blocks)

@@ -82,6 +82,8 @@ class DeepseekArchitecture(MoeArchitecture):
     rotations_per_layer = 2  # q and k
     reference_row_by_row = False
     exports_mtp = False
+    mtp_wiring: str | None = None
+    mtp_layer_classes: tuple[str, str, str] | None = None
     hub_layout = "bf16"  # DeepSeek-V2's; V3 and V3.2 ship FP8
     bf16_unless_asked = True
     kv_cache = "latent"  # with_mla_cache gives a copy with another (MLA_CACHES)

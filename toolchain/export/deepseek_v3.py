@@ -10,6 +10,10 @@ from toolchain.export.routers import BiasedTopK, GroupLimit
 class DeepseekV3Architecture(DeepseekArchitecture):
     model_types: tuple[str, ...] = ("deepseek_v3",)
     exports_mtp = True  # one MTP layer after the decoder layers (toolchain/export/mtp_reference.py)
+    mtp_wiring: str | None = "layer"
+    mtp_layer_classes: tuple[str, str, str] | None = (
+        "transformers.models.deepseek_v3.modeling_deepseek_v3", "DeepseekV3DecoderLayer", "DeepseekV3RMSNorm")
+
     hub_layout = "fp8"
 
     def rope_interleaved(self, config) -> bool:

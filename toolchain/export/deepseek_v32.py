@@ -59,8 +59,11 @@ class DeepseekV32Architecture(DeepseekV3Architecture):
     model_types: tuple[str, ...] = ("deepseek_v32",)
     rotations_per_layer = 4  # MLA's q and k, the indexer's q and k
     exports_mtp = True  # its MTP layer is a V3.2 layer, indexer and all (toolchain/export/mtp.py)
+    mtp_layer_classes: tuple[str, str, str] | None = (
+        "transformers.models.deepseek_v32.modeling_deepseek_v32", "DeepseekV32DecoderLayer", "DeepseekV32RMSNorm")
     # V3's FP8 layout with power-of-two scales and the indexer's wq_b and wk in e4m3, always (no bf16 form shipped)
     bf16_unless_asked = False
+
 
     def check(self, config) -> None:
         super().check(config)

@@ -65,6 +65,9 @@ class DeepseekV4Architecture(moe_layer.MoeArchitecture):
     # test suite's tiny V4); its reference runs each row alone, with a cache of its own, as dstc's graph computes it
     reference_row_by_row = True
     exports_mtp = True  # its mtp.N blocks: toolchain/export/deepseek_v4_mtp.py
+    mtp_wiring: str | None = "streams"  # over the hyper-connection streams (deepseek_v4_mtp_reference.py)
+    mtp_layer_classes: tuple[str, str, str] | None = None
+
     hub_layout = "v4"  # FP8 attention, FP4 routed experts (toolchain/checkpoint/v4_layout.py)
     bf16_unless_asked = False
 

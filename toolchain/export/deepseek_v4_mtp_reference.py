@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import copy
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -167,6 +168,31 @@ def hub_tensors(model, mtp: V4MtpModel) -> dict[str, torch.Tensor]:
         local = name if name in state else "block." + name
         out[t.name] = _expert_part(state, local) if local not in state else state[local].detach().contiguous()
     return out
+
+
+class StreamsMtp:
+    """The "streams" wiring (mtp_block.MtpBlock), DeepSeek-V4's MTP block: over the main model's hyper-connection
+    streams before hc_head, which its reference computes for each row alone (Architecture.reference_row_by_row)."""
+
+    def load(self, model, reader, index: int) -> V4MtpModel:
+        return load_v4_mtp(model, reader, index)
+
+    def new(self, model, index: int) -> V4MtpModel:
+        return V4MtpModel(model.config, index, model.model.embed_tokens, model.lm_head, model.model.rotary_emb)
+
+    def main_outputs(self, model, **inputs) -> tuple[torch.Tensor, torch.Tensor]:
+        return main_outputs(model, **inputs)
+
+    def main_hidden(self, model, ids: np.ndarray, mask: np.ndarray, position_ids: np.ndarray) -> np.ndarray:
+        out = np.zeros((*ids.shape, model.config.hc_mult, model.config.hidden_size), np.float32)
+        for row, (row_ids, row_mask) in enumerate(zip(ids, mask)):
+            real = row_mask.astype(bool)
+            with torch.no_grad():
+                out[row, real] = main_streams(model, input_ids=torch.from_numpy(row_ids[real][None]))[0].numpy()
+        return out
+
+    def hub_tensors(self, model, mtp: V4MtpModel) -> dict[str, torch.Tensor]:
+        return hub_tensors(model, mtp)
 
 
 def _expert_part(state: dict[str, torch.Tensor], name: str) -> torch.Tensor:

@@ -17,6 +17,8 @@ class LlamaArchitecture:
     rotations_per_layer = 2  # q and k
     reference_row_by_row = False
     exports_mtp = False
+    mtp_wiring: str | None = None
+    mtp_layer_classes: tuple[str, str, str] | None = None
     hub_layout = "bf16"
     bf16_unless_asked = True
 

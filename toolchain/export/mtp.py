@@ -12,12 +12,14 @@ decoder) and
 the hidden state).
 The decoder layer is built by the main graph's own code (decoder_layer, the architecture's attention and MoE), in
 the scope ``layers.N`` of its checkpoint index N, whose MoE rule is the family's (layers from first_k_dense_replace
-on). DeepSeek-V4's block, over hyper-connection streams, is built by deepseek_v4_mtp.py.
+on). DeepSeek-V4's block, over hyper-connection streams, is built by deepseek_v4_mtp.py (its family's
+Architecture.mtp_wiring says so).
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 
 import onnx_ir as ir
 import torch
@@ -32,7 +34,6 @@ from toolchain.export.decoder import (
     decoder_layer,
     rotary_module,
 )
-from toolchain.export.deepseek_v4 import DeepseekV4Architecture
 from toolchain.export.deepseek_v4_mtp import build_v4_mtp_graph
 from toolchain.export.graph import GraphBuilder, rename_output, tensor_input
 from toolchain.export.mtp_reference import OWN_EMBEDDING, OWN_HEAD, MtpModel, layer_config, layer_prefix
@@ -54,11 +55,18 @@ from toolchain.interface.graph import (
 
 
 def build_mtp_graph(model: HFModule, arch: Architecture, reader, index: int, weights: str = "float32") -> ir.Model:
-    """The graph of MTP layer ``index`` (module doc). ``model``: the main model's meta-device skeleton (its
-    embedding, head and rotary embedding, shared unless the checkpoint holds the layer's own copies); ``reader``:
-    the checkpoint opened with its MTP layers (open_checkpoint(path, mtp=True))."""
-    if isinstance(arch, DeepseekV4Architecture):  # its layers are its own module's (hyper-connection streams)
-        return build_v4_mtp_graph(model, arch, reader, index, weights)
+    """The graph of MTP layer ``index`` (module doc), as the family wires it (Architecture.mtp_block). ``model``:
+    the main model's meta-device skeleton (its embedding, head and rotary embedding, shared unless the checkpoint
+    holds the layer's own copies); ``reader``: the checkpoint opened with its MTP layers (open_checkpoint(path,
+    mtp=True))."""
+    if arch.mtp_wiring not in GRAPHS:
+        raise ValueError(f"{model.config.model_type} has no MTP layer dstc exports")
+    return GRAPHS[arch.mtp_wiring](model, arch, reader, index, weights)
+
+
+def build_layer_mtp_graph(model: HFModule, arch: Architecture, reader, index: int,
+                          weights: str = "float32") -> ir.Model:
+    """The "layer" wiring: the family's decoder layer, built by the main graph's code."""
     config = model.config
     arch.check(config)
     with torch.device("meta"):
@@ -119,3 +127,7 @@ def build_mtp_graph(model: HFModule, arch: Architecture, reader, index: int, wei
         MTP_LAYER: str(index),
     })
     return ir_model
+
+
+# the graph of each wiring (Architecture.mtp_wiring; toolchain/export/mtp_block.py has their references)
+GRAPHS: dict[str, Callable[..., ir.Model]] = {"layer": build_layer_mtp_graph, "streams": build_v4_mtp_graph}

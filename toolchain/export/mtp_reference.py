@@ -14,7 +14,8 @@ The layer attends over its own cache, one entry per position (RoPE at i), as the
 also returned: a second draft feeds it back as the hidden state (vLLM's recursive use of one MTP layer).
 DeepSeek-V3.2's MTP layer is a V3.2 decoder layer: its attention has the lightning indexer, whose keys are a third
 cache of the layer (transformers' DynamicIndexedLayer). DeepSeek-V4's MTP block reads the main model's
-hyper-connection streams and is wired otherwise: deepseek_v4_mtp_reference.py (load_mtp builds it).
+hyper-connection streams and is wired otherwise: deepseek_v4_mtp_reference.py. Each family says which it has
+(Architecture.mtp_wiring; toolchain/export/mtp_block.py chooses by it).
 
 Checkpoint names (DeepSeek-V3's hub layout, toolchain/checkpoint/fp8.py): the layer at index ``num_hidden_layers``
 + k holds a decoder layer's tensors plus ``enorm``, ``hnorm``, ``eh_proj`` [H, 2H], ``shared_head.norm`` and
@@ -27,12 +28,13 @@ deepseek-v3-tiny, whose config is kept byte-identical for its artifacts) is read
 from __future__ import annotations
 
 import copy
+import importlib
 
+import numpy as np
 import torch
 from torch import nn
 
 from toolchain.export.architectures import ARCHITECTURES
-from toolchain.export.deepseek_v4_mtp_reference import V4MtpModel, load_v4_mtp
 from toolchain.export.layer_tensors import exact, read_tensor
 from toolchain.export.reference import cache_argument
 
@@ -63,16 +65,12 @@ def mtp_layer_indices(names: list[str], config: dict) -> list[int]:
 
 
 def _transformers_modules(model_type: str):
-    """(decoder layer class, RMSNorm class) of the family's transformers modules."""
-    if not exports_mtp(model_type):
-        raise ValueError(f"no MTP layer for {model_type}")
-    if model_type == "deepseek_v32":
-        from transformers.models.deepseek_v32 import modeling_deepseek_v32 as v32
-
-        return v32.DeepseekV32DecoderLayer, v32.DeepseekV32RMSNorm
-    from transformers.models.deepseek_v3 import modeling_deepseek_v3 as v3
-
-    return v3.DeepseekV3DecoderLayer, v3.DeepseekV3RMSNorm
+    """(decoder layer class, RMSNorm class) of the family's transformers modules (Architecture.mtp_layer_classes)."""
+    names = ARCHITECTURES[model_type].mtp_layer_classes if model_type in ARCHITECTURES else None
+    if names is None:
+        raise ValueError(f"{model_type} has no MTP layer made of its decoder layer")
+    module = importlib.import_module(names[0])
+    return getattr(module, names[1]), getattr(module, names[2])
 
 
 def layer_config(config, index: int):
@@ -158,13 +156,12 @@ class MtpModel(nn.Module):
         return self.lm_head(layer.shared_head.norm(y)), y
 
 
-def load_mtp(model, reader, index: int) -> MtpModel | V4MtpModel:
+def load_layer_mtp(model, reader, index: int) -> MtpModel:
     """The MTP layer ``index`` of the checkpoint ``reader`` opened with its MTP layers (open_checkpoint(path,
-    mtp=True)), over ``model``'s (the main transformers model's) embedding, head and rotary embedding, in float32;
-    DeepSeek-V4's block: deepseek_v4_mtp_reference.py."""
+    mtp=True)), over ``model``'s (the main transformers model's) embedding, head and rotary embedding, in float32:
+    the decoder layer and its own tensors, the main model's embedding and head unless the checkpoint stores
+    copies."""
     config = model.config
-    if config.model_type == "deepseek_v4":
-        return load_v4_mtp(model, reader, index)
     prefix = layer_prefix(index)
     embed, head = model.model.embed_tokens, model.lm_head
     if reader.has(prefix + OWN_EMBEDDING):
@@ -178,6 +175,29 @@ def load_mtp(model, reader, index: int) -> MtpModel | V4MtpModel:
         state[name] = read_tensor(reader, target, mtp.layer.state_dict()[name])
     mtp.layer.load_state_dict(state)
     return mtp.eval()
+
+
+class LayerMtp:
+    """The "layer" wiring (mtp_block.MtpBlock): one decoder layer of the family (Architecture.mtp_layer_classes)
+    over the main model's final-normed hidden state, as DeepSeek-V3's and V3.2's MTP layers are."""
+
+    def load(self, model, reader, index: int) -> MtpModel:
+        return load_layer_mtp(model, reader, index)
+
+    def new(self, model, index: int) -> MtpModel:
+        return MtpModel(model.config, index, model.model.embed_tokens, model.lm_head, model.model.rotary_emb)
+
+    def main_outputs(self, model, **inputs) -> tuple[torch.Tensor, torch.Tensor]:
+        hidden = model.model(**inputs).last_hidden_state
+        return hidden, hidden
+
+    def main_hidden(self, model, ids: np.ndarray, mask: np.ndarray, position_ids: np.ndarray) -> np.ndarray:
+        with torch.no_grad():
+            return model.model(input_ids=torch.from_numpy(ids), attention_mask=torch.from_numpy(mask),
+                               position_ids=torch.from_numpy(position_ids)).last_hidden_state.numpy()
+
+    def hub_tensors(self, model, mtp: MtpModel) -> dict[str, torch.Tensor]:
+        return hub_tensors(mtp)
 
 
 def hub_tensors(mtp: MtpModel) -> dict[str, torch.Tensor]:

@@ -24,8 +24,7 @@ from pathlib import Path
 
 import torch
 
-from toolchain.export import deepseek_v4_mtp_reference as v4_mtp
-from toolchain.export.mtp_reference import MtpModel, hub_tensors
+from toolchain.export.mtp_block import MtpModule, mtp_block
 from toolchain.models import corpus
 from toolchain.models.indexer_training import IndexerSettings, IndexerTap
 from toolchain.models.train import TrainSettings, run_steps, seed_everything
@@ -34,17 +33,11 @@ MTP_SETTINGS = TrainSettings(steps=1000)
 HELDOUT_TEXTS = 200
 
 
-def _v4(model) -> bool:
-    return model.config.model_type == "deepseek_v4"
-
-
-def new_mtp(model, settings: TrainSettings = MTP_SETTINGS) -> MtpModel | v4_mtp.V4MtpModel:
-    """An MTP layer over ``model``'s embedding, head and rotary embedding, initialised from the settings' seed (so
-    its weights do not depend on what ran before)."""
+def new_mtp(model, settings: TrainSettings = MTP_SETTINGS) -> MtpModule:
+    """An MTP layer over ``model``'s embedding, head and rotary embedding, as its family wires it, initialised from
+    the settings' seed (so its weights do not depend on what ran before)."""
     seed_everything(settings.seed, settings.threads)
-    config = model.config
-    kind = v4_mtp.V4MtpModel if _v4(model) else MtpModel
-    mtp = kind(config, config.num_hidden_layers, model.model.embed_tokens, model.lm_head, model.model.rotary_emb)
+    mtp = mtp_block(model.config.model_type).new(model, model.config.num_hidden_layers)
     mtp.layer.apply(model._init_weights)
     return mtp
 
@@ -53,10 +46,7 @@ def main_outputs(model, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
     """(the frozen main model's final-normed hidden state, what its MTP layer reads: the same, or V4's streams
     before hc_head) at every position of ``rows``."""
     with torch.no_grad():
-        if _v4(model):
-            return v4_mtp.main_outputs(model, input_ids=rows)
-        hidden = model.model(input_ids=rows).last_hidden_state
-    return hidden, hidden
+        return mtp_block(model.config.model_type).main_outputs(model, input_ids=rows)
 
 
 def mtp_batches(model, rows: torch.Tensor):
@@ -66,7 +56,7 @@ def mtp_batches(model, rows: torch.Tensor):
     return hidden[:, :-2], rows[:, 1:-1], rows[:, 2:]
 
 
-def train_mtp(model, mtp: MtpModel | v4_mtp.V4MtpModel, rows: torch.Tensor, pad: int,
+def train_mtp(model, mtp: MtpModule, rows: torch.Tensor, pad: int,
               settings: TrainSettings = MTP_SETTINGS, log: Callable[[str], None] | None = None,
               indexer: IndexerSettings | None = None) -> dict:
     """Train ``mtp.layer`` only (the embedding and head are the frozen main model's); returns the final loss.
@@ -114,7 +104,7 @@ def train_mtp(model, mtp: MtpModel | v4_mtp.V4MtpModel, rows: torch.Tensor, pad:
 
 
 @torch.no_grad()
-def teacher_forced_acceptance(model, mtp: MtpModel | v4_mtp.V4MtpModel, sequences: list[list[int]]) -> dict:
+def teacher_forced_acceptance(model, mtp: MtpModule, sequences: list[list[int]]) -> dict:
     """Over every position t of each sequence with a t+2: how often the MTP layer's argmax (from the main model's
     hidden state at t and the text's token t+1) is the main model's greedy token at t+2 (its argmax at t+1, on the
     same text), which is what a self-speculative step accepts; and how often it is the text's token t+2."""
@@ -155,7 +145,7 @@ def make_mtp(model, tokenizer, rows: torch.Tensor, checkpoint: Path, settings: T
     with safe_open(str(file), framework="pt") as f:
         tensors = {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118 - a safetensors handle
         metadata = f.metadata()
-    tensors.update(v4_mtp.hub_tensors(model, mtp) if isinstance(mtp, v4_mtp.V4MtpModel) else hub_tensors(mtp))
+    tensors.update(mtp_block(model.config.model_type).hub_tensors(model, mtp))
     save_file(tensors, str(file), metadata=metadata)
     return {"layer": mtp.index, "parameters": sum(p.numel() for p in mtp.layer.parameters()),
             "settings": vars(settings) | (vars(indexer) if indexer else {}), "wall_time_s": round(wall, 1),

@@ -18,8 +18,8 @@ import numpy as np
 import torch
 
 from toolchain.checkpoint.reader import open_checkpoint
-from toolchain.export.deepseek_v4_mtp_reference import V4MtpModel, main_streams
-from toolchain.export.mtp_reference import MtpModel, load_mtp, mtp_layer_indices
+from toolchain.export.mtp_block import MtpModule, load_mtp, mtp_block
+from toolchain.export.mtp_reference import mtp_layer_indices
 from toolchain.interface.graph import HIDDEN_STATES, MTP_HIDDEN, graph_cache_spec
 from toolchain.runtime.decoder import Decoder, StatelessDecoder, positions
 from toolchain.runtime.engines import GraphRunner
@@ -36,7 +36,7 @@ class MtpTorchDecoder:
     threads, load_seconds = 0, 0.0
     runtime_config: dict = {}  # noqa: RUF012 - a default every instance shares and none mutates
 
-    def __init__(self, mtp: MtpModel | V4MtpModel) -> None:
+    def __init__(self, mtp: MtpModule) -> None:
         self.mtp = mtp
         self.extras: dict[str, np.ndarray] = {}
         self.reset()
@@ -57,7 +57,7 @@ class MtpTorchDecoder:
         return logits.numpy()
 
 
-def reference_mtp(model, source_path: Path) -> MtpModel | V4MtpModel:
+def reference_mtp(model, source_path: Path) -> MtpModule:
     """The checkpoint's first MTP layer over the loaded main ``model``."""
     with open_checkpoint(source_path, mtp=True) as reader:
         indices = mtp_layer_indices(reader.names(), reader.config)
@@ -82,16 +82,7 @@ def main_hidden(model, ids: np.ndarray, mask: np.ndarray) -> np.ndarray:
     """What the MTP layer reads of the main model at each position: its final-normed hidden state [B, S, H], or
     DeepSeek-V4's streams before hc_head [B, S, hc_mult, H] (deepseek_v4_mtp_reference.py), computed for each row
     alone as its reference runs (Architecture.reference_row_by_row), zeros at left padding."""
-    if model.config.model_type != "deepseek_v4":
-        with torch.no_grad():
-            return model.model(input_ids=torch.from_numpy(ids), attention_mask=torch.from_numpy(mask),
-                               position_ids=torch.from_numpy(positions(mask, ids.shape[1]))).last_hidden_state.numpy()
-    out = np.zeros((*ids.shape, model.config.hc_mult, model.config.hidden_size), np.float32)
-    for row, (row_ids, row_mask) in enumerate(zip(ids, mask)):
-        real = row_mask.astype(bool)
-        with torch.no_grad():
-            out[row, real] = main_streams(model, input_ids=torch.from_numpy(row_ids[real][None]))[0].numpy()
-    return out
+    return mtp_block(model.config.model_type).main_hidden(model, ids, mask, positions(mask, ids.shape[1]))
 
 
 def run_mtp(decoder: Decoder, ids: np.ndarray, mask: np.ndarray, hidden: np.ndarray, prefill: int) -> np.ndarray:
@@ -104,7 +95,7 @@ def run_mtp(decoder: Decoder, ids: np.ndarray, mask: np.ndarray, hidden: np.ndar
     return np.concatenate(logits, axis=1)
 
 
-def compare_mtp(model, mtp: MtpModel | V4MtpModel, candidates: dict[str, Callable[[], Decoder]], cases: list[Case],
+def compare_mtp(model, mtp: MtpModule, candidates: dict[str, Callable[[], Decoder]], cases: list[Case],
                 new_tokens: int, pad_id: int) -> dict[str, dict]:
     """{backend: result} of each backend's decoder of the MTP graph against the reference (module doc)."""
     inputs = [mtp_inputs(model, case, new_tokens, pad_id) for case in cases]
