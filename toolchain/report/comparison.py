@@ -47,7 +47,7 @@ def differences(facts: Sequence[dict[str, str]], reports: list[Report]) -> list[
     """What differs between the artifacts besides the figures: each build fact (compression, method, MoE lowering,
     cache) whose value is not the same for all, then the machine each was measured on when that differs."""
     rows = []
-    for key in dict.fromkeys(k for f in facts for k in f):
+    for key in dict.fromkeys(k for f in facts for k in f if k != "backend"):  # the runtime: the labels say it
         values = [f.get(key, "") for f in facts]
         if len(set(values)) > 1:
             rows.append((key, values))
