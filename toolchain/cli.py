@@ -611,7 +611,7 @@ def eval_cmd(artifact: Path, reference: str | None, out_dir: Path | None, as_jso
     match, MoE routing agreement. The reference runs one decoder layer at a time from the checkpoint, and its
     outputs are kept in the reference cache for the next artifact of the same model and data. Latency (in a fresh
     process): load time, time to first token P50/P90/P99, inter-token latency P50/P90, tokens/s, peak RSS, for
-    every prompt length x batch. Writes report.json (schema dstc.report/4), report.md and report.html.
+    every prompt length x batch. Writes report.json (schema dstc.report/6), report.md and report.html.
     """
     # loaded when the command runs: the CLI starts without numpy, torch or the runtimes
     from toolchain.evaluate.run import evaluate_artifact, write_report
@@ -677,7 +677,8 @@ GATE_SPELLINGS = {"max_perplexity_increase": "--max-ppl-increase", "min_top1_agr
 def gate_cmd(report_path: Path, as_json: bool, **options) -> None:
     """Check REPORT (a report.json or an artifact) against release gates, the options of a recipe's `gates:`.
     Exit 0 when every gate passes, 1 when any fails, 2 for bad input (no gates given, a limit that is not a finite
-    number, an unreadable report, a baseline of another model)."""
+    number, an unreadable report, a baseline of another model or machine, latency medians whose confidence
+    intervals make the ratio meaningless: docs/evaluate-and-gate.md)."""
     limits = given_section(GateLimits, options, GATE_SPELLINGS)
     if not limits.any():
         raise click.UsageError("no gates given: set at least one --max-*/--min-* option")
@@ -685,6 +686,7 @@ def gate_cmd(report_path: Path, as_json: bool, **options) -> None:
     results = check_gates(load_report(report_path), limits, baseline)
     if as_json:
         print_json([r.model_dump() for r in results])
+        _warn_gates(results)
     else:
         _print_gates(results)
     if not all(r.passed for r in results):
@@ -700,6 +702,14 @@ def _print_gates(results) -> None:
     widths = [max(len(row[i]) for row in rows) for i in range(4)]
     for row in rows:
         echo("  ".join(cell.ljust(w) for cell, w in zip(row, widths)) + "  " + row[4])
+    _warn_gates(results)
+
+
+def _warn_gates(results) -> None:
+    """A gate whose verdict may not mean much (a latency ratio within its medians' noise), on stderr."""
+    for r in results:
+        if r.warning:
+            click.echo(f"dstc: warning: {r.warning}", err=True)
 
 
 @cli.command("generate")
