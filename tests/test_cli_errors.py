@@ -16,6 +16,7 @@ from conftest import run_cli as _run
 from cli_helpers import assert_one_line_error, run_cli
 
 from toolchain.atomic import MARKER
+from toolchain.report.schema import load_report
 
 REPO = Path(__file__).resolve().parent.parent
 BACKENDS = ("onnxruntime", "openvino")
@@ -207,9 +208,16 @@ def test_a_recipe_gate_that_is_not_finite_is_exit_2_before_the_build(monkeypatch
 
 
 def test_finite_gate_limits_still_gate(monkeypatch, capsys):
+    # the baseline against itself: the ratio's interval runs from low/high to high/low of its own medians'
+    # intervals, so a limit above its widest spread passes, and one below it cannot tell (exit 2)
+    metrics = load_report(BASELINE).metrics
+    spread = max(metrics[k].interval.high / metrics[k].interval.low for k in ("ttft_p50_ms", "itl_p50_ms"))
     code, err = run_cli(monkeypatch, capsys, "gate", BASELINE, "--baseline", BASELINE, "--max-kl-mean", "1e-3",
-                        "--max-latency-ratio", "1.5")
+                        "--max-latency-ratio", f"{spread * 1.01:.6g}")
     assert code == 0, err
+    code, err = run_cli(monkeypatch, capsys, "gate", BASELINE, "--baseline", BASELINE, "--max-latency-ratio",
+                        f"{spread * 0.99:.6g}")
+    assert_one_line_error(code, err, "cannot tell")
     code, err = run_cli(monkeypatch, capsys, "gate", BASELINE, "--max-kl-mean", "0")
     assert code == 1, err
 

@@ -11,7 +11,8 @@ import pytest
 
 from toolchain.errors import InputError
 from toolchain.gates import GateLimits, check_gates
-from toolchain.report.schema import SCHEMA, Metric, Report, load_report
+from toolchain.hashing import self_digest
+from toolchain.report.schema import SCHEMA, Interval, Metric, Report, load_report
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -127,3 +128,73 @@ def test_a_latency_gate_across_machines_is_refused_unless_allowed():
     # accuracy alone is judged across machines without a word of refusal
     assert check_gates(epyc, GateLimits(max_kl_mean=1.0), xeon)[0].passed
     assert check_gates(epyc, GateLimits(max_latency_ratio=1.5), on("AMD EPYC", ["avx2"], 2))[0].passed
+
+
+def timed(ttft: tuple[float, float, float], itl: tuple[float, float, float] = (2.0, 1.9, 2.1),
+          confidence: float = 0.9375) -> Report:
+    """A report whose latency medians carry (value, interval low, interval high) at ``confidence``."""
+    r = report(ttft=ttft[0], itl=itl[0])
+    for name, (_, low, high) in (("ttft_p50_ms", ttft), ("itl_p50_ms", itl)):
+        r.metrics[name].interval = Interval(low=low, high=high, confidence=confidence, samples=5)
+    return r
+
+
+def test_a_latency_gate_states_the_ratios_interval_and_refuses_one_that_cannot_tell():
+    """The ratio's interval runs from the report's low over the baseline's high to the report's high over the
+    baseline's low. Clear of the limit: judged, the interval in the detail. Holding both 1 and the far side of the
+    limit: refused (exit 2), as neither verdict would mean anything. Straddling the limit only: judged, warned."""
+    base, limits = timed((10.0, 9.5, 10.5)), GateLimits(max_latency_ratio=1.5)
+    same, slower = timed((10.2, 9.8, 10.6)), timed((20.0, 19.0, 21.0))
+    results = check_gates(same, limits, base)
+    assert verdicts(results) == {"max_latency_ratio (ttft_p50_ms)": True, "max_latency_ratio (itl_p50_ms)": True}
+    assert "interval 0.93-1.12 (each median's at 93.8%)" in results[0].detail and not results[0].warning
+    results = check_gates(slower, limits, base)
+    assert not results[0].passed and "interval 1.81-2.21" in results[0].detail and not results[0].warning
+    # a report whose TTFT runs went from 6 to 30 ms: 1 and 2.9 both lie in its ratio's interval
+    with pytest.raises(InputError, match=r"latency gate on ttft_p50_ms cannot tell: the ratio to the baseline lies "
+                                         r"in 0.57-3.16 \(each median's 93.8% interval\)"):
+        check_gates(timed((10.0, 6.0, 30.0)), limits, base)
+    # 1.2-1.9: slower for sure, beyond the limit not: the verdict (by the medians' ratio) comes with a warning
+    straddling = check_gates(timed((15.0, 12.6, 18.9)), limits, base)[0]
+    assert straddling.passed and "straddles the limit 1.5" in straddling.warning
+    # a limit below 1 (the artifact must have got faster) reads the same rule the other way round
+    with pytest.raises(InputError, match="cannot tell"):
+        check_gates(timed((10.0, 8.0, 12.0)), GateLimits(max_latency_ratio=0.9), base)
+
+
+def test_a_latency_gate_without_intervals_warns_that_its_noise_is_unknown():
+    """A baseline of schema /5 or before has no intervals; one of 3 repetitions has one of 75 %, too narrow by
+    luck to vouch: the verdict stands, with a warning naming which side lacks it."""
+    results = check_gates(timed((10.0, 9.5, 10.5)), GateLimits(max_latency_ratio=1.5), report())
+    assert [r.passed for r in results] == [True, True]
+    assert results[0].warning.startswith("ttft_p50_ms: the baseline has no confidence interval of the median at 90%")
+    few = timed((10.0, 9.9, 10.1), confidence=0.75)
+    assert "the report and the baseline have no" in check_gates(few, GateLimits(max_latency_ratio=1.5),
+                                                               report())[0].warning
+
+
+def test_dstc_gate_prints_the_interval_and_refuses_in_one_line(tmp_path):
+    base, noisy = tmp_path / "base.json", tmp_path / "noisy.json"
+    base.write_text(json.dumps(timed((10.0, 9.5, 10.5)).sealed()))
+    noisy.write_text(json.dumps(timed((10.0, 6.0, 30.0)).sealed()))
+    gate = [sys.executable, "-m", "toolchain", "gate"]
+    ok = subprocess.run([*gate, str(base), "--baseline", str(base), "--max-latency-ratio", "1.5"],
+                        capture_output=True, text=True, timeout=120)
+    assert ok.returncode == 0 and "interval 0.90-1.11" in ok.stdout, ok.stderr
+    refused = subprocess.run([*gate, str(noisy), "--baseline", str(base), "--max-latency-ratio", "1.5"],
+                             capture_output=True, text=True, timeout=120)
+    assert refused.returncode == 2 and refused.stdout == "", refused.stderr
+    assert refused.stderr.count("\n") == 1 and "cannot tell" in refused.stderr
+
+
+def test_a_report_of_schema_5_is_read_bound_without_a_warning(tmp_path, capsys):
+    """/6 only added the intervals: a /5 report has its digest and binding, and reads as it was."""
+    data = report().dump()
+    data["schema"], data["digest"] = "dstc.report/5", None
+    data["digest"] = self_digest(data)
+    (tmp_path / "five.json").write_text(json.dumps(data))
+    assert load_report(tmp_path / "five.json").schema_ == SCHEMA and capsys.readouterr().err == ""
+    data["digest"] = None
+    (tmp_path / "five.json").write_text(json.dumps(data))
+    with pytest.raises(InputError, match="has no digest"):
+        load_report(tmp_path / "five.json")

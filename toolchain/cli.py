@@ -21,6 +21,7 @@ from toolchain.atomic import (
     write_file_atomically,
 )
 from toolchain.cli_options import given_section, section_options
+from toolchain.deployment import ORT_GENAI
 from toolchain.errors import INTERNAL_ERROR_EXIT, INTERRUPTED_EXIT, DstcError, InputError
 from toolchain.gates import GateFailed, GateLimits, check_gates
 from toolchain.interface.reports import CompileReport, CompressionReport, ExportReport, PassesReport
@@ -386,6 +387,15 @@ def _stage_check(name: str, provenance) -> str:
     return ""
 
 
+def _loads_with_line(manifest) -> str:
+    """Which runtimes load the artifact (manifest.loads_with), and why not onnxruntime-genai when compile wrote no
+    genai_config.json (docs/serve.md "Which runtimes load an artifact")."""
+    compiled = manifest.provenance.report("compile", CompileReport)
+    reason = (compiled.onnxruntime or {}).get("genai_unsupported_reason") if compiled else None
+    why = f" (not onnxruntime-genai: {reason})" if reason and ORT_GENAI not in manifest.loads_with else ""
+    return f"loads with: {', '.join(manifest.loads_with)}{why}"
+
+
 def _print_build_summary(manifest, out_dir: Path) -> None:
     from rich.console import Console
     from rich.table import Table
@@ -402,6 +412,8 @@ def _print_build_summary(manifest, out_dir: Path) -> None:
     size = sum((out_dir / f).stat().st_size for f in manifest.files)
     console.print(f"artifact {out_dir}  ({len(manifest.files)} files, {size / 1e6:.1f} MB, "
                   f"built in {prov.durations_s['total']:.1f} s)")
+    if manifest.loads_with is not None:
+        echo(_loads_with_line(manifest))
     if (out_dir / "report.json").is_file():
         report = load_report(out_dir / "report.json")
         echo(render_summary(report))  # plain text: its own line breaks, not the console's wrapping
@@ -506,7 +518,9 @@ def _build_set(recipes: list[Path], out_dir: Path | None, model: str | None, use
     for o in outcomes:
         if o.exit_code == 0:
             seconds = o.manifest["provenance"]["durations_s"]["total"]
-            click.echo(f"{o.name}: built {o.out_dir} ({len(o.manifest['files'])} files, {seconds:.1f} s)", err=True)
+            runtimes = ", ".join(o.manifest.get("loads_with") or [])
+            click.echo(f"{o.name}: built {o.out_dir} ({len(o.manifest['files'])} files, {seconds:.1f} s)"
+                       + (f"; loads with: {runtimes}" if runtimes else ""), err=True)
         else:
             click.echo(f"{o.name}: error (exit {o.exit_code}): {o.error}", err=True)
     if code := worst(outcomes):
@@ -672,7 +686,8 @@ GATE_ALIASES: dict[str, str | tuple[str, bool]] = {
 def gate_cmd(report_path: Path, as_json: bool, **options) -> None:
     """Check REPORT (a report.json or an artifact) against release gates, the options of a recipe's `gates:`.
     Exit 0 when every gate passes, 1 when any fails, 2 for bad input (no gates given, a limit that is not a finite
-    number, an unreadable report, a baseline of another model)."""
+    number, an unreadable report, a baseline of another model or machine, latency medians whose confidence
+    intervals make the ratio meaningless: docs/evaluate-and-gate.md)."""
     limits = given_section(GateLimits, options, GATE_SPELLINGS)
     if not limits.any():
         raise click.UsageError("no gates given: set at least one --max-*/--min-* option")
@@ -680,6 +695,7 @@ def gate_cmd(report_path: Path, as_json: bool, **options) -> None:
     results = check_gates(load_report(report_path), limits, baseline)
     if as_json:
         print_json([r.model_dump() for r in results])
+        _warn_gates(results)
     else:
         _print_gates(results)
     if not all(r.passed for r in results):
@@ -695,6 +711,14 @@ def _print_gates(results) -> None:
     widths = [max(len(row[i]) for row in rows) for i in range(4)]
     for row in rows:
         echo("  ".join(cell.ljust(w) for cell, w in zip(row, widths)) + "  " + row[4])
+    _warn_gates(results)
+
+
+def _warn_gates(results) -> None:
+    """A gate whose verdict may not mean much (a latency ratio within its medians' noise), on stderr."""
+    for r in results:
+        if r.warning:
+            click.echo(f"dstc: warning: {r.warning}", err=True)
 
 
 @cli.command("generate")

@@ -2,6 +2,15 @@
 
 A gate reads metrics by name from report.json and compares them with a limit; the same limits come from
 `dstc gate` options or a recipe's `gates:` section, so CI and `dstc build` decide alike.
+
+A latency gate judges the ratio of two medians, each with its confidence interval (toolchain/evaluate/spread.py);
+the ratio's interval runs from the report's low over the baseline's high to the report's high over the baseline's
+low. The verdict is the medians' ratio against the limit; the interval says whether it means anything:
+- the interval holds both 1 (no change) and a ratio beyond the limit: the measurements cannot tell an unchanged
+  artifact from one slower than the limit allows, and the gate is refused (InputError, exit 2);
+- the interval straddles the limit (without holding 1): the verdict stands, with a warning that it is within noise;
+- an interval is missing (a report of schema /5 or before, one repetition) or below MIN_CONFIDENCE (fewer than 5
+  repetitions): the verdict stands, with a warning that its noise is unknown.
 """
 
 from __future__ import annotations
@@ -9,7 +18,7 @@ from __future__ import annotations
 from pydantic import ConfigDict, Field
 
 from toolchain.errors import DstcError, InputError
-from toolchain.report.schema import GateResult, Report
+from toolchain.report.schema import GateResult, Interval, Metric, Report
 from toolchain.settings.section import Section
 
 
@@ -88,6 +97,45 @@ def machine_difference(report: Report, baseline: Report) -> str | None:
     return "; ".join(differences) or None
 
 
+MIN_CONFIDENCE = 0.9  # an interval of fewer repetitions is too narrow by luck to vouch for a verdict
+
+
+def _interval(metric: Metric | None) -> Interval | None:
+    interval = None if metric is None else metric.interval
+    return interval if interval is not None and interval.confidence >= MIN_CONFIDENCE else None
+
+
+def latency_ratio_interval(metric: Metric | None, base: Metric | None) -> tuple[float, float, float] | None:
+    """(low, high, the lower confidence of the two medians' intervals) of a latency median's ratio to the
+    baseline's, or None when either has no interval of at least MIN_CONFIDENCE."""
+    a, b = _interval(metric), _interval(base)
+    if a is None or b is None or not b.low:
+        return None
+    return a.low / b.high, a.high / b.low, min(a.confidence, b.confidence)
+
+
+def _latency_gate(report: Report, baseline: Report, metric: str, limit: float) -> tuple[str, str]:
+    """The latency gate's detail (its interval) and warning under the rule above; InputError when the intervals make
+    the ratio meaningless."""
+    spread = latency_ratio_interval(report.metrics.get(metric), baseline.metrics.get(metric))
+    if spread is None:
+        missing = [who for who, r in (("the report", report), ("the baseline", baseline))
+                   if _interval(r.metrics.get(metric)) is None] or ["the baseline"]  # or a median of 0 ms
+        return "", (f"{metric}: {' and '.join(missing)} {'has' if len(missing) == 1 else 'have'} no confidence "
+                    f"interval of the median at {MIN_CONFIDENCE:.0%} (written before dstc.report/6, or fewer than 5 "
+                    f"repetitions): how much of the ratio is noise is unknown")
+    low, high, confidence = spread
+    interval = f"interval {low:.2f}-{high:.2f} (each median's at {confidence:.1%})"
+    if low <= min(1, limit) and high > max(1, limit):
+        raise InputError(f"the latency gate on {metric} cannot tell: the ratio to the baseline lies in {low:.2f}-"
+                         f"{high:.2f} (each median's {confidence:.1%} interval), which holds both 1 (no change) and "
+                         f"the far side of the limit {limit:g}; measure with more repetitions (dstc eval "
+                         f"--repetitions), on a quieter machine, or both artifacts in one run (dstc compare)")
+    warning = (f"{metric}: the ratio's {interval} straddles the limit {limit:g}: the verdict is within the noise"
+               if low <= limit < high else "")
+    return interval, warning
+
+
 def _ratio_to(value: float | None, base: float | None) -> float | None:
     return None if value is None or not base else value / base
 
@@ -111,7 +159,7 @@ def check_gates(report: Report, limits: GateLimits, baseline: Report | None = No
                              f"that another is meant (--allow-other-machine; allow_other_machine: true under gates)")
     results = []
 
-    def gate(name: str, metric: str, value: float | None, limit: float, ok, detail: str) -> None:
+    def gate(name: str, metric: str, value: float | None, limit: float, ok, detail: str, warning: str = "") -> None:
         if value is None:  # not measurable on this model: skipped if the limits allow it, never passed silently
             allowed = limits.allow_unmeasured
             verdict = "allowed" if allowed else "not allowed: set allow_unmeasured to skip it"
@@ -119,7 +167,7 @@ def check_gates(report: Report, limits: GateLimits, baseline: Report | None = No
                                       skipped=True, detail=f"not measured on this model ({verdict})"))
             return
         results.append(GateResult(name=name, metric=metric, value=value, limit=limit,
-                                  passed=bool(ok(value, limit)), detail=detail))
+                                  passed=bool(ok(value, limit)), detail=detail, warning=warning))
 
     at_most, at_least = (lambda v, lim: v <= lim), (lambda v, lim: v >= lim)
     # accuracy does not depend on the machine as latency does, but the detail says where the baseline came from
@@ -167,7 +215,8 @@ def check_gates(report: Report, limits: GateLimits, baseline: Report | None = No
         if baseline is None:
             raise InputError("the latency gate (max_latency_ratio) needs a baseline report")
         for metric in ("ttft_p50_ms", "itl_p50_ms"):
+            interval, warning = _latency_gate(report, baseline, metric, limits.max_latency_ratio)
             gate(f"max_latency_ratio ({metric})", metric,
                  _ratio_to(report.value(metric), baseline.value(metric)), limits.max_latency_ratio, at_most,
-                 f"ratio, vs the {against}")
+                 f"ratio, vs the {against}" + (f"; {interval}" if interval else ""), warning)
     return results

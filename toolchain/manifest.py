@@ -24,6 +24,7 @@ from pathlib import Path
 
 from toolchain import __version__
 from toolchain.atomic import MARKER, write_file_atomically
+from toolchain.deployment import loads_with
 from toolchain.errors import InputError
 from toolchain.hashing import digest, file_hashes, self_digest, sha256_file
 from toolchain.interface.files import MANIFEST, REPORT_FILES, SIGNATURE
@@ -122,7 +123,8 @@ def git_commit() -> str | None:
 def write_manifest(artifact: Path, fields: dict, provenance: dict) -> dict:
     """Write manifest.json from the build's fields (those of toolchain/manifest_schema.py Manifest but files,
     provenance and digest); returns its content."""
-    manifest = Manifest(schema_version=SCHEMA_VERSION, **fields, files=file_hashes(artifact, exclude=UNHASHED),
+    files = file_hashes(artifact, exclude=UNHASHED)
+    manifest = Manifest(schema_version=SCHEMA_VERSION, **fields, files=files, loads_with=loads_with(files),
                         provenance=provenance, digest="").dump()
     manifest["digest"] = self_digest(manifest)
     (artifact / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")

@@ -93,6 +93,9 @@ class Manifest(Schema):
     seeds: dict[str, int]
     nondeterministic: dict[str, str]
     files: dict[str, str]  # sha256 of every artifact file but the unhashed ones (toolchain/manifest.py UNHASHED)
+    # the runtimes that load the artifact (toolchain/deployment.py); None in a manifest written before the field,
+    # which is then left out of the JSON as it was
+    loads_with: list[str] | None = None
     provenance: Provenance
     # the sha256 of report.json as `dstc eval` wrote it into the artifact (toolchain/manifest.py record_report),
     # so that this digest and a signature cover the report; None until a report is written
@@ -100,4 +103,4 @@ class Manifest(Schema):
     digest: str  # sha256 of everything else (toolchain/hashing.py self_digest)
 
     def dump(self) -> dict:
-        return self.model_dump(mode="json", by_alias=True)
+        return self.model_dump(mode="json", by_alias=True, exclude={"loads_with"} if self.loads_with is None else None)

@@ -14,6 +14,7 @@ from transformers import AutoModelForCausalLM, DeepseekV3Config, PreTrainedToken
 
 from toolchain.atomic import MARKER
 from toolchain.compile import onnxruntime_artifact
+from toolchain.deployment import DSTC, OPENVINO_GENAI, OPTIMUM_INTEL, ORT_GENAI, loads_with
 from toolchain.errors import InputError
 from toolchain.runtime.engines import openvino_compile
 from toolchain.runtime.generate import greedy_logits
@@ -171,6 +172,8 @@ def test_openvino_artifact_generates_through_llm_pipeline_and_optimum_intel(toke
     assert pipeline_greedy(pipe, config, prompt) == expected
 
     assert optimum_intel_greedy(out, prompt) == expected
+    # every runtime the manifest names (loads_with) loaded it above, MLA's latent cache (deepseek_v3) included
+    assert loads_with(manifest["files"]) == [DSTC, OPENVINO_GENAI, OPTIMUM_INTEL]
 
 
 # --- ONNX Runtime ---------------------------------------------------------------------------------------------
@@ -196,9 +199,16 @@ def test_onnxruntime_artifact_keeps_optimum_names_and_decodes_like_pytorch(expor
     assert [o.name for o in graph.output] == ["logits", *[n.replace("past_key_values.", "present.") for n in kv]]
 
     if name == "deepseek_v2":
+        import onnxruntime_genai as og
+
         assert not (out / "genai_config.json").exists()
         assert "head dim" in manifest["onnxruntime"]["genai_unsupported_reason"]
+        # what the manifest says (loads_with) and docs/serve.md "Which runtimes load an artifact" explains
+        assert loads_with(manifest["files"]) == [DSTC]
+        with pytest.raises(RuntimeError):  # 0.18: "Model package support requires building onnxruntime-genai ..."
+            og.Model(str(out))
     else:
+        assert loads_with(manifest["files"]) == [DSTC, ORT_GENAI]  # genai loads it, just below
         genai = json.loads((out / "genai_config.json").read_text())
         assert genai["model"]["type"] == "qwen2"
         assert genai["model"]["decoder"]["head_size"] == 16 and genai["model"]["decoder"]["num_key_value_heads"] == 2

@@ -33,6 +33,13 @@ def test_measure_latency_runs_every_case(ort_artifact):
         assert case["new_tokens"] == 8 and case["warmup"] == 1 and case["repetitions"] == 3
         assert len(case["ttft_ms"]) == 3 and len(case["itl_ms"]) == 3 * 7
         assert min(case["ttft_ms"]) > 0 and min(case["itl_ms"]) > 0 and case["tokens_per_s"] > 0
+        # the medians and their intervals: of the 3 TTFTs and of the 3 repetitions' median ITLs (min to max, 75 %)
+        assert case["ttft_p50_ms"] == sorted(case["ttft_ms"])[1] and case["itl_p50_ms"] == sorted(case["itl_ms"])[10]
+        ttft, itl = case["ttft_p50_interval_ms"], case["itl_p50_interval_ms"]
+        assert (ttft["low"], ttft["high"]) == (min(case["ttft_ms"]), max(case["ttft_ms"]))
+        medians = sorted(sorted(case["itl_ms"][i * 7:(i + 1) * 7])[3] for i in range(3))
+        assert (itl["low"], itl["high"]) == pytest.approx((medians[0], medians[2]))
+        assert ttft["confidence"] == itl["confidence"] == 0.75 and ttft["samples"] == itl["samples"] == 3
     # 1020 prompt tokens + 8 new ones exceed the model's 1024 positions
     assert result["skipped"] == [{"prompt_length": 1020, "new_tokens": 8, "max_position_embeddings": 1024}]
     assert result["peak_rss_mb"] > result["rss_increase_mb"] > 0 and result["load_s"] > 0

@@ -12,8 +12,8 @@ from toolchain.report.comparison import (comparison_rows, render_comparison_html
 from toolchain.report.html import render_html
 from toolchain.report.markdown import fmt, percentile, render_markdown, render_summary
 from toolchain.report.plots import PLOTS, all_plots
-from toolchain.report.schema import (Environment, GateResult, HeadError, LatencyCase, LayerError, Metric, Report,
-                                     Series)
+from toolchain.report.schema import (Environment, GateResult, HeadError, Interval, LatencyCase, LayerError, Metric,
+                                     Report, Series)
 
 ACCURACY = {  # name: (unit, direction, onnxruntime value, openvino value, reference)
     "perplexity": ("", "lower", 3.79, 3.81, 3.75),
@@ -248,3 +248,36 @@ def test_the_comparison_says_what_else_differs_between_the_builds(ort: Report, o
     assert_self_contained(page)
     assert "<td>GPTQ</td>" in page and "Measured on" in page
     assert "| method | data-free (RTN) | GPTQ |" in render_comparison_markdown([ort, ov], labels, facts)
+
+
+def with_intervals(report: Report) -> Report:
+    """The report as eval writes it since dstc.report/6: the TTFT / ITL medians with their confidence intervals."""
+    spread = {"confidence": 0.9375, "samples": 5}
+    metrics = {**report.metrics,
+               "ttft_p50_ms": report.metrics["ttft_p50_ms"].model_copy(
+                   update={"interval": Interval(low=9.0, high=11.5, **spread)})}
+    latency = [c.model_copy(update={"ttft_p50_interval_ms": Interval(low=min(c.ttft_ms), high=max(c.ttft_ms), **spread),
+                                    "itl_p50_interval_ms": Interval(low=3.9, high=4.4, **spread)})
+               for c in report.latency]
+    return report.model_copy(update={"metrics": metrics, "latency": latency})
+
+
+def test_the_medians_intervals_are_shown_wherever_the_medians_are(ort: Report, ov: Report) -> None:
+    spread = with_intervals(ort)
+    md = render_markdown(spread)
+    assert "| ttft_p50_ms | 10.0 | 9.0-11.5 (93.8 %) |  | ms | lower |" in md  # the speed table has the column
+    assert "| perplexity | 3.79 | 3.75 |  | lower |" in md  # the accuracy table, whose metrics have none, has not
+    assert "| TTFT p50 (ms) | TTFT p50 interval (confidence) | TTFT p90 (ms) |" in md
+    case = spread.latency[0]
+    assert f"| {fmt(min(case.ttft_ms), 'ms')}-{fmt(max(case.ttft_ms), 'ms')} (93.8 %) |" in md
+    assert "| 3.9-4.4 (93.8 %) |" in md
+    assert "ttft_p50_ms 10.0 ms [9.0-11.5]" in render_summary(spread)
+    assert "9.0-11.5 (93.8 %)" in render_html(spread)
+    rows = comparison_rows([spread, ov], ["onnxruntime", "openvino"])
+    ttft = next(r for r in rows if r["metric"] == "ttft_p50_ms" and r["case"] is None)
+    assert ttft["intervals"] == [{"low": 9.0, "high": 11.5, "confidence": 0.9375, "samples": 5}, None]
+    itl = next(r for r in rows if r["metric"] == "itl_p50_ms" and r["case"] == {"prompt_length": 128, "batch": 1})
+    assert itl["intervals"][0]["low"] == 3.9
+    text = render_comparison_text([spread, ov], ["onnxruntime", "openvino"])
+    assert re.search(r"^ttft_p50_ms\s+ms\s+10\.0 \[9\.0-11\.5\]\s+5\.0 \(×0\.50\)", text, re.M)
+    assert '<td class="num">10.0 [9.0-11.5]</td>' in render_comparison_html([spread, ov], ["onnxruntime", "openvino"])

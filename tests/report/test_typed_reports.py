@@ -163,3 +163,28 @@ def test_eval_reads_quantization_rows_from_the_typed_manifest(built):
     assert layers and heads and {row.precision for row in layers} == {"int8-sym-per-axis"}
     assert quantization_series(None) == ([], [])
     assert not (artifact / "stage.json").exists()  # stage records stay in the cache
+
+
+def test_the_manifest_says_which_runtimes_load_the_artifact(tmp_path, built):
+    """loads_with, from the artifact's files (toolchain/deployment.py): this ONNX Runtime build of a dense model
+    has genai_config.json, so onnxruntime-genai loads it too; the build summary prints it. A manifest written before
+    the field reads without it, byte for byte."""
+    from toolchain.cli import _loads_with_line
+    from toolchain.deployment import loads_with
+
+    artifact, _, _ = built
+    manifest = read_manifest(artifact)
+    assert "genai_config.json" in manifest.files
+    assert manifest.loads_with == loads_with(manifest.files) == ["dstc", "onnxruntime-genai"]
+    assert _loads_with_line(manifest) == "loads with: dstc, onnxruntime-genai"
+    assert loads_with(["openvino_model.xml", "openvino_model.bin"]) == ["dstc", "openvino_genai", "optimum-intel"]
+    assert loads_with(["model.onnx", "model.onnx.data", "config.json"]) == ["dstc"]
+    old = tmp_path / "old"
+    shutil.copytree(artifact, old)
+    data = json.loads((old / MANIFEST).read_text())
+    data.pop("loads_with")
+    text = json.dumps({**data, "digest": self_digest(data)}, indent=2) + "\n"
+    (old / MANIFEST).write_text(text)
+    before = read_manifest(old)
+    assert before.loads_with is None and json.dumps(before.dump(), indent=2) + "\n" == text
+    assert verify_artifact(old) == []

@@ -7,6 +7,10 @@ measured, each a ``greedy_generate(..., ignore_stop=True)`` of exactly ``new_tok
 
 - ``ttft_ms``: one per repetition, cache reset + prefill + the first token;
 - ``itl_ms``: every later decode step of every repetition (``new_tokens - 1`` per repetition);
+- ``ttft_p50_ms`` and ``itl_p50_ms``: their medians (ITL's over the pooled steps), each with the confidence interval
+  of the median of one value per repetition (``*_p50_interval_ms``, toolchain/evaluate/spread.py): the TTFT, the
+  repetition's median ITL. Per repetition, not per token: a token's ITL is correlated with its neighbours' (a run
+  shares its machine's load), so pooled tokens would give an interval far too narrow for the next run;
 - ``tokens_per_s``: decode throughput, the median over repetitions of batch * (new_tokens - 1) / the sum of that
   repetition's decode steps (prefill excluded);
 - ``peak_rss_mb``: the child's peak resident set (VmHWM on Linux, ru_maxrss elsewhere); ``rss_increase_mb``: that
@@ -37,6 +41,7 @@ import traceback
 from pathlib import Path
 
 from toolchain.errors import InputError
+from toolchain.evaluate.spread import median_interval
 from toolchain.models.corpus import text_samples
 from toolchain.runtime.artifact import open_artifact
 from toolchain.runtime.decoder import open_decoder
@@ -116,12 +121,14 @@ def _measure(settings: dict) -> dict:
             runs = [greedy_generate(decoder, prompts, new_tokens, set(), artifact.pad_token_id, ignore_stop=True)
                     for _ in range(settings["warmup"] + repetitions)][settings["warmup"]:]
             plain[length, batch] = prompts, runs[0].tokens[0]
+            ttft, itl = [run.ttft_s * 1e3 for run in runs], [t * 1e3 for run in runs for t in run.itl_s]
             cases.append({
                 "prompt_length": length, "batch": batch, "new_tokens": new_tokens, "warmup": settings["warmup"],
-                "repetitions": repetitions,
-                "ttft_ms": [run.ttft_s * 1e3 for run in runs],
-                "itl_ms": [t * 1e3 for run in runs for t in run.itl_s],
+                "repetitions": repetitions, "ttft_ms": ttft, "itl_ms": itl,
                 "tokens_per_s": statistics.median(batch * (new_tokens - 1) / sum(run.itl_s) for run in runs),
+                "ttft_p50_ms": statistics.median(ttft), "ttft_p50_interval_ms": median_interval(ttft),
+                "itl_p50_ms": statistics.median(itl),
+                "itl_p50_interval_ms": median_interval([statistics.median(run.itl_s) * 1e3 for run in runs]),
             })
     peak = _peak_rss_mb()
     if settings.get("speculate"):

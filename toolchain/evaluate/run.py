@@ -52,7 +52,9 @@ def latency_metrics(cases: list[dict], load_s: float | None, peak_rss_mb: float 
     ttft, itl = (case["ttft_ms"], case["itl_ms"]) if case else ([], [])
 
     def ms(name: str, samples: list[float], q: float, what: str) -> tuple[str, Metric]:
-        return name, Metric(value=_percentile(samples, q), unit="ms", direction="lower",
+        # a median carries its confidence interval (toolchain/evaluate/spread.py), which a latency gate reads
+        interval = (case or {}).get(name.replace("_ms", "_interval_ms")) if q == 50 else None
+        return name, Metric(value=_percentile(samples, q), unit="ms", direction="lower", interval=interval,
                             description=f"{what} P{q:g} ({where})")
 
     return dict([

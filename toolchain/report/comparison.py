@@ -9,13 +9,14 @@ from html import escape
 from toolchain.report.html import facts_list, figures, html_table, page
 from toolchain.report.markdown import Table, fmt, markdown_table, ordered_metrics, percentile, title, verdict
 from toolchain.report.plots import all_plots
-from toolchain.report.schema import Direction, LatencyCase, Report
+from toolchain.report.schema import Direction, Interval, LatencyCase, Report
 
-# per latency case: (row name, unit, direction, value of the case)
-CASE_METRICS: tuple[tuple[str, str, Direction, Callable[[LatencyCase], float | None]], ...] = (
-    ("ttft_p50_ms", "ms", "lower", lambda c: percentile(c.ttft_ms, 50)),
-    ("itl_p50_ms", "ms", "lower", lambda c: percentile(c.itl_ms, 50)),
-    ("tokens_per_s", "tokens/s", "higher", lambda c: c.tokens_per_s))
+# per latency case: (row name, unit, direction, value of the case, its confidence interval)
+CASE_METRICS: tuple[tuple[str, str, Direction, Callable[[LatencyCase], float | None],
+                          Callable[[LatencyCase], Interval | None]], ...] = (
+    ("ttft_p50_ms", "ms", "lower", lambda c: percentile(c.ttft_ms, 50), lambda c: c.ttft_p50_interval_ms),
+    ("itl_p50_ms", "ms", "lower", lambda c: percentile(c.itl_ms, 50), lambda c: c.itl_p50_interval_ms),
+    ("tokens_per_s", "tokens/s", "higher", lambda c: c.tokens_per_s, lambda c: None))
 PLOT_SECTIONS = (("accuracy", "Accuracy"), ("latency", "Latency"), ("quantization", "Quantization error"))
 
 
@@ -38,9 +39,10 @@ def _better(values: list[float | None], direction: Direction, labels: list[str],
 
 
 def _row(metric: str, case: dict | None, unit: str, direction: Direction, description: str,
-         values: list[float | None], labels: list[str]) -> dict:
+         values: list[float | None], intervals: list[Interval | None], labels: list[str]) -> dict:
     return dict(metric=metric, case=case, unit=unit, direction=direction, description=description, values=values,
-                ratios=_ratios(values), better=_better(values, direction, labels, unit))
+                intervals=[None if i is None else i.model_dump() for i in intervals], ratios=_ratios(values),
+                better=_better(values, direction, labels, unit))
 
 
 def differences(facts: Sequence[dict[str, str]], reports: list[Report]) -> list[tuple[str, list[str]]]:
@@ -67,22 +69,25 @@ def _environment(reports: list[Report]) -> str:
 
 def comparison_rows(reports: list[Report], labels: list[str]) -> list[dict]:
     """One JSON-able row per metric (any report has it), then per latency case x (TTFT p50, ITL p50, tokens/s):
-    {metric, case, unit, direction, description, values, ratios (value_i / value_0), better (label or None)}."""
+    {metric, case, unit, direction, description, values, intervals (each median's confidence interval, or None),
+    ratios (value_i / value_0), better (label or None)}."""
     if len(reports) != len(labels) or not reports:
         raise ValueError(f"{len(reports)} reports for {len(labels)} labels")
     rows = []
     for name in ordered_metrics({n for r in reports for n in r.metrics}):
         first = next(r.metrics[name] for r in reports if name in r.metrics)
         rows.append(_row(name, None, first.unit, first.direction, first.description,
-                         [r.value(name) for r in reports], labels))
+                         [r.value(name) for r in reports],
+                         [r.metrics[name].interval if name in r.metrics else None for r in reports], labels))
     cases = sorted({(c.prompt_length, c.batch) for r in reports for c in r.latency})
     for prompt_length, batch in cases:
         found = [next((c for c in r.latency if (c.prompt_length, c.batch) == (prompt_length, batch)), None)
                  for r in reports]
-        for name, unit, direction, get in CASE_METRICS:
+        for name, unit, direction, get, spread in CASE_METRICS:
             rows.append(_row(name, {"prompt_length": prompt_length, "batch": batch}, unit, direction,
                              f"{name} at prompt length {prompt_length}, batch {batch}",
-                             [None if c is None else get(c) for c in found], labels))
+                             [None if c is None else get(c) for c in found],
+                             [None if c is None else spread(c) for c in found], labels))
     return rows
 
 
@@ -94,6 +99,10 @@ def _ratio(r: float | None) -> str:
     return f" (×{r:,.0f})" if abs(r) < 1e4 else f" (×{r:.1e})"
 
 
+def _spread(interval: dict | None, unit: str) -> str:
+    return "" if interval is None else f" [{fmt(interval['low'], unit)}-{fmt(interval['high'], unit)}]"
+
+
 def comparison_table(reports: list[Report], labels: list[str]) -> tuple[Table, list[list[str]]]:
     """The rows as formatted cells (value, and its ratio to the first report after the first column) and the
     cell classes that mark each row's best value."""
@@ -102,8 +111,8 @@ def comparison_table(reports: list[Report], labels: list[str]) -> tuple[Table, l
     for row in comparison_rows(reports, labels):
         case = row["case"]
         name = row["metric"] if case is None else f"{row['metric']} @ {case['prompt_length']}×{case['batch']}"
-        cells = [fmt(v, row["unit"]) + (_ratio(r) if i else "")
-                 for i, (v, r) in enumerate(zip(row["values"], row["ratios"]))]
+        cells = [fmt(v, row["unit"]) + _spread(spread, row["unit"]) + (_ratio(r) if i else "")
+                 for i, (v, spread, r) in enumerate(zip(row["values"], row["intervals"], row["ratios"]))]
         rows.append([name, row["unit"], *cells, row["better"] or ""])
         classes.append(["", "", *("best" if label == row["better"] else "" for label in labels), ""])
     return (header, rows), classes
@@ -162,7 +171,8 @@ def render_comparison_html(reports: list[Report], labels: list[str], facts: Sequ
                  html_table((["", *labels], [[k, *v] for k, v in differ]))]
     body += ["<h2>Metrics</h2>", html_table(table, cell_classes=classes),
              '<p class="settings">Ratios are to the first report; the better value by each metric\'s direction is '
-             "in bold, where the values differ as shown.</p>"]
+             "in bold, where the values differ as shown; [low-high]: a median's confidence interval, from one "
+             "value per repetition.</p>"]
     for key, heading in PLOT_SECTIONS:
         if plots.get(key):
             body += [f"<h2>{escape(heading)}</h2>", figures(plots[key])]

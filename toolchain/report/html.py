@@ -42,8 +42,8 @@ tr.FAIL{background:#fff1f0}td.best{font-weight:700;color:#1a7f37}
 figure.plot{margin:10px 0 18px}figure.plot svg{width:100%;height:auto;display:block}
 details{margin-top:24px;font-size:12.5px;color:#4a5263}
 """
-# a cell that is a formatted number (or "n/a" in a numeric column), right-aligned
-_NUMBER = re.compile(r"^(n/a|[-+]?[\d,]*\.?\d+(e[-+]?\d+)?( \(×[\d.,e+-]+\))?|[\d,.]+ \+ \d+)$")
+# a cell that is a formatted number (or "n/a" in a numeric column), with its interval and ratio, right-aligned
+_NUMBER = re.compile(r"^(n/a|[-+]?[\d,]*\.?\d+(e[-+]?\d+)?( \[[\d.,e+-]+\])?( \(×[\d.,e+-]+\))?|[\d,.]+ \+ \d+)$")
 
 
 def page(heading: str, body: str, badge: str | None = None) -> str:

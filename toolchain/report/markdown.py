@@ -10,7 +10,7 @@ import math
 from collections.abc import Sequence
 
 from toolchain.hardware import cpu_line
-from toolchain.report.schema import LatencyCase, Report
+from toolchain.report.schema import Interval, LatencyCase, Report
 
 # the order readers expect; a metric not listed follows, alphabetically
 ORDER = ("perplexity", "perplexity_increase", "exact_match", "exact_match_drop", "kl_mean", "kl_max",
@@ -18,8 +18,10 @@ ORDER = ("perplexity", "perplexity_increase", "exact_match", "exact_match_drop",
          "ttft_p99_ms", "itl_p50_ms", "itl_p90_ms", "tokens_per_s", "peak_rss_mb", "model_size_mb")
 SPEED_UNITS = frozenset({"ms", "s", "tokens/s", "MB"})  # metrics in these units are speed and size, not accuracy
 METRIC_HEADER = ("metric", "value", "reference", "unit", "better", "description")
-LATENCY_HEADER = ("prompt", "batch", "new tokens", "TTFT p50 (ms)", "TTFT p90 (ms)", "TTFT p99 (ms)",
-                  "ITL p50 (ms)", "ITL p90 (ms)", "tokens/s", "warm-up + reps")
+INTERVAL = "interval (confidence)"  # a column beside the value, in a table where a metric has one
+LATENCY_HEADER = ("prompt", "batch", "new tokens", "TTFT p50 (ms)", f"TTFT p50 {INTERVAL}", "TTFT p90 (ms)",
+                  "TTFT p99 (ms)", "ITL p50 (ms)", f"ITL p50 {INTERVAL}", "ITL p90 (ms)", "tokens/s",
+                  "warm-up + reps")
 GATE_HEADER = ("gate", "metric", "value", "limit", "result", "detail")
 WEIGHT_HEADER = ("weight", "layer", "precision", "output error", "weight error")
 Table = tuple[Sequence[str], list[list[str]]]
@@ -69,20 +71,31 @@ def metric_groups(report: Report) -> list[tuple[str, list[str]]]:
     return [(title, group) for title, group in groups if group]
 
 
+def interval_text(interval: Interval | None, unit: str = "ms") -> str:
+    """A median's confidence interval and its confidence, e.g. "9.1-10.8 (93.8 %)"; "" without one."""
+    if interval is None:
+        return ""
+    return f"{fmt(interval.low, unit)}-{fmt(interval.high, unit)} ({100 * interval.confidence:.1f} %)"
+
+
 def metrics_table(report: Report, names: list[str]) -> Table:
+    """The metrics' rows; with an interval column after the value when one of them has an interval."""
+    intervals = any(report.metrics[name].interval is not None for name in names)
     rows = []
     for name in names:
         m = report.metrics[name]
-        rows.append([name, fmt(m.value, m.unit), "" if m.reference is None else fmt(m.reference, m.unit), m.unit,
+        rows.append([name, fmt(m.value, m.unit), *([interval_text(m.interval, m.unit)] if intervals else []),
+                     "" if m.reference is None else fmt(m.reference, m.unit), m.unit,
                      "" if m.direction == "none" else m.direction, m.description])
-    return METRIC_HEADER, rows
+    return ((*METRIC_HEADER[:2], INTERVAL, *METRIC_HEADER[2:]) if intervals else METRIC_HEADER), rows
 
 
 def latency_row(case: LatencyCase) -> list[str]:
     ttft = [fmt(percentile(case.ttft_ms, q), "ms") for q in (50, 90, 99)]
     itl = [fmt(percentile(case.itl_ms, q), "ms") for q in (50, 90)]
-    return [str(case.prompt_length), str(case.batch), str(case.new_tokens), *ttft, *itl,
-            fmt(case.tokens_per_s, "tokens/s"), f"{case.warmup} + {case.repetitions}"]
+    return [str(case.prompt_length), str(case.batch), str(case.new_tokens), ttft[0],
+            interval_text(case.ttft_p50_interval_ms), *ttft[1:], itl[0], interval_text(case.itl_p50_interval_ms),
+            itl[1], fmt(case.tokens_per_s, "tokens/s"), f"{case.warmup} + {case.repetitions}"]
 
 
 def latency_table(report: Report) -> Table:
@@ -200,7 +213,8 @@ def _summary_item(report: Report, name: str) -> str:
     m = report.metrics[name]
     unit = "" if m.unit in ("", "ratio") else f" {m.unit}"
     ref = "" if m.reference is None else f" (ref {fmt(m.reference, m.unit)})"
-    return f"{name} {fmt(m.value, m.unit)}{unit}{ref}"
+    spread = "" if m.interval is None else f" [{fmt(m.interval.low, m.unit)}-{fmt(m.interval.high, m.unit)}]"
+    return f"{name} {fmt(m.value, m.unit)}{unit}{spread}{ref}"
 
 
 def _wrapped(label: str, items: list[str], max_lines: int, width: int = 100) -> list[str]:

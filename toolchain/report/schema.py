@@ -27,10 +27,13 @@ from toolchain.hashing import self_digest, sha256_file
 from toolchain.interface.files import MANIFEST, REPORT_FILES
 from toolchain.interface.reports import read_json_file
 
-SCHEMA = "dstc.report/5"
-# Reports of these schemas are read too, upgraded to SCHEMA (_upgrade), with a warning (UNPROVEN): /3 added
-# Metric.stderr, /4 LatencyCase.speculative, /5 the digest required and the binding to the manifest both ways.
-OLDER_SCHEMAS = ("dstc.report/1", "dstc.report/2", "dstc.report/3", "dstc.report/4")
+SCHEMA = "dstc.report/6"
+# Reports of these schemas are read too, upgraded to SCHEMA (_upgrade): /3 added Metric.stderr, /4
+# LatencyCase.speculative, /5 the digest required and the binding to the manifest both ways, /6 the latency medians'
+# confidence intervals (Metric.interval, LatencyCase.*_p50_interval_ms). Before /5 with a warning (UNPROVEN); a /5
+# report is bound as a /6 one is (BOUND_SCHEMAS), and only lacks the intervals, which a latency gate says.
+OLDER_SCHEMAS = ("dstc.report/1", "dstc.report/2", "dstc.report/3", "dstc.report/4", "dstc.report/5")
+BOUND_SCHEMAS = ("dstc.report/5", SCHEMA)
 UNPROVEN = ("was written by an earlier dstc ({schema}): its digest was optional and manifest.json does not record "
             "it, so an edit of its figures cannot be told; run dstc eval again to gate on figures dstc can vouch for")
 
@@ -41,6 +44,23 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+class Interval(_Strict):
+    """A confidence interval of a latency median, from one value per repetition (toolchain/evaluate/spread.py)."""
+
+    low: float
+    high: float
+    confidence: float  # the probability that [low, high] holds the median: 0.95, less with few repetitions
+    samples: int  # the repetitions it is of
+
+    @model_validator(mode="after")
+    def _ordered(self) -> Interval:
+        if not (math.isfinite(self.low) and math.isfinite(self.high) and 0 <= self.low <= self.high):
+            raise ValueError(f"[{self.low}, {self.high}] is not an interval of non-negative times")
+        if not 0 <= self.confidence <= 1 or self.samples < 2:
+            raise ValueError(f"confidence {self.confidence} of {self.samples} samples is not a confidence")
+        return self
+
+
 class Metric(_Strict):
     value: float | None  # None: not applicable to this model (e.g. routing agreement of a dense model)
     unit: str  # "" for a plain number, "ratio" for a share in [0, 1], "ms", "s", "MB", "nats", "tokens/s", "points"
@@ -48,6 +68,7 @@ class Metric(_Strict):
     description: str
     reference: float | None = None  # the fp32 PyTorch reference's value, where one exists
     stderr: float | None = None  # the value's standard error, where the harness gives one (lm-eval tasks)
+    interval: Interval | None = None  # a latency median's confidence interval (the P50 metrics)
 
 
 class Cpu(_Strict):
@@ -97,6 +118,12 @@ class LatencyCase(_Strict):
     itl_ms: list[float]  # inter-token latencies of every repetition, pooled
     tokens_per_s: float  # decode throughput: batch x (new_tokens - 1) / summed ITL, median over repetitions
     speculative: SpeculativeCase | None = None
+    # the medians (ITL's over the pooled steps) and their intervals, of the TTFT and of each repetition's median
+    # ITL; None in a report written before /6, an interval None with a single repetition
+    ttft_p50_ms: float | None = None
+    ttft_p50_interval_ms: Interval | None = None
+    itl_p50_ms: float | None = None
+    itl_p50_interval_ms: Interval | None = None
 
 
 class LayerError(_Strict):
@@ -132,6 +159,7 @@ class GateResult(_Strict):
     passed: bool
     skipped: bool = False  # its metric could not be measured; passed says whether that was allowed
     detail: str = ""
+    warning: str = ""  # why the verdict may not mean much (a latency ratio within its medians' noise)
 
 
 # The values a metric can take; a report outside them was not written by dstc (or was edited).
@@ -194,18 +222,19 @@ class Report(_Strict):
 
 
 def read_report_data(path: Path, warn: Callable[[str], None] | None = None) -> dict:
-    """report.json as a dict of the right schema whose digest matches its content: required at SCHEMA, checked
-    when there is one in an older schema, which ``warn`` is told of (UNPROVEN; default: a warning on stderr)."""
+    """report.json as a dict of the right schema whose digest matches its content: required in BOUND_SCHEMAS,
+    checked when there is one in an older schema, which ``warn`` is told of (UNPROVEN; default: a warning on
+    stderr)."""
     data = read_json_file(path, "report")
     schema = data.get("schema")
     if schema != SCHEMA and schema not in OLDER_SCHEMAS:
         raise InputError(f"{path}: not a dstc report of schema {SCHEMA} (schema: {str(schema)[:40]!r})")
-    if schema == SCHEMA and not isinstance(data.get("digest"), str):
+    if schema in BOUND_SCHEMAS and not isinstance(data.get("digest"), str):
         raise InputError(f"{path} has no digest: dstc writes one into every report, so it was edited after dstc "
                          f"wrote it")
     if data.get("digest") is not None and data["digest"] != self_digest(data):
         raise InputError(f"{path} was changed after dstc wrote it (its content does not match its digest)")
-    if schema != SCHEMA:
+    if schema not in BOUND_SCHEMAS:
         (warn or _warn)(f"{path} {UNPROVEN.format(schema=schema)}")
     return data
 
@@ -222,9 +251,9 @@ def manifest_binding(manifest: dict) -> str:
 
 def check_report_binding(report: dict, artifact: Path, path: Path) -> None:
     """InputError unless the report (read from ``path``) was written for this artifact's manifest.json and, at
-    SCHEMA, is the report that manifest records (record_report in toolchain/manifest.py)."""
+    BOUND_SCHEMAS, is the report that manifest records (record_report in toolchain/manifest.py)."""
     manifest_path = Path(artifact) / MANIFEST
-    if report.get("schema") != SCHEMA:  # older reports recorded the manifest file's sha256
+    if report.get("schema") not in BOUND_SCHEMAS:  # older reports recorded the manifest file's sha256
         recorded, actual = (report.get("artifact") or {}).get("manifest_sha256"), sha256_file(manifest_path)
     else:
         manifest = read_json_file(manifest_path, "manifest")
@@ -250,7 +279,7 @@ def _upgrade(data: dict) -> dict:
         if isinstance(environment.get("cpu"), str):
             environment["cpu"] = {"architecture": environment["cpu"]}
         data = {**data, "schema": "dstc.report/2", "environment": environment}
-    if data.get("schema") in ("dstc.report/2", "dstc.report/3", "dstc.report/4"):
+    if data.get("schema") in ("dstc.report/2", "dstc.report/3", "dstc.report/4", "dstc.report/5"):
         data = {**data, "schema": SCHEMA}
     return data
 
