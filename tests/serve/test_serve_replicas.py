@@ -163,7 +163,7 @@ def test_two_replicas_serve_as_one_engine_does(artifact, ray_env):
         assert httpx.post(server.base + "/v1/completions", json={"model": server.name, "prompt": "1"}).status_code \
             == 401
         bad = server.post("/v1/completions", {"model": "other", "prompt": "1"})
-        assert bad.status_code == 400 and bad.json()["error"]["code"] == "model_not_found"
+        assert bad.status_code == 404 and bad.json()["error"]["code"] == "model_not_found"
         # greedy: the same text whichever replica answers, streamed or not
         whole = client.completions.create(model=server.name, prompt="123+456=", max_tokens=8, temperature=0)
         streamed = "".join(c.choices[0].text for c in client.completions.create(
