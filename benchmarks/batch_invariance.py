@@ -25,8 +25,8 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from benchmarks.harness import markdown_table  # noqa: E402
-from toolchain.models.corpus import task_examples  # noqa: E402
+from benchmarks.harness import markdown_table
+from toolchain.models.corpus import task_examples
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -132,8 +132,8 @@ def main() -> None:
             if mode == "plain":
                 plain = result
             cost = f"{result['tok_s'] / plain['tok_s']:.2f}x" if mode != "plain" else ""
-            same_alone = "" if mode == "plain" else ("yes" if result["alone"] == plain["alone"] else
-                                                     f"no ({sum(a != b for a, b in zip(result['alone'], plain['alone'], strict=True))})")
+            changed = sum(a != b for a, b in zip(result["alone"], plain["alone"], strict=True))
+            same_alone = "" if mode == "plain" else "yes" if not changed else f"no ({changed})"
             rows.append([artifact.name, server.engine, mode, f"{result['differ']} / {len(texts)}",
                          f"{result['tok_s']:.0f}", cost, same_alone])
             print(f"{artifact.name} {mode}: {result['differ']} of {len(texts)} differ, {result['tok_s']:.0f} tok/s "

@@ -240,8 +240,8 @@ def test_a_full_queue_gets_429_and_a_disconnect_frees_its_slot_at_once(artifacts
         assert second_chunks  # it ran once the first had left
     finally:
         server.stop()
-    # uvicorn shuts down gracefully on SIGTERM, then re-raises it: the exit status says which signal ended it
-    assert server.process.returncode == -signal.SIGTERM, "".join(server.log)
+    # SIGTERM: a drain, a log line and exit 0 (uvicorn on its own raised it again once drained: 143)
+    assert server.process.returncode == 0 and server.logged("dstc serve: stopped (SIGTERM)"), "".join(server.log)
 
 
 def test_metrics_parse_with_prometheus_client(servers):

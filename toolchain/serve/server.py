@@ -24,8 +24,8 @@ from collections.abc import Callable
 import uvicorn
 
 from toolchain.errors import InputError
-from toolchain.runtime.artifact import Artifact, open_artifact
 from toolchain.interface.files import MODEL_XML
+from toolchain.runtime.artifact import Artifact, open_artifact
 from toolchain.runtime.batch_rows import batch_variance
 from toolchain.runtime.batched_drafts import check_batch_speculation
 from toolchain.runtime.batching_openvino import pageable
