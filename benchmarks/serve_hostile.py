@@ -538,31 +538,17 @@ def case11(artifact: Path) -> list[Row]:
             for command in (["gate", str(copy), "--max-kl", "0.0001", "--min-top1", "0.99"], ["verify", str(copy)]):
                 result = subprocess.run([sys.executable, "-m", "toolchain", *command], cwd=ROOT, capture_output=True,
                                         text=True, timeout=300)
-                line = (result.stderr.strip().splitlines() or [""])[-1]
-                rows.append(Row("11", f"{forgery}, {edited} edited: dstc {command[0]}",
+                line = ((result.stderr + result.stdout).strip().splitlines() or [""])[0]
+                rows.append(Row("11", f"{edited}, {forgery}: dstc {command[0]}",
                                 f"exit {result.returncode}: {line[:80]}", result.returncode != 0))
     return rows
 
 
-def _forge(report: dict) -> int:
-    """Every KL mean in the report set to 0 and every top-1 agreement to 1.0 (what the probe did by hand): how many."""
-    edited = 0
-
-    def walk(node) -> None:
-        nonlocal edited
-        if isinstance(node, dict):
-            for key, value in node.items():
-                if key in ("kl_mean", "top1_agreement") and isinstance(value, int | float):
-                    node[key] = 0.0 if key == "kl_mean" else 1.0
-                    edited += 1
-                else:
-                    walk(value)
-        elif isinstance(node, list):
-            for item in node:
-                walk(item)
-
-    walk(report)
-    return edited
+def _forge(report: dict) -> str:
+    """The report's KL mean set to 0 and its top-1 agreement to 1.0, as the probe did by hand: what was edited."""
+    metrics = report["metrics"]
+    metrics["kl_mean"]["value"], metrics["top1_agreement"]["value"] = 0.0, 1.0
+    return "kl_mean 0, top1_agreement 1.0"
 
 
 def case12(server: Server, requests: int, max_tokens: int) -> list[Row]:
