@@ -2,7 +2,7 @@
 alone, per artifact kind, with and without ``--deterministic``, and what does ``--deterministic`` cost?
 
 For each artifact and mode, a `dstc serve` child on a free port of 127.0.0.1; the same N greedy requests (held-out
-problems after one to three solved ones, so prompts of different lengths; ``max_tokens`` each, ``ignore_eos``) are
+texts and problems of the embedded corpus, prompts of different lengths; ``max_tokens`` each, ``ignore_eos``) are
 sent one at a time (alone), then all together, each started ``--stagger`` seconds after the previous one, so that
 they join a running batch at different steps. Printed per artifact and mode: the engine, the share of requests
 whose concurrent text differs from their text alone, the concurrent run's generated tokens per second (its decode
@@ -26,14 +26,17 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.harness import markdown_table
-from toolchain.models.corpus import task_examples
+from toolchain.models.corpus import task_examples, text_samples
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
 def prompts(count: int) -> list[str]:
-    ex = task_examples("heldout", count + 4)
-    return ["".join(p + a + "\n" for p, a in ex[i:i + 1 + i % 3]) + ex[i + 3][0] for i in range(count)]
+    """Held-out texts of the embedded corpus, every other one a problem after one to three solved ones: prompts of
+    different lengths, whose continuations (new sentences and problems) hold near-tied greedy choices."""
+    ex, texts = task_examples("heldout", count + 4), text_samples("heldout", count)
+    return [texts[i] if i % 2 else "".join(p + a + "\n" for p, a in ex[i:i + 1 + i % 3]) + ex[i + 3][0]
+            for i in range(count)]
 
 
 class Server:
