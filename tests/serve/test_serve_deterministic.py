@@ -1,6 +1,6 @@
 """dstc serve --deterministic (toolchain/runtime/batch_rows.py): on an ONNX Runtime INT4 artifact, whose MatMulNBits
 and QMoE give a row other bits beside other rows than alone, a request decodes to the bits and tokens it gets alone
-whatever else runs; a no-op on fp32 artifacts; refused with --speculate."""
+whatever else runs; a no-op on fp32 artifacts (refused with --speculate: test_serve_speculative.py)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,6 @@ import time
 
 import numpy as np
 import pytest
-from conftest import run_cli
 from serve_helpers import Server
 
 from toolchain.models.corpus import task_examples
@@ -100,7 +99,7 @@ def test_concurrent_greedy_requests_get_their_text_alone(int4):
         server.stop()
 
 
-def test_fp32_is_already_invariant_and_speculation_is_refused(artifact, monkeypatch, capsys):
+def test_fp32_is_already_invariant(artifact):
     fp32 = artifact(MODEL, "onnxruntime")
     assert batch_variance(fp32) is None
     server = Server(fp32, "--deterministic")
@@ -108,6 +107,3 @@ def test_fp32_is_already_invariant_and_speculation_is_refused(artifact, monkeypa
         assert server.logged("--deterministic: nothing to do")
     finally:
         server.stop()
-    code, _, err = run_cli(monkeypatch, capsys, "serve", str(fp32.path), "--port", "0", "--deterministic",
-                           "--speculate", "prompt-lookup")
-    assert code == 2 and "--deterministic" in err and "--speculate" in err and len(err.strip().splitlines()) == 1
