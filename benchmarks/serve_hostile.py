@@ -1,4 +1,4 @@
-"""`dstc serve` under hostile clients: issue #22's server cases (1-7) and issue #39's (8-10) replayed against a server
+"""`dstc serve` under hostile clients: issue #22's server cases (1-7) and issue #39's (8-12) replayed against a server
 of each artifact.
 
 For each artifact, a `dstc serve` child on a free port of 127.0.0.1 (the only address this script sends anything
@@ -20,8 +20,14 @@ to), at the default limits and timeouts, with an API key. Then, in order:
    afterwards, the requests counted as cancelled;
 9. a second `dstc serve` on the port the first one holds: its exit code, its one line and how long it took;
 10. `dstc serve --replicas 2` started and stopped by SIGTERM (--replica-cycles times, 3 by default; 0 skips it): its
-   exit, its processes (its local Ray's) still running after it exited, and Ray's or dstc's orphaned processes
-   (under PID 1) on the machine before and after the cycles.
+   exit (0: drained), its processes (its local Ray's) still running after it exited, and Ray's or dstc's orphaned
+   processes (under PID 1) on the machine before and after the cycles (#39 item 3);
+11. a copy of the artifact whose report.json is forged (KL means 0, top-1 agreements 1.0; its digest removed, or
+    kept): `dstc gate` at limits the real report fails and `dstc verify` must both refuse it (#39 item 1; an
+    artifact built without an eval section has no report: skipped);
+12. --invariance-requests (24) staggered concurrent greedy requests against the same requests alone, on the server
+    and on one with --deterministic: how many texts differ (0 with it) and the concurrent tokens/s (#39 item 5;
+    case 8 is its item 7).
 
 Printed per case: what was sent, the outcome (HTTP status, message, figures) and PASS / FAIL. Every wait is
 bounded; the run stops by itself (with the default timeouts, about two minutes per artifact).
@@ -53,6 +59,9 @@ import httpx
 import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+from benchmarks.batch_invariance import prompts  # noqa: E402
+
 HOST = "127.0.0.1"
 KEY = "sk-hostile-benchmark"
 PROMPT = "321+654="
@@ -63,7 +72,7 @@ class Row:
     case: str
     what: str
     outcome: str
-    ok: bool
+    ok: bool | None  # None: a figure, judged by no target
 
 
 @dataclass
@@ -499,7 +508,7 @@ def case10(artifact: Path, cycles: int) -> list[Row]:
         rows.append(Row("10", f"--replicas 2, SIGTERM (cycle {cycle + 1})",
                         f"exit {server.process.returncode} in {seconds:.1f} s; of its {len(tree)} processes "
                         f"{len(alive)} left {sorted(p.name() for p in alive)}; C++ dump lines: {len(dumped)}",
-                        not alive and not dumped and server.process.returncode == -signal.SIGTERM))
+                        not alive and not dumped and server.process.returncode == 0))
     left = orphans() - before
     megabytes = sum(p.memory_info().rss for p in map(psutil.Process, left) if p.is_running()) / 2**20
     rows.append(Row("10", f"orphaned Ray / dstc processes, {cycles} cycles", f"{len(before)} before, {len(left)} "
@@ -507,7 +516,74 @@ def case10(artifact: Path, cycles: int) -> list[Row]:
     return rows
 
 
-def run(artifact: Path, connections: int, threads: int) -> tuple[list[Row], dict]:
+def case11(artifact: Path) -> list[Row]:
+    """Issue #39 item 1: report.json forged (its digest removed, or kept, with the figures edited to pass), then
+    `dstc gate` at limits the real report fails and `dstc verify`: each must refuse the copy."""
+    import shutil
+    import tempfile
+
+    if not (artifact / "report.json").exists():
+        return [Row("11", "forged report.json", "no report.json (an artifact built with an eval section has one)",
+                    None)]
+    rows = []
+    for forgery in ("digest removed", "digest kept"):
+        with tempfile.TemporaryDirectory() as tmp:
+            copy = Path(tmp) / artifact.name
+            shutil.copytree(artifact, copy)
+            report = json.loads((copy / "report.json").read_text())
+            if forgery == "digest removed":
+                report.pop("digest", None)
+            edited = _forge(report)
+            (copy / "report.json").write_text(json.dumps(report, indent=2))
+            for command in (["gate", str(copy), "--max-kl", "0.0001", "--min-top1", "0.99"], ["verify", str(copy)]):
+                result = subprocess.run([sys.executable, "-m", "toolchain", *command], cwd=ROOT, capture_output=True,
+                                        text=True, timeout=300)
+                line = ((result.stderr + result.stdout).strip().splitlines() or [""])[0]
+                rows.append(Row("11", f"{edited}, {forgery}: dstc {command[0]}",
+                                f"exit {result.returncode}: {line[:80]}", result.returncode != 0))
+    return rows
+
+
+def _forge(report: dict) -> str:
+    """The report's KL mean set to 0 and its top-1 agreement to 1.0, as the probe did by hand: what was edited."""
+    metrics = report["metrics"]
+    metrics["kl_mean"]["value"], metrics["top1_agreement"]["value"] = 0.0, 1.0
+    return "kl_mean 0, top1_agreement 1.0"
+
+
+def case12(server: Server, requests: int, max_tokens: int) -> list[Row]:
+    """Issue #39 item 5: N staggered concurrent greedy requests against the same N alone, on this server and on one
+    started with --deterministic: how many texts differ (0 with --deterministic), and the concurrent tokens/s."""
+    texts = prompts(requests)
+    rows = []
+    for mode in ("plain", "--deterministic"):
+        target = server
+        if mode != "plain":
+            target = Server(server.artifact, server.threads, (mode,))
+            target.start()
+        try:
+            def complete(text: str, target: Server = target) -> tuple[str, int]:
+                response = target.post({"model": target.name, "prompt": text, "max_tokens": max_tokens,
+                                        "temperature": 0, "ignore_eos": True}, timeout=600)
+                body = response.json()
+                return body["choices"][0]["text"], body["usage"]["completion_tokens"]
+
+            alone = [complete(text)[0] for text in texts]
+            started = time.perf_counter()
+            together = threaded(len(texts), lambda i: (time.sleep(0.05 * i), complete(texts[i]))[1])
+            seconds = time.perf_counter() - started
+        finally:
+            if target is not server:
+                target.stop()
+        differ = sum(a != t[0] for a, t in zip(alone, together, strict=True))
+        tok_s = sum(t[1] for t in together) / seconds
+        rows.append(Row("12", f"{requests} staggered greedy requests vs alone ({mode})",
+                        f"{differ} of {requests} texts differ; {tok_s:.0f} tok/s concurrent",
+                        differ == 0 if mode != "plain" else None))
+    return rows
+
+
+def run(artifact: Path, connections: int, threads: int, invariance_requests: int) -> tuple[list[Row], dict]:
     server = Server(artifact, threads)
     server.start()
     seen: list[str] = []
@@ -523,7 +599,7 @@ def run(artifact: Path, connections: int, threads: int) -> tuple[list[Row], dict
         rows = case1(server)
         more, figures = case2(server)
         rows += more + case3(server) + case4(server, connections) + case5(server, connections) + case6(server)
-        rows += case8(server) + case9(server) + case7(server, seen)
+        rows += case8(server) + case9(server) + case7(server, seen) + case12(server, invariance_requests, 48)
         return rows, figures
     finally:
         server.stop()
@@ -534,6 +610,7 @@ def main() -> None:
     parser.add_argument("artifacts", nargs="+", type=Path)
     parser.add_argument("--connections", type=int, default=2000, help="slow / early-closing connections (cases 4, 5)")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--invariance-requests", type=int, default=24, help="greedy requests of case 12")
     parser.add_argument("--replica-cycles", type=int, default=3, help="dstc serve --replicas 2 starts (case 10)")
     args = parser.parse_args()
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
@@ -541,15 +618,17 @@ def main() -> None:
     failed = 0
     for artifact in args.artifacts:
         started = time.monotonic()
-        rows, figures = run(artifact, args.connections, args.threads)
+        rows, figures = run(artifact, args.connections, args.threads, args.invariance_requests)
+        rows += case11(artifact)
         if args.replica_cycles:
             rows += case10(artifact, args.replica_cycles)
         print(f"\n{artifact.resolve().name} ({time.monotonic() - started:.0f} s)")
         print(f"{'case':<5} {'sent':<58} {'outcome':<100} result")
         for row in rows:
-            print(f"{row.case:<5} {row.what:<58} {row.outcome:<100} {'PASS' if row.ok else 'FAIL'}")
+            print(f"{row.case:<5} {row.what:<58} {row.outcome:<100} "
+                  f"{'PASS' if row.ok else 'FAIL' if row.ok is False else '-'}")
         print(json.dumps({k: round(v, 1) for k, v in figures.items()}))
-        failed += sum(not row.ok for row in rows)
+        failed += sum(row.ok is False for row in rows)
     sys.exit(1 if failed else 0)
 
 

@@ -203,6 +203,8 @@ def test_served_greedy_completions_are_plain_servings_and_metrics_count_drafts(a
     (GQA, ("--speculate", "draft:OTHER"), "has another tokenizer than"),
     (GQA, ("--speculate", "ngram"), "is not 'prompt-lookup', 'mtp' or draft:ARTIFACT"),
     (GQA, ("--speculate", "draft:SHORT"), "has a context of 512 tokens, and sequences here reach 1024: use a shorter"),
+    # a verify forward's kernels are not one token's: no bit-equal speculation on a batch-variant artifact
+    (GQA, ("--speculate", "prompt-lookup", "--deterministic"), "--deterministic decodes each request alone"),
 ])
 def test_combinations_that_cannot_work_are_refused_in_one_line(artifact, monkeypatch, capsys, tiny_checkpoints,
                                                                tmp_path, model, args, message):

@@ -20,6 +20,7 @@ cache is not asked for here.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Hashable, Iterable
 from pathlib import Path
 
@@ -168,3 +169,11 @@ def _tensor(array: np.ndarray):
     import openvino as ov
 
     return ov.Tensor(np.ascontiguousarray(array))
+
+
+def own_request_batch(decoder, pad_id: int) -> StatefulBatch:
+    """A StatefulBatch over an infer request of its own on ``decoder``'s compiled model (the cache lives in a
+    request's variables): beside others, for batch_rows.RowByRow's one-row batches."""
+    view = copy.copy(decoder)
+    view.request = decoder.compiled.create_infer_request()
+    return StatefulBatch(view, pad_id)

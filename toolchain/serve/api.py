@@ -91,7 +91,7 @@ def create_app(service) -> Intake:
 
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, e: ApiError):
-        if e.status == 400:
+        if e.status in (400, 404):
             service.metrics.reject("invalid_request")
         return e.response()
 
@@ -141,9 +141,9 @@ def create_app(service) -> Intake:
 
     @app.get("/v1/models")
     async def models() -> JSONResponse:
-        card = schemas.ModelCard(id=service.model_name, created=service.created, max_model_len=service.context,
-                                 backend=service.artifact.backend)
-        return JSONResponse(schemas.ModelList(data=[card]).model_dump())
+        cards = [schemas.ModelCard(id=name, created=service.created, max_model_len=service.context,
+                                   backend=service.artifact.backend) for name in service.model_names]
+        return JSONResponse(schemas.ModelList(data=cards).model_dump())
 
     def prepare_completion(raw: bytes) -> tuple[schemas.CompletionRequest, list[int], int]:
         params = _parse(_json(raw), schemas.CompletionRequest)
@@ -174,6 +174,7 @@ def create_app(service) -> Intake:
     async def _respond(request: Request, params, prompt: list[int], max_tokens: int, chat: bool):
         # 429 / 503 here, before any byte is sent
         generation = Generation(service, prompt, max_tokens, params, request.state.request_id)
+        request.state.usage = generation.usage  # read by the access log line when the response has ended (intake.py)
         ident = ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12)
         created = int(time.time())
         if params.stream:
@@ -201,7 +202,8 @@ def create_app(service) -> Intake:
         return JSONResponse(body.model_dump())
 
     return Intake(app, api_keys=settings.api_keys, max_body_bytes=settings.max_body_bytes,
-                  body_timeout_s=settings.body_timeout_s, reject=service.metrics.reject)
+                  body_timeout_s=settings.body_timeout_s, reject=service.metrics.reject,
+                  access_log=log.info if settings.access_log else None)
 
 
 # -- request bodies (in a worker thread) ------------------------------------------------------------------------

@@ -53,10 +53,14 @@ def make_backend(backend: str, artifact_path: str, options: dict):
     if backend == "openvino":
         options = dict(options)
         speculation = options.pop("speculation", None)
+        rows_alone = options.pop("rows_alone", False)
         if not pageable(artifact.path / MODEL_XML):  # e.g. MLA's latent cache: dstc's runner batches it
             return RunnerBackend(artifact, threads=options["threads"], max_batch=options["max_batch"],
                                  max_context=options["max_context"], f32=options["f32"],
-                                 runtime_cache=options["runtime_cache"], speculation=speculation)
+                                 runtime_cache=options["runtime_cache"], speculation=speculation,
+                                 rows_alone=rows_alone)
+        if rows_alone:  # dstc serve --deterministic: the pipeline's requests one at a time, each prefilled whole
+            options.update(max_batch=1, prefix_caching=False)
         lookup = speculation.draft_tokens if speculation and speculation.speculate == PROMPT_LOOKUP else 0
         draft = speculation.draft_artifact if speculation else None  # openvino_genai's draft-model speculation
         return OpenVINOBackend(artifact, PipelineSettings(**options, prompt_lookup=lookup, draft_model=draft,

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Hashable
 from dataclasses import dataclass
+from functools import partial
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -28,9 +29,10 @@ import numpy as np
 from toolchain.errors import InputError
 from toolchain.runtime.artifact import Artifact
 from toolchain.runtime.batch_holes import Holes, holds_holes
+from toolchain.runtime.batch_rows import RowByRow
 from toolchain.runtime.batched_drafts import batch_drafter
 from toolchain.runtime.batching import PersistentBatch, batched_decoder
-from toolchain.runtime.batching_openvino import StatefulBatch
+from toolchain.runtime.batching_openvino import StatefulBatch, own_request_batch
 from toolchain.runtime.decoder import open_decoder
 from toolchain.runtime.sampling import distribution, next_token
 from toolchain.runtime.speculative import verify_greedy, verify_sampled
@@ -57,7 +59,7 @@ class RunnerBackend:
 
     def __init__(self, artifact: Artifact, *, threads: int | None, max_batch: int, max_context: int,
                  layout: str = "batch", f32: bool = False, runtime_cache: int | None = None,
-                 speculation: SpeculationSettings | None = None) -> None:
+                 speculation: SpeculationSettings | None = None, rows_alone: bool = False) -> None:
         self.artifact = artifact
         self.threads = threads
         self.max_batch = max_batch
@@ -66,6 +68,8 @@ class RunnerBackend:
         self.f32 = f32  # OpenVINO: f32 compute and cache instead of the plugin's deployment defaults
         self.runtime_cache = runtime_cache  # OpenVINO: CPU_RUNTIME_CACHE_CAPACITY, None the plugin's
         self.speculation = speculation if speculation is not None and speculation.speculate else None
+        # dstc serve --deterministic on an artifact that is not batch-invariant: each request in a batch of its own
+        self.rows_alone = rows_alone
         self.decoder: Decoder | None = None
         self.batch: BatchedDecoder | None = None
         self.drafter: BatchDrafter | None = None
@@ -86,10 +90,17 @@ class RunnerBackend:
         if self.decoder.backend != "openvino":
             if self.speculation is not None and self.layout != "batch":
                 raise InputError(f"--speculate verifies drafts in the 'batch' KV-cache layout, not {self.layout!r}")
-            batch = batched_decoder(self.decoder, self.artifact.pad_token_id, self.layout)
+            decoder = self.decoder
+            if self.rows_alone:
+                return RowByRow(lambda: batched_decoder(decoder, self.artifact.pad_token_id, self.layout),
+                                self.artifact.pad_token_id)
+            batch = batched_decoder(decoder, self.artifact.pad_token_id, self.layout)
         elif self.layout != "batch":
             raise InputError(f"KV-cache layout {self.layout!r} is ONNX Runtime's; an OpenVINO artifact is batched in "
                              "its infer request's variables (layout 'batch')")
+        elif self.rows_alone:
+            return RowByRow(partial(own_request_batch, self.decoder, self.artifact.pad_token_id),
+                            self.artifact.pad_token_id)
         else:
             batch = StatefulBatch(self.decoder, self.artifact.pad_token_id)
         if isinstance(batch, Holes):  # where speculation leaves holes

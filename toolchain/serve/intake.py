@@ -11,6 +11,8 @@ API key, and the body read within a size and a time limit.
   all of it is dropped without a word in the log (there is nobody to answer). The app then gets the body whole.
   These refusals close the connection: uvicorn would otherwise read and discard the rest of the body, every byte
   restarting its keep-alive timer.
+- **Access log**: one line per request once its response has ended (a stream's at its last event): the client,
+  method and path, status, duration, prompt + generated tokens (what the app put in ``state["usage"]``) and the id.
 - **Errors**: an exception the app raised (its handler has sent the 500 body by then) is logged here, once, with the
   request id and the traceback, instead of uvicorn's "Exception in ASGI application".
 
@@ -25,6 +27,7 @@ import ctypes
 import json
 import logging
 import secrets
+import time
 from collections.abc import Awaitable, Callable, MutableMapping, Sequence
 from typing import Any
 
@@ -60,8 +63,10 @@ class Intake:
     """The ASGI middleware (see the module doc); ``reject(reason)`` counts each refusal in the metrics."""
 
     def __init__(self, app: App, *, api_keys: Sequence[str], max_body_bytes: int, body_timeout_s: float,
-                 reject: Callable[[str], None] = lambda reason: None) -> None:
+                 reject: Callable[[str], None] = lambda reason: None,
+                 access_log: Callable[[str], None] | None = None) -> None:
         self.app = app
+        self.access_log = access_log
         self.api_keys = api_keys
         self.max_body_bytes = max_body_bytes
         self.body_timeout_s = body_timeout_s
@@ -74,14 +79,24 @@ class Intake:
         request_id = new_request_id()
         scope.setdefault("state", {})["request_id"] = request_id
         started = False
+        status = 499  # the client went away before a response began (nginx's code for it)
+        arrived = time.perf_counter()
 
         async def send_with_id(message: Message) -> None:
-            nonlocal started
+            nonlocal started, status
             if message["type"] == "http.response.start":
-                started = True
+                started, status = True, message["status"]
                 message["headers"] = [*message.get("headers", []), (b"x-request-id", request_id.encode())]
             await send(message)
 
+        try:
+            await self._serve(scope, receive, send_with_id, request_id, lambda: started)
+        finally:
+            if self.access_log is not None:
+                self.access_log(_access_line(scope, status, time.perf_counter() - arrived, request_id))
+
+    async def _serve(self, scope: Scope, receive: Receive, send_with_id: Send, request_id: str,
+                     started: Callable[[], bool]) -> None:
         headers = dict(scope["headers"])  # lower-case names (ASGI); a repeated header's last value
         if self.api_keys and scope["path"] not in OPEN_PATHS and not authorized(headers.get(b"authorization"),
                                                                                self.api_keys):
@@ -108,7 +123,7 @@ class Intake:
             await self.app(scope, replay, send_with_id)
         except Exception:
             log.exception("dstc serve: %s: internal error", request_id)
-            if not started:
+            if not started():
                 await _refuse(send_with_id, 500, error_body(internal_error(request_id), type="server_error"))
         finally:
             if len(body) >= TRIM_AFTER_BYTES:
@@ -149,6 +164,17 @@ class Intake:
         await _refuse(send, 413, error_body(f"{what}; this server takes at most {self.max_body_bytes} bytes "
                                             f"(dstc serve --max-body-bytes)", type="invalid_request_error",
                                             code="request_too_large"))
+
+
+def _access_line(scope: Scope, status: int, seconds: float, request_id: str) -> str:
+    client = scope.get("client")
+    usage = scope["state"].get("usage")
+    tokens = ""
+    if usage is not None:
+        counted = usage()
+        tokens = f" {counted.prompt_tokens}+{counted.completion_tokens} tokens"
+    return (f"dstc serve: {client[0] if client else '-'} \"{scope['method']} {scope['path']}\" {status} "
+            f"{seconds:.3f} s{tokens} {request_id}")
 
 
 def _give_memory_back() -> None:

@@ -15,14 +15,20 @@ from __future__ import annotations
 
 import logging
 import resource
+import signal
 import socket
 import sys
 import time
 from collections.abc import Callable
 
+import uvicorn
+
 from toolchain.errors import InputError
+from toolchain.interface.files import MODEL_XML
 from toolchain.runtime.artifact import Artifact, open_artifact
+from toolchain.runtime.batch_rows import batch_variance
 from toolchain.runtime.batched_drafts import check_batch_speculation
+from toolchain.runtime.batching_openvino import pageable
 from toolchain.runtime.generate import prompt_ids
 from toolchain.runtime.memory import artifact_runtime_bytes, require_artifact_memory
 from toolchain.runtime.sampling import Sampling
@@ -42,6 +48,7 @@ from toolchain.serve.replicated import ReplicatedEngine
 from toolchain.serve.settings import ServeSettings
 from toolchain.settings.speculation import SpeculationSettings
 
+DRAIN_S = 30  # SIGTERM lets the requests in flight finish for this long (Kubernetes' default grace period)
 DEFAULT_MAX_CONTEXT = 4096  # when the model's own is longer: the OpenVINO KV cache is allocated for it
 
 
@@ -50,7 +57,10 @@ class Service:
         settings = settings or ServeSettings()
         self.artifact = artifact
         self.settings = settings
-        self.model_name = artifact.path.resolve().name
+        # what clients ask for: --served-model-name (the first one is the name given back), else the directory's
+        self.model_names = list(dict.fromkeys(settings.served_model_name)) or [artifact.path.resolve().name]
+        self.model_name = self.model_names[0]
+        self.determinism: str | None = None  # the startup log's line on --deterministic
         self.created = int(time.time())
         model_context = artifact.context_length
         if settings.max_context is not None:
@@ -85,10 +95,11 @@ class Service:
         s = self.settings
         options: dict
         check_batch_speculation(s, self.artifact, self.context)  # refused here, before an engine starts
+        rows_alone = self._deterministic()
         if self.artifact.backend == "openvino":
             options = {"threads": s.threads, "max_batch": s.max_batch, "max_context": self.context,
                        "prefix_caching": s.prefix_caching, "f32": s.openvino_f32,
-                       "runtime_cache": s.openvino_runtime_cache,
+                       "runtime_cache": s.openvino_runtime_cache, "rows_alone": rows_alone,
                        "speculation": SpeculationSettings(speculate=s.speculate, draft_tokens=s.draft_tokens)}
         else:
             if s.openvino_runtime_cache is not None:
@@ -97,7 +108,7 @@ class Service:
             if s.speculate is not None and s.kv_layout != "batch":
                 raise InputError(f"--speculate verifies drafts in the 'batch' KV-cache layout, not {s.kv_layout!r}")
             options = {"threads": s.threads, "max_batch": s.max_batch, "max_context": self.context,
-                       "layout": s.kv_layout,
+                       "layout": s.kv_layout, "rows_alone": rows_alone,
                        "speculation": SpeculationSettings(speculate=s.speculate, draft_tokens=s.draft_tokens)}
         if s.replicas is not None:
             return ReplicatedEngine(self.artifact.backend, str(self.artifact.path), options, replicas=s.replicas,
@@ -107,6 +118,27 @@ class Service:
             raise InputError("--ray runs replicas on a Ray cluster: give --replicas N too")
         return RemoteEngine(self.artifact.backend, str(self.artifact.path), options, max_batch=s.max_batch,
                             max_queue=s.max_queue, observer=self.metrics)
+
+    def _deterministic(self) -> bool:
+        """With --deterministic, whether requests must run alone (batch_rows.py) for a request's tokens not to depend
+        on its batch; ``determinism`` says what was decided, for the startup log."""
+        s = self.settings
+        if not s.deterministic:
+            return False
+        if s.speculate is not None:
+            raise InputError("--deterministic decodes each request alone, and --speculate verifies drafts over "
+                             "several positions, whose kernels give other bits than one token's on the artifacts "
+                             "--deterministic is for: use one of them")
+        variance = batch_variance(self.artifact)
+        if variance is None:
+            self.determinism = (f"--deterministic: nothing to do, {self.artifact.path.name} decodes a request "
+                                "bit-equally in any batch (no quantized kernels)")
+            return False
+        how = ("one request at a time, without prefix caching" if self.artifact.backend == "openvino" and
+               pageable(self.artifact.path / MODEL_XML) else "each request in a batch of its own, one forward per "
+                                                             "request and step")
+        self.determinism = f"--deterministic: {how} ({variance})"
+        return True
 
     def _gauges(self) -> dict[str, float]:
         engine = self.engine
@@ -118,8 +150,9 @@ class Service:
     # -- what the API layer asks -------------------------------------------------------------------------------
 
     def check_model(self, model: str) -> None:
-        if model != self.model_name:
-            raise ApiError(400, f"the model {model!r} is not served here; this server serves {self.model_name!r} "
+        if model not in self.model_names:
+            served = ", ".join(map(repr, self.model_names))
+            raise ApiError(404, f"the model {model!r} does not exist here; this server serves {served} "
                                 f"(GET /v1/models)", param="model", code="model_not_found")
 
     def completion_prompt(self, prompt) -> list[int]:
@@ -235,14 +268,30 @@ def _allow_open_files(connections: int) -> None:
         resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
 
 
+class DrainingServer(uvicorn.Server):
+    """uvicorn's server, but SIGTERM (what an orchestrator stops a service with) is a drain and a clean exit: new
+    connections are refused, the requests in flight finish (up to DRAIN_S), a log line says so, and ``serve``
+    returns (exit 0) instead of uvicorn raising the signal again once it has shut down (exit 143)."""
+
+    def __init__(self, config: uvicorn.Config, in_flight: Callable[[], str], log: Callable[[str], None]) -> None:
+        super().__init__(config)
+        self.in_flight, self.log, self.terminated = in_flight, log, False
+
+    def handle_exit(self, sig: int, frame) -> None:
+        if sig != signal.SIGTERM:
+            super().handle_exit(sig, frame)
+        elif not self.terminated:
+            self.terminated = self.should_exit = True
+            self.log(f"dstc serve: SIGTERM: draining ({self.in_flight()}; new connections refused; up to {DRAIN_S} "
+                     f"s), then stopping")
+
+
 def serve(artifact_path, settings: ServeSettings, *, host: str = "127.0.0.1", port: int = 8000,
           log: Callable[[str], None] = lambda m: print(m, file=sys.stderr, flush=True)) -> None:
     """Serve until interrupted (SIGINT / SIGTERM). InputError for a bad artifact, settings or address (one other
     than the loopback's without an API key, unless ``settings.allow_unauthenticated``), and when the model fails
     to load."""
     import asyncio
-
-    import uvicorn
 
     check_exposure(host, settings.api_keys, settings.allow_unauthenticated)
     # before the artifact is opened: opening it and its tokenizer took 15 s of a refusal that needs none of it
@@ -264,12 +313,12 @@ def serve(artifact_path, settings: ServeSettings, *, host: str = "127.0.0.1", po
     _log_to_stderr()
     _allow_open_files(settings.max_connections)
     # loop: asyncio's, on which connections.py's guards are tested (ray[serve] installs uvloop, which "auto" takes)
-    config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5, lifespan="on", ws="none",
+    config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=DRAIN_S, lifespan="on", ws="none",
                             loop="asyncio",
                             http=guarded_protocol(settings.header_timeout_s, settings.stream_idle_timeout_s),
                             timeout_keep_alive=settings.keep_alive_timeout_s,
                             limit_concurrency=settings.max_connections)
-    server = uvicorn.Server(config)
+    server = DrainingServer(config, lambda: f"{engine.running} requests running, {engine.queue_depth} waiting", log)
 
     async def watch() -> None:
         while engine.state == "loading":
@@ -283,6 +332,8 @@ def serve(artifact_path, settings: ServeSettings, *, host: str = "127.0.0.1", po
     async def main() -> None:
         log(f"dstc serve: {service.model_name} ({artifact.backend}) listening on http://{url_host}:{bound_port}/v1 "
             f"- loading the model")
+        if service.determinism:
+            log(f"dstc serve: {service.determinism}")
         if not settings.api_keys and not is_loopback(host):
             log(f"dstc serve: warning: {host} is reachable from other machines and any of them may use this server "
                 f"(--allow-unauthenticated)")
@@ -293,5 +344,7 @@ def serve(artifact_path, settings: ServeSettings, *, host: str = "127.0.0.1", po
             watcher.cancel()
 
     asyncio.run(main())
+    if server.terminated:
+        log("dstc serve: stopped (SIGTERM)")
     if engine.state == "failed":
         raise InputError(f"the model failed to load: {engine.load_error}")

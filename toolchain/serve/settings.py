@@ -26,6 +26,20 @@ class ServeSettings(SpeculationSettings):
                     "drafts (default: none; openvino_genai's pipeline does its own prompt lookup and draft-model "
                     "speculation, with an OpenVINO draft it pages, and no mtp).")
 
+    deterministic: bool = Field(
+        False, description="Batch-invariant greedy decoding: a request gets the tokens it gets when served alone, "
+                           "whatever else runs beside it. On an artifact whose kernels give a row other bits in a "
+                           "batch (ONNX Runtime INT4/INT8, OpenVINO) each request runs in a batch of its own, one "
+                           "forward per request and step (dstc's runner), or one request at a time without prefix "
+                           "caching (openvino_genai's pipeline); a no-op on fp32 ONNX Runtime artifacts, which are "
+                           "batch-invariant. Not with --speculate.")
+    served_model_name: list[str] = Field(
+        default_factory=list, json_schema_extra={"metavar": "NAME"},
+        description="A name clients ask for the model by (the first is the one /v1/models and responses give). "
+                    "Default: the artifact directory's name.")
+    access_log: bool = Field(
+        True, description="A line per request on stderr: method, path, status, duration, prompt and generated "
+                          "tokens, request id.")
     threads: int | None = Field(
         None, ge=1, description="Runtime threads (default: the runtime's choice; with --replicas, each replica's, "
                                 "default the CPUs divided among the replicas).")
