@@ -42,3 +42,17 @@ def assert_one_line_error(code, err, fragment):
     lines = [line for line in err.splitlines() if line.startswith("dstc: error:")]
     assert len(lines) == 1 and fragment in lines[0], err
     assert "Traceback" not in err
+
+
+def leaf_commands(group, prefix: str = "") -> dict:
+    """Every command under a click group by its path (``prefix`` + "models list"), subgroups walked."""
+    import click
+
+    found = {}
+    for name, command in group.commands.items():
+        path = f"{prefix} {name}".strip()
+        if isinstance(command, click.Group):
+            found.update(leaf_commands(command, path))
+        else:
+            found[path] = command
+    return found

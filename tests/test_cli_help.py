@@ -8,20 +8,12 @@ import shlex
 import click
 import pytest
 
+from cli_helpers import leaf_commands
+
 from toolchain.cli import EXAMPLES, SUMMARIES, cli
 
 
-def _leaves(group: click.Group, prefix: str = "") -> dict[str, click.Command]:
-    found: dict[str, click.Command] = {}
-    for name, command in group.commands.items():
-        if isinstance(command, click.Group):
-            found.update(_leaves(command, f"{prefix}{name} "))
-        else:
-            found[f"{prefix}{name}"] = command
-    return found
-
-
-COMMANDS = _leaves(cli)
+COMMANDS = leaf_commands(cli)
 
 
 def test_every_command_has_examples_and_no_example_names_a_missing_command():

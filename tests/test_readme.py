@@ -8,7 +8,8 @@ import re
 import shlex
 from pathlib import Path
 
-import click
+
+from cli_helpers import leaf_commands
 
 from toolchain.cli import cli
 
@@ -16,17 +17,7 @@ REPO = Path(__file__).resolve().parent.parent
 README = (REPO / "README.md").read_text()
 
 
-def _commands(group: click.Group, prefix: str = "dstc") -> dict[str, click.Command]:
-    found: dict[str, click.Command] = {}
-    for name, command in group.commands.items():
-        if isinstance(command, click.Group):
-            found.update(_commands(command, f"{prefix} {name}"))
-        else:
-            found[f"{prefix} {name}"] = command
-    return found
-
-
-COMMANDS = _commands(cli)
+COMMANDS = leaf_commands(cli, "dstc")
 
 
 def _table_commands() -> set[str]:
