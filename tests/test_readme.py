@@ -8,7 +8,6 @@ import re
 import shlex
 from pathlib import Path
 
-
 from cli_helpers import leaf_commands
 
 from toolchain.cli import cli
