@@ -32,6 +32,7 @@ from toolchain.export.weights import HFModule, Params
 from toolchain.interface.graph import (
     ATTENTION_MASK,
     HIDDEN_STATES,
+    KV_CACHE,
     INPUT_IDS,
     LOGITS,
     MODEL_TYPE,
@@ -39,6 +40,7 @@ from toolchain.interface.graph import (
     MTP_HIDDEN,
     MTP_LAYER,
     NUM_LAYERS,
+    PER_TOKEN,
     POSITION_IDS,
     PRESENT_PREFIX,
 )
@@ -94,6 +96,7 @@ def build_v4_mtp_graph(model: HFModule, arch: DeepseekV4Architecture, reader, in
         MODEL_TYPE: config.model_type,
         NUM_LAYERS: "1",
         **architecture_metadata(arch, config),
+        KV_CACHE: PER_TOKEN,  # its sliding layer's cache, whatever the main graph's layout
         MOE_LAYERS: json.dumps([index]),
         MTP_LAYER: str(index),
     })
