@@ -36,6 +36,9 @@ class ExportSection(Section):
     # (latent; per-head for serving on OpenVINO). An MLA-free model refuses a layout at export, when its
     # architecture is known
     mla_cache: Literal["latent", "per-head"] | None = None
+    # what DeepSeek-V4's cache holds (toolchain/export/deepseek_v4.py V4_CACHES): per-token state, or the compressed
+    # layout (window, pooled entries, tail); None: per-token, the one every runner takes. Refused for other models
+    v4_cache: Literal["per-token", "compressed"] | None = None
     # how the weights are stored (toolchain/export/weights.py STORAGES): bf16 values as bf16 + Cast, or float32
     weights: Literal["auto", "float32", "bfloat16"] = "auto"
     # export the checkpoint's MTP layer (DeepSeek-V3, V3.2, V4) as mtp/model.onnx, carried into the artifact, and the

@@ -170,11 +170,25 @@ def graph_metadata(path: Path) -> dict[str, str]:
     if Path(path).suffix == ".xml":
         import openvino as ov  # loaded only where an IR is read
 
-        model = ov.Core().read_model(str(path))
-        if not model.has_rt_info(["framework"]):
-            return {}
-        return {str(key): value.astype(str) for key, value in model.get_rt_info(["framework"]).astype(dict).items()}
+        return openvino_metadata(ov.Core().read_model(str(path)))
     return {p.key: p.value for p in _onnx_model(path).metadata_props}
+
+
+def openvino_metadata(model) -> dict[str, str]:
+    """The exporter's metadata of an OpenVINO model (its rt_info under "framework")."""
+    if not model.has_rt_info(["framework"]):
+        return {}
+    return {str(key): value.astype(str) for key, value in model.get_rt_info(["framework"]).astype(dict).items()}
+
+
+def require_positional_cache(metadata: Mapping[str, str], what: str) -> None:
+    """InputError unless every cache tensor of a graph (its metadata) holds one entry per position, as ``what``
+    (a runner that cuts, pads or merges caches along the sequence axis) needs: DeepSeek-V4's compressed layout
+    does not (CACHE_LENGTHS)."""
+    if cache_lengths(metadata):
+        raise InputError(f"{what} needs a cache of one entry per position, and this graph keeps DeepSeek-V4's "
+                         f"compressed cache (a bounded window, pooled entries, a tail); build it with "
+                         f"export.v4_cache: per-token (dstc export --v4-cache per-token) for that")
 
 
 def moe_lowering(metadata: Mapping[str, str], op_types: Iterable[str]) -> str | None:

@@ -48,6 +48,7 @@ from toolchain.interface.graph import (
     extra_cache_kinds,
     graph_metadata,
     present_of,
+    require_positional_cache,
 )
 from toolchain.runtime.artifact import Artifact
 from toolchain.runtime.batch_holes import Holes, compact_cache, compacted
@@ -57,6 +58,8 @@ from toolchain.runtime.generate import left_pad
 from toolchain.runtime.prefill_chunks import prefill_spans
 
 LAYOUTS = ("batch", "gather")
+# what a running batch does to its cache: sequences joining it pad it, leaving ones are cut out of it
+BATCHING = "dstc's batching (joining sequences left-pad the running cache, speculation cuts it back)"
 
 
 def stack_left_padded(parts: list[np.ndarray], axis: int) -> np.ndarray:
@@ -130,6 +133,7 @@ class _OnnxRuntimeBatch(BatchedDecoder):
 
     def __init__(self, decoder, pad_id: int) -> None:
         super().__init__(pad_id)
+        require_positional_cache(getattr(decoder, "metadata", {}), BATCHING)
         self.session = decoder.session
         self._past = ort_cache(self.session)
         self._present = {name: present_of(name) for name in self._past}

@@ -25,9 +25,15 @@ from pathlib import Path
 
 import numpy as np
 
-from toolchain.interface.graph import KV_CACHE, UNPAGEABLE, extra_cache_kinds, graph_metadata
+from toolchain.interface.graph import (
+    KV_CACHE,
+    UNPAGEABLE,
+    extra_cache_kinds,
+    graph_metadata,
+    require_positional_cache,
+)
 from toolchain.runtime.batch_holes import Holes, compact_cache, compacted
-from toolchain.runtime.batching import BatchedDecoder, stack_left_padded
+from toolchain.runtime.batching import BATCHING, BatchedDecoder, stack_left_padded
 from toolchain.runtime.decoder import positions
 from toolchain.runtime.generate import left_pad
 from toolchain.runtime.last_logits import INPUT as LOGITS_TO_KEEP
@@ -51,6 +57,7 @@ class StatefulBatch(Holes, BatchedDecoder):
 
     def __init__(self, decoder, pad_id: int) -> None:
         super().__init__(pad_id)
+        require_positional_cache(decoder.metadata, BATCHING)
         self._request = decoder.request
         self._side = decoder.compiled.create_infer_request()  # prefills of joining sequences
         self._chunking = decoder.chunking
