@@ -117,7 +117,7 @@ def test_each_cache_tensor_holds_what_its_length_rule_says(graphs):
     ids = np.random.default_rng(2).integers(1, config.vocab_size, (1, 45))
     decoder.forward(ids[:, :40], np.ones((1, 40), np.int64))
     decoder.forward(ids[:, 40:], np.ones((1, 45), np.int64))
-    assert {name for name in decoder._past} == set(graph_cache_spec(path))
+    assert set(decoder._past) == set(graph_cache_spec(path))
     for name, held in decoder._past.items():
         assert held.shape[2] == cache_length(*rules[name], 45), name
     inputs = [(v.name, v.shape, v.dtype.itemsize) for v in ir.load(path).graph.inputs]

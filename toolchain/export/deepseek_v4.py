@@ -33,6 +33,8 @@ from toolchain.export.routers import SCORINGS, BiasedTopK, HashRouter
 from toolchain.export.weights import HFModule, Params, to_numpy
 from toolchain.interface.graph import (
     ATTENTION_MASK,
+    CACHE_LENGTHS,
+    COMPRESSED,
     HIDDEN_OUTPUT,
     HIDDEN_STATES,
     INPUT_IDS,
@@ -40,8 +42,6 @@ from toolchain.interface.graph import (
     MODEL_TYPE,
     NUM_LAYERS,
     PAST_PREFIX,
-    CACHE_LENGTHS,
-    COMPRESSED,
     PER_TOKEN,
     POSITION_IDS,
     PRESENT_PREFIX,
@@ -158,7 +158,7 @@ class DeepseekV4Architecture(moe_layer.MoeArchitecture):
         h = g.op("Expand", g.op("Unsqueeze", x, g.const([2])), g.const([1, 1, config.hc_mult, 1]))  # [B, S, hc, D]
         compressed = self.kv_cache == COMPRESSED
         step = step_inputs(g, model, input_ids, mask_2d, position_ids, compressed)
-        lengths = {}
+        lengths: dict[str, tuple[str, int]] = {}
         for i, layer in enumerate(decoder.layers):
             layer_type = config.layer_types[i]
             step.past = cache_inputs(config, layer_type, i, compressed)

@@ -9,10 +9,11 @@ The cache holds what grows by one entry per token (graph interface, toolchain/in
   HCA, 2 x head_dim for CSA's two series), before position bias;
 * CSA only, ``indexer_kv`` / ``indexer_gate`` [B, 1, T, 2 x index_head_dim]: the indexer compressor's.
 
-That is the ``per-token`` layout. At every step its graph pools every complete window from these (transformers' DeepseekV4HCACache and CSACache
-hold exactly those pooled entries, emitted as windows complete), so it is exact by construction whatever the
-prefill / decode split; the cost is that each step re-pools T / rate windows. Windows are over each row's
-positions: a left-padded row's padding is skipped, so a row in a batch gets its answer alone. transformers 5.24
+That is the ``per-token`` layout. At every step its graph pools every complete window from these (transformers'
+DeepseekV4HCACache and CSACache hold exactly those pooled entries, emitted as windows complete), so it is exact by
+construction whatever the prefill / decode split; the cost is that each step re-pools T / rate windows. Windows
+are over each row's positions: a left-padded row's padding is skipped, so a row in a batch gets its answer alone
+(both layouts). transformers 5.24
 counts cache slots instead, pooling padding into a padded row's entries; the reference runs such a batch row by
 row (DeepseekV4Architecture.reference_row_by_row).
 

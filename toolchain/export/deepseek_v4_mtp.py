@@ -32,8 +32,8 @@ from toolchain.export.weights import HFModule, Params
 from toolchain.interface.graph import (
     ATTENTION_MASK,
     HIDDEN_STATES,
-    KV_CACHE,
     INPUT_IDS,
+    KV_CACHE,
     LOGITS,
     MODEL_TYPE,
     MOE_LAYERS,

@@ -58,7 +58,6 @@ class Decoder(Protocol):
     load_seconds: float
     runtime_config: dict
     extras: dict[str, np.ndarray]  # the requested extra outputs of the last forward
-    metadata: Mapping[str, str]  # the exporter's, of the graph it runs (its cache layout: CACHE_LENGTHS)
 
     def reset(self) -> None:
         """Empty the KV cache: the next forward starts a new batch of sequences."""
@@ -135,7 +134,8 @@ class OnnxRuntimeDecoder(ChunkedForward):
             "enable_cpu_mem_arena": applied.enable_cpu_mem_arena,
             "enable_mem_pattern": applied.enable_mem_pattern,
         }
-        self.metadata = dict(self.session.get_modelmeta().custom_metadata_map)
+        # the exporter's metadata: its cache layout (CACHE_LENGTHS) says whether the cache can be cut back
+        self.metadata: dict[str, str] = dict(self.session.get_modelmeta().custom_metadata_map)
         self._past = ort_cache(self.session)
         self._outputs = [o.name for o in self.session.get_outputs()]
         self._extra = list(extra_outputs)

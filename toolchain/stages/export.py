@@ -74,8 +74,8 @@ def resolve_moe(section: ExportSection, source: Path, backend: str, compress: Co
 
 def export(spec: str, out_dir: Path, *, parity: tuple[str, ...] | None = None, new_tokens: int = 16,
            revision: str | None = None, moe: str = moe_lowering.AUTO, mla_cache: str | None = None,
-           v4_cache: str | None = None, weights: str = "auto", mtp: bool = False, defer_weights: bool = False, weights_read_by: str | None = None,
-           log: Callable[[str], None] = lambda _: None) -> dict:
+           v4_cache: str | None = None, weights: str = "auto", mtp: bool = False, defer_weights: bool = False,
+           weights_read_by: str | None = None, log: Callable[[str], None] = lambda _: None) -> dict:
     """``moe``: how MoE layers' routed experts are lowered (toolchain/export/moe.py); ``mla_cache``: what MLA's KV
     cache holds (toolchain/export/deepseek.py; None: the architecture's default); ``v4_cache``: DeepSeek-V4's
     (toolchain/export/deepseek_v4.py; None: per-token); ``parity``: the backends to
@@ -241,8 +241,8 @@ def recomputed_weights(model: ir.Model, export_dir: Path, source: Path, log: Cal
     spec = sources.resolve(str(source))
     arch = moe_lowering.with_lowering(architecture_for(spec.config["model_type"]), deferred.moe)
     reader = open_checkpoint(spec.path)  # open while the weights are read, as the export's is
-    graph = build_decoder(sources.skeleton(spec, reader), with_v4_cache(with_mla_cache(arch, deferred.mla_cache), deferred.v4_cache),
-                          reader,
+    arch = with_v4_cache(with_mla_cache(arch, deferred.mla_cache), deferred.v4_cache)
+    graph = build_decoder(sources.skeleton(spec, reader), arch, reader,
                           weights=storage_for(graph_info.weights, reader),
                           hidden_output=deferred.mtp)
     recomputed = graph.graph.initializers
