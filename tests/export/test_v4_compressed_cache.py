@@ -131,7 +131,40 @@ def test_each_cache_tensor_holds_what_its_length_rule_says(graphs):
         [(v.name, v.shape, v.dtype.itemsize) for v in ir.load(graphs[3]).graph.inputs], {}, 45)
 
 
-def test_runners_that_cut_or_merge_caches_refuse_it_in_one_line(graphs):
+@pytest.mark.parametrize("backend", ["onnxruntime", "openvino-stateful"])
+def test_sequences_joining_a_running_batch_get_their_batch_one_tokens(graphs, tmp_path, backend):
+    """dstc's continuous batching with the compressed cache: joining sequences' windows left-padded, their pooled
+    entries right-padded (each row's own windows), tails as they are; rows leave and join while others complete
+    windows, and each gets the tokens it decodes alone."""
+    from batching_helpers import decode_joining_and_leaving
+
+    from toolchain.runtime.batching import PersistentBatch
+    from toolchain.runtime.batching_openvino import StatefulBatch
+    from toolchain.runtime.decoder import OnnxRuntimeDecoder, OpenVINODecoder
+    from toolchain.runtime.generate import greedy_generate
+
+    config, _, path, _ = graphs
+    if backend == "openvino-stateful":
+        import openvino as ov
+
+        from toolchain.compile.openvino_ir import convert
+
+        ov.save_model(convert(path, {}), str(tmp_path / "stateful.xml"), compress_to_fp16=False)
+        decoder = OpenVINODecoder(tmp_path / "stateful.xml", 2, (), "exact")
+        batch = StatefulBatch(decoder, 0)
+    else:
+        decoder = OnnxRuntimeDecoder(path, 2, ())
+        batch = PersistentBatch(decoder, 0)
+    rng = np.random.default_rng(5)
+    prompts = [rng.integers(1, config.vocab_size, n).tolist() for n in (23, 5, 14, 37, 9)]
+    new = 20
+    alone = [greedy_generate(decoder, [p], new, set(), 0).tokens[0] for p in prompts]
+    assert decode_joining_and_leaving(batch, prompts, new) == alone
+
+
+def test_runners_that_cut_caches_refuse_it_in_one_line(graphs):
+    """Rolling back (speculation's rejected drafts), verify steps' holes and the gathered layout's per-sequence
+    caches would cut the compressed cache along its sequence axis: each refuses it in one line."""
     from toolchain.runtime.batching import batched_decoder
     from toolchain.runtime.decoder import OnnxRuntimeDecoder
 
@@ -141,10 +174,13 @@ def test_runners_that_cut_or_merge_caches_refuse_it_in_one_line(graphs):
     with pytest.raises(InputError, match="v4_cache: per-token") as error:
         decoder.rollback(2)
     assert "\n" not in str(error.value)
-    for layout in ("batch", "gather"):
-        with pytest.raises(InputError, match="compressed cache"):
-            batched_decoder(decoder, 0, layout)
-    batched_decoder(OnnxRuntimeDecoder(per_token, 1, ()), 0, "batch")  # the per-token layout batches
+    with pytest.raises(InputError, match="compressed cache"):
+        batched_decoder(decoder, 0, "gather")
+    batch = batched_decoder(decoder, 0, "batch")
+    batch.join({"a": [3, 4, 5]})
+    with pytest.raises(InputError, match="holes"):
+        batch.verify({"a": [6, 7]})
+    batched_decoder(OnnxRuntimeDecoder(per_token, 1, ()), 0, "gather")  # the per-token layout does
 
 
 def test_the_option_is_v4_s_and_refuses_mtp(tmp_path, tiny_checkpoints):
