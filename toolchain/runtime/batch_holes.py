@@ -61,7 +61,7 @@ class Holes:
     _spans: dict[Hashable, tuple[int, int, int]]  # each sequence's (row, columns) in ``extras``
     compact_each_step = False  # a cache that cannot keep holes (holds_holes): cut them after every keep / forget
     # the cache tensors that hold no entry per position (the compressed V4 cache's), which holes would break
-    _lengths: Mapping[str, tuple[str, int]] = {}  # noqa: RUF012 - a default no instance mutates
+    _lengths: Mapping[str, tuple[str, int]] = {}
 
     def holes(self) -> int:
         """Masked-out columns after each live row's first held one."""
