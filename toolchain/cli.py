@@ -131,9 +131,9 @@ EXPORT_HELP = {
                  "refused for models without MLA]",
     "v4_cache": "What DeepSeek-V4's cache holds: per-token state (K=V and compressor projections per position, the "
                 "windows pooled again at each step), or compressed (a bounded sliding window, the pooled CSA/HCA "
-                "entries and the incomplete window's tail: V4's own cache, 27x smaller at 64k); dstc generate, eval "
-                "and the stateful OpenVINO IR run it, speculation and dstc serve's batching refuse it  [default: "
-                "per-token; refused for other models]",
+                "entries and the incomplete window's tail: V4's own cache); every runner takes it but speculative "
+                "decoding (which cuts the cache back) and serve's 'gather' layout, which refuse it in one line  "
+                "[default: per-token; refused for other models]",
     "weights": "Weight storage: bfloat16 keeps a bf16 or FP8 checkpoint's values as bf16 initializers widened by a "
                "Cast in the graph (the same float32 values, half the bytes); auto does so above 1 GiB of float32 "
                "weights.",
