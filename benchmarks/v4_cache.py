@@ -65,14 +65,19 @@ def v3_config():
                             num_experts_per_tok=1, n_group=1, topk_group=1), real
 
 
-def tensor_bytes(value) -> int:
-    """Bytes of every tensor in ``value`` (a tensor, or a dict / list / tuple of them)."""
+def tensor_bytes(value, seen: set[int] | None = None) -> int:
+    """Bytes of every tensor in ``value`` (a tensor, or a dict / list / tuple of them), each storage once: V4's
+    cache layers hold K=V as ``keys`` and ``values`` of one storage."""
+    seen = set() if seen is None else seen
     if isinstance(value, torch.Tensor):
+        if value.untyped_storage().data_ptr() in seen:
+            return 0
+        seen.add(value.untyped_storage().data_ptr())
         return value.nbytes
     if isinstance(value, dict):
-        return sum(tensor_bytes(v) for v in value.values())
+        return sum(tensor_bytes(v, seen) for v in value.values())
     if isinstance(value, list | tuple):
-        return sum(tensor_bytes(v) for v in value)
+        return sum(tensor_bytes(v, seen) for v in value)
     return 0
 
 

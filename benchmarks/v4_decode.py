@@ -67,6 +67,57 @@ def build(work: Path, args, log) -> dict[tuple[str, str], Path]:
     return files
 
 
+def build_attention_widths(work: Path, args, log) -> dict[tuple[str, str], Path]:
+    """(model, backend) -> a float32 graph (both backends read the ONNX file) of random checkpoints with V4-Flash's
+    and V3's real hidden and attention widths, rates and window, and a tiny rest (8 routed experts of 64, V3's
+    layers dense with 64, a 1024-token vocabulary): --attention-widths, which times what the cache layouts change
+    on a machine where the shape-faithful builds take too long. V4's --layers are sliding, CSA, HCA, CSA, ..."""
+    import sys as system
+
+    from transformers import DeepseekV3Config, DeepseekV4Config
+
+    from toolchain import source as sources
+    from toolchain.checkpoint.reader import open_checkpoint
+    from toolchain.export.architectures import architecture_for
+    from toolchain.export.decoder import build_decoder
+    from toolchain.export.deepseek_v4 import with_v4_cache
+    from toolchain.export.graph import save_graph
+
+    system.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    from conftest import make_checkpoint  # tests/ holds the random-checkpoint writer
+
+    references = Path(__file__).resolve().parents[1] / "toolchain" / "models" / "reference_configs"
+
+    def real(name: str) -> dict:
+        config = json.loads((references / f"{name}.json").read_text())
+        return {k: v for k, v in config.items() if k not in ("_source", "quantization_config", "compress_ratios")}
+
+    small = dict(vocab_size=1024, num_hidden_layers=args.layers, n_routed_experts=8, moe_intermediate_size=64)
+    kinds = ["sliding_attention", *(["compressed_sparse_attention", "heavily_compressed_attention"] * args.layers)]
+    configs = {"v4-flash": DeepseekV4Config(**{**real("deepseek-v4-flash"), **small, "num_hash_layers": 0,
+                                               "layer_types": kinds[:args.layers],
+                                               "mlp_layer_types": ["moe"] * args.layers}),
+               "v3": DeepseekV3Config(**{**real("deepseek-v3"), **small, "intermediate_size": 64,
+                                         "first_k_dense_replace": args.layers})}
+    files = {}
+    for model, (_, _, checkpoint, v4_cache) in MODELS.items():
+        ckpt = work / f"{checkpoint}-ckpt"
+        if not (ckpt / "config.json").is_file():
+            log(f"random {checkpoint} at its attention widths, {args.layers} layers")
+            make_checkpoint(configs[checkpoint], ckpt, 0)
+        graph = work / f"{model}-fp32" / "model.onnx"
+        if not graph.is_file():
+            log(f"export {model} (fp32)")
+            graph.parent.mkdir(parents=True, exist_ok=True)
+            source = sources.resolve(str(ckpt))
+            with open_checkpoint(source.path) as reader:
+                arch = with_v4_cache(architecture_for(source.config["model_type"]), v4_cache)
+                save_graph(build_decoder(sources.skeleton(source, reader), arch, reader), graph)
+        files |= {(model, backend): graph for backend in BACKENDS}
+        gc.collect()
+    return files
+
+
 def cache_bytes(path: Path, context: int) -> int:
     """Bytes every layer of the graph caches for one sequence of ``context`` positions, float32, from its
     past_key_values inputs and their length rules (a compressed V4 cache's window, pooled entries and tail)."""
@@ -130,6 +181,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--workdir", type=Path, default=None, help="keep the checkpoints and graphs here (reused)")
+    parser.add_argument("--attention-widths", action="store_true",
+                        help="float32 random models with the real hidden and attention widths and a tiny rest instead "
+                             "of shape-faithful INT4 builds (build_attention_widths)")
     parser.add_argument("--json", type=Path, default=Path("v4_decode.json"))
     parser.add_argument("--resume", action="store_true", help="keep the backends already in --json")
     parser.add_argument("--measure", metavar="BACKEND", help=argparse.SUPPRESS)
@@ -145,7 +199,7 @@ def main() -> None:
     def log(message: str) -> None:
         print(message, file=sys.stderr, flush=True)
 
-    files = build(work, args, log)
+    files = (build_attention_widths if args.attention_widths else build)(work, args, log)
     args.vocab = json.loads((work / "v3-ckpt" / "config.json").read_text())["vocab_size"]
     done = json.loads(args.json.read_text())["rows"] if args.resume and args.json.is_file() else []
     print(table(measure(files, args, log, done), args.contexts))
