@@ -72,7 +72,7 @@ def test_compressed_cache_matches_transformers(graphs, tmp_path, backend):
 
 
 def test_prompts_fed_in_chunks_give_the_per_token_graph_s_logits(graphs):
-    """A left-padded batch fed in chunks of 1 to 23 tokens (windows completing inside a chunk, across chunks, and
+    """A left-padded batch fed in chunks of 1 to 33 tokens (windows completing inside a chunk, across chunks, and
     several in one): every chunk's logits are the per-token graph's on the same feeds."""
     from toolchain.interface.graph import graph_cache_spec, graph_metadata
     from toolchain.runtime.decoder import StatelessDecoder
@@ -82,17 +82,17 @@ def test_prompts_fed_in_chunks_give_the_per_token_graph_s_logits(graphs):
     decoders = [StatelessDecoder(GraphRunner(p, "onnxruntime"), graph_cache_spec(p), metadata=graph_metadata(p))
                 for p in (compressed, per_token)]
     rng = np.random.default_rng(1)
-    ids = rng.integers(1, config.vocab_size, (2, 96))
+    ids = rng.integers(1, config.vocab_size, (2, 160))  # 10 HCA windows, 40 CSA ones
     mask = np.ones_like(ids)
     mask[1, :37] = 0
     ids[1, :37] = 0
     start = 0
-    for size in (5, 1, 23, 2, 17, 1, 1, 3, 16, 19, 8):
+    for size in (5, 1, 23, 2, 17, 1, 1, 3, 16, 19, 8, 33, 1, 30):
         got, want = (d.forward(ids[:, start:start + size], mask[:, :start + size]) for d in decoders)
         span = float(want.max() - want.min())
         assert float(np.abs(got - want).max()) <= 1e-5 * span, (start, size)
         start += size
-    assert start == 96
+    assert start == 160
 
 
 def test_each_cache_tensor_holds_what_its_length_rule_says(graphs):
