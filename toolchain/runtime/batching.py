@@ -156,7 +156,7 @@ class _OnnxRuntimeBatch(BatchedDecoder):
         super().__init__(pad_id)
         self.session = decoder.session
         # the compressed V4 cache's tensors that do not hold one entry per position (merged_rows)
-        self._lengths = cache_lengths(getattr(decoder, "metadata", {}))
+        self._lengths: Mapping[str, tuple[str, int]] = cache_lengths(getattr(decoder, "metadata", {}))
         self._past = ort_cache(self.session)
         self._present = {name: present_of(name) for name in self._past}
         self._extra = list(getattr(decoder, "extra_outputs", ()))  # e.g. the hidden states MTP drafts read

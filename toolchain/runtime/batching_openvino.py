@@ -20,7 +20,7 @@ cache is not asked for here.
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Iterable
+from collections.abc import Hashable, Iterable, Mapping
 from pathlib import Path
 
 import numpy as np
@@ -58,7 +58,8 @@ class StatefulBatch(Holes, BatchedDecoder):
 
     def __init__(self, decoder, pad_id: int) -> None:
         super().__init__(pad_id)
-        self._lengths = cache_lengths(decoder.metadata)  # the compressed V4 cache's (batching.merged_rows)
+        # the compressed V4 cache's length rules (batching.merged_rows)
+        self._lengths: Mapping[str, tuple[str, int]] = cache_lengths(decoder.metadata)
         self._request = decoder.request
         self._side = decoder.compiled.create_infer_request()  # prefills of joining sequences
         self._chunking = decoder.chunking
