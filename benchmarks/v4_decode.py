@@ -15,6 +15,7 @@ their length rules say at C - 1 positions). The table also has each graph's cach
 (from its past_key_values inputs and their length rules).
 
     PYTHONPATH=. .venv/bin/python benchmarks/v4_decode.py --workdir /tmp/v4-decode --json v4_decode.json
+    PYTHONPATH=. .venv/bin/python benchmarks/v4_decode.py --attention-widths --layers 3 --workdir /tmp/v4-decode
 """
 
 from __future__ import annotations
