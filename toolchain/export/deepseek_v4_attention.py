@@ -13,11 +13,10 @@ That is the ``per-token`` layout. At every step its graph pools every complete w
 DeepseekV4HCACache and CSACache hold exactly those pooled entries, emitted as windows complete), so it is exact by
 construction whatever the prefill / decode split; the cost is that each step re-pools T / rate windows. Windows
 are over each row's positions: a left-padded row's padding is skipped, so a row in a batch gets its answer alone
-(both layouts). transformers 5.24
-counts cache slots instead, pooling padding into a padded row's entries; the reference runs such a batch row by
-row (DeepseekV4Architecture.reference_row_by_row).
+(both layouts). transformers 5.24 counts cache slots instead, pooling padding into a padded row's entries; the
+reference runs such a batch row by row (DeepseekV4Architecture.reference_row_by_row).
 
-The ``compressed`` layout (``export.v4_cache: compressed``, ``compressed_cache``) holds what V4's design holds
+The ``compressed`` layout (``export.v4_cache: compressed``; ``compressed_entries``) holds what V4's design holds
 (each tensor's length rule in the graph's metadata, toolchain/interface/graph.py CACHE_LENGTHS), per layer:
 
 * ``key`` [B, 1, min(T, sliding_window - 1), head_dim]: a shifted buffer of the last slots' K=V (window);
