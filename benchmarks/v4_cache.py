@@ -9,6 +9,10 @@ rates and window, and tiny everything else; each is prefilled with T tokens on O
 bytes of its present.* outputs) and, for V4, in transformers (the bytes of every tensor its cache layers hold).
 Bytes grow linearly in T past the window (checked at two lengths: the figure per token is the slope), and whole
 models at 8k / 64k tokens are those slopes and constants times the real layer counts, float32 caches throughout.
+V4 is exported twice, with its per-token state and its compressed cache (export.v4_cache: compressed: a bounded
+window, the pooled entries, the incomplete window's tail); the compressed graph's whole-model figures are also
+computed from its cache inputs and their length rules alone (toolchain/interface/graph.py cache_bytes_at), which
+the measured bytes must match.
 
     PYTHONPATH=. .venv/bin/python benchmarks/v4_cache.py --workdir /tmp/v4-cache --json v4_cache.json
 """
@@ -61,14 +65,19 @@ def v3_config():
                             num_experts_per_tok=1, n_group=1, topk_group=1), real
 
 
-def tensor_bytes(value) -> int:
-    """Bytes of every tensor in ``value`` (a tensor, or a dict / list / tuple of them)."""
+def tensor_bytes(value, seen: set[int] | None = None) -> int:
+    """Bytes of every tensor in ``value`` (a tensor, or a dict / list / tuple of them), each storage once: V4's
+    cache layers hold K=V as ``keys`` and ``values`` of one storage."""
+    seen = set() if seen is None else seen
     if isinstance(value, torch.Tensor):
+        if value.untyped_storage().data_ptr() in seen:
+            return 0
+        seen.add(value.untyped_storage().data_ptr())
         return value.nbytes
     if isinstance(value, dict):
-        return sum(tensor_bytes(v) for v in value.values())
+        return sum(tensor_bytes(v, seen) for v in value.values())
     if isinstance(value, list | tuple):
-        return sum(tensor_bytes(v) for v in value)
+        return sum(tensor_bytes(v, seen) for v in value)
     return 0
 
 
@@ -105,6 +114,23 @@ def fit(a: dict[str, int], b: dict[str, int]) -> dict[str, tuple[float, float]]:
     return {k: ((b[k] - a[k]) / (t2 - t1), a[k] - (b[k] - a[k]) / (t2 - t1) * t1) for k in a}
 
 
+def from_graph(graph: Path, types: list[str], real) -> dict[str, float]:
+    """{context: whole-model bytes} of a graph's cache at CONTEXTS from its cache inputs and length rules alone: each
+    layer type's bytes (one layer of it in ``graph``) times its count in the real model."""
+    import onnx_ir as ir
+
+    from toolchain.interface.graph import cache_bytes_at, graph_metadata
+
+    inputs = [(v.name, v.shape, v.dtype.itemsize) for v in ir.load(graph).graph.inputs]
+    metadata = graph_metadata(graph)
+    whole = {}
+    for context in CONTEXTS:
+        per_type = {kind: cache_bytes_at([i for i in inputs if i[0].startswith(f"past_key_values.{layer}.")],
+                                         metadata, context) for layer, kind in enumerate(types)}
+        whole[str(context)] = sum(per_type[kind] for kind in real.layer_types)
+    return whole
+
+
 def main() -> None:
     from transformers import AutoModelForCausalLM
 
@@ -112,6 +138,7 @@ def main() -> None:
     from toolchain.checkpoint.reader import open_checkpoint
     from toolchain.export.architectures import architecture_for
     from toolchain.export.decoder import build_decoder
+    from toolchain.export.deepseek_v4 import with_v4_cache
     from toolchain.export.graph import save_graph
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -123,12 +150,17 @@ def main() -> None:
         out = args.workdir / family
         make_checkpoint(config, out / "ckpt", 0)
         source = sources.resolve(str(out / "ckpt"))
+        layouts = {"dstc": None, "dstc compressed": "compressed"} if family == "V4-Flash" else {"dstc": None}
         with open_checkpoint(source.path) as reader:
-            save_graph(build_decoder(sources.skeleton(source, reader), architecture_for(config.model_type), reader),
-                       out / "model.onnx")
+            for holder, layout in layouts.items():
+                arch = with_v4_cache(architecture_for(config.model_type), layout)
+                (out / holder).mkdir(parents=True, exist_ok=True)
+                save_graph(build_decoder(sources.skeleton(source, reader), arch, reader), out / holder / "model.onnx")
         types = list(getattr(config, "layer_types", None) or ["attention"] * config.num_hidden_layers)
-        measured = {"dstc": [dstc_bytes(out / "model.onnx", t, types) for t in LENGTHS]}
+        measured = {holder: [dstc_bytes(out / holder / "model.onnx", t, types) for t in LENGTHS] for holder in layouts}
         if family == "V4-Flash":
+            figures["V4-Flash dstc compressed, from the graph"] = from_graph(out / "dstc compressed" / "model.onnx",
+                                                                            types, real)
             model = AutoModelForCausalLM.from_pretrained(out / "ckpt", dtype=torch.float32,
                                                          attn_implementation="eager").eval()
             measured["transformers"] = [transformers_bytes(model, t) for t in LENGTHS]
@@ -143,6 +175,9 @@ def main() -> None:
             figures[f"{family} {holder}"]["whole_model_bytes"] = whole
             rows.append([family, holder, f"whole model ({len(real_types)} layers)", "",
                          " / ".join(f"{whole[c] / 2**30:.2f} GiB at {c // 1024}k" for c in CONTEXTS)])
+    whole = figures["V4-Flash dstc compressed, from the graph"]
+    rows.append(["V4-Flash", "dstc compressed, from its cache inputs", "whole model (43 layers)", "",
+                 " / ".join(f"{whole[str(c)] / 2**30:.2f} GiB at {c // 1024}k" for c in CONTEXTS)])
     print(markdown_table(["model", "cache", "layer type", "bytes per token", "constant KiB"], rows))
     if args.json:
         args.json.write_text(json.dumps(figures, indent=1))

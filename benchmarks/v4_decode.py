@@ -3,16 +3,19 @@ OpenVINO (issue #24's decode table).
 
 Two shape-faithful checkpoints as shipped (`dstc models shape-faithful`: real widths and vocabulary, FP4 / FP8
 weights; --layers decoder layers and --experts routed experts each, so that both fit beside each other; V4's cut
-keeps a sliding, a CSA and an HCA layer and a hash-MoE one) are exported (V3 with its default latent MLA cache) and
+keeps a sliding, a CSA and an HCA layer and a hash-MoE one) are exported (V3 with its default latent MLA cache, V4
+twice: its per-token state and its compressed cache, export.v4_cache) and
 compressed int4-grouped (g128, asym) for each backend; above 2 GiB of float weights the compress stage streams
 and writes ONNX for both. Per backend, in a child process holding the benchmark lock, both graphs are loaded
 (dstc's GraphRunner, stateless, --threads, exact numerics) and, per context C, each decodes --steps tokens after a
 cache of C - 1 positions of random values (the time of a step does not depend on them: V4's indexer keeps its
 top-k of whatever scores), after an unmeasured round and a warm-up at each context, rounds alternating the two
-models; ms/token is the median over rounds (benchmarks/mla_cache.py's loop). The table also has each graph's cache
-bytes per token over all its layers (from its past_key_values inputs).
+models; ms/token is the median over rounds (benchmarks/mla_cache.py's loop; the compressed cache's tensors as long as
+their length rules say at C - 1 positions). The table also has each graph's cache bytes at C over all its layers
+(from its past_key_values inputs and their length rules).
 
     PYTHONPATH=. .venv/bin/python benchmarks/v4_decode.py --workdir /tmp/v4-decode --json v4_decode.json
+    PYTHONPATH=. .venv/bin/python benchmarks/v4_decode.py --attention-widths --layers 3 --workdir /tmp/v4-decode
 """
 
 from __future__ import annotations
@@ -30,7 +33,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # a script: the ha
 from benchmarks import harness  # noqa: E402
 from benchmarks.mla_cache import measure_graphs  # noqa: E402
 
-MODELS = {"v4-flash": ("deepseek-v4-flash", False), "v3": ("deepseek-v3", True)}  # reference, --fp8
+# model -> (reference, --fp8, checkpoint, export.v4_cache); V4's two cache layouts are one checkpoint's two exports
+MODELS = {"v4-flash": ("deepseek-v4-flash", False, "v4-flash", None),
+          "v4-flash-compressed": ("deepseek-v4-flash", False, "v4-flash", "compressed"),
+          "v3": ("deepseek-v3", True, "v3", None)}
 BACKENDS = ("onnxruntime", "openvino")
 
 
@@ -42,15 +48,15 @@ def build(work: Path, args, log) -> dict[tuple[str, str], Path]:
     from toolchain.stages.export import export
 
     files = {}
-    for model, (reference, fp8) in MODELS.items():
-        ckpt = work / f"{model}-ckpt"
+    for model, (reference, fp8, checkpoint, v4_cache) in MODELS.items():
+        ckpt = work / f"{checkpoint}-ckpt"
         if not (ckpt / "config.json").is_file():
             log(f"shape-faithful {reference}: {args.layers} layers, {args.experts} experts")
             make_shape_faithful(reference, ckpt, num_layers=args.layers, num_experts=args.experts, fp8=fp8)
         exported = work / f"{model}-export"
         if not (exported / "export.json").is_file():
             log(f"export {model}")
-            export(str(ckpt), exported, parity=())
+            export(str(ckpt), exported, parity=(), v4_cache=v4_cache)
         for backend in BACKENDS:
             out = work / f"{model}-int4-{backend}"
             if not (out / "compression.json").is_file():
@@ -62,18 +68,71 @@ def build(work: Path, args, log) -> dict[tuple[str, str], Path]:
     return files
 
 
-def cache_bytes_per_token(path: Path) -> int:
-    """Bytes every layer of the graph caches per token together, float32 (its past_key_values inputs)."""
-    from toolchain.interface.graph import graph_cache_spec
+def build_attention_widths(work: Path, args, log) -> dict[tuple[str, str], Path]:
+    """(model, backend) -> a float32 graph (both backends read the ONNX file) of random checkpoints with V4-Flash's
+    and V3's real hidden and attention widths, rates and window, and a tiny rest (8 routed experts of 64, V3's
+    layers dense with 64, a 1024-token vocabulary): --attention-widths, which times what the cache layouts change
+    on a machine where the shape-faithful builds take too long. V4's --layers are sliding, CSA, HCA, CSA, ..."""
+    import sys as system
 
-    return sum(h * d * 4 for h, d in graph_cache_spec(path).values())
+    from transformers import DeepseekV3Config, DeepseekV4Config
+
+    from toolchain import source as sources
+    from toolchain.checkpoint.reader import open_checkpoint
+    from toolchain.export.architectures import architecture_for
+    from toolchain.export.decoder import build_decoder
+    from toolchain.export.deepseek_v4 import with_v4_cache
+    from toolchain.export.graph import save_graph
+
+    system.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    from conftest import make_checkpoint  # tests/ holds the random-checkpoint writer
+
+    references = Path(__file__).resolve().parents[1] / "toolchain" / "models" / "reference_configs"
+
+    def real(name: str) -> dict:
+        config = json.loads((references / f"{name}.json").read_text())
+        return {k: v for k, v in config.items() if k not in ("_source", "quantization_config", "compress_ratios")}
+
+    small = dict(vocab_size=1024, num_hidden_layers=args.layers, n_routed_experts=8, moe_intermediate_size=64)
+    kinds = ["sliding_attention", *(["compressed_sparse_attention", "heavily_compressed_attention"] * args.layers)]
+    configs = {"v4-flash": DeepseekV4Config(**{**real("deepseek-v4-flash"), **small, "num_hash_layers": 0,
+                                               "layer_types": kinds[:args.layers],
+                                               "mlp_layer_types": ["moe"] * args.layers}),
+               "v3": DeepseekV3Config(**{**real("deepseek-v3"), **small, "intermediate_size": 64,
+                                         "first_k_dense_replace": args.layers})}
+    files = {}
+    for model, (_, _, checkpoint, v4_cache) in MODELS.items():
+        ckpt = work / f"{checkpoint}-ckpt"
+        if not (ckpt / "config.json").is_file():
+            log(f"random {checkpoint} at its attention widths, {args.layers} layers")
+            make_checkpoint(configs[checkpoint], ckpt, 0)
+        graph = work / f"{model}-fp32" / "model.onnx"
+        if not graph.is_file():
+            log(f"export {model} (fp32)")
+            graph.parent.mkdir(parents=True, exist_ok=True)
+            source = sources.resolve(str(ckpt))
+            with open_checkpoint(source.path) as reader:
+                arch = with_v4_cache(architecture_for(source.config["model_type"]), v4_cache)
+                save_graph(build_decoder(sources.skeleton(source, reader), arch, reader), graph)
+        files |= {(model, backend): graph for backend in BACKENDS}
+        gc.collect()
+    return files
+
+
+def cache_bytes(path: Path, context: int) -> int:
+    """Bytes every layer of the graph caches for one sequence of ``context`` positions, float32, from its
+    past_key_values inputs and their length rules (a compressed V4 cache's window, pooled entries and tail)."""
+    from toolchain.interface.graph import cache_bytes_at, graph_cache_spec, graph_metadata
+
+    inputs = [(name, [0, h, 0, d], 4) for name, (h, d) in graph_cache_spec(path).items()]
+    return cache_bytes_at(inputs, graph_metadata(path), context)
 
 
 def measure_child(args) -> None:
     """One backend: both models loaded, contexts in turn, rounds alternating the models."""
     graphs = json.loads(args.graphs)
     rows = [{"backend": args.measure, **row, "graph": graphs[row["model"]],
-             "cache_bytes_per_token": cache_bytes_per_token(Path(graphs[row["model"]]))}
+             "cache_bytes": cache_bytes(Path(graphs[row["model"]]), row["context"])}
             for row in measure_graphs(graphs, args.measure, args)]
     print(json.dumps(rows))
 
@@ -102,14 +161,16 @@ def table(rows: list[dict], contexts: list[int]) -> str:
     lines = []
     for backend in dict.fromkeys(r["backend"] for r in rows):
         for context in contexts:
-            v4, v3 = get.get((backend, "v4-flash", context)), get.get((backend, "v3", context))
-            if v4 is None or v3 is None:
-                continue
-            lines.append([backend, context, f"{v4['cache_bytes_per_token']} / {v3['cache_bytes_per_token']}",
-                          v4["decode_ms_per_token"], v3["decode_ms_per_token"],
-                          v4["decode_ms_per_token"] / v3["decode_ms_per_token"]])
-    return harness.markdown_table(["backend", "context", "cache B/token V4 / V3", "V4-Flash ms/tok", "V3 ms/tok",
-                                   "V4 / V3"], lines)
+            v3 = get.get((backend, "v3", context))
+            for model in ("v4-flash", "v4-flash-compressed"):
+                v4 = get.get((backend, model, context))
+                if v4 is None or v3 is None:
+                    continue
+                lines.append([backend, context, model, f"{v4['cache_bytes'] / 2**20:.1f} / "
+                              f"{v3['cache_bytes'] / 2**20:.1f}", v4["decode_ms_per_token"],
+                              v3["decode_ms_per_token"], v4["decode_ms_per_token"] / v3["decode_ms_per_token"]])
+    return harness.markdown_table(["backend", "context", "V4 cache", "cache MiB V4 / V3", "V4-Flash ms/tok",
+                                   "V3 ms/tok", "V4 / V3"], lines)
 
 
 def main() -> None:
@@ -121,6 +182,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--workdir", type=Path, default=None, help="keep the checkpoints and graphs here (reused)")
+    parser.add_argument("--attention-widths", action="store_true",
+                        help="float32 random models with the real hidden and attention widths and a tiny rest instead "
+                             "of shape-faithful INT4 builds (build_attention_widths)")
     parser.add_argument("--json", type=Path, default=Path("v4_decode.json"))
     parser.add_argument("--resume", action="store_true", help="keep the backends already in --json")
     parser.add_argument("--measure", metavar="BACKEND", help=argparse.SUPPRESS)
@@ -136,7 +200,7 @@ def main() -> None:
     def log(message: str) -> None:
         print(message, file=sys.stderr, flush=True)
 
-    files = build(work, args, log)
+    files = (build_attention_widths if args.attention_widths else build)(work, args, log)
     args.vocab = json.loads((work / "v3-ckpt" / "config.json").read_text())["vocab_size"]
     done = json.loads(args.json.read_text())["rows"] if args.resume and args.json.is_file() else []
     print(table(measure(files, args, log, done), args.contexts))

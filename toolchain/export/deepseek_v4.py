@@ -16,13 +16,15 @@ scores, normalised and times routed_scaling_factor; experts and shared expert ar
 
 from __future__ import annotations
 
+import copy
+import json
 from collections.abc import Callable
 
 import numpy as np
 import onnx_ir as ir
 import torch
 
-from toolchain.errors import UnsupportedModelError
+from toolchain.errors import InputError, UnsupportedModelError
 from toolchain.export import blocks, deepseek_v4_attention as v4attn, moe_layer
 from toolchain.export.decoder import architecture_metadata
 from toolchain.export.graph import GraphBuilder, rename_output, tensor_input
@@ -31,6 +33,8 @@ from toolchain.export.routers import SCORINGS, BiasedTopK, HashRouter
 from toolchain.export.weights import HFModule, Params, to_numpy
 from toolchain.interface.graph import (
     ATTENTION_MASK,
+    CACHE_LENGTHS,
+    COMPRESSED,
     HIDDEN_OUTPUT,
     HIDDEN_STATES,
     INPUT_IDS,
@@ -44,6 +48,24 @@ from toolchain.interface.graph import (
 )
 
 FLOAT, INT64 = ir.DataType.FLOAT, ir.DataType.INT64
+V4_CACHES = (PER_TOKEN, COMPRESSED)
+
+
+def with_v4_cache(arch, layout: str | None):
+    """The architecture with DeepSeek-V4's cache in ``layout`` (V4_CACHES; None keeps per-token). Asking it of
+    another architecture is an InputError."""
+    if layout is None:
+        return arch
+    if layout not in V4_CACHES:
+        raise InputError(f"unknown DeepSeek-V4 cache layout {layout!r}; layouts: {', '.join(V4_CACHES)}")
+    if not isinstance(arch, DeepseekV4Architecture):
+        raise InputError(f"the V4 cache layout applies to deepseek_v4, not {arch.model_types[0]}: drop v4_cache / "
+                         f"--v4-cache")
+    if arch.kv_cache == layout:
+        return arch
+    arch = copy.copy(arch)
+    arch.kv_cache = layout
+    return arch
 
 
 def _get(config, name: str):
@@ -54,7 +76,9 @@ def _get(config, name: str):
 class DeepseekV4Architecture(moe_layer.MoeArchitecture):
     model_types: tuple[str, ...] = ("deepseek_v4",)
     attention_kind = "compressed"  # sliding-window K=V attention with CSA / HCA pooled entries
-    kv_cache = PER_TOKEN  # K=V and the compressors' projections per token (deepseek_v4_attention.py)
+    # K=V and the compressors' projections per token, or COMPRESSED (window, pooled entries, tail:
+    # deepseek_v4_attention.py; with_v4_cache)
+    kv_cache = PER_TOKEN
     genai_model_type: str | None = None  # onnxruntime-genai's config describes no hyper-connections
     moe_lowering: str | None = "dispatch"
     lowerings = ("dispatch",)  # no fused form has its clipped SwiGLU experts
@@ -135,14 +159,19 @@ class DeepseekV4Architecture(moe_layer.MoeArchitecture):
             table = g.weight("embed_tokens.weight", g.params.array(decoder.embed_tokens.weight))
         x = g.op("Gather", table, input_ids, axis=0)
         h = g.op("Expand", g.op("Unsqueeze", x, g.const([2])), g.const([1, 1, config.hc_mult, 1]))  # [B, S, hc, D]
-        step = step_inputs(g, model, input_ids, mask_2d, position_ids)
+        compressed = self.kv_cache == COMPRESSED
+        step = step_inputs(g, model, input_ids, mask_2d, position_ids, compressed)
+        lengths: dict[str, tuple[str, int]] = {}
         for i, layer in enumerate(decoder.layers):
             layer_type = config.layer_types[i]
-            step.past = cache_inputs(config, layer_type, i)
+            step.past = cache_inputs(config, layer_type, i, compressed)
             inputs += list(step.past.values())
             with g.scope(f"layers.{i}"):
                 h, layer_presents = self.layer(g, config, i, layer, h, step, input_ids)
-            presents += [(f"{i}.{name}", value, v4attn.cache_widths(config, layer_type)[name])
+            rules = v4attn.cache_lengths(config, layer_type) if compressed else {}
+            lengths |= {f"{i}.{name}": rule for name, rule in rules.items()}
+            presents += [(f"{i}.{name}", value, v4attn.cache_widths(config, layer_type, compressed)[name],
+                          _length_dim(rules.get(name), "total_sequence_length"))
                          for name, value in layer_presents.items()]
             if on_layer:
                 on_layer(i + 1, len(decoder.layers))
@@ -154,16 +183,16 @@ class DeepseekV4Architecture(moe_layer.MoeArchitecture):
         with g.role("lm_head"):
             logits = blocks.matmul_weight(g, x, g.params.array(model.lm_head.weight), "lm_head")
         outputs = [rename_output(logits, LOGITS, FLOAT, ["batch_size", "sequence_length", config.vocab_size])]
-        outputs += [rename_output(value, f"{PRESENT_PREFIX}{name}", FLOAT,
-                                  ["batch_size", 1, "total_sequence_length", width])
-                    for name, value, width in presents]
+        outputs += [rename_output(value, f"{PRESENT_PREFIX}{name}", FLOAT, ["batch_size", 1, length, width])
+                    for name, value, width, length in presents]
         if hidden_output:  # the last output, so the graph's others keep their places
             outputs.append(rename_output(streams, HIDDEN_STATES, FLOAT,
                                          ["batch_size", "sequence_length", config.hc_mult, config.hidden_size]))
         ir_model = g.model(inputs, outputs, doc=f"{config.model_type} exported by dstc")
         ir_model.metadata_props.update({MODEL_TYPE: config.model_type, NUM_LAYERS: str(len(decoder.layers)),
                                         **architecture_metadata(self, config),
-                                        **({HIDDEN_OUTPUT: HIDDEN_STATES} if hidden_output else {})})
+                                        **({HIDDEN_OUTPUT: HIDDEN_STATES} if hidden_output else {}),
+                                        **({CACHE_LENGTHS: json.dumps(lengths)} if compressed else {})})
         return ir_model
 
     def layer(self, g: GraphBuilder, config, index: int, layer, h, step: v4attn.StepInputs, input_ids):
@@ -184,14 +213,23 @@ class DeepseekV4Architecture(moe_layer.MoeArchitecture):
         return mix(g, post, comb, out, h), presents
 
 
-def cache_inputs(config, layer_type: str, index: int) -> dict[str, ir.Value]:
-    """Layer ``index``'s cache inputs by name (past_key_values.{index}.*)."""
-    return {name: tensor_input(f"{PAST_PREFIX}{index}.{name}", FLOAT, ["batch_size", 1, "past_sequence_length", width])
-            for name, width in v4attn.cache_widths(config, layer_type).items()}
+def cache_inputs(config, layer_type: str, index: int, compressed: bool = False) -> dict[str, ir.Value]:
+    """Layer ``index``'s cache inputs by name (past_key_values.{index}.*); ``compressed``: the compressed layout's."""
+    rules = v4attn.cache_lengths(config, layer_type) if compressed else {}
+    return {name: tensor_input(f"{PAST_PREFIX}{index}.{name}", FLOAT,
+                               ["batch_size", 1, _length_dim(rules.get(name), "past_sequence_length"), width])
+            for name, width in v4attn.cache_widths(config, layer_type, compressed).items()}
 
 
-def step_inputs(g: GraphBuilder, model: HFModule, input_ids, mask_2d, position_ids) -> v4attn.StepInputs:
-    """The step's rotaries (main and compress), the sliding-window mask and where each row's tokens start."""
+def _length_dim(rule: tuple[str, int] | None, per_token: str) -> str:
+    """The symbolic length of a cache tensor of a length rule (None: one entry per position)."""
+    return per_token if rule is None else f"{per_token}_{rule[0]}_{rule[1]}"
+
+
+def step_inputs(g: GraphBuilder, model: HFModule, input_ids, mask_2d, position_ids,
+                compressed: bool = False) -> v4attn.StepInputs:
+    """The step's rotaries (main and compress), the sliding-window mask and where each row's tokens start;
+    ``compressed``: the mask over the compressed layout's window and the step's new slots, and its row counts."""
     config = model.config
     rotary = model.model.rotary_emb
     if rotary.main_inv_freq.device.type == "meta":  # a skeleton's: rebuilt from the config (no weights in it)
@@ -209,15 +247,29 @@ def step_inputs(g: GraphBuilder, model: HFModule, input_ids, mask_2d, position_i
     with g.scope("mask"):
         total = g.op("Gather", g.op("Shape", mask_2d), g.const(1), axis=0)
         seq = g.op("Gather", g.op("Shape", input_ids), g.const(1), axis=0)
-        key_idx = g.op("Range", g.const(0), total, g.const(1))
-        query_idx = g.op("Unsqueeze", g.op("Range", g.op("Sub", total, seq), total, g.const(1)), g.const([1]))
+        past = g.op("Sub", total, seq)
+        # the keys' slots: every one (per-token), or the window's min(past, sliding_window - 1) and the step's
+        first_key = g.op("Sub", past, g.op("Min", past, g.const(config.sliding_window - 1))) if compressed \
+            else g.const(0)
+        key_idx = g.op("Range", first_key, total, g.const(1))
+        query_idx = g.op("Unsqueeze", g.op("Range", past, total, g.const(1)), g.const([1]))
         # transformers' sliding-window mask, over cache slots: the window's last sliding_window keys, causal
         recent = g.op("Greater", key_idx, g.op("Sub", query_idx, g.const(config.sliding_window)))
         allowed = g.op("And", g.op("LessOrEqual", key_idx, query_idx), recent)
-        allowed = g.op("And", allowed, g.op("Unsqueeze", g.op("Cast", mask_2d, to=ir.DataType.BOOL), g.const([1, 2])))
+        key_mask = g.op("Gather", mask_2d, key_idx, axis=1) if compressed else mask_2d
+        allowed = g.op("And", allowed, g.op("Unsqueeze", g.op("Cast", key_mask, to=ir.DataType.BOOL),
+                                             g.const([1, 2])))
         mask = g.op("Where", allowed, g.const(0.0, np.float32), g.const(blocks.MASK_MIN, np.float32))
-        first_slot = g.op("Sub", total, g.op("ReduceSum", mask_2d, g.const([1]), keepdims=1))
-    return v4attn.StepInputs(ropes, mask, position_ids, first_slot, {})
+        real = g.op("ReduceSum", mask_2d, g.const([1]), keepdims=1)
+        first_slot = g.op("Sub", total, real)
+        rows = None
+        if compressed:
+            new_mask = g.op("Slice", mask_2d, g.op("Unsqueeze", past, g.const([0])), g.const([np.iinfo(np.int64).max]),
+                            g.const([1]))
+            new_real = g.op("ReduceSum", new_mask, g.const([1]), keepdims=1)
+            rows = v4attn.RowCounts(g.op("Sub", real, new_real), real, g.op("Unsqueeze", seq, g.const([0])),
+                                    g.op("Unsqueeze", total, g.const([0])))
+    return v4attn.StepInputs(ropes, mask, position_ids, first_slot, {}, rows)
 
 
 def hyper_connection(g: GraphBuilder, hc, h: ir.Value):

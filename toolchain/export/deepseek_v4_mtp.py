@@ -33,12 +33,14 @@ from toolchain.interface.graph import (
     ATTENTION_MASK,
     HIDDEN_STATES,
     INPUT_IDS,
+    KV_CACHE,
     LOGITS,
     MODEL_TYPE,
     MOE_LAYERS,
     MTP_HIDDEN,
     MTP_LAYER,
     NUM_LAYERS,
+    PER_TOKEN,
     POSITION_IDS,
     PRESENT_PREFIX,
 )
@@ -94,6 +96,7 @@ def build_v4_mtp_graph(model: HFModule, arch: DeepseekV4Architecture, reader, in
         MODEL_TYPE: config.model_type,
         NUM_LAYERS: "1",
         **architecture_metadata(arch, config),
+        KV_CACHE: PER_TOKEN,  # its sliding layer's cache, whatever the main graph's layout
         MOE_LAYERS: json.dumps([index]),
         MTP_LAYER: str(index),
     })

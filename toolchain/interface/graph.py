@@ -56,8 +56,15 @@ SOURCE = "dstc.source"
 LATENT = "latent"
 PER_HEAD = "per-head"
 PER_TOKEN = "per-token"  # DeepSeek-V4's K=V and compressor projections per token (toolchain/export/deepseek_v4.py)
+# DeepSeek-V4's compressed cache: a bounded sliding window, pooled entries and the incomplete window's tail, whose
+# lengths follow CACHE_LENGTHS instead of growing by one per position (toolchain/export/deepseek_v4_attention.py)
+COMPRESSED = "compressed"
 # caches read by no ScaledDotProductAttention, which openvino_genai's continuous batching needs to page them
-UNPAGEABLE = (LATENT, PER_TOKEN)
+UNPAGEABLE = (LATENT, PER_TOKEN, COMPRESSED)
+# JSON {"<layer>.<name>": [rule, n]}: how long each cache tensor that does not hold one entry per position is after
+# T positions (the attention mask's length, padding included), by cache_length's rules; a tensor not named holds T.
+CACHE_LENGTHS = "dstc.cache_lengths"
+WINDOW, POOLED, TAIL = "window", "pooled", "tail"
 
 
 def present_of(past: str) -> str:
@@ -77,18 +84,56 @@ def cache_spec(inputs: Iterable[tuple[str | None, Any]]) -> dict[str, tuple[int,
     return spec
 
 
-def cache_bytes_per_token(inputs: list[tuple[str | None, Any, Any]], layer_types: list[str] | None) \
-        -> dict[str, int]:
+def cache_bytes_per_token(inputs: list[tuple[str | None, Any, Any]], layer_types: list[str] | None,
+                          lengths: Mapping[str, tuple[str, int]] | None = None) -> dict[str, int]:
     """{layer type: bytes one layer of that type caches per token} from a graph's (input name, shape, item size)
     triples: heads x head dim x item size summed over a layer's ``past_key_values.<layer>.*`` inputs (key, value
     and any more). ``layer_types``: the config's (DeepSeek-V4's sliding / CSA / HCA), None for one type,
-    "attention"; layers of one type cache alike, so any of them gives its figure."""
+    "attention"; layers of one type cache alike, so any of them gives its figure. ``lengths`` (cache_lengths): a
+    window or tail adds nothing per token (its bytes are bounded), a pooled tensor its bytes over its rate, rounded
+    down."""
     item_size = {name: size for name, _, size in inputs}
     grown: dict[int, int] = {}
     for name, (heads, dim) in cache_spec((name, shape) for name, shape, _ in inputs).items():
         layer = int(name[len(PAST_PREFIX):].split(".")[0])
-        grown[layer] = grown.get(layer, 0) + heads * dim * int(item_size[name])
+        rule, n = (lengths or {}).get(name, ("", 1))
+        size = 0 if rule in (WINDOW, TAIL) else heads * dim * int(item_size[name]) // n
+        grown[layer] = grown.get(layer, 0) + size
     return {(layer_types[layer] if layer_types else "attention"): size for layer, size in sorted(grown.items())}
+
+
+def cache_length(rule: str, n: int, total: int) -> int:
+    """Entries a cache tensor of ``rule`` holds after ``total`` positions: ``window`` the last n (a shifted buffer,
+    by slots: padding counts), ``pooled`` one per n positions (a row's entry w pools its own positions
+    [w n, (w + 1) n); a left-padded row's last entries wait for their window, masked until then), ``tail`` n from
+    the first step on (the projections of the incomplete window and, where windows overlap, of the one before,
+    aligned to a window's start: a fixed buffer, empty only before the first step)."""
+    if rule == WINDOW:
+        return min(total, n)
+    if rule == POOLED:
+        return total // n
+    if rule == TAIL:
+        return n if total else 0
+    raise ValueError(f"unknown cache length rule {rule!r}")
+
+
+def cache_lengths(metadata: Mapping[str, str]) -> dict[str, tuple[str, int]]:
+    """{past_key_values.* input: (rule, n)} of the cache tensors a graph's metadata says do not grow by one entry
+    per position (CACHE_LENGTHS); empty for a graph whose every cache tensor does."""
+    return {PAST_PREFIX + name: (rule, int(n)) for name, (rule, n) in
+            json.loads(metadata.get(CACHE_LENGTHS) or "{}").items()}
+
+
+def cache_bytes_at(inputs: list[tuple[str | None, Any, Any]], metadata: Mapping[str, str], total: int) -> int:
+    """Bytes a graph's whole cache holds for one sequence after ``total`` positions, from its (input name, shape,
+    item size) triples and its length rules (cache_lengths)."""
+    rules = cache_lengths(metadata)
+    item_size = {name: size for name, _, size in inputs}
+    held = 0
+    for name, (heads, dim) in cache_spec((name, shape) for name, shape, _ in inputs).items():
+        length = cache_length(*rules[name], total) if name in rules else total
+        held += heads * dim * int(item_size[name]) * length
+    return held
 
 
 def extra_cache_kinds(metadata: dict[str, str]) -> list[str]:
@@ -125,11 +170,25 @@ def graph_metadata(path: Path) -> dict[str, str]:
     if Path(path).suffix == ".xml":
         import openvino as ov  # loaded only where an IR is read
 
-        model = ov.Core().read_model(str(path))
-        if not model.has_rt_info(["framework"]):
-            return {}
-        return {str(key): value.astype(str) for key, value in model.get_rt_info(["framework"]).astype(dict).items()}
+        return openvino_metadata(ov.Core().read_model(str(path)))
     return {p.key: p.value for p in _onnx_model(path).metadata_props}
+
+
+def openvino_metadata(model) -> dict[str, str]:
+    """The exporter's metadata of an OpenVINO model (its rt_info under "framework")."""
+    if not model.has_rt_info(["framework"]):
+        return {}
+    return {str(key): value.astype(str) for key, value in model.get_rt_info(["framework"]).astype(dict).items()}
+
+
+def require_positional_cache(metadata: Mapping[str, str], what: str) -> None:
+    """InputError unless every cache tensor of a graph (its metadata) holds one entry per position, as ``what``
+    (a runner that cuts, pads or merges caches along the sequence axis) needs: DeepSeek-V4's compressed layout
+    does not (CACHE_LENGTHS)."""
+    if cache_lengths(metadata):
+        raise InputError(f"{what} needs a cache of one entry per position, and this graph keeps DeepSeek-V4's "
+                         f"compressed cache (a bounded window, pooled entries, a tail); build it with "
+                         f"export.v4_cache: per-token (dstc export --v4-cache per-token) for that")
 
 
 def moe_lowering(metadata: Mapping[str, str], op_types: Iterable[str]) -> str | None:

@@ -122,6 +122,7 @@ class DeferredWeights(_Model):
     bytes: int  # what it would hold (counted in the graph's size_bytes)
     moe: str
     mla_cache: str | None = None
+    v4_cache: str | None = None
     mtp: bool
 
 

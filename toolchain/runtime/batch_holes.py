@@ -20,6 +20,7 @@ from collections.abc import Hashable, Mapping
 
 import numpy as np
 
+from toolchain.errors import InputError
 from toolchain.interface.graph import KV_CACHE, LATENT, PER_HEAD
 
 
@@ -59,6 +60,8 @@ class Holes:
     _fed = 0  # columns of the last verify, until keep
     _spans: dict[Hashable, tuple[int, int, int]]  # each sequence's (row, columns) in ``extras``
     compact_each_step = False  # a cache that cannot keep holes (holds_holes): cut them after every keep / forget
+    # the cache tensors that hold no entry per position (the compressed V4 cache's), which holes would break
+    _lengths: Mapping[str, tuple[str, int]] = {}
 
     def holes(self) -> int:
         """Masked-out columns after each live row's first held one."""
@@ -74,6 +77,9 @@ class Holes:
         row's tokens from the left, padded with holes on the right (a row that left: one pad token)."""
         if not all(fed.values()):
             raise ValueError("a verify step feeds every running sequence at least one token")
+        if self._lengths:
+            raise InputError("speculative decoding's verify steps leave holes in a running batch's cache, and "
+                             "DeepSeek-V4's compressed cache cannot hold them: build with export.v4_cache: per-token")
         width = max(len(tokens) for tokens in fed.values())
         ids = np.full((len(self._rows), width), self.pad_id, np.int64)
         new = np.zeros((len(self._rows), width), np.int64)

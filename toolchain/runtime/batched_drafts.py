@@ -29,12 +29,12 @@ import numpy as np
 
 from toolchain.errors import InputError
 from toolchain.interface.files import MODEL_XML
-from toolchain.interface.graph import HIDDEN_STATES, MTP_HIDDEN
+from toolchain.interface.graph import HIDDEN_STATES, MTP_HIDDEN, require_positional_cache
 from toolchain.runtime.artifact import Artifact
 from toolchain.runtime.batch_holes import holds_holes
 from toolchain.runtime.batching import ArrayBatch, PersistentBatch
 from toolchain.runtime.batching_openvino import StatefulBatch, pageable
-from toolchain.runtime.decoder import OnnxRuntimeDecoder, StatelessDecoder, open_decoder
+from toolchain.runtime.decoder import ROLLBACK, OnnxRuntimeDecoder, StatelessDecoder, open_decoder
 from toolchain.runtime.mtp_drafter import open_mtp_drafter
 from toolchain.runtime.speculative import PromptLookup, draft_artifact
 from toolchain.settings.speculation import MTP, PROMPT_LOOKUP, SpeculationSettings
@@ -218,6 +218,7 @@ def check_batch_speculation(settings: SpeculationSettings, artifact: Artifact, c
     speculation."""
     if settings.speculate is None:
         return
+    require_positional_cache(artifact.metadata, ROLLBACK)
     if artifact.backend == "openvino" and pageable(artifact.path / MODEL_XML):
         if settings.speculate == MTP:
             raise InputError(f"{artifact.path}: served by openvino_genai's ContinuousBatchingPipeline, which drafts "

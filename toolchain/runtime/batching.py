@@ -43,11 +43,15 @@ from toolchain.interface.graph import (
     KV_CACHE,
     LATENT,
     LOGITS,
+    POOLED,
     POSITION_IDS,
     UNPAGEABLE,
+    WINDOW,
+    cache_lengths,
     extra_cache_kinds,
     graph_metadata,
     present_of,
+    require_positional_cache,
 )
 from toolchain.runtime.artifact import Artifact
 from toolchain.runtime.batch_holes import Holes, compact_cache, compacted
@@ -59,9 +63,10 @@ from toolchain.runtime.prefill_chunks import prefill_spans
 LAYOUTS = ("batch", "gather")
 
 
-def stack_left_padded(parts: list[np.ndarray], axis: int) -> np.ndarray:
+def stack_left_padded(parts: list[np.ndarray], axis: int, right: bool = False) -> np.ndarray:
     """``parts`` stacked on axis 0 (rows of a batch), each left-padded with zeros on ``axis`` to the widest: the
-    masks or KV caches of running and joining sequences of different lengths, in one new buffer."""
+    masks or KV caches of running and joining sequences of different lengths, in one new buffer. ``right``: padded
+    on the right instead."""
     width = max(part.shape[axis] for part in parts)
     shape = list(parts[0].shape)
     shape[0], shape[axis] = sum(len(part) for part in parts), width
@@ -69,10 +74,29 @@ def stack_left_padded(parts: list[np.ndarray], axis: int) -> np.ndarray:
     row = 0
     for part in parts:
         index = [slice(row, row + len(part))] + [slice(None)] * (part.ndim - 1)
-        index[axis] = slice(width - part.shape[axis], None)
+        index[axis] = slice(0, part.shape[axis]) if right else slice(width - part.shape[axis], None)
         out[tuple(index)] = part
         row += len(part)
     return out
+
+
+def merged_rows(old: np.ndarray, first: int, own: int, new: np.ndarray | None, rule: tuple[str, int] | None
+                ) -> np.ndarray:
+    """A cache tensor of running rows ``old``, whose mask's first ``first`` columns are padding only and cut off
+    (``own`` columns left), stacked with joining rows' ``new`` (None: none) by its length rule (``rule``,
+    toolchain/interface/graph.py cache_lengths; None one entry per position): per position and window (the last
+    slots) cut and left-padded as the mask is; pooled entries (a row's own windows, from its position 0) kept to the
+    capacity of ``own`` columns and right-padded; a tail (fixed, per row) as it is."""
+    if rule is None:
+        kept = old[:, :, first:]
+    elif rule[0] == WINDOW:
+        kept = old[:, :, old.shape[2] - min(own, rule[1]):]
+    elif rule[0] == POOLED:
+        kept = old[:, :, :own // rule[1]]
+    else:
+        kept = old
+    return stack_left_padded([kept, *([] if new is None else [new])], axis=2,
+                             right=rule is not None and rule[0] == POOLED)
 
 
 class BatchedDecoder:
@@ -131,6 +155,8 @@ class _OnnxRuntimeBatch(BatchedDecoder):
     def __init__(self, decoder, pad_id: int) -> None:
         super().__init__(pad_id)
         self.session = decoder.session
+        # the compressed V4 cache's tensors that do not hold one entry per position (merged_rows)
+        self._lengths: Mapping[str, tuple[str, int]] = cache_lengths(getattr(decoder, "metadata", {}))
         self._past = ort_cache(self.session)
         self._present = {name: present_of(name) for name in self._past}
         self._extra = list(getattr(decoder, "extra_outputs", ()))  # e.g. the hidden states MTP drafts read
@@ -249,9 +275,12 @@ class PersistentBatch(Holes, _OnnxRuntimeBatch):
         cache, buffers = {}, []
         for name in self._past:
             whole = self._array(self._cache[name])
-            old = compact_cache(whole[live], columns, own.shape[1]) if columns is not None else \
-                whole[live, :, first:]
-            merged = stack_left_padded([old, *([] if present is None else [self._array(present[name])])], axis=2)
+            new = None if present is None else self._array(present[name])
+            if columns is not None:  # holes: none in a compressed cache, which speculation refuses
+                merged = stack_left_padded([compact_cache(whole[live], columns, own.shape[1]),
+                                            *([] if new is None else [new])], axis=2)
+            else:
+                merged = merged_rows(whole[live], first, own.shape[1], new, self._lengths.get(name))
             buffers.append(merged)
             cache[name] = self._value(merged)
         self._rows = [self._rows[row] for row in live] + keys
@@ -354,6 +383,7 @@ class GatheredBatch(_OnnxRuntimeBatch):
 
     def __init__(self, decoder, pad_id: int) -> None:
         super().__init__(decoder, pad_id)
+        require_positional_cache(decoder.metadata, f"the {self.layout!r} KV-cache layout (a cache per sequence)")
         self._seqs: dict[Hashable, _Sequence] = {}
 
     @property

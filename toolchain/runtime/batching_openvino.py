@@ -21,14 +21,21 @@ cache is not asked for here.
 from __future__ import annotations
 
 import copy
-from collections.abc import Hashable, Iterable
+from collections.abc import Hashable, Iterable, Mapping
 from pathlib import Path
 
 import numpy as np
 
-from toolchain.interface.graph import KV_CACHE, UNPAGEABLE, extra_cache_kinds, graph_metadata
+from toolchain.interface.graph import (
+    KV_CACHE,
+    PRESENT_PREFIX,
+    UNPAGEABLE,
+    cache_lengths,
+    extra_cache_kinds,
+    graph_metadata,
+)
 from toolchain.runtime.batch_holes import Holes, compact_cache, compacted
-from toolchain.runtime.batching import BatchedDecoder, stack_left_padded
+from toolchain.runtime.batching import BatchedDecoder, merged_rows, stack_left_padded
 from toolchain.runtime.decoder import positions
 from toolchain.runtime.generate import left_pad
 from toolchain.runtime.last_logits import INPUT as LOGITS_TO_KEEP
@@ -52,6 +59,8 @@ class StatefulBatch(Holes, BatchedDecoder):
 
     def __init__(self, decoder, pad_id: int) -> None:
         super().__init__(pad_id)
+        # the compressed V4 cache's length rules (batching.merged_rows)
+        self._lengths: Mapping[str, tuple[str, int]] = cache_lengths(decoder.metadata)
         self._request = decoder.request
         self._side = decoder.compiled.create_infer_request()  # prefills of joining sequences
         self._chunking = decoder.chunking
@@ -108,8 +117,10 @@ class StatefulBatch(Holes, BatchedDecoder):
         merged_mask = stack_left_padded([self._mask[live, first:], mask], axis=1)
         side = {state.name: state for state in self._side.query_state()}
         for state in self._request.query_state():
-            old = np.array(state.state.data[live, :, first:], np.float32)
-            state.state = _tensor(stack_left_padded([old, np.asarray(side[state.name].state.data, np.float32)], axis=2))
+            old = np.array(state.state.data[live], np.float32)
+            new = np.asarray(side[state.name].state.data, np.float32)
+            rule = self._lengths.get(past_of(state.name))
+            state.state = _tensor(merged_rows(old, first, self._mask.shape[1] - first, new, rule))
         self._rows = [self._rows[row] for row in live] + keys
         self._mask = merged_mask
 
@@ -163,6 +174,12 @@ def _run(request, ids: np.ndarray, mask: np.ndarray, beam_idx: np.ndarray, keep:
                             "beam_idx": beam_idx, LOGITS_TO_KEEP: np.array(keep, np.int64)},
                            share_inputs=True)  # as the decoder feeds the same request (no copy into its tensors)
     return np.array(result["logits"], np.float32), {name: np.array(result[name]) for name in extra}
+
+
+def past_of(variable: str) -> str:
+    """The cache input a variable of the stateful IR stands for: OpenVINO names it input + output
+    (``past_key_values.0.keypresent.0.key``)."""
+    return variable[:variable.index(PRESENT_PREFIX)]
 
 
 def _tensor(array: np.ndarray):

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Protocol
 
@@ -36,7 +36,9 @@ from toolchain.interface.graph import (
     POSITION_IDS,
     SEQUENCE_AXIS,
     cache_spec,
+    openvino_metadata,
     present_of,
+    require_positional_cache,
 )
 from toolchain.runtime import engines
 from toolchain.runtime.artifact import Artifact, load_error
@@ -86,6 +88,9 @@ def trimmed(cache: np.ndarray, keep: int) -> np.ndarray:
     return np.ascontiguousarray(cache[(slice(None),) * SEQUENCE_AXIS + (slice(0, keep),)])
 
 
+ROLLBACK = "rolling the cache back (speculative decoding's rejected drafts)"
+
+
 def positions(attention_mask: np.ndarray, new: int) -> np.ndarray:
     return np.clip(attention_mask.cumsum(-1) - 1, 0, None)[:, -new:]
 
@@ -129,6 +134,8 @@ class OnnxRuntimeDecoder(ChunkedForward):
             "enable_cpu_mem_arena": applied.enable_cpu_mem_arena,
             "enable_mem_pattern": applied.enable_mem_pattern,
         }
+        # the exporter's metadata: its cache layout (CACHE_LENGTHS) says whether the cache can be cut back
+        self.metadata: dict[str, str] = dict(self.session.get_modelmeta().custom_metadata_map)
         self._past = ort_cache(self.session)
         self._outputs = [o.name for o in self.session.get_outputs()]
         self._extra = list(extra_outputs)
@@ -143,6 +150,7 @@ class OnnxRuntimeDecoder(ChunkedForward):
     def rollback(self, keep: int) -> None:
         from onnxruntime import OrtValue
 
+        require_positional_cache(self.metadata, ROLLBACK)
         # Copied out of ORT and back: a rollback is once per verify step, not per token, and an OrtValue has no
         # view of part of itself.
         self.cache = {name: OrtValue.ortvalue_from_numpy(trimmed(value.numpy(), keep))
@@ -192,6 +200,7 @@ class OpenVINODecoder(ChunkedForward):
         self.kernel_caches.apply()  # oneDNN's, before this process's first compile (kernel_caches.py)
         started = time.perf_counter()
         model = engines.openvino_read(path)
+        self.metadata = openvino_metadata(model)
         # the CPU plugin's SDPA kernel blocks over the keys and holds no [heads, new, past + new] scores, and a
         # prompt fed in chunks cost 2.5-3x its one-shot prefill there (4096 tokens at R1-Distill-Qwen-1.5B widths x 4
         # layers: 10.2-12.0 s against 3.8-4.1 s): only a graph whose attention is MatMuls (MLA's latent) is chunked
@@ -232,6 +241,7 @@ class OpenVINODecoder(ChunkedForward):
     def rollback(self, keep: int) -> None:
         import openvino as ov
 
+        require_positional_cache(self.metadata, ROLLBACK)
         # Each variable read, cut on the sequence axis and set back, as openvino_genai trims its stateful KV cache
         # (utils::trim_kv_cache). The state reads in the variable's declared precision (f32): the plugin converts
         # from and back to the cache precision it keeps (f16 the artifact records, or f32 at exact numerics), which
@@ -345,8 +355,10 @@ class StatelessDecoder(ChunkedForward):
     runtime_config: dict = {}  # noqa: RUF012 - a default every instance shares and none mutates
 
     def __init__(self, runner: engines.GraphRunner, past_specs: dict[str, tuple[int, int]],
-                 extra_outputs: Sequence[str] = (), chunking: PrefillChunking | None = None) -> None:
+                 extra_outputs: Sequence[str] = (), chunking: PrefillChunking | None = None,
+                 metadata: Mapping[str, str] | None = None) -> None:
         self.backend = runner.backend
+        self.metadata = dict(metadata or {})
         self.chunking = chunking
         self._run, self._past_specs = runner, past_specs  # past_key_values.* -> (heads, head dim)
         self.runner, self.past_specs = runner, past_specs  # what a batch over the same graph runs (batching.py)
@@ -358,6 +370,7 @@ class StatelessDecoder(ChunkedForward):
         self._past: dict[str, np.ndarray] = {}
 
     def rollback(self, keep: int) -> None:
+        require_positional_cache(self.metadata, ROLLBACK)
         self._past = {name: trimmed(value, keep) for name, value in self._past.items()}
 
     def _forward(self, input_ids: np.ndarray, attention_mask: np.ndarray, logits_to_keep: int,

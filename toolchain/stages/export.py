@@ -24,6 +24,7 @@ from toolchain.export import moe as moe_lowering
 from toolchain.export.architectures import ARCHITECTURES, architecture_for
 from toolchain.export.decoder import build_decoder
 from toolchain.export.deepseek import with_mla_cache
+from toolchain.export.deepseek_v4 import with_v4_cache
 from toolchain.export.graph import save_graph, save_graph_deferred
 from toolchain.export.moe_layer import MoeArchitecture
 from toolchain.export.mtp import build_mtp_graph
@@ -31,7 +32,7 @@ from toolchain.export.mtp_reference import exports_mtp, mtp_layer_indices
 from toolchain.export.reference import layer_too_large, reference_config, shared_decoder_layers
 from toolchain.export.weights import storage_for
 from toolchain.interface.files import EXPORT_REPORT, MTP_DIR, ONNX_MODEL, ONNX_WEIGHTS
-from toolchain.interface.graph import KV_CACHE, cache_bytes_per_token
+from toolchain.interface.graph import COMPRESSED, KV_CACHE, cache_bytes_per_token, cache_lengths
 from toolchain.interface.reports import DeferredWeights, ExportReport, ExportSource
 from toolchain.models.parameters import parameter_count
 from toolchain.recipe import CompressSection, ExportSection
@@ -73,10 +74,11 @@ def resolve_moe(section: ExportSection, source: Path, backend: str, compress: Co
 
 def export(spec: str, out_dir: Path, *, parity: tuple[str, ...] | None = None, new_tokens: int = 16,
            revision: str | None = None, moe: str = moe_lowering.AUTO, mla_cache: str | None = None,
-           weights: str = "auto", mtp: bool = False, defer_weights: bool = False, weights_read_by: str | None = None,
-           log: Callable[[str], None] = lambda _: None) -> dict:
+           v4_cache: str | None = None, weights: str = "auto", mtp: bool = False, defer_weights: bool = False,
+           weights_read_by: str | None = None, log: Callable[[str], None] = lambda _: None) -> dict:
     """``moe``: how MoE layers' routed experts are lowered (toolchain/export/moe.py); ``mla_cache``: what MLA's KV
-    cache holds (toolchain/export/deepseek.py; None: the architecture's default); ``parity``: the backends to
+    cache holds (toolchain/export/deepseek.py; None: the architecture's default); ``v4_cache``: DeepSeek-V4's
+    (toolchain/export/deepseek_v4.py; None: per-token); ``parity``: the backends to
     check the graph on, None for every backend that runs it; ``weights``: their storage, "auto", "float32" or
     "bfloat16" (toolchain/export/weights.py storage_for); ``mtp``: also export the checkpoint's first MTP layer
     (toolchain/export/mtp.py) as mtp/model.onnx, checked against its PyTorch reference on the parity backends,
@@ -88,7 +90,11 @@ def export(spec: str, out_dir: Path, *, parity: tuple[str, ...] | None = None, n
     if moe == moe_lowering.AUTO:  # an export alone (`dstc export`): a build resolves auto first (resolve_moe)
         moe = moe_lowering.auto_lowering(None, 0, None, False)[0]
     arch, parity = moe_lowering.lower(architecture_for(source.config["model_type"]), moe, parity)
-    arch = with_mla_cache(arch, mla_cache)
+    arch = with_v4_cache(with_mla_cache(arch, mla_cache), v4_cache)
+    if mtp and v4_cache == COMPRESSED:
+        # its drafts need the main cache cut back after a rejection, which the compressed layout cannot be
+        raise InputError("export.mtp drafts for speculative decoding, which rolls the cache back, and the compressed "
+                         "V4 cache cannot be: drop mtp or use v4_cache: per-token")
     check_writable_target(out_dir)
     timings = {}
     t0 = time.perf_counter()
@@ -120,7 +126,8 @@ def export(spec: str, out_dir: Path, *, parity: tuple[str, ...] | None = None, n
             log(f"{parameters:,} parameters left in the checkpoint: the streamed compression reads them from it, so "
                 f"the export's weights file ({deferred_bytes / 1e9:.1f} GB) is not written")
             files = [ONNX_MODEL]
-            deferred = DeferredWeights(file=ONNX_WEIGHTS, bytes=deferred_bytes, moe=moe, mla_cache=mla_cache, mtp=mtp)
+            deferred = DeferredWeights(file=ONNX_WEIGHTS, bytes=deferred_bytes, moe=moe, mla_cache=mla_cache,
+                                       v4_cache=v4_cache, mtp=mtp)
         else:
             log(f"writing {parameters:,} parameters, one tensor at a time ({storage})")
             # two weights read, converted and written at once (the reader takes turns on its shard)
@@ -131,7 +138,8 @@ def export(spec: str, out_dir: Path, *, parity: tuple[str, ...] | None = None, n
                     f"written whole, {why}")
         cache_bytes = cache_bytes_per_token([(v.name, v.shape, v.dtype.itemsize if v.dtype else 0)
                                              for v in graph.graph.inputs],
-                                            getattr(skeleton.config, "layer_types", None))
+                                            getattr(skeleton.config, "layer_types", None),
+                                            cache_lengths(graph.metadata_props))
         graph_info = {"files": files, "opset": graph.opset_imports[""], "nodes": len(graph.graph),
                       "inputs": [v.name for v in graph.graph.inputs],
                       "outputs": [v.name for v in graph.graph.outputs],
@@ -233,7 +241,8 @@ def recomputed_weights(model: ir.Model, export_dir: Path, source: Path, log: Cal
     spec = sources.resolve(str(source))
     arch = moe_lowering.with_lowering(architecture_for(spec.config["model_type"]), deferred.moe)
     reader = open_checkpoint(spec.path)  # open while the weights are read, as the export's is
-    graph = build_decoder(sources.skeleton(spec, reader), with_mla_cache(arch, deferred.mla_cache), reader,
+    arch = with_v4_cache(with_mla_cache(arch, deferred.mla_cache), deferred.v4_cache)
+    graph = build_decoder(sources.skeleton(spec, reader), arch, reader,
                           weights=storage_for(graph_info.weights, reader),
                           hidden_output=deferred.mtp)
     recomputed = graph.graph.initializers

@@ -14,7 +14,7 @@ from typing import Protocol, runtime_checkable
 
 import numpy as np
 
-from toolchain.interface.graph import graph_cache_spec
+from toolchain.interface.graph import graph_cache_spec, graph_metadata
 from toolchain.runtime.decoder import Decoder, StatelessDecoder
 from toolchain.runtime.engines import GraphRunner
 from toolchain.runtime.generate import greedy_logits
@@ -108,7 +108,7 @@ def _runs(decoder: Decoder | Callable[[], Decoder], cases: list[Case], new_token
 
 def graph_decoder(path: Path, backend: str) -> StatelessDecoder:
     """A graph file (ONNX, or a stateless OpenVINO IR) run stateless at exact numerics, as a Decoder."""
-    return StatelessDecoder(GraphRunner(path, backend), graph_cache_spec(path))
+    return StatelessDecoder(GraphRunner(path, backend), graph_cache_spec(path), metadata=graph_metadata(path))
 
 
 def compare(reference: Decoder, path: Path, backend: str, cases: list[Case], new_tokens: int, pad_id: int) -> dict:
