@@ -393,7 +393,7 @@ BAD_INPUTS = {
     "rms_norm_eps of the wrong type": (lambda t, a: ["export", _bad_config(t, rms_norm_eps="x"), "-o", t / "o"],
                                        "rms_norm_eps"),
     "garbage model.onnx to optimize": (lambda t, a: ["optimize", _export_dir(t, b"garbage"), "-o", t / "o",
-                                                     "--target", "onnxruntime"], "not a readable ONNX model"),
+                                                     "--backend", "onnxruntime"], "not a readable ONNX model"),
     "truncated model.onnx to compress": (lambda t, a: ["compress", _export_dir(t, b""), "-o", t / "o"],
                                          "not a readable ONNX model"),
     "truncated model.onnx to compile": (lambda t, a: ["compile", _export_dir(t, b""), "-o", t / "o", "--backend",

@@ -105,17 +105,17 @@ def test_export_json_cold(exported):
 @pytest.mark.slow
 def test_optimize_json_cold(exported, tmp_path):
     _, export = exported
-    report = ok(dstc("optimize", export, "-o", tmp_path / "opt", "--target", "openvino", "--no-parity", "--json",
+    report = ok(dstc("optimize", export, "-o", tmp_path / "opt", "--backend", "openvino", "--no-parity", "--json",
                      cache=tmp_path / "cache"))
     assert report["target"] == "openvino" and report == json.loads((tmp_path / "opt/passes.json").read_text())
 
 
 def test_compress_json_cold_and_plain(exported, tmp_path):
     _, export = exported
-    proc = dstc("compress", export, "-o", tmp_path / "c", "--target", "openvino", "--json", cache=tmp_path / "c1")
+    proc = dstc("compress", export, "-o", tmp_path / "c", "--backend", "openvino", "--json", cache=tmp_path / "c1")
     report = ok(proc)
     assert report["scheme"] == "int4-grouped" and NNCF in proc.stderr
-    plain = dstc("compress", export, "-o", tmp_path / "p", "--target", "openvino", cache=tmp_path / "c2")
+    plain = dstc("compress", export, "-o", tmp_path / "p", "--backend", "openvino", cache=tmp_path / "c2")
     assert plain.returncode == 0, plain.stderr[-3000:]
     assert NNCF in plain.stderr and not [line for line in LIBRARIES if line in plain.stdout], plain.stdout
     assert plain.stdout.startswith(f"int4-grouped for openvino -> {tmp_path / 'p'}: ")

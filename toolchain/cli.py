@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import click
+from click.core import ParameterSource
 
 from toolchain import __version__, interrupts, stdout_guard
 from toolchain.atomic import (
@@ -140,6 +141,30 @@ def models_shape_faithful(reference: str, out_dir: Path, layers: int, experts: i
 # a recipe's keys with their types, choices, bounds, defaults and help.
 # a mapping of pass -> expected counts: a recipe's passes.expect, not a command-line value
 PASSES_EXCLUDED = ("expect",)
+# one name for the runtime a stage builds for, as compile's: passes.target is --backend (--target: its former name)
+PASSES_SPELLINGS = {"target": "--backend"}
+PASSES_ALIASES: dict[str, str | tuple[str, bool]] = {"target": "--target"}
+
+
+def _backend_option(default: str | None, help: str):
+    """--backend, and --target, its former name in optimize, compress and passes list, still taken (hidden)."""
+
+    def decorate(command):
+        command = click.option("--target", "target_alias", type=click.Choice(["onnxruntime", "openvino"]),
+                               default=None, hidden=True)(command)
+        return click.option("--backend", type=click.Choice(["onnxruntime", "openvino"]), default=default,
+                            show_default=default is not None, help=help)(command)
+
+    return decorate
+
+
+def _backend(backend: str | None, target_alias: str | None) -> str | None:
+    if target_alias is None:
+        return backend
+    if click.get_current_context().get_parameter_source("backend") is not ParameterSource.DEFAULT:
+        raise InputError("--backend given twice (also by its former name --target)")
+    click.echo("dstc: warning: --target is now --backend", err=True)
+    return target_alias
 COMPRESS_SPELLINGS = {"sym": "--sym/--asym"}
 
 
@@ -201,7 +226,8 @@ def export_cmd(model: str, out_dir: Path, no_cache: bool, as_json: bool, **optio
 @cli.command("optimize")
 @click.argument("in_dir", metavar="IN", type=click.Path(path_type=Path))
 @_OUT
-@section_options(PassesSection, comma=("passes",), exclude=PASSES_EXCLUDED)
+@section_options(PassesSection, spellings=PASSES_SPELLINGS, aliases=PASSES_ALIASES, comma=("passes",),
+                 exclude=PASSES_EXCLUDED)
 @click.option("--no-parity", is_flag=True, help="Skip the parity check of the optimised graph against PyTorch.")
 @_stage_command("passes.json")
 def optimize_cmd(in_dir: Path, out_dir: Path, no_parity: bool, no_cache: bool, as_json: bool, **options) -> None:
@@ -217,7 +243,7 @@ def optimize_cmd(in_dir: Path, out_dir: Path, no_parity: bool, no_cache: bool, a
     # loaded when the command runs: the CLI starts without numpy, torch or the runtimes
     from toolchain.stages.runner import run_passes
 
-    section = given_section(PassesSection, options)
+    section = given_section(PassesSection, options, PASSES_SPELLINGS)
     report, _ = run_passes(in_dir, section, out_dir, parity=not no_parity, use_cache=not no_cache,
                            log=_logger("optimize"))
     if as_json:
@@ -238,12 +264,12 @@ def optimize_cmd(in_dir: Path, out_dir: Path, no_parity: bool, no_cache: bool, a
 @cli.command("compress")
 @click.argument("in_dir", metavar="IN", type=click.Path(path_type=Path))
 @_OUT
-@click.option("--target", type=click.Choice(["onnxruntime", "openvino"]), default="onnxruntime", show_default=True,
-              help="onnxruntime: MatMulNBits in model.onnx; openvino: compressed openvino_model.xml (a recipe's "
-                   "compile.backend).")
+@_backend_option("onnxruntime", "onnxruntime: MatMulNBits in model.onnx; openvino: compressed openvino_model.xml (a "
+                                 "recipe's compile.backend).")
 @section_options(CompressSection, spellings=COMPRESS_SPELLINGS, defaults={"scheme": "int4-grouped"})
 @_stage_command("compression.json")
-def compress_cmd(in_dir: Path, out_dir: Path, target: str, no_cache: bool, as_json: bool, **options) -> None:
+def compress_cmd(in_dir: Path, out_dir: Path, backend: str, target_alias: str | None, no_cache: bool, as_json: bool,
+                 **options) -> None:
     """Compress the weights of IN (an export or optimize output) through NNCF; errors measured where they
     happen (per layer, per head, MoE routing agreement) go to OUT/compression.json.
 
@@ -256,6 +282,7 @@ def compress_cmd(in_dir: Path, out_dir: Path, target: str, no_cache: bool, as_js
     # loaded when the command runs: the CLI starts without numpy, torch or the runtimes
     from toolchain.stages.runner import run_compress
 
+    target = _backend(backend, target_alias) or backend  # --backend has a default here
     section = given_section(CompressSection, options, COMPRESS_SPELLINGS)
     report, _ = run_compress(in_dir, section, target, out_dir, use_cache=not no_cache, log=_logger("compress"))
     if as_json:
@@ -809,11 +836,11 @@ def passes_group() -> None:
 
 
 @passes_group.command("list")
-@click.option("--target", type=click.Choice(["onnxruntime", "openvino"]), default=None,
-              help="Only the passes usable for this target.")
+@_backend_option(None, "Only the passes usable for this backend.")
 @click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON.")
-def passes_list(target: str | None, as_json: bool) -> None:
+def passes_list(backend: str | None, target_alias: str | None, as_json: bool) -> None:
     """List the registered passes: name, targets, one-line description."""
+    target = _backend(backend, target_alias)
     # loaded when the command runs: the CLI starts without numpy, torch or the runtimes
     from passes.registry import list_passes
 
@@ -883,8 +910,8 @@ EXAMPLES = {
     "build": ["dstc build recipes/deepseek-v3-tiny-openvino-int4.yaml",
               "dstc build recipes/deepseek-v3-tiny-openvino-int4.yaml --model ./my-checkpoint -o out/mine --json"],
     "export": ["dstc export deepseek-v3-tiny -o out/export"],
-    "optimize": ["dstc optimize out/export -o out/passes --target openvino"],
-    "compress": ["dstc compress out/passes -o out/int4 --target openvino --scheme int4-grouped --group-size 128"],
+    "optimize": ["dstc optimize out/export -o out/passes --backend openvino"],
+    "compress": ["dstc compress out/passes -o out/int4 --backend openvino --scheme int4-grouped --group-size 128"],
     "compile": ["dstc compile out/int4 -o out/artifact --backend openvino"],
     "eval": ["dstc eval artifacts/deepseek-v3-tiny-openvino-int4 -o out/report",
              "dstc eval ARTIFACT --dataset my-data.jsonl --no-latency --json > report.json",
@@ -902,7 +929,7 @@ EXAMPLES = {
     "models list": ["dstc models list --json"],
     "models make": ["dstc models make deepseek-v3-tiny -o out/models"],
     "models shape-faithful": ["dstc models shape-faithful deepseek-v3 -o out/v3-4-layers --layers 4 --experts 16"],
-    "passes list": ["dstc passes list --target openvino"],
+    "passes list": ["dstc passes list --backend openvino"],
     "recipe init": ["dstc recipe init ./my-checkpoint --backend openvino --scheme int4-grouped -o my.yaml"],
 }
 

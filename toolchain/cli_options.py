@@ -65,11 +65,13 @@ def _number_type(kind, metadata):
     return FiniteFloatRange(**bounds)
 
 
-def _option(name: str, field, help_text: str, spellings: dict[str, str], defaults: dict, comma: tuple[str, ...]):
+def _option(name: str, field, help_text: str, spellings: dict[str, str], defaults: dict, comma: tuple[str, ...],
+            aliased: bool = False):
     kind = _unwrap(field.annotation)
     origin = typing.get_origin(kind)
     default = defaults.get(name, None if field.is_required() or field.default_factory else field.default)
-    required = field.is_required() and name not in defaults
+    # a field with a former spelling too: either may give it, and the section says when neither did
+    required = field.is_required() and name not in defaults and not aliased
     names = spellings.get(name, f"--{name.replace('_', '-')}")
     show = default is not None
     extra = field.json_schema_extra if isinstance(field.json_schema_extra, dict) else {}
@@ -133,7 +135,7 @@ def section_options(section: type[Section], help: dict[str, str] | None = None, 
                                        else None)(command)
         for name, field in reversed(fields.items()):
             command = _option(name, field, help.get(name) or field.description or "", spellings or {}, defaults or {},
-                              comma)(command)
+                              comma, name in aliases)(command)
         return command
 
     return decorate

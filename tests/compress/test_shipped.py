@@ -101,7 +101,7 @@ def test_a_scale_that_does_not_fit_its_weight_is_one_line(exports, tmp_path, mon
     shutil.copytree(exported, copy)
     (copy / "export.json").write_text(json.dumps(report))
     code, _, err = run_cli(monkeypatch, capsys, "compress", copy, "-o", tmp_path / "out", "--scheme", "shipped",
-                           "--target", "openvino", "--no-cache")
+                           "--backend", "openvino", "--no-cache")
     assert code == 2 and err.count("\n") == 1 and "[7, 7]" in err and not (tmp_path / "out").exists()
 
 

@@ -365,7 +365,7 @@ def test_fused_data_aware_quantization_is_the_dispatch_forms(compressed, fused_e
 
 def test_gptq_and_ratio_below_one_are_refused_for_fused_experts(fused_exports, tmp_path, monkeypatch, capsys):
     ort_export, ov_export = (fused_exports("deepseek_v3", lw)[0] for lw in FUSED)
-    for args in ([ort_export, "--ratio", "0.5"], [ov_export, "--target", "openvino", "--gptq"]):
+    for args in ([ort_export, "--ratio", "0.5"], [ov_export, "--backend", "openvino", "--gptq"]):
         out = tmp_path / str(len(args))
         code, _, err = run_cli(monkeypatch, capsys, "compress", *args, "-o", out)
         assert code == 2 and "gptq and ratio < 1 are not available for fused MoE experts" in err

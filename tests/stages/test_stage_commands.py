@@ -58,8 +58,8 @@ def test_export_runs_through_the_stage_cache_and_records_the_stage(monkeypatch, 
     code, err = run_cli(monkeypatch, capsys, "export", MODEL, "-o", first, "--parity", "none", "--new-tokens", "2")
     assert code == 0, err
     record = StageRecord.read(first / STAGE_RECORD)
-    # mtp off: not recorded; moe auto: an export alone has no target, so dispatch (the record it had before auto)
-    section = ExportSection(parity=[], new_tokens=2, moe="dispatch").model_dump(mode="json", exclude={"mtp"})
+    # mtp off and no V4 cache layout: not recorded; moe auto: an export alone has no target, so dispatch (the record it had before auto)
+    section = ExportSection(parity=[], new_tokens=2, moe="dispatch").model_dump(mode="json", exclude={"mtp", "v4_cache"})
     assert record.name == "export" and record.config == {"model": MODEL, **section}
     assert cache_damage(first) is None  # the record lists every file with its hash
     assert ExportReport.read(first / "export.json").parity == {}
@@ -100,7 +100,7 @@ def test_compress_and_compile_commands_chain_cache_and_refuse_what_a_recipe_refu
                         "int8-per-channel", "--sym")
     assert code == 0 and "reused from the stage cache" in err
     code, err = run_cli(monkeypatch, capsys, "compress", exported, "-o", tmp_path / "c3", "--scheme",
-                        "int8-per-channel", "--sym", "--target", "openvino")
+                        "int8-per-channel", "--sym", "--backend", "openvino")
     assert code == 0 and "reused" not in err and (tmp_path / "c3" / "openvino_model.xml").is_file()
     code, err = run_cli(monkeypatch, capsys, "compile", compressed, "-o", tmp_path / "art", "--backend", "onnxruntime",
                         "--no-verify", "--json")
@@ -136,7 +136,7 @@ def test_optimize_command_records_no_parity_in_its_stage_only_when_asked(monkeyp
 
     exported = tmp_path / "e"
     assert run_cli(monkeypatch, capsys, "export", MODEL, "-o", exported, "--parity", "none")[0] == 0
-    code, err = run_cli(monkeypatch, capsys, "optimize", exported, "-o", tmp_path / "o", "--target", "onnxruntime",
+    code, err = run_cli(monkeypatch, capsys, "optimize", exported, "-o", tmp_path / "o", "--backend", "onnxruntime",
                         "--no-parity", "--passes", "infer-shapes,fuse-rms-norm")
     assert code == 0, err
     record = StageRecord.read(tmp_path / "o" / STAGE_RECORD)
@@ -144,7 +144,7 @@ def test_optimize_command_records_no_parity_in_its_stage_only_when_asked(monkeyp
                              "parity": False}
     passes = json.loads((tmp_path / "o" / "passes.json").read_text())
     assert passes["pipeline"] == ["infer-shapes", "fuse-rms-norm"] and "parity" not in passes
-    assert_one_line_error(*run_cli(monkeypatch, capsys, "optimize", exported, "-o", tmp_path / "p", "--target",
+    assert_one_line_error(*run_cli(monkeypatch, capsys, "optimize", exported, "-o", tmp_path / "p", "--backend",
                                    "onnxruntime", "--passes", "no-such-pass"), "no-such-pass")
     # a recipe's passes stage (parity on) has the configuration it had before the option existed
     recipe = tmp_path / "r.yaml"
@@ -153,3 +153,20 @@ def test_optimize_command_records_no_parity_in_its_stage_only_when_asked(monkeyp
     stages = {s.name: s.config for s in plan(load_recipe(recipe), embedded_path(MODEL))}
     assert stages["passes"] == {"target": "openvino", "passes": None, "expect": None}
     assert stages["compress"]["target"] == "openvino"  # the compress stage's output depends on the backend
+
+
+def test_the_stage_commands_name_the_runtime_backend_and_still_take_target(monkeypatch, capsys, tmp_path):
+    """One name for the runtime a stage builds for (compile's --backend); --target, the former name of optimize's,
+    compress's and passes list's, still works with a warning, and both at once are refused."""
+    from conftest import run_cli as run_with_output
+
+    code, out, err = run_with_output(monkeypatch, capsys, "passes", "list", "--target", "openvino")
+    assert code == 0 and "dstc: warning: --target is now --backend" in err
+    assert out == run_with_output(monkeypatch, capsys, "passes", "list", "--backend", "openvino")[1]
+    assert_one_line_error(*run_cli(monkeypatch, capsys, "passes", "list", "--backend", "openvino", "--target",
+                                   "openvino"), "--backend given twice")
+    for command in ("optimize", "compress"):
+        help_text = run_with_output(monkeypatch, capsys, command, "--help")[1]
+        assert "--backend" in help_text and "--target" not in help_text
+    assert_one_line_error(*run_cli(monkeypatch, capsys, "optimize", tmp_path / "none", "-o", tmp_path / "o"),
+                          "--backend")
