@@ -135,6 +135,8 @@ EXPORT_HELP = {
     "mtp": "Also export the checkpoint's multi-token-prediction layer (DeepSeek-V3, V3.2, V4) as mtp/model.onnx with "
            "its own KV cache, checked against its PyTorch reference, and give the main graph its hidden_states output; "
            "the artifact carries it for self-speculative drafts.",
+    "cache_dtype": "Element type the KV cache is stored in (computed in float32): float16 halves its bytes per token "
+                   "(docs/deepseek-generations.md \"Cache precision\").",
 }
 PASSES_HELP = {
     "target": "onnxruntime: fuse into ORT's contrib kernels; openvino: standard ops shaped for OpenVINO's fusions.",

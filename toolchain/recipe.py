@@ -41,6 +41,9 @@ class ExportSection(Section):
     # export the checkpoint's MTP layer (DeepSeek-V3, V3.2, V4) as mtp/model.onnx, carried into the artifact, and the
     # main graph's hidden-state output it reads (toolchain/export/mtp.py)
     mtp: bool = False
+    # the element type the KV cache is stored in, computed in float32 (toolchain/export/cache_precision.py):
+    # float16 halves its bytes per token (docs/deepseek-generations.md "Cache precision")
+    cache_dtype: Literal["float32", "float16"] = "float32"
     _parity_given: bool = PrivateAttr(False)
 
     @model_validator(mode="after")

@@ -107,8 +107,9 @@ class StatefulBatch(Holes, BatchedDecoder):
         merged_mask = stack_left_padded([self._mask[live, first:], mask], axis=1)
         side = {state.name: state for state in self._side.query_state()}
         for state in self._request.query_state():
-            old = np.array(state.state.data[live, :, first:], np.float32)
-            state.state = _tensor(stack_left_padded([old, np.asarray(side[state.name].state.data, np.float32)], axis=2))
+            # in the variable's own element type (float32, or the float16 of export.cache_dtype)
+            old = np.array(state.state.data[live, :, first:])
+            state.state = _tensor(stack_left_padded([old, np.asarray(side[state.name].state.data, old.dtype)], axis=2))
         self._rows = [self._rows[row] for row in live] + keys
         self._mask = merged_mask
 
@@ -140,7 +141,7 @@ class StatefulBatch(Holes, BatchedDecoder):
         them)."""
         mask, columns = compacted(self._mask)
         for state in self._request.query_state():
-            state.state = _tensor(compact_cache(np.array(state.state.data, np.float32), columns, mask.shape[1]))
+            state.state = _tensor(compact_cache(np.array(state.state.data), columns, mask.shape[1]))
         self._mask = mask
 
     def leave(self, keys: Iterable[Hashable]) -> None:

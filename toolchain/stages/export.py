@@ -22,6 +22,7 @@ from toolchain.checkpoint.reader import open_checkpoint
 from toolchain.errors import InputError, ParityError
 from toolchain.export import moe as moe_lowering
 from toolchain.export.architectures import ARCHITECTURES, architecture_for
+from toolchain.export.cache_precision import with_cache_dtype
 from toolchain.export.decoder import build_decoder
 from toolchain.export.deepseek import with_mla_cache
 from toolchain.export.graph import save_graph, save_graph_deferred
@@ -73,14 +74,15 @@ def resolve_moe(section: ExportSection, source: Path, backend: str, compress: Co
 
 def export(spec: str, out_dir: Path, *, parity: tuple[str, ...] | None = None, new_tokens: int = 16,
            revision: str | None = None, moe: str = moe_lowering.AUTO, mla_cache: str | None = None,
-           weights: str = "auto", mtp: bool = False, defer_weights: bool = False, weights_read_by: str | None = None,
+           weights: str = "auto", mtp: bool = False, cache_dtype: str = "float32", defer_weights: bool = False, weights_read_by: str | None = None,
            log: Callable[[str], None] = lambda _: None) -> dict:
     """``moe``: how MoE layers' routed experts are lowered (toolchain/export/moe.py); ``mla_cache``: what MLA's KV
     cache holds (toolchain/export/deepseek.py; None: the architecture's default); ``parity``: the backends to
     check the graph on, None for every backend that runs it; ``weights``: their storage, "auto", "float32" or
     "bfloat16" (toolchain/export/weights.py storage_for); ``mtp``: also export the checkpoint's first MTP layer
     (toolchain/export/mtp.py) as mtp/model.onnx, checked against its PyTorch reference on the parity backends,
-    and give the main graph its hidden-state output. ``defer_weights`` (a build whose next stage is a streamed
+    and give the main graph its hidden-state output. ``cache_dtype``: the element type the KV caches (the main
+    graph's and the MTP layer's) are stored in (toolchain/export/cache_precision.py). ``defer_weights`` (a build whose next stage is a streamed
     compression, which recomputes them: recomputed_weights): model.onnx.data is not written, unless the export's
     own parity check runs the graph; ``weights_read_by``: why a later stage needs the weights file, said when a
     large one is written."""
@@ -105,6 +107,7 @@ def export(spec: str, out_dir: Path, *, parity: tuple[str, ...] | None = None, n
         graph = build_decoder(skeleton, arch, reader,
                               on_layer=lambda i, n: log(f"built layer {i}/{n}") if n > 8 else None, weights=storage,
                               hidden_output=mtp)
+        with_cache_dtype(graph, cache_dtype)
         config = skeleton.config
         too_large = too_large_for_end_to_end(source.path) if parity else None
         skipped = None
@@ -135,7 +138,7 @@ def export(spec: str, out_dir: Path, *, parity: tuple[str, ...] | None = None, n
         graph_info = {"files": files, "opset": graph.opset_imports[""], "nodes": len(graph.graph),
                       "inputs": [v.name for v in graph.graph.inputs],
                       "outputs": [v.name for v in graph.graph.outputs],
-                      "kv_cache": graph.metadata_props[KV_CACHE],
+                      "kv_cache": graph.metadata_props[KV_CACHE], "cache_dtype": cache_dtype,
                       # a deferred weights file counts: the size of the model (compression's input size)
                       "size_bytes": sum((tmp / f).stat().st_size for f in files) + (deferred_bytes or 0),
                       "weights": storage,
@@ -147,6 +150,7 @@ def export(spec: str, out_dir: Path, *, parity: tuple[str, ...] | None = None, n
             (tmp / MTP_DIR).mkdir()
             with open_checkpoint(source.path, mtp=True) as mtp_reader:
                 mtp_graph = build_mtp_graph(skeleton, arch, mtp_reader, mtp_layer, weights=storage)
+                with_cache_dtype(mtp_graph, cache_dtype)
                 mtp_files = save_graph(mtp_graph, tmp / MTP_DIR / ONNX_MODEL, workers=2)
             mtp_info = {"layer": mtp_layer, "files": [f"{MTP_DIR}/{f}" for f in mtp_files],
                         "inputs": [v.name for v in mtp_graph.graph.inputs],

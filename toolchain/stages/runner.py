@@ -84,6 +84,8 @@ def export_stage(model: str, section: ExportSection, revision: str | None = None
     config = section.model_dump(mode="json")
     if not config["mtp"]:  # a recipe without the MTP layer keeps the stage configuration it had before the option
         del config["mtp"]
+    if config["cache_dtype"] == "float32":  # ... and one with a float32 cache the configuration it had before
+        del config["cache_dtype"]
     if defer_weights:  # the configuration of an export that writes its weights is what it was before the option
         config["defer_weights"] = True
     # every field of the section is a keyword of the stage's function
