@@ -225,6 +225,15 @@ class Recipe(Section):
         return self
 
     @model_validator(mode="after")
+    def _narrow_cache_is_not_per_head(self) -> Recipe:
+        """The export stage's refusal of a narrow per-head cache (stages/export.py PER_HEAD_NARROW_CACHE) when the
+        recipe names the layout, as it loads; a model whose cache is per head by its architecture is refused there."""
+        if self.export.cache_dtype != "float32" and self.export.mla_cache == "per-head":
+            raise ValueError("a per-head KV cache stays float32 in the graph (OpenVINO keeps it in its "
+                             "KV_CACHE_PRECISION already): use mla_cache latent, or cache_dtype float32")
+        return self
+
+    @model_validator(mode="after")
     def _compression_fits_the_backend(self) -> Recipe:
         problem = self.compress.problem(self.compile.backend) if self.compress else None
         if problem:

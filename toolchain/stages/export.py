@@ -32,7 +32,7 @@ from toolchain.export.mtp_reference import exports_mtp, mtp_layer_indices
 from toolchain.export.reference import layer_too_large, reference_config, shared_decoder_layers
 from toolchain.export.weights import storage_for
 from toolchain.interface.files import EXPORT_REPORT, MTP_DIR, ONNX_MODEL, ONNX_WEIGHTS
-from toolchain.interface.graph import KV_CACHE, cache_bytes_per_token
+from toolchain.interface.graph import KV_CACHE, PER_HEAD, cache_bytes_per_token
 from toolchain.interface.reports import DeferredWeights, ExportReport, ExportSource
 from toolchain.models.parameters import parameter_count
 from toolchain.recipe import CompressSection, ExportSection
@@ -51,6 +51,16 @@ def routed_experts(source: Path) -> int:
     config = reference_config(source)
     arch = architecture_for(config.model_type)
     return arch.routed_experts(config) if isinstance(arch, MoeArchitecture) else 0
+
+
+# A per-head cache is read by the runtimes' fused attention, which takes it in its compute type: measured on
+# deepseek-v3-tiny with mla_cache per-head, OpenVINO's CPU plugin runs no ScaledDotProductAttention for a float16 one
+# (the Converts stop its fusion) and keeps a per-head cache in its KV_CACHE_PRECISION (the artifact's runtime option,
+# f16) already; ONNX Runtime's Attention fails once the passes have fused it ("does not support past_key provided and
+# present_key being null")
+PER_HEAD_NARROW_CACHE = ("cache_dtype: a per-head KV cache stays float32 in the graph (OpenVINO keeps it in its "
+                         "KV_CACHE_PRECISION, f16, already; the runtimes' fused attention reads it in float32); "
+                         "a narrower cache applies to MLA's latent and DeepSeek-V4's per-token caches")
 
 
 def resolve_moe(section: ExportSection, source: Path, backend: str, compress: CompressSection | None) \
@@ -91,6 +101,8 @@ def export(spec: str, out_dir: Path, *, parity: tuple[str, ...] | None = None, n
         moe = moe_lowering.auto_lowering(None, 0, None, False)[0]
     arch, parity = moe_lowering.lower(architecture_for(source.config["model_type"]), moe, parity)
     arch = with_mla_cache(arch, mla_cache)
+    if cache_dtype != "float32" and arch.kv_cache == PER_HEAD:
+        raise InputError(PER_HEAD_NARROW_CACHE)
     check_writable_target(out_dir)
     timings = {}
     t0 = time.perf_counter()
