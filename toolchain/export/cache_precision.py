@@ -32,17 +32,18 @@ def with_cache_dtype(model: ir.Model, dtype: str) -> int:
     graph = model.graph
     widened: dict[str, ir.Value] = {}
     for value in graph.inputs:
-        if not (value.name or "").startswith(PAST_PREFIX):
+        past = value.name or ""
+        if not past.startswith(PAST_PREFIX):
             continue
         consumers = list(value.uses())
-        cast = ir.node("Cast", [value], {"to": int(FLOAT)}, name=_node_name(value.name, "widen"))
-        cast.outputs[0].name = f"{value.name}/float32"
+        cast = ir.node("Cast", [value], {"to": int(FLOAT)}, name=_node_name(past, "widen"))
+        cast.outputs[0].name = f"{past}/float32"
         cast.outputs[0].dtype, cast.outputs[0].shape = FLOAT, value.shape
         graph.insert_before(_first_node(graph), cast)
         for user, index in consumers:
             user.replace_input_with(index, cast.outputs[0])
         value.dtype = narrow
-        widened[value.name[len(PAST_PREFIX):]] = cast.outputs[0]
+        widened[past[len(PAST_PREFIX):]] = cast.outputs[0]
     outputs = list(graph.outputs)
     for position, value in enumerate(outputs):
         name = value.name or ""
@@ -50,8 +51,8 @@ def with_cache_dtype(model: ir.Model, dtype: str) -> int:
             continue
         inner = f"{name}/float32"
         value.name = inner  # the float32 value keeps its other consumers (attention reads it)
-        past = graph.inputs[[v.name for v in graph.inputs].index(PAST_PREFIX + name[len(PRESENT_PREFIX):])]
-        stored = _appended(graph, value, widened.get(name[len(PRESENT_PREFIX):]), past, narrow, name)
+        stored_past = graph.inputs[[v.name for v in graph.inputs].index(PAST_PREFIX + name[len(PRESENT_PREFIX):])]
+        stored = _appended(graph, value, widened.get(name[len(PRESENT_PREFIX):]), stored_past, narrow, name)
         stored.name, stored.dtype, stored.shape = name, narrow, value.shape
         graph.outputs[position] = stored
     return 2 * len(widened)

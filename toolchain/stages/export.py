@@ -84,7 +84,8 @@ def resolve_moe(section: ExportSection, source: Path, backend: str, compress: Co
 
 def export(spec: str, out_dir: Path, *, parity: tuple[str, ...] | None = None, new_tokens: int = 16,
            revision: str | None = None, moe: str = moe_lowering.AUTO, mla_cache: str | None = None,
-           weights: str = "auto", mtp: bool = False, cache_dtype: str = "float32", defer_weights: bool = False, weights_read_by: str | None = None,
+           weights: str = "auto", mtp: bool = False, cache_dtype: str = "float32", defer_weights: bool = False,
+           weights_read_by: str | None = None,
            log: Callable[[str], None] = lambda _: None) -> dict:
     """``moe``: how MoE layers' routed experts are lowered (toolchain/export/moe.py); ``mla_cache``: what MLA's KV
     cache holds (toolchain/export/deepseek.py; None: the architecture's default); ``parity``: the backends to
@@ -92,10 +93,10 @@ def export(spec: str, out_dir: Path, *, parity: tuple[str, ...] | None = None, n
     "bfloat16" (toolchain/export/weights.py storage_for); ``mtp``: also export the checkpoint's first MTP layer
     (toolchain/export/mtp.py) as mtp/model.onnx, checked against its PyTorch reference on the parity backends,
     and give the main graph its hidden-state output. ``cache_dtype``: the element type the KV caches (the main
-    graph's and the MTP layer's) are stored in (toolchain/export/cache_precision.py). ``defer_weights`` (a build whose next stage is a streamed
-    compression, which recomputes them: recomputed_weights): model.onnx.data is not written, unless the export's
-    own parity check runs the graph; ``weights_read_by``: why a later stage needs the weights file, said when a
-    large one is written."""
+    graph's and the MTP layer's) are stored in (toolchain/export/cache_precision.py). ``defer_weights`` (a build
+    whose next stage is a streamed compression, which recomputes them: recomputed_weights): model.onnx.data is not
+    written, unless the export's own parity check runs the graph; ``weights_read_by``: why a later stage needs the
+    weights file, said when a large one is written."""
     source = sources.resolve(spec, revision)
     if moe == moe_lowering.AUTO:  # an export alone (`dstc export`): a build resolves auto first (resolve_moe)
         moe = moe_lowering.auto_lowering(None, 0, None, False)[0]
