@@ -65,6 +65,10 @@ class ExportSection(Section):
         "Also export the checkpoint's multi-token-prediction layer (DeepSeek-V3, V3.2, V4) as mtp/model.onnx with"
         " its own KV cache, checked against its PyTorch reference, and give the main graph its hidden_states "
         "output; the artifact carries it for self-speculative drafts."))
+    # the element type the KV cache is stored in, computed in float32 (toolchain/export/cache_precision.py)
+    cache_dtype: Literal["float32", "float16"] = Field("float32", description=(
+        "Element type the KV cache is stored in (computed in float32): float16 halves its bytes per token "
+        "(docs/deepseek-generations.md \"Cache precision\"); refused for a per-head cache."))
     _parity_given: bool = PrivateAttr(False)
 
     @model_validator(mode="after")
@@ -271,6 +275,15 @@ class Recipe(Section):
         if self.export.moe in RUNS_ON and backend not in RUNS_ON[self.export.moe]:
             raise ValueError(f"export.moe is {self.export.moe}, which runs on {', '.join(RUNS_ON[self.export.moe])} "
                              f"only, and compile.backend is {backend}: choose another lowering (or auto)")
+        return self
+
+    @model_validator(mode="after")
+    def _narrow_cache_is_not_per_head(self) -> Recipe:
+        """The export stage's refusal of a narrow per-head cache (stages/export.py PER_HEAD_NARROW_CACHE) when the
+        recipe names the layout, as it loads; a model whose cache is per head by its architecture is refused there."""
+        if self.export.cache_dtype != "float32" and self.export.mla_cache == "per-head":
+            raise ValueError("a per-head KV cache stays float32 in the graph (OpenVINO keeps it in its "
+                             "KV_CACHE_PRECISION already): use mla_cache latent, or cache_dtype float32")
         return self
 
     @model_validator(mode="after")

@@ -58,8 +58,10 @@ def test_export_runs_through_the_stage_cache_and_records_the_stage(monkeypatch, 
     code, err = run_cli(monkeypatch, capsys, "export", MODEL, "-o", first, "--parity", "none", "--new-tokens", "2")
     assert code == 0, err
     record = StageRecord.read(first / STAGE_RECORD)
-    # mtp off and no V4 cache layout: not recorded; moe auto: an export alone has no target, so dispatch (the record it had before auto)
-    section = ExportSection(parity=[], new_tokens=2, moe="dispatch").model_dump(mode="json", exclude={"mtp", "v4_cache"})
+    # mtp off, no V4 cache layout, a float32 cache: not recorded; moe auto: an export alone has no target, so
+    # dispatch (the record it had before auto)
+    section = ExportSection(parity=[], new_tokens=2, moe="dispatch").model_dump(
+        mode="json", exclude={"mtp", "v4_cache", "cache_dtype"})
     assert record.name == "export" and record.config == {"model": MODEL, **section}
     assert cache_damage(first) is None  # the record lists every file with its hash
     assert ExportReport.read(first / "export.json").parity == {}

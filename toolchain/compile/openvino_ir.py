@@ -75,6 +75,7 @@ def fuse_beam_reorder(model) -> None:
 def make_stateful(model) -> int:
     """Turn each past_key_values.* input / present.* output pair into a variable, initialised with an empty
     cache of input_ids' batch. Returns the number of variables."""
+    import openvino as ov
     from openvino import opset13 as ops
     from openvino._offline_transformations import apply_make_stateful_transformation
 
@@ -94,6 +95,13 @@ def make_stateful(model) -> int:
     batch = ops.gather(shape, ops.constant(np.array([BATCH_AXIS], np.int64)), ops.constant(np.int64(0)))
     read_values = [op for op in model.get_ops() if op.get_type_name() == "ReadValue"]
     for read_value in read_values:
+        if read_value.get_output_element_type(0) != ov.Type.f32:
+            # A float16 variable (export.cache_dtype) keeps the initial value of optimum-intel's own stateful
+            # exports, the plugin's empty tensor, which the beam_idx Gather reads as zeros of the batch: OpenVINO
+            # 2026.4's CPU plugin fails an initialiser subgraph for it (its first infer, or the first after a
+            # reset_state that follows a decode step: "Can not clone with new dims", "Eltwise shape infer ...
+            # mismatch"). Float32 variables keep theirs, so their IR is unchanged.
+            continue
         dims = []
         for axis, dim in enumerate(read_value.get_output_partial_shape(0)):
             if axis == BATCH_AXIS:

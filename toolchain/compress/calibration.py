@@ -69,13 +69,15 @@ def token_sequences(texts: list[str], checkpoint: Path | None, vocab_size: int,
         "seeded random ids (the checkpoint has no tokenizer)"
 
 
-def feeds(ids: list[int], past_specs: dict[str, tuple[int, int]]) -> dict[str, np.ndarray]:
+def feeds(ids: list[int], past_specs: dict[str, tuple[int, int]], cache_dtype: str = "float32") \
+        -> dict[str, np.ndarray]:
     """Prefill feeds for one sequence (batch 1, empty cache). past_specs: the graph's cache spec
-    (toolchain/interface/graph.py cache_spec)."""
+    (toolchain/interface/graph.py cache_spec); cache_dtype: its element type (NNCF feeds them to the graph as
+    they are)."""
     n = len(ids)
     out = {INPUT_IDS: np.asarray([ids], np.int64), ATTENTION_MASK: np.ones((1, n), np.int64),
            POSITION_IDS: np.arange(n, dtype=np.int64)[None]}
     for name, (heads, dim) in past_specs.items():
-        out[name] = np.zeros((1, heads, 0, dim), np.float32)
+        out[name] = np.zeros((1, heads, 0, dim), cache_dtype)
     return out
 

@@ -39,6 +39,10 @@ MOE_LAYERS = "dstc.moe_layers"  # JSON: the indices of the mixture-of-experts la
 MOE_LOWERING = "dstc.moe_lowering"
 ROTATIONS_PER_LAYER = "dstc.rotations_per_layer"  # tensors RoPE rotates in each layer (the passes' expectations)
 CACHE_KINDS = "dstc.cache_kinds"  # JSON: each layer's cache tensors (key, value, and any more), in input order
+# the element type every cache tensor is stored in (toolchain/export/cache_precision.py), computed in float32; a graph
+# without it (exported before the option) caches float32
+CACHE_DTYPE = "dstc.cache_dtype"
+CACHE_DTYPES = ("float32", "float16")
 # The main graph's optional output of its final-normed hidden state [batch, sequence, hidden] (what DeepSeek's MTP
 # layer reads; DeepSeek-V4's: its hyper-connection streams before hc_head [batch, sequence, hc_mult, hidden]), and
 # the MTP graph's input of it; HIDDEN_OUTPUT names the output in a graph that has it.
@@ -134,6 +138,11 @@ def cache_bytes_at(inputs: list[tuple[str | None, Any, Any]], metadata: Mapping[
         length = cache_length(*rules[name], total) if name in rules else total
         held += heads * dim * int(item_size[name]) * length
     return held
+
+
+def cache_dtype(metadata: Mapping[str, str]) -> str:
+    """The numpy name of the element type a graph's cache tensors are stored in (CACHE_DTYPE; float32 if absent)."""
+    return metadata.get(CACHE_DTYPE) or "float32"
 
 
 def extra_cache_kinds(metadata: dict[str, str]) -> list[str]:

@@ -139,6 +139,8 @@ class GraphInfo(_Model):
     # bytes one layer's KV cache (every cache tensor) grows by per token, by layer type (the config's
     # layer_types, "attention" for a model with one type), read from the graph's cache inputs
     cache_bytes_per_token: dict[str, int] = Field(default_factory=dict)
+    # the element type of those cache tensors (export.cache_dtype; toolchain/export/cache_precision.py)
+    cache_dtype: Literal["float32", "float16"] = "float32"
     deferred: DeferredWeights | None = None
 
 

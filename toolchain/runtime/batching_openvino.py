@@ -117,8 +117,9 @@ class StatefulBatch(Holes, BatchedDecoder):
         merged_mask = stack_left_padded([self._mask[live, first:], mask], axis=1)
         side = {state.name: state for state in self._side.query_state()}
         for state in self._request.query_state():
-            old = np.array(state.state.data[live], np.float32)
-            new = np.asarray(side[state.name].state.data, np.float32)
+            # in the variable's own element type (float32, or the float16 of export.cache_dtype)
+            old = np.array(state.state.data[live])
+            new = np.asarray(side[state.name].state.data, old.dtype)
             rule = self._lengths.get(past_of(state.name))
             state.state = _tensor(merged_rows(old, first, self._mask.shape[1] - first, new, rule))
         self._rows = [self._rows[row] for row in live] + keys
@@ -152,7 +153,7 @@ class StatefulBatch(Holes, BatchedDecoder):
         them)."""
         mask, columns = compacted(self._mask)
         for state in self._request.query_state():
-            state.state = _tensor(compact_cache(np.array(state.state.data, np.float32), columns, mask.shape[1]))
+            state.state = _tensor(compact_cache(np.array(state.state.data), columns, mask.shape[1]))
         self._mask = mask
 
     def leave(self, keys: Iterable[Hashable]) -> None:

@@ -165,6 +165,7 @@ class GraphRunner:
             external, model = Path(model).parent, with_extra_outputs(model, extra)
         self._session = ort_session(model, ort_options(threads=threads, external_dir=external))
         self._names = [o.name for o in self._session.get_outputs()]
+        self._cache_types = {i.name: np.float16 for i in self._session.get_inputs() if i.type == "tensor(float16)"}
 
     def _init_openvino(self, model, extra: list[str], numerics: str, threads: int | None) -> None:
         import openvino as ov
@@ -175,11 +176,17 @@ class GraphRunner:
             model.add_outputs([name for name in extra if name not in have])
         self._compiled = openvino_compile(model, numerics, threads=threads)
         self._request = self._compiled.create_infer_request()
+        self._cache_types = {port.get_any_name(): np.float16 for port in self._compiled.inputs
+                             if port.get_element_type() == ov.Type.f16}
         self._ports = {out.get_any_name(): out for out in self._compiled.outputs}
         for name in extra:  # an extra output keeps the value's own name among its names
             self._ports[name] = next(o for o in self._compiled.outputs if name in o.get_names())
 
     def __call__(self, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        # a graph storing its cache in float16 (export.cache_dtype) takes the float32 arrays a caller made for an
+        # empty or a reference cache as float16; its own present.* outputs come back as float16
+        feeds = {name: value.astype(self._cache_types[name], copy=False) if name in self._cache_types else value
+                 for name, value in feeds.items()}
         if self.backend == "onnxruntime":
             return dict(zip(self._names, self._session.run(self._names, dict(feeds))))
         result = self._request.infer(dict(feeds))

@@ -45,11 +45,12 @@ from toolchain.interface.files import (
     TOKENIZER,
     weights_of,
 )
+from toolchain.interface.graph import cache_dtype, graph_metadata
 from toolchain.interface.reports import CompileReport, read_json
 from toolchain.runtime.decoder import Decoder, OnnxRuntimeDecoder, OpenVINODecoder
 from toolchain.stages.inputs import check_weights_written, read_export
 from toolchain.verify import smoke as smoke_test
-from toolchain.verify.parity import TOLERANCES, compare_decoders, graph_decoder, parity_cases, too_large_for_end_to_end
+from toolchain.verify.parity import compare_decoders, graph_decoder, parity_cases, tolerance, too_large_for_end_to_end
 
 BACKENDS = ("openvino", "onnxruntime")
 VERIFY_TOKENS = 8
@@ -104,8 +105,9 @@ def _verify(backend: str, artifact: Path, input_dir: Path, source: Path, new_tok
         decoder = lambda: OpenVINODecoder(artifact / MODEL_XML, None, (), "exact")  # noqa: E731
     else:
         decoder = lambda: OnnxRuntimeDecoder(artifact / ONNX_MODEL, None, ())  # noqa: E731
+    graph = artifact / (MODEL_XML if backend == "openvino" else ONNX_MODEL)
     result = compare_decoders(ref_decoder, decoder, cases, new_tokens, config.get("pad_token_id") or 0,
-                              TOLERANCES[backend])
+                              tolerance(backend, cache_dtype(graph_metadata(graph))))
     return {**result, "reference": reference, "new_tokens": new_tokens}
 
 
@@ -147,8 +149,9 @@ def _verify_mtp(backend: str, mtp_dir: Path, source: Path, new_tokens: int, log:
         decoder = lambda: graph_decoder(mtp_dir / MODEL_XML, backend)  # noqa: E731 - a stateless IR (_compile_mtp)
     else:
         decoder = lambda: OnnxRuntimeDecoder(mtp_dir / ONNX_MODEL, None, ())  # noqa: E731
+    graph = mtp_dir / (MODEL_XML if backend == "openvino" else ONNX_MODEL)
     result = compare_mtp(model, reference_mtp(model, source), {backend: decoder}, cases, new_tokens,
-                         config.get("pad_token_id") or 0)
+                         config.get("pad_token_id") or 0, cache_dtype(graph_metadata(graph)))
     return {**result[backend], "reference": "pytorch fp32"}
 
 

@@ -51,7 +51,7 @@ from toolchain.compress.policy import Policy
 from toolchain.compress.streaming import blocked_dq_to_nbits
 from toolchain.errors import CompressionError, InputError
 from toolchain.export.graph import float32_bytes, load_graph, save_graph
-from toolchain.interface.graph import HEAD_LAYOUT, cache_spec
+from toolchain.interface.graph import HEAD_LAYOUT, cache_dtype, cache_spec
 from toolchain.interface.reports import CompressionOptions, CompressionReport, lost_share
 from toolchain.recipe import CompressSection
 from toolchain.runtime.engines import GraphRunner, ort_kernels
@@ -217,7 +217,7 @@ def compress(in_dir: Path, out_dir: Path, section: CompressSection, *, target: s
     specs = cache_spec((v.name, v.shape) for v in model.graph.inputs)
     texts = calibration.load_texts(opts.dataset, CALIBRATION_SEQUENCES)
     sequences, tokenization = calibration.token_sequences(texts, source, config["vocab_size"])
-    feed_list = [calibration.feeds(ids, specs) for ids in sequences]
+    feed_list = [calibration.feeds(ids, specs, cache_dtype(model.metadata_props)) for ids in sequences]
     # the routers' choices: what the dispatch's experts compare with, or what the fused layers are fed
     routers = metrics.router_indices(model) if fused_moe.lowering_of(model) == "dispatch" else \
         fused_moe.router_indices(fused)

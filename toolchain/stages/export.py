@@ -22,6 +22,7 @@ from toolchain.checkpoint.reader import open_checkpoint
 from toolchain.errors import InputError, ParityError
 from toolchain.export import moe as moe_lowering
 from toolchain.export.architectures import ARCHITECTURES, architecture_for
+from toolchain.export.cache_precision import with_cache_dtype
 from toolchain.export.decoder import build_decoder
 from toolchain.export.deepseek import with_mla_cache
 from toolchain.export.deepseek_v4 import with_v4_cache
@@ -32,7 +33,7 @@ from toolchain.export.mtp_reference import exports_mtp, mtp_layer_indices
 from toolchain.export.reference import layer_too_large, reference_config, shared_decoder_layers
 from toolchain.export.weights import storage_for
 from toolchain.interface.files import EXPORT_REPORT, MTP_DIR, ONNX_MODEL, ONNX_WEIGHTS
-from toolchain.interface.graph import COMPRESSED, KV_CACHE, cache_bytes_per_token, cache_lengths
+from toolchain.interface.graph import COMPRESSED, KV_CACHE, PER_HEAD, cache_bytes_per_token, cache_lengths
 from toolchain.interface.reports import DeferredWeights, ExportReport, ExportSource
 from toolchain.models.parameters import parameter_count
 from toolchain.recipe import CompressSection, ExportSection
@@ -51,6 +52,16 @@ def routed_experts(source: Path) -> int:
     config = reference_config(source)
     arch = architecture_for(config.model_type)
     return arch.routed_experts(config) if isinstance(arch, MoeArchitecture) else 0
+
+
+# A per-head cache is read by the runtimes' fused attention, which takes it in its compute type: measured on
+# deepseek-v3-tiny with mla_cache per-head, OpenVINO's CPU plugin runs no ScaledDotProductAttention for a float16 one
+# (the Converts stop its fusion) and keeps a per-head cache in its KV_CACHE_PRECISION (the artifact's runtime option,
+# f16) already; ONNX Runtime's Attention fails once the passes have fused it ("does not support past_key provided and
+# present_key being null")
+PER_HEAD_NARROW_CACHE = ("cache_dtype: a per-head KV cache stays float32 in the graph (OpenVINO keeps it in its "
+                         "KV_CACHE_PRECISION, f16, already; the runtimes' fused attention reads it in float32); "
+                         "a narrower cache applies to MLA's latent and DeepSeek-V4's per-token caches")
 
 
 def resolve_moe(section: ExportSection, source: Path, backend: str, compress: CompressSection | None) \
@@ -74,18 +85,20 @@ def resolve_moe(section: ExportSection, source: Path, backend: str, compress: Co
 
 def export(spec: str, out_dir: Path, *, parity: tuple[str, ...] | None = None, new_tokens: int = 16,
            revision: str | None = None, moe: str = moe_lowering.AUTO, mla_cache: str | None = None,
-           v4_cache: str | None = None, weights: str = "auto", mtp: bool = False, defer_weights: bool = False,
-           weights_read_by: str | None = None, log: Callable[[str], None] = lambda _: None) -> dict:
+           v4_cache: str | None = None, weights: str = "auto", mtp: bool = False, cache_dtype: str = "float32",
+           defer_weights: bool = False, weights_read_by: str | None = None,
+           log: Callable[[str], None] = lambda _: None) -> dict:
     """``moe``: how MoE layers' routed experts are lowered (toolchain/export/moe.py); ``mla_cache``: what MLA's KV
     cache holds (toolchain/export/deepseek.py; None: the architecture's default); ``v4_cache``: DeepSeek-V4's
     (toolchain/export/deepseek_v4.py; None: per-token); ``parity``: the backends to
     check the graph on, None for every backend that runs it; ``weights``: their storage, "auto", "float32" or
     "bfloat16" (toolchain/export/weights.py storage_for); ``mtp``: also export the checkpoint's first MTP layer
     (toolchain/export/mtp.py) as mtp/model.onnx, checked against its PyTorch reference on the parity backends,
-    and give the main graph its hidden-state output. ``defer_weights`` (a build whose next stage is a streamed
-    compression, which recomputes them: recomputed_weights): model.onnx.data is not written, unless the export's
-    own parity check runs the graph; ``weights_read_by``: why a later stage needs the weights file, said when a
-    large one is written."""
+    and give the main graph its hidden-state output. ``cache_dtype``: the element type the KV caches (the main
+    graph's and the MTP layer's) are stored in (toolchain/export/cache_precision.py). ``defer_weights`` (a build
+    whose next stage is a streamed compression, which recomputes them: recomputed_weights): model.onnx.data is not
+    written, unless the export's own parity check runs the graph; ``weights_read_by``: why a later stage needs the
+    weights file, said when a large one is written."""
     source = sources.resolve(spec, revision)
     if moe == moe_lowering.AUTO:  # an export alone (`dstc export`): a build resolves auto first (resolve_moe)
         moe = moe_lowering.auto_lowering(None, 0, None, False)[0]
@@ -95,6 +108,8 @@ def export(spec: str, out_dir: Path, *, parity: tuple[str, ...] | None = None, n
         # its drafts need the main cache cut back after a rejection, which the compressed layout cannot be
         raise InputError("export.mtp drafts for speculative decoding, which rolls the cache back, and the compressed "
                          "V4 cache cannot be: drop mtp or use v4_cache: per-token")
+    if cache_dtype != "float32" and arch.kv_cache == PER_HEAD:
+        raise InputError(PER_HEAD_NARROW_CACHE)
     check_writable_target(out_dir)
     timings = {}
     t0 = time.perf_counter()
@@ -111,6 +126,7 @@ def export(spec: str, out_dir: Path, *, parity: tuple[str, ...] | None = None, n
         graph = build_decoder(skeleton, arch, reader,
                               on_layer=lambda i, n: log(f"built layer {i}/{n}") if n > 8 else None, weights=storage,
                               hidden_output=mtp)
+        with_cache_dtype(graph, cache_dtype)
         config = skeleton.config
         too_large = too_large_for_end_to_end(source.path) if parity else None
         skipped = None
@@ -143,7 +159,7 @@ def export(spec: str, out_dir: Path, *, parity: tuple[str, ...] | None = None, n
         graph_info = {"files": files, "opset": graph.opset_imports[""], "nodes": len(graph.graph),
                       "inputs": [v.name for v in graph.graph.inputs],
                       "outputs": [v.name for v in graph.graph.outputs],
-                      "kv_cache": graph.metadata_props[KV_CACHE],
+                      "kv_cache": graph.metadata_props[KV_CACHE], "cache_dtype": cache_dtype,
                       # a deferred weights file counts: the size of the model (compression's input size)
                       "size_bytes": sum((tmp / f).stat().st_size for f in files) + (deferred_bytes or 0),
                       "weights": storage,
@@ -155,6 +171,7 @@ def export(spec: str, out_dir: Path, *, parity: tuple[str, ...] | None = None, n
             (tmp / MTP_DIR).mkdir()
             with open_checkpoint(source.path, mtp=True) as mtp_reader:
                 mtp_graph = build_mtp_graph(skeleton, arch, mtp_reader, mtp_layer, weights=storage)
+                with_cache_dtype(mtp_graph, cache_dtype)
                 mtp_files = save_graph(mtp_graph, tmp / MTP_DIR / ONNX_MODEL, workers=2)
             mtp_info = {"layer": mtp_layer, "files": [f"{MTP_DIR}/{f}" for f in mtp_files],
                         "inputs": [v.name for v in mtp_graph.graph.inputs],

@@ -86,6 +86,8 @@ def export_stage(model: str, section: ExportSection, revision: str | None = None
         del config["mtp"]
     if config["v4_cache"] is None:  # likewise a recipe without a V4 cache layout
         del config["v4_cache"]
+    if config["cache_dtype"] == "float32":  # ... and one with a float32 cache the configuration it had before
+        del config["cache_dtype"]
     if defer_weights:  # the configuration of an export that writes its weights is what it was before the option
         config["defer_weights"] = True
     # every field of the section is a keyword of the stage's function

@@ -27,11 +27,11 @@ import torch
 
 from toolchain.checkpoint.reader import EMBEDDING, open_checkpoint
 from toolchain.export import reference as ref
-from toolchain.interface.graph import PRESENT_PREFIX, cache_spec, onnx_inputs, present_of
+from toolchain.interface.graph import PRESENT_PREFIX, cache_dtype, cache_spec, onnx_inputs, present_of
 from toolchain.runtime.engines import GraphRunner
 from toolchain.runtime.generate import left_pad
 from toolchain.runtime.layered_reference import additive_mask
-from toolchain.verify.parity import TOLERANCES, Case
+from toolchain.verify.parity import Case, tolerance as parity_tolerance
 
 PIECE_PREFIX = ".parity-piece-"
 # a layer's fp32 reference module, or its graph piece on a runtime (which widens bf16-stored weights), one after
@@ -262,7 +262,7 @@ def compare_layers_on(graph_path: Path, source_path: Path, backends: Sequence[st
             path.unlink(missing_ok=True)
     results = {}
     for backend in backends:
-        tolerance = TOLERANCES[backend]
+        tolerance = parity_tolerance(backend, cache_dtype({p.key: p.value for p in model.metadata_props}))
         results[backend] = {
             "mode": "layer by layer", "passed": all(v <= tolerance for v in worst[backend].values()),
             "tolerance_relative_to_logits_range": tolerance, "max_relative_diff": max(worst[backend].values()),

@@ -20,12 +20,18 @@ import torch
 from toolchain.checkpoint.reader import open_checkpoint
 from toolchain.export.mtp_block import MtpModule, load_mtp, mtp_block
 from toolchain.export.mtp_reference import mtp_layer_indices
-from toolchain.interface.graph import HIDDEN_STATES, MTP_HIDDEN, graph_cache_spec
+from toolchain.interface.graph import (
+    HIDDEN_STATES,
+    MTP_HIDDEN,
+    cache_dtype as graph_cache_dtype,
+    graph_cache_spec,
+    graph_metadata,
+)
 from toolchain.runtime.decoder import Decoder, StatelessDecoder, positions
 from toolchain.runtime.engines import GraphRunner
 from toolchain.runtime.generate import greedy_logits
 from toolchain.runtime.torch_reference import TorchDecoder
-from toolchain.verify.parity import TOLERANCES, Case
+from toolchain.verify.parity import Case, tolerance as parity_tolerance
 
 
 class MtpTorchDecoder:
@@ -96,8 +102,9 @@ def run_mtp(decoder: Decoder, ids: np.ndarray, mask: np.ndarray, hidden: np.ndar
 
 
 def compare_mtp(model, mtp: MtpModule, candidates: dict[str, Callable[[], Decoder]], cases: list[Case],
-                new_tokens: int, pad_id: int) -> dict[str, dict]:
-    """{backend: result} of each backend's decoder of the MTP graph against the reference (module doc)."""
+                new_tokens: int, pad_id: int, cache_dtype: str = "float32") -> dict[str, dict]:
+    """{backend: result} of each backend's decoder of the MTP graph against the reference (module doc);
+    ``cache_dtype``: the graph's KV cache's (export.cache_dtype), which widens the bound (verify/parity.py)."""
     inputs = [mtp_inputs(model, case, new_tokens, pad_id) for case in cases]
     widths = [max(len(p) for p in case.prompts) for case in cases]
     reference = [run_mtp(MtpTorchDecoder(mtp), ids, mask, hidden, w - 1)
@@ -118,7 +125,7 @@ def compare_mtp(model, mtp: MtpModule, candidates: dict[str, Callable[[], Decode
             identical.append(same)
             rows.append({"name": case.name, "positions": int(real.sum()), "max_abs_diff": diff,
                          "logits_range": span, "relative_diff": diff / span, "drafts_identical": same})
-        tolerance = TOLERANCES[backend]
+        tolerance = parity_tolerance(backend, cache_dtype)
         results[backend] = {
             "passed": max(relative) <= tolerance and all(identical),
             "tolerance_relative_to_logits_range": tolerance,
@@ -138,4 +145,5 @@ def compare_mtp_graph(model, source_path: Path, graph: Path, backends: tuple[str
         return StatelessDecoder(GraphRunner(graph, backend), spec)
 
     candidates: dict[str, Callable[[], Decoder]] = {b: functools.partial(stateless, b) for b in backends}
-    return compare_mtp(model, reference_mtp(model, source_path), candidates, cases, new_tokens, pad_id)
+    return compare_mtp(model, reference_mtp(model, source_path), candidates, cases, new_tokens, pad_id,
+                       graph_cache_dtype(graph_metadata(graph)))
