@@ -6,7 +6,7 @@ from __future__ import annotations
 
 # top-level module -> the extra that installs it
 EXTRA_OF_MODULE = {
-    "torch": "build", "safetensors": "build", "onnxscript": "build", "onnxruntime_genai": "build", "nncf": "build",
+    "torch": "build", "onnx_ir": "build", "onnxscript": "build", "onnxruntime_genai": "build", "nncf": "build",
     "threadpoolctl": "build", "matplotlib": "build", "lm_eval": "build", "datasets": "build",
     "ray": "ray", "psutil": "ray",
 }
