@@ -6,6 +6,7 @@ recipe, as a user's repository (recipes, no dstc source) does in CI (docs/github
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -18,8 +19,9 @@ from toolchain import __version__
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_RECIPE = ROOT / "recipes" / "deepseek-v3-tiny-openvino-int4.yaml"
-# what `pip install` may take: the wheels of the base install (about 600 MB) come from pip's cache or the index
-INSTALL_TIMEOUT = 600
+# what `pip install` may take: the wheels of the base install (about 600 MB, the build extra 2 GB more) come from
+# pip's cache or the index; resolving the build extra took 10+ minutes on a loaded 2-core machine
+INSTALL_TIMEOUT = 1800
 
 
 def _run(argv, timeout: float = 300, **kw) -> subprocess.CompletedProcess:
@@ -89,8 +91,8 @@ def test_a_serve_only_install_from_the_wheel_serves_and_refuses_a_build_in_one_l
     refused = _run([dstc, "build", DEFAULT_RECIPE, "-o", tmp_path / "out"], cwd=tmp_path,
                    env={"PATH": "/usr/bin:/bin", "DSTC_CACHE_DIR": str(tmp_path / "cache")})
     assert refused.returncode == 2, refused.stderr
-    assert refused.stderr.strip() == ("dstc: error: this command needs torch, which this install of dstc does not "
-                                      "have: pip install 'dstc[build]'")
+    assert re.fullmatch(r"dstc: error: this command needs (torch|onnx_ir), which this install of dstc does not "
+                        r"have: pip install 'dstc\[build\]'", refused.stderr.strip()), refused.stderr
     assert not (tmp_path / "out").exists()
 
 
