@@ -278,7 +278,7 @@ def test_the_build_and_gate_job_runs_as_written_and_writes_its_summary_after_a_f
         assert report_md.strip() and report_md in summary
         assert (runner.uploads / recipe / "artifacts" / recipe / "manifest.json").is_file()
     assert re.search(r"max_perplexity_increase\s+\S+\s+0\.02\s+pass", passing["summary"])
-    assert re.search(r"max_perplexity_increase\s+\S+\s+0\.02\s+fail", failing["summary"])
+    assert re.search(r"max_perplexity_increase\s+\S+\s+0\.02\s+FAIL", failing["summary"])
 
 
 @pytest.mark.slow
