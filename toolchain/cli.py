@@ -24,6 +24,7 @@ from toolchain.atomic import (
 from toolchain.cli_options import given_section, section_options
 from toolchain.deployment import ORT_GENAI
 from toolchain.errors import INTERNAL_ERROR_EXIT, INTERRUPTED_EXIT, DstcError, InputError
+from toolchain.extras import missing_extra
 from toolchain.gates import GateFailed, GateLimits, check_gates
 from toolchain.interface.reports import CompileReport, CompressionReport, ExportReport, PassesReport
 from toolchain.manifest import read_manifest, sign_artifact, verify_artifact
@@ -976,6 +977,13 @@ def main() -> None:
         if not is_write_error(e):
             _internal_error(e, as_json)
         _exit(f"{e.strerror}: {e.filename}", InputError.exit_code, as_json)  # a full disk is not a bug: no traceback
+    except ModuleNotFoundError as e:
+        # an install without an extra the command needs (pyproject.toml): how to add it, not a traceback
+        message = missing_extra(e)
+        if message is None:
+            _internal_error(e, as_json)
+        else:
+            _exit(message, InputError.exit_code, as_json)
     except Exception as e:
         _internal_error(e, as_json)
 

@@ -19,7 +19,7 @@ from pydantic import BaseModel, Field, PrivateAttr, ValidationError, model_valid
 from toolchain.errors import InputError, RecipeError
 from toolchain.gates import GateLimits
 from toolchain.hardware import has_int8_dot_product
-from toolchain.interface.moe_lowerings import parity_backends
+from toolchain.interface.moe_lowerings import RUNS_ON, parity_backends
 from toolchain.interface.reports import CompressionScheme
 from toolchain.settings.evaluation import EvalSettings
 from toolchain.settings.section import Section
@@ -265,9 +265,6 @@ class Recipe(Section):
     def _one_runtime(self) -> Recipe:
         """Every stage builds for the compile backend: a passes target or a MoE lowering for another runtime is
         refused when the recipe loads, not found by a stage that cannot convert the other's operators."""
-        # the exporter (torch, onnx_ir) loads only where a recipe is checked
-        from toolchain.export.moe import RUNS_ON
-
         backend = self.compile.backend
         if self.passes and self.passes.target != backend:
             raise ValueError(f"passes.target is {self.passes.target} and compile.backend is {backend}: the stages "

@@ -70,12 +70,13 @@ def with_extra_outputs(model, names: Sequence[str]) -> bytes:
     """A serialized copy of an ONNX graph (a path, read without its external weights, or an onnx_ir model) that
     also outputs the named values; ORT infers their types."""
     import onnx
-    import onnx_ir as ir
 
-    if isinstance(model, ir.Model):
-        proto = ir.serde.serialize_model(model)
-    else:
+    if isinstance(model, str | Path):  # an artifact's graph: onnx-ir (and its sympy) is the build extra's
         proto = onnx.load(str(model), load_external_data=False)
+    else:
+        import onnx_ir as ir
+
+        proto = ir.serde.serialize_model(model)
     known = {v for node in proto.graph.node for v in node.output} | {i.name for i in proto.graph.input}
     present = {o.name for o in proto.graph.output}
     for name in names:
@@ -154,10 +155,10 @@ class GraphRunner:
             self._init_openvino(model, list(extra_outputs), numerics, threads)
 
     def _init_ort(self, model, extra: list[str], threads: int | None) -> None:
-        import onnx_ir as ir
-
         external = None
-        if isinstance(model, ir.Model):
+        if not isinstance(model, str | Path):  # an onnx_ir model
+            import onnx_ir as ir
+
             external = next((v.const_value.base_dir for v in model.graph.initializers.values()
                              if isinstance(v.const_value, ir.ExternalTensor)), None)
             model = with_extra_outputs(model, extra)

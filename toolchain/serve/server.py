@@ -20,6 +20,7 @@ import socket
 import sys
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import uvicorn
 
@@ -44,9 +45,11 @@ from toolchain.serve.health import (
     recipe_thresholds,
 )
 from toolchain.serve.metrics import ServerMetrics
-from toolchain.serve.replicated import ReplicatedEngine
 from toolchain.serve.settings import ServeSettings
 from toolchain.settings.speculation import SpeculationSettings
+
+if TYPE_CHECKING:
+    from toolchain.serve.replicated import ReplicatedEngine
 
 DRAIN_S = 30  # SIGTERM lets the requests in flight finish for this long (Kubernetes' default grace period)
 DEFAULT_MAX_CONTEXT = 4096  # when the model's own is longer: the OpenVINO KV cache is allocated for it
@@ -111,6 +114,9 @@ class Service:
                        "layout": s.kv_layout, "rows_alone": rows_alone,
                        "speculation": SpeculationSettings(speculate=s.speculate, draft_tokens=s.draft_tokens)}
         if s.replicas is not None:
+            # Ray (the ray extra) loads only with --replicas
+            from toolchain.serve.replicated import ReplicatedEngine
+
             return ReplicatedEngine(self.artifact.backend, str(self.artifact.path), options, replicas=s.replicas,
                                     threads=s.threads, address=s.ray, max_batch=s.max_batch, max_queue=s.max_queue,
                                     memory_bytes=artifact_runtime_bytes(self.artifact), metrics=self.metrics)
