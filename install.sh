@@ -43,7 +43,7 @@ fi
 if pip show -q optimum-intel >/dev/null 2>&1; then pip uninstall -q -y optimum-intel; fi
 all=$(IFS=,; echo "${toolchain}${toolchain:+${extras[*]:+,}}${extras[*]:-}")
 pip install -q -e ".${all:+[$all]}"
-echo "dstc installed in $(pwd)/.venv (.venv/bin/dstc)${toolchain:- (serve only)}"
+echo "dstc installed in $(pwd)/.venv (.venv/bin/dstc), extras: ${all:-none (serve only)}"
 
 [ "$optimum_intel" = yes ] || exit 0
 [ -x .venv-optimum-intel/bin/python ] || "$python" -m venv .venv-optimum-intel
