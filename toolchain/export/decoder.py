@@ -10,6 +10,7 @@ With tied embeddings (tie_word_embeddings) the lm_head reads the embedding table
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -117,6 +118,16 @@ class Architecture(Protocol):
         """Return (output, present key, present value)."""
 
     def mlp(self, g: GraphBuilder, mlp: HFModule, h: ir.Value) -> ir.Value: ...
+
+
+def with_kv_cache(arch: Architecture, layout: str) -> Architecture:
+    """``arch`` with its cache in ``layout`` (a copy: the registry's instance is shared), or itself when it already
+    is (the cache-layout options of the families: deepseek.with_mla_cache, deepseek_v4.with_v4_cache)."""
+    if arch.kv_cache == layout:
+        return arch
+    arch = copy.copy(arch)
+    arch.kv_cache = layout
+    return arch
 
 
 def linear_weight_name(layer: int, module_path: str, dense_mlp: bool) -> str:

@@ -25,14 +25,13 @@ routed experts run (toolchain/export/moe.py), ``kv_cache`` what the cache holds 
 
 from __future__ import annotations
 
-import copy
 from dataclasses import replace
 
 import numpy as np
 
 from toolchain.errors import InputError, UnsupportedModelError
 from toolchain.export import blocks
-from toolchain.export.decoder import LayerInputs
+from toolchain.export.decoder import LayerInputs, with_kv_cache
 from toolchain.export.graph import GraphBuilder
 from toolchain.export.moe_layer import MoeArchitecture, config_value
 from toolchain.export.weights import LazyArray
@@ -51,11 +50,7 @@ def with_mla_cache(arch, layout: str | None):
         raise InputError(f"the MLA cache layout applies to MLA attention (deepseek_v2, deepseek_v3); "
                          f"{arch.model_types[0]} has {arch.attention_kind} attention, whose cache is per head: "
                          f"drop mla_cache / --mla-cache")
-    if arch.kv_cache == layout:
-        return arch
-    arch = copy.copy(arch)
-    arch.kv_cache = layout
-    return arch
+    return with_kv_cache(arch, layout)
 
 
 def absorbed_weights(kv_b, heads: int, nope: int, v_dim: int):

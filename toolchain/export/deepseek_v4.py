@@ -16,7 +16,6 @@ scores, normalised and times routed_scaling_factor; experts and shared expert ar
 
 from __future__ import annotations
 
-import copy
 import json
 from collections.abc import Callable
 
@@ -26,7 +25,7 @@ import torch
 
 from toolchain.errors import InputError, UnsupportedModelError
 from toolchain.export import blocks, deepseek_v4_attention as v4attn, moe_layer
-from toolchain.export.decoder import architecture_metadata
+from toolchain.export.decoder import architecture_metadata, with_kv_cache
 from toolchain.export.graph import GraphBuilder, rename_output, tensor_input
 from toolchain.export.moe_layer import MoeLayer
 from toolchain.export.routers import SCORINGS, BiasedTopK, HashRouter
@@ -61,11 +60,7 @@ def with_v4_cache(arch, layout: str | None):
     if not isinstance(arch, DeepseekV4Architecture):
         raise InputError(f"the V4 cache layout applies to deepseek_v4, not {arch.model_types[0]}: drop v4_cache / "
                          f"--v4-cache")
-    if arch.kv_cache == layout:
-        return arch
-    arch = copy.copy(arch)
-    arch.kv_cache = layout
-    return arch
+    return with_kv_cache(arch, layout)
 
 
 def _get(config, name: str):
