@@ -1,18 +1,22 @@
 """dstc as a user installs it: a wheel built from the source (pip wheel), installed into a fresh virtualenv from
 the wheel file and the package index. The base install (no extra) serves an artifact built elsewhere and refuses
-a build in one line; the slow test installs the build extra from the same wheel and builds and gates the default
-recipe, as a user's repository (recipes, no dstc source) does in CI (docs/github-actions-release-gate.yml)."""
+a build in one line; the slow test installs the build extra from the same wheel and builds, gates and serves the
+default recipe, as a user's repository (recipes, no dstc source) does in CI (docs/github-actions-release-gate.yml)."""
 
 from __future__ import annotations
 
 import json
 import re
 import shutil
+import signal
 import subprocess
 import sys
+import threading
+import time
 import zipfile
 from pathlib import Path
 
+import httpx
 import pytest
 
 from toolchain import __version__
@@ -97,7 +101,7 @@ def test_a_serve_only_install_from_the_wheel_serves_and_refuses_a_build_in_one_l
 
 
 @pytest.mark.slow
-def test_the_build_extra_from_the_wheel_builds_and_gates_the_default_recipe(wheel, tmp_path):
+def test_the_build_extra_from_the_wheel_builds_gates_and_serves_the_default_recipe(wheel, tmp_path):
     """A user's repository: the recipe and nothing of dstc's source; dstc[build] from the wheel."""
     bin_dir = _venv(tmp_path / "venv", wheel, extra="build")
     repo = tmp_path / "repo"
@@ -112,3 +116,50 @@ def test_the_build_extra_from_the_wheel_builds_and_gates_the_default_recipe(whee
     gated = _run(["dstc", "gate", "artifacts/default", "--max-kl-mean", "0.001", "--json"], cwd=repo, env=env)
     assert gated.returncode == 0, gated.stderr
     assert [g["passed"] for g in json.loads(gated.stdout)] == [True]
+    _serves(["dstc", "serve", "artifacts/default", "--port", "0", "--threads", "1"], cwd=repo, env=env,
+            model="default")
+
+
+def _serves(argv, cwd: Path, env: dict, model: str) -> None:
+    """``argv`` starts a server that answers a completion, then drains on SIGTERM and exits 0."""
+    server = subprocess.Popen(argv, cwd=cwd, env=env, text=True, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.PIPE)
+    log: list[str] = []
+    address = threading.Event()
+    base = {}
+
+    def read() -> None:
+        for line in server.stderr:
+            log.append(line)
+            match = re.search(r"http://127\.0\.0\.1:(\d+)/v1", line)
+            if match:
+                base["url"] = f"http://127.0.0.1:{match.group(1)}"
+                address.set()
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    try:
+        deadline = time.monotonic() + 300
+        while not address.wait(0.2):
+            assert server.poll() is None and time.monotonic() < deadline, "no address:\n" + "".join(log)
+        while True:
+            assert server.poll() is None, "the server exited:\n" + "".join(log)
+            try:
+                if httpx.get(base["url"] + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, "not ready:\n" + "".join(log)
+            time.sleep(0.2)
+        reply = httpx.post(base["url"] + "/v1/completions", timeout=120,
+                           json={"model": model, "prompt": "321+654=", "max_tokens": 4, "temperature": 0})
+        assert reply.status_code == 200, reply.text
+        assert reply.json()["usage"]["completion_tokens"] == 4
+        server.send_signal(signal.SIGTERM)
+        assert server.wait(60) == 0, "".join(log)
+    finally:
+        if server.poll() is None:
+            server.kill()
+            server.wait(30)
+    reader.join(10)
+    assert not any("Traceback" in line for line in log), "".join(log)
