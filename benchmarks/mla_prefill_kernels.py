@@ -72,7 +72,7 @@ class Widths:
 V3 = Widths()
 WEIGHTS_BYTES = int(2.42 * harness.GIB)  # the 2-layer shape-faithful V3 INT4 model's files: today's chunk budget
 F32 = TensorProto.FLOAT
-VARIANTS = ("absorbed", "flash", "plain", "flash-unfused")
+VARIANTS = ("absorbed", "flash", "gqa", "plain", "flash-unfused")
 
 
 def inputs(w: Widths, tokens: int, seed: int = 0) -> dict[str, np.ndarray]:
@@ -193,6 +193,25 @@ def flash_graph(w: Widths, kv_b: np.ndarray, tokens: int, block: int) -> bytes:
     return g.model(_prompt_inputs(w, tokens), out)
 
 
+def gqa_graph(w: Widths, kv_b: np.ndarray, tokens: int) -> bytes:
+    """The per-head form over the whole prompt on com.microsoft.GroupQueryAttention (causal in its kernel), V padded
+    with zeros to the q/k head size the op requires, the padding sliced off its output."""
+    g = Graph()
+    keys, values = decompressed(g, w, kv_b, extra=False)  # [1, S, H, qk], [1, S, H, v]
+    pad = g.op("Mul", g.op("Slice", keys, g.const([0]), g.const([w.qk - w.v]), g.const([3])), g.const(np.float32(0)))
+    values = g.op("Concat", values, pad, axis=-1)  # [1, S, H, qk]
+    q = g.op("Transpose", g.op("Concat", "q_nope", "q_rot", axis=-1), perm=[0, 2, 1, 3])
+    flat = g.const([1, 0, -1])
+    seqlens = g.const(np.array([tokens - 1], np.int32))  # the op's "total length - 1" per sequence
+    total = g.const(np.array(tokens, np.int32))
+    o = g.op("GroupQueryAttention", g.op("Reshape", q, flat), g.op("Reshape", keys, flat),
+             g.op("Reshape", values, flat), "", "", seqlens, total, outputs=3, domain="com.microsoft",
+             num_heads=w.heads, kv_num_heads=w.heads, scale=w.scale)[0]
+    o = g.op("Slice", g.op("Reshape", o, g.const([1, 0, w.heads, w.qk])), g.const([0]), g.const([w.v]),
+             g.const([3]))
+    return g.model(_prompt_inputs(w, tokens), g.op("Transpose", o, perm=[0, 2, 1, 3]))
+
+
 def _prompt_inputs(w: Widths, tokens: int) -> list[tuple[str, list]]:
     return [("q_nope", [1, w.heads, tokens, w.nope]), ("q_rot", [1, w.heads, tokens, w.rope]),
             ("latent", [1, tokens, w.rank]), ("k_rot", [1, tokens, w.rope])]
@@ -235,7 +254,8 @@ def child(variant: str, tokens: int, block: int, out: Path) -> None:
         detail = f"{len(spans)} chunks (largest {max(b - a for a, b in spans)})"
     else:
         per_head = variant.startswith("flash")
-        model = flash_graph(V3, x["kv_b"], tokens, block) if per_head else plain_graph(V3, x["kv_b"], tokens)
+        model = (flash_graph(V3, x["kv_b"], tokens, block) if per_head else gqa_graph(V3, x["kv_b"], tokens)
+                 if variant == "gqa" else plain_graph(V3, x["kv_b"], tokens))
         ops = sorted({n.op_type for n in onnx.load_from_string(model).graph.node})
         sess = session(model)
         started = time.perf_counter()
@@ -264,7 +284,7 @@ def main() -> None:
         return
     rows, reference = [], None
     with harness.one_at_a_time():
-        for variant in ("absorbed", "flash", *(("plain",) if args.plain else ()),
+        for variant in ("absorbed", "flash", "gqa", *(("plain",) if args.plain else ()),
                         *(("flash-unfused",) if args.control else ())):
             cmd = [sys.executable, __file__, "--child", variant, "--tokens", str(args.tokens), "--block",
                    str(args.block), "--workdir", str(args.workdir)]

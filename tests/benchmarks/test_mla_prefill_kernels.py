@@ -1,6 +1,6 @@
-"""benchmarks/mla_prefill_kernels.py's graphs at tiny widths: the per-head form on ONNX Runtime's flash kernel
-(query blocks, the normaliser through an extra key) gives today's chunked absorbed output and a numpy reference,
-and holds one com.microsoft.MultiHeadAttention per query block and no Softmax over a whole score row."""
+"""benchmarks/mla_prefill_kernels.py's graphs at tiny widths: the per-head form on ONNX Runtime's fused kernels
+(MultiHeadAttention in query blocks, the normaliser through an extra key; GroupQueryAttention, V padded) gives
+today's chunked absorbed output and a numpy reference, and holds the fused op and no Softmax over a score row."""
 
 from __future__ import annotations
 
@@ -40,12 +40,14 @@ def test_flash_blocks_match_the_absorbed_chunks_and_the_reference(bench, tiny, s
     x["q_nope"], x["q_rot"] = x["q_nope"] * spread, x["q_rot"] * spread
     feeds = {k: v for k, v in x.items() if k != "kv_b"}
     flash = bench.session(bench.flash_graph(tiny, x["kv_b"], TOKENS, BLOCK)).run(None, feeds)[0]
+    gqa = bench.session(bench.gqa_graph(tiny, x["kv_b"], TOKENS)).run(None, feeds)[0]
     absorbed = bench.absorbed_chunked(bench.session(bench.absorbed_graph(tiny, x["kv_b"])), x,
                                       [(0, 13), (13, 29), (29, TOKENS)])
     reference = numpy_reference(tiny, x)
-    assert flash.shape == absorbed.shape == (1, tiny.heads, TOKENS, tiny.v)
+    assert flash.shape == gqa.shape == absorbed.shape == (1, tiny.heads, TOKENS, tiny.v)
     scale = np.abs(reference).max()
     assert np.abs(flash - reference).max() <= 1e-5 * scale
+    assert np.abs(gqa - reference).max() <= 1e-5 * scale
     assert np.abs(absorbed - reference).max() <= 1e-5 * scale
     # the first row sees one key: its value row exactly
     first = reference[0, :, 0]
@@ -65,3 +67,11 @@ def test_flash_graph_holds_one_fused_attention_per_query_block(bench, tiny):
     plain = onnx.load_from_string(bench.plain_graph(tiny, x["kv_b"], TOKENS)).graph
     assert [n.op_type for n in plain.node].count("Softmax") == 1
     assert not [n for n in plain.node if n.op_type == "MultiHeadAttention"]
+
+
+def test_gqa_graph_holds_one_fused_causal_attention(bench, tiny):
+    x = bench.inputs(tiny, TOKENS)
+    graph = onnx.load_from_string(bench.gqa_graph(tiny, x["kv_b"], TOKENS)).graph
+    fused = [n for n in graph.node if n.op_type == "GroupQueryAttention"]
+    assert len(fused) == 1 and fused[0].domain == "com.microsoft"
+    assert not [n for n in graph.node if n.op_type in ("Softmax", "MultiHeadAttention")]
