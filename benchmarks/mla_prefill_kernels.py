@@ -1,5 +1,5 @@
 """MLA prefill at DeepSeek-V3's attention widths, one layer's attention alone: today's absorbed form in query chunks
-against the per-head form on ONNX Runtime's fused (score-free) attention kernel, to learn whether issue #37's
+against the per-head form on ONNX Runtime's fused (score-free) attention kernels, to learn whether issue #37's
 per-head prefill can be made fast before rebuilding the export.
 
 The widths: 128 heads, qk_nope 128 + rope 64, v 128, kv_lora_rank 512; random queries, latent and rotary keys
@@ -8,17 +8,20 @@ The widths: 128 heads, qk_nope 128 + rope 64, v 128, kv_lora_rank 512; random qu
 - ``absorbed``: today's latent graph (toolchain/export/deepseek.py): per chunk of C queries (toolchain/runtime/
   prefill_chunks.py's spans, the score budget of a 2-layer shape-faithful V3 INT4 model, weights/16), scores
   q_nope·W_uk·latent^T + q_rot·k_rot^T against the T = end-of-chunk cached positions, masked Softmax, ·latent, ·W_uv.
-- ``flash``: the per-head form, K/V decompressed once with kv_b_proj, and attention on ONNX Runtime's only CPU
-  kernel that holds no [B, H, S, T] score tensor: com.microsoft.MultiHeadAttention's MLAS flash path, which it takes
-  only with no mask, no causal flag and no past/present (onnxruntime/contrib_ops/cpu/bert/multihead_attention.cc,
-  the ``!is_unidirectional_ && key_padding_mask == nullptr && extra_add_qk == nullptr && past_key == nullptr``
-  condition). Causality by query blocks of --block: block j's queries read the keys before the block through the
-  flash kernel (unmasked: all visible) and the block's own keys through explicit masked MatMuls ([H, C, C] scores),
-  the two merged exactly by their softmax normalisers. The flash kernel returns normalised outputs only; its
-  normaliser comes back through one extra key whose score is the block's own row maximum m (an extra query
-  component m against an extra key component 1/scale) and whose value is a unit extra column: that column's output
-  is e^m / (Z + e^m), so Z·e^-m = 1/out - 1 and the numerator is the value columns / out. (Exact in arithmetic; in
-  fp32 while a row's earlier scores stay within ~87 of its own block's maximum.)
+- ``gqa``: the per-head form, K/V decompressed once with kv_b_proj, on com.microsoft.GroupQueryAttention, whose CPU
+  kernel has a flash path that is causal and holds no [B, H, S, T] score tensor (ORT_GQA_DISABLE_FLASH_ATTENTION=1
+  switches it off); the op wants V's head size equal to q/k's, so V is padded with zeros from 128 to 192 and the
+  padding sliced off the output.
+- ``flash``: the same on com.microsoft.MultiHeadAttention's MLAS flash path, which it takes only with no mask, no
+  causal flag and no past/present (onnxruntime/contrib_ops/cpu/bert/multihead_attention.cc, the
+  ``!is_unidirectional_ && key_padding_mask == nullptr && extra_add_qk == nullptr && past_key == nullptr``
+  condition), but any v head size. Causality by query blocks of --block: block j's queries read the keys before
+  the block through the flash kernel (unmasked: all visible) and the block's own keys through explicit masked
+  MatMuls ([H, C, C] scores), the two merged exactly by their softmax normalisers. The flash kernel returns
+  normalised outputs only; its normaliser comes back through one extra key whose score is the block's own row
+  maximum m (an extra query component m against an extra key component 1/scale) and whose value is a unit extra
+  column: that column's output is e^m / (Z + e^m), so Z·e^-m = 1/out - 1 and the numerator is the value columns
+  / out. (Exact in arithmetic; in fp32 while a row's earlier scores stay within ~87 of its own block's maximum.)
 - ``plain``: the per-head form as plain MatMul/Softmax over the whole prompt (what the last attempt built), only
   with --plain (it holds 4·H·S² bytes of scores: 8 GiB at 4k).
 
