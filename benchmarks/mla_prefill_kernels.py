@@ -270,17 +270,111 @@ def child(variant: str, tokens: int, block: int, out: Path) -> None:
     print(json.dumps({"seconds": seconds, "detail": detail}))
 
 
+KERNELS = ("ort-attention23-causal", "ort-gqa", "ort-gqa-unfused", "ort-mha-noncausal", "openvino-sdpa-causal",
+           "openvino-sdpa-mask")
+
+
+def kernel_child(kernel: str, tokens: int) -> None:
+    """One attention op alone over random per-head q/k/v at V3 widths (q/k 192, v 128; 192 where the op wants
+    equal sizes): its time and, for OpenVINO, the compiled model's layer types (is the SDPA kept?)."""
+    rng = np.random.default_rng(0)
+    w, v_dim = V3, V3.qk if kernel.startswith("ort-gqa") else V3.v
+
+    def normal(*shape: int) -> np.ndarray:
+        return rng.standard_normal(shape).astype(np.float32)
+
+    detail = ""
+    if kernel.startswith("ort"):
+        g = Graph()
+        if kernel == "ort-attention23-causal":  # ONNX's Attention, 4-D [B, H, S, *]
+            names, shapes = ["q", "k", "v"], [[1, w.heads, tokens, w.qk]] * 2 + [[1, w.heads, tokens, v_dim]]
+            out = g.op("Attention", *names, is_causal=1, scale=w.scale)
+            opset = 23
+        else:  # contrib ops, [B, S, H * head]
+            names = ["q", "k", "v"]
+            shapes = [[1, tokens, w.heads * w.qk]] * 2 + [[1, tokens, w.heads * v_dim]]
+            opset = 18
+            if kernel.startswith("ort-gqa"):
+                out = g.op("GroupQueryAttention", *names, "", "", g.const(np.array([tokens - 1], np.int32)),
+                           g.const(np.array(tokens, np.int32)), outputs=3, domain="com.microsoft",
+                           num_heads=w.heads, kv_num_heads=w.heads, scale=w.scale)[0]
+            else:
+                out = g.op("MultiHeadAttention", *names, domain="com.microsoft", num_heads=w.heads, scale=w.scale)
+        graph = helper.make_graph(g.nodes, "g", [helper.make_tensor_value_info(n, F32, s)
+                                                 for n, s in zip(names, shapes, strict=True)],
+                                  [helper.make_tensor_value_info(out, F32, None)], g.inits)
+        model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset),
+                                                        helper.make_opsetid("com.microsoft", 1)])
+        sess = session(model.SerializeToString())
+        feeds = {n: normal(*s) for n, s in zip(names, shapes, strict=True)}
+        started = time.perf_counter()
+        sess.run(None, feeds)
+    else:
+        import openvino as ov
+        from openvino import opset13 as ops
+        from openvino.op.util import Variable, VariableInfo
+
+        params = [ops.parameter([1, w.heads, -1, size], np.float32) for size in (w.qk, w.qk, v_dim)]
+        if kernel == "openvino-sdpa-mask":
+            params.append(ops.parameter([1, 1, -1, -1], np.float32))
+        sdpa = ops.scaled_dot_product_attention(*params, scale=ops.constant(np.float32(w.scale)),
+                                                causal=kernel == "openvino-sdpa-causal")
+        info = VariableInfo()  # a variable, as in dstc's stateful IRs: the plugin's SDPA callback looks for one
+        info.data_shape, info.data_type, info.variable_id = ov.PartialShape([1]), ov.Type.f32, "state"
+        variable = Variable(info)
+        state = ops.read_value(ops.constant(np.zeros(1, np.float32)), variable)
+        model = ov.Model([sdpa.output(0), state.output(0)], [ops.assign(state, variable)], params)
+        compiled = ov.Core().compile_model(model, "CPU", {"INFERENCE_NUM_THREADS": 2,
+                                                          "INFERENCE_PRECISION_HINT": "f32"})
+        layers = sorted({op.get_rt_info()["layerType"].astype(str) for op in compiled.get_runtime_model().get_ops()})
+        detail = "layer types: " + ", ".join(layers)
+        feeds = [normal(1, w.heads, tokens, size) for size in (w.qk, w.qk, v_dim)]
+        if kernel == "openvino-sdpa-mask":
+            feeds.append(causal_mask(tokens, tokens, 0))
+        request = compiled.create_infer_request()
+        started = time.perf_counter()
+        request.infer(feeds)
+    print(json.dumps({"seconds": time.perf_counter() - started, "detail": detail}))
+
+
+def survey(tokens: int) -> None:
+    """Each kernel alone (kernel_child) in a child process: its time and the process tree's peak RSS, inputs in."""
+    rows = []
+    for kernel in KERNELS:
+        env = {"ORT_GQA_DISABLE_FLASH_ATTENTION": "1"} if kernel == "ort-gqa-unfused" else None
+        run = harness.run_measured([sys.executable, __file__, "--kernel", kernel, "--tokens", str(tokens)], env=env,
+                                   timeout=3600)
+        if run.returncode != 0:
+            rows.append([kernel, "failed", "", run.last_line()])
+            continue
+        report = json.loads(run.last_line())
+        rows.append([kernel, f"{report['seconds']:.1f}", f"{run.peak_bytes / harness.GIB:.2f}", report["detail"]])
+    print(harness.markdown_table(["kernel", "seconds", "peak RSS GiB", "detail"], rows))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tokens", type=int, default=4096)
     parser.add_argument("--block", type=int, default=512, help="the flash variant's query block")
-    parser.add_argument("--workdir", type=Path, required=True)
+    parser.add_argument("--workdir", type=Path, help="where the variants' outputs go (not with --survey)")
     parser.add_argument("--plain", action="store_true", help="also the per-head form on plain MatMuls")
     parser.add_argument("--control", action="store_true",
                         help="also the flash variant with ONNX Runtime's flash path switched off "
                              "(ORT_DISABLE_FLASH_ATTENTION=1: the same graph, the kernel holding its scores)")
     parser.add_argument("--child", choices=VARIANTS)
+    parser.add_argument("--survey", action="store_true",
+                        help="instead: each runtime's attention ops alone over per-head q/k/v (KERNELS)")
+    parser.add_argument("--kernel", choices=KERNELS)
     args = parser.parse_args()
+    if args.kernel:
+        kernel_child(args.kernel, args.tokens)
+        return
+    if args.survey:
+        with harness.one_at_a_time():
+            survey(args.tokens)
+        return
+    if args.workdir is None:
+        parser.error("--workdir is required")
     args.workdir.mkdir(parents=True, exist_ok=True)
     if args.child:
         child(args.child, args.tokens, args.block, args.workdir / f"{args.child}.npy")
