@@ -25,15 +25,15 @@ The widths: 128 heads, qk_nope 128 + rope 64, v 128, kv_lora_rank 512; random qu
 - ``plain``: the per-head form as plain MatMul/Softmax over the whole prompt (what the last attempt built), only
   with --plain (it holds 4·H·S² bytes of scores: 8 GiB at 4k).
 
-OpenVINO is not measured here: its CPU plugin keeps ScaledDotProductAttention as its fused node only over a KV-cache
-state (StatefulSDPAFusion); a per-head SDPA over tensors computed in the graph is decomposed into MatMul/Softmax
-(snippets Subgraph), holding the scores (2048 tokens: 2.0 GiB over the inputs), causal flag or explicit mask,
-head sizes 192/128 or padded to 192/192, with or without a variable in the model (2026.4.1, measured 2026-12-08).
+OpenVINO has no variant here: its CPU plugin keeps ScaledDotProductAttention as its fused node over a KV-cache state
+(StatefulSDPAFusion); a per-head SDPA over tensors computed in the graph is decomposed into MatMul/Softmax (a
+snippets Subgraph) holding the scores. ``--survey`` shows it, and each ONNX Runtime op's time and memory alone.
 
 Each variant runs in a child process under harness.run_measured (process-tree peak RSS); the parent checks each
 output against ``absorbed`` (max |diff| over the output range) and prints the table.
 
     nice -n 10 .venv/bin/python benchmarks/mla_prefill_kernels.py --tokens 4096 --workdir /tmp/prefill/kernels
+    nice -n 10 .venv/bin/python benchmarks/mla_prefill_kernels.py --survey --tokens 2048
 """
 
 from __future__ import annotations
