@@ -132,10 +132,10 @@ def test_generate_streams_the_answer_of_a_held_out_problem(healthy, cache):
     from toolchain.models.corpus import task_examples
 
     (prompt, answer), = task_examples("heldout", 1)
-    proc = dstc("generate", healthy, prompt, "--raw", "--max-new-tokens", "8", env=cache)
+    proc = dstc("generate", healthy, prompt, "--raw", "--new-tokens", "8", env=cache)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.split("\n")[0].strip() == answer
-    chat = dstc("generate", healthy, prompt, "--max-new-tokens", "4", env=cache)  # the chat template by default
+    chat = dstc("generate", healthy, prompt, "--new-tokens", "4", env=cache)  # the chat template by default
     assert chat.returncode == 0 and chat.stdout != proc.stdout
     missing = dstc("generate", healthy.parent / "nothing-here", prompt, env=cache)
     assert missing.returncode == 2 and "Traceback" not in missing.stderr
