@@ -1,5 +1,6 @@
-"""When a long phase (eval, calibration) writes a progress line: after every part of it while there are few, else about every
-tenth of the way, and after the last, so that a CI log shows where the minutes go without a line per token."""
+"""When a long phase (eval, calibration) writes a progress line: after every part of it while there are few, else
+about every tenth of the way, and after the last, so that a CI log shows where the minutes go without a line per
+token."""
 
 from __future__ import annotations
 

@@ -15,8 +15,8 @@ import numpy as np
 import torch
 
 from toolchain.evaluate.dataset import EvalData
-from toolchain.progress import due
 from toolchain.evaluate.reference_record import ReferenceRecord, answer_stops, first_scored, generate
+from toolchain.progress import due
 from toolchain.report.schema import Metric
 from toolchain.settings.evaluation import EvalSettings
 

@@ -7,8 +7,8 @@ from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 
-from toolchain.evaluate.reference import resolve_reference
 from toolchain.evaluate.latency import latency_settings, measure_latency_interleaved
+from toolchain.evaluate.reference import resolve_reference
 from toolchain.evaluate.run import eval_latency_settings, evaluate_artifact, latency_plan
 from toolchain.interface.reports import CompressionReport, ExportReport
 from toolchain.manifest_schema import Manifest

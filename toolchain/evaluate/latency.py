@@ -64,7 +64,8 @@ class _LatencyProcess:
         self.log = log
         self._tmp = tempfile.TemporaryDirectory(prefix="dstc-latency-")
         self.out = Path(self._tmp.name) / "result.json"
-        self._stderr = open(Path(self._tmp.name) / "stderr", "w+")
+        # a file, not a pipe: a child that writes much to stderr never blocks on a pipe nobody reads until it ends
+        self._stderr = open(Path(self._tmp.name) / "stderr", "w+")  # noqa: SIM115 (closed by close())
         self.proc = subprocess.Popen([sys.executable, "-m", __name__, json.dumps(settings), str(self.out)],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._stderr, text=True,
                                      bufsize=1)
@@ -210,19 +211,19 @@ def _measure(settings: dict, commands: Iterator[str]) -> dict:
         for batch in settings["batches"]:
             prompts[length, batch] = _prompts(tokenizer, length, batch)
     runs: dict[tuple[int, int], list] = {case: [] for case in prompts}
-    for case, rows in prompts.items():
+    for shape, rows in prompts.items():
         started = time.perf_counter()
         for _ in range(settings["warmup"]):
             greedy_generate(decoder, rows, new_tokens, set(), artifact.pad_token_id, ignore_stop=True)
-        _progress(f"{_case_line(*case)} warm-up: {settings['warmup']} runs in {time.perf_counter() - started:.1f} s")
+        _progress(f"{_case_line(*shape)} warm-up: {settings['warmup']} runs in {time.perf_counter() - started:.1f} s")
     _done()
     for repetition in range(1, repetitions + 1):
         if next(commands) != "round":
             raise RuntimeError("the latency process was told to finish before its last round")
-        for case, rows in prompts.items():
+        for shape, rows in prompts.items():
             run = greedy_generate(decoder, rows, new_tokens, set(), artifact.pad_token_id, ignore_stop=True)
-            runs[case].append(run)
-            _progress(f"{_case_line(*case)} run {repetition}/{repetitions}: TTFT {run.ttft_s * 1e3:.1f} ms, ITL "
+            runs[shape].append(run)
+            _progress(f"{_case_line(*shape)} run {repetition}/{repetitions}: TTFT {run.ttft_s * 1e3:.1f} ms, ITL "
                       f"{statistics.median(run.itl_s) * 1e3:.2f} ms")
         _done()
     if next(commands) != "finish":

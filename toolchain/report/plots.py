@@ -319,23 +319,23 @@ def gate_plot(reports: Report | Labelled) -> str | None:
     pairs = labelled(reports)
     if len(pairs) != 1:
         return None
-    gates = [g for g in pairs[0][1].gates or [] if g.value is not None]
+    gates = [(g, g.value) for g in pairs[0][1].gates or [] if g.value is not None]
     if not gates:
         return None
     fig, axes = _figure(len(gates), height=0.62)
-    for ax, g in zip(axes, gates):
+    for ax, (g, value) in zip(axes, gates):
         colour = "#1a7f37" if g.passed else "#cf222e"
         ax.grid(True, axis="x", color="#dddddd", linewidth=0.6)
         ax.grid(False, axis="y")
-        ax.barh([0], [g.value], height=0.6, color=colour + "99", edgecolor=colour)
+        ax.barh([0], [value], height=0.6, color=colour + "99", edgecolor=colour)
         ax.axvline(g.limit, color=colour, linestyle="--", linewidth=1.2)
-        high = max(g.value, g.limit) * 1.15 or 1.0
-        ax.set_xlim(min(0.0, g.value), high)
+        high = max(value, g.limit) * 1.15 or 1.0
+        ax.set_xlim(min(0.0, value), high)
         ax.set_yticks([0], [g.name])
         ax.tick_params(axis="y", length=0, labelsize=8)
         ax.tick_params(axis="x", labelsize=7)
         sign = "≥" if g.name.startswith("min_") else "≤"
-        ax.annotate(f"{plain_number(g.value)} {sign} {plain_number(g.limit)}: {'pass' if g.passed else 'FAIL'}",
+        ax.annotate(f"{plain_number(value)} {sign} {plain_number(g.limit)}: {'pass' if g.passed else 'FAIL'}",
                     xy=(1.0, 0.5), xycoords="axes fraction", xytext=(4, 0), textcoords="offset points",
                     va="center", fontsize=8, color=colour)
     axes[0].set_title("Gates: each value (bar) against its limit (dashed line)", fontsize=10, loc="left")
