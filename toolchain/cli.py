@@ -632,7 +632,8 @@ def eval_cmd(artifact: Path, reference: str | None, out_dir: Path | None, as_jso
     match, MoE routing agreement. The reference runs one decoder layer at a time from the checkpoint, and its
     outputs are kept in the reference cache for the next artifact of the same model and data. Latency (in a fresh
     process): load time, time to first token P50/P90/P99, inter-token latency P50/P90, tokens/s, peak RSS, for
-    every prompt length x batch. Writes report.json, report.md and report.html.
+    every prompt length x batch. Writes report.json, report.md and report.html. Progress on stderr, plain lines
+    with the elapsed time: each reference layer, the accuracy pass in steps, each latency case and run.
     """
     # loaded when the command runs: the CLI starts without numpy, torch or the runtimes
     from toolchain.evaluate.run import evaluate_artifact, write_report
@@ -672,7 +673,12 @@ def _holds_gated_report(artifact: Path) -> bool:
 def compare_cmd(artifacts: tuple[Path, ...], reference: str | None, html_out: Path | None, as_json: bool,
                 **options) -> None:
     """Evaluate several ARTIFACTS in one run with the same prompts (typically one recipe built for ONNX Runtime
-    and OpenVINO) and print them side by side, with each value's ratio to the first artifact's."""
+    and OpenVINO) and print them side by side, with each value's ratio to the first artifact's.
+
+    Their latency runs alternate, A, B, A, B (a round is one run of every case of each), when they fit in memory
+    together, else one artifact after the other. The output says what else differs between the builds (scheme,
+    method, bits per weight, MoE lowering, cache), the CPU and threads, and names a better value only where the
+    values differ as shown. Progress on stderr: a line per latency case and run, with the elapsed time."""
     # loaded when the command runs: the CLI starts without numpy, torch or the runtimes
     from toolchain.evaluate.compare import build_facts, compare_artifacts, labels_for
 
