@@ -7,6 +7,7 @@ from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 
+from toolchain.evaluate import tasks
 from toolchain.evaluate.latency import latency_settings, measure_latency_interleaved
 from toolchain.evaluate.reference import resolve_reference
 from toolchain.evaluate.run import eval_latency_settings, evaluate_artifact, latency_plan
@@ -67,6 +68,7 @@ def compare_artifacts(paths: list[Path], settings: EvalSettings, *, reference: s
     artifacts = [open_artifact(path) for path in paths]
     for artifact in artifacts:
         resolve_reference(artifact.manifest, reference)
+    tasks.check(settings)  # before the latency rounds, as evaluate_artifact checks it before the reference
     latencies: list[dict | None] = [None] * len(paths)
     if settings.latency:
         latencies = list(_interleaved_latency(paths, artifacts, settings, log))
