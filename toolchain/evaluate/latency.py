@@ -215,7 +215,9 @@ def _measure(settings: dict, commands: Iterator[str]) -> dict:
         started = time.perf_counter()
         for _ in range(settings["warmup"]):
             greedy_generate(decoder, rows, new_tokens, set(), artifact.pad_token_id, ignore_stop=True)
-        _progress(f"{_case_line(*shape)} warm-up: {settings['warmup']} runs in {time.perf_counter() - started:.1f} s")
+        warmup = settings["warmup"]
+        _progress(f"{_case_line(*shape)} warm-up: {warmup} run{'' if warmup == 1 else 's'} in "
+                  f"{time.perf_counter() - started:.1f} s")
     _done()
     for repetition in range(1, repetitions + 1):
         if next(commands) != "round":
