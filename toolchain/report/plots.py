@@ -147,7 +147,8 @@ def _limit_line(ax, limit: float, passed: bool, text: str) -> None:
     colour = "#1a7f37" if passed else "#cf222e"
     ax.axhline(limit, color=colour, linestyle="--", linewidth=1.1, zorder=3)
     ax.annotate(text, xy=(1.0, limit), xycoords=("axes fraction", "data"), xytext=(-2, 2),
-                textcoords="offset points", ha="right", va="bottom", fontsize=7.5, color=colour)
+                textcoords="offset points", ha="right", va="bottom", fontsize=7.5, color=colour,
+                bbox={"facecolor": "white", "edgecolor": "none", "alpha": 0.85, "pad": 1})
     low, high = ax.get_ylim()
     if limit > high:
         ax.set_ylim(low, limit * (1.3 if ax.get_yscale() == "log" else 1.08))
