@@ -2,8 +2,10 @@
 runtime's own.
 
 The child process imports the runtime and the tokenizer, notes its peak RSS (the baseline), opens the decoder
-(``load_s``), then runs each (prompt length, batch) case ``warmup`` times unmeasured and ``repetitions`` times
-measured, each a ``greedy_generate(..., ignore_stop=True)`` of exactly ``new_tokens`` tokens:
+(``load_s``), then runs each (prompt length, batch) case ``warmup`` times unmeasured, then ``repetitions`` rounds
+of one measured run of every case, each a ``greedy_generate(..., ignore_stop=True)`` of exactly ``new_tokens``
+tokens; the parent starts each round, so that `dstc compare` alternates its artifacts' rounds, and logs the line
+the child prints per case and run:
 
 - ``ttft_ms``: one per repetition, cache reset + prefill + the first token;
 - ``itl_ms``: every later decode step of every repetition (``new_tokens - 1`` per repetition);
