@@ -260,6 +260,23 @@ def test_a_gate_option_by_its_former_name_still_gates_and_names_the_current_one(
     assert current in help_text and f"{former} " not in help_text
 
 
+def test_generate_takes_new_tokens_as_eval_and_export_do_and_its_former_name_with_a_warning(monkeypatch, capsys,
+                                                                                             artifacts):
+    from toolchain.cli import cli
+
+    for command in ("generate", "eval", "export"):
+        options = {o for p in cli.commands[command].params if not getattr(p, "hidden", False) for o in p.opts}
+        assert "--new-tokens" in options and "--max-new-tokens" not in options, command
+    code, out, err = _run(monkeypatch, capsys, "generate", artifacts["onnxruntime"], "321+654=", "--raw",
+                          "--max-new-tokens", "2", "--json")
+    assert code == 0, err
+    assert "dstc: warning: --max-new-tokens is now --new-tokens" in err
+    assert len(json.loads(out)["tokens"]) == 2
+    code, err = run_cli(monkeypatch, capsys, "generate", artifacts["onnxruntime"], "1+2=", "--max-new-tokens", "2",
+                        "--new-tokens", "3")
+    assert_one_line_error(code, err, "--new-tokens given twice")
+
+
 def test_a_recipe_gated_against_another_models_baseline_is_refused_before_the_build(monkeypatch, capsys, tmp_path):
     recipe = tmp_path / "r.yaml"
     recipe.write_text(f"name: r\nmodel: r1-distill-qwen-tiny\ncompile: {{backend: onnxruntime}}\n"
@@ -352,7 +369,7 @@ def test_weights_a_runtime_cannot_load_are_one_line_naming_the_model(monkeypatch
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_whole_artifacts_still_generate(monkeypatch, capsys, artifacts, backend):
     code, out, err = _run(monkeypatch, capsys, "generate", artifacts[backend], "321+654=", "--raw",
-                          "--max-new-tokens", "4")
+                          "--new-tokens", "4")
     assert code == 0, err
     assert out.startswith("9750")
 

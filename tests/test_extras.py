@@ -58,7 +58,7 @@ def test_verify_generate_and_gate_need_no_extra(absent, artifact, backend):
     verified = _dstc(absent, "verify", art.path)
     assert verified.returncode == 0, verified.stderr
     assert "every file matches manifest.json" in verified.stdout
-    generated = _dstc(absent, "generate", art.path, "The cat", "--max-new-tokens", "5", "--raw", "--json")
+    generated = _dstc(absent, "generate", art.path, "The cat", "--new-tokens", "5", "--raw", "--json")
     assert generated.returncode == 0, generated.stderr
     assert json.loads(generated.stdout)["new_tokens"] == 5
 

@@ -312,7 +312,7 @@ def test_generate_refuses_a_prompt_past_the_context_before_loading(monkeypatch, 
     context = json.loads((artifact / "config.json").read_text())["max_position_embeddings"]
     code, err = run_cli(monkeypatch, capsys, "generate", artifact, "1+2= " * context, "--raw")
     assert_one_line_error(code, err, f"exceeds the model's context of {context} tokens")
-    code, err = run_cli(monkeypatch, capsys, "generate", artifact, "1+2=", "--raw", "--max-new-tokens",
+    code, err = run_cli(monkeypatch, capsys, "generate", artifact, "1+2=", "--raw", "--new-tokens",
                         str(context))
     assert_one_line_error(code, err, "exceeds the model's context")
 

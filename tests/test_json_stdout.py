@@ -130,7 +130,7 @@ def test_compile_json_cold(exported, tmp_path):
 
 def test_generate_json(built, tmp_path):
     _, artifact, _ = built
-    record = ok(dstc("generate", artifact, "321+654=", "--raw", "--max-new-tokens", "3", "--json",
+    record = ok(dstc("generate", artifact, "321+654=", "--raw", "--new-tokens", "3", "--json",
                      cache=tmp_path))
     assert record["new_tokens"] == 3 and len(record["tokens"]) == 3
 

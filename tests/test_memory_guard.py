@@ -78,7 +78,7 @@ def test_commands_refuse_an_artifact_that_does_not_fit(monkeypatch, capsys, tmp_
     assert not (tmp_path / "o").exists()
     # with the memory it needs, the same artifact runs
     monkeypatch.setenv(MEMORY_LIMIT_ENV, str(artifact_runtime_bytes(open_artifact(artifact))))
-    code, out, err = _run(monkeypatch, capsys, "generate", artifact, "321+654=", "--raw", "--max-new-tokens", "4")
+    code, out, err = _run(monkeypatch, capsys, "generate", artifact, "321+654=", "--raw", "--new-tokens", "4")
     assert code == 0 and out.startswith("9750"), err
 
 

@@ -89,7 +89,7 @@ def test_a_serve_only_install_from_the_wheel_serves_and_refuses_a_build_in_one_l
     art = artifact("deepseek-v3-tiny", "openvino").path
     verified = _run([dstc, "verify", art], cwd=tmp_path)
     assert verified.returncode == 0, verified.stderr
-    generated = _run([dstc, "generate", art, "The cat", "--max-new-tokens", "4", "--raw", "--json"], cwd=tmp_path)
+    generated = _run([dstc, "generate", art, "The cat", "--new-tokens", "4", "--raw", "--json"], cwd=tmp_path)
     assert generated.returncode == 0, generated.stderr
     assert json.loads(generated.stdout)["new_tokens"] == 4
     refused = _run([dstc, "build", DEFAULT_RECIPE, "-o", tmp_path / "out"], cwd=tmp_path,

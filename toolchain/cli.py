@@ -21,7 +21,7 @@ from toolchain.atomic import (
     is_write_error,
     write_file_atomically,
 )
-from toolchain.cli_options import given_section, section_options
+from toolchain.cli_options import former_name, given_section, section_options, take_former_names
 from toolchain.deployment import ORT_GENAI
 from toolchain.errors import INTERNAL_ERROR_EXIT, INTERRUPTED_EXIT, DstcError, InputError
 from toolchain.extras import missing_extra
@@ -632,7 +632,8 @@ def eval_cmd(artifact: Path, reference: str | None, out_dir: Path | None, as_jso
     match, MoE routing agreement. The reference runs one decoder layer at a time from the checkpoint, and its
     outputs are kept in the reference cache for the next artifact of the same model and data. Latency (in a fresh
     process): load time, time to first token P50/P90/P99, inter-token latency P50/P90, tokens/s, peak RSS, for
-    every prompt length x batch. Writes report.json, report.md and report.html.
+    every prompt length x batch. Writes report.json, report.md and report.html. Progress on stderr, plain lines
+    with the elapsed time: each reference layer, the accuracy pass in steps, each latency case and run.
     """
     # loaded when the command runs: the CLI starts without numpy, torch or the runtimes
     from toolchain.evaluate.run import evaluate_artifact, write_report
@@ -672,7 +673,12 @@ def _holds_gated_report(artifact: Path) -> bool:
 def compare_cmd(artifacts: tuple[Path, ...], reference: str | None, html_out: Path | None, as_json: bool,
                 **options) -> None:
     """Evaluate several ARTIFACTS in one run with the same prompts (typically one recipe built for ONNX Runtime
-    and OpenVINO) and print them side by side, with each value's ratio to the first artifact's."""
+    and OpenVINO) and print them side by side, with each value's ratio to the first artifact's.
+
+    Their latency runs alternate, A, B, A, B (a round is one run of every case of each), when they fit in memory
+    together, else one artifact after the other. The output says what else differs between the builds (scheme,
+    method, bits per weight, MoE lowering, cache), the CPU and threads, and names a better value only where the
+    values differ as shown. Progress on stderr: a line per latency case and run, with the elapsed time."""
     # loaded when the command runs: the CLI starts without numpy, torch or the runtimes
     from toolchain.evaluate.compare import build_facts, compare_artifacts, labels_for
 
@@ -752,8 +758,9 @@ def _warn_gates(results) -> None:
 @cli.command("generate")
 @click.argument("artifact", type=click.Path(path_type=Path))
 @click.argument("prompt")
-@click.option("--max-new-tokens", type=click.IntRange(1), default=64, show_default=True,
+@click.option("--new-tokens", type=click.IntRange(1), default=64, show_default=True,
               help="Stop after this many new tokens (or at an end-of-sequence token).")
+@former_name("new_tokens", "--max-new-tokens", click.IntRange(1))  # as eval's and export's --new-tokens now
 @click.option("--chat/--raw", default=None,
               help="Wrap PROMPT in the tokenizer's chat template (default when it has one) or send it as is. "
                    "The embedded models were trained on raw text: use --raw with them.")
@@ -767,14 +774,16 @@ def _warn_gates(results) -> None:
 @click.option("--json", "as_json", is_flag=True,
               help="Print one JSON object when done (tokens, text, time, speculation's acceptance per draft "
                    "position) instead of streaming the text.")
-def generate_cmd(artifact: Path, prompt: str, max_new_tokens: int, chat: bool | None, threads: int | None,
-                 runtime_cache: int | None, as_json: bool, **options) -> None:
+def generate_cmd(artifact: Path, prompt: str, chat: bool | None, threads: int | None, runtime_cache: int | None,
+                 as_json: bool, **options) -> None:
     """Generate greedily from PROMPT with ARTIFACT, streaming tokens as they come."""
     # loaded when the command runs: the CLI starts without numpy, torch or the runtimes
     from toolchain.runtime.decoder import open_decoder
     from toolchain.runtime.generate import answer_record, prompt_ids, stream_text
     from toolchain.runtime.speculative import open_speculation
 
+    take_former_names(options)
+    max_new_tokens = options.pop("new_tokens")
     settings = given_section(SpeculationSettings, options)
     art = open_artifact(artifact)
     if runtime_cache is not None and art.backend != "openvino":
@@ -922,7 +931,7 @@ EXAMPLES = {
     "gate": ["dstc gate artifacts/deepseek-v3-tiny-openvino-int4 --max-kl-mean 1e-3 --min-top1-agreement 0.85",
              "dstc gate ARTIFACT --baseline baselines/deepseek-v3-tiny-openvino-int4.json "
              "--max-perplexity-increase 0.02 --json > gates.json"],
-    "generate": ["dstc generate artifacts/deepseek-v3-tiny-openvino-int4 \"The capital of\" --raw --max-new-tokens 16"],
+    "generate": ["dstc generate artifacts/deepseek-v3-tiny-openvino-int4 \"The capital of\" --raw --new-tokens 16"],
     "serve": ["dstc serve artifacts/deepseek-v3-tiny-openvino-int4 --port 8000 --api-key \"$KEY\""],
     "verify": ["dstc verify artifacts/deepseek-v3-tiny-openvino-int4 --public-key release.pub"],
     "sign": ["dstc sign artifacts/deepseek-v3-tiny-openvino-int4 --key release.key"],

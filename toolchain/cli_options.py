@@ -145,9 +145,15 @@ def _given_spelling(ctx: click.Context, param_name: str) -> str:
     return next(p.opts[0] for p in ctx.command.params if p.name == param_name)
 
 
-def given_section(section: type[Section], values: dict, spellings: dict[str, str] | None = None):
-    """The section from the values of its generated options that were given on the command line (the others keep
-    the section's defaults, or the command's where it declares its own); an InputError naming the option."""
+def former_name(name: str, former: str, kind=None):
+    """A decorator adding ``former``, a hidden former spelling of option ``name`` (for an option not generated from a
+    section: section_options' ``aliases`` does this for those); take_former_names moves its value over."""
+    return click.option(former, name + ALIAS, hidden=True, default=None, type=kind)
+
+
+def take_former_names(values: dict, spellings: dict[str, str] | None = None) -> None:
+    """Move the value given by an option's former spelling to the option itself, with a warning naming the current
+    spelling; both given is an InputError."""
     ctx = click.get_current_context()
     for key in [k for k in values if k.endswith(ALIAS)]:
         name, former = key.removesuffix(ALIAS), values.pop(key)
@@ -159,6 +165,13 @@ def given_section(section: type[Section], values: dict, spellings: dict[str, str
         click.echo(f"dstc: warning: {_given_spelling(ctx, name + ALIAS)} is now {current}", err=True)
         values[name] = former
         ctx.set_parameter_source(name, ParameterSource.COMMANDLINE)
+
+
+def given_section(section: type[Section], values: dict, spellings: dict[str, str] | None = None):
+    """The section from the values of its generated options that were given on the command line (the others keep
+    the section's defaults, or the command's where it declares its own); an InputError naming the option."""
+    ctx = click.get_current_context()
+    take_former_names(values, spellings)
     fields = {}
     for name, field in section.model_fields.items():
         if name not in values:

@@ -4,6 +4,7 @@ reference, and a damaged artifact that the gates reject while the healthy one pa
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -81,6 +82,11 @@ def test_eval_writes_three_report_files_with_every_metric(healthy, cache):
     assert report.environment.threads >= 1
     assert report.environment.cpu.architecture and report.environment.cpu.logical_cores
     assert dstc("verify", healthy, env=cache).returncode == 0  # report files are not covered by the hashes
+    # progress outside a terminal: plain lines, a line per latency case and run, the accuracy pass in steps
+    assert "\r" not in proc.stderr and "━" not in proc.stderr
+    assert "] latency 16×2 run 2/2: TTFT " in proc.stderr and "] latency 32×1 warm-up: 0 runs" in proc.stderr
+    steps = re.findall(r"\]   (\d+)/(\d+) sequences, mean KL so far ", proc.stderr)
+    assert len(steps) >= 2 and steps[-1][0] == steps[-1][1]
 
 
 def test_gate_rejects_a_damaged_artifact_and_passes_the_healthy_one(healthy, tmp_path, cache):
@@ -124,6 +130,11 @@ def test_compare_puts_the_two_backends_side_by_side(healthy, tmp_path, cache):
     assert ("ttft_p50_ms", json.dumps({"prompt_length": 32, "batch": 2})) in rows
     assert [r["artifact"]["backend"] for r in out["reports"]] == ["onnxruntime", "openvino"]
     assert (tmp_path / "cmp.html").read_text().count("<svg") >= 3
+    # the latency runs alternate between the artifacts, round by round
+    runs = [(line.split("[compare ")[1].split("]")[0], line.split("] latency ")[1].split(":")[0])
+            for line in proc.stderr.splitlines() if "] latency " in line and re.search(r" run \d+/\d+:", line)]
+    assert [a for a, _ in runs] == [str(a) for _ in range(2) for a in (healthy, tmp_path / "ov") for _ in range(4)]
+    assert all(r["settings"]["latency_interleaved"] for r in out["reports"])
     text = dstc("compare", healthy, tmp_path / "ov", *SMALL, "--no-latency", env=cache)
     assert text.returncode == 0 and "onnxruntime" in text.stdout and "openvino" in text.stdout
 
@@ -132,10 +143,10 @@ def test_generate_streams_the_answer_of_a_held_out_problem(healthy, cache):
     from toolchain.models.corpus import task_examples
 
     (prompt, answer), = task_examples("heldout", 1)
-    proc = dstc("generate", healthy, prompt, "--raw", "--max-new-tokens", "8", env=cache)
+    proc = dstc("generate", healthy, prompt, "--raw", "--new-tokens", "8", env=cache)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.split("\n")[0].strip() == answer
-    chat = dstc("generate", healthy, prompt, "--max-new-tokens", "4", env=cache)  # the chat template by default
+    chat = dstc("generate", healthy, prompt, "--new-tokens", "4", env=cache)  # the chat template by default
     assert chat.returncode == 0 and chat.stdout != proc.stdout
     missing = dstc("generate", healthy.parent / "nothing-here", prompt, env=cache)
     assert missing.returncode == 2 and "Traceback" not in missing.stderr

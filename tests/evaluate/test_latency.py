@@ -3,6 +3,7 @@ No timing thresholds: the numbers only have to exist and be consistent."""
 
 from __future__ import annotations
 
+import re
 import shutil
 
 import pytest
@@ -84,3 +85,25 @@ def test_speculative_latency_of_the_batch_1_cases(ort_artifact):
         metrics = latency_metrics(result["cases"], result["load_s"], result["peak_rss_mb"])  # headline: the first
         assert metrics["speculative_greedy_match_rate"].value == 1.0
         assert metrics["speculative_acceptance"].value == result["cases"][0]["speculative"]["acceptance"]
+
+
+def test_progress_lines_per_case_and_run_and_two_artifacts_timed_in_alternating_rounds(ort_artifact):
+    """A line per case's warm-up and per measured run (eval's longest phase is not one silent line), and `dstc
+    compare`'s artifacts in rounds A, B, A, B: each round one run of every case of each artifact in turn."""
+    from toolchain.evaluate.latency import latency_settings, measure_latency_interleaved
+
+    lines: list[tuple[int, str]] = []
+    chosen = {"prompt_lengths": (16,), "batches": (1, 2), "new_tokens": 3, "warmup": 1, "repetitions": 2,
+              "threads": 1}
+    results = measure_latency_interleaved([latency_settings(ort_artifact, **chosen)] * 2,
+                                          lambda i, m: lines.append((i, m)))
+    runs = [(i, m.split(":")[0]) for i, m in lines if re.search(r" run \d+/\d+:", m)]
+    assert runs == [(i, f"16×{b} run {r}/2") for r in (1, 2) for i in (0, 1) for b in (1, 2)]
+    warmups = [(i, m.split(":")[0]) for i, m in lines if "warm-up" in m]
+    assert warmups == [(i, f"16×{b} warm-up") for i in (0, 1) for b in (1, 2)]
+    assert [m for i, m in lines if m.startswith("loaded in ")] and len(results) == 2
+    for result in results:
+        assert [len(c["ttft_ms"]) for c in result["cases"]] == [2, 2]
+    logged: list[str] = []
+    single = measure_latency(ort_artifact, log=logged.append, **chosen)
+    assert sum(bool(re.search(r" run \d+/\d+:", m)) for m in logged) == 4 and len(single["cases"]) == 2

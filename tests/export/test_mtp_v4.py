@@ -233,7 +233,7 @@ def test_dstc_generate_speculates_with_a_v4_artifacts_mtp_block(hub, backend, tm
         speculate = () if draft_tokens is None else ("--speculate", "mtp", "--draft-tokens", draft_tokens)
         # ids below the random model's vocabulary (300) in the copied tokenizer
         code, stdout, err = run_cli(monkeypatch, capsys, "generate", out, "1 2 3 4 5 6 7 8", "--raw",
-                                    "--max-new-tokens", 24, "--json", *speculate)
+                                    "--new-tokens", 24, "--json", *speculate)
         assert code == 0, err
         runs[draft_tokens] = json.loads(stdout)
     assert runs[1]["tokens"] == runs[3]["tokens"] == runs[None]["tokens"]

@@ -142,7 +142,7 @@ def test_html_is_self_contained_with_a_plot_per_series(ort: Report) -> None:
     page = render_html(ort)
     assert_self_contained(page)
     assert '<span class="badge FAIL">FAIL</span>' in page
-    assert page.count("<svg") == len([svg for plots in all_plots(ort).values() for svg in plots]) == 7
+    assert page.count("<svg") == len([svg for plots in all_plots(ort).values() for svg in plots]) == 9
     assert "3.79" in page and "1.23e-04" in page and "min_tokens_per_s" in page
     # the settings as a labelled table, not a paragraph of unlabelled values
     assert re.search(r"<summary>Settings \(\d+\)</summary><table>", page) and "<td>threads</td>" in page
@@ -154,7 +154,7 @@ def test_html_leaves_out_plots_without_data() -> None:
     report = make_report("openvino")
     fp32 = report.model_copy(update={"series": Series(kl_per_position=report.series.kl_per_position)})
     page = render_html(fp32)
-    assert page.count("<svg") == 4  # KL, TTFT, ITL, tokens/s; no routing, layer or head errors
+    assert page.count("<svg") == 5  # gates, KL, TTFT, ITL, tokens/s; no routing, layer or head errors
     assert "Quantization error" not in page
 
 
@@ -179,7 +179,7 @@ def test_empty_report_renders() -> None:
     assert comparison_rows([bare, bare], ["a", "b"]) == []
     assert_self_contained(render_comparison_html([bare, report], ["a", "b"]))
     # an fp32 build beside a compressed one: the compressed one's plots, alone
-    assert render_comparison_html([report, make_report("openvino")], ["fp32", "int4"]).count("<svg") == 7
+    assert render_comparison_html([report, make_report("openvino")], ["fp32", "int4"]).count("<svg") == 8
 
 
 def test_comparison_rows(ort: Report, ov: Report) -> None:
@@ -223,7 +223,7 @@ def test_comparison_renderings(ort: Report, ov: Report) -> None:
     page = render_comparison_html([ort, ov], labels)
     assert_self_contained(page)
     assert '<td class="num best">5.0 (×0.50)</td>' in page
-    assert page.count("<svg") == 7
+    assert page.count("<svg") == 8  # each report's gates are its own page's
 
 
 def test_values_that_read_the_same_name_no_winner(ort: Report) -> None:
@@ -281,3 +281,61 @@ def test_the_medians_intervals_are_shown_wherever_the_medians_are(ort: Report, o
     text = render_comparison_text([spread, ov], ["onnxruntime", "openvino"])
     assert re.search(r"^ttft_p50_ms\s+ms\s+10\.0 \[9\.0-11\.5\]\s+5\.0 \(×0\.50\)", text, re.M)
     assert '<td class="num">10.0 [9.0-11.5]</td>' in render_comparison_html([spread, ov], ["onnxruntime", "openvino"])
+
+
+# -- gate limits on the plots, plain log-axis ticks, each layer's share of the quantization error ----------------
+
+def _svg_texts(svg: str) -> list[str]:
+    return [t.replace("\u2212", "-") for t in re.findall(r"<text[^>]*>([^<]*)</text>", svg)]
+
+
+def gated(report: Report, kl_limit: float, weight_limit: float) -> Report:
+    kl, worst = report.value("kl_mean"), max(e.weight_error for e in report.series.layer_errors)
+    return report.model_copy(update={"gates": [
+        GateResult(name="max_kl_mean", metric="kl_mean", value=kl, limit=kl_limit, passed=kl <= kl_limit),
+        GateResult(name="max_weight_error", metric="max_weight_error", value=worst, limit=weight_limit,
+                   passed=worst <= weight_limit),
+        GateResult(name="min_top1_agreement", metric="top1_agreement", value=None, limit=0.9, passed=True,
+                   skipped=True)]})
+
+
+def test_plain_numbers_for_log_ticks() -> None:
+    from toolchain.report.plots import plain_number
+
+    assert [plain_number(v) for v in (60, 0.25, 1500, 1e-4, 2e-6, 3e6, 0, 0.001)] == [
+        "60", "0.25", "1500", "1e-4", "2e-6", "3e+6".replace("+", ""), "0", "0.001"]
+
+
+def test_gate_limits_are_drawn_on_their_plots_and_log_axes_read_as_plain_numbers(ov: Report) -> None:
+    from toolchain.report.plots import gate_plot, kl_plot, layer_error_plot
+
+    report = gated(ov, kl_limit=5e-3, weight_limit=0.08)  # KL passes; some weight errors are above 0.08: fails
+    kl = kl_plot(report)  # KL 1e-4..8e-4 and the limit: a log axis
+    assert kl is not None and "gate max_kl_mean 0.005 (dotted: mean KL)" in _svg_texts(kl)
+    assert '#1a7f37' in kl  # passed: drawn green
+    layers = layer_error_plot(report)
+    assert layers is not None and "gate max_weight_error 0.08" in _svg_texts(layers) and "#cf222e" in layers
+    texts = [t for svg in (kl, layers) for t in _svg_texts(svg)]
+    assert not [t for t in texts if "times" in t or "^" in t or "$" in t or "×10" in t], texts
+    assert {"0.001", "1e-4"} <= set(texts) and "0.1" in texts  # weight errors 0.004..0.2
+    rows = _svg_texts(gate_plot(report) or "")
+    assert "max_kl_mean" in rows and "max_weight_error" in rows and "min_top1_agreement" not in rows  # unmeasured
+    assert any(t.endswith("≤ 0.08: FAIL") for t in rows) and any(t.endswith("≤ 0.005: pass") for t in rows)
+    # overlaid reports gated with different limits: no line that would belong to one of them
+    other = gated(ov, kl_limit=1e-3, weight_limit=0.08)
+    assert "gate max_kl_mean" not in " ".join(_svg_texts(kl_plot([("a", report), ("b", other)]) or ""))
+    assert gate_plot([("a", report), ("b", other)]) is None
+
+
+def test_each_layers_share_of_the_quantization_error_sums_to_one_and_says_how_it_was_estimated(ov: Report) -> None:
+    from toolchain.report.plots import layer_shares
+
+    errors = [LayerError(weight=f"layers.{layer}/mlp/w{i}", layer=layer, precision="int4", weight_error=0.1,
+                         output_error=error) for layer, error in ((0, 0.01), (1, 0.03), (1, 0.04)) for i in (0,)]
+    report = ov.model_copy(update={"series": ov.series.model_copy(update={"layer_errors": errors})})
+    kind, shares = layer_shares(report)
+    assert kind == "output error" and shares == pytest.approx({0: 1e-4 / 26e-4, 1: 25e-4 / 26e-4})
+    page = render_html(report)
+    assert "Leading: layer 1 96 %, layer 0 4 %." in page and "KL measured with one layer quantized" in page
+    no_output = [e.model_copy(update={"output_error": None}) for e in errors]
+    assert layer_shares(ov.model_copy(update={"series": Series(layer_errors=no_output)}))[0] == "weight error"

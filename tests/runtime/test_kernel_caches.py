@@ -85,7 +85,7 @@ def test_generate_takes_the_option_and_records_the_choice(artifact, monkeypatch,
     records = {}
     for option in ((), ("--openvino-runtime-cache", "3")):
         code, out, err = run_cli_output(monkeypatch, capsys, "generate", art.path, "1+2=", "--raw",
-                                        "--max-new-tokens", "2", "--threads", "2", "--json", *option)
+                                        "--new-tokens", "2", "--threads", "2", "--json", *option)
         assert code == 0, err
         records[option] = json.loads(out)
     assert records[()]["openvino_kernel_caches"]["runtime_cache"] is None

@@ -222,7 +222,7 @@ def test_generate_speculates_to_the_same_text_and_reports_acceptance(artifact, m
     art = artifact(GQA, "onnxruntime")
     draft = artifact(LATENT, "openvino")
     prompt = art.tokenizer().decode(prompts(art)[0], skip_special_tokens=True)
-    common = [art.path, prompt, "--raw", "--max-new-tokens", "20"]
+    common = [art.path, prompt, "--raw", "--new-tokens", "20"]
     code, plain, _ = run_cli(monkeypatch, capsys, "generate", *common)
     assert code == 0 and plain.strip()
     for method in ("prompt-lookup", f"draft:{draft.path}"):

@@ -53,7 +53,7 @@ def servers(artifacts):
 def dstc_generate(artifact, prompt: str, new_tokens: int, raw: bool = True) -> str:
     """What ``dstc generate`` prints (its trailing newline removed)."""
     result = subprocess.run([sys.executable, "-m", "toolchain", "generate", str(artifact.path), prompt,
-                             "--max-new-tokens", str(new_tokens), "--threads", "2", *(["--raw"] if raw else [])],
+                             "--new-tokens", str(new_tokens), "--threads", "2", *(["--raw"] if raw else [])],
                             cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert result.stdout.endswith("\n")

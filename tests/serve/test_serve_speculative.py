@@ -238,10 +238,10 @@ def test_a_draft_is_checked_against_the_longest_sequence_it_follows(artifact, mo
 
     art = artifact(GQA, "onnxruntime")
     short = shorter_context(art.path, tmp_path / "short", 64)
-    code, _, err = run_cli(monkeypatch, capsys, "generate", art.path, "12+345=", "--max-new-tokens", "60",
+    code, _, err = run_cli(monkeypatch, capsys, "generate", art.path, "12+345=", "--new-tokens", "60",
                            "--speculate", f"draft:{short}")
     assert code == 2 and "has a context of 64 tokens, and sequences here reach" in err, err
-    code, _, err = run_cli(monkeypatch, capsys, "generate", art.path, "12+345=", "--max-new-tokens", "8",
+    code, _, err = run_cli(monkeypatch, capsys, "generate", art.path, "12+345=", "--new-tokens", "8",
                              "--raw", "--speculate", f"draft:{short}")
     assert code == 0, err
     check_batch_speculation(SpeculationSettings(speculate=f"draft:{short}"), art, 64)  # serve --max-context 64

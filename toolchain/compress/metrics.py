@@ -17,7 +17,7 @@ ONNX, and for OpenVINO by compiling each weight's constant subgraph (its decompr
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import ml_dtypes
@@ -27,6 +27,7 @@ import onnx_ir as ir
 from passes.graph import constant, name_of, present
 from passes.quantize._weights import dequantize_linear, matmul_nbits_weight
 from toolchain.compress.engine import Weight
+from toolchain.progress import due
 from toolchain.runtime.engines import GraphRunner, openvino_compile
 
 MAX_ROWS = 2048  # activation rows kept per weight
@@ -55,7 +56,8 @@ def router_indices(model: ir.Model) -> dict[int, str]:
     return out
 
 
-def capture(model: ir.Model, weights: list[Weight], feed_list: list[dict], routers: dict[int, str]):
+def capture(model: ir.Model, weights: list[Weight], feed_list: list[dict], routers: dict[int, str],
+            log: Callable[[str], None] = lambda _: None):
     """fp32 run: activations reaching each MatMul weight, logits and router indices per sequence."""
     producers = {v.name: node for node in model.graph for v in node.outputs}
     activation_of = {w.name: name_of(producers[w.output].inputs[0]) for w in weights if w.kind == "matmul"}
@@ -81,6 +83,8 @@ def capture(model: ir.Model, weights: list[Weight], feed_list: list[dict], route
         logits.append(out["logits"][0])
         for layer, name in routers.items():
             routing[layer].append(out[name])
+        if due(len(logits), len(feed_list)):
+            log(f"  {len(logits)}/{len(feed_list)} calibration sequences")
     rows = {w: None if not acts[a] else np.concatenate(acts[a], axis=1)[:, :MAX_ROWS] if a in stacked
             else np.concatenate(acts[a])[:MAX_ROWS] for w, a in activation_of.items()}
     return rows, logits, routing

@@ -16,6 +16,7 @@ import torch
 
 from toolchain.evaluate.dataset import EvalData
 from toolchain.evaluate.reference_record import ReferenceRecord, answer_stops, first_scored, generate
+from toolchain.progress import due
 from toolchain.report.schema import Metric
 from toolchain.settings.evaluation import EvalSettings
 
@@ -96,6 +97,10 @@ def measure_accuracy(decoder, record: ReferenceRecord, data: EvalData, routers: 
         ref_nll.append(-record.target_logp[s])
         for layer in routers:
             same_route[layer].append((np.sort(np.concatenate(routes[layer]), -1) == record.routes[layer][s]).all(-1))
+        if len(data.sequences) > 1 and due(s + 1, len(data.sequences)):
+            so_far = np.concatenate([r for _, r in kl_rows])
+            log(f"  {s + 1}/{len(data.sequences)} sequences" + (f", mean KL so far {so_far.mean():.3g}"
+                                                                 if so_far.size else ""))
 
     metrics: dict[str, Metric] = {}
     series: dict = {"kl_per_position": [], "routing_agreement_per_layer": {}}
@@ -135,7 +140,8 @@ def measure_accuracy(decoder, record: ReferenceRecord, data: EvalData, routers: 
 
     if data.prefixes:
         log(f"greedy continuations of {len(data.prefixes)} prefixes, {settings.greedy_tokens} tokens")
-        continuations = generate(decoder, data.prefixes, settings.batch, settings.greedy_tokens, set(eos_ids), pad_id)
+        continuations = generate(decoder, data.prefixes, settings.batch, settings.greedy_tokens, set(eos_ids), pad_id,
+                                 log=log)
         metrics["greedy_match_rate"] = Metric(
             value=float(np.mean([a == b for a, b in zip(continuations, record.greedy)])), unit="ratio",
             direction="higher",
@@ -144,7 +150,7 @@ def measure_accuracy(decoder, record: ReferenceRecord, data: EvalData, routers: 
     if data.problems:
         log(f"exact match on {len(data.problems)} problems")
         outputs = generate(decoder, [p for p, _ in data.problems], settings.batch, data.answer_tokens,
-                           answer_stops(data, eos_ids, newline_id), pad_id)
+                           answer_stops(data, eos_ids, newline_id), pad_id, log=log)
 
         def score(outputs: list[list[int]]) -> float:
             return float(np.mean([answer_given(tokenizer.decode(a, skip_special_tokens=True), want) == want.strip()

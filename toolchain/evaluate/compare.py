@@ -7,12 +7,16 @@ from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 
+from toolchain.evaluate import tasks
+from toolchain.evaluate.latency import latency_settings, measure_latency_interleaved
 from toolchain.evaluate.reference import resolve_reference
-from toolchain.evaluate.run import evaluate_artifact
+from toolchain.evaluate.run import eval_latency_settings, evaluate_artifact, latency_plan
 from toolchain.interface.reports import CompressionReport, ExportReport
 from toolchain.manifest_schema import Manifest
+from toolchain.memory_guard import available_memory_bytes, size
 from toolchain.report.schema import Report
 from toolchain.runtime.artifact import open_artifact
+from toolchain.runtime.memory import artifact_runtime_bytes
 from toolchain.settings.evaluation import EvalSettings
 
 
@@ -57,10 +61,37 @@ def build_facts(manifest: Manifest | None) -> dict[str, str]:
 def compare_artifacts(paths: list[Path], settings: EvalSettings, *, reference: str | None = None,
                       log: Callable[[str, str], None] = lambda _a, _m: None) -> list[Report]:
     """One Report per artifact, in order; ``log(artifact, message)``. The reference's outputs are computed once
-    for all the artifacts of one source model and data (kept in memory here even when the cache is off)."""
+    for all the artifacts of one source model and data (kept in memory here even when the cache is off). Their
+    latency is measured in interleaved rounds (A, B, A, B...) when they fit in memory together, else one after the
+    other (the report's settings say which)."""
     # Every artifact and its reference are checked before any is evaluated: a bad one fails at once.
-    for path in paths:
-        resolve_reference(open_artifact(path).manifest, reference)
+    artifacts = [open_artifact(path) for path in paths]
+    for artifact in artifacts:
+        resolve_reference(artifact.manifest, reference)
+    tasks.check(settings)  # before the latency rounds, as evaluate_artifact checks it before the reference
+    latencies: list[dict | None] = [None] * len(paths)
+    if settings.latency:
+        latencies = list(_interleaved_latency(paths, artifacts, settings, log))
     records: dict = {}
-    return [evaluate_artifact(path, settings, reference=reference, records=records, log=partial(log, str(path)))
-            for path in paths]
+    return [evaluate_artifact(path, settings, reference=reference, records=records, measured_latency=latency,
+                              log=partial(log, str(path)))
+            for path, latency in zip(paths, latencies)]
+
+
+def _interleaved_latency(paths: list[Path], artifacts: list, settings: EvalSettings,
+                         log: Callable[[str, str], None]) -> list[dict | None]:
+    """Every artifact's latency in rounds, when all fit in memory at once; [None, ...] otherwise (each is then
+    measured after its accuracy, one after the other)."""
+    need = sum(artifact_runtime_bytes(a) for a in artifacts)
+    if need > available_memory_bytes():
+        log(str(paths[0]), f"latency: the artifacts need {size(need)} loaded together, more than is available: "
+                           "timed one after the other, not interleaved")
+        return [None] * len(paths)
+    log(str(paths[0]), latency_plan(settings) + f"; the {len(paths)} artifacts interleaved, one round = one run of "
+                                                 "every case of each in turn")
+    chosen = eval_latency_settings(settings)
+    results = measure_latency_interleaved([latency_settings(p, **chosen) for p in paths],
+                                          lambda i, m: log(str(paths[i]), f"latency {m}"))
+    for result in results:
+        result["interleaved"] = True
+    return list(results)

@@ -2,8 +2,10 @@
 runtime's own.
 
 The child process imports the runtime and the tokenizer, notes its peak RSS (the baseline), opens the decoder
-(``load_s``), then runs each (prompt length, batch) case ``warmup`` times unmeasured and ``repetitions`` times
-measured, each a ``greedy_generate(..., ignore_stop=True)`` of exactly ``new_tokens`` tokens:
+(``load_s``), then runs each (prompt length, batch) case ``warmup`` times unmeasured, then ``repetitions`` rounds
+of one measured run of every case, each a ``greedy_generate(..., ignore_stop=True)`` of exactly ``new_tokens``
+tokens; the parent starts each round, so that `dstc compare` alternates its artifacts' rounds, and logs the line
+the child prints per case and run:
 
 - ``ttft_ms``: one per repetition, cache reset + prefill + the first token;
 - ``itl_ms``: every later decode step of every repetition (``new_tokens - 1`` per repetition);
@@ -38,6 +40,8 @@ import sys
 import tempfile
 import time
 import traceback
+from collections.abc import Callable, Iterator
+from functools import partial
 from pathlib import Path
 
 from toolchain.errors import InputError
@@ -49,35 +53,117 @@ from toolchain.runtime.generate import greedy_generate
 from toolchain.runtime.speculative import Acceptance, open_speculation
 from toolchain.settings.speculation import SpeculationSettings
 
+# the child's stdout: a line to log, and the end of a step (loading and warm-up, a round, the result)
+PROGRESS, DONE = "progress: ", "done"
 
-def measure_latency(artifact_path: Path | str, *, prompt_lengths: tuple[int, ...] = (32, 128, 512),
-                    batches: tuple[int, ...] = (1, 4), new_tokens: int = 32, warmup: int = 2, repetitions: int = 5,
-                    threads: int | None = None, openvino_f32: bool = False, speculate: str | None = None,
-                    draft_tokens: int = 4) -> dict:
-    """Run the measurement in a child process and return its results. An InputError in the child (not an
-    artifact, bad settings) is raised as one here; any other failure as a RuntimeError with the child's
-    traceback."""
-    if new_tokens < 2 or repetitions < 1 or warmup < 0 or min(prompt_lengths, default=0) < 1 \
-            or min(batches, default=0) < 1:
-        raise InputError("latency needs new_tokens >= 2, repetitions >= 1, warmup >= 0 and at least one prompt "
-                         "length and batch, each >= 1")
-    settings = {"artifact": str(artifact_path), "prompt_lengths": list(prompt_lengths), "batches": list(batches),
-                "new_tokens": new_tokens, "warmup": warmup, "repetitions": repetitions, "threads": threads,
-                "openvino_f32": openvino_f32, "speculate": speculate, "draft_tokens": draft_tokens}
-    with tempfile.TemporaryDirectory(prefix="dstc-latency-") as tmp:
-        out = Path(tmp) / "result.json"
-        proc = subprocess.run([sys.executable, "-m", __name__, json.dumps(settings), str(out)],
-                              capture_output=True, text=True)
-        result = json.loads(out.read_text()) if out.is_file() else None
-    if result is None:
-        raise RuntimeError(f"the latency process exited with code {proc.returncode} without a result:\n"
-                           f"{proc.stderr[-4000:]}")
-    if "error" in result:
+
+class _LatencyProcess:
+    """One artifact's latency child: it loads the artifact and runs the warm-ups, then one measured repetition of
+    every case per ``round()``, and the speculative cases and its result at ``finish()``. Commands go on its stdin;
+    its stdout carries progress lines (``log``) and the marker that a step is done."""
+
+    def __init__(self, settings: dict, log: Callable[[str], None]) -> None:
+        self.log = log
+        self._tmp = tempfile.TemporaryDirectory(prefix="dstc-latency-")
+        self.out = Path(self._tmp.name) / "result.json"
+        # a file, not a pipe: a child that writes much to stderr never blocks on a pipe nobody reads until it ends
+        self._stderr = open(Path(self._tmp.name) / "stderr", "w+")  # noqa: SIM115 (closed by close())
+        self.proc = subprocess.Popen([sys.executable, "-m", __name__, json.dumps(settings), str(self.out)],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._stderr, text=True,
+                                     bufsize=1)
+        self._until(DONE)  # loaded and warmed up
+
+    def _until(self, marker: str) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            line = line.rstrip("\n")
+            if line == marker:
+                return
+            if line.startswith(PROGRESS):
+                self.log(line.removeprefix(PROGRESS))
+        self._failed()
+
+    def _failed(self) -> None:
+        """The child stopped early: its error, raised here as it was there (an InputError as one)."""
+        code = self.proc.wait()
+        result = json.loads(self.out.read_text()) if self.out.is_file() else None
+        self._stderr.seek(0)
+        stderr = self._stderr.read()
+        self.close()
+        if result is None or "error" not in result:
+            raise RuntimeError(f"the latency process exited with code {code} without a result:\n{stderr[-4000:]}")
         error = result["error"]
         if error["input_error"]:
             raise InputError(error["message"])
         raise RuntimeError(f"the latency process failed:\n{error['traceback']}")
-    return result
+
+    def _send(self, command: str) -> None:
+        assert self.proc.stdin is not None
+        try:
+            self.proc.stdin.write(command + "\n")
+            self.proc.stdin.flush()
+        except BrokenPipeError:
+            self._failed()
+
+    def round(self) -> None:
+        self._send("round")
+        self._until(DONE)
+
+    def finish(self) -> dict:
+        self._send("finish")
+        self._until(DONE)
+        self.proc.wait()
+        result = json.loads(self.out.read_text())
+        self.close()
+        return result
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        for stream in (self.proc.stdin, self.proc.stdout, self._stderr):
+            if stream is not None:
+                stream.close()
+        self._tmp.cleanup()
+
+
+def latency_settings(artifact_path: Path | str, *, prompt_lengths: tuple[int, ...] = (32, 128, 512),
+                     batches: tuple[int, ...] = (1, 4), new_tokens: int = 32, warmup: int = 2, repetitions: int = 5,
+                     threads: int | None = None, openvino_f32: bool = False, speculate: str | None = None,
+                     draft_tokens: int = 4) -> dict:
+    """The child's settings, checked (an InputError when they measure nothing)."""
+    if new_tokens < 2 or repetitions < 1 or warmup < 0 or min(prompt_lengths, default=0) < 1 \
+            or min(batches, default=0) < 1:
+        raise InputError("latency needs new_tokens >= 2, repetitions >= 1, warmup >= 0 and at least one prompt "
+                         "length and batch, each >= 1")
+    return {"artifact": str(artifact_path), "prompt_lengths": list(prompt_lengths), "batches": list(batches),
+            "new_tokens": new_tokens, "warmup": warmup, "repetitions": repetitions, "threads": threads,
+            "openvino_f32": openvino_f32, "speculate": speculate, "draft_tokens": draft_tokens}
+
+
+def measure_latency(artifact_path: Path | str, log: Callable[[str], None] = lambda _: None, **settings) -> dict:
+    """Run the measurement in a child process and return its results (``settings``: latency_settings'), with a
+    progress line per case and repetition. An InputError in the child (not an artifact, bad settings) is raised
+    as one here; any other failure as a RuntimeError with the child's traceback."""
+    return measure_latency_interleaved([latency_settings(artifact_path, **settings)], lambda _i, m: log(m))[0]
+
+
+def measure_latency_interleaved(settings: list[dict], log: Callable[[int, str], None]) -> list[dict]:
+    """Several artifacts' latency in rounds, A, B, A, B...: each round is one measured repetition of every case of
+    each artifact in turn, so that a change of the machine's load during the run falls on all of them alike rather
+    than on whichever ran then. Their children are all loaded at once (the caller checks that they fit); only one
+    runs at a time. ``log(index, message)``."""
+    processes: list[_LatencyProcess] = []
+    try:
+        for i, one in enumerate(settings):
+            processes.append(_LatencyProcess(one, partial(log, i)))
+        for _ in range(settings[0]["repetitions"]):
+            for process in processes:
+                process.round()
+        return [process.finish() for process in processes]
+    finally:
+        for process in processes:
+            process.close()
 
 
 def _peak_rss_mb() -> float:
@@ -102,45 +188,81 @@ def _prompts(tokenizer, length: int, batch: int) -> list[list[int]]:
         n *= 2
 
 
-def _measure(settings: dict) -> dict:
+def _case_line(length: int, batch: int) -> str:
+    return f"{length}×{batch}"
+
+
+def _measure(settings: dict, commands: Iterator[str]) -> dict:
+    """Load, warm up every case, then one measured repetition of every case per "round" read from ``commands``,
+    until "finish"."""
     artifact = open_artifact(settings["artifact"])
     tokenizer = artifact.tokenizer()
     __import__("openvino" if artifact.backend == "openvino" else "onnxruntime")
     baseline = _peak_rss_mb()
     decoder = open_decoder(artifact, threads=settings["threads"], openvino_f32=settings.get("openvino_f32", False))
     new_tokens, repetitions = settings["new_tokens"], settings["repetitions"]
+    _progress(f"loaded in {decoder.load_seconds:.2f} s ({decoder.threads} threads)")
     context = artifact.config.get("max_position_embeddings")
-    cases, skipped = [], []
-    plain: dict[tuple[int, int], tuple[list[list[int]], list[int]]] = {}  # case -> prompts, first row's tokens
+    skipped, prompts = [], {}
     for length in settings["prompt_lengths"]:
         if context is not None and length + new_tokens > context:
             skipped.append({"prompt_length": length, "new_tokens": new_tokens, "max_position_embeddings": context})
+            _progress(f"prompt length {length} skipped: with {new_tokens} new tokens it passes the model's context "
+                      f"({context})")
             continue
         for batch in settings["batches"]:
-            prompts = _prompts(tokenizer, length, batch)
-            runs = [greedy_generate(decoder, prompts, new_tokens, set(), artifact.pad_token_id, ignore_stop=True)
-                    for _ in range(settings["warmup"] + repetitions)][settings["warmup"]:]
-            plain[length, batch] = prompts, runs[0].tokens[0]
-            ttft, itl = [run.ttft_s * 1e3 for run in runs], [t * 1e3 for run in runs for t in run.itl_s]
-            cases.append({
-                "prompt_length": length, "batch": batch, "new_tokens": new_tokens, "warmup": settings["warmup"],
-                "repetitions": repetitions, "ttft_ms": ttft, "itl_ms": itl,
-                "tokens_per_s": statistics.median(batch * (new_tokens - 1) / sum(run.itl_s) for run in runs),
-                "ttft_p50_ms": statistics.median(ttft), "ttft_p50_interval_ms": median_interval(ttft),
-                "itl_p50_ms": statistics.median(itl),
-                "itl_p50_interval_ms": median_interval([statistics.median(run.itl_s) * 1e3 for run in runs]),
-            })
+            prompts[length, batch] = _prompts(tokenizer, length, batch)
+    runs: dict[tuple[int, int], list] = {case: [] for case in prompts}
+    for shape, rows in prompts.items():
+        started = time.perf_counter()
+        for _ in range(settings["warmup"]):
+            greedy_generate(decoder, rows, new_tokens, set(), artifact.pad_token_id, ignore_stop=True)
+        warmup = settings["warmup"]
+        _progress(f"{_case_line(*shape)} warm-up: {warmup} run{'' if warmup == 1 else 's'} in "
+                  f"{time.perf_counter() - started:.1f} s")
+    _done()
+    for repetition in range(1, repetitions + 1):
+        if next(commands) != "round":
+            raise RuntimeError("the latency process was told to finish before its last round")
+        for shape, rows in prompts.items():
+            run = greedy_generate(decoder, rows, new_tokens, set(), artifact.pad_token_id, ignore_stop=True)
+            runs[shape].append(run)
+            _progress(f"{_case_line(*shape)} run {repetition}/{repetitions}: TTFT {run.ttft_s * 1e3:.1f} ms, ITL "
+                      f"{statistics.median(run.itl_s) * 1e3:.2f} ms")
+        _done()
+    if next(commands) != "finish":
+        raise RuntimeError("the latency process was told to run more rounds than its repetitions")
+    cases = []
+    for (length, batch), measured in runs.items():
+        ttft, itl = [run.ttft_s * 1e3 for run in measured], [t * 1e3 for run in measured for t in run.itl_s]
+        cases.append({
+            "prompt_length": length, "batch": batch, "new_tokens": new_tokens, "warmup": settings["warmup"],
+            "repetitions": repetitions, "ttft_ms": ttft, "itl_ms": itl,
+            "tokens_per_s": statistics.median(batch * (new_tokens - 1) / sum(run.itl_s) for run in measured),
+            "ttft_p50_ms": statistics.median(ttft), "ttft_p50_interval_ms": median_interval(ttft),
+            "itl_p50_ms": statistics.median(itl),
+            "itl_p50_interval_ms": median_interval([statistics.median(run.itl_s) * 1e3 for run in measured]),
+        })
     peak = _peak_rss_mb()
     if settings.get("speculate"):
         speculation = SpeculationSettings(speculate=settings["speculate"], draft_tokens=settings["draft_tokens"])
         for case in cases:
             if case["batch"] == 1:
-                prompts, tokens = plain[case["prompt_length"], 1]
-                case["speculative"] = _speculative_case(artifact, decoder, speculation, prompts[0], tokens, settings,
-                                                        case["tokens_per_s"])
+                key = case["prompt_length"], 1
+                _progress(f"{_case_line(*key)} speculative ({speculation.speculate})")
+                case["speculative"] = _speculative_case(artifact, decoder, speculation, prompts[key][0],
+                                                        runs[key][0].tokens[0], settings, case["tokens_per_s"])
     return {"artifact": str(artifact.path), "backend": artifact.backend, "load_s": decoder.load_seconds,
             "peak_rss_mb": peak, "rss_increase_mb": peak - baseline, "threads": decoder.threads,
             "runtime_config": decoder.runtime_config, "cases": cases, "skipped": skipped}
+
+
+def _progress(message: str) -> None:
+    print(PROGRESS + message, flush=True)
+
+
+def _done() -> None:
+    print(DONE, flush=True)
 
 
 def _speculative_case(artifact, decoder, speculation: SpeculationSettings, prompt: list[int], plain: list[int],
@@ -175,14 +297,17 @@ def _speculative_case(artifact, decoder, speculation: SpeculationSettings, promp
 
 
 def _child(settings_json: str, out: str) -> int:
+    commands = (line.strip() for line in sys.stdin)
     try:
-        result = _measure(json.loads(settings_json))
+        result = _measure(json.loads(settings_json), commands)
         code = 0
     except Exception as e:  # everything goes back to the parent, which raises it there
         result = {"error": {"input_error": isinstance(e, InputError), "message": str(e),
                             "traceback": traceback.format_exc()}}
         code = 1
     Path(out).write_text(json.dumps(result, indent=2) + "\n")
+    if code == 0:
+        _done()
     return code
 
 

@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from toolchain.evaluate.dataset import EvalData
+from toolchain.progress import LINES, due
 from toolchain.runtime.generate import greedy_generate
 from toolchain.settings.evaluation import EvalSettings
 
@@ -75,10 +76,13 @@ class ReferenceRecord:
 
 
 def generate(decoder, prompts: list[list[int]], batch: int, max_new_tokens: int, stop: set[int],
-             pad: int) -> list[list[int]]:
+             pad: int, log: Callable[[str], None] = lambda _: None) -> list[list[int]]:
+    """Greedy continuations of ``prompts``, ``batch`` at a time, with a progress line now and then."""
     out: list[list[int]] = []
     for start in range(0, len(prompts), batch):
         out += greedy_generate(decoder, prompts[start:start + batch], max_new_tokens, stop, pad).tokens
+        if len(prompts) > batch and due(len(out), len(prompts), most=LINES * batch):
+            log(f"  {len(out)}/{len(prompts)} done")
     return out
 
 
@@ -149,10 +153,11 @@ def compute_record(reference, data: EvalData, settings: EvalSettings, *, eos_ids
     batch = settings.batch if getattr(reference, "resident", True) else max(1, len(data.prefixes), len(data.problems))
     if data.prefixes:
         log(f"reference: greedy continuations of {len(data.prefixes)} prefixes, {settings.greedy_tokens} tokens")
-        record.greedy = generate(reference, data.prefixes, batch, settings.greedy_tokens, set(eos_ids), pad_id)
+        record.greedy = generate(reference, data.prefixes, batch, settings.greedy_tokens, set(eos_ids), pad_id,
+                                 log=log)
     if data.problems:
         log(f"reference: answers to {len(data.problems)} problems")
         record.answers = generate(reference, [p for p, _ in data.problems], batch, data.answer_tokens,
-                                  answer_stops(data, eos_ids, newline_id), pad_id)
+                                  answer_stops(data, eos_ids, newline_id), pad_id, log=log)
     record.seconds = time.perf_counter() - started
     return record

@@ -242,10 +242,11 @@ def reference_task_scores(artifact, settings: EvalSettings, *, reference: str | 
 
 def evaluate_artifact(path: Path, settings: EvalSettings | None = None, *, reference: str | None = None,
                       records: dict | None = None, display_path: Path | None = None,
-                      log: Callable[[str], None] = lambda _: None) -> Report:
+                      measured_latency: dict | None = None, log: Callable[[str], None] = lambda _: None) -> Report:
     """Measure the artifact at ``path``. ``records``: reference records by cache key, shared by the artifacts of
     one `dstc compare`. ``display_path``: where the artifact will live, when ``path`` is the temporary directory of
-    a build that has not been renamed into place yet."""
+    a build that has not been renamed into place yet. ``measured_latency``: its latency, measured already
+    (`dstc compare` interleaves the artifacts' runs, latency_settings(path, **eval_latency_settings(settings)))."""
     # torch loads only when accuracy is measured
     from toolchain.evaluate.accuracy import measure_accuracy
     from toolchain.models.train import END_OF_LINE
@@ -285,13 +286,11 @@ def evaluate_artifact(path: Path, settings: EvalSettings | None = None, *, refer
 
     latency, cases = {}, []
     if settings.latency:
-        log(f"latency: prompts {settings.prompt_lengths} x batch {settings.batches}, {settings.new_tokens} new "
-            f"tokens, {settings.warmup} warm-up + {settings.repetitions} measured runs each")
-        latency = measure_latency(path, prompt_lengths=tuple(settings.prompt_lengths), batches=tuple(settings.batches),
-                                  new_tokens=settings.new_tokens, warmup=settings.warmup,
-                                  repetitions=settings.repetitions, threads=settings.threads,
-                                  openvino_f32=settings.openvino_f32, speculate=settings.speculate,
-                                  draft_tokens=settings.draft_tokens)
+        if measured_latency is None:
+            log(latency_plan(settings))
+            latency = measure_latency(path, log=lambda m: log(f"latency {m}"), **eval_latency_settings(settings))
+        else:
+            latency = measured_latency
         cases = latency["cases"]
         metrics.update(latency_metrics(cases, latency["load_s"], latency["peak_rss_mb"]))
     metrics["model_size_mb"] = Metric(value=artifact.size_bytes / 1e6, unit="MB", direction="lower",
@@ -318,6 +317,8 @@ def evaluate_artifact(path: Path, settings: EvalSettings | None = None, *, refer
         "settings": {**settings.model_dump(), "task": _task(settings, task, data),
                      "data": data.description,
                      "latency_skipped": latency.get("skipped", []),
+                     # `dstc compare`: its artifacts' runs alternated, round by round
+                     "latency_interleaved": latency.get("interleaved"),
                      "rss_increase_mb": round(latency["rss_increase_mb"], 1) if latency else None},
         "metrics": {k: v.model_dump() for k, v in metrics.items()},
         "latency": [LatencyCase.model_validate(c).model_dump() for c in cases],
@@ -325,6 +326,19 @@ def evaluate_artifact(path: Path, settings: EvalSettings | None = None, *, refer
                          routing_agreement_per_layer=series["routing_agreement_per_layer"],
                          layer_errors=layer_errors, head_errors=head_errors).model_dump(),
     })
+
+
+def eval_latency_settings(settings: EvalSettings) -> dict:
+    """measure_latency's settings from eval's."""
+    return {"prompt_lengths": tuple(settings.prompt_lengths), "batches": tuple(settings.batches),
+            "new_tokens": settings.new_tokens, "warmup": settings.warmup, "repetitions": settings.repetitions,
+            "threads": settings.threads, "openvino_f32": settings.openvino_f32, "speculate": settings.speculate,
+            "draft_tokens": settings.draft_tokens}
+
+
+def latency_plan(settings: EvalSettings) -> str:
+    return (f"latency: prompts {settings.prompt_lengths} x batch {settings.batches}, {settings.new_tokens} new "
+            f"tokens, {settings.warmup} warm-up + {settings.repetitions} measured runs each")
 
 
 def _task(settings: EvalSettings, embedded: bool, data) -> str | None:

@@ -61,10 +61,17 @@ def differences(facts: Sequence[dict[str, str]], reports: list[Report]) -> list[
 
 
 def _environment(reports: list[Report]) -> str:
+    """The CPU and threads the figures were measured with, and how the latency runs were ordered."""
     first = reports[0].environment
-    return (f"Measured on {first.cpu.model or first.cpu.architecture} ({first.cores} cores), "
+    text = (f"Measured on {first.cpu.model or first.cpu.architecture} ({first.cores} cores), "
             f"{first.threads} threads" + ("" if len({(r.environment.cpu.model, r.environment.threads)
                                                       for r in reports}) == 1 else "; the others differ: below"))
+    timed = [r for r in reports if r.latency]
+    if len(timed) > 1:
+        text += ("; latency timed in interleaved rounds (each round one run of every case of each artifact in turn)"
+                 if all(r.settings.get("latency_interleaved") for r in timed) else
+                 "; latency timed one artifact after the other, not interleaved")
+    return text
 
 
 def comparison_rows(reports: list[Report], labels: list[str]) -> list[dict]:

@@ -18,7 +18,7 @@ from toolchain.report.markdown import (
     verdict,
     worst_weights_table,
 )
-from toolchain.report.plots import all_plots
+from toolchain.report.plots import all_plots, layer_shares
 from toolchain.report.schema import Report
 
 CSS = """
@@ -86,6 +86,21 @@ def facts_list(pairs: list[tuple[str, str]]) -> str:
     return f'<dl class="facts">{items}</dl>'
 
 
+def _layer_share_note(report: Report) -> str:
+    """What the per-layer share plot shows and how it was estimated, with the layers that lead it."""
+    kind, shares = layer_shares(report)
+    if not shares:
+        return ""
+    top = sorted(shares.items(), key=lambda item: -item[1])[:3]
+    leading = ", ".join(f"{'other (embedding, lm_head)' if layer is None else f'layer {layer}'} "
+                        f"{100 * share:.0f} %" for layer, share in top)
+    return (f'<p class="settings">Which layers contribute most to the final KL, estimated: each layer\'s share of '
+            f"the sum over every quantized weight of its squared relative {escape(kind)} (the compress stage's "
+            f"per-weight measurements; small errors of a residual stack add as variances, and KL grows with their "
+            f"square; a routed expert counts as one weight, though only the tokens routed to it see its error). Not a "
+            f"KL measured with one layer quantized at a time. Leading: {escape(leading)}.</p>")
+
+
 def render_html(report: Report) -> str:
     """report.html: verdict badge, gates, metric tables, latency per case and every plot that has data."""
     plots = all_plots(report)
@@ -97,7 +112,8 @@ def render_html(report: Report) -> str:
             if rows else ""]
     if report.gates:
         body += ["<h2>Gates</h2>", html_table(gate_table(report), row_classes=[
-            ("SKIPPED" if g.skipped and g.passed else "PASS" if g.passed else "FAIL") for g in report.gates])]
+            ("SKIPPED" if g.skipped and g.passed else "PASS" if g.passed else "FAIL") for g in report.gates]),
+                 figures(plots.get("gates", []))]
     groups = dict(metric_groups(report))
     accuracy, speed = groups.get("Accuracy", []), groups.get("Speed and size", [])
     if accuracy or "accuracy" in plots:
@@ -111,6 +127,7 @@ def render_html(report: Report) -> str:
         body.append("<h2>Quantization error</h2>")
         if report.series.layer_errors:
             body += ["<p>Weights with the largest output error:</p>", html_table(worst_weights_table(report))]
+            body.append(_layer_share_note(report))
         body.append(figures(plots.get("quantization", [])))
     rest = [(k, v) for k, v in info if (k, v) not in main_facts]
     if rest:

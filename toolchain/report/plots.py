@@ -95,12 +95,63 @@ def _boxes(ax, groups: list[list[list[float]]], labels: list[str]) -> None:
     _legend(ax, labels)
 
 
+def plain_number(value: float) -> str:
+    """A tick label a reader takes in at once: 60, 0.25, 1500, and 1e-4 or 2e+06 outside [0.001, 100000)."""
+    if value == 0:
+        return "0"
+    if 1e-3 <= abs(value) < 1e5:
+        return f"{value:.4g}"
+    mantissa, exponent = f"{value:.0e}".split("e")
+    return f"{mantissa}e{int(exponent)}"
+
+
+def _log_axis(ax, axis: str = "y") -> None:
+    """A log axis ticked with plain numbers (60, 1e-4), not matplotlib's default 6×10^1: matplotlib still chooses
+    which ticks carry a label (every decade, and minor ticks where there are few decades)."""
+    (ax.set_yscale if axis == "y" else ax.set_xscale)("log", nonpositive="mask")
+    target = ax.yaxis if axis == "y" else ax.xaxis
+    target.set_major_formatter(_plain_formatter())
+    target.set_minor_formatter(_plain_formatter(minor=True))
+
+
+def _plain_formatter(minor: bool = False):
+    from matplotlib.ticker import LogFormatter
+
+    class Plain(LogFormatter):
+        def _num_to_string(self, x, vmin, vmax):
+            return plain_number(x)
+
+    return Plain(labelOnlyBase=False, minor_thresholds=(2, 0.5)) if minor else Plain(labelOnlyBase=False)
+
+
 def _log_if_wide(ax, values: list[float], ratio: float = 20.0) -> None:
     """A log y axis when the positive values span more than `ratio`; zero or negative values (a KL of exactly
     0) are then left out of the drawing."""
     positive = [v for v in values if v > 0]
     if positive and max(positive) / min(positive) > ratio:
-        ax.set_yscale("log", nonpositive="mask")
+        _log_axis(ax)
+
+
+def _gate_limit(reports: list[tuple[str, Report]], name: str) -> tuple[float, bool] | None:
+    """The limit of gate ``name`` and whether every report passed it, when the reports were gated by it with one
+    limit (overlaid reports gated differently get no line: it would belong to one of them)."""
+    gates = [g for _, r in reports for g in r.gates or [] if g.name == name]
+    if not gates or len(gates) != len(reports) or len({g.limit for g in gates}) != 1:
+        return None
+    return gates[0].limit, all(g.passed for g in gates)
+
+
+def _limit_line(ax, limit: float, passed: bool, text: str) -> None:
+    """A gate's limit across the plot: dashed, red when a report failed it, labelled at the right end; the axis is
+    widened to show it."""
+    colour = "#1a7f37" if passed else "#cf222e"
+    ax.axhline(limit, color=colour, linestyle="--", linewidth=1.1, zorder=3)
+    ax.annotate(text, xy=(1.0, limit), xycoords=("axes fraction", "data"), xytext=(-2, 2),
+                textcoords="offset points", ha="right", va="bottom", fontsize=7.5, color=colour,
+                bbox={"facecolor": "white", "edgecolor": "none", "alpha": 0.85, "pad": 1})
+    low, high = ax.get_ylim()
+    if limit > high:
+        ax.set_ylim(low, limit * (1.3 if ax.get_yscale() == "log" else 1.08))
 
 
 def _cases(reports: list[tuple[str, Report]]) -> list[tuple[int, int]]:
@@ -171,7 +222,14 @@ def kl_plot(reports: Report | Labelled) -> str | None:
         if kl:
             ax.plot(range(len(kl)), kl, color=_colour(r), linewidth=1.2)
     _legend(ax, [label for label, _ in pairs])
-    _log_if_wide(ax, [v for _, kl in pairs for v in kl])
+    gate = _gate_limit(labelled(reports), "max_kl_mean")
+    _log_if_wide(ax, [v for _, kl in pairs for v in kl] + ([gate[0]] if gate else []))
+    if gate:  # the gate is on the mean over every scored token: its line beside each report's mean
+        for r, (_, report) in enumerate(labelled(reports)):
+            mean = report.value("kl_mean")
+            if mean is not None and mean > 0:
+                ax.axhline(mean, color=_colour(r), linestyle=":", linewidth=1)
+        _limit_line(ax, gate[0], gate[1], f"gate max_kl_mean {plain_number(gate[0])} (dotted: mean KL)")
     ax.set_xlabel("position")
     ax.set_ylabel("nats")
     ax.set_title("KL divergence from the fp32 reference per position", fontsize=10, loc="left")
@@ -205,11 +263,84 @@ def layer_error_plot(reports: Report | Labelled) -> str | None:
         groups = [[[v for e in r.series.layer_errors if e.layer == layer and (v := get(e)) is not None and v > 0]
                    for _, r in pairs] for layer in layers]
         _boxes(ax, groups, [label for label, _ in pairs])
-        ax.set_yscale("log")
+        _log_axis(ax)
+        gate = _gate_limit(pairs, "max_weight_error") if title.startswith("weight") else None
+        if gate:
+            _limit_line(ax, gate[0], gate[1], f"gate max_weight_error {plain_number(gate[0])}")
         ax.set_title(f"Quantization {title}, per weight, by layer", fontsize=10, loc="left")
         _sparse_ticks(ax, list(range(len(layers))), [_layer_name(layer) for layer in layers])
     axes[-1].set_xlabel("layer")
     return _svg(fig, "layer-errors")
+
+
+def layer_shares(report: Report) -> tuple[str, dict[int | None, float]]:
+    """Each layer's share of the summed squared relative output error of the report's quantized weights (weight
+    error where the output error was not measured), and which of the two it is. Relative output errors of the
+    weights of a residual stack add roughly as variances, and a small output perturbation's KL grows with its
+    square: the share estimates how much of the final KL each layer's quantization causes. An estimate from the
+    compress stage's per-weight measurements, not a KL measured with one layer quantized at a time."""
+    errors = report.series.layer_errors
+    measured = any(e.output_error is not None for e in errors)
+    sums: dict[int | None, float] = {}
+    for e in errors:
+        value = e.output_error if measured else e.weight_error
+        if value is not None:
+            sums[e.layer] = sums.get(e.layer, 0.0) + value * value
+    total = sum(sums.values())
+    if not total:
+        return "", {}
+    return ("output error" if measured else "weight error"), {k: v / total for k, v in sums.items()}
+
+
+def layer_share_plot(reports: Report | Labelled) -> str | None:
+    """layer_shares per layer, one bar per report."""
+    pairs = [(label, *layer_shares(r)) for label, r in labelled(reports)]
+    if not any(shares for _, _, shares in pairs):
+        return None
+    layers = sorted({k for _, _, shares in pairs for k in shares}, key=_layer_key)
+    kinds = sorted({kind for _, kind, shares in pairs if shares})
+    fig, (ax,) = _figure()
+    width = 0.8 / len(pairs)
+    offsets = _offsets(len(pairs), width)
+    for r, (_, _, shares) in enumerate(pairs):
+        xs = [i + offsets[r] for i, layer in enumerate(layers) if layer in shares]
+        ax.bar(xs, [100 * shares[layer] for layer in layers if layer in shares], width * 0.9, color=_colour(r))
+    _sparse_ticks(ax, list(range(len(layers))), [_layer_name(layer) for layer in layers])
+    _legend(ax, [label for label, _, _ in pairs])
+    ax.set_xlabel("layer")
+    ax.set_ylabel("% of the total")
+    ax.set_title(f"Share of the summed squared {' / '.join(kinds)} per layer (an estimate of its part in the "
+                 "final KL)", fontsize=10, loc="left")
+    return _svg(fig, "layer-shares")
+
+
+def gate_plot(reports: Report | Labelled) -> str | None:
+    """One report's gates: a row per measured gate, the value as a bar against its limit (dashed), green where it
+    passed, red where it failed; each row on its own scale. None for several reports (their gates may differ)."""
+    pairs = labelled(reports)
+    if len(pairs) != 1:
+        return None
+    gates = [(g, g.value) for g in pairs[0][1].gates or [] if g.value is not None]
+    if not gates:
+        return None
+    fig, axes = _figure(len(gates), height=0.62)
+    for ax, (g, value) in zip(axes, gates):
+        colour = "#1a7f37" if g.passed else "#cf222e"
+        ax.grid(True, axis="x", color="#dddddd", linewidth=0.6)
+        ax.grid(False, axis="y")
+        ax.barh([0], [value], height=0.6, color=colour + "99", edgecolor=colour)
+        ax.axvline(g.limit, color=colour, linestyle="--", linewidth=1.2)
+        high = max(value, g.limit) * 1.15 or 1.0
+        ax.set_xlim(min(0.0, value), high)
+        ax.set_yticks([0], [g.name])
+        ax.tick_params(axis="y", length=0, labelsize=8)
+        ax.tick_params(axis="x", labelsize=7)
+        sign = "≥" if g.name.startswith("min_") else "≤"
+        ax.annotate(f"{plain_number(value)} {sign} {plain_number(g.limit)}: {'pass' if g.passed else 'FAIL'}",
+                    xy=(1.0, 0.5), xycoords="axes fraction", xytext=(4, 0), textcoords="offset points",
+                    va="center", fontsize=8, color=colour)
+    axes[0].set_title("Gates: each value (bar) against its limit (dashed line)", fontsize=10, loc="left")
+    return _svg(fig, "gates")
 
 
 def _head_value(e: HeadError) -> float:
@@ -244,7 +375,7 @@ def head_error_plot(reports: Report | Labelled) -> str | None:
     for i in starts[1:]:
         ax.axvline(i - 0.5, color="#cccccc", linewidth=0.6)
     _sparse_ticks(ax, starts, [_layer_name(keys[i][0]) for i in starts])
-    ax.set_yscale("log")
+    _log_axis(ax)
     _legend(ax, [label for label, _ in pairs])
     ax.set_xlabel("layer (heads within each layer, in order)")
     ax.set_title("Quantization error per attention head", fontsize=10, loc="left")
@@ -260,7 +391,10 @@ def _head_heatmap(means: dict[tuple[int | None, int], float], layers: list[int |
     ax.grid(False)
     image = ax.imshow(grid, aspect="auto", cmap="viridis", interpolation="nearest",
                       norm=LogNorm(min(values), max(values)) if values else None)
-    fig.colorbar(image, ax=ax, label="relative error")
+    bar = fig.colorbar(image, ax=ax, label="relative error")
+    if values:
+        bar.ax.yaxis.set_major_formatter(_plain_formatter())
+        bar.ax.yaxis.set_minor_formatter(_plain_formatter(minor=True))
     _sparse_ticks(ax, list(range(len(heads))), [str(h) for h in heads], most=16)
     _sparse_ticks(ax, list(range(len(layers))), [_layer_name(layer) for layer in layers], axis="y")
     ax.set_xlabel("head")
@@ -297,18 +431,20 @@ def routing_plot(reports: Report | Labelled) -> str | None:
 
 
 PLOTS: tuple[tuple[str, str, Callable[[Report | Labelled], str | None]], ...] = (
+    ("gates", "Gates against their limits", gate_plot),
     ("accuracy", "KL per position", kl_plot),
     ("accuracy", "Routing agreement", routing_plot),
     ("latency", "Time to first token", ttft_plot),
     ("latency", "Inter-token latency", itl_plot),
     ("latency", "Throughput", throughput_plot),
+    ("quantization", "Each layer's share of the quantization error", layer_share_plot),
     ("quantization", "Quantization error per layer", layer_error_plot),
     ("quantization", "Quantization error per head", head_error_plot),
 )
 
 
 def all_plots(reports: Report | Labelled) -> dict[str, list[tuple[str, str]]]:
-    """Section ("accuracy", "latency", "quantization") -> [(title, svg)] of every plot that has data."""
+    """Section ("gates", "accuracy", "latency", "quantization") -> [(title, svg)] of every plot that has data."""
     sections: dict[str, list[tuple[str, str]]] = {}
     for section, title, plot in PLOTS:
         svg = plot(reports)

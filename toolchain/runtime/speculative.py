@@ -295,7 +295,7 @@ def draft_artifact(settings: SpeculationSettings, artifact: Artifact, context: i
         # past its context a model does not fail, it drafts garbage: every draft rejected, each step a loss
         raise InputError(f"the draft model {draft.path} has a context of {draft.context_length} tokens, and "
                          f"sequences here reach {context}: use a shorter context (serve --max-context, generate "
-                         "--max-new-tokens) or another draft")
+                         "--new-tokens) or another draft")
     return draft
 
 

@@ -222,7 +222,7 @@ def compress(in_dir: Path, out_dir: Path, section: CompressSection, *, target: s
     routers = metrics.router_indices(model) if fused_moe.lowering_of(model) == "dispatch" else \
         fused_moe.router_indices(fused)
     log(f"fp32 reference on {len(feed_list)} calibration sequences ({tokenization})")
-    rows, ref_logits, ref_routing = metrics.capture(model, weights, feed_list, routers)
+    rows, ref_logits, ref_routing = metrics.capture(model, weights, feed_list, routers, log)
     activations = statistics = None
     if fused:
         run = GraphRunner(model, "onnxruntime", extra_outputs=fused_moe.capture_names(fused))
