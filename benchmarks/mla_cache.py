@@ -79,15 +79,17 @@ def cache_bytes_per_token_layer(path: Path) -> int:
     return sum(h * d * 4 for name, (h, d) in specs.items() if name.startswith("past_key_values.0."))
 
 
-def decode_ms(runner, specs: dict, vocab: int, context: int, steps: int, rng, lengths: dict | None = None) -> float:
+def decode_ms(runner, specs: dict, vocab: int, context: int, steps: int, rng, lengths: dict | None = None,
+              dtype: type[np.floating] = np.float32) -> float:
     """Mean ms per decode step after a cache of ``context - 1`` positions (batch 1), the cache fed back.
     ``lengths``: the graph's cache length rules (toolchain/interface/graph.py cache_lengths; DeepSeek-V4's compressed
-    cache), each tensor then as long as its rule says."""
+    cache), each tensor then as long as its rule says; ``dtype``: the graph's cache element type (export.cache_dtype),
+    so that no step times a conversion of the cache made here."""
     from toolchain.interface.graph import cache_length
 
     held = {name: cache_length(*(lengths or {})[name], context - 1) if name in (lengths or {}) else context - 1
             for name in specs}
-    past = {name: rng.standard_normal((1, h, held[name], d)).astype(np.float32) for name, (h, d) in specs.items()}
+    past = {name: rng.standard_normal((1, h, held[name], d)).astype(dtype) for name, (h, d) in specs.items()}
     token = np.array([[int(rng.integers(0, vocab))]], np.int64)
     total = 0.0
     for step in range(steps):
@@ -103,23 +105,27 @@ def decode_ms(runner, specs: dict, vocab: int, context: int, steps: int, rng, le
 
 
 def context_rounds(runners: dict, specs: dict, vocab: int, contexts: list[int], steps: int, rounds: int, rng,
-                   report=lambda context, medians: None,
-                   lengths: dict | None = None) -> dict[int, dict[str, list[float]]]:
+                   report=lambda context, medians: None, lengths: dict | None = None,
+                   dtypes: dict | None = None) -> dict[int, dict[str, list[float]]]:
     """{context: {contender: each round's ms/token}}: an unmeasured round first (the weights' pages read in, the
     kernels' first runs), then per context a warm-up (allocations of the new sizes) and ``rounds`` rounds
     alternating the contenders; ``report(context, {contender: median})`` after each context. ``lengths``:
-    {contender: its cache length rules} (decode_ms)."""
-    rules = lengths or {}
+    {contender: its cache length rules}, ``dtypes``: {contender: its cache element type} (decode_ms)."""
+    rules, types = lengths or {}, dtypes or {}
+
+    def run(name: str, context: int, count: int) -> float:
+        return decode_ms(runners[name], specs[name], vocab, context, count, rng, rules.get(name),
+                         types.get(name, np.float32))
+
     for name in runners:
-        decode_ms(runners[name], specs[name], vocab, contexts[0], steps, rng, rules.get(name))
+        run(name, contexts[0], steps)
     out = {}
     for context in contexts:
         for name in runners:
-            decode_ms(runners[name], specs[name], vocab, context, 2, rng, rules.get(name))
+            run(name, context, 2)
         out[context] = {name: [] for name in runners}
         for _, name in harness.alternation(list(runners), rounds):
-            out[context][name].append(decode_ms(runners[name], specs[name], vocab, context, steps, rng,
-                                                rules.get(name)))
+            out[context][name].append(run(name, context, steps))
         report(context, {name: statistics.median(times) for name, times in out[context].items()})
     return out
 
@@ -127,23 +133,24 @@ def context_rounds(runners: dict, specs: dict, vocab: int, contexts: list[int], 
 def measure_graphs(graphs: dict[str, str], backend: str, args, numerics: str = "exact") -> list[dict]:
     """Each graph loaded on ``backend`` (its creation time kept), then context_rounds over ``args``' contexts, steps
     and rounds, progress on stderr: a row per (graph, context) with its median ms/token and every round's."""
-    from toolchain.interface.graph import cache_lengths, graph_cache_spec, graph_metadata
+    from toolchain.interface.graph import cache_dtype, cache_lengths, graph_cache_spec, graph_metadata
     from toolchain.runtime.engines import GraphRunner
 
-    runners, specs, creation, lengths = {}, {}, {}, {}
+    runners, specs, creation, lengths, dtypes = {}, {}, {}, {}, {}
     for name, graph in graphs.items():
         started = time.perf_counter()
         runners[name] = GraphRunner(Path(graph), backend, numerics=numerics, threads=args.threads)
         creation[name] = time.perf_counter() - started
         specs[name] = graph_cache_spec(Path(graph))
-        lengths[name] = cache_lengths(graph_metadata(Path(graph)))
+        metadata = graph_metadata(Path(graph))
+        lengths[name], dtypes[name] = cache_lengths(metadata), np.dtype(cache_dtype(metadata)).type
 
     def report(context: int, medians: dict[str, float]) -> None:
         print(f"{backend} context {context}: " + ", ".join(f"{n} {ms:.1f} ms" for n, ms in medians.items()),
               file=sys.stderr, flush=True)
 
     measured = context_rounds(runners, specs, args.vocab, args.contexts, args.steps, args.rounds,
-                              np.random.default_rng(0), report, lengths)
+                              np.random.default_rng(0), report, lengths, dtypes)
     return [{"model": name, "context": context, "decode_ms_per_token": statistics.median(rounds[name]),
              "rounds_ms": rounds[name], "creation_s": creation[name]}
             for context, rounds in measured.items() for name in graphs]

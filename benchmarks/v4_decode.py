@@ -14,6 +14,11 @@ models; ms/token is the median over rounds (benchmarks/mla_cache.py's loop; the 
 their length rules say at C - 1 positions). The table also has each graph's cache bytes at C over all its layers
 (from its past_key_values inputs and their length rules).
 
+--float16-caches measures V3's latent graph and V4's compressed one with their caches stored in float32 and in
+float16 (export.cache_dtype: the past read through a Cast to float32, the new positions cast once) in the same
+rounds, and prints a table of float16's ms/token over float32's (issue #37: the cache dtype's default); V4's
+per-token graph is left out (at 64k its process grew past 16 GiB on a shared machine and was killed).
+
     PYTHONPATH=. .venv/bin/python benchmarks/v4_decode.py --workdir /tmp/v4-decode --json v4_decode.json
     PYTHONPATH=. .venv/bin/python benchmarks/v4_decode.py --attention-widths --layers 3 --workdir /tmp/v4-decode
 """
@@ -37,6 +42,15 @@ from benchmarks.mla_cache import measure_graphs  # noqa: E402
 MODELS = {"v4-flash": ("deepseek-v4-flash", False, "v4-flash", None),
           "v4-flash-compressed": ("deepseek-v4-flash", False, "v4-flash", "compressed"),
           "v3": ("deepseek-v3", True, "v3", None)}
+F16 = "-f16"  # --float16-caches: these models again with export.cache_dtype float16
+FLOAT16_MODELS = ("v4-flash-compressed", "v3")
+
+
+def models(args) -> dict[str, tuple]:
+    """The models measured: MODELS, or with --float16-caches FLOAT16_MODELS and their float16-cache exports."""
+    if not args.float16_caches:
+        return MODELS
+    return {name: MODELS[name] for name in FLOAT16_MODELS} | {name + F16: MODELS[name] for name in FLOAT16_MODELS}
 BACKENDS = ("onnxruntime", "openvino")
 
 
@@ -48,7 +62,7 @@ def build(work: Path, args, log) -> dict[tuple[str, str], Path]:
     from toolchain.stages.export import export
 
     files = {}
-    for model, (reference, fp8, checkpoint, v4_cache) in MODELS.items():
+    for model, (reference, fp8, checkpoint, v4_cache) in models(args).items():
         ckpt = work / f"{checkpoint}-ckpt"
         if not (ckpt / "config.json").is_file():
             log(f"shape-faithful {reference}: {args.layers} layers, {args.experts} experts")
@@ -56,7 +70,8 @@ def build(work: Path, args, log) -> dict[tuple[str, str], Path]:
         exported = work / f"{model}-export"
         if not (exported / "export.json").is_file():
             log(f"export {model}")
-            export(str(ckpt), exported, parity=(), v4_cache=v4_cache)
+            export(str(ckpt), exported, parity=(), v4_cache=v4_cache,
+                   cache_dtype="float16" if model.endswith(F16) else "float32")
         for backend in BACKENDS:
             out = work / f"{model}-int4-{backend}"
             if not (out / "compression.json").is_file():
@@ -80,6 +95,7 @@ def build_attention_widths(work: Path, args, log) -> dict[tuple[str, str], Path]
     from toolchain import source as sources
     from toolchain.checkpoint.reader import open_checkpoint
     from toolchain.export.architectures import architecture_for
+    from toolchain.export.cache_precision import with_cache_dtype
     from toolchain.export.decoder import build_decoder
     from toolchain.export.deepseek_v4 import with_v4_cache
     from toolchain.export.graph import save_graph
@@ -101,7 +117,7 @@ def build_attention_widths(work: Path, args, log) -> dict[tuple[str, str], Path]
                "v3": DeepseekV3Config(**{**real("deepseek-v3"), **small, "intermediate_size": 64,
                                          "first_k_dense_replace": args.layers})}
     files = {}
-    for model, (_, _, checkpoint, v4_cache) in MODELS.items():
+    for model, (_, _, checkpoint, v4_cache) in models(args).items():
         ckpt = work / f"{checkpoint}-ckpt"
         if not (ckpt / "config.json").is_file():
             log(f"random {checkpoint} at its attention widths, {args.layers} layers")
@@ -113,19 +129,26 @@ def build_attention_widths(work: Path, args, log) -> dict[tuple[str, str], Path]
             source = sources.resolve(str(ckpt))
             with open_checkpoint(source.path) as reader:
                 arch = with_v4_cache(architecture_for(source.config["model_type"]), v4_cache)
-                save_graph(build_decoder(sources.skeleton(source, reader), arch, reader), graph)
+                built = build_decoder(sources.skeleton(source, reader), arch, reader)
+                if model.endswith(F16):
+                    with_cache_dtype(built, "float16")
+                save_graph(built, graph)
         files |= {(model, backend): graph for backend in BACKENDS}
         gc.collect()
     return files
 
 
 def cache_bytes(path: Path, context: int) -> int:
-    """Bytes every layer of the graph caches for one sequence of ``context`` positions, float32, from its
+    """Bytes every layer of the graph caches for one sequence of ``context`` positions, in its cache dtype, from its
     past_key_values inputs and their length rules (a compressed V4 cache's window, pooled entries and tail)."""
-    from toolchain.interface.graph import cache_bytes_at, graph_cache_spec, graph_metadata
+    import numpy as np
 
-    inputs = [(name, [0, h, 0, d], 4) for name, (h, d) in graph_cache_spec(path).items()]
-    return cache_bytes_at(inputs, graph_metadata(path), context)
+    from toolchain.interface.graph import cache_bytes_at, cache_dtype, graph_cache_spec, graph_metadata
+
+    metadata = graph_metadata(path)
+    size = np.dtype(cache_dtype(metadata)).itemsize
+    inputs = [(name, [0, h, 0, d], size) for name, (h, d) in graph_cache_spec(path).items()]
+    return cache_bytes_at(inputs, metadata, context)
 
 
 def measure_child(args) -> None:
@@ -142,7 +165,7 @@ def measure(files: dict, args, log, done: list[dict]) -> list[dict]:
     for backend in BACKENDS:
         if any(r["backend"] == backend for r in done):
             continue
-        graphs = {model: str(files[(model, backend)]) for model in MODELS}
+        graphs = {model: str(files[(model, backend)]) for model in models(args)}
         command = [sys.executable, __file__, "--measure", backend, "--graphs", json.dumps(graphs),
                    "--contexts", ",".join(map(str, args.contexts)), "--steps", str(args.steps),
                    "--rounds", str(args.rounds), "--threads", str(args.threads), "--vocab", str(args.vocab)]
@@ -173,6 +196,24 @@ def table(rows: list[dict], contexts: list[int]) -> str:
                                    "V3 ms/tok", "V4 / V3"], lines)
 
 
+def float16_table(rows: list[dict], contexts: list[int]) -> str:
+    """--float16-caches: each float16-cache model's ms/token and cache bytes against its float32 export's."""
+    get = {(r["backend"], r["model"], r["context"]): r for r in rows}
+    lines = []
+    for backend in dict.fromkeys(r["backend"] for r in rows):
+        for context in contexts:
+            for model in FLOAT16_MODELS:
+                wide, narrow = get.get((backend, model, context)), get.get((backend, model + F16, context))
+                if wide is None or narrow is None:
+                    continue
+                lines.append([backend, context, model, f"{wide['cache_bytes'] / 2**20:.1f} / "
+                              f"{narrow['cache_bytes'] / 2**20:.1f}", wide["decode_ms_per_token"],
+                              narrow["decode_ms_per_token"],
+                              narrow["decode_ms_per_token"] / wide["decode_ms_per_token"]])
+    return harness.markdown_table(["backend", "context", "model", "cache MiB f32 / f16", "f32 ms/tok", "f16 ms/tok",
+                                   "f16 / f32"], lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, default=4)
@@ -185,6 +226,8 @@ def main() -> None:
     parser.add_argument("--attention-widths", action="store_true",
                         help="float32 random models with the real hidden and attention widths and a tiny rest instead "
                              "of shape-faithful INT4 builds (build_attention_widths)")
+    parser.add_argument("--float16-caches", action="store_true",
+                        help="V3's and V4's compressed exports with float32 and float16 caches (export.cache_dtype)")
     parser.add_argument("--json", type=Path, default=Path("v4_decode.json"))
     parser.add_argument("--resume", action="store_true", help="keep the backends already in --json")
     parser.add_argument("--measure", metavar="BACKEND", help=argparse.SUPPRESS)
@@ -203,7 +246,10 @@ def main() -> None:
     files = (build_attention_widths if args.attention_widths else build)(work, args, log)
     args.vocab = json.loads((work / "v3-ckpt" / "config.json").read_text())["vocab_size"]
     done = json.loads(args.json.read_text())["rows"] if args.resume and args.json.is_file() else []
-    print(table(measure(files, args, log, done), args.contexts))
+    rows = measure(files, args, log, done)
+    print(table(rows, args.contexts))
+    if args.float16_caches:
+        print(float16_table(rows, args.contexts))
 
 
 if __name__ == "__main__":

@@ -48,13 +48,15 @@ class ExportSection(Section):
         "batching and ONNX Runtime's fused attention (fuse-mla-attention) need  [default: latent; refused for "
         "models without MLA]"))
     # what DeepSeek-V4's cache holds (toolchain/export/deepseek_v4.py V4_CACHES): per-token state, or the compressed
-    # layout (window, pooled entries, tail); None: per-token, the one every runner takes. Refused for other models
+    # layout (window, pooled entries, tail); None: per-token, the one every runner takes (the compressed one but
+    # serve's speculation and gather layout). Refused for other models
     v4_cache: Literal["per-token", "compressed"] | None = Field(None, description=(
         "What DeepSeek-V4's cache holds: per-token state (K=V and compressor projections per position, the windows "
         "pooled again at each step), or compressed (a bounded sliding window, the pooled CSA/HCA entries and the "
-        "incomplete window's tail: V4's own cache); every runner takes it but speculative decoding (which cuts "
-        "the cache back) and serve's 'gather' layout, which refuse it in one line  [default: per-token; refused "
-        "for other models]"))
+        "incomplete window's tail: V4's own cache); every runner takes it (speculation rolls it back by replaying "
+        "the accepted tokens) but speculation in serve's running batches (whose rejected drafts are holes in the "
+        "cache) and serve's 'gather' layout, which refuse it in one line  [default: per-token; refused for other "
+        "models]"))
     # how the weights are stored (toolchain/export/weights.py STORAGES): bf16 values as bf16 + Cast, or float32
     weights: Literal["auto", "float32", "bfloat16"] = Field("auto", description=(
         "Weight storage: bfloat16 keeps a bf16 or FP8 checkpoint's values as bf16 initializers widened by a Cast "

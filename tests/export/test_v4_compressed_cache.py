@@ -1,7 +1,7 @@
 """DeepSeek-V4's compressed cache (``export.v4_cache: compressed``): a bounded sliding window, the pooled CSA/HCA
 entries and the incomplete window's tail, exact against transformers 5.24 on both backends and the stateful IR;
 its tensors hold what their length rules say; prompts fed in chunks of any size give the per-token graph's logits;
-the runners that cut or merge caches refuse it in one line."""
+speculation's rollback replays it exactly; the batch runners that cut caches refuse it in one line."""
 
 from __future__ import annotations
 
@@ -162,35 +162,81 @@ def test_sequences_joining_a_running_batch_get_their_batch_one_tokens(graphs, tm
     assert decode_joining_and_leaving(batch, prompts, new) == alone
 
 
+def replayed_logits(decoder, vocab: int) -> tuple[np.ndarray, np.ndarray]:
+    """Logits of positions 28-31 after positions 0-23 and 24-27 were fed, against the same after 24-31 were fed,
+    rejected drafts fed and rolled back to 28 (a replay of 24-27 from the checkpoint at 24), then 28-31 fed: past
+    the window (8), across CSA windows (4) and an HCA window (16)."""
+    ids = np.random.default_rng(3).integers(1, vocab, (1, 32))
+    ones = lambda n: np.ones((1, n), np.int64)  # noqa: E731
+    decoder.reset()
+    decoder.forward(ids[:, :24], ones(24))
+    decoder.forward(ids[:, 24:28], ones(28))
+    want = decoder.forward(ids[:, 28:], ones(32))
+    decoder.reset()
+    decoder.forward(ids[:, :24], ones(24))
+    decoder.forward(ids[:, 24:], ones(32))  # the checkpoint at 24
+    decoder.rollback(28)
+    decoder.forward(np.array([[7, 8, 9]]), ones(31))  # a verify step's drafts, all rejected
+    decoder.rollback(28)
+    decoder.forward(np.array([[5]]), ones(29))  # one position at a time keeps the checkpoint and logs
+    decoder.forward(np.array([[6]]), ones(30))
+    decoder.rollback(28)
+    return want, decoder.forward(ids[:, 28:], ones(32))
+
+
+@pytest.mark.parametrize("backend", ["stateless", "onnxruntime", "openvino-stateful"])
+def test_a_rolled_back_cache_gives_the_logits_of_one_that_never_held_the_rejected_positions(graphs, tmp_path,
+                                                                                            backend):
+    """The compressed cache rolled back by replay (toolchain/runtime/cache_replay.py): its window, tail and pooled
+    entries those of a cache fed only the kept positions, exactly (the same forwards), on each decoder."""
+    from toolchain.interface.graph import graph_cache_spec, graph_metadata
+    from toolchain.runtime.decoder import OnnxRuntimeDecoder, OpenVINODecoder, StatelessDecoder
+    from toolchain.runtime.engines import GraphRunner
+
+    config, _, path, _ = graphs
+    if backend == "openvino-stateful":
+        import openvino as ov
+
+        from toolchain.compile.openvino_ir import convert
+
+        ov.save_model(convert(path, {}), str(tmp_path / "stateful.xml"), compress_to_fp16=False)
+        decoder = OpenVINODecoder(tmp_path / "stateful.xml", 2, (), "exact")
+    elif backend == "onnxruntime":
+        decoder = OnnxRuntimeDecoder(path, 2, ())
+    else:
+        decoder = StatelessDecoder(GraphRunner(path, "onnxruntime"), graph_cache_spec(path),
+                                   metadata=graph_metadata(path))
+    assert decoder.replays
+    want, got = replayed_logits(decoder, config.vocab_size)
+    assert want.shape == got.shape == (1, 4, want.shape[-1])
+    np.testing.assert_array_equal(want, got)
+    with pytest.raises(ValueError, match="checkpointed at 28"):
+        decoder.rollback(27)
+
+
 def test_runners_that_cut_caches_refuse_it_in_one_line(graphs):
-    """Rolling back (speculation's rejected drafts), verify steps' holes and the gathered layout's per-sequence
-    caches would cut the compressed cache along its sequence axis: each refuses it in one line."""
+    """Verify steps' holes in a running batch and the gathered layout's per-sequence caches would cut the
+    compressed cache along its sequence axis: each refuses it in one line."""
     from toolchain.runtime.batching import batched_decoder
     from toolchain.runtime.decoder import OnnxRuntimeDecoder
 
     _, _, path, per_token = graphs
     decoder = OnnxRuntimeDecoder(path, 1, ())
-    decoder.forward(np.array([[3, 4, 5]]), np.ones((1, 3), np.int64))
-    with pytest.raises(InputError, match="v4_cache: per-token") as error:
-        decoder.rollback(2)
-    assert "\n" not in str(error.value)
     with pytest.raises(InputError, match="compressed cache"):
         batched_decoder(decoder, 0, "gather")
     batch = batched_decoder(decoder, 0, "batch")
     batch.join({"a": [3, 4, 5]})
-    with pytest.raises(InputError, match="holes"):
+    with pytest.raises(InputError, match="holes") as error:
         batch.verify({"a": [6, 7]})
+    assert "\n" not in str(error.value)
     batched_decoder(OnnxRuntimeDecoder(per_token, 1, ()), 0, "gather")  # the per-token layout does
 
 
-def test_the_option_is_v4_s_and_refuses_mtp(tmp_path, tiny_checkpoints):
+def test_the_option_is_v4_s(tmp_path, tiny_checkpoints):
     from toolchain.stages.export import export
 
     with pytest.raises(InputError, match="deepseek_v4"):
         with_v4_cache(architecture_for("deepseek_v3"), "compressed")
-    with pytest.raises(InputError, match="mtp"):
-        export(str(tiny_checkpoints["deepseek_v4"]), tmp_path / "mtp", parity=(), v4_cache="compressed", mtp=True)
-    assert not (tmp_path / "mtp").exists()
     report = export(str(tiny_checkpoints["deepseek_v4"]), tmp_path / "out", parity=("onnxruntime",),
                     v4_cache="compressed")
     assert report["graph"]["kv_cache"] == "compressed"

@@ -149,6 +149,28 @@ def test_every_other_embedded_model_keeps_its_greedy_tokens(artifact, model, bac
                 assert sum(acceptance.proposed) > 0
 
 
+@pytest.mark.parametrize("backend", [BACKENDS[0], pytest.param(BACKENDS[1], marks=pytest.mark.slow)])
+def test_v4_s_compressed_cache_speculates_to_plain_greedy_tokens_with_its_mtp_block(artifact, backend):
+    """deepseek-v4-tiny built with export.v4_cache: compressed and its trained MTP block: the main cache rolled back
+    by replay (toolchain/runtime/cache_replay.py) gives plain greedy decoding's tokens with MTP drafts (1 and 3 a
+    step, some accepted and some not), prompt lookup and drafts that are all rejected."""
+    from toolchain.runtime.mtp_drafter import open_mtp_drafter
+
+    art = artifact("deepseek-v4-tiny", backend, {"export": {"parity": [], "mtp": True, "v4_cache": "compressed"},
+                                                 "compile": {"backend": backend, "verify": False}})
+    decoder = open_decoder(art, threads=2, openvino_f32=True, extra_outputs=("hidden_states",))
+    assert decoder.replays  # the compressed layout: no cut
+    mtp = open_mtp_drafter(art, threads=2, openvino_f32=True)
+    for prompt in prompts(art):
+        plain = greedy_generate(decoder, [prompt], 24, set(art.eos_token_ids), art.pad_token_id).tokens[0]
+        for draft_tokens, drafter in ((1, mtp), (3, mtp), (4, PromptLookup()), (4, Garbage(set(plain)))):
+            tokens, acceptance = speculative(decoder, drafter, prompt, art, 24, draft_tokens)
+            assert tokens == plain, (type(drafter).__name__, draft_tokens)
+            assert acceptance.rate is not None and (acceptance.rate == 0) == isinstance(drafter, Garbage)
+            if drafter is mtp:  # rejections beside acceptances: rollbacks that replay some positions
+                assert 0 < acceptance.rate < 1
+
+
 def test_prompt_lookup_drafts_what_followed_the_longest_suffix_match():
     lookup = PromptLookup(max_ngram=3)
     assert lookup.propose([1, 2, 3, 4, 5, 9, 2, 3, 7, 7, 2, 3], {}, 2) == [4, 5]  # "2 3": first occurrence

@@ -34,7 +34,7 @@ from toolchain.runtime.artifact import Artifact
 from toolchain.runtime.batch_holes import holds_holes
 from toolchain.runtime.batching import ArrayBatch, PersistentBatch
 from toolchain.runtime.batching_openvino import StatefulBatch, pageable
-from toolchain.runtime.decoder import ROLLBACK, OnnxRuntimeDecoder, StatelessDecoder, open_decoder
+from toolchain.runtime.decoder import OnnxRuntimeDecoder, StatelessDecoder, open_decoder
 from toolchain.runtime.mtp_drafter import open_mtp_drafter
 from toolchain.runtime.speculative import PromptLookup, draft_artifact
 from toolchain.settings.speculation import MTP, PROMPT_LOOKUP, SpeculationSettings
@@ -218,7 +218,10 @@ def check_batch_speculation(settings: SpeculationSettings, artifact: Artifact, c
     speculation."""
     if settings.speculate is None:
         return
-    require_positional_cache(artifact.metadata, ROLLBACK)
+    # a sequence's rejected drafts become holes in the batch's cache (batch_holes.py), which a compressed cache
+    # cannot hold; one sequence at a time (generate, eval) replays instead (toolchain/runtime/cache_replay.py)
+    require_positional_cache(artifact.metadata, "speculative decoding in a running batch (its rejected drafts left "
+                                                "as holes in the batch's cache)")
     if artifact.backend == "openvino" and pageable(artifact.path / MODEL_XML):
         if settings.speculate == MTP:
             raise InputError(f"{artifact.path}: served by openvino_genai's ContinuousBatchingPipeline, which drafts "

@@ -10,7 +10,8 @@ cumsum - 1, clipped at 0), so a left-padded batch decodes as the padding were no
 * :class:`StatelessDecoder`: any graph with past_key_values.* inputs and present.* outputs, run by a GraphRunner,
   the cache kept as arrays (export parity, compile verification).
 
-The three also ``truncate(keep)`` their cache to its first positions (a speculative step's rejected drafts), and
+The three also ``rollback(keep)`` their cache to its first positions (a speculative step's rejected drafts): cut,
+or replayed from a checkpoint where the cache holds no entry per position (toolchain/runtime/cache_replay.py); and
 feed a prompt longer than their ``chunking`` allows in query chunks through the cache
 (toolchain/runtime/prefill_chunks.py: MLA's latent graph would otherwise hold a score tensor quadratic in it).
 """
@@ -35,13 +36,14 @@ from toolchain.interface.graph import (
     LOGITS,
     POSITION_IDS,
     SEQUENCE_AXIS,
+    cache_lengths,
     cache_spec,
     openvino_metadata,
     present_of,
-    require_positional_cache,
 )
 from toolchain.runtime import engines
 from toolchain.runtime.artifact import Artifact, load_error
+from toolchain.runtime.cache_replay import ReplayRollback
 from toolchain.runtime.kernel_caches import KernelCaches, kernel_caches
 from toolchain.runtime.last_logits import (
     INPUT as LOGITS_TO_KEEP,
@@ -49,7 +51,7 @@ from toolchain.runtime.last_logits import (
     openvino_with_logits_to_keep,
 )
 from toolchain.runtime.memory import require_artifact_memory
-from toolchain.runtime.prefill_chunks import ChunkedForward, PrefillChunking
+from toolchain.runtime.prefill_chunks import PrefillChunking
 
 
 class Decoder(Protocol):
@@ -88,9 +90,6 @@ def trimmed(cache: np.ndarray, keep: int) -> np.ndarray:
     return np.ascontiguousarray(cache[(slice(None),) * SEQUENCE_AXIS + (slice(0, keep),)])
 
 
-ROLLBACK = "rolling the cache back (speculative decoding's rejected drafts)"
-
-
 def positions(attention_mask: np.ndarray, new: int) -> np.ndarray:
     return np.clip(attention_mask.cumsum(-1) - 1, 0, None)[:, -new:]
 
@@ -107,7 +106,7 @@ def ort_cache(session) -> dict[str, tuple[int, int, type[np.floating]]]:
             for name, (heads, dim) in cache_spec((i.name, i.shape) for i in inputs).items()}
 
 
-class OnnxRuntimeDecoder(ChunkedForward):
+class OnnxRuntimeDecoder(ReplayRollback):
     backend = "onnxruntime"
 
     def __init__(self, path: Path, threads: int | None, extra_outputs: Sequence[str],
@@ -134,8 +133,9 @@ class OnnxRuntimeDecoder(ChunkedForward):
             "enable_cpu_mem_arena": applied.enable_cpu_mem_arena,
             "enable_mem_pattern": applied.enable_mem_pattern,
         }
-        # the exporter's metadata: its cache layout (CACHE_LENGTHS) says whether the cache can be cut back
+        # the exporter's metadata: its cache layout (CACHE_LENGTHS) says whether the cache is cut back or replayed
         self.metadata: dict[str, str] = dict(self.session.get_modelmeta().custom_metadata_map)
+        self.replays = bool(cache_lengths(self.metadata))
         self._past = ort_cache(self.session)
         self._outputs = [o.name for o in self.session.get_outputs()]
         self._extra = list(extra_outputs)
@@ -146,11 +146,20 @@ class OnnxRuntimeDecoder(ChunkedForward):
 
     def reset(self) -> None:
         self.cache = {}
+        self._checkpoint = None
+
+    def _state(self) -> object:
+        return dict(self.cache)  # the OrtValues a run returned, which no later run writes to
+
+    def _restore(self, state: object | None) -> None:
+        self.cache = dict(state) if isinstance(state, dict) else {}
 
     def rollback(self, keep: int) -> None:
         from onnxruntime import OrtValue
 
-        require_positional_cache(self.metadata, ROLLBACK)
+        if self.replays:
+            self._replay(keep)
+            return
         # Copied out of ORT and back: a rollback is once per verify step, not per token, and an OrtValue has no
         # view of part of itself.
         self.cache = {name: OrtValue.ortvalue_from_numpy(trimmed(value.numpy(), keep))
@@ -189,7 +198,7 @@ class OnnxRuntimeDecoder(ChunkedForward):
                 for name, (heads, dim, dtype) in self._past.items()}
 
 
-class OpenVINODecoder(ChunkedForward):
+class OpenVINODecoder(ReplayRollback):
     backend = "openvino"
 
     def __init__(self, path: Path, threads: int | None, extra_outputs: Sequence[str], numerics: str,
@@ -201,6 +210,7 @@ class OpenVINODecoder(ChunkedForward):
         started = time.perf_counter()
         model = engines.openvino_read(path)
         self.metadata = openvino_metadata(model)
+        self.replays = bool(cache_lengths(self.metadata))
         # the CPU plugin's SDPA kernel blocks over the keys and holds no [heads, new, past + new] scores, and a
         # prompt fed in chunks cost 2.5-3x its one-shot prefill there (4096 tokens at R1-Distill-Qwen-1.5B widths x 4
         # layers: 10.2-12.0 s against 3.8-4.1 s): only a graph whose attention is MatMuls (MLA's latent) is chunked
@@ -237,11 +247,27 @@ class OpenVINODecoder(ChunkedForward):
 
     def reset(self) -> None:
         self.request.reset_state()
+        self._checkpoint = None
+
+    def _state(self) -> object:
+        return [np.array(state.state.data) for state in self.request.query_state()]
+
+    def _restore(self, state: object | None) -> None:
+        import openvino as ov
+
+        if state is None:
+            self.request.reset_state()
+            return
+        assert isinstance(state, list)
+        for variable, value in zip(self.request.query_state(), state):
+            variable.state = ov.Tensor(np.array(value))  # the checkpoint may be restored again
 
     def rollback(self, keep: int) -> None:
         import openvino as ov
 
-        require_positional_cache(self.metadata, ROLLBACK)
+        if self.replays:
+            self._replay(keep)
+            return
         # Each variable read, cut on the sequence axis and set back, as openvino_genai trims its stateful KV cache
         # (utils::trim_kv_cache). The state reads in the variable's declared precision (f32): the plugin converts
         # from and back to the cache precision it keeps (f16 the artifact records, or f32 at exact numerics), which
@@ -347,7 +373,7 @@ def open_decoder(artifact: Artifact, *, threads: int | None = None, extra_output
         raise error from None
 
 
-class StatelessDecoder(ChunkedForward):
+class StatelessDecoder(ReplayRollback):
     """A graph with past_key_values.* inputs and present.* outputs behind the Decoder calls: the cache is the last
     call's present.* arrays, fed back as the next call's past."""
 
@@ -359,6 +385,7 @@ class StatelessDecoder(ChunkedForward):
                  metadata: Mapping[str, str] | None = None) -> None:
         self.backend = runner.backend
         self.metadata = dict(metadata or {})
+        self.replays = bool(cache_lengths(self.metadata))
         self.chunking = chunking
         self._run, self._past_specs = runner, past_specs  # past_key_values.* -> (heads, head dim)
         self.runner, self.past_specs = runner, past_specs  # what a batch over the same graph runs (batching.py)
@@ -368,9 +395,18 @@ class StatelessDecoder(ChunkedForward):
 
     def reset(self) -> None:
         self._past: dict[str, np.ndarray] = {}
+        self._checkpoint = None
+
+    def _state(self) -> object:
+        return dict(self._past)
+
+    def _restore(self, state: object | None) -> None:
+        self._past = dict(state) if isinstance(state, dict) else {}
 
     def rollback(self, keep: int) -> None:
-        require_positional_cache(self.metadata, ROLLBACK)
+        if self.replays:
+            self._replay(keep)
+            return
         self._past = {name: trimmed(value, keep) for name, value in self._past.items()}
 
     def _forward(self, input_ids: np.ndarray, attention_mask: np.ndarray, logits_to_keep: int,

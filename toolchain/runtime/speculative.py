@@ -27,9 +27,9 @@ import numpy as np
 
 from toolchain.errors import InputError
 from toolchain.interface.files import MTP_DIR
-from toolchain.interface.graph import HIDDEN_STATES, require_positional_cache
+from toolchain.interface.graph import HIDDEN_STATES
 from toolchain.runtime.artifact import Artifact, open_artifact
-from toolchain.runtime.decoder import ROLLBACK, RewindableDecoder, open_decoder
+from toolchain.runtime.decoder import RewindableDecoder, open_decoder
 from toolchain.runtime.mtp_drafter import open_mtp_drafter
 from toolchain.runtime.sampling import Sampling, distribution, next_token
 from toolchain.settings.speculation import MTP, SpeculationSettings
@@ -307,7 +307,6 @@ def open_speculation(settings: SpeculationSettings, artifact: Artifact, *, threa
     otherwise."""
     if settings.speculate is None:
         return None
-    require_positional_cache(artifact.metadata, ROLLBACK)
     if settings.speculate == MTP:
         return Speculation(MTP, open_mtp_drafter(artifact, threads=threads, openvino_f32=openvino_f32),
                            settings.draft_tokens, main_outputs=(HIDDEN_STATES,))

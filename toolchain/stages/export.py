@@ -33,7 +33,7 @@ from toolchain.export.mtp_reference import exports_mtp, mtp_layer_indices
 from toolchain.export.reference import layer_too_large, reference_config, shared_decoder_layers
 from toolchain.export.weights import storage_for
 from toolchain.interface.files import EXPORT_REPORT, MTP_DIR, ONNX_MODEL, ONNX_WEIGHTS
-from toolchain.interface.graph import COMPRESSED, KV_CACHE, PER_HEAD, cache_bytes_per_token, cache_lengths
+from toolchain.interface.graph import KV_CACHE, PER_HEAD, cache_bytes_per_token, cache_lengths
 from toolchain.interface.reports import DeferredWeights, ExportReport, ExportSource
 from toolchain.models.parameters import parameter_count
 from toolchain.recipe import CompressSection, ExportSection
@@ -104,10 +104,6 @@ def export(spec: str, out_dir: Path, *, parity: tuple[str, ...] | None = None, n
         moe = moe_lowering.auto_lowering(None, 0, None, False)[0]
     arch, parity = moe_lowering.lower(architecture_for(source.config["model_type"]), moe, parity)
     arch = with_v4_cache(with_mla_cache(arch, mla_cache), v4_cache)
-    if mtp and v4_cache == COMPRESSED:
-        # its drafts need the main cache cut back after a rejection, which the compressed layout cannot be
-        raise InputError("export.mtp drafts for speculative decoding, which rolls the cache back, and the compressed "
-                         "V4 cache cannot be: drop mtp or use v4_cache: per-token")
     if cache_dtype != "float32" and arch.kv_cache == PER_HEAD:
         raise InputError(PER_HEAD_NARROW_CACHE)
     check_writable_target(out_dir)
