@@ -44,7 +44,7 @@ def _find_concats(graph, name: str, pasts: set[str], found: list) -> bool:
     """Whether ``name`` in ``graph`` is a past input's Concat with new entries on the sequence axis that nothing
     else reads, or an If whose branches output one each; the Concats join ``found``."""
     node = next((n for n in graph.node if name in n.output), None)
-    if node is None:
+    if node is None or _read(graph, name):
         return False
     if node.op_type == "If":
         position = list(node.output).index(name)
@@ -52,8 +52,7 @@ def _find_concats(graph, name: str, pasts: set[str], found: list) -> bool:
         return all(_find_concats(b, b.output[position].name, pasts, found) for b in branches)
     axis = next((a.i for a in node.attribute if a.name == "axis"), None)
     return (node.op_type == "Concat" and len(node.input) == 2 and node.input[0] in pasts
-            and axis in (SEQUENCE_AXIS, SEQUENCE_AXIS - 4) and not _read(graph, name)
-            and not found.append(node))
+            and axis in (SEQUENCE_AXIS, SEQUENCE_AXIS - 4) and not found.append(node))
 
 
 def _read(graph, name: str) -> bool:
