@@ -373,7 +373,8 @@ class StatelessDecoder(ChunkedForward):
 
     def rollback(self, keep: int) -> None:
         require_positional_cache(self.metadata, ROLLBACK)
-        self._appended.trim(keep)
+        if getattr(self._run, "appends", False):
+            self._appended.trim(keep)
         self._past = {name: trimmed(value, keep) for name, value in self._past.items()}
 
     def _forward(self, input_ids: np.ndarray, attention_mask: np.ndarray, logits_to_keep: int,
