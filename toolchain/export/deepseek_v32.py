@@ -12,8 +12,10 @@ runtimes pair it with ``present.N.index_key`` by name like the others. Scores:
 
 plus the additive causal/padding mask (so a disallowed token scores the float32 minimum), and TopK with
 k = min(index_topk, T) picks the chosen tokens, positions [B, 1, S, k] (IndexedInputs.chosen). The attention
-gathers them (deepseek.py's latent_context / per_head_context hooks): GatherND (batch_dims 1) takes each query's k
-rows of the latent [B, T, rank] and rotary key [B, T, rope] caches to [B, S, k, *], scores are [B, S, H, k], the
+gathers them (deepseek.py's latent_context / per_head_context hooks): each query's k rows of the latent [B, T, rank]
+and rotary key [B, T, rope] caches, read from the past and the step's entries apart (chosen_rows; the indexer
+scores the two apart too, so each grown cache feeds its present output only and an appending runner copies no
+cache per step), to [B, S, k, *], scores are [B, S, H, k], the
 softmax runs over k with the mask's values at the chosen positions (GatherElements), and the context is the
 probabilities times the gathered latent: attention reads and multiplies k cached tokens per query, not T (the
 indexer alone still scores all T, with its 64 heads of 128 against MLA's 128 of 576). transformers' eager path
