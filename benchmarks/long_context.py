@@ -12,8 +12,10 @@ is another entry in MODELS and CASES.
 decode: both graphs loaded (dstc's GraphRunner, stateless, --threads, exact numerics) and, per context C, each
 decodes --steps tokens after a cache of C - 1 positions of random values (benchmarks/mla_cache.py's loop: an
 unmeasured round, a warm-up at each context, --rounds rounds alternating the models); ms/token is the median over
-rounds. V3.2's indexer picks its top 2048 of whatever the random keys score: the time of a step does not depend
-on which.
+rounds. The runner appends each step's new cache entries itself where the graph's present outputs allow it
+(toolchain/runtime/appending_cache.py: V3.2's latent graph; V3's dense attention reads the grown cache), as
+dstc's StatelessDecoder does; --before WORKDIR adds the V3.2 graphs another checkout built to the same rounds.
+V3.2's indexer picks its top 2048 of whatever the random keys score: the time of a step does not depend on which.
 
     PYTHONPATH=. .venv/bin/python benchmarks/long_context.py --workdir /tmp/long-context --json long_context.json
 """
@@ -33,6 +35,7 @@ from benchmarks import harness  # noqa: E402
 from benchmarks.mla_cache import measure_graphs  # noqa: E402
 
 MODELS = {"v3": ("deepseek-v3", True), "v3.2": ("deepseek-v3.2", False)}  # reference, --fp8 (V3.2: always FP8)
+BEFORE = "v3.2-before"  # --before: the V3.2 graphs another checkout built, measured in the same rounds
 BACKENDS = ("onnxruntime", "openvino")
 
 
@@ -69,25 +72,31 @@ def build(work: Path, args, log) -> dict[tuple[str, str], Path]:
 
 def decode_child(args) -> list[dict]:
     """decode: every model loaded, contexts in turn, rounds alternating the models."""
+    args.appending = True  # as dstc's StatelessDecoder: the runner appends the new entries where the graph allows
     return measure_graphs(json.loads(args.graphs), args.measure[1], args)
 
 
 def decode_table(rows: list[dict], args) -> str:
     """Per backend and context: each model's ms/token, V3.2 / V3 and each model's ms at C over its own at the first
-    context."""
+    context; with --before, the earlier V3.2 graph's ms/token and its ratio to its own first context beside."""
     get = {(r["backend"], r["model"], r["context"]): r["decode_ms_per_token"] for r in rows}
     peak = {r["backend"]: r["peak_rss_gib"] for r in rows}
     first = args.contexts[0]
+    before = BEFORE in {r["model"] for r in rows}
     lines = []
     for backend in dict.fromkeys(r["backend"] for r in rows):
         for context in args.contexts:
             v3, v32 = get.get((backend, "v3", context)), get.get((backend, "v3.2", context))
             if v3 is None or v32 is None:
                 continue
-            lines.append([backend, context, v3, v32, v32 / v3, v3 / get[(backend, "v3", first)],
-                          v32 / get[(backend, "v3.2", first)], peak[backend]])
-    return harness.markdown_table(["backend", "context", "V3 ms/tok", "V3.2 ms/tok", "V3.2 / V3", f"V3 / own {first}",
-                                   f"V3.2 / own {first}", "peak RSS GiB"], lines)
+            earlier = get.get((backend, BEFORE, context))
+            lines.append([backend, context, v3, *([earlier, earlier / get[(backend, BEFORE, first)]] if before else []),
+                          v32, v32 / v3, v3 / get[(backend, "v3", first)], v32 / get[(backend, "v3.2", first)],
+                          peak[backend]])
+    return harness.markdown_table(["backend", "context", "V3 ms/tok",
+                                   *(["V3.2 before ms/tok", f"before / own {first}"] if before else []),
+                                   "V3.2 ms/tok", "V3.2 / V3", f"V3 / own {first}", f"V3.2 / own {first}",
+                                   "peak RSS GiB"], lines)
 
 
 CASES = {"decode": (decode_child, decode_table)}
@@ -134,6 +143,8 @@ def main() -> None:
     parser.add_argument("--workdir", type=Path, default=None, help="keep the checkpoints and graphs here (reused)")
     parser.add_argument("--json", type=Path, default=Path("long_context.json"))
     parser.add_argument("--resume", action="store_true", help="keep the backends already in --json")
+    parser.add_argument("--before", type=Path, default=None,
+                        help="another --workdir whose V3.2 graphs (an earlier export) run in the same rounds")
     parser.add_argument("--build-only", action="store_true", help="make the graphs and stop")
     parser.add_argument("--measure", nargs=2, metavar=("CASE", "BACKEND"), help=argparse.SUPPRESS)
     parser.add_argument("--graphs", help=argparse.SUPPRESS)
@@ -151,6 +162,11 @@ def main() -> None:
     files = build(work, args, log)
     if args.build_only:
         return
+    if args.before:
+        for backend in args.backends:
+            out = args.before / f"v3.2-int4-{backend}"
+            files[(BEFORE, backend)] = out / "openvino_model.xml" if backend == "openvino" else out / "model.onnx"
+        args.models = [*args.models, BEFORE]
     args.vocab = json.loads((work / f"{args.models[0]}-ckpt" / "config.json").read_text())["vocab_size"]
     for case in args.cases:
         print(CASES[case][1](measure(case, files, args, log), args))

@@ -86,10 +86,14 @@ def decode_ms(runner, specs: dict, vocab: int, context: int, steps: int, rng, le
     cache), each tensor then as long as its rule says; ``dtype``: the graph's cache element type (export.cache_dtype),
     so that no step times a conversion of the cache made here."""
     from toolchain.interface.graph import cache_length
+    from toolchain.runtime.appending_cache import AppendingCache
 
     held = {name: cache_length(*(lengths or {})[name], context - 1) if name in (lengths or {}) else context - 1
             for name in specs}
     past = {name: rng.standard_normal((1, h, held[name], d)).astype(dtype) for name, (h, d) in specs.items()}
+    appended = AppendingCache()  # a runner that appends (runner.appends) outputs the new entries only
+    if getattr(runner, "appends", False):
+        appended.hold(past, steps)  # room for the measured steps: no growth among them (a copy per ROOM_STEP)
     token = np.array([[int(rng.integers(0, vocab))]], np.int64)
     total = 0.0
     for step in range(steps):
@@ -97,9 +101,15 @@ def decode_ms(runner, specs: dict, vocab: int, context: int, steps: int, rng, le
         feeds = {"input_ids": token, "attention_mask": np.ones((1, length), np.int64),
                  "position_ids": np.array([[length - 1]], np.int64), **past}
         started = time.perf_counter()
-        outputs = runner(feeds)
+        if getattr(runner, "appends", False):  # the cache's own step: its slots, the free ones masked, and the append
+            feeds.update({name: appended.past(name, cache) for name, cache in past.items()},
+                         attention_mask=appended.graph_mask(feeds["attention_mask"]))
+            outputs = runner(feeds)
+            appended.append({name: outputs["present." + name[len("past_key_values."):]] for name in specs})
+        else:
+            outputs = runner(feeds)
+            past = {name: outputs["present." + name[len("past_key_values."):]] for name in specs}
         total += time.perf_counter() - started
-        past = {name: outputs["present." + name[len("past_key_values."):]] for name in specs}
         token = outputs["logits"][:, -1].argmax(-1)[:, None].astype(np.int64)
     return total * 1e3 / steps
 
@@ -139,7 +149,8 @@ def measure_graphs(graphs: dict[str, str], backend: str, args, numerics: str = "
     runners, specs, creation, lengths, dtypes = {}, {}, {}, {}, {}
     for name, graph in graphs.items():
         started = time.perf_counter()
-        runners[name] = GraphRunner(Path(graph), backend, numerics=numerics, threads=args.threads)
+        runners[name] = GraphRunner(Path(graph), backend, numerics=numerics, threads=args.threads,
+                                    appending=getattr(args, "appending", False))
         creation[name] = time.perf_counter() - started
         specs[name] = graph_cache_spec(Path(graph))
         metadata = graph_metadata(Path(graph))
@@ -152,7 +163,7 @@ def measure_graphs(graphs: dict[str, str], backend: str, args, numerics: str = "
     measured = context_rounds(runners, specs, args.vocab, args.contexts, args.steps, args.rounds,
                               np.random.default_rng(0), report, lengths, dtypes)
     return [{"model": name, "context": context, "decode_ms_per_token": statistics.median(rounds[name]),
-             "rounds_ms": rounds[name], "creation_s": creation[name]}
+             "rounds_ms": rounds[name], "creation_s": creation[name], "appends": runners[name].appends}
             for context, rounds in measured.items() for name in graphs]
 
 

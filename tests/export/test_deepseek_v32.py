@@ -15,11 +15,11 @@ from conftest import COMMON, MLA, make_checkpoint, run_cli, tiny_configs
 from test_export import check_report
 
 from toolchain.errors import InputError
-from toolchain.verify.parity import TOLERANCES, Case, compare
 from toolchain.runtime.torch_reference import TorchDecoder
 from toolchain.source import load, resolve
 from toolchain.stages.compile import compile_artifact
 from toolchain.stages.export import export
+from toolchain.verify.parity import TOLERANCES, Case, compare
 
 NAME = "deepseek_v32"
 LAYOUTS = ("latent", "per-head")
@@ -271,3 +271,51 @@ def test_sequences_joining_and_leaving_a_batch_get_their_batch_one_tokens(export
     batch = StatefulBatch(decoder, art.pad_token_id) if backend == "openvino" else \
         batched_decoder(decoder, art.pad_token_id, layout)
     assert decode_joining_and_leaving(batch, prompts, new) == alone
+
+
+def past_concats(proto) -> int:
+    """Concat nodes reading a past_key_values.* input, in the graph and its subgraphs."""
+    from toolchain.runtime.appending_cache import _graphs
+
+    return sum(n.op_type == "Concat" and n.input[0].startswith("past_key_values.")
+               for g in _graphs(proto.graph) for n in g.node)
+
+
+@pytest.mark.parametrize("backend", ["onnxruntime", "openvino"])
+def test_the_stateless_runner_appends_the_latent_graphs_new_entries_and_decodes_the_same(exports, backend):
+    """The latent graph's three caches per layer are Concats that feed their present outputs only (the indexer
+    scores, and attention gathers, the past and the new entries apart), so the appending runner drops them: a
+    decode step copies no cache. Its logits over a left-padded batch's prompt, decode steps and a rollback are
+    those of the graph run as it is, bit for bit. The per-head layout's attention reads its grown caches: run as
+    it is."""
+    from toolchain.interface.graph import graph_cache_spec
+    from toolchain.runtime.appending_cache import appending_onnx
+    from toolchain.runtime.decoder import StatelessDecoder
+    from toolchain.runtime.engines import GraphRunner
+    from toolchain.runtime.generate import greedy_logits
+
+    config = tiny_configs()[NAME]
+    path = exports["latent"] / "model.onnx"
+    proto = onnx.load(str(path))
+    assert past_concats(proto) == 3 * config.num_hidden_layers
+    assert appending_onnx(proto) and past_concats(proto) == 0
+    assert not GraphRunner(exports["per-head"] / "model.onnx", backend, appending=True).appends
+
+    spec = graph_cache_spec(path)
+    appending = StatelessDecoder(GraphRunner(path, backend, appending=True), spec)
+    full = StatelessDecoder(GraphRunner(path, backend), spec)
+    assert appending.runner.appends
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(0, config.vocab_size, n).tolist() for n in (20, 4)]
+    runs = [greedy_logits(d, prompts, 12, 0) for d in (appending, full)]
+    np.testing.assert_array_equal(runs[0][0], runs[1][0])
+    for a, b in zip(runs[0][1], runs[1][1], strict=True):
+        np.testing.assert_array_equal(a, b)
+    step = np.ones((2, 1), np.int64)
+    logits = []
+    for decoder in (appending, full):
+        decoder.rollback(22)  # the batch's 20 prompt columns and 2 steps
+        mask = np.ones((2, 23), np.int64)
+        mask[1, :16] = 0
+        logits.append(decoder.forward(step, mask))
+    np.testing.assert_array_equal(*logits)

@@ -170,10 +170,12 @@ class DeepseekArchitecture(MoeArchitecture):
         caches [B, H, T, *]. DeepSeek-V3.2 attends to its indexer's chosen tokens only (deepseek_v32.py)."""
         return blocks.sdpa(g, q, key, value, inputs.mask, attn.scaling, attn.num_heads)
 
-    def latent_context(self, g: GraphBuilder, attn, q_lat, q_rot, key, value, inputs: LayerInputs):
+    def latent_context(self, g: GraphBuilder, attn, q_lat, q_rot, key, value, inputs: LayerInputs, new):
         """The latent layout's attention, the attended latent [B, H, S, rank]: q_lat [B, H, S, rank], q_rot
-        [B, H, S, rope] (rotated), key [B, 1, T, rope] and value [B, 1, T, rank] the grown caches. DeepSeek-V3.2
-        attends to its indexer's chosen tokens only (deepseek_v32.py)."""
+        [B, H, S, rope] (rotated), key [B, 1, T, rope] and value [B, 1, T, rank] the grown caches, ``new`` this
+        step's (key, value) entries [B, 1, S, *]. DeepSeek-V3.2 attends to its indexer's chosen tokens only, read
+        from the past and the new entries apart (deepseek_v32.py)."""
+        del new  # dense attention reads the grown caches
         # The heads go into the rows of one product per cached tensor ([B, H, S, d] -> [B, 1, H*S, d]), so each
         # cached position is read once for all heads rather than once per head.
         fold, unfold = g.const([0, 1, -1, 0]), g.const([0, attn.num_heads, -1, 0])
@@ -194,10 +196,11 @@ class DeepseekArchitecture(MoeArchitecture):
         k_rot = blocks.apply_rope(g, g.op("Unsqueeze", k_rot, g.const([1])), inputs.cos, inputs.sin)
         with g.scope("kv_b_proj"):
             q_lat = g.op("MatMul", q_nope, g.weight("k_absorbed", w_uk))  # [B, H, S, rank]
+        latent = g.op("Unsqueeze", latent, g.const([1]))  # [B, 1, S, rank]
         key = g.op("Concat", inputs.past_key, k_rot, axis=2)  # [B, 1, T, rope]
-        value = g.op("Concat", inputs.past_value, g.op("Unsqueeze", latent, g.const([1])), axis=2)  # [B, 1, T, rank]
+        value = g.op("Concat", inputs.past_value, latent, axis=2)  # [B, 1, T, rank]
         with g.scope("mla"):
-            ctx = self.latent_context(g, attn, q_lat, q_rot, key, value, inputs)  # [B, H, S, rank]
+            ctx = self.latent_context(g, attn, q_lat, q_rot, key, value, inputs, (k_rot, latent))  # [B, H, S, rank]
         with g.scope("kv_b_proj"):
             out = g.op("MatMul", ctx, g.weight("v_absorbed", w_uv))  # [B, H, S, v]
         out = g.op("Reshape", g.op("Transpose", out, perm=[0, 2, 1, 3]), g.const([0, 0, -1]))

@@ -12,8 +12,10 @@ runtimes pair it with ``present.N.index_key`` by name like the others. Scores:
 
 plus the additive causal/padding mask (so a disallowed token scores the float32 minimum), and TopK with
 k = min(index_topk, T) picks the chosen tokens, positions [B, 1, S, k] (IndexedInputs.chosen). The attention
-gathers them (deepseek.py's latent_context / per_head_context hooks): GatherND (batch_dims 1) takes each query's k
-rows of the latent [B, T, rank] and rotary key [B, T, rope] caches to [B, S, k, *], scores are [B, S, H, k], the
+gathers them (deepseek.py's latent_context / per_head_context hooks): each query's k rows of the latent [B, T, rank]
+and rotary key [B, T, rope] caches, read from the past and the step's entries apart (chosen_rows; the indexer
+scores the two apart too, so each grown cache feeds its present output only and an appending runner copies no
+cache per step), to [B, S, k, *], scores are [B, S, H, k], the
 softmax runs over k with the mask's values at the chosen positions (GatherElements), and the context is the
 probabilities times the gathered latent: attention reads and multiplies k cached tokens per query, not T (the
 indexer alone still scores all T, with its 64 heads of 128 against MLA's 128 of 576). transformers' eager path
@@ -98,14 +100,12 @@ class DeepseekV32Architecture(DeepseekV3Architecture):
         inputs.present[INDEX_KEY] = keys
         return IndexedInputs(**vars(inputs), chosen=chosen)
 
-    def latent_context(self, g: GraphBuilder, attn, q_lat, q_rot, key, value, inputs: LayerInputs):
+    def latent_context(self, g: GraphBuilder, attn, q_lat, q_rot, key, value, inputs: LayerInputs, new):
         assert isinstance(inputs, IndexedInputs)
-        positions = g.op("Unsqueeze", g.op("Squeeze", inputs.chosen, g.const([1])), g.const([-1]))  # [B, S, k, 1]
-
-        def gathered(cache):  # [B, 1, T, d] -> [B, S, k, d]: the chosen rows of the cache, per query
-            return g.op("GatherND", g.op("Squeeze", cache, g.const([1])), positions, batch_dims=1)
-
-        latent, k_rot = gathered(value), gathered(key)
+        del key, value  # the grown caches feed the present outputs only: the chosen rows are read apart
+        new_key, new_value = new
+        latent, k_rot = chosen_rows(g, g.op("Squeeze", inputs.chosen, g.const([1])),
+                                    [(inputs.past_value, new_value), (inputs.past_key, new_key)])
         per_query = [0, 2, 1, 3]  # [B, H, S, d] <-> [B, S, H, d]
         nope_scores = g.op("MatMul", g.op("Transpose", q_lat, perm=per_query),
                            g.op("Transpose", latent, perm=[0, 1, 3, 2]))
@@ -147,6 +147,26 @@ def gathered_per_head(g: GraphBuilder, attn, q, key, value, inputs: IndexedInput
     return g.op("Reshape", g.op("Transpose", out, perm=[0, 2, 1, 3]), g.const([0, 0, -1]))
 
 
+def chosen_rows(g: GraphBuilder, positions: ir.Value, caches: list[tuple[ir.Value, ir.Value]]) -> list[ir.Value]:
+    """Each cache's chosen rows per query, [B, S, k, d]: positions [B, S, k] into the past [B, 1, P, d] followed by
+    this step's entries [B, 1, S, d], read from the two apart (a position p < P is past row p, else new row p - P),
+    not from their concatenation, so that the grown cache feeds its present output only and a runner that appends
+    the new entries itself drops the copy (toolchain/runtime/appending_cache.py). No If (compress's prefill-int8
+    pass wraps only a span without subgraphs): the new rows are gathered at every chosen position, clamped into
+    range, and the past rows, found by NonZero (none when the past is empty, which GatherND could not index), are
+    scattered over them."""
+    past_len = g.op("Shape", caches[0][0], start=2, end=3)  # [1]
+    in_past = g.op("Transpose", g.op("NonZero", g.op("Less", positions, past_len)), perm=[1, 0])  # [N, 3]: b, s, j
+    batch = g.op("Slice", in_past, g.const([0]), g.const([1]), g.const([1]))  # [N, 1]
+    rows = g.op("Concat", batch, g.op("Unsqueeze", g.op("GatherND", positions, in_past), g.const([1])), axis=1)
+    from_new = g.op("Unsqueeze", g.op("Max", g.op("Sub", positions, past_len), g.const(0)), g.const([-1]))
+    out = []
+    for past, new in caches:
+        dense = g.op("GatherND", g.op("Squeeze", new, g.const([1])), from_new, batch_dims=1)  # [B, S, k, d]
+        out.append(g.op("ScatterND", dense, in_past, g.op("GatherND", g.op("Squeeze", past, g.const([1])), rows)))
+    return out
+
+
 def chosen_mask(g: GraphBuilder, inputs: IndexedInputs) -> ir.Value:
     """The additive mask's values at the chosen positions, [B, 1, S, k]: a disallowed token that TopK picks (fewer
     than k allowed) stays masked."""
@@ -176,15 +196,21 @@ def top_k_positions(g: GraphBuilder, indexer, h, q_a, inputs: LayerInputs):
     q = rotated(blocks.heads(g, blocks.linear(g, q_a, indexer.wq_b, "wq_b"), heads, dim))  # [B, H, S, D]
     k = blocks.layer_norm(g, blocks.linear(g, h, indexer.wk, "wk"), indexer.k_norm, "k_norm")
     k = rotated(g.op("Unsqueeze", k, g.const([1])))  # [B, 1, S, D]
-    keys = g.op("Concat", inputs.past[INDEX_KEY], k, axis=2)  # [B, 1, T, D]
-    # [B, S, H, D] @ [B, 1, D, T]: the scores query-major, so that no [.., T] tensor is transposed (a decode step at
-    # 32k spent 23 ms per layer on ONNX Runtime transposing [B, H, S, T] scores)
-    scores = g.op("MatMul", g.op("Transpose", q, perm=[0, 2, 1, 3]), g.op("Transpose", keys, perm=[0, 1, 3, 2]))
-    scores = g.op("Relu", g.op("Mul", scores, g.const(indexer.softmax_scale, np.float32)))
-    weights = g.op("Mul", blocks.linear(g, h, indexer.weights_proj, "weights_proj"),
-                   g.const(heads ** -0.5, np.float32))  # [B, S, H]
-    # [B, S, 1, H] @ [B, S, H, T]: the heads' weighted sum, as transformers' matmul
-    index = g.op("MatMul", g.op("Unsqueeze", weights, g.const([2])), scores)
+    keys = g.op("Concat", inputs.past[INDEX_KEY], k, axis=2)  # [B, 1, T, D]: the present output only
+    q = g.op("Transpose", q, perm=[0, 2, 1, 3])  # [B, S, H, D]
+    weights = g.op("Unsqueeze", g.op("Mul", blocks.linear(g, h, indexer.weights_proj, "weights_proj"),
+                                     g.const(heads ** -0.5, np.float32)), g.const([2]))  # [B, S, 1, H]
+
+    def index_of(cached):  # [B, 1, t, D] -> [B, S, 1, t]
+        # [B, S, H, D] @ [B, 1, D, t]: the scores query-major, so that no [.., t] tensor is transposed (a decode step
+        # at 32k spent 23 ms per layer on ONNX Runtime transposing [B, H, S, T] scores)
+        scores = g.op("MatMul", q, g.op("Transpose", cached, perm=[0, 1, 3, 2]))
+        scores = g.op("Relu", g.op("Mul", scores, g.const(indexer.softmax_scale, np.float32)))
+        return g.op("MatMul", weights, scores)  # [B, S, 1, H] @ [B, S, H, t]: the heads' sum, as transformers'
+
+    # the past keys and this step's scored apart, each token's score as from the grown keys (the same products), so
+    # that the grown keys feed the present output only (chosen_rows)
+    index = g.op("Concat", index_of(inputs.past[INDEX_KEY]), index_of(k), axis=-1)  # [B, S, 1, T]
     index = g.op("Add", g.op("Transpose", index, perm=[0, 2, 1, 3]), inputs.mask)  # [B, 1, S, T]
     total = g.op("Shape", index, start=-1)
     k_top = g.op("Min", g.const([indexer.index_topk]), total)

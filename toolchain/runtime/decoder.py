@@ -42,6 +42,7 @@ from toolchain.interface.graph import (
     present_of,
 )
 from toolchain.runtime import engines
+from toolchain.runtime.appending_cache import AppendingCache
 from toolchain.runtime.artifact import Artifact, load_error
 from toolchain.runtime.cache_replay import ReplayRollback
 from toolchain.runtime.kernel_caches import KernelCaches, kernel_caches
@@ -396,6 +397,7 @@ class StatelessDecoder(ReplayRollback):
     def reset(self) -> None:
         self._past: dict[str, np.ndarray] = {}
         self._checkpoint = None
+        self._appended = AppendingCache()  # a runner that appends (runner.appends): the cache, in place
 
     def _state(self) -> object:
         return dict(self._past)
@@ -407,6 +409,8 @@ class StatelessDecoder(ReplayRollback):
         if self.replays:
             self._replay(keep)
             return
+        if getattr(self._run, "appends", False):
+            self._appended.trim(keep)
         self._past = {name: trimmed(value, keep) for name, value in self._past.items()}
 
     def _forward(self, input_ids: np.ndarray, attention_mask: np.ndarray, logits_to_keep: int,
@@ -415,9 +419,16 @@ class StatelessDecoder(ReplayRollback):
         feeds = {**(inputs or {}), INPUT_IDS: np.ascontiguousarray(input_ids, np.int64),
                  ATTENTION_MASK: np.ascontiguousarray(attention_mask, np.int64),
                  POSITION_IDS: np.ascontiguousarray(positions(attention_mask, input_ids.shape[1]))}
+        appends = getattr(self._run, "appends", False)  # a GraphRunner's; a test's stand-in runner may not say
+        if appends:  # the cache's slots, the free ones masked (appending_cache.py)
+            feeds[ATTENTION_MASK] = self._appended.graph_mask(feeds[ATTENTION_MASK])
         for name, (heads, dim) in self._past_specs.items():
-            feeds[name] = self._past.get(name, np.zeros((len(input_ids), heads, 0, dim), np.float32))
+            empty = np.zeros((len(input_ids), heads, 0, dim), np.float32)
+            feeds[name] = self._appended.past(name, empty) if appends else self._past.get(name, empty)
         outputs = self._run(feeds)
-        self._past = {name: outputs[present_of(name)] for name in self._past_specs}
+        if appends:
+            self._appended.append({name: outputs[present_of(name)] for name in self._past_specs})  # new entries
+        else:
+            self._past = {name: outputs[present_of(name)] for name in self._past_specs}
         self.extras = {name: outputs[name] for name in self._extra}
         return outputs[LOGITS]

@@ -67,11 +67,13 @@ def ort_session(model: Path | str | bytes, options=None):
 
 
 def with_extra_outputs(model, names: Sequence[str]) -> bytes:
-    """A serialized copy of an ONNX graph (a path, read without its external weights, or an onnx_ir model) that
-    also outputs the named values; ORT infers their types."""
+    """A serialized copy of an ONNX graph (a path, read without its external weights, a ModelProto or an onnx_ir
+    model) that also outputs the named values; ORT infers their types."""
     import onnx
 
-    if isinstance(model, str | Path):  # an artifact's graph: onnx-ir (and its sympy) is the build extra's
+    if isinstance(model, onnx.ModelProto):
+        proto = model
+    elif isinstance(model, str | Path):  # an artifact's graph: onnx-ir (and its sympy) is the build extra's
         proto = onnx.load(str(model), load_external_data=False)
     else:
         import onnx_ir as ir
@@ -147,31 +149,47 @@ class GraphRunner:
     (OpenVINO)."""
 
     def __init__(self, model, backend: str, *, numerics: str = "exact", extra_outputs: Sequence[str] = (),
-                 threads: int | None = None) -> None:
+                 threads: int | None = None, appending: bool = False) -> None:
+        """``appending``: where the graph's present outputs are its past inputs' Concats with new entries only,
+        run it outputting the new entries instead (toolchain/runtime/appending_cache.py); ``appends`` says whether
+        it does."""
         self.backend = backend
+        self.appends = False
         if backend == "onnxruntime":
-            self._init_ort(model, list(extra_outputs), threads)
+            self._init_ort(model, list(extra_outputs), threads, appending)
         else:
-            self._init_openvino(model, list(extra_outputs), numerics, threads)
+            self._init_openvino(model, list(extra_outputs), numerics, threads, appending)
 
-    def _init_ort(self, model, extra: list[str], threads: int | None) -> None:
+    def _init_ort(self, model, extra: list[str], threads: int | None, appending: bool) -> None:
         external = None
-        if not isinstance(model, str | Path):  # an onnx_ir model
+        if appending and isinstance(model, str | Path):
+            import onnx
+
+            from toolchain.runtime.appending_cache import appending_onnx
+
+            proto = onnx.load(str(model), load_external_data=False)
+            if appending_onnx(proto):
+                self.appends = True
+                external, model = Path(model).parent, with_extra_outputs(proto, extra)
+        if not self.appends and not isinstance(model, str | Path):  # an onnx_ir model
             import onnx_ir as ir
 
             external = next((v.const_value.base_dir for v in model.graph.initializers.values()
                              if isinstance(v.const_value, ir.ExternalTensor)), None)
             model = with_extra_outputs(model, extra)
-        elif extra:
+        elif not self.appends and extra:
             external, model = Path(model).parent, with_extra_outputs(model, extra)
         self._session = ort_session(model, ort_options(threads=threads, external_dir=external))
         self._names = [o.name for o in self._session.get_outputs()]
         self._cache_types = {i.name: np.float16 for i in self._session.get_inputs() if i.type == "tensor(float16)"}
 
-    def _init_openvino(self, model, extra: list[str], numerics: str, threads: int | None) -> None:
+    def _init_openvino(self, model, extra: list[str], numerics: str, threads: int | None, appending: bool) -> None:
         import openvino as ov
 
+        from toolchain.runtime.appending_cache import appending_openvino
+
         model = model.clone() if isinstance(model, ov.Model) else openvino_read(model)
+        self.appends = appending and appending_openvino(model)
         have = {name for out in model.outputs for name in out.get_names()}
         if extra:
             model.add_outputs([name for name in extra if name not in have])

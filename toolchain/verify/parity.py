@@ -117,8 +117,10 @@ def _runs(decoder: Decoder | Callable[[], Decoder], cases: list[Case], new_token
 
 
 def graph_decoder(path: Path, backend: str) -> StatelessDecoder:
-    """A graph file (ONNX, or a stateless OpenVINO IR) run stateless at exact numerics, as a Decoder."""
-    return StatelessDecoder(GraphRunner(path, backend), graph_cache_spec(path), metadata=graph_metadata(path))
+    """A graph file (ONNX, or a stateless OpenVINO IR) run stateless at exact numerics, as a Decoder; the runner
+    appends the new cache entries itself where the graph allows (toolchain/runtime/appending_cache.py)."""
+    return StatelessDecoder(GraphRunner(path, backend, appending=True), graph_cache_spec(path),
+                            metadata=graph_metadata(path))
 
 
 def compare(reference: Decoder, path: Path, backend: str, cases: list[Case], new_tokens: int, pad_id: int) -> dict:
