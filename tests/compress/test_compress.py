@@ -392,6 +392,15 @@ def test_gptq_with_scale_estimation_on_routed_experts_is_refused(v3_tiny_export,
     assert not (tmp_path / "out").exists()
 
 
+def test_openvino_follows_the_plan_for_the_weight_whose_output_is_the_graphs(v3_tiny_export, tmp_path):
+    """OpenVINO names lm_head's MatMul after the graph output it writes ("logits"), not after its ONNX node: with the
+    ONNX name in NNCF's scopes, the INT8 call (here the routers') made lm_head INT8 although the plan said INT4."""
+    section = CompressSection.check({"scheme": "int4-grouped", "lm_head": "int4", "router": "int8"})
+    report = compress(v3_tiny_export, tmp_path / "out", section, target="openvino")
+    precisions = {row["role"]: row["precision"] for row in report["per_weight"]}
+    assert precisions["lm_head"].startswith("int4") and precisions["router"] == "int8-asym"
+
+
 def test_policy_roles_and_defaults():
     """The precision follows the role the exporter recorded, whatever the weight's name says."""
     policy = Policy("int4-grouped")

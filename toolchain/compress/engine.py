@@ -26,7 +26,7 @@ policy in policy.py decides those). Three traps of NNCF 3.4 with ORT 1.32, measu
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, cast
 
 import numpy as np
@@ -285,6 +285,10 @@ def compress_openvino(onnx_model: ir.Model, plan: dict[str, str], options: Optio
     path.unlink()
     if data:
         data.unlink()  # convert_model has read (or mapped) the weights; a mapping outlives the name
+    # OpenVINO names a node whose output is a graph output after it (lm_head's MatMul is "logits"), and NNCF's
+    # scopes take OpenVINO's names: with the ONNX name, an INT8 call made lm_head INT8 whatever the plan said
+    weights = _openvino_node_names(model, weights)
+    groups, demoted = _groups(weights, plan)
     all_nodes = [w.node for w in weights]
     calls, called = _calls(weights, groups, options, unreached)
     details.update(called)
@@ -293,6 +297,13 @@ def compress_openvino(onnx_model: ir.Model, plan: dict[str, str], options: Optio
         model = _run_nncf(model, _nncf_call(kind, options, nodes, all_nodes, dataset, data_aware=data_aware),
                           "OpenVINO")
     return model, details
+
+
+def _openvino_node_names(model, weights: list[Weight]) -> list[Weight]:
+    """The weights with ``node`` the name of their consumer in the ov.Model (found by its output's name)."""
+    names = {name: op.get_friendly_name() for op in model.get_ordered_ops()
+             if op.get_type_name() in ("MatMul", "Gather") for name in op.output(0).get_names()}
+    return [replace(w, node=names.get(w.output, w.node)) for w in weights]
 
 
 def to_ort_kernels(model: ir.Model, accuracy_level: int | None, prefill_int8: bool | None = False) -> dict:
