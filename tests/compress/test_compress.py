@@ -354,6 +354,53 @@ def test_a_weight_above_max_weight_error_fails_the_stage(v3_tiny_export, tmp_pat
     assert not (tmp_path / "out").exists()
 
 
+def test_a_weight_with_non_finite_values_fails_the_stage(v3_tiny_export, tmp_path):
+    """A weight whose compressed values are NaN (here its export's, as a degenerate scale of NNCF's would make them)
+    measures a NaN error, which compares false with every bound: the stage fails on it all the same (exit 6), and
+    writes nothing."""
+    from toolchain.errors import CompressionError
+    from toolchain.interface.reports import lost_share
+
+    assert lost_share(float("nan"), None) == lost_share(0.1, float("nan")) == float("inf")
+    graph_dir = tmp_path / "export"
+    graph_dir.mkdir()
+    (graph_dir / "export.json").write_bytes((v3_tiny_export / "export.json").read_bytes())
+    model = load_graph(v3_tiny_export / "model.onnx")
+    name = next(w.name for w in engine.graph_weights(model, with_arrays=False) if w.role == "routed_expert")
+    tensor = model.graph.initializers[name].const_value
+    array = tensor.numpy().copy()
+    array[0, 0] = np.nan
+    replaced = ir.tensor(array, name=name)
+    replaced.metadata_props.update(tensor.metadata_props)
+    model.graph.initializers[name].const_value = replaced
+    save_graph(model, graph_dir / "model.onnx")
+    with pytest.raises(CompressionError, match=rf"the worst {name} \(int4-asym-g128\) at inf") as caught:
+        compress(graph_dir, tmp_path / "out", CompressSection.check({"scheme": "int4-grouped"}), target="onnxruntime")
+    assert caught.value.exit_code == 6 and "\n" not in str(caught.value)
+    assert not (tmp_path / "out").exists()
+
+
+def test_gptq_with_scale_estimation_on_routed_experts_is_refused(v3_tiny_export, tmp_path):
+    """NNCF 3.4's GPTQ with scale estimation gives NaN scales to an expert that a calibration sequence routes no token
+    to (the mean of its empty inputs): refused before NNCF runs, in one line naming the reason (exit 2), nothing
+    written; GPTQ alone still runs (test_compressed_bytes_do_not_depend_on_the_blas_threads)."""
+    section = CompressSection.check({"scheme": "int4-grouped", "gptq": True, "scale_estimation": True})
+    with pytest.raises(InputError, match=r"^gptq with scale_estimation is refused on INT4 routed experts: .*NaN") \
+            as refused:
+        compress(v3_tiny_export, tmp_path / "out", section, target="openvino")
+    assert refused.value.exit_code == 2 and "\n" not in str(refused.value)
+    assert not (tmp_path / "out").exists()
+
+
+def test_openvino_follows_the_plan_for_the_weight_whose_output_is_the_graphs(v3_tiny_export, tmp_path):
+    """OpenVINO names lm_head's MatMul after the graph output it writes ("logits"), not after its ONNX node: with the
+    ONNX name in NNCF's scopes, the INT8 call (here the routers') made lm_head INT8 although the plan said INT4."""
+    section = CompressSection.check({"scheme": "int4-grouped", "lm_head": "int4", "router": "int8"})
+    report = compress(v3_tiny_export, tmp_path / "out", section, target="openvino")
+    precisions = {row["role"]: row["precision"] for row in report["per_weight"]}
+    assert precisions["lm_head"].startswith("int4") and precisions["router"] == "int8-asym"
+
+
 def test_policy_roles_and_defaults():
     """The precision follows the role the exporter recorded, whatever the weight's name says."""
     policy = Policy("int4-grouped")

@@ -26,7 +26,7 @@ policy in policy.py decides those). Three traps of NNCF 3.4 with ORT 1.32, measu
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, cast
 
 import numpy as np
@@ -184,7 +184,17 @@ def _groups(weights: list[Weight], plan: dict[str, str]) -> tuple[dict[str, list
     return groups, demoted
 
 
-def _check_nncf_options(options: Options, groups: dict[str, list[str]], dataset) -> None:
+def _check_nncf_options(options: Options, groups: dict[str, list[str]], dataset, weights: list[Weight],
+                        plan: dict[str, str]) -> None:
+    if options.gptq and options.scale_estimation and any(
+            w.role == "routed_expert" and plan[w.name] == "int4" for w in weights):
+        # NNCF 3.4's GPTQ takes scale estimation's statistics as the mean of each calibration sequence's inputs
+        # (GPTQ.activations_to_wc_statistics), NaN for a sequence that routes no token to the expert. Measured on
+        # deepseek-v2-lite-tiny: numpy's "Mean of empty slice" and NaN casts, 36 expert weights lost (relative error
+        # 1.0, stage exit 6); before max_weight_error, non-finite logits
+        raise InputError("gptq with scale_estimation is refused on INT4 routed experts: NNCF 3.4 averages each "
+                         "calibration sequence's inputs, and one that routes no token to an expert gives it NaN "
+                         "scales; use gptq alone, or awq / scale_estimation without gptq")
     if options.data_aware and "int4" not in groups:
         raise InputError("--awq, --scale-estimation, --gptq and --ratio < 1 apply to INT4 weights, and this "
                          "plan has none")
@@ -240,7 +250,7 @@ def compress_onnx(model: ir.Model, plan: dict[str, str], options: Options, datas
     weights no calibration token reaches, which take NNCF's data-free scales (_calls)."""
     weights = graph_weights(model)
     groups, demoted = _groups(weights, plan)
-    _check_nncf_options(options, groups, dataset)
+    _check_nncf_options(options, groups, dataset, weights, plan)
     details = {"demoted_3d": demoted, **_per_head(model, weights, plan, options, log)}
     all_nodes = [w.node for w in weights]
     calls, called = _calls(weights, groups, options, unreached)
@@ -265,7 +275,7 @@ def compress_openvino(onnx_model: ir.Model, plan: dict[str, str], options: Optio
 
     weights = graph_weights(onnx_model)
     groups, demoted = _groups(weights, plan)
-    _check_nncf_options(options, groups, dataset)
+    _check_nncf_options(options, groups, dataset, weights, plan)
     details = {"demoted_3d": demoted, **_per_head(onnx_model, weights, plan, options, log)}
     path = work_dir / "pre-openvino.onnx"
     # External weights are written again beside the copy: their recorded location is relative to the export.
@@ -275,6 +285,10 @@ def compress_openvino(onnx_model: ir.Model, plan: dict[str, str], options: Optio
     path.unlink()
     if data:
         data.unlink()  # convert_model has read (or mapped) the weights; a mapping outlives the name
+    # OpenVINO names a node whose output is a graph output after it (lm_head's MatMul is "logits"), and NNCF's
+    # scopes take OpenVINO's names: with the ONNX name, an INT8 call made lm_head INT8 whatever the plan said
+    weights = _openvino_node_names(model, weights)
+    groups, demoted = _groups(weights, plan)
     all_nodes = [w.node for w in weights]
     calls, called = _calls(weights, groups, options, unreached)
     details.update(called)
@@ -283,6 +297,13 @@ def compress_openvino(onnx_model: ir.Model, plan: dict[str, str], options: Optio
         model = _run_nncf(model, _nncf_call(kind, options, nodes, all_nodes, dataset, data_aware=data_aware),
                           "OpenVINO")
     return model, details
+
+
+def _openvino_node_names(model, weights: list[Weight]) -> list[Weight]:
+    """The weights with ``node`` the name of their consumer in the ov.Model (found by its output's name)."""
+    names = {name: op.get_friendly_name() for op in model.get_ordered_ops()
+             if op.get_type_name() in ("MatMul", "Gather") for name in op.output(0).get_names()}
+    return [replace(w, node=names.get(w.output, w.node)) for w in weights]
 
 
 def to_ort_kernels(model: ir.Model, accuracy_level: int | None, prefill_int8: bool | None = False) -> dict:

@@ -11,6 +11,7 @@ the producing module's, and nothing reads them by key but the terminal summary.
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import ClassVar, Literal, TypeVar
 
@@ -267,8 +268,10 @@ class WeightRow(_Model):
 
 def lost_share(weight_error: float, rescaled_error: float | None) -> float:
     """How much of a weight its compression lost, as the max_weight_error bound and gate read it: its relative error,
-    or the rescaled one where measured (AWQ's equivalent per-channel factors are not a loss; zeros are 1.0)."""
-    return weight_error if rescaled_error is None else min(weight_error, rescaled_error)
+    or the rescaled one where measured (AWQ's equivalent per-channel factors are not a loss; zeros are 1.0). A NaN or
+    infinite error (a weight with non-finite values) is inf, above every bound: NaN compares false with all of them."""
+    errors = [weight_error] if rescaled_error is None else [weight_error, rescaled_error]
+    return min(errors) if all(math.isfinite(e) for e in errors) else math.inf
 
 
 class LayerRow(_Model):
