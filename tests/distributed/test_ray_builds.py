@@ -75,6 +75,7 @@ class _NoCapture:
         return SimpleNamespace(out="", err="")
 
 
+@pytest.mark.slow  # the default suite builds on Ray, into the local bytes, in the retry test below
 def test_recipes_built_as_ray_tasks_are_byte_identical_to_local_builds(recipes, local_builds, ray_local, tmp_path,
                                                                        monkeypatch, capsys):
     monkeypatch.setenv("DSTC_CACHE_DIR", str(tmp_path / "cache"))  # a fresh cache: every stage runs in a worker
