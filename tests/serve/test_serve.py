@@ -311,7 +311,7 @@ def test_thresholds_parse_and_judge_with_hysteresis():
                 "itl_p50_ms:warn=5,ok=6", "itl_p50_ms:warn=5,alert=4"):
         with pytest.raises(InputError):
             parse_threshold(bad)
-    from toolchain.recipe import ServeSection
+    from toolchain.settings.serve_health import ServeSection
 
     serve = ServeSection.model_validate({"thresholds": {"itl_p99_ms": {"warn": 50, "ok": 40}}})
     merged = merge_thresholds([parse_threshold("itl_p99_ms:warn=1")], recipe_thresholds(serve),
