@@ -7,10 +7,10 @@ from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 
-from toolchain.evaluate.reference import resolve_reference
 from toolchain.evaluate.run import evaluate_artifact
 from toolchain.interface.reports import CompressionReport, ExportReport
 from toolchain.manifest_schema import Manifest
+from toolchain.reference.choice import resolve_reference
 from toolchain.report.schema import Report
 from toolchain.runtime.artifact import open_artifact
 from toolchain.settings.evaluation import EvalSettings
