@@ -165,6 +165,18 @@ def reference_task_scores(artifact, settings: EvalSettings, *, reference: str | 
     return scores, {"key": key, "reused": reused}
 
 
+def _measured_latency(path: Path, settings: EvalSettings, log: Callable[[str], None]) -> dict:
+    """What the latency child measured ({} when settings.latency is off)."""
+    if not settings.latency:
+        return {}
+    log(f"latency: prompts {settings.prompt_lengths} x batch {settings.batches}, {settings.new_tokens} new "
+        f"tokens, {settings.warmup} warm-up + {settings.repetitions} measured runs each")
+    return measure_latency(path, prompt_lengths=tuple(settings.prompt_lengths), batches=tuple(settings.batches),
+                           new_tokens=settings.new_tokens, warmup=settings.warmup, repetitions=settings.repetitions,
+                           threads=settings.threads, openvino_f32=settings.openvino_f32, speculate=settings.speculate,
+                           draft_tokens=settings.draft_tokens)
+
+
 def evaluate_artifact(path: Path, settings: EvalSettings | None = None, *, reference: str | None = None,
                       records: dict | None = None, display_path: Path | None = None,
                       log: Callable[[str], None] = lambda _: None) -> Report:
@@ -209,16 +221,9 @@ def evaluate_artifact(path: Path, settings: EvalSettings | None = None, *, refer
     threads, runtime_config = decoder.threads, decoder.runtime_config
     del decoder  # before latency runs in its child process
 
-    latency, cases = {}, []
-    if settings.latency:
-        log(f"latency: prompts {settings.prompt_lengths} x batch {settings.batches}, {settings.new_tokens} new "
-            f"tokens, {settings.warmup} warm-up + {settings.repetitions} measured runs each")
-        latency = measure_latency(path, prompt_lengths=tuple(settings.prompt_lengths), batches=tuple(settings.batches),
-                                  new_tokens=settings.new_tokens, warmup=settings.warmup,
-                                  repetitions=settings.repetitions, threads=settings.threads,
-                                  openvino_f32=settings.openvino_f32, speculate=settings.speculate,
-                                  draft_tokens=settings.draft_tokens)
-        cases = latency["cases"]
+    latency = _measured_latency(path, settings, log)
+    cases = latency.get("cases", [])
+    if latency:
         metrics.update(latency_metrics(cases, latency["load_s"], latency["peak_rss_mb"]))
     metrics["model_size_mb"] = Metric(value=artifact.size_bytes / 1e6, unit="MB", direction="lower",
                                       description="model files on disk (graph and weights)")
