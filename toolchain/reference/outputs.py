@@ -36,8 +36,8 @@ def require_layered_reference_memory(source: Source, data: EvalData | None = Non
                    f"free memory, evaluate on a machine with more, {RETRY}")
 
 
-def open_reference(source: Source, threads: int | None, choice: dict, data: EvalData | None = None) \
-        -> LayeredReference | TorchDecoder:
+def open_reference(source: Source, threads: int | None, choice: dict,
+                   data: EvalData | None = None) -> LayeredReference | TorchDecoder:
     """The layer-by-layer reference, or for an architecture whose layers it does not run (DeepSeek-V4's own
     skeleton) the whole model in fp32 (toolchain/reference/whole.py; refused in one line where it does not fit);
     first, what the layer-by-layer reference would hold on ``data`` is checked against the memory available."""
