@@ -68,10 +68,10 @@ def run(name: str, seed: int, steps: int, workdir: Path) -> dict:
     from toolchain.export.architectures import architecture_for
     from toolchain.export.decoder import build_decoder
     from toolchain.export.graph import save_graph
-    from toolchain.verify.parity import OPENVINO_TOLERANCE, TOLERANCES, compare, compare_decoders
     from toolchain.interface.graph import cache_bytes_per_token
+    from toolchain.reference.whole import TorchDecoder
     from toolchain.runtime.decoder import OpenVINODecoder
-    from toolchain.runtime.torch_reference import TorchDecoder
+    from toolchain.verify.parity import OPENVINO_TOLERANCE, TOLERANCES, compare, compare_decoders
 
     config = DeepseekV4Config(vocab_size=211, num_hidden_layers=len(CONFIGS[name]["layer_types"]),
                               max_position_embeddings=512, **CONFIGS[name])

@@ -141,11 +141,11 @@ def score_peer(contender: str, built: Path, artifact: Path, env: Path) -> dict:
 
     from toolchain.evaluate.accuracy import compare_distributions
     from toolchain.evaluate.dataset import load_data
-    from toolchain.evaluate.reference_record import first_scored
-    from toolchain.evaluate.run import reference_record
-    from toolchain.settings.evaluation import EvalSettings
     from toolchain.models.train import END_OF_LINE
+    from toolchain.reference.outputs import reference_record
+    from toolchain.reference.record import first_scored
     from toolchain.runtime.artifact import open_artifact
+    from toolchain.settings.evaluation import EvalSettings
 
     settings = EvalSettings(**EVAL)
     art = open_artifact(artifact)

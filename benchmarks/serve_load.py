@@ -300,9 +300,9 @@ def load(args) -> None:
         max_batch = max(levels)
         print(f"== {artifact.path.name} ({artifact.backend}): prompt {len(prompt)} tokens, {args.max_tokens} new "
               f"tokens per request, {args.requests_per_client} requests per client", flush=True)
-        from toolchain.runtime.batching_openvino import pageable
+        from toolchain.serve.engine_options import GENAI, serving_engine
 
-        genai = artifact.backend == "openvino" and pageable(artifact.path / "openvino_model.xml")
+        genai = serving_engine(artifact) == GENAI
         label = f"{artifact.backend} ({'openvino_genai' if genai else 'dstc runner'})"  # the engine the server uses
         server = ServerProcess(artifact, args.threads, max_batch)
         try:

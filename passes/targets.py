@@ -26,6 +26,7 @@ import json
 import onnx_ir as ir
 
 from passes.errors import PassError
+from passes.graph_contract import ATTENTION, KV_CACHE, LATENT, MOE_LAYERS, MOE_LOWERING, NUM_LAYERS, ROTATIONS_PER_LAYER
 
 GENERIC = ["infer-shapes", "fold-constants", "fold-batchnorm", "eliminate-transposes", "remove-unused", "cse",
            "infer-shapes"]
@@ -53,8 +54,8 @@ def model_info(model: ir.Model) -> tuple[str | None, int | None]:
     """(attention kind, num_layers) from the metadata dstc's exporter writes (``dstc.attention``, from the
     architecture module); None where absent."""
     props = model.metadata_props
-    layers = props.get("dstc.num_layers")
-    return props.get("dstc.attention"), int(layers) if layers and layers.isdigit() else None
+    layers = props.get(NUM_LAYERS)
+    return props.get(ATTENTION), int(layers) if layers and layers.isdigit() else None
 
 
 def default_expectations(target: str, attention: str | None, num_layers: int | None,
@@ -83,7 +84,7 @@ def default_expectations(target: str, attention: str | None, num_layers: int | N
     }
     if attention == "gqa":
         expectations["fuse-group-query-attention"] = {"min": layers, "max": layers}
-    elif kv_cache == "latent":
+    elif kv_cache == LATENT:
         # scores over the latent cache are two products (q_lat latent^T + q_rot k_rot^T) that no attention op
         # takes; the graph stays as it is, to ORT's own MatMul fusions
         expectations["fuse-group-query-attention"] = {"max": 0}
@@ -97,11 +98,11 @@ def default_expectations(target: str, attention: str | None, num_layers: int | N
 def expectations_for(model: ir.Model, target: str, pass_names: list[str] | None = None) -> dict[str, dict]:
     """:func:`default_expectations` for ``model``, restricted to the passes in ``pass_names`` when given."""
     props = model.metadata_props
-    opaque = len(json.loads(props.get("dstc.moe_layers", "[]"))) \
-        if props.get("dstc.moe_lowering") == "fused-onnxruntime" else 0
+    opaque = len(json.loads(props.get(MOE_LAYERS, "[]"))) \
+        if props.get(MOE_LOWERING) == "fused-onnxruntime" else 0
     # q and k in every layer, where the exporter does not say otherwise (DeepSeek-V3.2's indexer rotates two more)
-    rotations = int(props.get("dstc.rotations_per_layer") or 2)
-    expectations = default_expectations(target, *model_info(model), kv_cache=props.get("dstc.kv_cache"),
+    rotations = int(props.get(ROTATIONS_PER_LAYER) or 2)
+    expectations = default_expectations(target, *model_info(model), kv_cache=props.get(KV_CACHE),
                                         opaque_mlps=opaque, rotations_per_layer=rotations)
     if pass_names is not None:
         expectations = {name: spec for name, spec in expectations.items() if name in pass_names}

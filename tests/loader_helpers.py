@@ -15,9 +15,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from toolchain.reference.whole import TorchDecoder
 from toolchain.runtime.engines import NUMERICS
 from toolchain.runtime.generate import greedy_logits
-from toolchain.runtime.torch_reference import TorchDecoder
 from toolchain.tokenizer_loading import load_tokenizer
 
 F32 = NUMERICS["exact"]

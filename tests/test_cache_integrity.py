@@ -18,9 +18,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from toolchain.evaluate import reference_cache
-from toolchain.evaluate.reference_record import ReferenceRecord
 from toolchain.hashing import digest
+from toolchain.reference import cache as reference_cache
+from toolchain.reference.record import ReferenceRecord
 from toolchain.source_hashes import checkpoint_hashes
 from toolchain.stages.runner import Stage, cache_damage, run_cached
 

@@ -7,19 +7,19 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from cli_helpers import assert_one_line_error, run_cli
 from conftest import run_cli as _run
 from test_cli_errors import BACKENDS, artifacts  # noqa: F401 - the module fixture, shared
-from cli_helpers import assert_one_line_error, run_cli
 
 from toolchain.checkpoint.reader import open_checkpoint
 from toolchain.errors import InputError
 from toolchain.hardware import MEMORY_LIMIT_ENV, available_memory_bytes, memory_bytes
 from toolchain.memory_guard import REFERENCE_FACTOR, reference_bytes, require_memory, size
 from toolchain.models.registry import embedded_path
+from toolchain.reference.layered import memory_need
+from toolchain.reference.whole import release_reference
 from toolchain.runtime.artifact import open_artifact
-from toolchain.runtime.layered_reference import memory_need
 from toolchain.runtime.memory import RUNTIME_FACTOR, artifact_runtime_bytes
-from toolchain.runtime.torch_reference import release_reference
 
 MODEL = "r1-distill-qwen-tiny"  # the artifacts' model
 
@@ -95,7 +95,7 @@ def test_serve_with_replicas_counts_each_replicas_engine(monkeypatch, capsys, ar
 def test_eval_refuses_a_reference_that_does_not_fit_after_its_artifact_did(monkeypatch, capsys, tmp_path,
                                                                           artifacts):  # noqa: F811
     artifact = artifacts["onnxruntime"]
-    # eval's reference runs one layer at a time (toolchain/runtime/layered_reference.py): its own estimate
+    # eval's reference runs one layer at a time (toolchain/reference/layered.py): its own estimate
     limit = _between(artifact_runtime_bytes(open_artifact(artifact)), memory_need(embedded_path(MODEL), 0))
     monkeypatch.setenv(MEMORY_LIMIT_ENV, limit)
     for args in (["eval", artifact, "--no-latency", "-o", tmp_path / "o"], ["compare", artifact, artifact]):

@@ -1,6 +1,6 @@
 """Where dstc keeps what it reuses from one run to the next: finished stages (toolchain/stages/runner.py), the
 checkpoints' file hashes (toolchain/source_hashes.py) and the fp32 reference's outputs
-(toolchain/evaluate/reference_cache.py)."""
+(toolchain/reference/cache.py)."""
 
 from __future__ import annotations
 

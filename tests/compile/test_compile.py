@@ -10,23 +10,30 @@ from pathlib import Path
 import numpy as np
 import onnx
 import pytest
+from conftest import COMMON, MLA, make_checkpoint
+from loader_helpers import (
+    F32,
+    MESSAGES,
+    NEW_TOKENS,
+    genai_greedy,
+    llm_pipeline,
+    optimum_intel_greedy,
+    pipeline_greedy,
+    reference_chat_tokens,
+)
 from transformers import AutoModelForCausalLM, DeepseekV3Config, PreTrainedTokenizerFast, Qwen2Config
 
 from toolchain.atomic import MARKER
 from toolchain.compile import onnxruntime_artifact
 from toolchain.deployment import DSTC, OPENVINO_GENAI, OPTIMUM_INTEL, ORT_GENAI, loads_with
 from toolchain.errors import InputError
+from toolchain.models.registry import EMBEDDED, embedded_path
+from toolchain.reference.whole import TorchDecoder
 from toolchain.runtime.engines import openvino_compile
 from toolchain.runtime.generate import greedy_logits
-from toolchain.runtime.torch_reference import TorchDecoder
-from toolchain.models.registry import EMBEDDED, embedded_path
 from toolchain.stages.compile import compile_artifact
 from toolchain.stages.export import export
 from toolchain.tokenizer_loading import load_tokenizer
-
-from conftest import COMMON, MLA, make_checkpoint
-from loader_helpers import (F32, MESSAGES, NEW_TOKENS, genai_greedy, llm_pipeline, optimum_intel_greedy,
-                            pipeline_greedy, reference_chat_tokens)
 
 BOS, EOS, PAD = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜▁pad▁｜>"
 USER, ASSISTANT = "<｜User｜>", "<｜Assistant｜>"

@@ -19,15 +19,15 @@ from toolchain.build import build
 from toolchain.errors import InputError
 from toolchain.evaluate.accuracy import compare_distributions
 from toolchain.evaluate.dataset import load_data
-from toolchain.settings.evaluation import EvalSettings
 from toolchain.models import corpus
+from toolchain.reference import layered as layered_reference
+from toolchain.reference.layered import LayeredReference
+from toolchain.reference.whole import TorchDecoder
 from toolchain.report.markdown import summary_settings
 from toolchain.report.schema import Report, load_report
-from toolchain.tokenizer_loading import load_tokenizer
-from toolchain.runtime import layered_reference
 from toolchain.runtime.generate import left_pad
-from toolchain.runtime.layered_reference import LayeredReference
-from toolchain.runtime.torch_reference import TorchDecoder
+from toolchain.settings.evaluation import EvalSettings
+from toolchain.tokenizer_loading import load_tokenizer
 
 QUICK = ["--no-latency", "--texts", "20", "--problems", "10", "--json"]
 
@@ -323,8 +323,8 @@ def test_a_recipe_names_its_dataset_relative_to_itself(tmp_path, user_data, cach
 
 def test_sequences_in_groups_give_the_record_of_one_group(monkeypatch):
     """The reference's hidden states are held for a bounded group of sequences at a time: the same record."""
-    from toolchain.evaluate import reference_record
-    from toolchain.evaluate.reference_record import compute_record
+    from toolchain.reference import record as reference_record
+    from toolchain.reference.record import compute_record
 
     source = sources.resolve("deepseek-v3-tiny")
     tokenizer = load_tokenizer(source.path)
@@ -344,7 +344,7 @@ def test_a_long_window_run_in_prefill_chunks_gives_the_figures_of_one_prefill(ar
     """The artifact runs a window PREFILL_CHUNK tokens at a time through its KV cache (bounded logits): on the fp32
     ONNX Runtime artifact the figures equal those of one prefill of the whole window."""
     from toolchain.evaluate import accuracy
-    from toolchain.evaluate.reference_record import compute_record
+    from toolchain.reference.record import compute_record
     from toolchain.runtime.artifact import open_artifact
     from toolchain.runtime.decoder import open_decoder
 
@@ -414,7 +414,7 @@ def test_eval_scores_an_lm_eval_task_on_both_sides_caches_the_reference_and_gate
 
 
 def test_the_layered_reference_is_refused_in_one_line_when_it_cannot_fit(monkeypatch):
-    from toolchain.evaluate.run import require_layered_reference_memory
+    from toolchain.reference.outputs import require_layered_reference_memory
 
     source = sources.resolve("deepseek-v3-tiny")
     require_layered_reference_memory(source)  # a few MB: fits

@@ -18,10 +18,10 @@ from toolchain.errors import InputError
 from toolchain.evaluate import harness
 from toolchain.evaluate.harness import DecoderLM, evaluate_lm, score_tasks
 from toolchain.models.corpus import _NAMES, _VERBS_OBJ, task_examples, text_samples
-from toolchain.tokenizer_loading import load_tokenizer
+from toolchain.reference.whole import TorchDecoder
 from toolchain.runtime.artifact import open_artifact
 from toolchain.runtime.decoder import open_decoder
-from toolchain.runtime.torch_reference import TorchDecoder
+from toolchain.tokenizer_loading import load_tokenizer
 
 MODEL = "r1-distill-qwen-tiny"
 CONTEXT = 1024  # the model's max_position_embeddings

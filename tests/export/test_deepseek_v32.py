@@ -15,7 +15,7 @@ from conftest import COMMON, MLA, make_checkpoint, run_cli, tiny_configs
 from test_export import check_report
 
 from toolchain.errors import InputError
-from toolchain.runtime.torch_reference import TorchDecoder
+from toolchain.reference.whole import TorchDecoder
 from toolchain.source import load, resolve
 from toolchain.stages.compile import compile_artifact
 from toolchain.stages.export import export

@@ -20,8 +20,8 @@ from toolchain.export.architectures import architecture_for
 from toolchain.export.decoder import build_decoder
 from toolchain.export.graph import save_graph
 from toolchain.interface.graph import cache_bytes_per_token
+from toolchain.reference.whole import TorchDecoder
 from toolchain.verify.parity import TOLERANCES, Case, compare, compare_decoders
-from toolchain.runtime.torch_reference import TorchDecoder
 
 SLIDING, CSA, HCA = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
 STEPS = 20
@@ -250,7 +250,7 @@ def test_v4_routers_are_found_on_both_backends_and_hash_layers_route_by_the_tabl
 def test_whole_model_reference_scores_as_the_layered_one_promises(tiny_checkpoints, monkeypatch):
     """Eval's reference for V4 (TorchDecoder.score): every position's logits of each sequence alone, in blocks, and
     each MoE layer's experts per token; the hash layers' are the table's."""
-    from toolchain.runtime import torch_reference
+    from toolchain.reference import whole as torch_reference
     from toolchain.source import resolve
 
     monkeypatch.setattr(torch_reference, "SCORE_ROWS", 4)  # blocks that split the sequences

@@ -9,19 +9,17 @@ from contextlib import contextmanager
 import numpy as np
 import onnx
 import pytest
+from conftest import tiny_configs
 
-from toolchain.export.reference import is_moe, watch_expert_choice
 from toolchain.export.architectures import architecture_for
 from toolchain.export.decoder import build_decoder
-from toolchain.verify.parity import Case, compare
-from toolchain.runtime.torch_reference import TorchDecoder
-from toolchain.models.registry import EMBEDDED
-from toolchain.source import load, resolve
 from toolchain.export.graph import save_graph
-from toolchain.verify.parity import parity_cases
+from toolchain.export.reference import is_moe, watch_expert_choice
+from toolchain.models.registry import EMBEDDED
+from toolchain.reference.whole import TorchDecoder
+from toolchain.source import load, resolve
 from toolchain.stages.export import export
-
-from conftest import tiny_configs
+from toolchain.verify.parity import Case, compare, parity_cases
 
 
 def check_report(report: dict, backends=("onnxruntime", "openvino")) -> None:
@@ -52,9 +50,9 @@ def v4_hub(tmp_path_factory):
     table, one MTP block): sliding + hash MoE, CSA, HCA of 16 so that the long prompt crosses its blocks, 8 indexer
     heads (with 2, relu zeroes both heads' scores of some entries, and bit-equal scores at the k-th place leave the
     choice to how each runtime breaks ties)."""
+    from conftest import TINY_V4
     from transformers import AutoConfig
 
-    from conftest import TINY_V4
     from toolchain.models.shape_faithful import write_random_checkpoint
 
     config = AutoConfig.for_model("deepseek_v4", **{

@@ -31,10 +31,10 @@ from toolchain.interface.graph import (
     graph_cache_spec,
 )
 from toolchain.models import corpus
+from toolchain.reference.whole import reference_model
 from toolchain.runtime.decoder import StatelessDecoder
 from toolchain.runtime.engines import GraphRunner
 from toolchain.runtime.mtp_drafter import MtpDrafter
-from toolchain.runtime.torch_reference import reference_model
 from toolchain.tokenizer_loading import load_tokenizer
 from toolchain.verify.mtp_parity import MtpTorchDecoder, compare_mtp_graph, reference_mtp
 from toolchain.verify.parity import parity_cases

@@ -29,11 +29,11 @@ from toolchain.interface.graph import (
     MTP_LAYER,
     graph_cache_spec,
 )
+from toolchain.reference.whole import reference_model
 from toolchain.runtime.decoder import OnnxRuntimeDecoder, StatelessDecoder
 from toolchain.runtime.engines import GraphRunner
 from toolchain.runtime.mtp_drafter import MtpDrafter
 from toolchain.runtime.speculative import Acceptance, speculative_steps
-from toolchain.runtime.torch_reference import reference_model
 from toolchain.verify.mtp_parity import MtpTorchDecoder, compare_mtp_graph, main_hidden, reference_mtp
 from toolchain.verify.parity import parity_cases
 

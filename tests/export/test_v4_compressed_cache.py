@@ -18,7 +18,7 @@ from toolchain.export.decoder import build_decoder
 from toolchain.export.deepseek_v4 import with_v4_cache
 from toolchain.export.graph import save_graph
 from toolchain.interface.graph import cache_bytes_at, cache_bytes_per_token, cache_length, cache_lengths
-from toolchain.runtime.torch_reference import TorchDecoder
+from toolchain.reference.whole import TorchDecoder
 from toolchain.verify.parity import TOLERANCES, Case, compare, compare_decoders
 
 STEPS = 40

@@ -18,17 +18,16 @@ import torch
 from transformers import DynamicCache
 
 from toolchain import source as sources
-from toolchain.export.reference import cache_argument, is_moe, watch_expert_choice
 from toolchain.errors import InputError
-from toolchain.verify.parity import PROMPTS, graph_decoder
-from toolchain.runtime.generate import greedy_logits, left_pad
-from toolchain.runtime.torch_reference import TorchDecoder
+from toolchain.export.reference import cache_argument, is_moe, watch_expert_choice
 from toolchain.interface.reports import CompileReport
 from toolchain.models.corpus import task_examples
+from toolchain.reference.whole import TorchDecoder
 from toolchain.runtime.artifact import open_artifact
 from toolchain.runtime.decoder import open_decoder
-from toolchain.runtime.generate import greedy_generate, prompt_ids, stream_text
+from toolchain.runtime.generate import greedy_generate, greedy_logits, left_pad, prompt_ids, stream_text
 from toolchain.runtime.routing import router_outputs
+from toolchain.verify.parity import PROMPTS, graph_decoder
 
 # OpenVINO runs at the CPU plugin's deployment defaults, which a native crash has taken down: in a child process.
 OPENVINO = pytest.param("openvino", marks=pytest.mark.subprocess)

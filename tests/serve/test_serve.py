@@ -311,7 +311,7 @@ def test_thresholds_parse_and_judge_with_hysteresis():
                 "itl_p50_ms:warn=5,ok=6", "itl_p50_ms:warn=5,alert=4"):
         with pytest.raises(InputError):
             parse_threshold(bad)
-    from toolchain.recipe import ServeSection
+    from toolchain.settings.serve_health import ServeSection
 
     serve = ServeSection.model_validate({"thresholds": {"itl_p99_ms": {"warn": 50, "ok": 40}}})
     merged = merge_thresholds([parse_threshold("itl_p99_ms:warn=1")], recipe_thresholds(serve),
@@ -514,6 +514,7 @@ def test_openvino_runtime_cache_reaches_the_cpu_plugin_and_is_refused_on_onnxrun
     the plugin checks the property when it compiles, and does not report it back), and an ONNX Runtime artifact
     refuses it in one line before any engine starts."""
     from toolchain.runtime import engines
+    from toolchain.serve.engine_options import engine_options, serving_engine
     from toolchain.serve.engine_process import make_backend
     from toolchain.serve.server import Service
     from toolchain.serve.settings import ServeSettings
@@ -526,11 +527,13 @@ def test_openvino_runtime_cache_reaches_the_cpu_plugin_and_is_refused_on_onnxrun
         return compile_model(model, numerics, **kwargs)
 
     monkeypatch.setattr(engines, "openvino_compile", spy)
-    options = {"threads": 1, "max_batch": 2, "max_context": 64, "prefix_caching": True, "f32": False}
+    latent = artifacts["openvino-latent"]
     ids, logits = np.arange(3, 8)[None], []
     for entries in (None, 7):
-        backend = make_backend("openvino", str(artifacts["openvino-latent"].path),
-                               {**options, "runtime_cache": entries})
+        settings = ServeSettings(threads=1, max_batch=2, openvino_runtime_cache=entries)
+        options = engine_options(latent, settings, serving_engine(latent), context=64, rows_alone=False)
+        assert options.engine == "dstc"  # openvino_genai cannot page the latent cache: dstc's runner batches it
+        backend = make_backend(options)
         backend.load()
         logits.append(backend.decoder.forward(ids, np.ones_like(ids))[0, -1])
     np.testing.assert_array_equal(logits[0], logits[1])  # a bounded kernel cache changes no result

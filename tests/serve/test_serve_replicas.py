@@ -44,11 +44,13 @@ def test_each_replica_gets_its_own_cores_in_numa_order():
 
 def test_replicas_that_no_node_has_the_memory_for_are_refused_before_any_starts():
     from toolchain.errors import InputError
+    from toolchain.serve.engine_options import EngineOptions
     from toolchain.serve.replicated import ReplicatedEngine
 
     gib = 2**30
-    engine = ReplicatedEngine("onnxruntime", "a", {}, replicas=3, threads=1, address="10.0.0.1:6379", max_batch=1,
-                              max_queue=1, memory_bytes=2 * gib, metrics=None)
+    options = EngineOptions(artifact="a", engine="dstc", threads=1, max_batch=1, max_context=64)
+    engine = ReplicatedEngine(options, replicas=3, address="10.0.0.1:6379", max_queue=1, memory_bytes=2 * gib,
+                              metrics=None)
     node = lambda memory, alive=True: {"Alive": alive, "Resources": {"memory": memory}}  # noqa: E731
     engine._check_memory([node(4.5 * gib), node(2 * gib)])  # 2 + 1 engines fit
     # per node, not in sum: 3 x 1.5 GiB hold no 2 GiB engine; a dead node holds none

@@ -20,6 +20,7 @@ from serve_helpers import Server
 from toolchain.models.corpus import task_examples
 from toolchain.runtime.sampling import Sampling
 from toolchain.serve.engine import Request
+from toolchain.serve.engine_options import EngineOptions
 from toolchain.serve.engine_runner import RunnerBackend
 from toolchain.settings.speculation import SpeculationSettings
 
@@ -66,7 +67,9 @@ def backend_run(art, speculation: SpeculationSettings | None, sampled: bool = Fa
     every step's (proposed, accepted) per request (``steps``: appended each step's list of them).
     ``sampled``: every other request at temperature 0.8, seeded."""
     tokenizer = art.tokenizer()
-    backend = RunnerBackend(art, threads=2, max_batch=16, max_context=256, f32=True, speculation=speculation)
+    backend = RunnerBackend(art, EngineOptions(artifact=str(art.path), engine="dstc", threads=2, max_batch=16,
+                                               max_context=256, f32=True,
+                                               speculation=speculation or SpeculationSettings()))
     backend.load()
     requests = [Request(prompt=tokenizer(text)["input_ids"], max_tokens=24 + 3 * i,
                         sampling=Sampling(temperature=0.8, seed=i) if sampled and i % 2 else Sampling(),

@@ -33,7 +33,7 @@ from toolchain.errors import InputError
 from toolchain.export import reference as ref
 from toolchain.export.decoder import expert_weight_name, linear_weight_name
 from toolchain.memory_guard import RETRY, require_memory, size
-from toolchain.runtime.layered_reference import additive_mask
+from toolchain.reference.layered import additive_mask
 
 # one layer's fp32 reference and its calibration inputs and outputs; nothing else runs beside it
 MEMORY_FACTOR = 1.5

@@ -1,4 +1,4 @@
-"""Accuracy of an artifact against its reference's record (toolchain/evaluate/reference_record.py) on the same data.
+"""Accuracy of an artifact against its reference's record (toolchain/reference/record.py) on the same data.
 
 The artifact runs each sequence whole, as a prompt is run in deployment, and its next-token distributions are
 compared with the reference's at the same positions: KL(reference || artifact) over the reference's top-k tokens
@@ -15,8 +15,8 @@ import numpy as np
 import torch
 
 from toolchain.evaluate.dataset import EvalData
-from toolchain.evaluate.reference_record import ReferenceRecord, answer_stops, first_scored, generate
 from toolchain.progress import due
+from toolchain.reference.record import ReferenceRecord, answer_stops, first_scored, generate
 from toolchain.report.schema import Metric
 from toolchain.settings.evaluation import EvalSettings
 

@@ -9,11 +9,11 @@ from pathlib import Path
 
 from toolchain.evaluate import tasks
 from toolchain.evaluate.latency import latency_settings, measure_latency_interleaved
-from toolchain.evaluate.reference import resolve_reference
 from toolchain.evaluate.run import eval_latency_settings, evaluate_artifact, latency_plan
 from toolchain.interface.reports import CompressionReport, ExportReport
 from toolchain.manifest_schema import Manifest
 from toolchain.memory_guard import available_memory_bytes, size
+from toolchain.reference.choice import resolve_reference
 from toolchain.report.schema import Report
 from toolchain.runtime.artifact import open_artifact
 from toolchain.runtime.memory import artifact_runtime_bytes

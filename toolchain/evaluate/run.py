@@ -19,12 +19,11 @@ from toolchain.atomic import write_file_atomically
 from toolchain.evaluate import tasks
 from toolchain.evaluate.dataset import load_data
 from toolchain.evaluate.latency import measure_latency
-from toolchain.evaluate.reference import resolve_reference
 from toolchain.hardware import describe_cpu
 from toolchain.interface.files import MANIFEST, REPORT_FILES
 from toolchain.interface.reports import CompressionReport, lost_share, read_json_file
 from toolchain.manifest import record_report, versions
-from toolchain.memory_guard import RETRY, require_memory, size
+from toolchain.reference.choice import resolve_reference
 from toolchain.report.html import render_html
 from toolchain.report.markdown import render_markdown
 from toolchain.report.schema import SCHEMA, HeadError, LatencyCase, LayerError, Metric, Report, Series, manifest_binding
@@ -134,87 +133,14 @@ def quantization_series(manifest: Manifest | None) -> tuple[list[LayerError], li
     return layers, heads
 
 
-def require_layered_reference_memory(source, data=None) -> None:
-    """Before the layer-by-layer reference runs: what it holds at most (toolchain/runtime/layered_reference.py
-    memory_need, the data's hidden states up to a group) against the memory available, refused in one line."""
-    # torch loads only where the reference runs: a cached reference's outputs need none
-    from toolchain.evaluate.reference_record import GROUP_BYTES
-    from toolchain.export.reference import reference_config
-    from toolchain.runtime.layered_reference import memory_need
-
-    tokens = max((len(s.ids) for s in data.sequences), default=0) if data is not None else 0
-    hidden = min(GROUP_BYTES, tokens * 4 * int(reference_config(source.path).hidden_size))
-    need = memory_need(source.path, hidden)
-    require_memory(need, f"the fp32 reference of {source.spec}, one layer at a time ({size(need)} with its "
-                         "embedding table, head and hidden states)",
-                   f"free memory, evaluate on a machine with more, {RETRY}")
-
-
-def open_reference(source, threads: int | None, choice: dict):
-    """The layer-by-layer reference, or for an architecture whose layers it does not run (DeepSeek-V4's own
-    skeleton) the whole model in fp32 (toolchain/runtime/torch_reference.py; refused in one line where it does not
-    fit)."""
-    # torch loads only where the reference runs
-    from toolchain.export.reference import shared_decoder_layers
-    from toolchain.runtime.layered_reference import LayeredReference
-    from toolchain.runtime.torch_reference import TorchDecoder
-
-    if shared_decoder_layers(source.config["model_type"]):
-        return LayeredReference(source, threads, choice)
-    return TorchDecoder(source, threads, choice)
-
-
-def reference_record(artifact, data, settings: EvalSettings, *, reference: str | None = None,
-                     records: dict | None = None, eos_ids: list[int], pad_id: int, newline_id: int | None,
-                     log: Callable[[str], None] = lambda _: None):
-    """The reference's record on ``data``: from ``records`` (what `dstc compare` computed for an earlier artifact),
-    from the reference cache, or computed by the layer-by-layer reference (released before it returns, so that it
-    and the artifact are never in memory together). Returns it and what the report records of the reference."""
-    # torch loads only where the reference runs: a cached reference's outputs need none
-    from toolchain.evaluate import reference_cache
-    from toolchain.evaluate.reference_record import ReferenceRecord, compute_record
-    from toolchain.export.reference import shared_decoder_layers
-
-    source, choice = resolve_reference(artifact.manifest, reference)
-    key = reference_cache.reference_key(checkpoint_hashes(source.path), data, settings)
-    how = "layer by layer" if shared_decoder_layers(source.config["model_type"]) else "whole model"
-    about = {"model": source.spec, "path": str(source.path), "runtime": f"pytorch eager fp32, {how}", **choice}
-    record: ReferenceRecord | None = (records or {}).get(key)
-    why: str | None = "absent"
-    reused = record is not None
-    if record is None and settings.reference_cache:
-        record, why = reference_cache.load_cached(key)
-        reused = record is not None
-        if why not in (None, "absent"):
-            log(f"the reference cache entry {key[:16]} is not usable ({why}); computing the reference again")
-    if record is None:
-        require_layered_reference_memory(source, data)
-        ref = open_reference(source, settings.threads, choice)
-        try:
-            log(f"reference: {source.spec} (PyTorch fp32, eager, "
-                f"{'layers kept built' if ref.resident else 'one layer at a time'}) from {source.path}")
-            record = compute_record(ref, data, settings, eos_ids=eos_ids, pad_id=pad_id, newline_id=newline_id,
-                                    log=log)
-        finally:
-            ref.close()
-            del ref
-        if settings.reference_cache:
-            reference_cache.store(key, record, {"model": source.spec, "data": data.description})
-    else:
-        log(f"reference: {source.spec}, outputs reused from the reference cache ({key[:16]})")
-    if records is not None:
-        records[key] = record
-    about["cache"] = {"key": key, "reused": reused, "enabled": settings.reference_cache,
-                      "compute_seconds": round(record.seconds, 3)}
-    return record, about
-
-
 def reference_task_scores(artifact, settings: EvalSettings, *, reference: str | None = None,
                           log: Callable[[str], None] = lambda _: None) -> tuple[dict, dict]:
     """The reference's lm-eval scores on settings.tasks: from the reference cache, or computed by the layer-by-layer
     reference (released before it returns). Returns them and what the report records of their cache entry."""
     # torch loads only where the reference runs: a cached reference's outputs need none
-    from toolchain.evaluate import reference_cache, tasks
+    from toolchain.evaluate import tasks
+    from toolchain.reference import cache as reference_cache
+    from toolchain.reference.outputs import open_reference
 
     source, choice = resolve_reference(artifact.manifest, reference)
     key = reference_cache.task_key(checkpoint_hashes(source.path), tasks.task_files(Path(str(settings.task_data))),
@@ -224,7 +150,6 @@ def reference_task_scores(artifact, settings: EvalSettings, *, reference: str | 
     if why not in (None, "absent"):
         log(f"the reference cache entry tasks-{key[:16]} is not usable ({why}); scoring the reference again")
     if scores is None:
-        require_layered_reference_memory(source)
         ref = open_reference(source, settings.threads, choice)
         try:
             log(f"reference: lm-eval {', '.join(settings.tasks)}")
@@ -240,6 +165,18 @@ def reference_task_scores(artifact, settings: EvalSettings, *, reference: str | 
     return scores, {"key": key, "reused": reused}
 
 
+def _measured_latency(path: Path, settings: EvalSettings, measured: dict | None,
+                      log: Callable[[str], None]) -> dict:
+    """What the latency child measured, or ``measured`` (`dstc compare`'s interleaved rounds); {} when
+    settings.latency is off."""
+    if not settings.latency:
+        return {}
+    if measured is not None:
+        return measured
+    log(latency_plan(settings))
+    return measure_latency(path, log=lambda m: log(f"latency {m}"), **eval_latency_settings(settings))
+
+
 def evaluate_artifact(path: Path, settings: EvalSettings | None = None, *, reference: str | None = None,
                       records: dict | None = None, display_path: Path | None = None,
                       measured_latency: dict | None = None, log: Callable[[str], None] = lambda _: None) -> Report:
@@ -250,6 +187,7 @@ def evaluate_artifact(path: Path, settings: EvalSettings | None = None, *, refer
     # torch loads only when accuracy is measured
     from toolchain.evaluate.accuracy import measure_accuracy
     from toolchain.models.train import END_OF_LINE
+    from toolchain.reference.outputs import reference_record
 
     settings = settings if settings is not None else EvalSettings()
     artifact = open_artifact(path)
@@ -284,14 +222,9 @@ def evaluate_artifact(path: Path, settings: EvalSettings | None = None, *, refer
     threads, runtime_config = decoder.threads, decoder.runtime_config
     del decoder  # before latency runs in its child process
 
-    latency, cases = {}, []
-    if settings.latency:
-        if measured_latency is None:
-            log(latency_plan(settings))
-            latency = measure_latency(path, log=lambda m: log(f"latency {m}"), **eval_latency_settings(settings))
-        else:
-            latency = measured_latency
-        cases = latency["cases"]
+    latency = _measured_latency(path, settings, measured_latency, log)
+    cases = latency.get("cases", [])
+    if latency:
         metrics.update(latency_metrics(cases, latency["load_s"], latency["peak_rss_mb"]))
     metrics["model_size_mb"] = Metric(value=artifact.size_bytes / 1e6, unit="MB", direction="lower",
                                       description="model files on disk (graph and weights)")

@@ -13,6 +13,15 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
+from passes.graph_contract import (  # noqa: F401 (the toolchain's readers take them from here)
+    ATTENTION,
+    KV_CACHE,
+    LATENT,
+    MOE_LAYERS,
+    MOE_LOWERING,
+    NUM_LAYERS,
+    ROTATIONS_PER_LAYER,
+)
 from toolchain.errors import InputError
 
 INPUT_IDS = "input_ids"
@@ -27,17 +36,10 @@ PRESENT_PREFIX = "present."
 BATCH_AXIS, HEADS_AXIS, SEQUENCE_AXIS, HEAD_DIM_AXIS = 0, 1, 2, 3
 
 # The exporter's facts in the graph's metadata (ONNX metadata_props; the OpenVINO IR keeps them in its rt_info
-# under "framework"), each a string.
+# under "framework"), each a string. Those the passes read too are theirs (passes/graph_contract.py): NUM_LAYERS,
+# ATTENTION, KV_CACHE (LATENT one of its values), MOE_LAYERS, MOE_LOWERING, ROTATIONS_PER_LAYER.
 MODEL_TYPE = "dstc.model_type"
-NUM_LAYERS = "dstc.num_layers"
-ATTENTION = "dstc.attention"
-KV_CACHE = "dstc.kv_cache"  # "per-head" keys and values, or MLA's "latent" (toolchain/export/deepseek.py)
 HEAD_LAYOUT = "dstc.head_layout"  # JSON: projection -> how its heads lie in the weight
-MOE_LAYERS = "dstc.moe_layers"  # JSON: the indices of the mixture-of-experts layers
-# how the MoE layers' routed experts are lowered: "dispatch", "fused-onnxruntime" or "fused-openvino"
-# (toolchain/export/moe.py); only in a graph with MoE layers
-MOE_LOWERING = "dstc.moe_lowering"
-ROTATIONS_PER_LAYER = "dstc.rotations_per_layer"  # tensors RoPE rotates in each layer (the passes' expectations)
 CACHE_KINDS = "dstc.cache_kinds"  # JSON: each layer's cache tensors (key, value, and any more), in input order
 # the element type every cache tensor is stored in (toolchain/export/cache_precision.py), computed in float32; a graph
 # without it (exported before the option) caches float32
@@ -57,7 +59,6 @@ LAYER = "dstc.layer"
 # JSON: the checkpoint tensor a matrix is read from, transposed or not, and its rows (export/weights.py provenance)
 SOURCE = "dstc.source"
 
-LATENT = "latent"
 PER_HEAD = "per-head"
 PER_TOKEN = "per-token"  # DeepSeek-V4's K=V and compressor projections per token (toolchain/export/deepseek_v4.py)
 # DeepSeek-V4's compressed cache: a bounded sliding window, pooled entries and the incomplete window's tail, whose

@@ -21,10 +21,11 @@ import secrets
 import time
 from collections.abc import AsyncGenerator, AsyncIterator
 from contextlib import asynccontextmanager, suppress
-from typing import TypeVar, cast
+from functools import partial
+from typing import Annotated, Any, TypeVar, cast
 
 import anyio
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
@@ -66,144 +67,188 @@ class GenerationFailed(Exception):
 
 
 def create_app(service) -> Intake:
-    """The app over a toolchain.serve.server.Service (its engine starts loading at startup): FastAPI's, inside the
-    intake that bounds what reaches it (intake.py)."""
-    settings = service.settings
-    preparing = anyio.CapacityLimiter(PREPARE_THREADS)
-
-    @asynccontextmanager
-    async def lifespan(app: FastAPI):
-        loop = asyncio.get_running_loop()
-
-        def dispatch(deliver) -> None:  # from the engine's thread: one wake-up of the loop per step
-            with suppress(RuntimeError):  # the loop has closed (shutdown)
-                loop.call_soon_threadsafe(deliver)
-
-        service.engine.dispatch = dispatch
-        service.engine.start()
-        try:
-            yield
-        finally:
-            service.engine.stop()
-
-    app = FastAPI(title="dstc serve", version="1", lifespan=lifespan, docs_url=None, redoc_url=None,
+    """The app over a toolchain.serve.server.Service (its engine starts loading at startup): FastAPI's, with the
+    routes below, inside the intake that bounds what reaches it (intake.py)."""
+    app = FastAPI(title="dstc serve", version="1", lifespan=_lifespan, docs_url=None, redoc_url=None,
                   openapi_url=None)
-
-    @app.exception_handler(ApiError)
-    async def _api_error(request: Request, e: ApiError):
-        if e.status in (400, 404):
-            service.metrics.reject("invalid_request")
-        return e.response()
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _http_error(request: Request, e: StarletteHTTPException):
-        kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
-        return ApiError(e.status_code, str(e.detail), type=kind).response()
-
-    @app.exception_handler(RequestValidationError)
-    async def _validation_error(request: Request, e: RequestValidationError):
-        return ApiError(400, str(e.errors()[:1])).response()
-
-    @app.exception_handler(Exception)
-    async def _unexpected(request: Request, e: Exception):  # Starlette raises it again: the intake logs it
-        return ApiError(500, internal_error(request.state.request_id), type="server_error").response()
-
-    @app.get("/health")
-    async def health() -> JSONResponse:
-        engine = service.engine
-        state = engine.state
-        body = {"state": state, "model": service.model_name, "backend": service.artifact.backend,
-                "engine": getattr(engine, "engine_name", None)}
-        if service.settings.speculate is not None:
-            body["speculation"] = {"method": service.settings.speculate,
-                                   "draft_tokens": service.settings.draft_tokens, **service.metrics.speculation()}
-        if isinstance(engine, ReplicaSet):
-            # each replica as Ray Serve's router last saw it; ready while one of them is
-            replicas = engine.replica_stats()
-            ready = sum(r["state"] == "ready" for r in replicas)
-            if state == "ready" and not ready:
-                state = body["state"] = "loading"
-            body.update(replicas_ready=ready, replicas_target=engine.target, replicas=[
-                {key: r.get(key) for key in ("replica", "state", "pid", "engine_pid", "cores", "load_seconds",
-                                             "running", "queue_depth", "kv_cache_usage")} for r in replicas])
-        if state == "ready":
-            body.update(service.health.report())
-            body.update(load_seconds=engine.load_seconds, running=engine.running, queue_depth=engine.queue_depth,
-                        engine_pid=getattr(engine, "pid", None), engine_restarts=getattr(engine, "restarts", 0))
-            return JSONResponse(body)
-        if engine.load_error:
-            body["error"] = engine.load_error
-        return JSONResponse(body, status_code=503)
-
-    @app.get("/metrics")
-    async def metrics() -> Response:
-        return Response(render(service.metrics), media_type=CONTENT_TYPE)
-
-    @app.get("/v1/models")
-    async def models() -> JSONResponse:
-        cards = [schemas.ModelCard(id=name, created=service.created, max_model_len=service.context,
-                                   backend=service.artifact.backend) for name in service.model_names]
-        return JSONResponse(schemas.ModelList(data=cards).model_dump())
-
-    def prepare_completion(raw: bytes) -> tuple[schemas.CompletionRequest, list[int], int]:
-        params = _parse(_json(raw), schemas.CompletionRequest)
-        service.check_model(params.model)
-        prompt = service.completion_prompt(params.prompt)
-        return params, prompt, service.budget(len(prompt), params.max_tokens, default=16, param="prompt")
-
-    def prepare_chat(raw: bytes) -> tuple[schemas.ChatCompletionRequest, list[int], int]:
-        params = _parse(_json(raw), schemas.ChatCompletionRequest)
-        service.check_model(params.model)
-        prompt = service.chat_prompt([{"role": m.role, "content": m.text()} for m in params.messages])
-        return params, prompt, service.budget(len(prompt), params.max_tokens, default=None, param="messages")
-
-    async def prepared(request: Request, prepare):
-        """``prepare(body)`` in a worker thread: parsing and tokenizing never hold the event loop."""
-        return await anyio.to_thread.run_sync(prepare, await request.body(), limiter=preparing)
-
-    @app.post("/v1/completions")
-    async def completions(request: Request):
-        params, prompt, max_tokens = await prepared(request, prepare_completion)
-        return await _respond(request, params, prompt, max_tokens, chat=False)
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request):
-        params, prompt, max_tokens = await prepared(request, prepare_chat)
-        return await _respond(request, params, prompt, max_tokens, chat=True)
-
-    async def _respond(request: Request, params, prompt: list[int], max_tokens: int, chat: bool):
-        # 429 / 503 here, before any byte is sent
-        generation = Generation(service, prompt, max_tokens, params, request.state.request_id)
-        request.state.usage = generation.usage  # read by the access log line when the response has ended (intake.py)
-        ident = ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12)
-        created = int(time.time())
-        if params.stream:
-            options = params.stream_options or schemas.StreamOptions()
-            events = _chat_events if chat else _completion_events
-            return EventStream(events(generation, ident, created, service.model_name, options.include_usage,
-                                      options.continuous_usage_stats),
-                               on_close=generation.close)
-        try:
-            text, finish = await generation.collect(request)
-        except GenerationFailed as e:
-            raise ApiError(e.status, str(e), type="server_error") from None
-        finally:
-            generation.close()
-        if finish is None:  # the client went away
-            return Response(status_code=499)
-        usage = generation.usage()
-        body: schemas.ChatCompletion | schemas.Completion
-        if chat:
-            body = schemas.ChatCompletion(id=ident, created=created, model=service.model_name, usage=usage, choices=[
-                schemas.ChatChoice(message=schemas.AssistantMessage(content=text), finish_reason=finish)])
-        else:
-            body = schemas.Completion(id=ident, created=created, model=service.model_name, usage=usage, choices=[
-                schemas.CompletionChoice(text=text, finish_reason=finish)])
-        return JSONResponse(body.model_dump())
-
+    app.state.service = service
+    app.state.preparing = anyio.CapacityLimiter(PREPARE_THREADS)
+    for error, handler in ERROR_HANDLERS.items():
+        app.add_exception_handler(error, handler)
+    app.include_router(status_routes)
+    app.include_router(generation_routes)
+    settings = service.settings
     return Intake(app, api_keys=settings.api_keys, max_body_bytes=settings.max_body_bytes,
                   body_timeout_s=settings.body_timeout_s, reject=service.metrics.reject,
                   access_log=log.info if settings.access_log else None)
+
+
+@asynccontextmanager
+async def _lifespan(app: FastAPI):
+    """The engine starts loading with the app and stops with it; its events reach the loop through ``dispatch``."""
+    engine = app.state.service.engine
+    loop = asyncio.get_running_loop()
+
+    def dispatch(deliver) -> None:  # from the engine's thread: one wake-up of the loop per step
+        with suppress(RuntimeError):  # the loop has closed (shutdown)
+            loop.call_soon_threadsafe(deliver)
+
+    engine.dispatch = dispatch
+    engine.start()
+    try:
+        yield
+    finally:
+        engine.stop()
+
+
+def _service(request: Request):
+    """The toolchain.serve.server.Service the app serves (a route's dependency)."""
+    return request.app.state.service
+
+
+ServiceDep = Annotated[Any, Depends(_service)]
+
+
+# -- errors: OpenAI's error body for each ----------------------------------------------------------------------
+
+
+async def _api_error(request: Request, e: Exception) -> Response:
+    assert isinstance(e, ApiError)
+    if e.status in (400, 404):
+        _service(request).metrics.reject("invalid_request")
+    return e.response()
+
+
+async def _http_error(request: Request, e: Exception) -> Response:
+    assert isinstance(e, StarletteHTTPException)
+    kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
+    return ApiError(e.status_code, str(e.detail), type=kind).response()
+
+
+async def _validation_error(request: Request, e: Exception) -> Response:
+    assert isinstance(e, RequestValidationError)
+    return ApiError(400, str(e.errors()[:1])).response()
+
+
+async def _unexpected(request: Request, e: Exception) -> Response:  # Starlette raises it again: the intake logs it
+    return ApiError(500, internal_error(request.state.request_id), type="server_error").response()
+
+
+ERROR_HANDLERS = {ApiError: _api_error, StarletteHTTPException: _http_error,
+                  RequestValidationError: _validation_error, Exception: _unexpected}
+
+
+# -- /health, /metrics, /v1/models -----------------------------------------------------------------------------
+
+status_routes = APIRouter()
+
+
+@status_routes.get("/health")
+async def health(service: ServiceDep) -> JSONResponse:
+    engine = service.engine
+    state = engine.state
+    body = {"state": state, "model": service.model_name, "backend": service.artifact.backend,
+            "engine": getattr(engine, "engine_name", None)}
+    if service.settings.speculate is not None:
+        body["speculation"] = {"method": service.settings.speculate,
+                               "draft_tokens": service.settings.draft_tokens, **service.metrics.speculation()}
+    if isinstance(engine, ReplicaSet):
+        # each replica as Ray Serve's router last saw it; ready while one of them is
+        replicas = engine.replica_stats()
+        ready = sum(r["state"] == "ready" for r in replicas)
+        if state == "ready" and not ready:
+            state = body["state"] = "loading"
+        body.update(replicas_ready=ready, replicas_target=engine.target, replicas=[
+            {key: r.get(key) for key in ("replica", "state", "pid", "engine_pid", "cores", "load_seconds",
+                                         "running", "queue_depth", "kv_cache_usage")} for r in replicas])
+    if state == "ready":
+        body.update(service.health.report())
+        body.update(load_seconds=engine.load_seconds, running=engine.running, queue_depth=engine.queue_depth,
+                    engine_pid=getattr(engine, "pid", None), engine_restarts=getattr(engine, "restarts", 0))
+        return JSONResponse(body)
+    if engine.load_error:
+        body["error"] = engine.load_error
+    return JSONResponse(body, status_code=503)
+
+
+@status_routes.get("/metrics")
+async def metrics(service: ServiceDep) -> Response:
+    return Response(render(service.metrics), media_type=CONTENT_TYPE)
+
+
+@status_routes.get("/v1/models")
+async def models(service: ServiceDep) -> JSONResponse:
+    cards = [schemas.ModelCard(id=name, created=service.created, max_model_len=service.context,
+                               backend=service.artifact.backend) for name in service.model_names]
+    return JSONResponse(schemas.ModelList(data=cards).model_dump())
+
+
+# -- /v1/completions, /v1/chat/completions ---------------------------------------------------------------------
+
+generation_routes = APIRouter()
+
+
+@generation_routes.post("/v1/completions")
+async def completions(request: Request, service: ServiceDep):
+    params, prompt, max_tokens = await _prepared(request, partial(_prepare_completion, service))
+    return await _respond(service, request, params, prompt, max_tokens, chat=False)
+
+
+@generation_routes.post("/v1/chat/completions")
+async def chat_completions(request: Request, service: ServiceDep):
+    params, prompt, max_tokens = await _prepared(request, partial(_prepare_chat, service))
+    return await _respond(service, request, params, prompt, max_tokens, chat=True)
+
+
+async def _prepared(request: Request, prepare):
+    """``prepare(body)`` in a worker thread: parsing and tokenizing never hold the event loop."""
+    return await anyio.to_thread.run_sync(prepare, await request.body(), limiter=request.app.state.preparing)
+
+
+def _prepare_completion(service, raw: bytes) -> tuple[schemas.CompletionRequest, list[int], int]:
+    params = _parse(_json(raw), schemas.CompletionRequest)
+    service.check_model(params.model)
+    prompt = service.completion_prompt(params.prompt)
+    return params, prompt, service.budget(len(prompt), params.max_tokens, default=16, param="prompt")
+
+
+def _prepare_chat(service, raw: bytes) -> tuple[schemas.ChatCompletionRequest, list[int], int]:
+    params = _parse(_json(raw), schemas.ChatCompletionRequest)
+    service.check_model(params.model)
+    prompt = service.chat_prompt([{"role": m.role, "content": m.text()} for m in params.messages])
+    return params, prompt, service.budget(len(prompt), params.max_tokens, default=None, param="messages")
+
+
+async def _respond(service, request: Request, params, prompt: list[int], max_tokens: int, chat: bool):
+    """A stream of events, or the whole answer once generated (499 when the client went away first)."""
+    # 429 / 503 here, before any byte is sent
+    generation = Generation(service, prompt, max_tokens, params, request.state.request_id)
+    request.state.usage = generation.usage  # read by the access log line when the response has ended (intake.py)
+    ident = ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12)
+    created = int(time.time())
+    if params.stream:
+        options = params.stream_options or schemas.StreamOptions()
+        events = _chat_events if chat else _completion_events
+        return EventStream(events(generation, ident, created, service.model_name, options.include_usage,
+                                  options.continuous_usage_stats),
+                           on_close=generation.close)
+    try:
+        text, finish = await generation.collect(request)
+    except GenerationFailed as e:
+        raise ApiError(e.status, str(e), type="server_error") from None
+    finally:
+        generation.close()
+    if finish is None:  # the client went away
+        return Response(status_code=499)
+    usage = generation.usage()
+    body: schemas.ChatCompletion | schemas.Completion
+    if chat:
+        body = schemas.ChatCompletion(id=ident, created=created, model=service.model_name, usage=usage, choices=[
+            schemas.ChatChoice(message=schemas.AssistantMessage(content=text), finish_reason=finish)])
+    else:
+        body = schemas.Completion(id=ident, created=created, model=service.model_name, usage=usage, choices=[
+            schemas.CompletionChoice(text=text, finish_reason=finish)])
+    return JSONResponse(body.model_dump())
 
 
 # -- request bodies (in a worker thread) ------------------------------------------------------------------------

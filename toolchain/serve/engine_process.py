@@ -33,39 +33,23 @@ from functools import partial
 from multiprocessing.connection import Connection
 from typing import TypedDict
 
-from toolchain.interface.files import MODEL_XML
 from toolchain.runtime.artifact import open_artifact
-from toolchain.runtime.batching import PipelineSettings
-from toolchain.runtime.batching_openvino import pageable
 from toolchain.runtime.sampling import Sampling
 from toolchain.serve.engine import Engine, Event, NotReady, Observer, QueueFull, Request, deliver_events, wait_ready
 from toolchain.serve.engine_openvino import OpenVINOBackend
+from toolchain.serve.engine_options import GENAI, EngineOptions
 from toolchain.serve.engine_runner import RunnerBackend
-from toolchain.settings.speculation import PROMPT_LOOKUP
 
 RESTART_DELAY_S = 0.5
 log = logging.getLogger("dstc.serve")
 
 
-def make_backend(backend: str, artifact_path: str, options: dict):
-    """The backend object of toolchain/serve/engine.py for an artifact (in the engine's process)."""
-    artifact = open_artifact(artifact_path)
-    if backend == "openvino":
-        options = dict(options)
-        speculation = options.pop("speculation", None)
-        rows_alone = options.pop("rows_alone", False)
-        if not pageable(artifact.path / MODEL_XML):  # e.g. MLA's latent cache: dstc's runner batches it
-            return RunnerBackend(artifact, threads=options["threads"], max_batch=options["max_batch"],
-                                 max_context=options["max_context"], f32=options["f32"],
-                                 runtime_cache=options["runtime_cache"], speculation=speculation,
-                                 rows_alone=rows_alone)
-        if rows_alone:  # dstc serve --deterministic: the pipeline's requests one at a time, each prefilled whole
-            options.update(max_batch=1, prefix_caching=False)
-        lookup = speculation.draft_tokens if speculation and speculation.speculate == PROMPT_LOOKUP else 0
-        draft = speculation.draft_artifact if speculation else None  # openvino_genai's draft-model speculation
-        return OpenVINOBackend(artifact, PipelineSettings(**options, prompt_lookup=lookup, draft_model=draft,
-                                                          draft_tokens=speculation.draft_tokens if draft else 0))
-    return RunnerBackend(artifact, **options)
+def make_backend(options: EngineOptions):
+    """The backend object of toolchain/serve/engine.py that ``options`` name (in the engine's process)."""
+    artifact = open_artifact(options.artifact)
+    if options.engine == GENAI:
+        return OpenVINOBackend(artifact, options.pipeline_settings())
+    return RunnerBackend(artifact, options)
 
 
 def _exit_reason(code: int | None) -> str:
@@ -88,10 +72,10 @@ class _Stats(TypedDict):
 class RemoteEngine:
     """The Engine's interface over an engine process (see the module doc)."""
 
-    def __init__(self, backend: str, artifact_path: str, options: dict, *, max_batch: int, max_queue: int,
-                 observer: Observer | None = None, restart: bool = True) -> None:
-        self.spec = {"backend": backend, "artifact": str(artifact_path), "options": options, "max_batch": max_batch}
-        self.max_batch = max_batch
+    def __init__(self, options: EngineOptions, *, max_queue: int, observer: Observer | None = None,
+                 restart: bool = True) -> None:
+        self.options = options
+        self.max_batch = options.max_batch
         self.max_queue = max_queue
         self.observer = observer or Observer()
         self.state = "loading"
@@ -124,7 +108,7 @@ class RemoteEngine:
                                          pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL)
         theirs.close()
         self._conn = Connection(ours.detach())
-        self._conn.send(self.spec)
+        self._conn.send(self.options.model_dump())  # data: validated again in the engine process
         threading.Thread(target=self._read, args=(self._conn, self._process), name="dstc-engine-reader",
                          daemon=True).start()
 
@@ -300,14 +284,14 @@ class _Recorder(Observer):
 
 
 def worker(fd: int) -> None:
-    """The engine process: reads the spec, loads the backend, serves submissions and cancellations until told to
+    """The engine process: reads its options, loads the backend, serves submissions and cancellations until told to
     stop or the server goes away."""
     # Ctrl-C, and a SIGTERM sent to the process group, reach this process too: the server stops it (and when the
     # server is gone, the socket's end of file does)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     conn = Connection(fd)
-    spec = conn.recv()
+    options = EngineOptions.model_validate(conn.recv())
     send_lock = threading.Lock()
 
     def send(message) -> None:
@@ -316,11 +300,11 @@ def worker(fd: int) -> None:
 
     recorder = _Recorder()
     try:
-        backend = make_backend(spec["backend"], spec["artifact"], spec["options"])
+        backend = make_backend(options)
     except Exception as e:
         send(("state", "failed", None, f"{type(e).__name__}: {e}", None))
         return
-    engine = Engine(backend, max_batch=spec["max_batch"], max_queue=1 << 30, observer=recorder)
+    engine = Engine(backend, max_batch=options.max_batch, max_queue=1 << 30, observer=recorder)
     outbox: list[tuple] = []  # filled and sent on the engine's thread
 
     def flush() -> None:

@@ -37,7 +37,7 @@ from toolchain.runtime.decoder import open_decoder
 from toolchain.runtime.sampling import distribution, next_token
 from toolchain.runtime.speculative import verify_greedy, verify_sampled
 from toolchain.serve.engine import Request, failure
-from toolchain.settings.speculation import SpeculationSettings
+from toolchain.serve.engine_options import EngineOptions
 
 if TYPE_CHECKING:  # imported when the backend loads
     from toolchain.runtime.batched_drafts import BatchDrafter
@@ -57,19 +57,17 @@ class _State:
 class RunnerBackend:
     name = "dstc"
 
-    def __init__(self, artifact: Artifact, *, threads: int | None, max_batch: int, max_context: int,
-                 layout: str = "batch", f32: bool = False, runtime_cache: int | None = None,
-                 speculation: SpeculationSettings | None = None, rows_alone: bool = False) -> None:
+    def __init__(self, artifact: Artifact, options: EngineOptions) -> None:
         self.artifact = artifact
-        self.threads = threads
-        self.max_batch = max_batch
-        self.max_context = max_context
-        self.layout = layout
-        self.f32 = f32  # OpenVINO: f32 compute and cache instead of the plugin's deployment defaults
-        self.runtime_cache = runtime_cache  # OpenVINO: CPU_RUNTIME_CACHE_CAPACITY, None the plugin's
-        self.speculation = speculation if speculation is not None and speculation.speculate else None
+        self.threads = options.threads
+        self.max_batch = options.max_batch
+        self.max_context = options.max_context
+        self.layout = options.layout
+        self.f32 = options.f32  # OpenVINO: f32 compute and cache instead of the plugin's deployment defaults
+        self.runtime_cache = options.runtime_cache  # OpenVINO: CPU_RUNTIME_CACHE_CAPACITY, None the plugin's
+        self.speculation = options.speculation if options.speculation.speculate else None
         # dstc serve --deterministic on an artifact that is not batch-invariant: each request in a batch of its own
-        self.rows_alone = rows_alone
+        self.rows_alone = options.rows_alone
         self.decoder: Decoder | None = None
         self.batch: BatchedDecoder | None = None
         self.drafter: BatchDrafter | None = None

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from toolchain.errors import InputError
-from toolchain.recipe import ServeSection, check_threshold
+from toolchain.settings.serve_health import ServeSection, check_threshold
 
 STATUSES = ("ok", "warn", "alert")
 

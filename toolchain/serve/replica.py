@@ -27,6 +27,7 @@ from pathlib import Path
 
 from toolchain.runtime.sampling import Sampling
 from toolchain.serve.engine import Event, NotReady, Observer, QueueFull, Request
+from toolchain.serve.engine_options import EngineOptions
 from toolchain.serve.engine_process import RemoteEngine
 
 NODE_CPUS = Path("/sys/devices/system/node")
@@ -37,11 +38,8 @@ NOT_STARTED = "not_started"  # a stream's finish when the replica's engine could
 class ReplicaSpec:
     """What every replica is given (pickled to it by Ray Serve)."""
 
-    backend: str
-    artifact: str
-    options: dict  # the backend's, as the single-engine server gives RemoteEngine (threads set here)
+    options: EngineOptions  # as the single-engine server gives RemoteEngine (threads set here)
     threads: int
-    max_batch: int
     max_queue: int
 
 
@@ -127,8 +125,8 @@ class EngineReplica:
         self.cores = core_set(context.rank.local_rank, spec.threads, os.sched_getaffinity(0), numa_cpus())
         pin_process(self.cores)
         self.recorder = _Recorder()
-        self.engine = RemoteEngine(spec.backend, spec.artifact, {**spec.options, "threads": len(self.cores)},
-                                   max_batch=spec.max_batch, max_queue=spec.max_queue, observer=self.recorder,
+        self.engine = RemoteEngine(spec.options.model_copy(update={"threads": len(self.cores)}),
+                                   max_queue=spec.max_queue, observer=self.recorder,
                                    restart=False)
         self.engine.start()
         # Ray Serve routes to a replica once its constructor has returned: the model is loaded by then

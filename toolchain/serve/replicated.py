@@ -33,6 +33,7 @@ from toolchain.distributed.ray_cluster import connect_ray, shutdown_ray
 from toolchain.errors import InputError
 from toolchain.memory_guard import size
 from toolchain.serve.engine import Event, NotReady, QueueFull, Request, wait_ready
+from toolchain.serve.engine_options import EngineOptions
 from toolchain.serve.replica import NOT_STARTED, EngineReplica, ReplicaSpec
 from toolchain.serve.replica_board import replaced, running_replicas
 
@@ -48,14 +49,14 @@ NOT_STARTED_RETRY_S = 0.2
 class ReplicatedEngine:
     """RemoteEngine's interface over N replicas on Ray Serve (see the module doc)."""
 
-    def __init__(self, backend: str, artifact_path: str, options: dict, *, replicas: int, threads: int | None,
-                 address: str | None, max_batch: int, max_queue: int, memory_bytes: int, metrics) -> None:
-        self.backend, self.artifact_path, self.options = backend, str(artifact_path), options
+    def __init__(self, options: EngineOptions, *, replicas: int, address: str | None, max_queue: int,
+                 memory_bytes: int, metrics) -> None:
+        self.options = options
         self.memory_bytes = memory_bytes  # what one replica's engine holds (toolchain/memory_guard.py)
         self.target = replicas
-        self.threads = threads
+        self.threads = options.threads
         self.address = address
-        self.max_batch = max_batch
+        self.max_batch = options.max_batch
         self.max_queue = max_queue
         self.metrics = metrics  # ServerMetrics(replica_label=True): each replica's observations under its rank
         self.app_name = f"dstc-serve-{socket.gethostname()}-{os.getpid()}"
@@ -120,8 +121,7 @@ class ReplicatedEngine:
             raise InputError(f"--replicas {self.target} of {threads} threads each need {self.target * threads} "
                              f"CPUs; {where} has {cpus}")
         self._check_memory(ray.nodes())
-        spec = ReplicaSpec(backend=self.backend, artifact=self.artifact_path, options=self.options, threads=threads,
-                           max_batch=self.max_batch, max_queue=self.max_queue)
+        spec = ReplicaSpec(options=self.options, threads=threads, max_queue=self.max_queue)
         deployment = serve.deployment(
             name="engine", num_replicas=self.target,
             # Ray places a replica only on a node with the memory its engine holds

@@ -25,17 +25,16 @@ from typing import TYPE_CHECKING
 import uvicorn
 
 from toolchain.errors import InputError
-from toolchain.interface.files import MODEL_XML
 from toolchain.runtime.artifact import Artifact, open_artifact
 from toolchain.runtime.batch_rows import batch_variance
 from toolchain.runtime.batched_drafts import check_batch_speculation
-from toolchain.runtime.batching_openvino import pageable
 from toolchain.runtime.generate import prompt_ids
 from toolchain.runtime.memory import artifact_runtime_bytes, require_artifact_memory
 from toolchain.runtime.sampling import Sampling
 from toolchain.serve.api import ApiError, create_app
 from toolchain.serve.auth import check_exposure, is_loopback
 from toolchain.serve.connections import guarded_protocol
+from toolchain.serve.engine_options import GENAI, engine_options, serving_engine
 from toolchain.serve.engine_process import RemoteEngine
 from toolchain.serve.health import (
     DEFAULT_THRESHOLDS,
@@ -46,7 +45,6 @@ from toolchain.serve.health import (
 )
 from toolchain.serve.metrics import ServerMetrics
 from toolchain.serve.settings import ServeSettings
-from toolchain.settings.speculation import SpeculationSettings
 
 if TYPE_CHECKING:
     from toolchain.serve.replicated import ReplicatedEngine
@@ -83,6 +81,7 @@ class Service:
         from_recipe = recipe_thresholds(artifact.manifest.recipe.serve if artifact.manifest else None)
         thresholds = merge_thresholds(DEFAULT_THRESHOLDS, from_recipe,
                                       [parse_threshold(t) for t in settings.thresholds])
+        self.engine_kind = serving_engine(artifact)  # openvino_genai's pipeline or dstc's runner, decided here once
         self.engine: RemoteEngine | ReplicatedEngine | None = None
         self.health = HealthMonitor(thresholds, window_s=settings.health_window_s, gauges=self._gauges)
         self.metrics = ServerMetrics(self.health, replica_label=settings.replicas is not None)
@@ -96,34 +95,18 @@ class Service:
         """The engine, in a process of its own (engine_process.py), over the artifact's backend; with --replicas,
         that many of them on Ray Serve (replicated.py)."""
         s = self.settings
-        options: dict
         check_batch_speculation(s, self.artifact, self.context)  # refused here, before an engine starts
-        rows_alone = self._deterministic()
-        if self.artifact.backend == "openvino":
-            options = {"threads": s.threads, "max_batch": s.max_batch, "max_context": self.context,
-                       "prefix_caching": s.prefix_caching, "f32": s.openvino_f32,
-                       "runtime_cache": s.openvino_runtime_cache, "rows_alone": rows_alone,
-                       "speculation": SpeculationSettings(speculate=s.speculate, draft_tokens=s.draft_tokens)}
-        else:
-            if s.openvino_runtime_cache is not None:
-                raise InputError(f"--openvino-runtime-cache is the OpenVINO CPU plugin's; {self.artifact.path} is an "
-                                 f"{self.artifact.backend} artifact")
-            if s.speculate is not None and s.kv_layout != "batch":
-                raise InputError(f"--speculate verifies drafts in the 'batch' KV-cache layout, not {s.kv_layout!r}")
-            options = {"threads": s.threads, "max_batch": s.max_batch, "max_context": self.context,
-                       "layout": s.kv_layout, "rows_alone": rows_alone,
-                       "speculation": SpeculationSettings(speculate=s.speculate, draft_tokens=s.draft_tokens)}
+        options = engine_options(self.artifact, s, self.engine_kind, context=self.context,
+                                 rows_alone=self._deterministic())
         if s.replicas is not None:
             # Ray (the ray extra) loads only with --replicas
             from toolchain.serve.replicated import ReplicatedEngine
 
-            return ReplicatedEngine(self.artifact.backend, str(self.artifact.path), options, replicas=s.replicas,
-                                    threads=s.threads, address=s.ray, max_batch=s.max_batch, max_queue=s.max_queue,
+            return ReplicatedEngine(options, replicas=s.replicas, address=s.ray, max_queue=s.max_queue,
                                     memory_bytes=artifact_runtime_bytes(self.artifact), metrics=self.metrics)
         if s.ray is not None:
             raise InputError("--ray runs replicas on a Ray cluster: give --replicas N too")
-        return RemoteEngine(self.artifact.backend, str(self.artifact.path), options, max_batch=s.max_batch,
-                            max_queue=s.max_queue, observer=self.metrics)
+        return RemoteEngine(options, max_queue=s.max_queue, observer=self.metrics)
 
     def _deterministic(self) -> bool:
         """With --deterministic, whether requests must run alone (batch_rows.py) for a request's tokens not to depend
@@ -140,9 +123,8 @@ class Service:
             self.determinism = (f"--deterministic: nothing to do, {self.artifact.path.name} decodes a request "
                                 "bit-equally in any batch (no quantized kernels)")
             return False
-        how = ("one request at a time, without prefix caching" if self.artifact.backend == "openvino" and
-               pageable(self.artifact.path / MODEL_XML) else "each request in a batch of its own, one forward per "
-                                                             "request and step")
+        how = ("one request at a time, without prefix caching" if self.engine_kind == GENAI
+               else "each request in a batch of its own, one forward per request and step")
         self.determinism = f"--deterministic: {how} ({variance})"
         return True
 
@@ -274,6 +256,14 @@ def _allow_open_files(connections: int) -> None:
         resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
 
 
+def _uvicorn_config(app, settings: ServeSettings) -> uvicorn.Config:
+    # loop: asyncio's, on which connections.py's guards are tested (ray[serve] installs uvloop, which "auto" takes)
+    return uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=DRAIN_S, lifespan="on", ws="none",
+                          loop="asyncio",
+                          http=guarded_protocol(settings.header_timeout_s, settings.stream_idle_timeout_s),
+                          timeout_keep_alive=settings.keep_alive_timeout_s, limit_concurrency=settings.max_connections)
+
+
 class DrainingServer(uvicorn.Server):
     """uvicorn's server, but SIGTERM (what an orchestrator stops a service with) is a drain and a clean exit: new
     connections are refused, the requests in flight finish (up to DRAIN_S), a log line says so, and ``serve``
@@ -318,13 +308,8 @@ def serve(artifact_path, settings: ServeSettings, *, host: str = "127.0.0.1", po
     app = create_app(service)
     _log_to_stderr()
     _allow_open_files(settings.max_connections)
-    # loop: asyncio's, on which connections.py's guards are tested (ray[serve] installs uvloop, which "auto" takes)
-    config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=DRAIN_S, lifespan="on", ws="none",
-                            loop="asyncio",
-                            http=guarded_protocol(settings.header_timeout_s, settings.stream_idle_timeout_s),
-                            timeout_keep_alive=settings.keep_alive_timeout_s,
-                            limit_concurrency=settings.max_connections)
-    server = DrainingServer(config, lambda: f"{engine.running} requests running, {engine.queue_depth} waiting", log)
+    server = DrainingServer(_uvicorn_config(app, settings),
+                            lambda: f"{engine.running} requests running, {engine.queue_depth} waiting", log)
 
     async def watch() -> None:
         while engine.state == "loading":

@@ -83,7 +83,7 @@ def _verify(backend: str, artifact: Path, input_dir: Path, source: Path, new_tok
     the compressed graph itself, run stateless on the same runtime.
     """
     # torch loads only where the verification runs
-    from toolchain.runtime.torch_reference import TorchDecoder
+    from toolchain.reference.whole import TorchDecoder
 
     config = read_json(source / CONFIG)
     cases = parity_cases(source, config["vocab_size"])
@@ -137,7 +137,7 @@ def _verify_mtp(backend: str, mtp_dir: Path, source: Path, new_tokens: int, log:
     """The compiled MTP layer (its runtime's decoder, exact numerics, its own cache) against its PyTorch reference
     on the export's parity prompts (toolchain/verify/mtp_parity.py)."""
     # torch loads only where the verification runs
-    from toolchain.runtime.torch_reference import reference_model
+    from toolchain.reference.whole import reference_model
     from toolchain.verify.mtp_parity import compare_mtp, reference_mtp
 
     config = read_json(source / CONFIG)

@@ -37,7 +37,7 @@ from toolchain.interface.graph import KV_CACHE, PER_HEAD, cache_bytes_per_token,
 from toolchain.interface.reports import DeferredWeights, ExportReport, ExportSource
 from toolchain.models.parameters import parameter_count
 from toolchain.recipe import CompressSection, ExportSection
-from toolchain.runtime.torch_reference import TorchDecoder
+from toolchain.reference.whole import TorchDecoder
 from toolchain.verify.layer_parity import MEMORY_FACTOR, compare_layers_on
 from toolchain.verify.mtp_parity import compare_mtp_graph
 from toolchain.verify.parity import compare, parity_cases, too_large_for_end_to_end

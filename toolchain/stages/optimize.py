@@ -83,7 +83,7 @@ def openvino_fusions(onnx_path: Path) -> dict[str, dict[str, int]]:
 
 def _parity(source: Path, onnx_path: Path, backend: str, new_tokens: int, log: Callable[[str], None]) -> dict:
     # torch loads only where parity runs
-    from toolchain.runtime.torch_reference import TorchDecoder
+    from toolchain.reference.whole import TorchDecoder
 
     reference = TorchDecoder(sources.resolve(str(source)))
     config = reference.model.config

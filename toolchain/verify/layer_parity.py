@@ -28,9 +28,9 @@ import torch
 from toolchain.checkpoint.reader import EMBEDDING, open_checkpoint
 from toolchain.export import reference as ref
 from toolchain.interface.graph import PRESENT_PREFIX, cache_dtype, cache_spec, onnx_inputs, present_of
+from toolchain.reference.layered import additive_mask
 from toolchain.runtime.engines import GraphRunner
 from toolchain.runtime.generate import left_pad
-from toolchain.runtime.layered_reference import additive_mask
 from toolchain.verify.parity import Case, tolerance as parity_tolerance
 
 PIECE_PREFIX = ".parity-piece-"

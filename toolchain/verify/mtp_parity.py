@@ -27,10 +27,10 @@ from toolchain.interface.graph import (
     graph_cache_spec,
     graph_metadata,
 )
+from toolchain.reference.whole import TorchDecoder
 from toolchain.runtime.decoder import Decoder, StatelessDecoder, positions
 from toolchain.runtime.engines import GraphRunner
 from toolchain.runtime.generate import greedy_logits
-from toolchain.runtime.torch_reference import TorchDecoder
 from toolchain.verify.parity import Case, tolerance as parity_tolerance
 
 

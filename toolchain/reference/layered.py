@@ -1,7 +1,7 @@
 """The PyTorch reference in bounded memory: transformers' own decoder layers built one at a time from the checkpoint
 reader (toolchain/export/reference.py), run as the model's forward runs them.
 
-Whole-model fp32 (toolchain/runtime/torch_reference.py) is 28 GiB at R1-Distill-Qwen-7B's widths and 2.7 TB at
+Whole-model fp32 (toolchain/reference/whole.py) is 28 GiB at R1-Distill-Qwen-7B's widths and 2.7 TB at
 DeepSeek-V3's. Here a layer's fp32 weights exist only while it runs, unless every layer together fits a small
 budget (the embedded and few-layer models), when they stay built and the reference runs at whole-model speed.
 A MoE layer whose routed experts are too large to build (DeepSeek-V3's: 45 GB per layer) is built without them,

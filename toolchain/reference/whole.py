@@ -42,7 +42,7 @@ def release_reference() -> None:
 
 class TorchDecoder:
     """transformers' eager model with a DynamicCache, behind the runtime Decoder interface; and ``score``, the
-    layer-by-layer reference's (toolchain/runtime/layered_reference.py) for an architecture that one does not run."""
+    layer-by-layer reference's (toolchain/reference/layered.py) for an architecture that one does not run."""
 
     backend = "pytorch"
     resident = True  # every layer built (what eval's reference record asks of a reference)

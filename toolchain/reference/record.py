@@ -4,7 +4,7 @@ An artifact's accuracy needs, of the reference: each scored position's next-toke
 and their log-probabilities: the whole distribution when the vocabulary is no larger than k), the log-probability
 of the token that follows (perplexity), each MoE layer's expert choice per token, its greedy continuations and its
 answers. These depend on the source checkpoint, the data and the settings only, so they are kept in the reference
-cache (toolchain/evaluate/reference_cache.py) and every later artifact of the same model is compared with them
+cache (toolchain/reference/cache.py) and every later artifact of the same model is compared with them
 without running the reference again.
 """
 
@@ -18,8 +18,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from toolchain.evaluate.dataset import EvalData
 from toolchain.progress import LINES, due
+from toolchain.reference.data import EvalData
 from toolchain.runtime.generate import greedy_generate
 from toolchain.settings.evaluation import EvalSettings
 

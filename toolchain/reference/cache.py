@@ -18,10 +18,10 @@ import zipfile
 from pathlib import Path
 
 from toolchain.cache import cache_dir
-from toolchain.evaluate.dataset import EvalData
-from toolchain.evaluate.reference_record import ReferenceRecord
 from toolchain.hashing import blake3_file, digest, self_digest
 from toolchain.manifest import code_digest
+from toolchain.reference.data import EvalData
+from toolchain.reference.record import ReferenceRecord
 from toolchain.settings.evaluation import ARTIFACT_ONLY, TASK_SETTINGS, EvalSettings
 
 SCHEMA = "dstc.reference/2"  # /2: each entry under a digest of its key and contents
@@ -34,7 +34,7 @@ def cache_root() -> Path:
 def reference_key(source_files: dict[str, str], data: EvalData, settings: EvalSettings) -> str:
     return digest({"schema": SCHEMA, "source": source_files, "data": data.digest,
                    "settings": settings.model_dump(mode="json", exclude={*ARTIFACT_ONLY, *TASK_SETTINGS, "dataset"}),
-                   "code": code_digest("toolchain.evaluate.reference_record")})
+                   "code": code_digest("toolchain.reference.record")})
 
 
 def task_key(source_files: dict[str, str], task_files: dict[str, str], settings: EvalSettings) -> str:

@@ -1,5 +1,5 @@
 """Which PyTorch reference an artifact is measured against: the checkpoint its manifest names, checked against the
-source hashes it recorded (the reference itself runs in toolchain/runtime/layered_reference.py)."""
+source hashes it recorded (the reference itself runs in toolchain/reference/layered.py)."""
 
 from __future__ import annotations
 
