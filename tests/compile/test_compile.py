@@ -20,8 +20,7 @@ from toolchain.runtime.engines import openvino_compile
 from toolchain.runtime.generate import greedy_logits
 from toolchain.runtime.torch_reference import TorchDecoder
 from toolchain.models.registry import EMBEDDED, embedded_path
-from toolchain.stages.compile import compile_artifact
-from toolchain.stages.export import export
+from toolchain.stages.alone import compile_artifact, export
 from toolchain.tokenizer_loading import load_tokenizer
 
 from conftest import COMMON, MLA, make_checkpoint

@@ -18,8 +18,7 @@ from toolchain.errors import InputError
 from toolchain.verify.parity import TOLERANCES, Case, compare
 from toolchain.runtime.torch_reference import TorchDecoder
 from toolchain.source import load, resolve
-from toolchain.stages.compile import compile_artifact
-from toolchain.stages.export import export
+from toolchain.stages.alone import compile_artifact, export
 
 NAME = "deepseek_v32"
 LAYOUTS = ("latent", "per-head")

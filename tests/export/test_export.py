@@ -19,7 +19,7 @@ from toolchain.models.registry import EMBEDDED
 from toolchain.source import load, resolve
 from toolchain.export.graph import save_graph
 from toolchain.verify.parity import parity_cases
-from toolchain.stages.export import export
+from toolchain.stages.alone import export
 
 from conftest import tiny_configs
 

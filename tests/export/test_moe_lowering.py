@@ -24,9 +24,7 @@ from toolchain.recipe import CompressSection
 from toolchain.runtime.engines import GraphRunner, openvino_compile
 from toolchain.runtime.routing import router_values
 from toolchain.source import load, resolve
-from toolchain.stages.compress import compress
-from toolchain.stages.export import export
-from toolchain.stages.optimize import optimize
+from toolchain.stages.alone import compress, export, optimize
 
 # greedy and group-limited V2 routing; V3 with norm_topk_prob true (deepseek_v3) and false (plain_rope); Qwen3-MoE
 # without shared experts, norm_topk_prob true (with a dense layer between) and false (every second layer MoE)
