@@ -546,11 +546,11 @@ def test_prefill_int8_is_not_decided_on_for_dispatched_experts(tiny_checkpoints,
     the recipe sets it, and a dense model's decision is the CPU's."""
     import yaml
 
-    import toolchain.recipe as recipe_module
     from toolchain.build import plan
     from toolchain.recipe import load_recipe
+    from toolchain.stages import choices
 
-    monkeypatch.setattr(recipe_module, "has_int8_dot_product", lambda: True)
+    monkeypatch.setattr(choices, "has_int8_dot_product", lambda: True)
 
     def compress_config(model, export=None, **compress):
         recipe = tmp_path / "r.yaml"
