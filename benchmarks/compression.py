@@ -39,8 +39,7 @@ from toolchain.models.registry import EMBEDDED, embedded_path
 from toolchain.recipe import CompressSection
 from toolchain.runtime.engines import openvino_compile, ort_options, ort_session
 from toolchain.runtime.generate import greedy_logits
-from toolchain.stages.compress import compress
-from toolchain.stages.export import export
+from toolchain.stages.alone import compress, export
 
 END_OF_LINE = "\n"
 NEW_TOKENS = 6  # four answer digits, the newline, one spare

@@ -43,8 +43,7 @@ def build(work: Path, args, log) -> dict[tuple[str, str], Path]:
     """(model, backend) -> the INT4 graph file that backend runs."""
     from toolchain.models.shape_faithful import make_shape_faithful
     from toolchain.recipe import CompressSection
-    from toolchain.stages.compress import compress
-    from toolchain.stages.export import export
+    from toolchain.stages.alone import compress, export
 
     files = {}
     for model in args.models:

@@ -42,7 +42,7 @@ LAYOUTS = ("per-head", "latent")
 def build(work: Path, args, log) -> dict[tuple[str, str, str], Path]:
     """(backend, precision, layout) -> the graph file that backend runs."""
     from toolchain.models.shape_faithful import make_shape_faithful
-    from toolchain.stages.export import export
+    from toolchain.stages.alone import export
 
     ckpt = work / "ckpt"
     if not (ckpt / "config.json").is_file():
@@ -58,7 +58,7 @@ def build(work: Path, args, log) -> dict[tuple[str, str, str], Path]:
             files[(backend, "fp32", layout)] = out / "model.onnx"
     if args.int4:
         from toolchain.recipe import CompressSection
-        from toolchain.stages.compress import compress
+        from toolchain.stages.alone import compress
 
         for layout in LAYOUTS:
             for backend in ("onnxruntime", "openvino"):

@@ -68,8 +68,7 @@ def checkpoint(path: Path, spec: str) -> Path:
 def build(work: Path, spec: str, log) -> dict[tuple[str, str, str], Path]:
     """(backend, precision, lowering) -> the graph file that backend runs, for one model (see checkpoint)."""
     from toolchain.recipe import CompressSection
-    from toolchain.stages.compress import compress
-    from toolchain.stages.export import export
+    from toolchain.stages.alone import compress, export
 
     name = spec.replace("/", "-pool")
     ckpt = checkpoint(work / f"ckpt-{name}", spec)

@@ -25,7 +25,7 @@ from transformers import AutoModelForCausalLM, DynamicCache
 
 from toolchain.models.shape_faithful import make_shape_faithful
 from toolchain.runtime.engines import ort_options, ort_session
-from toolchain.stages.export import export
+from toolchain.stages.alone import export
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # run as a script: the benchmarks' harness is imported from the repository

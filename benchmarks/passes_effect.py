@@ -45,8 +45,7 @@ import onnxruntime as ort
 from toolchain.models.registry import EMBEDDED, embedded_path
 from toolchain.runtime.engines import ort_session
 from toolchain.models.shape_faithful import make_shape_faithful
-from toolchain.stages.export import export
-from toolchain.stages.optimize import optimize
+from toolchain.stages.alone import export, optimize
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # run as a script: the benchmarks' harness is imported from the repository

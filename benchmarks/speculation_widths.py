@@ -104,8 +104,7 @@ def checkpoint(work: Path, name: str) -> Path:
 def build_graphs(work: Path, names: list[str], backends: list[str]) -> dict[tuple[str, str], Path]:
     """(graph name, backend) -> the INT4 graph file that backend runs; each built once and kept in ``work``."""
     from toolchain.recipe import CompressSection
-    from toolchain.stages.compress import compress
-    from toolchain.stages.export import export
+    from toolchain.stages.alone import compress, export
 
     files = {}
     for name in names:

@@ -19,6 +19,7 @@ from toolchain.build import build
 from toolchain.errors import InputError
 from toolchain.export import graph
 from toolchain.stages import runner
+from toolchain.stages.runner import export_stage
 
 
 def tree_bytes(path: Path) -> int:
@@ -96,8 +97,8 @@ def written(streamed, tmp_path, monkeypatch) -> tuple[dict, int]:
     """The same build with the export's weights file written (as every build wrote it before): its manifest and
     the bytes of that file."""
     with monkeypatch.context() as mp:
-        mp.setattr(build_module, "export_stage", lambda model, section, revision, **_:
-                   runner.export_stage(model, section, revision))
+        mp.setattr(runner, "export_stage",
+                   lambda plan: export_stage(plan.model_copy(update={"defer_weights": False})))
         manifest, _, _ = built(streamed, tmp_path / "written", mp)
     export = next((tmp_path / "written" / "cache" / "stages").glob("export-*"))
     return manifest, (export / "model.onnx.data").stat().st_size
@@ -157,7 +158,7 @@ def test_no_keep_stages_keeps_the_compressed_weights_while_the_verification_runs
 
 
 def test_an_export_without_its_weights_file_is_refused_by_the_stages_that_read_it(streamed, tmp_path, monkeypatch):
-    from toolchain.stages.compile import compile_artifact
+    from toolchain.stages.alone import compile_artifact
 
     built(streamed, tmp_path / "b", monkeypatch)
     export = next((tmp_path / "b" / "cache" / "stages").glob("export-*"))

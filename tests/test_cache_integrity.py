@@ -18,7 +18,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from toolchain.build_plan import BuildPlan
 from toolchain.hashing import digest
+from toolchain.recipe import CompileSection
 from toolchain.reference import cache as reference_cache
 from toolchain.reference.record import ReferenceRecord
 from toolchain.source_hashes import checkpoint_hashes
@@ -87,13 +89,13 @@ def stage_entries(cache: Path) -> Entries:
         return bytes(range(256)) * 16 + n.to_bytes(4, "little")
 
     def stage(n: int) -> Stage:
-        def run(_input, out: Path, _log) -> dict:
+        def run(_input, out: Path, _section, _context) -> dict:
             out.mkdir(parents=True, exist_ok=True)
             (out / "data.bin").write_bytes(payload(n))
             runs.append(n)
             return {}
 
-        return Stage("fake", {"n": n}, run, "toolchain.cache")
+        return Stage("fake", {"n": n}, run, CompileSection(backend="onnxruntime"), BuildPlan(), "toolchain.cache")
 
     parent = digest("checkpoint")
     (a, id_a, _), (b, id_b, _) = (run_cached(stage(n), None, parent, use_cache=True, log=print) for n in (1, 2))

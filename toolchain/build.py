@@ -32,17 +32,15 @@ from toolchain.recipe import Recipe, load_recipe
 from toolchain.report.schema import load_report
 from toolchain.settings.evaluation import EvalSettings
 from toolchain.source_hashes import Hashing
+from toolchain.stages.choices import plan_recipe
 from toolchain.stages.runner import (
     Stage,
-    compile_stage,
-    compress_stage,
     copy_stage_files,
     drop_entry,
-    export_stage,
     move_stage_files,
-    passes_stage,
     releasing,
     run_cached,
+    stages_of,
 )
 
 if TYPE_CHECKING:  # the stage's code (onnx_ir, the exporter's graph module) loads when the stage runs
@@ -54,34 +52,10 @@ SEEDS = {"parity_prompts": 0}
 
 def plan(recipe: Recipe, source: Path, log: Callable[[str], None] = lambda _: None,
          parts: PartRunner | None = None) -> list[Stage]:
-    """The recipe's stages in order, each with the configuration that goes into its id. Later stages read the
-    checkpoint this build resolved (``source``), not the path an earlier, perhaps cached, stage recorded.
-    ``parts``: a streamed compression is written in parts by its tasks (the same bytes)."""
-    # the exporter (torch) loads when a build plans its stages, not when the CLI starts
-    from toolchain.stages.export import resolve_moe, routed_experts
-
-    export, why = resolve_moe(recipe.export, source, recipe.compile.backend, recipe.compress)
-    if why:
-        log(f"MoE lowering: {export.moe} ({why})")
-    compress = recipe.compress
-    if compress and compress.prefill_int8 is None and export.moe == "dispatch" and routed_experts(source):
-        # its int8 copies would be made of every routed expert's 4-bit weights too: 3x their bytes on disk and in
-        # memory (a DeepSeek-V3 INT4 artifact of ~370 GB would grow to ~1 TB), for prompts' expert products
-        compress = compress.model_copy(update={"prefill_int8": False})
-        log("prefill_int8 off: the MoE layers' routed experts are separate MatMuls (dispatch), each would get an "
-            "int8 copy (set compress.prefill_int8 to choose)")
-    # a streamed compression reads each weight from the checkpoint itself (the export's weights file, 30 GB at
-    # DeepSeek-V3's widths x 4 layers, is then not written); the passes stage rewrites the graph with its weights
-    streamed = recipe.compress is not None and recipe.compress.streaming != "never"
-    stages = [export_stage(recipe.model, export, recipe.revision, defer_weights=streamed and not recipe.passes,
-                           weights_read_by="the passes stage rewrites the graph with them" if streamed and
-                           recipe.passes else None)]
-    if recipe.passes:
-        stages.append(passes_stage(recipe.passes, source))
-    if compress:
-        stages.append(compress_stage(compress, recipe.compile.backend, source, parts))
-    stages.append(compile_stage(recipe.compile, source))
-    return stages
+    """The recipe's stages in order, each with the configuration that goes into its id, on its plan
+    (toolchain/stages/choices.py plan_recipe) for the checkpoint this build resolved (``source``). ``parts``: a
+    streamed compression is written in parts by its tasks (the same bytes)."""
+    return stages_of(plan_recipe(recipe, source, log), source, parts)
 
 
 class Events:
@@ -117,8 +91,9 @@ def build(recipe_path: Path, out_dir: Path | None = None, *, model: str | None =
     parent, stage_rows, durations, cached_stages, reports = digest(source_files), [], {}, [], {}
     stage_dir: Path | None = None
     written: list[Path] = []  # the stage cache entries this build wrote (not reused)
+    build_plan = plan_recipe(recipe, source.path, events.log)  # every choice the recipe leaves open, taken once
     with atomic_output_dir(out_dir) as tmp:
-        for stage in plan(recipe, source.path, events.log, parts):
+        for stage in stages_of(build_plan, source.path, parts):
             if not keep_stages and stage_dir in written:  # deleted once read: may be given up as it is read
                 stage = releasing(stage, stage_dir)
             t0 = time.perf_counter()
@@ -152,6 +127,7 @@ def build(recipe_path: Path, out_dir: Path | None = None, *, model: str | None =
             "git_commit": git_commit(),
             "recipe": recipe,
             "recipe_sha256": recipe.digest(),
+            "plan": build_plan,
             "source": {"model": recipe.model, "revision": recipe.revision, "kind": source.kind,
                        "files": source_files},
             "stages": stage_rows,

@@ -14,6 +14,7 @@ from typing import ClassVar, Literal, TypeVar
 
 from pydantic import Field, ValidationError, field_serializer, field_validator
 
+from toolchain.build_plan import BuildPlan
 from toolchain.interface.reports import STAGE_REPORTS, Schema, StageReport, _Model
 from toolchain.recipe import Recipe
 
@@ -87,6 +88,9 @@ class Manifest(Schema):
     git_commit: str | None
     recipe: Recipe
     recipe_sha256: str
+    # every choice the recipe left open, as the build took it (toolchain/build_plan.py); None in a manifest written
+    # before the field, which is then left out of the JSON as it was
+    plan: BuildPlan | None = None
     source: ManifestSource
     stages: list[StageRow]
     versions: dict[str, str]
@@ -103,4 +107,5 @@ class Manifest(Schema):
     digest: str  # sha256 of everything else (toolchain/hashing.py self_digest)
 
     def dump(self) -> dict:
-        return self.model_dump(mode="json", by_alias=True, exclude={"loads_with"} if self.loads_with is None else None)
+        absent = {name for name in ("loads_with", "plan") if getattr(self, name) is None}
+        return self.model_dump(mode="json", by_alias=True, exclude=absent or None)

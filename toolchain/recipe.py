@@ -18,7 +18,6 @@ from pydantic import BaseModel, Field, PrivateAttr, ValidationError, model_valid
 
 from toolchain.errors import InputError, RecipeError
 from toolchain.gates import GateLimits
-from toolchain.hardware import has_int8_dot_product
 from toolchain.interface.moe_lowerings import RUNS_ON, parity_backends
 from toolchain.interface.reports import CompressionScheme
 from toolchain.settings.evaluation import EvalSettings
@@ -131,7 +130,8 @@ class CompressSection(Section):
     accuracy_level: int | None = Field(4, ge=0, le=4, description=(
         "MatMulNBits compute precision on onnxruntime (4: int8 activations, fastest)."))
     # onnxruntime, int4-grouped: int8 copies of the 4-bit weights that prompts read (passes/quantize/prefill_int8.py);
-    # None: on where the CPU building the artifact has an int8 dot product (VNNI, AMX), off elsewhere
+    # None: on where the CPU building the artifact has an int8 dot product (VNNI, AMX), off elsewhere, decided by the
+    # build's plan (toolchain/stages/choices.py prefill_int8)
     prefill_int8: bool | None = Field(None, description=(
         "onnxruntime, int4: also store each 4-bit weight in int8 per column for prompts of 8+ tokens "
         "(DynamicQuantizeMatMul on the int8 GEMM, AMX/VNNI): faster prefill, 3x the 4-bit weights' bytes. "
@@ -156,15 +156,6 @@ class CompressSection(Section):
     def data_aware(self) -> bool:
         """Options that need calibration activations, so the whole model run on calibration text."""
         return self.awq or self.scale_estimation or self.gptq or self.ratio < 1.0
-
-    def with_prefill_int8(self, target: str) -> CompressSection:
-        """The section with prefill_int8 decided (None: on for int4-grouped on onnxruntime where this CPU has an
-        int8 dot product; measured on one with AVX-512 VNNI: TTFT 0.6x, decode 1.0x the plain artifact's, 1.33x
-        its bytes, README "Prefill on ONNX Runtime")."""
-        if self.prefill_int8 is not None:
-            return self
-        wanted = target == "onnxruntime" and self.scheme == "int4-grouped" and has_int8_dot_product()
-        return self.model_copy(update={"prefill_int8": wanted})
 
     def problem(self, target: str) -> str | None:
         """What is wrong with these options together for ``target``, or None: rules that span fields, checked

@@ -22,7 +22,7 @@ from toolchain.interface.graph import SOURCE
 from toolchain.models.shape_faithful import write_fp8_checkpoint
 from toolchain.verify.layer_parity import compare_layers
 from toolchain.verify.parity import parity_cases
-from toolchain.stages.export import export
+from toolchain.stages.alone import export
 
 # widths that leave partial 128 x 128 FP8 blocks (200 = 128 + 72), three MoE layers, an MTP layer in the files
 FP8_V3 = DeepseekV3Config(**{**COMMON, "hidden_size": 200, "num_hidden_layers": 3, "num_attention_heads": 4,
@@ -173,7 +173,7 @@ def test_parity_and_scale_estimation_on_a_layer_too_large_for_the_machine(tiny_c
     import toolchain.hardware as hardware
     from toolchain.errors import InputError
     from toolchain.recipe import CompressSection
-    from toolchain.stages.compress import compress
+    from toolchain.stages.alone import compress
 
     path = tiny_checkpoints["deepseek_v3"]
     monkeypatch.setattr(parity, "FULL_PARITY_BYTES", 1 << 10)

@@ -31,8 +31,7 @@ from toolchain.models.registry import EMBEDDED, embedded_path
 from toolchain.reference.whole import TorchDecoder
 from toolchain.runtime.engines import openvino_compile
 from toolchain.runtime.generate import greedy_logits
-from toolchain.stages.compile import compile_artifact
-from toolchain.stages.export import export
+from toolchain.stages.alone import compile_artifact, export
 from toolchain.tokenizer_loading import load_tokenizer
 
 BOS, EOS, PAD = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜▁pad▁｜>"

@@ -19,7 +19,7 @@ from toolchain.compile.onnxruntime_artifact import INLINE_MAX_BYTES
 from toolchain.errors import DstcError
 from toolchain.export import graph
 from toolchain.recipe import CompressSection
-from toolchain.stages.compress import compress
+from toolchain.stages.alone import compress
 
 
 def allocated(path: Path) -> int:
@@ -30,7 +30,7 @@ def allocated(path: Path) -> int:
 def compressed(tiny_checkpoints, tmp_path_factory) -> dict[tuple[str, bool], Path]:
     """(model, prefill_int8) -> the streamed INT4 compression for ONNX Runtime of a tiny GQA (R1-Distill-Qwen) and
     MLA (DeepSeek-V3) model, its weights in model.onnx.data, as a large model's are."""
-    from toolchain.stages.export import export
+    from toolchain.stages.alone import export
 
     root = tmp_path_factory.mktemp("compressed")
     out = {}

@@ -23,8 +23,7 @@ from toolchain.export.graph import load_graph, save_graph
 from toolchain.interface.graph import HEAD_LAYOUT, ROLE
 from toolchain.recipe import CompressSection
 from toolchain.runtime.engines import openvino_compile
-from toolchain.stages.compress import compress
-from toolchain.stages.export import export
+from toolchain.stages.alone import compress, export
 
 ARCHS = ("llama", "qwen2", "deepseek_v2", "deepseek_v3")
 TARGETS = ("onnxruntime", "openvino")
@@ -157,23 +156,23 @@ def test_prefill_int8_gives_every_4bit_weight_a_prompt_branch(runs, streaming):
     (False, "onnxruntime", "int4-grouped", True, True),  # or on
 ])
 def test_prefill_int8_defaults_to_the_building_cpu(monkeypatch, int8_dot, target, scheme, given, wanted):
-    from toolchain import recipe
+    from toolchain.stages import choices
     from toolchain.stages.runner import compress_stage
 
-    monkeypatch.setattr(recipe, "has_int8_dot_product", lambda: int8_dot)
-    section = CompressSection(scheme=scheme, prefill_int8=given)
-    assert section.with_prefill_int8(target).prefill_int8 is wanted
+    monkeypatch.setattr(choices, "has_int8_dot_product", lambda: int8_dot)
+    plan = choices.plan_compress(CompressSection(scheme=scheme, prefill_int8=given), target)
+    assert plan.compress.prefill_int8 is wanted
     # the stage's id (its configuration) says what is built
-    assert compress_stage(section, target, Path("/nowhere")).config["prefill_int8"] is wanted
+    assert compress_stage(plan, Path("/nowhere")).config["prefill_int8"] is wanted
 
 
 def test_prefill_int8_is_for_int4_on_onnxruntime():
-    from toolchain.stages.compress import check_target
+    from toolchain.stages.choices import plan_compress
 
     with pytest.raises(InputError, match="prefill_int8 applies to the int4-grouped scheme on the onnxruntime"):
-        check_target(CompressSection(scheme="int4-grouped", prefill_int8=True), "openvino")
+        plan_compress(CompressSection(scheme="int4-grouped", prefill_int8=True), "openvino")
     with pytest.raises(InputError, match="prefill_int8"):
-        check_target(CompressSection(scheme="int8-per-channel", prefill_int8=True), "onnxruntime")
+        plan_compress(CompressSection(scheme="int8-per-channel", prefill_int8=True), "onnxruntime")
 
 
 def test_onnxruntime_runs_matmulnbits_with_accuracy_level(runs):

@@ -21,8 +21,7 @@ from toolchain.export.graph import load_graph
 from toolchain.interface.graph import SOURCE
 from toolchain.models.shape_faithful import write_random_checkpoint
 from toolchain.recipe import CompressSection
-from toolchain.stages.compress import compress
-from toolchain.stages.export import export
+from toolchain.stages.alone import compress, export
 
 # 200 = 128 + 72: partial FP8 blocks, which the graph's blocks split (gcd(200, 128) = 8 rows per scale)
 V3 = DeepseekV3Config(**{**COMMON, "hidden_size": 200, "num_hidden_layers": 2, "num_attention_heads": 4,

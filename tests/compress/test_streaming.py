@@ -17,9 +17,7 @@ import pytest
 from toolchain.errors import InputError
 from toolchain.interface.graph import cache_spec
 from toolchain.recipe import CompressSection
-from toolchain.stages.compile import compile_artifact
-from toolchain.stages.compress import compress
-from toolchain.stages.export import export
+from toolchain.stages.alone import compile_artifact, compress, export
 
 REPO = Path(__file__).resolve().parents[2]
 

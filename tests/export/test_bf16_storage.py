@@ -17,9 +17,7 @@ from toolchain.errors import InputError
 from toolchain.verify.layer_parity import compare_layers
 from toolchain.verify.parity import parity_cases
 from toolchain.recipe import CompressSection
-from toolchain.stages.compress import compress
-from toolchain.stages.export import export
-from toolchain.stages.optimize import optimize
+from toolchain.stages.alone import compress, export, optimize
 
 ARCHS = ("qwen2", "deepseek_v3")
 

@@ -12,8 +12,7 @@ from batching_helpers import decode_joining_and_leaving
 from conftest import run_cli
 
 from toolchain.interface.graph import CACHE_DTYPE
-from toolchain.stages.compile import compile_artifact
-from toolchain.stages.export import export
+from toolchain.stages.alone import compile_artifact, export
 from toolchain.verify.parity import CACHE_TOLERANCES, TOLERANCES
 
 # deepseek_v3's latent cache in the default suite; V3.2's indexer keys and V4's per-token state take 1.5-3 min each
@@ -168,9 +167,10 @@ def test_a_float32_cache_keeps_the_export_stage_id(tmp_path):
     """The default is the stage configuration exports had before the option (every cached stage stays valid); a
     float16 cache is a configuration of its own."""
     from toolchain.recipe import ExportSection
+    from toolchain.stages.choices import plan_export
     from toolchain.stages.runner import export_stage
 
-    default = export_stage("deepseek-v3-tiny", ExportSection())
+    default = export_stage(plan_export("deepseek-v3-tiny", ExportSection()))
     assert "cache_dtype" not in default.config
-    narrow = export_stage("deepseek-v3-tiny", ExportSection(cache_dtype="float16"))
+    narrow = export_stage(plan_export("deepseek-v3-tiny", ExportSection(cache_dtype="float16")))
     assert narrow.config["cache_dtype"] == "float16"

@@ -13,10 +13,7 @@ from onnx import numpy_helper
 from transformers import DeepseekV2Config, DeepseekV3Config, Qwen2Config
 
 from toolchain.recipe import CompressSection
-from toolchain.stages.compile import compile_artifact
-from toolchain.stages.compress import compress
-from toolchain.stages.export import export
-from toolchain.stages.optimize import optimize
+from toolchain.stages.alone import compile_artifact, compress, export, optimize
 
 VOCAB, HIDDEN = COMMON["vocab_size"], COMMON["hidden_size"]
 

@@ -17,8 +17,7 @@ from test_export import check_report
 from toolchain.errors import InputError
 from toolchain.reference.whole import TorchDecoder
 from toolchain.source import load, resolve
-from toolchain.stages.compile import compile_artifact
-from toolchain.stages.export import export
+from toolchain.stages.alone import compile_artifact, export
 from toolchain.verify.parity import TOLERANCES, Case, compare
 
 NAME = "deepseek_v32"

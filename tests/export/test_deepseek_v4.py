@@ -218,7 +218,7 @@ def test_v4_routers_are_found_on_both_backends_and_hash_layers_route_by_the_tabl
     from toolchain.runtime.decoder import OnnxRuntimeDecoder, OpenVINODecoder
     from toolchain.runtime.routing import router_values
     from toolchain.source import load, resolve
-    from toolchain.stages.export import export
+    from toolchain.stages.alone import export
 
     checkpoint = tiny_checkpoints["deepseek_v4"]
     export(str(checkpoint), tmp_path / "out", parity=())

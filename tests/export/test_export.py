@@ -18,8 +18,9 @@ from toolchain.export.reference import is_moe, watch_expert_choice
 from toolchain.models.registry import EMBEDDED
 from toolchain.reference.whole import TorchDecoder
 from toolchain.source import load, resolve
-from toolchain.stages.export import export
+from toolchain.stages.alone import export
 from toolchain.verify.parity import Case, compare, parity_cases
+
 
 
 def check_report(report: dict, backends=("onnxruntime", "openvino")) -> None:

@@ -20,10 +20,7 @@ from toolchain.errors import InputError
 from toolchain.export.architectures import architecture_for
 from toolchain.export.deepseek import with_mla_cache
 from toolchain.recipe import CompressSection
-from toolchain.stages.compile import compile_artifact
-from toolchain.stages.compress import compress
-from toolchain.stages.export import export
-from toolchain.stages.optimize import optimize
+from toolchain.stages.alone import compile_artifact, compress, export, optimize
 
 YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 64,
         "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0}

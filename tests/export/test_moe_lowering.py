@@ -24,9 +24,7 @@ from toolchain.recipe import CompressSection
 from toolchain.runtime.engines import GraphRunner, openvino_compile
 from toolchain.runtime.routing import router_values
 from toolchain.source import load, resolve
-from toolchain.stages.compress import compress
-from toolchain.stages.export import export
-from toolchain.stages.optimize import optimize
+from toolchain.stages.alone import compress, export, optimize
 
 # greedy and group-limited V2 routing; V3 with norm_topk_prob true (deepseek_v3) and false (plain_rope); Qwen3-MoE
 # without shared experts, norm_topk_prob true (with a dense layer between) and false (every second layer MoE)
@@ -548,11 +546,11 @@ def test_prefill_int8_is_not_decided_on_for_dispatched_experts(tiny_checkpoints,
     the recipe sets it, and a dense model's decision is the CPU's."""
     import yaml
 
-    import toolchain.recipe as recipe_module
     from toolchain.build import plan
     from toolchain.recipe import load_recipe
+    from toolchain.stages import choices
 
-    monkeypatch.setattr(recipe_module, "has_int8_dot_product", lambda: True)
+    monkeypatch.setattr(choices, "has_int8_dot_product", lambda: True)
 
     def compress_config(model, export=None, **compress):
         recipe = tmp_path / "r.yaml"

@@ -233,7 +233,7 @@ def test_runners_that_cut_caches_refuse_it_in_one_line(graphs):
 
 
 def test_the_option_is_v4_s(tmp_path, tiny_checkpoints):
-    from toolchain.stages.export import export
+    from toolchain.stages.alone import export
 
     with pytest.raises(InputError, match="deepseek_v4"):
         with_v4_cache(architecture_for("deepseek_v3"), "compressed")

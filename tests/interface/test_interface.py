@@ -35,7 +35,7 @@ def test_present_of_names_the_output_that_returns_the_cache_grown():
 @pytest.fixture(scope="module")
 def exported(tiny_checkpoints, tmp_path_factory):
     """Exports without parity (the graphs are what is read here): a latent MLA cache and a GQA cache."""
-    from toolchain.stages.export import export
+    from toolchain.stages.alone import export
 
     root = tmp_path_factory.mktemp("interface")
     return {name: (root / name, export(str(tiny_checkpoints[name]), root / name, parity=()))

@@ -15,7 +15,7 @@ from passes_helpers import check_pass, make_model, node, op_counts
 from passes import run_pipeline
 from passes.fusions.group_query_attention import FuseGroupQueryAttention
 from passes.fusions.mla_attention import FuseMlaAttention
-from toolchain.stages.export import export
+from toolchain.stages.alone import export
 
 
 def near_misses(model) -> str:

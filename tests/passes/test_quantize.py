@@ -25,7 +25,7 @@ ARCHS = ("llama", "qwen2", "deepseek_v2", "deepseek_v3")
 
 @pytest.fixture(scope="module")
 def tiny_exports(tmp_path_factory):
-    from toolchain.stages.export import export
+    from toolchain.stages.alone import export
 
     root = tmp_path_factory.mktemp("quantize-exports")
     configs = tiny_configs()

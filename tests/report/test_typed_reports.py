@@ -26,7 +26,7 @@ def built(tmp_path_factory):
     """An INT8 artifact, its cached stages, and a streamed compression of the same export."""
     from toolchain.build import build
     from toolchain.recipe import CompressSection
-    from toolchain.stages.compress import compress
+    from toolchain.stages.alone import compress
 
     root = tmp_path_factory.mktemp("typed")
     with pytest.MonkeyPatch.context() as mp:

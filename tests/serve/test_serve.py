@@ -13,7 +13,6 @@ import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 
 import httpx
 import numpy as np

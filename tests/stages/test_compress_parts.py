@@ -13,7 +13,7 @@ import pytest
 from toolchain.errors import DstcError
 from toolchain.export import graph
 from toolchain.recipe import CompressSection
-from toolchain.stages.compress import compress
+from toolchain.stages.alone import compress
 from toolchain.stages.compress_parts import AFTER, BEFORE, plan_parts
 
 
@@ -47,7 +47,7 @@ def without_timings(directory: Path) -> dict:
 def exports(tiny_checkpoints, tmp_path_factory) -> dict[str, Path]:
     """Exports written as a large model's are by a streamed build: model.onnx only, the weights left in the
     checkpoint (recomputed as they are compressed)."""
-    from toolchain.stages.export import export
+    from toolchain.stages.alone import export
 
     root = tmp_path_factory.mktemp("exports")
     with pytest.MonkeyPatch.context() as mp:

@@ -12,8 +12,7 @@ from transformers import AutoConfig
 
 from toolchain.errors import InputError
 from toolchain.errors import OptimizeError
-from toolchain.stages.export import export
-from toolchain.stages.optimize import optimize
+from toolchain.stages.alone import export, optimize
 
 GQA = ("llama", "qwen2")
 ALL = ("llama", "qwen2", "deepseek_v2", "deepseek_v2_group_limited", "deepseek_v3", "deepseek_v3_plain_rope")

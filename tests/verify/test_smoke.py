@@ -18,8 +18,7 @@ from transformers import AutoModelForCausalLM, DeepseekV2Config
 
 from toolchain.verify.smoke import DECODE_STEPS, RAISE_ENV
 from toolchain.errors import RuntimeCrashError
-from toolchain.stages.compile import compile_artifact
-from toolchain.stages.export import export
+from toolchain.stages.alone import compile_artifact, export
 
 from conftest import make_checkpoint, tiny_configs
 

@@ -31,7 +31,7 @@ from pathlib import Path
 from toolchain import __version__, source as sources
 from toolchain.atomic import atomic_output_dir
 from toolchain.compile import copy_checkpoint_files, onnxruntime_artifact, openvino_ir
-from toolchain.errors import InputError, ParityError
+from toolchain.errors import ParityError
 from toolchain.hardware import memory_bytes
 from toolchain.interface.files import (
     COMPILE_REPORT,
@@ -47,12 +47,13 @@ from toolchain.interface.files import (
 )
 from toolchain.interface.graph import cache_dtype, graph_metadata
 from toolchain.interface.reports import CompileReport, read_json
+from toolchain.recipe import CompileSection
 from toolchain.runtime.decoder import Decoder, OnnxRuntimeDecoder, OpenVINODecoder
+from toolchain.stages.context import StageContext
 from toolchain.stages.inputs import check_weights_written, read_export
 from toolchain.verify import smoke as smoke_test
 from toolchain.verify.parity import compare_decoders, graph_decoder, parity_cases, tolerance, too_large_for_end_to_end
 
-BACKENDS = ("openvino", "onnxruntime")
 VERIFY_TOKENS = 8
 
 
@@ -155,62 +156,25 @@ def _verify_mtp(backend: str, mtp_dir: Path, source: Path, new_tokens: int, log:
     return {**result[backend], "reference": "pytorch fp32"}
 
 
-def compile_artifact(export_dir: Path, out_dir: Path, backend: str, *, verify: bool = True, smoke: bool = True,
-                     new_tokens: int = VERIFY_TOKENS, source: Path | None = None,
-                     log: Callable[[str], None] = lambda _: None,
-                     release_input: Callable[[], None] | None = None) -> dict:
-    """``release_input``: the input directory is deleted after this stage (a build that keeps no stages), so the
-    ONNX Runtime backend may give up its weights as it writes the artifact's; called before they are touched."""
-    export_dir, out_dir = Path(export_dir), Path(out_dir)
-    if backend not in BACKENDS:
-        raise InputError(f"unknown backend {backend!r}; known: {', '.join(BACKENDS)}")
-    report, source = read_export(export_dir, source)
+def compile_artifact(export_dir: Path, out_dir: Path, section: CompileSection, context: StageContext) -> dict:
+    """Compile IN (an export, passes or compress output) into an artifact for the section's backend, then smoke-test
+    and verify it as the section says (see the module doc). The context's ``release_input``: the input directory is
+    deleted after this stage (a build that keeps no stages), so the ONNX Runtime backend may give up its weights as
+    it writes the artifact's; called before they are touched."""
+    export_dir, out_dir, backend, log = Path(export_dir), Path(out_dir), section.backend, context.log
+    report, source = read_export(export_dir, context.source)
     check_weights_written(report, export_dir,
                           "the compile stage needs an export with its weights: run dstc export")
     config = read_json(source / CONFIG)
-    generation = read_json(source / GENERATION_CONFIG) if (source / GENERATION_CONFIG).is_file() else {}
     has_tokenizer = (source / TOKENIZER).is_file()
     timings = {}
     with atomic_output_dir(out_dir) as tmp:
         t0 = time.perf_counter()
-        if backend == "openvino":
-            versions = {"transformers_version": config.get("transformers_version", ""),
-                        "dstc_version": __version__}
-            graph = export_dir / MODEL_XML
-            details = openvino_ir.write(graph if graph.is_file() else export_dir / ONNX_MODEL, source, tmp,
-                                        versions, has_tokenizer, log)
-        else:
-            if release_input is not None and verify and (export_dir / COMPRESSION_REPORT).is_file():
-                log("the input's weights are kept until the verification has run the compressed graph")
-                release_input = None
-            details = onnxruntime_artifact.write(export_dir / ONNX_MODEL, tmp, config, generation, log,
-                                                 release_input)
-        files = details.pop("files") + copy_checkpoint_files(source, tmp)
+        files, details = _write(export_dir, tmp, section, source, config, has_tokenizer, context)
         mtp_files = _compile_mtp(backend, export_dir / MTP_DIR / ONNX_MODEL, tmp / MTP_DIR, config, log)
         files += mtp_files
         timings["compile_s"] = time.perf_counter() - t0
-        smoke_result = verification = None
-        too_large = too_large_to_run(tmp) if smoke or verify else None
-        if too_large:
-            log(f"smoke test and verification skipped: {too_large}")
-            smoke_result = {"passed": True, "skipped": too_large} if smoke else None
-            verification = {"passed": True, "skipped": too_large, "reference": "none", "new_tokens": 0} \
-                if verify else None
-        if smoke and not too_large:  # first: a crash in the in-process verification would take this process down
-            t0 = time.perf_counter()
-            smoke_result = smoke_test.run_smoke(tmp, backend, log)
-            timings["smoke_s"] = time.perf_counter() - t0
-        if verify and not too_large:
-            t0 = time.perf_counter()
-            verification = _verify(backend, tmp, export_dir, source, new_tokens, log)
-            timings["verify_s"] = time.perf_counter() - t0
-        mtp: dict | None = None
-        if mtp_files:
-            mtp = {"files": mtp_files, "verification": None}
-            if verify and not too_large:
-                t0 = time.perf_counter()
-                mtp["verification"] = _verify_mtp(backend, tmp / MTP_DIR, source, new_tokens, log)
-                timings["verify_mtp_s"] = time.perf_counter() - t0
+        smoke_result, verification, mtp = _checks(tmp, export_dir, section, source, mtp_files, context, timings)
         typed = CompileReport(dstc_version=__version__, backend=backend,
                               export={"dir": str(export_dir), "source": report["source"]},
                               model_type=config["model_type"], tokenizer=has_tokenizer,
@@ -229,3 +193,53 @@ def compile_artifact(export_dir: Path, out_dir: Path, backend: str, *, verify: b
                           f"{verification['tokens_identical']}); "
                           f"details in {out_dir / COMPILE_REPORT}")
     return manifest
+
+
+def _write(export_dir: Path, tmp: Path, section: CompileSection, source: Path, config: dict, has_tokenizer: bool,
+           context: StageContext) -> tuple[list[str], dict]:
+    """The backend's artifact and the checkpoint's config, generation config and tokenizer files, written into
+    ``tmp``: the files and the backend's details for compile.json."""
+    log, release_input = context.log, context.release_input
+    if section.backend == "openvino":
+        versions = {"transformers_version": config.get("transformers_version", ""), "dstc_version": __version__}
+        graph = export_dir / MODEL_XML
+        details = openvino_ir.write(graph if graph.is_file() else export_dir / ONNX_MODEL, source, tmp, versions,
+                                    has_tokenizer, log)
+    else:
+        generation = read_json(source / GENERATION_CONFIG) if (source / GENERATION_CONFIG).is_file() else {}
+        if release_input is not None and section.verify and (export_dir / COMPRESSION_REPORT).is_file():
+            log("the input's weights are kept until the verification has run the compressed graph")
+            release_input = None
+        details = onnxruntime_artifact.write(export_dir / ONNX_MODEL, tmp, config, generation, log, release_input)
+    return details.pop("files") + copy_checkpoint_files(source, tmp), details
+
+
+def _checks(tmp: Path, export_dir: Path, section: CompileSection, source: Path, mtp_files: list[str],
+            context: StageContext, timings: dict) -> tuple[dict | None, dict | None, dict | None]:
+    """The smoke test and the verification (of the MTP layer too) the section asks for, unless the artifact is too
+    large to run here: compile.json's ``smoke``, ``verification`` and ``mtp``."""
+    backend, smoke, verify, log = section.backend, section.smoke, section.verify, context.log
+    new_tokens = context.check_tokens or VERIFY_TOKENS
+    smoke_result = verification = None
+    too_large = too_large_to_run(tmp) if smoke or verify else None
+    if too_large:
+        log(f"smoke test and verification skipped: {too_large}")
+        smoke_result = {"passed": True, "skipped": too_large} if smoke else None
+        verification = {"passed": True, "skipped": too_large, "reference": "none", "new_tokens": 0} \
+            if verify else None
+    if smoke and not too_large:  # first: a crash in the in-process verification would take this process down
+        t0 = time.perf_counter()
+        smoke_result = smoke_test.run_smoke(tmp, backend, log)
+        timings["smoke_s"] = time.perf_counter() - t0
+    if verify and not too_large:
+        t0 = time.perf_counter()
+        verification = _verify(backend, tmp, export_dir, source, new_tokens, log)
+        timings["verify_s"] = time.perf_counter() - t0
+    mtp: dict | None = None
+    if mtp_files:
+        mtp = {"files": mtp_files, "verification": None}
+        if verify and not too_large:
+            t0 = time.perf_counter()
+            mtp["verification"] = _verify_mtp(backend, tmp / MTP_DIR, source, new_tokens, log)
+            timings["verify_mtp_s"] = time.perf_counter() - t0
+    return smoke_result, verification, mtp

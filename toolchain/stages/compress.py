@@ -26,7 +26,7 @@ import shutil
 import time
 from collections import Counter, defaultdict
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 
@@ -57,10 +57,10 @@ from toolchain.recipe import CompressSection
 from toolchain.runtime.engines import GraphRunner, ort_kernels
 from toolchain.stages import compress_parts
 from toolchain.stages.compress_parts import PartFile, PartRunner, PartTask
+from toolchain.stages.context import StageContext
 from toolchain.stages.export import recomputed_weights
 from toolchain.stages.inputs import carry_mtp, check_weights_written, read_export
 
-TARGETS = ("onnxruntime", "openvino")
 CALIBRATION_SEQUENCES = 16
 # an ONNX model serialized whole (the whole-model path runs it on ORT from one protobuf with its float32 weights)
 PROTOBUF_LIMIT = 2**31 - (64 << 20)
@@ -91,15 +91,6 @@ def head_layout(model: ir.Model, path: Path) -> dict[str, tuple[str, int]]:
         raise InputError(f"{path} has no {HEAD_LAYOUT} (the head layout dstc's exporter records): the graph comes "
                          f"from an older dstc or another exporter; export the checkpoint again")
     return {projection: (side, int(width)) for projection, (side, width) in json.loads(recorded).items()}
-
-
-def check_target(section: CompressSection, target: str) -> None:
-    """The section's cross-field rules for ``target``: an InputError before anything is read."""
-    if target not in TARGETS:
-        raise InputError(f"unknown target {target!r}; targets: {', '.join(TARGETS)}")
-    problem = section.problem(target)
-    if problem:
-        raise InputError(problem)
 
 
 def _borrowed_inputs(weights, rows) -> dict[str, np.ndarray]:
@@ -167,31 +158,45 @@ def _layer_summary(rows: list[dict]) -> list[dict]:
     return out
 
 
+@dataclass
+class _Job:
+    """One compression: what each of its steps reads (the stage's input, its section and the plan's target)."""
+
+    in_dir: Path
+    out_dir: Path
+    target: str
+    section: CompressSection
+    options: engine.Options
+    policy: Policy
+    report: dict  # the input's export.json
+    source: Path  # the checkpoint the export was made from
+    config: dict  # its config.json
+    log: Callable[[str], None]
+    timings: dict[str, float] = field(default_factory=dict)
+
+
 @one_blas_thread()
-def compress(in_dir: Path, out_dir: Path, section: CompressSection, *, target: str = "onnxruntime",
-             source: Path | None = None, parts: PartRunner | None = None,
-             log: Callable[[str], None] = lambda _: None) -> dict:
-    """Compress IN's model.onnx into OUT (see the module doc) as a recipe's compress ``section`` says
-    (toolchain/recipe.py CompressSection, where each field is described); returns compression.json's content.
-    ``streaming`` "auto" compresses one weight at a time (toolchain/compress/streaming.py) when the export's float
-    weights exceed STREAMING_BYTES. ``parts``: a streamed compression's weights are written in parts, by layer
-    range, each by a task of its own (toolchain/stages/compress_parts.py), into the same bytes.
+def compress(in_dir: Path, out_dir: Path, section: CompressSection, context: StageContext) -> dict:
+    """Compress IN's model.onnx into OUT (see the module doc) for the plan's backend as a recipe's compress
+    ``section`` says (toolchain/recipe.py CompressSection, where each field is described; its prefill_int8 resolved by
+    the plan, toolchain/stages/choices.py); returns compression.json's content. ``streaming`` "auto" compresses one
+    weight at a time (toolchain/compress/streaming.py) when the export's float weights exceed STREAMING_BYTES. The
+    context's ``parts``: a streamed compression's weights are written in parts, by layer range, each by a task of
+    its own (toolchain/stages/compress_parts.py), into the same bytes.
     """
-    in_dir, out_dir = Path(in_dir), Path(out_dir)
-    check_target(section, target)
-    section = section.with_prefill_int8(target)
-    report, source = read_export(in_dir, source)
+    in_dir, out_dir, target, log = Path(in_dir), Path(out_dir), context.plan.backend, context.log
+    assert target is not None  # a plan with a compress section names its backend (BuildPlan)
+    report, source = read_export(in_dir, context.source)
     if section.scheme == "shipped":
         shipped.check_source(source, target)
     policy = Policy.of(section)
     config = json.loads((source / "config.json").read_text())
-    timings: dict[str, float] = {}
-
     t0 = time.perf_counter()
     model, layout, opts, fused = _load(in_dir, section, target)
     if fused and opts.scheme == "shipped":
         raise InputError(f"{in_dir}: the shipped scheme rewrites each routed expert's MatMul weight; export with "
                          f"the dispatch MoE lowering (moe: dispatch), not a fused one")
+    work = _Job(in_dir, out_dir, target, section, opts, policy, report, source, config, log)
     weight_bytes = float32_bytes(model)  # bf16-stored weights as float32: the same choice for either storage
     if opts.streaming == "always" or (opts.streaming == "auto" and weight_bytes > STREAMING_BYTES):
         if opts.gptq or opts.ratio < 1.0:
@@ -199,30 +204,42 @@ def compress(in_dir: Path, out_dir: Path, section: CompressSection, *, target: s
                              f"on the whole model and are not available in bounded memory; use the data-free scheme, "
                              f"awq or scale estimation (computed layer by layer)")
         recomputed_weights(model, in_dir, source, log)
-        return _compress_streaming(model, in_dir, out_dir, target, opts, policy, report, timings, t0, log, fused,
-                                   source, config, section, _split(parts, opts, log))
+        return _compress_streaming(work, model, fused, _split(context.parts, opts, log), t0)
     check_weights_written(report, in_dir, "compress it with streaming: auto or always")
     if weight_bytes > PROTOBUF_LIMIT:
         raise InputError(f"{in_dir} has {weight_bytes / 2**30:.1f} GiB of float weights: the whole-model path "
                          f"(streaming: never) runs the graph from one ONNX protobuf, which holds at most 2 GiB; "
                          f"use streaming: auto")
-    engine.widen_stored_weights(model)  # NNCF and the metrics take float32 weights
-    weights = engine.graph_weights(model)
-    plan = policy.plan(weights)
-    reader = None
-    if opts.scheme == "shipped":
-        reader = open_checkpoint(source)
-        found = shipped.sources(model, weights, reader)
-        plan = {w.name: shipped.PRECISION if w.name in found else "fp32" for w in weights}
+    return _compress_whole(work, model, layout, fused, t0)
+
+
+@dataclass
+class _Reference:
+    """The fp32 model run on the calibration text: its feeds, what each weight saw, its logits and routing, and
+    the fused MoE layers' expert jobs planned on its activations."""
+
+    feeds: list
+    tokens: int
+    tokenization: str
+    routers: dict
+    rows: dict
+    logits: list
+    routing: dict
+    statistics: object
+    expert_jobs: list
+
+
+def _reference(work: _Job, model: ir.Model, weights, fused) -> _Reference:
+    opts = work.options
     specs = cache_spec((v.name, v.shape) for v in model.graph.inputs)
     texts = calibration.load_texts(opts.dataset, CALIBRATION_SEQUENCES)
-    sequences, tokenization = calibration.token_sequences(texts, source, config["vocab_size"])
+    sequences, tokenization = calibration.token_sequences(texts, work.source, work.config["vocab_size"])
     feed_list = [calibration.feeds(ids, specs, cache_dtype(model.metadata_props)) for ids in sequences]
     # the routers' choices: what the dispatch's experts compare with, or what the fused layers are fed
     routers = metrics.router_indices(model) if fused_moe.lowering_of(model) == "dispatch" else \
         fused_moe.router_indices(fused)
-    log(f"fp32 reference on {len(feed_list)} calibration sequences ({tokenization})")
-    rows, ref_logits, ref_routing = metrics.capture(model, weights, feed_list, routers, log)
+    work.log(f"fp32 reference on {len(feed_list)} calibration sequences ({tokenization})")
+    rows, ref_logits, ref_routing = metrics.capture(model, weights, feed_list, routers, work.log)
     activations = statistics = None
     if fused:
         run = GraphRunner(model, "onnxruntime", extra_outputs=fused_moe.capture_names(fused))
@@ -230,75 +247,105 @@ def compress(in_dir: Path, out_dir: Path, section: CompressSection, *, target: s
         activations = fused_moe.calibration_activations(fused, captured)
         if opts.awq or opts.scale_estimation:
             statistics = fused_moe.calibration_statistics(fused, captured)
-    expert_jobs = fused_moe.compress_experts(model, fused, policy.precision, opts, opts.accuracy_level,
+    expert_jobs = fused_moe.compress_experts(model, fused, work.policy.precision, opts, opts.accuracy_level,
                                              activations, statistics)
-    timings["reference_s"] = time.perf_counter() - t0
+    return _Reference(feed_list, int(sum(len(s) for s in sequences)), tokenization, routers, rows, ref_logits,
+                      ref_routing, statistics, expert_jobs)
 
-    # the weights no calibration token reaches (routed experts the calibration never chose): NNCF's data-aware
-    # steps have nothing to fit them to (GPTQ zeroes every weight column whose input is never active), so they
-    # take its data-free scales on every backend
-    unreached = frozenset(name for name, x in rows.items() if x is not None and not len(x))
-    with atomic_output_dir(out_dir) as tmp:
+
+def _compress_whole(work: _Job, model: ir.Model, layout, fused, t0: float) -> dict:
+    """NNCF's whole-model call (or the shipped scheme's rewrite), then the compressed model run on the calibration
+    text against the fp32 reference: errors per weight, head and router, and next-token agreement."""
+    engine.widen_stored_weights(model)  # NNCF and the metrics take float32 weights
+    weights = engine.graph_weights(model)
+    plan = work.policy.plan(weights)
+    reader = found = None
+    if work.options.scheme == "shipped":
+        reader = open_checkpoint(work.source)
+        found = shipped.sources(model, weights, reader)
+        plan = {w.name: shipped.PRECISION if w.name in found else "fp32" for w in weights}
+    ref = _reference(work, model, weights, fused)
+    work.timings["reference_s"] = time.perf_counter() - t0
+    with atomic_output_dir(work.out_dir) as tmp:
         t0 = time.perf_counter()
-        nncf_dataset = engine.numpy_dataset(feed_list) if opts.data_aware else None
         if reader is not None:
             with reader:
-                compressed, files, run, details = _shipped(model, found, weights, reader, target, tmp, routers, log)
-            restored = metrics.restored_onnx(compressed, weights) if target == "onnxruntime" else \
+                compressed, files, run, details = _shipped(model, found, weights, reader, work.target, tmp,
+                                                           ref.routers, work.log)
+            restored = metrics.restored_onnx(compressed, weights) if work.target == "onnxruntime" else \
                 metrics.restored_openvino(compressed, weights)
-            timings["compress_s"] = time.perf_counter() - t0
-            if target == "onnxruntime":
-                details["onnxruntime_kernels"] = ort_kernels(tmp / "model.onnx", feed_list[0])
-        elif target == "onnxruntime":
-            compressed, details = engine.compress_onnx(model, plan, opts, nncf_dataset, log, unreached)
-            restored = metrics.restored_onnx(compressed, weights)
-            details["ort_rewrites"] = {"blocked_dq_to_matmul_nbits": blocked_dq_to_nbits(compressed),
-                                       **engine.to_ort_kernels(compressed, opts.accuracy_level, opts.prefill_int8)}
-            if not opts.accuracy_level:
-                # measured (benchmarks/compression.py): ORT 1.32 has no fast fp32-compute path for MatMulNBits;
-                # a 2048x2048 weight takes 9.5 ms at 8 bits and 0.58 ms at 4 bits vs 0.36 ms in fp32
-                details["warning"] = ("accuracy_level 0: MatMulNBits computes in fp32 on a slow path, slower "
-                                      "than the fp32 model; level 4 is 2x faster than fp32")
-                log(f"warning: {details['warning']}")
-            files = save_graph(compressed, tmp / "model.onnx")
-            timings["compress_s"] = time.perf_counter() - t0
-            details["onnxruntime_kernels"] = ort_kernels(tmp / "model.onnx", feed_list[0])
-            run = GraphRunner(compressed, "onnxruntime", extra_outputs=list(routers.values()))
+            work.timings["compress_s"] = time.perf_counter() - t0
+            if work.target == "onnxruntime":
+                details["onnxruntime_kernels"] = ort_kernels(tmp / "model.onnx", ref.feeds[0])
         else:
-            import openvino as ov
-
-            compressed, details = engine.compress_openvino(model, plan, opts, nncf_dataset, tmp, log, unreached)
-            restored = metrics.restored_openvino(compressed, weights)
-            ov.save_model(compressed, tmp / OPENVINO_XML, compress_to_fp16=False)
-            files = [OPENVINO_XML, OPENVINO_XML.replace(".xml", ".bin")]
-            timings["compress_s"] = time.perf_counter() - t0
-            run = GraphRunner(compressed, "openvino", extra_outputs=list(routers.values()))
-        t0 = time.perf_counter()
-        log("measuring the error: weights, heads, routing, next-token distributions")
-        outputs = [run(feeds) for feeds in feed_list]
-        weight_rows = _weight_rows(weights, plan, restored, rows, layout) + \
-            fused_moe.weight_rows(expert_jobs, fused, policy.precision)
-        if statistics is not None:
-            details["fused_experts"] = fused_moe.data_aware_counts(expert_jobs)
-        routing = []
-        for layer, name in sorted(routers.items()):
-            agreement, tokens = metrics.routing_agreement(ref_routing[layer], [o[name] for o in outputs])
-            routing.append({"layer": layer, "agreement": agreement, "tokens": tokens})
-        model_metrics = metrics.distribution_agreement(ref_logits, [o["logits"][0] for o in outputs])
-        timings["measure_s"] = time.perf_counter() - t0
-        shutil.copyfile(in_dir / "export.json", tmp / "export.json")
-        files += ["export.json", *carry_mtp(in_dir, tmp)]
+            compressed, files, run, restored, details = _nncf(work, model, weights, plan, ref, tmp, t0)
+        weight_rows, routing, model_metrics = _measure(work, run, weights, plan, restored, ref, layout, fused,
+                                                       details)
+        shutil.copyfile(work.in_dir / "export.json", tmp / "export.json")
+        files += ["export.json", *carry_mtp(work.in_dir, tmp)]
         typed = CompressionReport(
-            **_head(target, opts, policy, report, in_dir, tmp, files, weight_rows),
-            streaming=False,
-            calibration={"sequences": len(feed_list), "tokens": int(sum(len(s) for s in sequences)),
-                         "tokenization": tokenization},
+            **_head(work, tmp, files, weight_rows), streaming=False,
+            calibration={"sequences": len(ref.feeds), "tokens": ref.tokens, "tokenization": ref.tokenization},
             model=model_metrics, routing=routing,
             routing_agreement_min=min((r["agreement"] for r in routing), default=None),
             layers=_layer_summary(weight_rows), per_weight=weight_rows, details=details,
-            timings={k: round(v, 3) for k, v in timings.items()})
+            timings={k: round(v, 3) for k, v in work.timings.items()})
         typed.write(tmp / "compression.json")
     return typed.dump()
+
+
+def _nncf(work: _Job, model: ir.Model, weights, plan: dict[str, str], ref: _Reference, tmp: Path, t0: float):
+    """NNCF's compression of the whole model for the job's target, written into ``tmp``: (graph, files, a runner
+    of it, the restored weights, details)."""
+    opts, log = work.options, work.log
+    # the weights no calibration token reaches (routed experts the calibration never chose): NNCF's data-aware
+    # steps have nothing to fit them to (GPTQ zeroes every weight column whose input is never active), so they
+    # take its data-free scales on every backend
+    unreached = frozenset(name for name, x in ref.rows.items() if x is not None and not len(x))
+    nncf_dataset = engine.numpy_dataset(ref.feeds) if opts.data_aware else None
+    extra = list(ref.routers.values())
+    if work.target == "onnxruntime":
+        compressed, details = engine.compress_onnx(model, plan, opts, nncf_dataset, log, unreached)
+        restored = metrics.restored_onnx(compressed, weights)
+        details["ort_rewrites"] = {"blocked_dq_to_matmul_nbits": blocked_dq_to_nbits(compressed),
+                                   **engine.to_ort_kernels(compressed, opts.accuracy_level, opts.prefill_int8)}
+        if not opts.accuracy_level:
+            # measured (benchmarks/compression.py): ORT 1.32 has no fast fp32-compute path for MatMulNBits;
+            # a 2048x2048 weight takes 9.5 ms at 8 bits and 0.58 ms at 4 bits vs 0.36 ms in fp32
+            details["warning"] = ("accuracy_level 0: MatMulNBits computes in fp32 on a slow path, slower "
+                                  "than the fp32 model; level 4 is 2x faster than fp32")
+            log(f"warning: {details['warning']}")
+        files = save_graph(compressed, tmp / "model.onnx")
+        work.timings["compress_s"] = time.perf_counter() - t0
+        details["onnxruntime_kernels"] = ort_kernels(tmp / "model.onnx", ref.feeds[0])
+        return compressed, files, GraphRunner(compressed, "onnxruntime", extra_outputs=extra), restored, details
+    import openvino as ov
+
+    compressed, details = engine.compress_openvino(model, plan, opts, nncf_dataset, tmp, log, unreached)
+    restored = metrics.restored_openvino(compressed, weights)
+    ov.save_model(compressed, tmp / OPENVINO_XML, compress_to_fp16=False)
+    files = [OPENVINO_XML, OPENVINO_XML.replace(".xml", ".bin")]
+    work.timings["compress_s"] = time.perf_counter() - t0
+    return compressed, files, GraphRunner(compressed, "openvino", extra_outputs=extra), restored, details
+
+
+def _measure(work: _Job, run, weights, plan, restored, ref: _Reference, layout, fused, details: dict):
+    """The compressed model run on the calibration feeds against the reference: (weight rows, routing agreement
+    per MoE layer, next-token agreement)."""
+    t0 = time.perf_counter()
+    work.log("measuring the error: weights, heads, routing, next-token distributions")
+    outputs = [run(feeds) for feeds in ref.feeds]
+    weight_rows = _weight_rows(weights, plan, restored, ref.rows, layout) + \
+        fused_moe.weight_rows(ref.expert_jobs, fused, work.policy.precision)
+    if ref.statistics is not None:
+        details["fused_experts"] = fused_moe.data_aware_counts(ref.expert_jobs)
+    routing = []
+    for layer, name in sorted(ref.routers.items()):
+        agreement, tokens = metrics.routing_agreement(ref.routing[layer], [o[name] for o in outputs])
+        routing.append({"layer": layer, "agreement": agreement, "tokens": tokens})
+    model_metrics = metrics.distribution_agreement(ref.logits, [o["logits"][0] for o in outputs])
+    work.timings["measure_s"] = time.perf_counter() - t0
+    return weight_rows, routing, model_metrics
 
 
 def _shipped(model, found, weights, reader, target, tmp, routers, log):
@@ -321,23 +368,22 @@ def _shipped(model, found, weights, reader, target, tmp, routers, log):
     return converted, files, GraphRunner(converted, "openvino", extra_outputs=list(routers.values())), details
 
 
-def _shipped_streaming(model, weights, in_dir, out_dir, target, options, policy, report, timings, t0, log,
-                       source) -> dict:
+def _shipped_streaming(work: _Job, model: ir.Model, weights, t0: float) -> dict:
     """The shipped scheme one weight at a time: the graph rewritten as on the whole-model path, each weight's codes
     and scales read from the checkpoint as they are written and its DequantizeLinear compared with the export's
     weight on the way; every other weight written as the export stored it. Nothing runs the model, as for the
     other streamed schemes."""
-    with open_checkpoint(source) as reader:
+    with open_checkpoint(work.source) as reader:
         found = shipped.sources(model, weights, reader)
-        details, jobs = shipped.rewrite(model, found, weights, reader, log, measure=True)
-        timings["plan_s"] = time.perf_counter() - t0
-        with atomic_output_dir(out_dir) as tmp:
+        details, jobs = shipped.rewrite(model, found, weights, reader, work.log, measure=True)
+        work.timings["plan_s"] = time.perf_counter() - t0
+        with atomic_output_dir(work.out_dir) as tmp:
             t0 = time.perf_counter()
             files = save_graph(model, tmp / "model.onnx", external=True, workers=2)
             del model
-            timings["compress_s"] = time.perf_counter() - t0
-            shutil.copyfile(in_dir / "export.json", tmp / "export.json")
-            files += ["export.json", *carry_mtp(in_dir, tmp)]
+            work.timings["compress_s"] = time.perf_counter() - t0
+            shutil.copyfile(work.in_dir / "export.json", tmp / "export.json")
+            files += ["export.json", *carry_mtp(work.in_dir, tmp)]
             weight_rows = []
             for w in weights:
                 job = jobs.get(w.name)
@@ -348,8 +394,7 @@ def _shipped_streaming(model, weights, in_dir, out_dir, target, options, policy,
                     "precision": job.precision if job else {"bfloat16": "bf16"}.get(w.storage, "fp32"),
                     "bits_per_weight": round(stored_bits, 4),
                     "weight_error": job.weight_error if job else 0.0, "output_error": None})
-            typed = _streamed_report(_head(target, options, policy, report, in_dir, tmp, files, weight_rows),
-                                     weight_rows, None, details, timings)
+            typed = _streamed_report(_head(work, tmp, files, weight_rows), weight_rows, None, details, work.timings)
             typed.write(tmp / "compression.json")
     return typed.dump()
 
@@ -381,9 +426,10 @@ def _refuse_lost_weights(weight_rows: list[dict], limit: float) -> None:
             f"(1.0 is a weight of zeros); raise compress.max_weight_error only if that is meant")
 
 
-def _head(target, options, policy, report, in_dir, tmp, files, weight_rows) -> dict:
+def _head(work: _Job, tmp: Path, files: list[str], weight_rows: list[dict]) -> dict:
     """The fields of compression.json both forms of compression write alike, once no weight is lost
     (_refuse_lost_weights)."""
+    target, options, report = work.target, work.options, work.report
     _refuse_lost_weights(weight_rows, options.max_weight_error)
     params = sum(int(np.prod(r["shape"])) for r in weight_rows)
     stored_bits = sum(r["bits_per_weight"] * int(np.prod(r["shape"])) for r in weight_rows)
@@ -394,8 +440,8 @@ def _head(target, options, policy, report, in_dir, tmp, files, weight_rows) -> d
         # the report's fields are the section's, by name (tests/report/test_typed_reports.py holds them so)
         "options": {**{name: getattr(options, name) for name in CompressionOptions.model_fields},
                     "accuracy_level": options.accuracy_level if target == "onnxruntime" else None},
-        "policy": policy.as_dict(),
-        "source": {"export": str(in_dir), **report["source"]},
+        "policy": work.policy.as_dict(),
+        "source": {"export": str(work.in_dir), **report["source"]},
         "files": sorted([*files, "compression.json"]),
         "size_bytes": sum((tmp / f).stat().st_size for f in files if f != "export.json"),
         "file_sizes": {f: (tmp / f).stat().st_size for f in files if f != "export.json"},
@@ -429,9 +475,10 @@ class _Planned:
     calibration: dict | None
 
 
-def _plan_streaming(model, target, options, policy, fused, source, config, timings, log) -> _Planned:
+def _plan_streaming(work: _Job, model: ir.Model, fused) -> _Planned:
     """Everything before the weights are written: the plan, each weight's lazy tensors and the ORT kernels' forms
     (a part's task does it again, and gets the same graph)."""
+    target, options, policy, log = work.target, work.options, work.policy, work.log
     weights = engine.graph_weights(model, with_arrays=False)
     plan = policy.plan(weights)
     specs = stream.plan_specs(weights, plan, options, target)
@@ -443,21 +490,21 @@ def _plan_streaming(model, target, options, policy, fused, source, config, timin
         if not int4 and not experts:
             raise InputError("awq and scale estimation apply to INT4 weights, and this plan has none")
         texts = calibration.load_texts(options.dataset, CALIBRATION_SEQUENCES)
-        sequences, tokenization = calibration.token_sequences(texts, source, config["vocab_size"])
+        sequences, tokenization = calibration.token_sequences(texts, work.source, work.config["vocab_size"])
         log(f"calibration statistics layer by layer on {len(sequences)} sequences ({tokenization})")
         t1 = time.perf_counter()
         widths = {name: spec.weight.shape[0] for name, spec in int4.items()}  # [K, N] MatMul weights
         widths |= {name: s.shape[2] for layer in fused for s in layer.weights for _, _, name in layer.names(s)
                    if name in experts}  # [E, out, in]
-        statistics = linear_statistics(source, sequences, widths, log)
+        statistics = linear_statistics(work.source, sequences, widths, log)
         expert_statistics = {name: statistics.pop(name) for name in experts if name in statistics}
-        timings["statistics_s"] = time.perf_counter() - t1
+        work.timings["statistics_s"] = time.perf_counter() - t1
         calibration_report = {"sequences": len(sequences), "tokens": int(sum(len(s) for s in sequences)),
                               "tokenization": tokenization}
         if options.awq:
             t1 = time.perf_counter()
             data_aware["awq"] = streamed_awq.apply(int4, statistics, partial(_float_weight, model))
-            timings["awq_s"] = time.perf_counter() - t1
+            work.timings["awq_s"] = time.perf_counter() - t1
             log(f"AWQ on {len(data_aware['awq'])} up_proj -> down_proj pairs")
         if options.scale_estimation:
             for name, stat in statistics.items():
@@ -500,13 +547,13 @@ def compress_part(task: PartTask, log: Callable[[str], None] = lambda _: None) -
     """One part of a split streamed compression (toolchain/stages/compress_parts.py), in its own process: the
     compression planned as the stage plans it, and the part's tensors written to ``task.path``."""
     t0 = time.perf_counter()
-    section = task.section.with_prefill_int8(task.target)
-    _, source = read_export(task.export_dir, task.source)
+    report, source = read_export(task.export_dir, task.source)
     config = json.loads((source / "config.json").read_text())
-    model, _, opts, fused = _load(task.export_dir, section, task.target)
+    model, _, opts, fused = _load(task.export_dir, task.section, task.target)
     recomputed_weights(model, task.export_dir, source, lambda _: None)
-    planned = _plan_streaming(model, task.target, opts, Policy.of(section), fused, source, config, {},
-                              lambda _: None)
+    work = _Job(task.export_dir, task.path, task.target, task.section, opts, Policy.of(task.section), report, source,
+               config, lambda _: None)
+    planned = _plan_streaming(work, model, fused)
     log(f"{task.part.title}: {len(task.part.names)} tensors")
     size, digest = compress_parts.write_part(planned.model, task.part, task.path, log)
     stats = {name: job.stats for name, job in planned.jobs.items() if job.stats}
@@ -514,15 +561,14 @@ def compress_part(task: PartTask, log: Callable[[str], None] = lambda _: None) -
     return PartFile(task.path, size, digest, round(time.perf_counter() - t0, 3), stats, expert_stats)
 
 
-def _write_parts(planned: _Planned, places, in_dir, source, section, target, runner: PartRunner, tmp: Path,
-                 log) -> list[str]:
+def _write_parts(work: _Job, planned: _Planned, places, runner: PartRunner, tmp: Path) -> list[str]:
     """The weights written in parts by ``runner``'s tasks into TMP/parts, assembled into TMP/model.onnx(.data) and
     deleted; each job's stats are the ones its part's task measured, and the details list the parts."""
     parts = compress_parts.plan_parts(places, compress_parts.written_names(planned.model), runner.count)
-    log(f"writing the compressed weights in {len(parts)} parts: " + "; ".join(p.title for p in parts))
-    tasks = [PartTask(in_dir, source, section, target, part, tmp / "parts" / f"part-{part.index}.data")
-             for part in parts]
-    files = runner.run(compress_part, tasks, log)
+    work.log(f"writing the compressed weights in {len(parts)} parts: " + "; ".join(p.title for p in parts))
+    tasks = [PartTask(work.in_dir, work.source, work.section, work.target, part,
+                      tmp / "parts" / f"part-{part.index}.data") for part in parts]
+    files = runner.run(compress_part, tasks, work.log)
     expert_stats = {name: stats for file in files for name, stats in file.expert_stats.items()}
     for name, stats in (item for file in files for item in file.stats.items()):
         planned.jobs[name].stats = stats
@@ -535,56 +581,59 @@ def _write_parts(planned: _Planned, places, in_dir, source, section, target, run
     return written
 
 
-def _compress_streaming(model, in_dir, out_dir, target, options, policy, report, timings, t0, log, fused, source,
-                        config, section: CompressSection, parts: PartRunner | None) -> dict:
+def _compress_streaming(work: _Job, model: ir.Model, fused, parts: PartRunner | None, t0: float) -> dict:
     """One weight at a time (toolchain/compress/streaming.py): the weight errors are measured as each weight is
     compressed; what needs the whole model run on calibration text (activations, next-token agreement,
     routing) is not measured, and compression.json says so. Scale estimation takes its statistics from the
     checkpoint's layers run one at a time on the calibration text (toolchain/compress/layer_statistics.py).
-    ``parts``: the weights are written in parts by its tasks, which plan from ``section``."""
-    if options.scheme == "shipped":
-        return _shipped_streaming(model, engine.graph_weights(model, with_arrays=False), in_dir, out_dir, target,
-                                  options, policy, report, timings, t0, log, source)
+    ``parts``: the weights are written in parts by its tasks, which plan from the job's section."""
+    if work.options.scheme == "shipped":
+        return _shipped_streaming(work, model, engine.graph_weights(model, with_arrays=False), t0)
     places = compress_parts.weight_places(model) if parts else {}
-    planned = _plan_streaming(model, target, options, policy, fused, source, config, timings, log)
-    weights, plan, specs, jobs = planned.weights, planned.plan, planned.specs, planned.jobs
+    planned = _plan_streaming(work, model, fused)
+    rows = partial(_streamed_rows, planned.weights, planned.plan, planned.specs, planned.jobs)
     expert_jobs, details, calibration_report = planned.expert_jobs, planned.details, planned.calibration
-    timings["plan_s"] = time.perf_counter() - t0
-    with atomic_output_dir(out_dir) as tmp:
+    work.timings["plan_s"] = time.perf_counter() - t0
+    with atomic_output_dir(work.out_dir) as tmp:
         t0 = time.perf_counter()
         if parts:
-            files = _write_parts(planned, places, in_dir, source, section, target, parts, tmp, log)
+            files = _write_parts(work, planned, places, parts, tmp)
         else:
             # each weight computed as it is written, two at a time (NNCF's inference on one, the other's numpy and
             # writing beside it: 2 cores here)
             files = save_graph(model, tmp / "model.onnx", external=True, workers=2)
         del model, planned
-        timings["compress_s"] = time.perf_counter() - t0
-        if expert_jobs and (options.awq or options.scale_estimation):
+        work.timings["compress_s"] = time.perf_counter() - t0
+        if expert_jobs and (work.options.awq or work.options.scale_estimation):
             details["fused_experts"] = fused_moe.data_aware_counts(expert_jobs)
-        shutil.copyfile(in_dir / "export.json", tmp / "export.json")
-        files += ["export.json", *carry_mtp(in_dir, tmp)]
-        by_name = {s.weight.name: s for s in specs}
-        weight_rows = []
-        for w in weights:
-            spec = by_name.get(w.name)
-            size = int(np.prod(w.shape))
-            weight_rows.append({
-                "weight": w.name, "node": w.node, "role": w.role,
-                "layer": w.layer,
-                "shape": list(w.shape), "planned": plan[w.name],
-                # a weight left uncompressed keeps its storage: bf16 where the export stored it so
-                "precision": spec.precision if spec else {"bfloat16": "bf16"}.get(w.storage, "fp32"),
-                "bits_per_weight": round(stream.stored_bits(spec) / size, 4) if spec else
-                16.0 if w.storage == "bfloat16" else 32.0,
-                "weight_error": jobs[w.name].stats["weight_error"] if spec else 0.0,
-                "output_error": None})
-            if spec and spec.form == "stacked":  # MLA's absorbed kv_b_proj: a head per index of axis 0
-                weight_rows[-1]["head_side"] = "stacked"
-                weight_rows[-1]["heads"] = [{"head": h, "weight_error": e, "output_error": None}
-                                            for h, e in enumerate(jobs[w.name].stats["head_errors"])]
-        weight_rows += fused_moe.weight_rows(expert_jobs, fused, policy.precision)
-        typed = _streamed_report(_head(target, options, policy, report, in_dir, tmp, files, weight_rows),
-                                 weight_rows, calibration_report, details, timings)
+        shutil.copyfile(work.in_dir / "export.json", tmp / "export.json")
+        files += ["export.json", *carry_mtp(work.in_dir, tmp)]
+        weight_rows = rows() + fused_moe.weight_rows(expert_jobs, fused, work.policy.precision)
+        typed = _streamed_report(_head(work, tmp, files, weight_rows), weight_rows, calibration_report, details,
+                                 work.timings)
         typed.write(tmp / "compression.json")
     return typed.dump()
+
+
+def _streamed_rows(weights, plan: dict[str, str], specs: list[stream.Spec], jobs: dict[str, stream.Job]) -> list[dict]:
+    """compression.json's row of each weight of a streamed compression: the errors its job measured."""
+    by_name = {s.weight.name: s for s in specs}
+    weight_rows = []
+    for w in weights:
+        spec = by_name.get(w.name)
+        size = int(np.prod(w.shape))
+        weight_rows.append({
+            "weight": w.name, "node": w.node, "role": w.role,
+            "layer": w.layer,
+            "shape": list(w.shape), "planned": plan[w.name],
+            # a weight left uncompressed keeps its storage: bf16 where the export stored it so
+            "precision": spec.precision if spec else {"bfloat16": "bf16"}.get(w.storage, "fp32"),
+            "bits_per_weight": round(stream.stored_bits(spec) / size, 4) if spec else
+            16.0 if w.storage == "bfloat16" else 32.0,
+            "weight_error": jobs[w.name].stats["weight_error"] if spec else 0.0,
+            "output_error": None})
+        if spec and spec.form == "stacked":  # MLA's absorbed kv_b_proj: a head per index of axis 0
+            weight_rows[-1]["head_side"] = "stacked"
+            weight_rows[-1]["heads"] = [{"head": h, "weight_error": e, "output_error": None}
+                                        for h, e in enumerate(jobs[w.name].stats["head_errors"])]
+    return weight_rows

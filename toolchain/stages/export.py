@@ -18,6 +18,7 @@ import onnx_ir as ir
 
 from toolchain import __version__, source as sources
 from toolchain.atomic import atomic_output_dir, check_writable_target
+from toolchain.build_plan import BuildPlan
 from toolchain.checkpoint.reader import open_checkpoint
 from toolchain.errors import InputError, ParityError
 from toolchain.export import moe as moe_lowering
@@ -27,17 +28,17 @@ from toolchain.export.decoder import build_decoder
 from toolchain.export.deepseek import with_mla_cache
 from toolchain.export.deepseek_v4 import with_v4_cache
 from toolchain.export.graph import save_graph, save_graph_deferred
-from toolchain.export.moe_layer import MoeArchitecture
 from toolchain.export.mtp import build_mtp_graph
 from toolchain.export.mtp_reference import exports_mtp, mtp_layer_indices
-from toolchain.export.reference import layer_too_large, reference_config, shared_decoder_layers
+from toolchain.export.reference import layer_too_large, shared_decoder_layers
 from toolchain.export.weights import storage_for
 from toolchain.interface.files import EXPORT_REPORT, MTP_DIR, ONNX_MODEL, ONNX_WEIGHTS
 from toolchain.interface.graph import KV_CACHE, PER_HEAD, cache_bytes_per_token, cache_lengths
 from toolchain.interface.reports import DeferredWeights, ExportReport, ExportSource
 from toolchain.models.parameters import parameter_count
-from toolchain.recipe import CompressSection, ExportSection
+from toolchain.recipe import ExportSection
 from toolchain.reference.whole import TorchDecoder
+from toolchain.stages.context import StageContext
 from toolchain.verify.layer_parity import MEMORY_FACTOR, compare_layers_on
 from toolchain.verify.mtp_parity import compare_mtp_graph
 from toolchain.verify.parity import compare, parity_cases, too_large_for_end_to_end
@@ -45,13 +46,6 @@ from toolchain.verify.parity import compare, parity_cases, too_large_for_end_to_
 # Decode steps of the layer-by-layer check: each step of each layer is checked on the reference's inputs (errors do
 # not compound as they do over greedy steps end to end), and 4 go through a growing KV cache as 16 do.
 LAYER_STEPS = 4
-
-
-def routed_experts(source: Path) -> int:
-    """The routed experts of each MoE layer of the checkpoint at ``source`` (0: a dense model)."""
-    config = reference_config(source)
-    arch = architecture_for(config.model_type)
-    return arch.routed_experts(config) if isinstance(arch, MoeArchitecture) else 0
 
 
 # A per-head cache is read by the runtimes' fused attention, which takes it in its compute type: measured on
@@ -64,148 +58,45 @@ PER_HEAD_NARROW_CACHE = ("cache_dtype: a per-head KV cache stays float32 in the 
                          "a narrower cache applies to MLA's latent and DeepSeek-V4's per-token caches")
 
 
-def resolve_moe(section: ExportSection, source: Path, backend: str, compress: CompressSection | None) \
-        -> tuple[ExportSection, str | None]:
-    """A build's export section with ``moe: auto`` resolved for its backend and compression (moe.auto_lowering),
-    and why (None for a dense model or a lowering the recipe names). A dense model resolves to dispatch, so its
-    stage id is what it was before auto existed."""
-    if section.moe != moe_lowering.AUTO:
-        return section, None
-    arch = architecture_for(reference_config(source).model_type)
-    experts = routed_experts(source)
-    with open_checkpoint(source) as reader:  # the tensors' headers only
-        storage = storage_for(section.weights, reader)
-    lowering, why = moe_lowering.auto_lowering(
-        backend, experts, compress.scheme if compress else None,
-        bool(compress and (compress.gptq or compress.ratio < 1.0)),
-        tuple(section.parity) if section.parity_given else None, storage,
-        arch.lowerings if isinstance(arch, MoeArchitecture) else moe_lowering.LOWERINGS)
-    return section.with_lowering(lowering), why if experts else None
-
-
-def export(spec: str, out_dir: Path, *, parity: tuple[str, ...] | None = None, new_tokens: int = 16,
-           revision: str | None = None, moe: str = moe_lowering.AUTO, mla_cache: str | None = None,
-           v4_cache: str | None = None, weights: str = "auto", mtp: bool = False, cache_dtype: str = "float32",
-           defer_weights: bool = False, weights_read_by: str | None = None,
-           log: Callable[[str], None] = lambda _: None) -> dict:
-    """``moe``: how MoE layers' routed experts are lowered (toolchain/export/moe.py); ``mla_cache``: what MLA's KV
-    cache holds (toolchain/export/deepseek.py; None: the architecture's default); ``v4_cache``: DeepSeek-V4's
-    (toolchain/export/deepseek_v4.py; None: per-token); ``parity``: the backends to
-    check the graph on, None for every backend that runs it; ``weights``: their storage, "auto", "float32" or
-    "bfloat16" (toolchain/export/weights.py storage_for); ``mtp``: also export the checkpoint's first MTP layer
-    (toolchain/export/mtp.py) as mtp/model.onnx, checked against its PyTorch reference on the parity backends,
-    and give the main graph its hidden-state output. ``cache_dtype``: the element type the KV caches (the main
-    graph's and the MTP layer's) are stored in (toolchain/export/cache_precision.py). ``defer_weights`` (a build
-    whose next stage is a streamed compression, which recomputes them: recomputed_weights): model.onnx.data is not
+def export(input_dir: Path | None, out_dir: Path, section: ExportSection, context: StageContext) -> dict:
+    """Export the plan's checkpoint as ``section`` says (toolchain/recipe.py ExportSection, where each field is
+    described; its ``moe`` resolved by the plan, toolchain/stages/choices.py) into ``out_dir``; returns export.json's
+    content. ``input_dir``: none, the first stage reads the checkpoint. The plan's ``defer_weights`` (a build whose
+    next stage is a streamed compression, which recomputes them: recomputed_weights): model.onnx.data is not
     written, unless the export's own parity check runs the graph; ``weights_read_by``: why a later stage needs the
     weights file, said when a large one is written."""
-    source = sources.resolve(spec, revision)
-    if moe == moe_lowering.AUTO:  # an export alone (`dstc export`): a build resolves auto first (resolve_moe)
-        moe = moe_lowering.auto_lowering(None, 0, None, False)[0]
-    arch, parity = moe_lowering.lower(architecture_for(source.config["model_type"]), moe, parity)
-    arch = with_v4_cache(with_mla_cache(arch, mla_cache), v4_cache)
-    if cache_dtype != "float32" and arch.kv_cache == PER_HEAD:
-        raise InputError(PER_HEAD_NARROW_CACHE)
+    plan, log = context.plan, context.log
+    assert plan.model is not None  # every plan with an export names its checkpoint
+    source = sources.resolve(plan.model, plan.revision)
+    arch, parity = _architecture(source, section)
     check_writable_target(out_dir)
     timings = {}
     t0 = time.perf_counter()
     log(f"reading {source.spec} ({source.config['model_type']}) from {source.path}")
     reader = open_checkpoint(source.path)
-    storage = storage_for(weights, reader)
+    storage = storage_for(section.weights, reader)
     skeleton = sources.skeleton(source, reader)
     parameters = parameter_count(skeleton)
-    mtp_layer = _mtp_layer(source) if mtp else None
+    mtp_layer = _mtp_layer(source) if section.mtp else None
     timings["load_s"] = time.perf_counter() - t0
     with atomic_output_dir(out_dir) as tmp:
         t0 = time.perf_counter()
         log("building the ONNX graph")
         graph = build_decoder(skeleton, arch, reader,
                               on_layer=lambda i, n: log(f"built layer {i}/{n}") if n > 8 else None, weights=storage,
-                              hidden_output=mtp)
-        with_cache_dtype(graph, cache_dtype)
+                              hidden_output=section.mtp)
+        with_cache_dtype(graph, section.cache_dtype)
         config = skeleton.config
-        too_large = too_large_for_end_to_end(source.path) if parity else None
-        skipped = None
-        if too_large and not shared_decoder_layers(config.model_type):
-            skipped = f"parity layer by layer runs the shared decoder's layers, not {config.model_type}'s"
-        elif too_large:
-            skipped = layer_too_large(source.path, MEMORY_FACTOR, "parity layer by layer")
+        too_large, skipped = _too_large(source.path, config.model_type) if parity else (None, None)
         if skipped:
             parity = ()
-        deferred_bytes = save_graph_deferred(graph, tmp / ONNX_MODEL) if defer_weights and not parity else None
-        deferred = None
-        if deferred_bytes is not None:
-            log(f"{parameters:,} parameters left in the checkpoint: the streamed compression reads them from it, so "
-                f"the export's weights file ({deferred_bytes / 1e9:.1f} GB) is not written")
-            files = [ONNX_MODEL]
-            deferred = DeferredWeights(file=ONNX_WEIGHTS, bytes=deferred_bytes, moe=moe, mla_cache=mla_cache,
-                                       v4_cache=v4_cache, mtp=mtp)
-        else:
-            log(f"writing {parameters:,} parameters, one tensor at a time ({storage})")
-            # two weights read, converted and written at once (the reader takes turns on its shard)
-            files = save_graph(graph, tmp / ONNX_MODEL, workers=2)
-            why = weights_read_by or ("the export's parity check runs the graph" if defer_weights else None)
-            if why and ONNX_WEIGHTS in files:
-                log(f"disk: the export's weights file ({(tmp / ONNX_WEIGHTS).stat().st_size / 1e9:.1f} GB) is "
-                    f"written whole, {why}")
-        cache_bytes = cache_bytes_per_token([(v.name, v.shape, v.dtype.itemsize if v.dtype else 0)
-                                             for v in graph.graph.inputs],
-                                            getattr(skeleton.config, "layer_types", None),
-                                            cache_lengths(graph.metadata_props))
-        graph_info = {"files": files, "opset": graph.opset_imports[""], "nodes": len(graph.graph),
-                      "inputs": [v.name for v in graph.graph.inputs],
-                      "outputs": [v.name for v in graph.graph.outputs],
-                      "kv_cache": graph.metadata_props[KV_CACHE], "cache_dtype": cache_dtype,
-                      # a deferred weights file counts: the size of the model (compression's input size)
-                      "size_bytes": sum((tmp / f).stat().st_size for f in files) + (deferred_bytes or 0),
-                      "weights": storage,
-                      "cache_bytes_per_token": cache_bytes, "deferred": deferred}
+        graph_info = _save_graph(graph, tmp, section, plan, storage, parameters,
+                                 getattr(config, "layer_types", None), bool(parity), log)
         del graph
-        mtp_info: dict | None = None
-        if mtp_layer is not None:
-            log(f"building the MTP layer {mtp_layer}'s graph")
-            (tmp / MTP_DIR).mkdir()
-            with open_checkpoint(source.path, mtp=True) as mtp_reader:
-                mtp_graph = build_mtp_graph(skeleton, arch, mtp_reader, mtp_layer, weights=storage)
-                with_cache_dtype(mtp_graph, cache_dtype)
-                mtp_files = save_graph(mtp_graph, tmp / MTP_DIR / ONNX_MODEL, workers=2)
-            mtp_info = {"layer": mtp_layer, "files": [f"{MTP_DIR}/{f}" for f in mtp_files],
-                        "inputs": [v.name for v in mtp_graph.graph.inputs],
-                        "outputs": [v.name for v in mtp_graph.graph.outputs],
-                        "size_bytes": sum((tmp / MTP_DIR / f).stat().st_size for f in mtp_files)}
-            del mtp_graph
+        mtp_info = _save_mtp(source.path, skeleton, arch, mtp_layer, storage, section.cache_dtype, tmp, log) \
+            if mtp_layer is not None else None
         timings["build_s"] = time.perf_counter() - t0
-        cases = parity_cases(source.path, config.vocab_size)
-        pad_id = config.pad_token_id or 0
-        results = {}
-        model = None
-        if skipped:
-            log(f"parity skipped: {too_large}, and {skipped}")
-        elif too_large:
-            log(f"parity layer by layer: {too_large}")
-        elif parity:
-            model = TorchDecoder(source)
-        if model is not None:
-            for backend in parity:
-                t0 = time.perf_counter()
-                log(f"parity: {backend} vs PyTorch fp32, {len(cases)} cases, prefill + {new_tokens} greedy tokens")
-                results[backend] = compare(model, tmp / "model.onnx", backend, cases, new_tokens, pad_id)
-                timings[f"parity_{backend}_s"] = time.perf_counter() - t0
-            if mtp_info is not None:
-                t0 = time.perf_counter()
-                log(f"MTP parity: {', '.join(parity)} vs PyTorch fp32, {len(cases)} cases")
-                mtp_info["parity"] = compare_mtp_graph(model.model, source.path, tmp / MTP_DIR / ONNX_MODEL,
-                                                       tuple(parity), cases, new_tokens, pad_id)
-                timings["parity_mtp_s"] = time.perf_counter() - t0
-        elif parity:  # every backend's pieces against one run of the reference
-            t0 = time.perf_counter()
-            steps = min(new_tokens, LAYER_STEPS)
-            log(f"parity: {', '.join(parity)}, each layer vs its PyTorch module, {len(cases)} cases, prefill + "
-                f"{steps} steps")
-            results = compare_layers_on(tmp / "model.onnx", source.path, parity, cases, steps, pad_id, log)
-            timings["parity_layers_s"] = time.perf_counter() - t0
-            if mtp_info is not None:
-                mtp_info["parity_skipped"] = "the MTP layer is checked end to end only"
+        results = _parity(source, config, tmp, section, parity, too_large, skipped, mtp_info, timings, log)
         typed = ExportReport(
             dstc_version=__version__,
             source=ExportSource(spec=source.spec, kind=source.kind, path=str(source.path),
@@ -216,15 +107,129 @@ def export(spec: str, out_dir: Path, *, parity: tuple[str, ...] | None = None, n
             timings={k: round(v, 3) for k, v in timings.items()})
         typed.write(tmp / "export.json")
         report = typed.dump()
+    _refuse_failed_parity(results, mtp_info, out_dir)
+    return report
+
+
+def _architecture(source, section: ExportSection):
+    """The checkpoint's architecture lowered and with the section's cache layouts, and the parity backends; an
+    InputError for a combination the export refuses, before anything is read."""
+    arch, parity = moe_lowering.lower(architecture_for(source.config["model_type"]), section.moe,
+                                      tuple(section.parity))
+    arch = with_v4_cache(with_mla_cache(arch, section.mla_cache), section.v4_cache)
+    if section.cache_dtype != "float32" and arch.kv_cache == PER_HEAD:
+        raise InputError(PER_HEAD_NARROW_CACHE)
+    return arch, parity
+
+
+def _too_large(source: Path, model_type: str) -> tuple[str | None, str | None]:
+    """Why the model is checked layer by layer rather than end to end (None: it is not), and why it is not checked
+    at all (None: it is)."""
+    too_large = too_large_for_end_to_end(source)
+    if too_large and not shared_decoder_layers(model_type):
+        return too_large, f"parity layer by layer runs the shared decoder's layers, not {model_type}'s"
+    if too_large:
+        return too_large, layer_too_large(source, MEMORY_FACTOR, "parity layer by layer")
+    return None, None
+
+
+def _save_graph(graph: ir.Model, tmp: Path, section: ExportSection, plan: BuildPlan, storage: str, parameters: int,
+                layer_types, parity: bool, log: Callable[[str], None]) -> dict:
+    """The main graph written into ``tmp`` (its weights too, unless the plan defers them and no parity check runs
+    the graph); export.json's ``graph``."""
+    deferred_bytes = save_graph_deferred(graph, tmp / ONNX_MODEL) if plan.defer_weights and not parity else None
+    deferred = None
+    if deferred_bytes is not None:
+        log(f"{parameters:,} parameters left in the checkpoint: the streamed compression reads them from it, so "
+            f"the export's weights file ({deferred_bytes / 1e9:.1f} GB) is not written")
+        files = [ONNX_MODEL]
+        deferred = DeferredWeights(file=ONNX_WEIGHTS, bytes=deferred_bytes, moe=section.moe,
+                                   mla_cache=section.mla_cache, v4_cache=section.v4_cache, mtp=section.mtp)
+    else:
+        log(f"writing {parameters:,} parameters, one tensor at a time ({storage})")
+        # two weights read, converted and written at once (the reader takes turns on its shard)
+        files = save_graph(graph, tmp / ONNX_MODEL, workers=2)
+        why = plan.weights_read_by or ("the export's parity check runs the graph" if plan.defer_weights else None)
+        if why and ONNX_WEIGHTS in files:
+            log(f"disk: the export's weights file ({(tmp / ONNX_WEIGHTS).stat().st_size / 1e9:.1f} GB) is "
+                f"written whole, {why}")
+    cache_bytes = cache_bytes_per_token([(v.name, v.shape, v.dtype.itemsize if v.dtype else 0)
+                                         for v in graph.graph.inputs], layer_types,
+                                        cache_lengths(graph.metadata_props))
+    return {"files": files, "opset": graph.opset_imports[""], "nodes": len(graph.graph),
+            "inputs": [v.name for v in graph.graph.inputs],
+            "outputs": [v.name for v in graph.graph.outputs],
+            "kv_cache": graph.metadata_props[KV_CACHE], "cache_dtype": section.cache_dtype,
+            # a deferred weights file counts: the size of the model (compression's input size)
+            "size_bytes": sum((tmp / f).stat().st_size for f in files) + (deferred_bytes or 0),
+            "weights": storage,
+            "cache_bytes_per_token": cache_bytes, "deferred": deferred}
+
+
+def _save_mtp(source: Path, skeleton, arch, layer: int, storage: str, dtype: str, tmp: Path,
+              log: Callable[[str], None]) -> dict:
+    """The checkpoint's MTP layer's graph written into TMP/mtp/; export.json's ``mtp``."""
+    log(f"building the MTP layer {layer}'s graph")
+    (tmp / MTP_DIR).mkdir()
+    with open_checkpoint(source, mtp=True) as mtp_reader:
+        mtp_graph = build_mtp_graph(skeleton, arch, mtp_reader, layer, weights=storage)
+        with_cache_dtype(mtp_graph, dtype)
+        mtp_files = save_graph(mtp_graph, tmp / MTP_DIR / ONNX_MODEL, workers=2)
+    return {"layer": layer, "files": [f"{MTP_DIR}/{f}" for f in mtp_files],
+            "inputs": [v.name for v in mtp_graph.graph.inputs],
+            "outputs": [v.name for v in mtp_graph.graph.outputs],
+            "size_bytes": sum((tmp / MTP_DIR / f).stat().st_size for f in mtp_files)}
+
+
+def _parity(source, config, tmp: Path, section: ExportSection, parity: tuple[str, ...], too_large: str | None,
+            skipped: str | None, mtp_info: dict | None, timings: dict, log: Callable[[str], None]) -> dict:
+    """The written graph (and MTP layer) against PyTorch fp32 on ``parity``: end to end, or layer by layer for a
+    model too large for it; the results by backend (the MTP layer's go into ``mtp_info``)."""
+    cases = parity_cases(source.path, config.vocab_size)
+    pad_id = config.pad_token_id or 0
+    new_tokens = section.new_tokens
+    results: dict = {}
+    if skipped:
+        log(f"parity skipped: {too_large}, and {skipped}")
+    elif too_large:
+        log(f"parity layer by layer: {too_large}")
+    if skipped or not parity:
+        return results
+    if too_large:  # every backend's pieces against one run of the reference
+        t0 = time.perf_counter()
+        steps = min(new_tokens, LAYER_STEPS)
+        log(f"parity: {', '.join(parity)}, each layer vs its PyTorch module, {len(cases)} cases, prefill + "
+            f"{steps} steps")
+        results = compare_layers_on(tmp / "model.onnx", source.path, parity, cases, steps, pad_id, log)
+        timings["parity_layers_s"] = time.perf_counter() - t0
+        if mtp_info is not None:
+            mtp_info["parity_skipped"] = "the MTP layer is checked end to end only"
+        return results
+    model = TorchDecoder(source)
+    for backend in parity:
+        t0 = time.perf_counter()
+        log(f"parity: {backend} vs PyTorch fp32, {len(cases)} cases, prefill + {new_tokens} greedy tokens")
+        results[backend] = compare(model, tmp / "model.onnx", backend, cases, new_tokens, pad_id)
+        timings[f"parity_{backend}_s"] = time.perf_counter() - t0
+    if mtp_info is not None:
+        t0 = time.perf_counter()
+        log(f"MTP parity: {', '.join(parity)} vs PyTorch fp32, {len(cases)} cases")
+        mtp_info["parity"] = compare_mtp_graph(model.model, source.path, tmp / MTP_DIR / ONNX_MODEL,
+                                               tuple(parity), cases, new_tokens, pad_id)
+        timings["parity_mtp_s"] = time.perf_counter() - t0
+    return results
+
+
+def _refuse_failed_parity(results: dict, mtp_info: dict | None, out_dir: Path) -> None:
+    """A ParityError naming each backend (and MTP layer) whose check failed; the output is kept for inspection."""
+    mtp_results = (mtp_info or {}).get("parity") or {}
     failed = [b for b, r in results.items() if not r["passed"]]
-    failed += [f"{b} (MTP layer)" for b, r in ((mtp_info or {}).get("parity") or {}).items() if not r["passed"]]
+    failed += [f"{b} (MTP layer)" for b, r in mtp_results.items() if not r["passed"]]
     if failed:
         worst = {b: f"{r['max_relative_diff']:.2e}" for b, r in
-                 {**results, **{f"{b} (MTP layer)": r for b, r in ((mtp_info or {}).get("parity") or {}).items()}}
-                 .items() if b in failed}
+                 {**results, **{f"{b} (MTP layer)": r for b, r in mtp_results.items()}}.items() if b in failed}
         raise ParityError(f"exported graph disagrees with PyTorch on {', '.join(failed)} (relative diff {worst}); "
                           f"details in {out_dir / 'export.json'}")
-    return report
 
 
 def _mtp_layer(source) -> int:

@@ -31,11 +31,15 @@ from toolchain.compile import openvino_ir
 from toolchain.errors import InputError, ParityError
 from toolchain.interface.reports import PassesReport
 from toolchain.pass_errors import to_dstc_error
+from toolchain.recipe import PassesSection
 from toolchain.runtime.engines import openvino_compile
+from toolchain.stages.context import StageContext
 from toolchain.stages.inputs import carry_mtp, check_weights_written, read_export
 from toolchain.verify.parity import compare, parity_cases, too_large_for_end_to_end
 
 TARGETS = tuple(PIPELINES)
+# Greedy steps of the parity check (the context's check_tokens: tests shorten it).
+PARITY_TOKENS = 16
 # OpenVINO CPU runtime layer types of the fusions the openvino target is shaped for.
 OPENVINO_FUSIONS = ("ScaledDotProductAttention", "RoPE", "RMS")
 
@@ -92,28 +96,29 @@ def _parity(source: Path, onnx_path: Path, backend: str, new_tokens: int, log: C
     return compare(reference, onnx_path, backend, cases, new_tokens, config.pad_token_id or 0)
 
 
-def optimize(in_dir: Path, out_dir: Path, target: str, passes: list[str] | None = None,
-             expectations: dict | None = None, *, parity: bool = True, new_tokens: int = 16,
-             source: Path | None = None, log: Callable[[str], None] = lambda _: None) -> dict:
-    """Rewrite IN/model.onnx for ``target`` ("onnxruntime" or "openvino") into OUT; returns passes.json's content.
+def optimize(in_dir: Path, out_dir: Path, section: PassesSection, context: StageContext) -> dict:
+    """Rewrite IN/model.onnx for the section's target ("onnxruntime" or "openvino") into OUT; returns passes.json's
+    content.
 
-    ``passes``: registered pass names to run instead of the target's pipeline (each must be for the target or
-    for any runtime). ``expectations``: {pass: {"min"/"max"/"count": ...}} replacing the defaults, which are the
-    target's per-model-type counts for the passes that run ({} checks nothing). Raises InputError for bad input,
-    OptimizeError when a pass fails or misses an expectation (nothing is written), and
-    ParityError when the optimised graph disagrees with PyTorch (the output is kept for inspection).
+    The section's ``passes``: registered pass names to run instead of the target's pipeline (each must be for the
+    target or for any runtime); ``expect``: {pass: {"min"/"max"/"count": ...}} replacing the defaults, which are the
+    target's per-model-type counts for the passes that run ({} checks nothing). The plan's ``passes_parity``: check
+    the rewritten graph against PyTorch. Raises InputError for bad input, OptimizeError when a pass fails or misses an
+    expectation (nothing is written), and ParityError when the optimised graph disagrees with PyTorch (the output is
+    kept for inspection).
     """
     # torch loads only when the stage runs, not when its pass names are checked
     from toolchain.export.graph import load_graph, save_graph
 
-    in_dir, out_dir = Path(in_dir), Path(out_dir)
-    names = pass_names(target, passes)
-    export_report, source = read_export(in_dir, source)
+    in_dir, out_dir, target, log = Path(in_dir), Path(out_dir), section.target, context.log
+    names = pass_names(target, section.passes)
+    export_report, source = read_export(in_dir, context.source)
     check_weights_written(export_report, in_dir,
                           "the passes stage needs an export with its weights: run dstc export")
     timings = {}
     t0 = time.perf_counter()
     model = load_graph(in_dir / "model.onnx")
+    expectations = section.expect
     if expectations is None:
         expectations = expectations_for(model, target, names)
     before = {"nodes": len(model.graph), "op_types": op_type_counts(model)}
@@ -125,9 +130,6 @@ def optimize(in_dir: Path, out_dir: Path, target: str, passes: list[str] | None 
     except PassError as e:
         raise to_dstc_error(e) from e
     timings["passes_s"] = time.perf_counter() - t0
-    fusions: dict[str, Counter] = {}
-    for stat in stats:
-        fusions.setdefault(stat.name, Counter()).update(stat.counts)
     with atomic_output_dir(out_dir) as tmp:
         t0 = time.perf_counter()
         files = save_graph(model, tmp / "model.onnx") + carry_mtp(in_dir, tmp)
@@ -144,22 +146,9 @@ def optimize(in_dir: Path, out_dir: Path, target: str, passes: list[str] | None 
             "pipeline": names,
             "expectations": expectations,
             "passes": [stat.to_dict() for stat in stats],
-            "counts": {name: dict(c) for name, c in fusions.items() if c},
+            "counts": _counts(stats),
         }
-        skipped = too_large_for_end_to_end(source)
-        if target == "openvino" and not skipped:
-            t0 = time.perf_counter()
-            log("compiling with OpenVINO to count its SDPA / RoPE / RMS fusions")
-            report["openvino_fusions"] = openvino_fusions(tmp / "model.onnx")
-            timings["openvino_fusions_s"] = time.perf_counter() - t0
-        if skipped and (parity or target == "openvino"):
-            log(f"parity and OpenVINO's fusion count skipped: {skipped}")
-            report["parity_skipped"] = skipped
-        elif parity:
-            t0 = time.perf_counter()
-            report["parity"] = {target: _parity(source, tmp / "model.onnx", target, new_tokens, log)}
-            timings[f"parity_{target}_s"] = time.perf_counter() - t0
-        report["timings"] = {k: round(v, 3) for k, v in timings.items()}
+        _check(report, tmp, source, target, context, timings)
         report = PassesReport(**report).dump()
         (tmp / "passes.json").write_text(json.dumps(report, indent=2) + "\n")
     result = (report.get("parity") or {}).get(target)
@@ -167,3 +156,32 @@ def optimize(in_dir: Path, out_dir: Path, target: str, passes: list[str] | None 
         raise ParityError(f"the graph optimised for {target} disagrees with PyTorch (relative diff "
                           f"{result['max_relative_diff']:.2e}); details in {out_dir / 'passes.json'}")
     return report
+
+
+def _counts(stats) -> dict[str, dict[str, int]]:
+    """What each pass rewrote, summed over its runs (passes without a rewrite left out)."""
+    fusions: dict[str, Counter] = {}
+    for stat in stats:
+        fusions.setdefault(stat.name, Counter()).update(stat.counts)
+    return {name: dict(c) for name, c in fusions.items() if c}
+
+
+def _check(report: dict, tmp: Path, source: Path, target: str, context: StageContext, timings: dict) -> None:
+    """OpenVINO's fusion count and the parity check of the written graph, into ``report`` (with its timings),
+    unless the model is too large to run end to end here."""
+    parity, log = context.plan.passes_parity, context.log
+    skipped = too_large_for_end_to_end(source)
+    if target == "openvino" and not skipped:
+        t0 = time.perf_counter()
+        log("compiling with OpenVINO to count its SDPA / RoPE / RMS fusions")
+        report["openvino_fusions"] = openvino_fusions(tmp / "model.onnx")
+        timings["openvino_fusions_s"] = time.perf_counter() - t0
+    if skipped and (parity or target == "openvino"):
+        log(f"parity and OpenVINO's fusion count skipped: {skipped}")
+        report["parity_skipped"] = skipped
+    elif parity:
+        t0 = time.perf_counter()
+        report["parity"] = {target: _parity(source, tmp / "model.onnx", target, context.check_tokens or PARITY_TOKENS,
+                                            log)}
+        timings[f"parity_{target}_s"] = time.perf_counter() - t0
+    report["timings"] = {k: round(v, 3) for k, v in timings.items()}

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, TypeVar
 
 from toolchain import source as sources
 from toolchain.atomic import MARKER, atomic_output_dir, check_writable_dir, check_writable_target, lock_file
+from toolchain.build_plan import BuildPlan
 from toolchain.cache import cache_dir
 from toolchain.errors import InputError
 from toolchain.hashing import blake3_file, digest, file_hashes, self_digest
@@ -40,8 +41,11 @@ from toolchain.interface.reports import (
 )
 from toolchain.manifest import code_digest
 from toolchain.recipe import CompileSection, CompressSection, ExportSection, PassesSection
+from toolchain.settings.section import Section
 from toolchain.source_hashes import checkpoint_hashes
+from toolchain.stages import choices
 from toolchain.stages.compile import compile_artifact
+from toolchain.stages.context import StageContext
 from toolchain.stages.inputs import read_export
 
 if TYPE_CHECKING:  # the stage's code (onnx_ir, the exporter's graph module) loads when the stage runs
@@ -57,30 +61,53 @@ def cache_root() -> Path:
 
 @dataclass
 class Stage:
+    """A stage of a plan: its function, called as ``function(input, output, section, context)``, the section it runs
+    with (the plan's, resolved) and the configuration that goes into its id."""
+
     name: str
     config: dict
-    run: Callable[[Path | None, Path, Log], dict]
+    function: Callable[..., dict]  # (input, output, section, context)
+    section: Section
+    plan: BuildPlan
     module: str  # the stage's code, whose import closure goes into its id
-    # the run of a stage whose input entry is deleted after it, which may give up the input's files as it reads
-    # them; it calls its last argument before it touches them (releasing())
-    run_releasing: Callable[[Path | None, Path, Log, Callable[[], None]], dict] | None = None
+    source: Path | None = None  # the checkpoint the build resolved (None: the one the input records)
+    parts: PartRunner | None = None
+    # a stage that may give up its input's files as it reads them (the input entry is deleted after it), and what
+    # it calls before it touches them (releasing())
+    releases_input: bool = False
+    release: Callable[[], None] | None = None
 
     def id(self, parent: str) -> str:
         return digest({"stage": self.name, "config": self.config, "parent": parent,
                        "code": code_digest(self.module)})
 
+    def run(self, input_dir: Path | None, out_dir: Path, log: Log) -> dict:
+        return self.function(input_dir, out_dir, self.section,
+                             StageContext(self.plan, self.source, log, self.parts, self.release))
 
-def export_stage(model: str, section: ExportSection, revision: str | None = None, *, defer_weights: bool = False,
-                 weights_read_by: str | None = None) -> Stage:
-    """``defer_weights``: the next stage is a streamed compression, which reads the weights from the checkpoint
-    (toolchain/stages/export.py export): a configuration of its own, since the entry then holds no weights file;
-    ``weights_read_by``: why a later stage reads the weights file (said when a large one is written)."""
+
+def stages_of(plan: BuildPlan, source: Path, parts: PartRunner | None = None) -> list[Stage]:
+    """The plan's stages in order. Later stages read the checkpoint the build resolved (``source``), not the path
+    an earlier, perhaps cached, stage recorded. ``parts``: a streamed compression is written in parts by its tasks
+    (the same bytes)."""
+    stages = [export_stage(plan)]
+    if plan.passes:
+        stages.append(passes_stage(plan, source))
+    if plan.compress:
+        stages.append(compress_stage(plan, source, parts))
+    stages.append(compile_stage(plan, source))
+    return stages
+
+
+def export_stage(plan: BuildPlan) -> Stage:
+    """The export of the plan's checkpoint; its ``defer_weights`` (the next stage is a streamed compression, which
+    reads the weights from the checkpoint) is a configuration of its own, since the entry then holds no weights
+    file."""
     # each stage's code loads when its stage is made: `dstc compile` needs no exporter
-    from toolchain.export.moe import AUTO, auto_lowering
     from toolchain.stages.export import export
 
-    if section.moe == AUTO:  # an export alone (`dstc export`); a build resolves auto for its backend first
-        section = section.with_lowering(auto_lowering(None, 0, None, False)[0])
+    section = plan.export
+    assert section is not None  # every plan has an export but those of stages run alone on a directory
     config = section.model_dump(mode="json")
     if not config["mtp"]:  # a recipe without the MTP layer keeps the stage configuration it had before the option
         del config["mtp"]
@@ -88,71 +115,58 @@ def export_stage(model: str, section: ExportSection, revision: str | None = None
         del config["v4_cache"]
     if config["cache_dtype"] == "float32":  # ... and one with a float32 cache the configuration it had before
         del config["cache_dtype"]
-    if defer_weights:  # the configuration of an export that writes its weights is what it was before the option
+    if plan.defer_weights:  # the configuration of an export that writes its weights is what it was before the option
         config["defer_weights"] = True
-    # every field of the section is a keyword of the stage's function
-    return Stage("export", {"model": model, **config},
-                 lambda _in, out, log: export(model, out, revision=revision, log=log, defer_weights=defer_weights,
-                                              weights_read_by=weights_read_by,
-                                              **{**section.model_dump(), "parity": tuple(section.parity)}),
-                 "toolchain.stages.export")
+    return Stage("export", {"model": plan.model, **config}, export, section, plan, "toolchain.stages.export")
 
 
-def passes_stage(section: PassesSection, source: Path, parity: bool = True) -> Stage:
-    """``parity``: `dstc optimize --no-parity` skips the parity check; a recipe always runs it, so the option is
-    part of the configuration only when off (a build's stage id is what it was before the option existed)."""
+def passes_stage(plan: BuildPlan, source: Path) -> Stage:
+    """The plan's ``passes_parity`` off (`dstc optimize --no-parity`) is part of the configuration only when off (a
+    build always checks: its stage id is what it was before the option existed)."""
     # each stage's code loads when its stage is made: `dstc compile` needs no exporter
     from toolchain.stages.optimize import optimize
 
-    config = {**section.model_dump(mode="json"), **({} if parity else {"parity": False})}
-    # inp: a stage after export has one (the previous stage's output)
-    return Stage("passes", config,
-                 lambda inp, out, log: optimize(inp, out, section.target, passes=section.passes,  # type: ignore[arg-type]
-                                                expectations=section.expect, parity=parity, source=source, log=log),
-                 "toolchain.stages.optimize")
+    section = plan.passes
+    assert section is not None
+    config = {**section.model_dump(mode="json"), **({} if plan.passes_parity else {"parity": False})}
+    return Stage("passes", config, optimize, section, plan, "toolchain.stages.optimize", source)
 
 
-def compress_stage(section: CompressSection, target: str, source: Path, parts: PartRunner | None = None) -> Stage:
+def compress_stage(plan: BuildPlan, source: Path, parts: PartRunner | None = None) -> Stage:
     """``parts``: a streamed compression is written in parts by its tasks (toolchain/stages/compress_parts.py), the
-    same bytes: not part of the configuration."""
+    same bytes: not part of the configuration. Its section's prefill_int8 is the plan's, so that the stage's id and
+    report say what was built."""
     # each stage's code loads when its stage is made: `dstc compile` needs no exporter
     from toolchain.stages.compress import compress
 
-    # decided here, so that the stage's id and report say what was built
-    section = section.with_prefill_int8(target)
-    # inp: a stage after export has one (the previous stage's output)
-    return Stage("compress", {"target": target, **section.model_dump(mode="json")},
-                 lambda inp, out, log: compress(inp, out, section, target=target, source=source,  # type: ignore[arg-type]
-                                                parts=parts, log=log),
-                 "toolchain.stages.compress")
+    section = plan.compress
+    assert section is not None
+    return Stage("compress", {"target": plan.backend, **section.model_dump(mode="json")}, compress, section, plan,
+                 "toolchain.stages.compress", source, parts)
 
 
-def compile_stage(section: CompileSection, source: Path) -> Stage:
-    # inp: a stage after export has one (the previous stage's output)
-    # smoke is part of the configuration only when off (a build's stage id is what it was before the option existed)
+def compile_stage(plan: BuildPlan, source: Path) -> Stage:
+    """smoke is part of the configuration only when off (a build's stage id is what it was before the option
+    existed)."""
+    section = plan.compile
+    assert section is not None
     config = section.model_dump(mode="json", exclude={"smoke"} if section.smoke else set())
-    return Stage("compile", config,
-                 lambda inp, out, log: compile_artifact(inp, out, section.backend, verify=section.verify,  # type: ignore[arg-type]
-                                                        smoke=section.smoke, source=source, log=log),
-                 "toolchain.stages.compile",
-                 lambda inp, out, log, release: compile_artifact(inp, out, section.backend,  # type: ignore[arg-type]
-                                                                 verify=section.verify, smoke=section.smoke,
-                                                                 source=source, log=log, release_input=release))
+    return Stage("compile", config, compile_artifact, section, plan, "toolchain.stages.compile", source,
+                 releases_input=True)
 
 
 def releasing(stage: Stage, entry: Path) -> Stage:
     """``stage`` run on the cache entry ``entry``, which the build deletes once the stage has read it (it keeps no
     stages): with the run that may give up the entry's files as it reads them, the entry marked incomplete (under
     its lock) before the first byte goes. ``stage`` itself when it has no such run."""
-    run = stage.run_releasing
-    if run is None:
+    if not stage.releases_input:
         return stage
 
     def release() -> None:
         with _entry_lock(entry):
             (entry / STAGE_RECORD).unlink(missing_ok=True)
 
-    return replace(stage, run=lambda inp, out, log: run(inp, out, log, release))
+    return replace(stage, release=release)
 
 
 def cache_damage(target: Path, stage_id: str | None = None) -> str | None:
@@ -288,8 +302,8 @@ def _input_parent(input_dir: Path) -> tuple[Path, str]:
 def run_export(model: str, section: ExportSection, out_dir: Path, *, use_cache: bool = True,
                log: Log = lambda _: None) -> tuple[ExportReport, bool]:
     source = sources.resolve(model)
-    return _run_into(export_stage(model, section), None, digest(checkpoint_hashes(source.path)), out_dir, ExportReport,
-                     use_cache=use_cache, log=log)
+    return _run_into(export_stage(choices.plan_export(model, section)), None, digest(checkpoint_hashes(source.path)),
+                     out_dir, ExportReport, use_cache=use_cache, log=log)
 
 
 def run_passes(input_dir: Path, section: PassesSection, out_dir: Path, *, parity: bool = True,
@@ -298,24 +312,22 @@ def run_passes(input_dir: Path, section: PassesSection, out_dir: Path, *, parity
     from toolchain.stages.optimize import pass_names
 
     pass_names(section.target, section.passes)  # before the input is read, as the stage itself does
+    plan = choices.plan_passes(section, parity)
     source, parent = _input_parent(Path(input_dir))
-    return _run_into(passes_stage(section, source, parity), Path(input_dir), parent, out_dir, PassesReport,
+    return _run_into(passes_stage(plan, source), Path(input_dir), parent, out_dir, PassesReport,
                      use_cache=use_cache, log=log)
 
 
 def run_compress(input_dir: Path, section: CompressSection, target: str, out_dir: Path, *, use_cache: bool = True,
                  log: Log = lambda _: None) -> tuple[CompressionReport, bool]:
-    # the stage's code (torch, onnx_ir) loads only when its options are checked
-    from toolchain.stages.compress import check_target
-
-    check_target(section, target)  # the cross-field rules, before the input is read
+    plan = choices.plan_compress(section, target)  # the cross-field rules, before the input is read
     source, parent = _input_parent(Path(input_dir))
-    return _run_into(compress_stage(section, target, source), Path(input_dir), parent, out_dir, CompressionReport,
+    return _run_into(compress_stage(plan, source), Path(input_dir), parent, out_dir, CompressionReport,
                      use_cache=use_cache, log=log)
 
 
 def run_compile(input_dir: Path, section: CompileSection, out_dir: Path, *, use_cache: bool = True,
                 log: Log = lambda _: None) -> tuple[CompileReport, bool]:
     source, parent = _input_parent(Path(input_dir))
-    return _run_into(compile_stage(section, source), Path(input_dir), parent, out_dir, CompileReport,
-                     use_cache=use_cache, log=log)
+    return _run_into(compile_stage(choices.plan_compile(section), source), Path(input_dir), parent, out_dir,
+                     CompileReport, use_cache=use_cache, log=log)
