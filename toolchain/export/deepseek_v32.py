@@ -96,7 +96,10 @@ class DeepseekV32Architecture(DeepseekV3Architecture):
 
     def attention_inputs(self, g: GraphBuilder, attn, h, q_a, inputs: LayerInputs) -> LayerInputs:
         with g.scope("indexer"):
-            chosen, keys = top_k_positions(g, attn.indexer, h, q_a, inputs)
+            # the latent layout reads its caches' past and new entries apart (chosen_rows), for a runner that
+            # appends; the per-head layout reads the grown caches (OpenVINO's stateful per-head IR disagreed with
+            # PyTorch, 0.74 of the logit range, when its indexer scored the two apart)
+            chosen, keys = top_k_positions(g, attn.indexer, h, q_a, inputs, apart=self.kv_cache == "latent")
         inputs.present[INDEX_KEY] = keys
         return IndexedInputs(**vars(inputs), chosen=chosen)
 
@@ -181,9 +184,10 @@ def narrowed_mask(g: GraphBuilder, inputs: IndexedInputs) -> ir.Value:
     return g.op("Where", picked, inputs.mask, g.const(blocks.MASK_MIN, np.float32))
 
 
-def top_k_positions(g: GraphBuilder, indexer, h, q_a, inputs: LayerInputs):
+def top_k_positions(g: GraphBuilder, indexer, h, q_a, inputs: LayerInputs, apart: bool):
     """(the positions [B, 1, S, k] of the k = min(index_topk, T) tokens each query scores highest, the indexer's
-    keys [B, 1, T, D] grown by this step's). h [B, S, hidden]: the normed hidden state; q_a [B, S, q_lora_rank]."""
+    keys [B, 1, T, D] grown by this step's). h [B, S, hidden]: the normed hidden state; q_a [B, S, q_lora_rank].
+    ``apart``: the past keys and this step's are scored apart, so that the grown keys feed the present output only."""
     heads, dim, rope = indexer.n_heads, indexer.head_dim, indexer.qk_rope_head_dim
     split = g.const([rope, dim - rope])
 
@@ -210,7 +214,8 @@ def top_k_positions(g: GraphBuilder, indexer, h, q_a, inputs: LayerInputs):
 
     # the past keys and this step's scored apart, each token's score as from the grown keys (the same products), so
     # that the grown keys feed the present output only (chosen_rows)
-    index = g.op("Concat", index_of(inputs.past[INDEX_KEY]), index_of(k), axis=-1)  # [B, S, 1, T]
+    index = (g.op("Concat", index_of(inputs.past[INDEX_KEY]), index_of(k), axis=-1) if apart
+             else index_of(keys))  # [B, S, 1, T]
     index = g.op("Add", g.op("Transpose", index, perm=[0, 2, 1, 3]), inputs.mask)  # [B, 1, S, T]
     total = g.op("Shape", index, start=-1)
     k_top = g.op("Min", g.const([indexer.index_topk]), total)
