@@ -149,7 +149,10 @@ def stable_names(model):
         op.set_friendly_name(renumbered(op.get_friendly_name()))
         for output in op.outputs():
             if names := output.get_names():
-                output.set_names({renumbered(n) for n in names})
+                # a port's names come as a set, whose order follows the process's string hashes: numbered in an
+                # order of their own (the made-up numbers masked), two names of one port are numbered alike in
+                # every process (DeepSeek-V4's compressor/ and indexer/ Shape_N swapped between runs)
+                output.set_names({renumbered(n) for n in sorted(names, key=lambda n: (MADE_UP_NAME.sub(r"\1", n), n))})
     return model
 
 
