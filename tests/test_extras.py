@@ -9,15 +9,13 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import subprocess
 import sys
-import threading
-import time
 from pathlib import Path
 
 import httpx
 import pytest
+from server_process import running_server
 
 from toolchain.extras import EXTRA_OF_MODULE
 
@@ -73,43 +71,13 @@ def test_gate_needs_no_extra(absent):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_serve_needs_no_extra(absent, artifact, backend):
     art = artifact(MODEL, backend)
-    server = subprocess.Popen([sys.executable, "-m", "toolchain", "serve", str(art.path), "--port", "0", "--threads",
-                               "1"], env=absent, cwd=ROOT, text=True, stdin=subprocess.DEVNULL,
-                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    log: list[str] = []
-    port = threading.Event()
-    base = {}
-
-    def read() -> None:
-        for line in server.stderr:
-            log.append(line)
-            match = re.search(r"http://127\.0\.0\.1:(\d+)/v1", line)
-            if match:
-                base["url"] = f"http://127.0.0.1:{match.group(1)}"
-                port.set()
-
-    threading.Thread(target=read, daemon=True).start()
-    try:
-        deadline = time.monotonic() + 120
-        while not port.wait(0.2):
-            assert server.poll() is None and time.monotonic() < deadline, "no address:\n" + "".join(log)
-        while True:
-            assert server.poll() is None, "the server exited:\n" + "".join(log)
-            try:
-                if httpx.get(base["url"] + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "not ready:\n" + "".join(log)
-            time.sleep(0.1)
-        reply = httpx.post(base["url"] + "/v1/completions", timeout=60,
+    with running_server([sys.executable, "-m", "toolchain", "serve", art.path, "--port", "0", "--threads", "1"],
+                        env=absent, cwd=ROOT) as server:
+        reply = httpx.post(server.url + "/v1/completions", timeout=60,
                            json={"model": art.path.name, "prompt": "The cat", "max_tokens": 4, "temperature": 0})
         assert reply.status_code == 200, reply.text
         assert reply.json()["usage"]["completion_tokens"] == 4
-    finally:
-        server.terminate()
-        server.wait(30)
-    assert not any("Traceback" in line for line in log), "".join(log)
+    assert not any("Traceback" in line for line in server.log), "".join(server.log)
 
 
 @pytest.mark.parametrize(("argv", "extra"), [

@@ -11,13 +11,12 @@ import shutil
 import signal
 import subprocess
 import sys
-import threading
-import time
 import zipfile
 from pathlib import Path
 
 import httpx
 import pytest
+from server_process import running_server
 
 from toolchain import __version__
 
@@ -118,48 +117,13 @@ def test_the_build_extra_from_the_wheel_builds_gates_and_serves_the_default_reci
     assert [g["passed"] for g in json.loads(gated.stdout)] == [True]
     _serves(["dstc", "serve", "artifacts/default", "--port", "0", "--threads", "1"], cwd=repo, env=env,
             model="default")
-
-
 def _serves(argv, cwd: Path, env: dict, model: str) -> None:
     """``argv`` starts a server that answers a completion, then drains on SIGTERM and exits 0."""
-    server = subprocess.Popen(argv, cwd=cwd, env=env, text=True, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                              stderr=subprocess.PIPE)
-    log: list[str] = []
-    address = threading.Event()
-    base = {}
-
-    def read() -> None:
-        for line in server.stderr:
-            log.append(line)
-            match = re.search(r"http://127\.0\.0\.1:(\d+)/v1", line)
-            if match:
-                base["url"] = f"http://127.0.0.1:{match.group(1)}"
-                address.set()
-
-    reader = threading.Thread(target=read, daemon=True)
-    reader.start()
-    try:
-        deadline = time.monotonic() + 300
-        while not address.wait(0.2):
-            assert server.poll() is None and time.monotonic() < deadline, "no address:\n" + "".join(log)
-        while True:
-            assert server.poll() is None, "the server exited:\n" + "".join(log)
-            try:
-                if httpx.get(base["url"] + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "not ready:\n" + "".join(log)
-            time.sleep(0.2)
-        reply = httpx.post(base["url"] + "/v1/completions", timeout=120,
+    with running_server(argv, env=env, cwd=cwd, ready_timeout=300) as server:
+        reply = httpx.post(server.url + "/v1/completions", timeout=120,
                            json={"model": model, "prompt": "321+654=", "max_tokens": 4, "temperature": 0})
         assert reply.status_code == 200, reply.text
         assert reply.json()["usage"]["completion_tokens"] == 4
-        server.send_signal(signal.SIGTERM)
-        assert server.wait(60) == 0, "".join(log)
-    finally:
-        if server.poll() is None:
-            server.kill()
-            server.wait(30)
-    reader.join(10)
-    assert not any("Traceback" in line for line in log), "".join(log)
+        server.process.send_signal(signal.SIGTERM)
+        assert server.process.wait(60) == 0, "".join(server.log)
+    assert not any("Traceback" in line for line in server.log), "".join(server.log)

@@ -22,6 +22,8 @@ from pathlib import Path
 
 import numpy as np
 
+from toolchain.runtime.appending_cache import appending_onnx, appending_openvino
+
 NUMERICS: dict[str, dict[str, str]] = {
     "exact": {"INFERENCE_PRECISION_HINT": "f32", "KV_CACHE_PRECISION": "f32", "DYNAMIC_QUANTIZATION_GROUP_SIZE": "0"},
     "deployment": {},
@@ -165,8 +167,6 @@ class GraphRunner:
         if appending and isinstance(model, str | Path):
             import onnx
 
-            from toolchain.runtime.appending_cache import appending_onnx
-
             proto = onnx.load(str(model), load_external_data=False)
             if appending_onnx(proto):
                 self.appends = True
@@ -185,8 +185,6 @@ class GraphRunner:
 
     def _init_openvino(self, model, extra: list[str], numerics: str, threads: int | None, appending: bool) -> None:
         import openvino as ov
-
-        from toolchain.runtime.appending_cache import appending_openvino
 
         model = model.clone() if isinstance(model, ov.Model) else openvino_read(model)
         self.appends = appending and appending_openvino(model)
