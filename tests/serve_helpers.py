@@ -10,6 +10,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import httpx
@@ -62,15 +63,20 @@ def _die_with_parent() -> None:
 
 
 class Server:
-    """``python -m toolchain serve`` on a free port, ready (GET /health 200) when returned."""
+    """``python -m toolchain serve`` on a free port, ready (GET /health 200) when returned. ``artifact``: a built
+    artifact (its ``path``) or a path; ``program``, ``env`` and ``cwd``: another dstc (an installed wheel's), in
+    another environment and directory."""
 
-    def __init__(self, artifact, *args: str, timeout: float = 90.0, api_key: str | None = None) -> None:
-        self.name = artifact.path.name
+    def __init__(self, artifact, *args: str, timeout: float = 90.0, api_key: str | None = None,
+                 program: Sequence[str] = (sys.executable, "-m", "toolchain"), env: dict | None = None,
+                 cwd: Path = ROOT) -> None:
+        path = Path(getattr(artifact, "path", artifact))
+        self.name = path.name
         self.api_key = api_key
         self.auth = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "toolchain", "serve", str(artifact.path), "--port", "0", "--threads", "2", *args],
-            cwd=ROOT, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+            [*program, "serve", str(path), "--port", "0", "--threads", "2", *args],
+            cwd=cwd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
             preexec_fn=_die_with_parent)
         self.log: list[str] = []
         self._port = threading.Event()

@@ -13,9 +13,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-import httpx
 import pytest
-from server_process import running_server
+from serve_helpers import Server
 
 from toolchain.extras import EXTRA_OF_MODULE
 
@@ -71,12 +70,14 @@ def test_gate_needs_no_extra(absent):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_serve_needs_no_extra(absent, artifact, backend):
     art = artifact(MODEL, backend)
-    with running_server([sys.executable, "-m", "toolchain", "serve", art.path, "--port", "0", "--threads", "1"],
-                        env=absent, cwd=ROOT) as server:
-        reply = httpx.post(server.url + "/v1/completions", timeout=60,
-                           json={"model": art.path.name, "prompt": "The cat", "max_tokens": 4, "temperature": 0})
+    server = Server(art, env=absent)
+    try:
+        reply = server.post("/v1/completions", {"model": art.path.name, "prompt": "The cat", "max_tokens": 4,
+                                                 "temperature": 0})
         assert reply.status_code == 200, reply.text
         assert reply.json()["usage"]["completion_tokens"] == 4
+    finally:
+        server.stop()
     assert not any("Traceback" in line for line in server.log), "".join(server.log)
 
 

@@ -14,9 +14,8 @@ import sys
 import zipfile
 from pathlib import Path
 
-import httpx
 import pytest
-from server_process import running_server
+from serve_helpers import Server
 
 from toolchain import __version__
 
@@ -115,15 +114,17 @@ def test_the_build_extra_from_the_wheel_builds_gates_and_serves_the_default_reci
     gated = _run(["dstc", "gate", "artifacts/default", "--max-kl-mean", "0.001", "--json"], cwd=repo, env=env)
     assert gated.returncode == 0, gated.stderr
     assert [g["passed"] for g in json.loads(gated.stdout)] == [True]
-    _serves(["dstc", "serve", "artifacts/default", "--port", "0", "--threads", "1"], cwd=repo, env=env,
-            model="default")
-def _serves(argv, cwd: Path, env: dict, model: str) -> None:
-    """``argv`` starts a server that answers a completion, then drains on SIGTERM and exits 0."""
-    with running_server(argv, env=env, cwd=cwd, ready_timeout=300) as server:
-        reply = httpx.post(server.url + "/v1/completions", timeout=120,
-                           json={"model": model, "prompt": "321+654=", "max_tokens": 4, "temperature": 0})
+    _serves(["dstc"], cwd=repo, env=env)
+def _serves(program, cwd: Path, env: dict) -> None:
+    """The installed dstc serves the built artifact: a completion, then SIGTERM drains it and it exits 0."""
+    server = Server("artifacts/default", program=program, env=env, cwd=cwd, timeout=300)
+    try:
+        reply = server.post("/v1/completions", {"model": server.name, "prompt": "321+654=", "max_tokens": 4,
+                                                 "temperature": 0})
         assert reply.status_code == 200, reply.text
         assert reply.json()["usage"]["completion_tokens"] == 4
         server.process.send_signal(signal.SIGTERM)
         assert server.process.wait(60) == 0, "".join(server.log)
+    finally:
+        server.stop()
     assert not any("Traceback" in line for line in server.log), "".join(server.log)
