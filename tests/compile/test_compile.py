@@ -254,7 +254,7 @@ def test_bad_input_is_an_input_error_and_writes_nothing(exports, tmp_path):
         compile_artifact(empty, tmp_path / "out", "openvino")
     with pytest.raises(InputError, match="not a directory"):
         compile_artifact(tmp_path / "missing", tmp_path / "out", "onnxruntime")
-    with pytest.raises(InputError, match="unknown backend"):
+    with pytest.raises(InputError, match="backend: Input should be 'openvino' or 'onnxruntime'"):
         compile_artifact(exports["llama"], tmp_path / "out", "tensorrt")
     no_report = tmp_path / "no-report"
     no_report.mkdir()

@@ -170,9 +170,10 @@ def test_an_artifact_too_large_to_run_here_is_built_without_running_it(llama_exp
 
 def test_a_recipe_can_turn_the_smoke_test_off(llama_export, tiny_checkpoints, tmp_path):
     from toolchain.recipe import CompileSection
+    from toolchain.stages.choices import plan_compile
     from toolchain.stages.runner import compile_stage
 
-    on, off = (compile_stage(CompileSection(backend="openvino", smoke=s), tiny_checkpoints["llama"])
+    on, off = (compile_stage(plan_compile(CompileSection(backend="openvino", smoke=s)), tiny_checkpoints["llama"])
                for s in (True, False))
     assert "smoke" not in on.config and off.config["smoke"] is False  # stage ids before the option stay valid
     manifest = off.run(llama_export, tmp_path / "out", lambda _: None)

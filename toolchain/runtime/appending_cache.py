@@ -51,8 +51,11 @@ def _find_concats(graph, name: str, pasts: set[str], found: list) -> bool:
         branches = [a.g for a in node.attribute if a.name in ("then_branch", "else_branch")]
         return all(_find_concats(b, b.output[position].name, pasts, found) for b in branches)
     axis = next((a.i for a in node.attribute if a.name == "axis"), None)
-    return (node.op_type == "Concat" and len(node.input) == 2 and node.input[0] in pasts
-            and axis in (SEQUENCE_AXIS, SEQUENCE_AXIS - 4) and not found.append(node))
+    if not (node.op_type == "Concat" and len(node.input) == 2 and node.input[0] in pasts
+            and axis in (SEQUENCE_AXIS, SEQUENCE_AXIS - 4)):
+        return False
+    found.append(node)
+    return True
 
 
 def _read(graph, name: str) -> bool:

@@ -163,7 +163,7 @@ class GraphRunner:
             self._init_openvino(model, list(extra_outputs), numerics, threads, appending)
 
     def _init_ort(self, model, extra: list[str], threads: int | None, appending: bool) -> None:
-        external = None
+        external: str | os.PathLike | None = None
         if appending and isinstance(model, str | Path):
             import onnx
 

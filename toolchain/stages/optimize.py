@@ -23,7 +23,10 @@ from typing import Any
 
 import onnx_ir as ir
 
-from passes import PassError, get_pass, run_pipeline
+# from the modules, not the package's lazy names: a stage id hashes the code its imports reach (source_hashes)
+from passes.errors import PassError
+from passes.pipeline import run_pipeline
+from passes.registry import get_pass
 from passes.targets import PIPELINES, expectations_for, pipeline
 from toolchain import __version__, source as sources
 from toolchain.atomic import atomic_output_dir
